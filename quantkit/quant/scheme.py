@@ -1,0 +1,84 @@
+"""The quantization scheme of one linear layer: how its weight (and, for W8A8, its input) is stored."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from quantkit.errors import QuantkitError
+
+WEIGHT_BITS = (2, 3, 4, 8)
+FORMATS = ("int", "fp8")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """Weight bits, grouping and symmetry, plus optional activation quantization.
+
+    - ``bits``: 2, 3, 4 or 8 for integer weights (``fmt="int"``); fp8 weights are e4m3 (``bits=8``).
+    - ``group_size``: input channels sharing one scale/zero; ``-1`` means one group per output channel.
+      When it does not divide the input size the last group is shorter (ragged).
+    - ``sym``: symmetric (zero point fixed at ``2**(bits-1)``) or asymmetric (integer zero point per group).
+    - ``act_bits``: ``None`` for weight-only (W*A16); ``8`` for W8A8.
+    - ``act_dynamic``: per-token scales computed at run time (``True``) or one calibrated per-tensor scale.
+    """
+
+    bits: int = 4
+    group_size: int = 128
+    sym: bool = True
+    fmt: str = "int"
+    act_bits: int | None = None
+    act_dynamic: bool = True
+
+    def __post_init__(self) -> None:
+        if self.fmt not in FORMATS:
+            raise QuantkitError(f"scheme format must be one of {FORMATS}, got {self.fmt!r}")
+        if self.bits not in WEIGHT_BITS:
+            raise QuantkitError(f"bits must be one of {', '.join(map(str, WEIGHT_BITS))}, got {self.bits}")
+        if self.fmt == "fp8" and (self.bits != 8 or not self.sym):
+            raise QuantkitError("fp8 weights are 8-bit and symmetric")
+        if self.group_size == 0 or self.group_size < -1:
+            raise QuantkitError(f"group_size must be a positive integer or -1 (per-channel), got {self.group_size}")
+        if self.act_bits not in (None, 8):
+            raise QuantkitError(f"act_bits must be null (weight-only) or 8, got {self.act_bits}")
+        if self.act_bits is not None and (self.bits != 8 or self.group_size != -1 or not self.sym):
+            raise QuantkitError("W8A8 needs 8-bit symmetric per-channel weights (bits 8, group_size -1, sym)")
+
+    @property
+    def weight_only(self) -> bool:
+        return self.act_bits is None
+
+    @property
+    def maxq(self) -> int:
+        """Largest unsigned integer code."""
+        return 2**self.bits - 1
+
+    def group_of(self, in_features: int) -> int:
+        """The effective group size for a layer with ``in_features`` inputs."""
+        return in_features if self.group_size == -1 else min(self.group_size, in_features)
+
+    def n_groups(self, in_features: int) -> int:
+        g = self.group_of(in_features)
+        return -(-in_features // g)
+
+    @property
+    def name(self) -> str:
+        """Short human name, e.g. ``w4a16-g128-sym`` or ``w8a8-int8-dynamic``."""
+        if not self.weight_only:
+            return f"w8a8-{'fp8' if self.fmt == 'fp8' else 'int8'}-{'dynamic' if self.act_dynamic else 'static'}"
+        g = "pc" if self.group_size == -1 else f"g{self.group_size}"
+        return f"w{self.bits}a16-{g}-{'sym' if self.sym else 'asym'}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "scheme") -> QuantScheme:
+        allowed = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - allowed)
+        if unknown:
+            raise QuantkitError(f"unknown key {unknown[0]!r} in {where}; allowed: {', '.join(sorted(allowed))}")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> QuantScheme:
+        return QuantScheme(**{**self.to_dict(), **changes})

@@ -1,0 +1,106 @@
+"""The result of quantizing one weight matrix, before packing, and the per-group quantization grid.
+
+Notation follows formats.md: W [N, K] (N outputs, K inputs), group g of input channel k is ``g_idx[k]``, and
+
+    W[n, k] ~= scales[n, g_idx[k]] * (q[n, k] - zeros[n, g_idx[k]])
+
+with unsigned integer codes q in [0, 2**bits - 1].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.quant.packing import pack_cols, pack_rows, unpack_cols, unpack_rows
+from quantkit.quant.scheme import QuantScheme
+
+
+def compute_qparams(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min-max scale and integer zero point over the last dim of ``w`` [..., G] -> (scale [...], zero [...]).
+
+    The range always includes 0. Symmetric: zero = 2**(bits-1), scale = 2*absmax / (2**bits - 1).
+    Asymmetric: scale = (max - min) / (2**bits - 1), zero = round(-min / scale). An all-zero group gets scale 1.
+    Scales are rounded to fp16, the precision they are stored in, so that codes computed here reproduce the
+    saved checkpoint exactly (GPTQ's error feedback then sees the stored grid).
+    """
+    maxq = 2**bits - 1
+    w = w.float()
+    xmin = w.amin(dim=-1).clamp(max=0)
+    xmax = w.amax(dim=-1).clamp(min=0)
+    if sym:
+        absmax = torch.maximum(-xmin, xmax)
+        scale = 2 * absmax / maxq
+        zero = torch.full_like(scale, 2 ** (bits - 1))
+    else:
+        scale = (xmax - xmin) / maxq
+        zero = torch.zeros_like(scale)  # replaced below once the scale is safe to divide by
+    scale = scale.to(torch.float16).float()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if not sym:
+        zero = torch.round(-xmin / scale).clamp(0, maxq)
+    return scale, zero
+
+
+def quantize_with_qparams(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
+    """Codes q = clamp(round(w / scale) + zero, 0, maxq); scale and zero broadcast against w."""
+    return torch.clamp(torch.round(w / scale) + zero, 0, maxq)
+
+
+def group_index(in_features: int, scheme: QuantScheme, device=None) -> torch.Tensor:
+    """The contiguous group map ``g_idx[k] = k // G`` (int32 [K])."""
+    return (torch.arange(in_features, device=device) // scheme.group_of(in_features)).to(torch.int32)
+
+
+@dataclass
+class QuantizedWeight:
+    """Unpacked quantized weight.
+
+    - ``q``: uint8 [N, K] codes
+    - ``scales``: fp32 [N, n_groups]
+    - ``zeros``: int32 [N, n_groups] (``2**(bits-1)`` everywhere when symmetric)
+    - ``g_idx``: int32 [K], group of each input channel (non-monotonic after act-order)
+    """
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    g_idx: torch.Tensor
+    scheme: QuantScheme
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)  # type: ignore[return-value]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W [N, K] in ``dtype`` (computed in fp32)."""
+        g = self.g_idx.long()
+        w = (self.q.float() - self.zeros.float()[:, g]) * self.scales.float()[:, g]
+        return w.to(dtype)
+
+    def pack(self) -> dict[str, torch.Tensor]:
+        """GPTQ-v2 buffers: qweight int32 [ceil(K/32)*b, N], qzeros int32 [n_g, ceil(N/32)*b],
+        scales fp16 [n_g, N], g_idx int32 [K]."""
+        b = self.scheme.bits
+        return {
+            "qweight": pack_rows(self.q.t(), b),
+            "qzeros": pack_cols(self.zeros.t().to(torch.int64), b),
+            "scales": self.scales.t().to(torch.float16).contiguous(),
+            "g_idx": self.g_idx.to(torch.int32).contiguous(),
+        }
+
+    @classmethod
+    def unpack(
+        cls, buffers: dict[str, torch.Tensor], scheme: QuantScheme, in_features: int, out_features: int
+    ) -> QuantizedWeight:
+        b = scheme.bits
+        q = unpack_rows(buffers["qweight"], b, in_features).t().contiguous()
+        zeros = unpack_cols(buffers["qzeros"], b, out_features).t().to(torch.int32).contiguous()
+        return cls(
+            q=q,
+            scales=buffers["scales"].t().float().contiguous(),
+            zeros=zeros,
+            g_idx=buffers["g_idx"].to(torch.int32),
+            scheme=scheme,
+        )
