@@ -54,7 +54,9 @@ class QuantLinear(nn.Module):
         self.out_features = out_features
         self.scheme = scheme
         b, n_g = scheme.bits, scheme.n_groups(in_features)
-        self.register_buffer("qweight", torch.zeros(packed_rows(in_features, b), out_features, dtype=torch.int32, device=device))
+        self.register_buffer(
+            "qweight", torch.zeros(packed_rows(in_features, b), out_features, dtype=torch.int32, device=device)
+        )
         self.register_buffer("qzeros", torch.zeros(n_g, packed_rows(out_features, b), dtype=torch.int32, device=device))
         self.register_buffer("scales", torch.zeros(n_g, out_features, dtype=torch.float16, device=device))
         self.register_buffer("g_idx", torch.zeros(in_features, dtype=torch.int32, device=device))
