@@ -1,0 +1,1 @@
+"""Shipped calibration and evaluation texts (see manifest.json for sources, licences and sha256)."""

@@ -1,0 +1,162 @@
+"""Architecture tables: what quantkit needs to know about each Hugging Face model family, as data.
+
+A table says where the decoder layers are, which linears a layer holds in execution order (the groups of
+true-sequential quantization), which norm or projection feeds which linears (the smoothing groups of AWQ and
+SmoothQuant) and what is never quantized by default. Module names inside a layer are patterns in which ``*``
+stands for an expert index; a pattern that matches nothing in a layer is skipped (dense layers of MoE models).
+Tables are registered by the HF class name; nothing in quantkit inspects type names elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from quantkit.errors import QuantkitError
+
+
+@dataclass(frozen=True)
+class SmoothGroup:
+    """``producer`` computes the activations that enter every linear in ``consumers``.
+
+    Scaling input channel j of the consumers by s_j and dividing the producer's output j by s_j leaves the
+    float model unchanged. ``block`` is the module whose output AWQ compares (the smallest module that holds all
+    consumers). ``producer_rows="second_half"`` means only the second half of the producer's outputs feeds the
+    consumers (Phi-3's fused gate_up_proj, whose up half multiplies act(gate)).
+    """
+
+    producer: str
+    consumers: tuple[str, ...]
+    block: str
+    producer_rows: str = "all"
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    name: str
+    hf_classes: tuple[str, ...]
+    layers: str
+    sequential: tuple[tuple[str, ...], ...]
+    smooth: tuple[SmoothGroup, ...]
+    norm: str = "rms"  # "rms" | "rms_plus_one" (Gemma: x * (1 + w)) | "layernorm" (with bias)
+    never_quantize: tuple[str, ...] = ()
+    fused_experts: str | None = None  # path of a 3-D experts module (transformers 5) to split into linears
+
+    def linear_patterns(self) -> tuple[str, ...]:
+        return tuple(p for group in self.sequential for p in group)
+
+
+ATTN_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+MLP_GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
+LLAMA_SEQUENTIAL = (ATTN_QKV, ("self_attn.o_proj",), MLP_GATE_UP, ("mlp.down_proj",))
+LLAMA_SMOOTH = (
+    SmoothGroup("input_layernorm", ATTN_QKV, block="self_attn"),
+    SmoothGroup("self_attn.v_proj", ("self_attn.o_proj",), block="self_attn.o_proj"),
+    SmoothGroup("post_attention_layernorm", MLP_GATE_UP, block="mlp"),
+    SmoothGroup("mlp.up_proj", ("mlp.down_proj",), block="mlp.down_proj"),
+)
+GEMMA_SMOOTH = (
+    SmoothGroup("input_layernorm", ATTN_QKV, block="self_attn"),
+    SmoothGroup("self_attn.v_proj", ("self_attn.o_proj",), block="self_attn.o_proj"),
+    SmoothGroup("pre_feedforward_layernorm", MLP_GATE_UP, block="mlp"),
+    SmoothGroup("mlp.up_proj", ("mlp.down_proj",), block="mlp.down_proj"),
+)
+EXPERT_GATE_UP = ("mlp.experts.*.gate_proj", "mlp.experts.*.up_proj")
+EXPERT_DOWN = ("mlp.experts.*.down_proj",)
+SHARED_GATE_UP = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj")
+MOE_DENSE_MLP = MLP_GATE_UP  # dense layers inside MoE models (Qwen2-MoE's mlp_only_layers)
+
+ARCHITECTURES: tuple[ArchSpec, ...] = (
+    ArchSpec("llama", ("LlamaForCausalLM",), "model.layers", LLAMA_SEQUENTIAL, LLAMA_SMOOTH),
+    ArchSpec("mistral", ("MistralForCausalLM",), "model.layers", LLAMA_SEQUENTIAL, LLAMA_SMOOTH),
+    ArchSpec("qwen2", ("Qwen2ForCausalLM",), "model.layers", LLAMA_SEQUENTIAL, LLAMA_SMOOTH),
+    ArchSpec("qwen3", ("Qwen3ForCausalLM",), "model.layers", LLAMA_SEQUENTIAL, LLAMA_SMOOTH),
+    ArchSpec("gemma2", ("Gemma2ForCausalLM",), "model.layers", LLAMA_SEQUENTIAL, GEMMA_SMOOTH, norm="rms_plus_one"),
+    ArchSpec("gemma3", ("Gemma3ForCausalLM",), "model.layers", LLAMA_SEQUENTIAL, GEMMA_SMOOTH, norm="rms_plus_one"),
+    ArchSpec(
+        "phi3",
+        ("Phi3ForCausalLM",),
+        "model.layers",
+        (("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",)),
+        (
+            SmoothGroup("input_layernorm", ("self_attn.qkv_proj",), block="self_attn"),
+            SmoothGroup("post_attention_layernorm", ("mlp.gate_up_proj",), block="mlp"),
+            SmoothGroup("mlp.gate_up_proj", ("mlp.down_proj",), block="mlp.down_proj", producer_rows="second_half"),
+        ),
+    ),
+    ArchSpec(
+        "opt",
+        ("OPTForCausalLM",),
+        "model.decoder.layers",
+        (ATTN_QKV, ("self_attn.out_proj",), ("fc1",), ("fc2",)),
+        (
+            SmoothGroup("self_attn_layer_norm", ATTN_QKV, block="self_attn"),
+            SmoothGroup("self_attn.v_proj", ("self_attn.out_proj",), block="self_attn.out_proj"),
+            SmoothGroup("final_layer_norm", ("fc1",), block="fc1"),
+            SmoothGroup("fc1", ("fc2",), block="fc2"),  # ReLU between commutes with positive scales
+        ),
+        norm="layernorm",
+    ),
+    ArchSpec(
+        "mixtral",
+        ("MixtralForCausalLM",),
+        "model.layers",
+        (ATTN_QKV, ("self_attn.o_proj",), EXPERT_GATE_UP, EXPERT_DOWN),
+        (
+            SmoothGroup("input_layernorm", ATTN_QKV, block="self_attn"),
+            SmoothGroup("self_attn.v_proj", ("self_attn.o_proj",), block="self_attn.o_proj"),
+            SmoothGroup("post_attention_layernorm", EXPERT_GATE_UP, block="mlp"),
+            SmoothGroup("mlp.experts.*.up_proj", EXPERT_DOWN, block="mlp.experts.*.down_proj"),
+        ),
+        never_quantize=("mlp.gate",),
+        fused_experts="mlp.experts",
+    ),
+    *(
+        ArchSpec(
+            name,
+            (cls,),
+            "model.layers",
+            (
+                ATTN_QKV,
+                ("self_attn.o_proj",),
+                (*EXPERT_GATE_UP, *SHARED_GATE_UP, *MOE_DENSE_MLP),
+                (*EXPERT_DOWN, "mlp.shared_expert.down_proj", "mlp.down_proj"),
+            ),
+            (
+                SmoothGroup("input_layernorm", ATTN_QKV, block="self_attn"),
+                SmoothGroup("self_attn.v_proj", ("self_attn.o_proj",), block="self_attn.o_proj"),
+                SmoothGroup(
+                    "post_attention_layernorm", (*EXPERT_GATE_UP, *SHARED_GATE_UP, *MOE_DENSE_MLP), block="mlp"
+                ),
+                SmoothGroup("mlp.experts.*.up_proj", EXPERT_DOWN, block="mlp.experts.*.down_proj"),
+                SmoothGroup(
+                    "mlp.shared_expert.up_proj", ("mlp.shared_expert.down_proj",), block="mlp.shared_expert.down_proj"
+                ),
+                SmoothGroup("mlp.up_proj", ("mlp.down_proj",), block="mlp.down_proj"),
+            ),
+            never_quantize=("mlp.gate", "mlp.shared_expert_gate"),
+            fused_experts="mlp.experts",
+        )
+        for name, cls in (("qwen2_moe", "Qwen2MoeForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM"))
+    ),
+)
+
+_BY_CLASS = {cls: spec for spec in ARCHITECTURES for cls in spec.hf_classes}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_BY_CLASS)
+
+
+def arch_for(model_or_class) -> ArchSpec:
+    """The table for a model instance, a model class, or an HF architecture name."""
+    if isinstance(model_or_class, str):
+        name = model_or_class
+    else:
+        cls = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
+        name = cls.__name__
+    try:
+        return _BY_CLASS[name]
+    except KeyError:
+        raise QuantkitError(
+            f"unsupported model architecture {name}; supported: {', '.join(supported_architectures())}"
+        ) from None
