@@ -1,0 +1,33 @@
+"""quantkit: post-training quantization for large language models.
+
+    import quantkit
+    model, tokenizer, _ = quantkit.load_model("smollm2-135m")
+    quantkit.quantize(model, "w4a16-gptq", tokenizer=tokenizer)
+    quantkit.save_quantized(model, "out/smollm2-w4", tokenizer=tokenizer)
+    qmodel = quantkit.load_quantized("out/smollm2-w4")        # or AutoModelForCausalLM.from_pretrained
+
+Importing quantkit registers its Hugging Face quantizer, so ``from_pretrained`` understands its checkpoints.
+"""
+
+__version__ = "0.1.0"
+
+from quantkit.checkpoint import load_quantized, save_quantized
+from quantkit.checkpoint.hf import register as _register_hf_hook
+from quantkit.errors import QuantkitError
+from quantkit.models.loading import load_model
+from quantkit.pipeline import quantize
+from quantkit.quant.scheme import QuantScheme
+from quantkit.recipe import Recipe, load_recipe
+
+_register_hf_hook()
+
+__all__ = [
+    "QuantScheme",
+    "QuantkitError",
+    "Recipe",
+    "load_model",
+    "load_quantized",
+    "load_recipe",
+    "quantize",
+    "save_quantized",
+]

@@ -1,0 +1,1 @@
+"""Quantization algorithms as pure functions on tensors."""

@@ -1,0 +1,163 @@
+"""Layer-by-layer calibration: the heart of quantkit's memory use.
+
+1. Capture the inputs of every decoder layer once: the model's own forward runs with each layer replaced by a
+   pass-through that records its arguments (hidden states of layer 0; for every layer the keyword arguments it
+   receives: position embeddings, masks, cache flags, which may differ per layer, e.g. sliding windows).
+2. For each layer: move it alone to the compute device, let every stage of the recipe work on it (collect
+   statistics with hooks, search scales, replace linears by quantized ones), then re-run it on the calibration
+   hidden states so that the next layer sees the outputs of the quantized layer, and move it back.
+
+Peak compute-device memory is one decoder layer + the calibration hidden states (inputs and outputs) + the
+statistics of the linears being processed, never the whole model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from quantkit.calib.stats import LinearStats, StatsCollector
+from quantkit.models.arch import ArchSpec
+from quantkit.models.layers import linears
+
+
+def _hidden_of(out) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+@dataclass
+class LayerContext:
+    """One decoder layer on the compute device, with its calibration inputs."""
+
+    index: int
+    prefix: str  # full module name of the layer, e.g. "model.layers.3"
+    layer: nn.Module
+    arch: ArchSpec
+    hidden: list[torch.Tensor]  # per batch [b, L, H], on the compute device
+    kwargs: list[dict]  # per batch keyword arguments of this layer
+    device: torch.device
+    report: dict[str, dict] = field(default_factory=dict)  # full linear name -> what the stages measured
+
+    @property
+    def has_data(self) -> bool:
+        return bool(self.hidden)
+
+    def full_name(self, name: str) -> str:
+        return f"{self.prefix}.{name}"
+
+    def record(self, name: str, **values) -> None:
+        self.report.setdefault(self.full_name(name), {}).update(values)
+
+    def sequential_groups(self) -> list[list[tuple[str, nn.Linear]]]:
+        """Float linears of this layer in execution order, grouped as the architecture table says."""
+        skip = self.arch.never_quantize
+        groups = [linears(self.layer, group, skip) for group in self.arch.sequential]
+        return [g for g in groups if g]
+
+    @torch.no_grad()
+    def forward(self) -> list[torch.Tensor]:
+        return [_hidden_of(self.layer(h, **kw)) for h, kw in zip(self.hidden, self.kwargs, strict=True)]
+
+    @torch.no_grad()
+    def collect(self, modules: dict[str, nn.Linear], hessian: bool = True) -> dict[str, LinearStats]:
+        """Run the layer once with hooks on ``modules``; every module gets stats (zero tokens if never called)."""
+        with StatsCollector(modules, hessian=hessian) as collector:
+            self.forward()
+        out = collector.stats
+        for name, m in modules.items():
+            if name not in out:  # e.g. an expert no calibration token was routed to
+                k = m.in_features
+                out[name] = LinearStats(
+                    xtx=torch.zeros(k, k, device=self.device) if hessian else None,
+                    n_tokens=0,
+                    absmax=torch.zeros(k, device=self.device),
+                    abssum=torch.zeros(k, device=self.device),
+                )
+        return out
+
+    @torch.no_grad()
+    def capture_calls(self, module: nn.Module) -> list[tuple[tuple, dict]]:
+        """The (args, kwargs) of every call of ``module`` while the layer runs on all batches."""
+        calls: list[tuple[tuple, dict]] = []
+        handle = module.register_forward_pre_hook(lambda m, a, k: calls.append((a, k)), with_kwargs=True)
+        try:
+            self.forward()
+        finally:
+            handle.remove()
+        return calls
+
+
+def decoder_layers(model: nn.Module, arch: ArchSpec) -> nn.ModuleList:
+    return model.get_submodule(arch.layers)
+
+
+@torch.no_grad()
+def capture_layer_inputs(
+    model: nn.Module, arch: ArchSpec, batches: list[torch.Tensor], device: torch.device
+) -> tuple[list[torch.Tensor], list[list[dict]]]:
+    """Hidden states entering layer 0 (per batch) and the keyword arguments of every layer (per layer, per batch)."""
+    layers = decoder_layers(model, arch)
+    base = model.get_submodule(arch.layers.rpartition(".")[0])
+    others = [m for m in base.children() if m is not layers]
+    homes = [next(m.parameters(), torch.empty(0)).device for m in others]
+    records: list[list[tuple[tuple, dict]]] = [[] for _ in layers]
+
+    def passthrough(i: int):
+        def forward(*args, **kwargs):
+            records[i].append((args, kwargs))
+            return args[0] if args else kwargs["hidden_states"]
+
+        return forward
+
+    for m in others:
+        m.to(device)
+    for i, layer in enumerate(layers):
+        layer.forward = passthrough(i)
+    try:
+        for ids in batches:
+            base(input_ids=ids.to(device), use_cache=False)
+    finally:
+        for layer in layers:
+            del layer.forward
+        for m, home in zip(others, homes, strict=True):
+            m.to(home)
+    hidden = [args[0] if args else kw["hidden_states"] for args, kw in records[0]]
+    kwargs = [[{k: v for k, v in kw.items() if k != "hidden_states"} for _, kw in rec] for rec in records]
+    return hidden, kwargs
+
+
+def run_layerwise(
+    model: nn.Module,
+    arch: ArchSpec,
+    batches: list[torch.Tensor] | None,
+    device: torch.device,
+    on_layer,
+    progress=None,
+) -> dict[str, dict]:
+    """Call ``on_layer(ctx)`` for every decoder layer in order; return the merged per-linear report.
+
+    ``batches`` are input-id tensors [b, L]; ``None`` runs without calibration data (e.g. RTN).
+    ``progress`` is an optional callable ``(done, total, description)``.
+    """
+    layers = decoder_layers(model, arch)
+    if batches:
+        hidden, layer_kwargs = capture_layer_inputs(model, arch, batches, device)
+    else:
+        hidden, layer_kwargs = [], [[] for _ in layers]
+    report: dict[str, dict] = {}
+    for i, layer in enumerate(layers):
+        home = next(layer.parameters(), torch.empty(0)).device
+        layer.to(device)
+        ctx = LayerContext(i, f"{arch.layers}.{i}", layer, arch, hidden, layer_kwargs[i], device)
+        t0 = time.perf_counter()
+        on_layer(ctx)
+        if hidden and i + 1 < len(layers):
+            hidden = ctx.forward()  # the next layer sees this layer's quantized outputs
+        layer.to(home)
+        report.update(ctx.report)
+        if progress is not None:
+            progress(i + 1, len(layers), f"layer {i} ({time.perf_counter() - t0:.1f}s)")
+    return report

@@ -1,0 +1,74 @@
+"""Per-linear statistics collected from calibration activations by forward pre-hooks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class LinearStats:
+    """What the algorithms need to know about the inputs X [n_tokens, K] of one linear.
+
+    - ``xtx``: fp32 [K, K] sum of x^T x over tokens (None when not requested); GPTQ's H = 2 * xtx / n_tokens
+    - ``n_tokens``: number of tokens seen
+    - ``absmax``: fp32 [K] per-input-channel max |x|
+    - ``abssum``: fp32 [K] per-input-channel sum |x| (``mean_abs = abssum / n_tokens``)
+    """
+
+    xtx: torch.Tensor | None
+    n_tokens: int
+    absmax: torch.Tensor
+    abssum: torch.Tensor
+
+    @property
+    def mean_abs(self) -> torch.Tensor:
+        return self.abssum / max(self.n_tokens, 1)
+
+    def hessian(self) -> torch.Tensor:
+        """GPTQ's H = 2 X^T X / n (fp32 [K, K])."""
+        if self.xtx is None:
+            raise ValueError("the Hessian was not collected")
+        return self.xtx * (2.0 / max(self.n_tokens, 1))
+
+
+class StatsCollector:
+    """Accumulates :class:`LinearStats` for a set of linears while the layer runs."""
+
+    def __init__(self, modules: dict[str, nn.Linear], hessian: bool = True) -> None:
+        self.modules = modules
+        self.hessian = hessian
+        self.stats: dict[str, LinearStats] = {}
+        self._handles = []
+
+    def _hook(self, name: str):
+        def hook(module: nn.Linear, args):
+            x = args[0].detach().reshape(-1, module.in_features).float()
+            st = self.stats.get(name)
+            if st is None:
+                k = module.in_features
+                st = self.stats[name] = LinearStats(
+                    xtx=torch.zeros(k, k, dtype=torch.float32, device=x.device) if self.hessian else None,
+                    n_tokens=0,
+                    absmax=torch.zeros(k, dtype=torch.float32, device=x.device),
+                    abssum=torch.zeros(k, dtype=torch.float32, device=x.device),
+                )
+            if self.hessian:
+                st.xtx.addmm_(x.t(), x)
+            a = x.abs()
+            torch.maximum(st.absmax, a.amax(dim=0), out=st.absmax)
+            st.abssum += a.sum(dim=0)
+            st.n_tokens += x.shape[0]
+
+        return hook
+
+    def __enter__(self) -> StatsCollector:
+        self._handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in self.modules.items()]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

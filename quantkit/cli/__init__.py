@@ -1,0 +1,1 @@
+"""The command-line interface (a thin wrapper over the Python API)."""

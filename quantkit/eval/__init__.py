@@ -1,0 +1,1 @@
+"""Evaluation: perplexity, KL divergence and top-1 agreement against a float baseline."""

@@ -1,0 +1,88 @@
+"""The quantize pipeline in one function: calibration windows -> layer-by-layer stages -> quantized model."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quantkit.calib.data import calibration_windows
+from quantkit.calib.runner import run_layerwise
+from quantkit.errors import QuantkitError
+from quantkit.models.arch import arch_for
+from quantkit.models.experts import split_all_fused_experts
+from quantkit.recipe import Recipe, load_recipe
+from quantkit.stages import build_stage
+
+
+@dataclass
+class QuantizeResult:
+    """What ``quantize`` did: kept on the model as ``model.quantkit`` and written into the checkpoint."""
+
+    recipe: Recipe
+    calibration: dict | None  # fingerprint: source, sha256, nsamples, seqlen, seed
+    layers: dict[str, dict] = field(default_factory=dict)  # per linear: method, scheme, seconds, loss, ...
+    seconds: float = 0.0
+    peak_device_bytes: int | None = None
+    device: str = "cpu"
+
+
+def prepare_model(model: nn.Module) -> None:
+    """Make every expert an ordinary linear (transformers 5 fuses them into 3-D parameters)."""
+    arch = arch_for(model)
+    if arch.fused_experts:
+        split_all_fused_experts(model, model.get_submodule(arch.layers), arch.fused_experts)
+
+
+def quantize(
+    model: nn.Module,
+    recipe: Recipe | str | Path,
+    calib: torch.Tensor | None = None,
+    *,
+    tokenizer=None,
+    device: str | torch.device | None = None,
+    progress=None,
+) -> QuantizeResult:
+    """Quantize ``model`` in place following ``recipe``; returns what was done.
+
+    ``calib`` is an int64 tensor [nsamples, seqlen] of token windows; when None and the recipe needs data,
+    windows are cut from ``recipe.calibration`` with ``tokenizer``. ``device`` is where each layer is processed
+    (default: CUDA when available, else CPU); the model itself stays where it is.
+    """
+    if not isinstance(recipe, Recipe):
+        recipe = load_recipe(recipe)
+    arch = arch_for(model)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    fingerprint = None
+    batches = None
+    if recipe.needs_calibration:
+        if calib is None:
+            if tokenizer is None:
+                raise QuantkitError("this recipe needs calibration data: pass calib windows or a tokenizer")
+            c = recipe.calibration
+            calib, fingerprint = calibration_windows(tokenizer, c.source, c.nsamples, c.seqlen, c.seed)
+        else:
+            fingerprint = {"source": "tensor", "nsamples": calib.shape[0], "seqlen": calib.shape[1]}
+        batches = list(calib.split(recipe.calibration.batch_size))
+    prepare_model(model)
+    stages = [build_stage(s) for s in recipe.stages]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+
+    def on_layer(ctx):
+        for stage in stages:
+            stage.apply(ctx)
+
+    with torch.no_grad():
+        layers = run_layerwise(model, arch, batches, device, on_layer, progress)
+    result = QuantizeResult(recipe, fingerprint, layers, time.perf_counter() - t0, device=str(device))
+    if device.type == "cuda":
+        result.peak_device_bytes = torch.cuda.max_memory_allocated(device)
+    if not layers:
+        raise QuantkitError("the recipe selected no linear layer to quantize (check targets / ignore)")
+    model.quantkit = result
+    return result

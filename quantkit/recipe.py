@@ -1,0 +1,254 @@
+"""Recipes: what to do to a model, as frozen dataclasses that map one to one onto YAML.
+
+    version: 1
+    name: w4a16-gptq
+    scheme: {bits: 4, group_size: 128, sym: true}      # default scheme of every stage
+    calibration: {source: brown, nsamples: 128, seqlen: 512, seed: 0}
+    stages:
+      - method: gptq
+        params: {damp: 0.01, block_size: 128, act_order: true}
+        targets: [Linear]                                # module class names, or "re:<regex>" on module names
+        ignore: ["re:.*\\.mlp\\.gate$"]
+        overrides:
+          - {match: "re:.*down_proj", scheme: {bits: 8}}
+
+Every mapping is checked: an unknown key is an error naming the key and the allowed ones. Stages run in order
+on each decoder layer (e.g. smoothing, then weight quantization). Methods and their parameter classes live in
+:mod:`quantkit.stages`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from quantkit.errors import QuantkitError
+from quantkit.quant.scheme import QuantScheme
+
+RECIPE_VERSION = 1
+
+
+def check_keys(data: Any, cls, where: str) -> dict:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise QuantkitError(f"{where} must be a mapping, got {type(data).__name__}")
+    allowed = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise QuantkitError(f"unknown key {unknown[0]!r} in {where}; allowed: {', '.join(sorted(allowed))}")
+    return data
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    source: str = "brown"
+    nsamples: int = 128
+    seqlen: int = 512
+    seed: int = 0
+    batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if self.nsamples < 1 or self.seqlen < 2 or self.batch_size < 1:
+            raise QuantkitError("calibration needs nsamples >= 1, seqlen >= 2 and batch_size >= 1")
+
+    @classmethod
+    def from_dict(cls, data: dict | None, where: str = "calibration") -> CalibrationConfig:
+        return cls(**check_keys(data, cls, where))
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class Override:
+    """Scheme changes for the modules whose name matches ``match`` (same syntax as targets)."""
+
+    match: str
+    scheme: dict
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str) -> Override:
+        data = check_keys(data, cls, where)
+        if "match" not in data or "scheme" not in data:
+            raise QuantkitError(f"{where} needs both 'match' and 'scheme'")
+        scheme = check_keys(data["scheme"], QuantScheme, f"{where}.scheme")
+        return cls(match=str(data["match"]), scheme=dict(scheme))
+
+
+def selector_matches(selector: str, name: str, module) -> bool:
+    """``re:<regex>`` full-matches the module name; otherwise a class name, or an exact module name."""
+    if selector.startswith("re:"):
+        return re.fullmatch(selector[3:], name) is not None
+    return selector == type(module).__name__ or selector == name
+
+
+@dataclass(frozen=True)
+class Stage:
+    method: str
+    scheme: QuantScheme | None = None
+    params: Any = None  # the method's parameter dataclass
+    targets: tuple[str, ...] = ("Linear",)
+    ignore: tuple[str, ...] = ()
+    overrides: tuple[Override, ...] = ()
+
+    def selects(self, name: str, module) -> bool:
+        return any(selector_matches(t, name, module) for t in self.targets) and not any(
+            selector_matches(i, name, module) for i in self.ignore
+        )
+
+    def scheme_for(self, name: str, module) -> QuantScheme:
+        if self.scheme is None:
+            raise QuantkitError(f"stage {self.method!r} has no scheme")
+        scheme = self.scheme
+        for o in self.overrides:
+            if selector_matches(o.match, name, module):
+                scheme = QuantScheme.from_dict({**scheme.to_dict(), **o.scheme}, f"override {o.match!r}")
+        return scheme
+
+    def to_dict(self) -> dict:
+        from quantkit.stages import params_to_dict
+
+        out: dict[str, Any] = {"method": self.method}
+        if self.scheme is not None:
+            out["scheme"] = self.scheme.to_dict()
+        out["params"] = params_to_dict(self.params)
+        out["targets"] = list(self.targets)
+        out["ignore"] = list(self.ignore)
+        out["overrides"] = [{"match": o.match, "scheme": o.scheme} for o in self.overrides]
+        return out
+
+
+@dataclass(frozen=True)
+class Recipe:
+    stages: tuple[Stage, ...]
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    name: str = ""
+    description: str = ""
+    version: int = RECIPE_VERSION
+    scheme: dict | None = None  # the default stage scheme as written (kept for round trips)
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise QuantkitError("a recipe needs at least one stage")
+
+    @property
+    def needs_calibration(self) -> bool:
+        from quantkit.stages import stage_class
+
+        return any(stage_class(s.method).needs_calibration(s) for s in self.stages)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "recipe") -> Recipe:
+        from quantkit.stages import parse_params, validate_stage
+
+        data = check_keys(data, cls, where)
+        version = data.get("version", RECIPE_VERSION)
+        if version != RECIPE_VERSION:
+            raise QuantkitError(
+                f"{where}: recipe version {version} is not supported (this quantkit reads {RECIPE_VERSION})"
+            )
+        default_scheme = data.get("scheme")
+        if default_scheme is not None:
+            QuantScheme.from_dict(check_keys(default_scheme, QuantScheme, f"{where}.scheme"), f"{where}.scheme")
+        raw_stages = data.get("stages")
+        if not isinstance(raw_stages, list) or not raw_stages:
+            raise QuantkitError(f"{where}: 'stages' must be a non-empty list")
+        stages = []
+        for i, raw in enumerate(raw_stages):
+            at = f"{where}.stages[{i}]"
+            raw = check_keys(raw, Stage, at)
+            if "method" not in raw:
+                raise QuantkitError(f"{at}: missing 'method'")
+            method = str(raw["method"])
+            scheme_data = raw.get("scheme", default_scheme)
+            scheme = None
+            if scheme_data is not None:
+                merged = {**(default_scheme or {}), **check_keys(scheme_data, QuantScheme, f"{at}.scheme")}
+                scheme = QuantScheme.from_dict(merged, f"{at}.scheme")
+            stage = Stage(
+                method=method,
+                scheme=scheme,
+                params=parse_params(method, raw.get("params"), f"{at}.params"),
+                targets=tuple(_str_list(raw.get("targets", ["Linear"]), f"{at}.targets")),
+                ignore=tuple(_str_list(raw.get("ignore", []), f"{at}.ignore")),
+                overrides=tuple(
+                    Override.from_dict(o, f"{at}.overrides[{j}]") for j, o in enumerate(raw.get("overrides") or [])
+                ),
+            )
+            validate_stage(stage, at)
+            stages.append(stage)
+        return cls(
+            stages=tuple(stages),
+            calibration=CalibrationConfig.from_dict(data.get("calibration"), f"{where}.calibration"),
+            name=str(data.get("name", "")),
+            description=str(data.get("description", "")),
+            version=version,
+            scheme=default_scheme,
+        )
+
+    def to_dict(self) -> dict:
+        out: dict[str, Any] = {"version": self.version, "name": self.name}
+        if self.description:
+            out["description"] = self.description
+        out["calibration"] = self.calibration.to_dict()
+        out["stages"] = [s.to_dict() for s in self.stages]
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def with_overrides(self, scheme: dict | None = None, calibration: dict | None = None, params: dict | None = None):
+        """A copy with CLI-level changes: scheme keys for every stage that has a scheme, calibration keys, and
+        parameters for every stage whose parameter class has them (unknown ones are errors)."""
+        from quantkit.stages import replace_params
+
+        stages = []
+        for s in self.stages:
+            new_scheme = s.scheme
+            if scheme and s.scheme is not None:
+                new_scheme = QuantScheme.from_dict({**s.scheme.to_dict(), **scheme}, "command-line scheme")
+            new_params = replace_params(s.method, s.params, params or {})
+            stages.append(Stage(s.method, new_scheme, new_params, s.targets, s.ignore, s.overrides))
+        calib = self.calibration
+        if calibration:
+            calib = CalibrationConfig.from_dict({**calib.to_dict(), **calibration})
+        return Recipe(tuple(stages), calib, self.name, self.description, self.version, self.scheme)
+
+
+def _str_list(value: Any, where: str) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise QuantkitError(f"{where} must be a string or a list of strings")
+    return value
+
+
+def shipped_recipes() -> list[str]:
+    return sorted(
+        p.name.removesuffix(".yaml") for p in resources.files("quantkit.recipes").iterdir() if p.name.endswith(".yaml")
+    )
+
+
+def load_recipe(spec: str | Path) -> Recipe:
+    """A recipe from a YAML file path or a shipped recipe name."""
+    path = Path(spec)
+    if path.is_file():
+        text, where = path.read_text(), str(path)
+    elif str(spec) in shipped_recipes():
+        text = resources.files("quantkit.recipes").joinpath(f"{spec}.yaml").read_text()
+        where = f"recipe {spec}"
+    else:
+        raise QuantkitError(f"recipe not found: {spec} (a YAML file, or one of: {', '.join(shipped_recipes())})")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise QuantkitError(f"{where}: malformed YAML{at}: {getattr(exc, 'problem', exc)}") from None
+    return Recipe.from_dict(data, where)

@@ -1,0 +1,95 @@
+"""Weight-quantization stages: replace the selected linears of a layer by quantized modules."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.algorithms.rtn import rtn
+from quantkit.calib.runner import LayerContext
+from quantkit.calib.stats import LinearStats
+from quantkit.nn.factory import make_quantized_linear
+from quantkit.quant.scheme import QuantScheme
+from quantkit.quant.tensor import QuantizedWeight
+from quantkit.recipe import Stage
+from quantkit.stages import register
+
+INT8_MAX = 127.0
+
+
+class WeightStage:
+    """Template for weight stages: selection, statistics, swap, report. Subclasses implement ``quantize``."""
+
+    kind = "weights"
+    needs_hessian = False
+
+    @dataclass(frozen=True)
+    class Params:
+        pass
+
+    def __init__(self, stage: Stage) -> None:
+        self.stage = stage
+        self.params = stage.params
+
+    @classmethod
+    def needs_calibration(cls, stage: Stage) -> bool:
+        """Calibration data is needed for Hessians, or for the input scale of static W8A8 activations."""
+        return cls.needs_hessian or (stage.scheme is not None and not stage.scheme.act_dynamic)
+
+    def quantize(self, w: torch.Tensor, stats: LinearStats | None, scheme: QuantScheme) -> tuple[QuantizedWeight, dict]:
+        raise NotImplementedError
+
+    def collect_together(self) -> bool:
+        """Collect the statistics of all groups in one pass (False: group by group, true-sequential)."""
+        return False
+
+    def apply(self, ctx: LayerContext) -> None:
+        chosen_groups = []
+        for group in ctx.sequential_groups():
+            chosen = [
+                (n, m, self.stage.scheme_for(ctx.full_name(n), m))
+                for n, m in group
+                if self.stage.selects(ctx.full_name(n), m)
+            ]
+            if chosen:
+                chosen_groups.append(chosen)
+        wants_stats = ctx.has_data and (
+            self.needs_hessian or any(not s.act_dynamic for g in chosen_groups for _, _, s in g)
+        )
+        if wants_stats and self.collect_together():
+            everything = {n: m for g in chosen_groups for n, m, _ in g}
+            stats_all = ctx.collect(everything, hessian=self.needs_hessian)
+        for chosen in chosen_groups:
+            stats = {}
+            if wants_stats:
+                stats = (
+                    stats_all
+                    if self.collect_together()
+                    else ctx.collect({n: m for n, m, _ in chosen}, self.needs_hessian)
+                )
+            for name, module, scheme in chosen:
+                t0 = time.perf_counter()
+                qw, info = self.quantize(module.weight.data, stats.get(name), scheme)
+                input_scale = None
+                if not scheme.act_dynamic:
+                    st = stats[name]
+                    input_scale = (st.absmax.max().clamp(min=1e-8) / INT8_MAX).reshape(1)
+                new = make_quantized_linear(qw, module.bias, module.weight.dtype, input_scale)
+                ctx.layer.set_submodule(name, new)
+                ctx.record(
+                    name,
+                    method=self.stage.method,
+                    scheme=scheme.name,
+                    seconds=round(time.perf_counter() - t0, 4),
+                    **info,
+                )
+
+
+@register("rtn")
+class RTNStage(WeightStage):
+    """Round-to-nearest: no calibration data needed for weight-only schemes."""
+
+    def quantize(self, w, stats, scheme):
+        return rtn(w, scheme), {}

@@ -1,0 +1,63 @@
+"""Small random-initialised models of every architecture in quantkit's table (cost nothing to build)."""
+
+from __future__ import annotations
+
+import torch
+import transformers as T
+
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=160,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+CONFIGS = {
+    "llama": lambda: T.LlamaConfig(**COMMON, tie_word_embeddings=True),
+    "mistral": lambda: T.MistralConfig(**COMMON),
+    "qwen2": lambda: T.Qwen2Config(**COMMON),
+    "qwen3": lambda: T.Qwen3Config(**COMMON, head_dim=16),
+    "gemma2": lambda: T.Gemma2Config(**COMMON, head_dim=16),
+    "gemma3": lambda: T.Gemma3TextConfig(**COMMON, head_dim=16),
+    "phi3": lambda: T.Phi3Config(**COMMON),
+    "opt": lambda: T.OPTConfig(
+        hidden_size=64,
+        ffn_dim=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=160,
+        word_embed_proj_dim=64,
+        pad_token_id=1,
+        bos_token_id=2,
+        eos_token_id=2,
+        enable_bias=True,
+    ),
+    "mixtral": lambda: T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": lambda: T.Qwen2MoeConfig(
+        **COMMON,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        mlp_only_layers=[1],
+    ),
+    "qwen3_moe": lambda: T.Qwen3MoeConfig(
+        **COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16
+    ),
+}
+
+
+def tiny_model(arch: str, seed: int = 0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    config = CONFIGS[arch]()
+    model = T.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    with torch.no_grad():  # random norms so that folding tests see non-trivial weights
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.copy_(torch.rand_like(p) * 0.5 + 0.75 if "gemma" not in arch else torch.rand_like(p) * 0.5 - 0.25)
+    return model
