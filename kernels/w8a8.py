@@ -1,0 +1,507 @@
+"""W8A8 linear: 8-bit activations x 8-bit weights with per-token x per-output-channel scales, int8 or fp8 e4m3.
+
+Computes ``y[m, n] = (acc[m, n] * a_scale[m]) * w_scale[n] (+ bias[n])`` with ``acc = sum_k qa[m, k] * qw[n, k]``,
+in two kernels:
+
+1. ``quantize_activations``: one program per row of x [M, K] (fp16/bf16/fp32). Dynamic (per token): the row's
+   abs-max gives ``a_scale[m] = amax / QMAX`` and ``qa = clamp(round(x * (QMAX / amax)), -QMAX, QMAX)``; rows up to
+   ``ONE_PASS_MAX_K`` elements are read once and kept in registers. Static (per tensor): ``qa = clamp(round(x * (1 /
+   input_scale)))`` with the calibrated fp32 ``input_scale`` [1]. QMAX = 127 for int8 (symmetric, -128 unused) and
+   448 for e4m3fn (largest finite). ``amax`` is floored at ``MIN_AMAX`` so that all-zero rows give zeros, not NaN.
+   Rounding is half-to-even, to the integers (int8) or to the e4m3 grid (fp8), computed explicitly in fp32 so the
+   GPU and Triton's interpreter agree with ``torch.round`` / ``Tensor.to(torch.float8_e4m3fn)`` bit for bit
+   (the interpreter's own fp32 -> fp8 cast does not round to nearest even).
+2. ``w8a8_matmul``: qa [M, K] x qw [N, K]^T. Tiles of BLOCK_M x BLOCK_N, grouped along M (GROUP_M) for L2 reuse,
+   K loop of BLOCK_K with an unmasked EVEN_K fast path. int8 accumulates in int32 (exact while
+   128 * 128 * K < 2**31, i.e. K <= 131_071; weights from GPTQ may use the code -128). fp8 accumulates in fp32;
+   Hopper's fp8 tensor cores add with reduced precision, so by default each BLOCK_K-long partial sum is promoted
+   into a full fp32 accumulator (DeepSeek-V3's fix, promotion interval 128); ``fp8_fast_accum=True`` keeps the
+   whole K loop in the tensor core (Triton's sm_90 default, like cuBLAS ``use_fast_accum=True``). The epilogue
+   converts the accumulator to fp32, applies both scales and the bias in registers and stores fp16/bf16/fp32 once:
+   the int32 accumulator never goes to memory.
+
+Weight layout: ``qw`` [N, K] row-major, K contiguous (``Layout.INT8_ROWMAJOR`` / ``Layout.FP8_ROWMAJOR`` v1). That is
+the K-major B operand Hopper's int8/fp8 wgmma needs (only 16-bit types may read a transposed shared-memory operand)
+and the layout cuBLAS's fast int8 path wants (``torch._int_mm(a, w.t())``), so no re-layout is needed.
+
+Limits: 2-D operands, K-contiguous ``qa`` and ``qw``, every tensor under 2**31 elements (32-bit offsets).
+Tile configs: ``CONFIGS`` below, per (format, M regime); see its header for what they were tuned on.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+INT8_MAX = 127.0
+E4M3_MAX = 448.0
+MIN_AMAX = 1e-30  # keeps QMAX / amax finite in fp32 for all-zero (or subnormal) rows
+ONE_PASS_MAX_K = 32768  # rows up to this length are quantized from registers after a single read
+INT32_SAFE_K = (2**31 - 1) // (128 * 128)  # 131_071: the int8 accumulator cannot overflow up to this K
+_MAX_NUMEL = 2**31 - 1
+
+FORMAT_OF_DTYPE = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
+DTYPE_OF_FORMAT = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+QMAX_OF_FORMAT = {"int8": INT8_MAX, "fp8": E4M3_MAX}
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+_MIN_AMAX = tl.constexpr(MIN_AMAX)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reference (plain PyTorch): defines the numerics the kernels reproduce.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _cast_codes(v: torch.Tensor, fmt: str) -> torch.Tensor:
+    """fp32 values already clamped to [-QMAX, QMAX] -> int8 codes (half-to-even) or e4m3 (nearest even)."""
+    if fmt == "int8":
+        return torch.round(v).to(torch.int8)
+    return v.to(torch.float8_e4m3fn)
+
+
+def quantize_rows_reference(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row quantization: x [R, C] float -> (q [R, C] int8 | float8_e4m3fn, scale fp32 [R]).
+
+    ``x ~= q * scale[:, None]``. Used for activations (rows = tokens) and for weights (rows = output channels).
+    """
+    xf = x.float()
+    amax = xf.abs().amax(dim=1).clamp(min=MIN_AMAX)  # [R]
+    qmax = torch.full_like(amax, QMAX_OF_FORMAT[fmt])
+    # tensor / tensor divides correctly rounded, like the kernel's div_rn; a Python-scalar numerator or divisor
+    # may be computed through a reciprocal (scalar / t is t.reciprocal() * scalar), rounding twice
+    scale = amax / qmax
+    inv = qmax / amax
+    q = _cast_codes((xf * inv[:, None]).clamp(-QMAX_OF_FORMAT[fmt], QMAX_OF_FORMAT[fmt]), fmt)
+    return q, scale
+
+
+def quantize_activations_reference(
+    x: torch.Tensor, fmt: str, input_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (qa [M, K], a_scale fp32 [M] when dynamic, or ``input_scale`` [1] when static)."""
+    if input_scale is None:
+        return quantize_rows_reference(x, fmt)
+    qmax = QMAX_OF_FORMAT[fmt]
+    scale = input_scale.float().reshape(1)
+    inv = torch.ones_like(scale) / scale
+    q = _cast_codes((x.float() * inv).clamp(-qmax, qmax), fmt)
+    return q, scale
+
+
+def scaled_epilogue_reference(
+    acc: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """acc [M, N] (int32 or fp32) -> (acc * a_scale[m]) * w_scale[n] (+ bias[n]) in fp32, then ``out_dtype``."""
+    a = a_scale.float().reshape(-1, 1)  # [M, 1] or [1, 1]
+    y = acc.float() * a * w_scale.float().reshape(1, -1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def w8a8_matmul_reference(
+    qa: torch.Tensor,
+    a_scale: torch.Tensor,
+    qw: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float16,
+) -> torch.Tensor:
+    """The GEMM on quantized operands (int8: exact, as integer sums below 2**53 in fp64; fp8: fp32 accumulation),
+    then the fp32 epilogue."""
+    acc_dtype = torch.float64 if qa.dtype == torch.int8 else torch.float32
+    acc = qa.to(acc_dtype) @ qw.to(acc_dtype).t()
+    return scaled_epilogue_reference(acc, a_scale, w_scale, bias, out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _round_half_even(v):
+    """Round fp32 to the nearest integer, ties to even (== torch.round); exact for |v| < 2**23."""
+    f = tl.floor(v)
+    d = v - f
+    f_is_odd = (f - 2.0 * tl.floor(0.5 * f)) != 0.0
+    return f + tl.where((d > 0.5) | ((d == 0.5) & f_is_odd), 1.0, 0.0)
+
+
+@triton.jit
+def _round_to_e4m3_grid(v):
+    """Round fp32 with |v| <= 448 to the nearest e4m3fn value (ties to even), still as fp32.
+
+    The spacing of e4m3 values in |v|'s binade is 2**(e - 3) (3 mantissa bits), and 2**-9 below the smallest
+    normal 2**-6; scaling by powers of two built from the exponent bits is exact, so only the integer rounding
+    rounds. The sign is copied back bitwise so that negatives rounding to zero give -0, as a hardware cast does.
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    inv_step = ((127 - e + 3) << 23).to(tl.float32, bitcast=True)
+    r = _round_half_even(tl.abs(v) * inv_step) * step
+    return (r.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_codes(q_ptrs, v, mask, QMAX: tl.constexpr, IS_FP8: tl.constexpr):
+    """v fp32 = x * (1 / scale): clamp to [-QMAX, QMAX], round, store as int8 or e4m3."""
+    v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
+    if IS_FP8:
+        tl.store(q_ptrs, _round_to_e4m3_grid(v).to(q_ptrs.dtype.element_ty), mask=mask)
+    else:
+        tl.store(q_ptrs, _round_half_even(v).to(tl.int8), mask=mask)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    # pointers
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    # sizes
+    K,
+    # strides
+    stride_xm,
+    stride_xk,
+    stride_qm,
+    stride_qk,
+    # meta-parameters
+    QMAX: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    DYNAMIC: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    q_row = q_ptr + row * stride_qm
+    offs = tl.arange(0, BLOCK_K)
+
+    if ONE_PASS:  # the whole row fits in one block: read it once
+        mask = offs < K
+        x = tl.load(x_row + offs * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        if DYNAMIC:
+            amax = tl.maximum(tl.max(tl.abs(x), axis=0), _MIN_AMAX)
+            tl.store(scale_ptr + row, tl.math.div_rn(amax, QMAX))
+            inv = tl.math.div_rn(QMAX, amax)
+        else:
+            inv = tl.math.div_rn(1.0, tl.load(scale_ptr))
+        _store_codes(q_row + offs * stride_qk, x * inv, mask, QMAX, IS_FP8)
+    else:  # long rows: abs-max sweep, then a quantizing sweep (the row is in L2 by then)
+        if DYNAMIC:
+            running = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                mask = k0 + offs < K
+                x = tl.load(x_row + (k0 + offs) * stride_xk, mask=mask, other=0.0).to(tl.float32)
+                running = tl.maximum(running, tl.abs(x))
+            amax = tl.maximum(tl.max(running, axis=0), _MIN_AMAX)
+            tl.store(scale_ptr + row, tl.math.div_rn(amax, QMAX))
+            inv = tl.math.div_rn(QMAX, amax)
+        else:
+            inv = tl.math.div_rn(1.0, tl.load(scale_ptr))
+        for k0 in range(0, K, BLOCK_K):
+            mask = k0 + offs < K
+            x = tl.load(x_row + (k0 + offs) * stride_xk, mask=mask, other=0.0).to(tl.float32)
+            _store_codes(q_row + (k0 + offs) * stride_qk, x * inv, mask, QMAX, IS_FP8)
+
+
+@triton.jit
+def _w8a8_matmul_kernel(
+    # pointers
+    a_ptr,
+    w_ptr,
+    c_ptr,
+    a_scale_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    # sizes
+    M,
+    N,
+    K,
+    # strides
+    stride_am,
+    stride_ak,
+    stride_wn,
+    stride_wk,
+    stride_cm,
+    stride_cn,
+    # meta-parameters
+    A_SCALE_PER_ROW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    FP8_FAST_ACCUM: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # program id -> (pid_m, pid_n), GROUP_M row-tiles at a time so their weight tiles are reused from L2
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pids_per_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // pids_per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % pids_per_group) % group_rows
+    pid_n = (pid % pids_per_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # rows past M / N wrap onto valid rows: loads need no M/N mask, the store drops them
+    a_ptrs = a_ptr + (offs_m % M)[:, None] * stride_am + offs_k[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + offs_k[:, None] * stride_wk + (offs_n % N)[None, :] * stride_wn  # [BLOCK_K, BLOCK_N]
+
+    if IS_FP8:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0.0)
+            w = tl.load(w_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0)
+        if IS_FP8 and FP8_FAST_ACCUM:
+            acc = tl.dot(a, w, acc)  # sm_90: the whole K loop accumulates inside the tensor core (reduced precision)
+        elif IS_FP8:
+            acc = tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)  # promoted to full fp32 every BLOCK_K
+        else:
+            acc = tl.dot(a, w, acc, out_dtype=tl.int32)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+
+    # epilogue in registers: (acc * a_scale[m]) * w_scale[n] (+ bias[n]) -> output dtype
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    y = acc.to(tl.float32)
+    if A_SCALE_PER_ROW:
+        y = y * tl.load(a_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
+    else:
+        y = y * tl.load(a_scale_ptr)
+    y = y * tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tile configs per (format, M regime)
+# ----------------------------------------------------------------------------------------------------------------
+
+M_REGIMES = (("m16", 16), ("m64", 64), ("m256", 256), ("large", None))  # regime = first whose bound >= M
+
+# BEGIN TUNED CONFIGS (rewritten by `python benchmarks/bench_w8a8.py --apply-sweep SWEEP.json`)
+CONFIGS_TUNED_ON = "not tuned: starting points from Triton matmul tutorial sizes, never measured on a GPU"
+CONFIGS = {
+    ("int8", "m16"): {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 4},
+    ("int8", "m64"): {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 4},
+    ("int8", "m256"): {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
+    ("int8", "large"): {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+    ("fp8", "m16"): {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 4},
+    ("fp8", "m64"): {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 4},
+    ("fp8", "m256"): {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
+    ("fp8", "large"): {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+}
+# END TUNED CONFIGS
+
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+
+
+def m_regime(m: int) -> str:
+    for name, bound in M_REGIMES:
+        if bound is None or m <= bound:
+            return name
+    raise AssertionError("unreachable: the last regime has no bound")
+
+
+def pick_config(m: int, fmt: str) -> dict[str, int]:
+    return CONFIGS[(fmt, m_regime(m))]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _quantize_launch_params(k: int, block_k: int | None) -> tuple[int, bool, int]:
+    if block_k is None:
+        block_k = triton.next_power_of_2(k) if k <= ONE_PASS_MAX_K else 4096
+    one_pass = block_k >= k
+    num_warps = 4 if block_k <= 2048 else 8 if block_k <= 8192 else 16
+    return block_k, one_pass, num_warps
+
+
+def quantize_activations(
+    x: torch.Tensor,
+    fmt: str,
+    input_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    out_scale: torch.Tensor | None = None,
+    block_k: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] fp16/bf16/fp32 -> (qa [M, K] int8 | float8_e4m3fn, a_scale fp32 [M]); static when ``input_scale``
+    (fp32 [1]) is given, and then the returned scale is ``input_scale`` itself.
+
+    ``out`` / ``out_scale`` may be preallocated (contiguous, right shape and dtype); ``block_k`` overrides the row
+    block (a block shorter than K selects the two-sweep path).
+    """
+    _check(fmt in QMAX_OF_FORMAT, f"fmt must be one of {sorted(QMAX_OF_FORMAT)}, got {fmt!r}")
+    _check(x.dim() == 2, f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    _check(x.dtype in _OUT_DTYPES, f"x must be fp16, bf16 or fp32, got {x.dtype}")
+    _check(x.numel() <= _MAX_NUMEL, f"x has {x.numel()} elements; 32-bit offsets allow {_MAX_NUMEL}")
+    m, k = x.shape
+    _check(k > 0, "x has no columns")
+    if out is None:
+        out = torch.empty(m, k, dtype=DTYPE_OF_FORMAT[fmt], device=x.device)
+    _check(
+        out.shape == (m, k) and out.dtype == DTYPE_OF_FORMAT[fmt] and out.device == x.device,
+        f"out must be {DTYPE_OF_FORMAT[fmt]} {(m, k)} on {x.device}, got {out.dtype} {tuple(out.shape)} {out.device}",
+    )
+    dynamic = input_scale is None
+    if dynamic:
+        if out_scale is None:
+            out_scale = torch.empty(m, dtype=torch.float32, device=x.device)
+        _check(
+            out_scale.shape == (m,) and out_scale.dtype == torch.float32 and out_scale.is_contiguous(),
+            f"out_scale must be contiguous fp32 [{m}], got {out_scale.dtype} {tuple(out_scale.shape)}",
+        )
+        scale = out_scale
+    else:
+        _check(out_scale is None, "out_scale is only for dynamic quantization (input_scale is given)")
+        _check(
+            input_scale.numel() == 1 and input_scale.dtype == torch.float32 and input_scale.device == x.device,
+            f"input_scale must be one fp32 value on {x.device}, got {input_scale.dtype} {tuple(input_scale.shape)}",
+        )
+        scale = input_scale
+    if m == 0:
+        return out, scale
+    block_k, one_pass, num_warps = _quantize_launch_params(k, block_k)
+    _quantize_rows_kernel[(m,)](
+        x,
+        out,
+        scale,
+        k,
+        x.stride(0),
+        x.stride(1),
+        out.stride(0),
+        out.stride(1),
+        QMAX=QMAX_OF_FORMAT[fmt],
+        IS_FP8=fmt == "fp8",
+        DYNAMIC=dynamic,
+        ONE_PASS=one_pass,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+    )
+    return out, scale
+
+
+def w8a8_matmul(
+    qa: torch.Tensor,
+    a_scale: torch.Tensor,
+    qw: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float16,
+    out: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+    fp8_fast_accum: bool = False,
+) -> torch.Tensor:
+    """qa [M, K] x qw [N, K] (both int8 or both float8_e4m3fn, K contiguous) -> y [M, N] in ``out_dtype``.
+
+    ``a_scale`` fp32 [M] (per token) or [1] (per tensor); ``w_scale`` fp32 [N]; ``bias`` [N] any float dtype.
+    ``config`` overrides the tile config picked from ``CONFIGS`` (keys ``CONFIG_KEYS``); ``fp8_fast_accum``: see
+    the header (ignored for int8).
+    """
+    _check(qa.dim() == 2 and qw.dim() == 2, f"qa and qw must be 2-D, got {tuple(qa.shape)} and {tuple(qw.shape)}")
+    _check(qa.dtype in FORMAT_OF_DTYPE, f"qa must be int8 or float8_e4m3fn, got {qa.dtype}")
+    _check(qw.dtype == qa.dtype, f"qa and qw must share a dtype, got {qa.dtype} and {qw.dtype}")
+    m, k = qa.shape
+    n = qw.shape[0]
+    _check(qw.shape[1] == k, f"qw must be [N, K={k}] (Layout int8/fp8_rowmajor), got {tuple(qw.shape)}")
+    _check(qa.stride(1) == 1 and qw.stride(1) == 1, "qa and qw must be contiguous along K (stride 1 in dim 1)")
+    _check(k > 0, "K must be positive")
+    fmt = FORMAT_OF_DTYPE[qa.dtype]
+    _check(fmt != "int8" or k <= INT32_SAFE_K, f"K={k} may overflow the int32 accumulator (limit {INT32_SAFE_K})")
+    _check(
+        a_scale.dtype == torch.float32 and a_scale.is_contiguous() and a_scale.numel() in (1, m),
+        f"a_scale must be contiguous fp32 [{m}] or [1], got {a_scale.dtype} {tuple(a_scale.shape)}",
+    )
+    _check(
+        w_scale.dtype == torch.float32 and w_scale.is_contiguous() and w_scale.shape == (n,),
+        f"w_scale must be contiguous fp32 [{n}], got {w_scale.dtype} {tuple(w_scale.shape)}",
+    )
+    _check(bias is None or (bias.shape == (n,) and bias.is_contiguous()), f"bias must be contiguous [{n}]")
+    _check(out_dtype in _OUT_DTYPES, f"out_dtype must be fp16, bf16 or fp32, got {out_dtype}")
+    tensors = [qa, qw, a_scale, w_scale] + ([bias] if bias is not None else [])
+    _check(all(t.device == qa.device for t in tensors), "all operands must be on one device")
+    _check(max(qa.numel(), qw.numel(), m * n) <= _MAX_NUMEL, f"operands exceed {_MAX_NUMEL} elements")
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype, device=qa.device)
+    _check(
+        out.shape == (m, n) and out.dtype == out_dtype and out.device == qa.device,
+        f"out must be {out_dtype} {(m, n)}, got {out.dtype} {tuple(out.shape)}",
+    )
+    if m == 0 or n == 0:
+        return out
+    cfg = dict(config) if config is not None else dict(pick_config(m, fmt))
+    _check(set(cfg) == set(CONFIG_KEYS), f"config keys must be {CONFIG_KEYS}, got {sorted(cfg)}")
+    num_warps, num_stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _w8a8_matmul_kernel[grid](
+        qa,
+        qw,
+        out,
+        a_scale,
+        w_scale,
+        bias if bias is not None else w_scale,  # never read when HAS_BIAS is False
+        m,
+        n,
+        k,
+        qa.stride(0),
+        qa.stride(1),
+        qw.stride(0),
+        qw.stride(1),
+        out.stride(0),
+        out.stride(1),
+        A_SCALE_PER_ROW=a_scale.numel() == m,  # for M == 1 both readings are the same value
+        HAS_BIAS=bias is not None,
+        IS_FP8=fmt == "fp8",
+        FP8_FAST_ACCUM=fp8_fast_accum and fmt == "fp8",
+        EVEN_K=k % cfg["BLOCK_K"] == 0,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **cfg,
+    )
+    return out
+
+
+def w8a8_linear(
+    x: torch.Tensor,
+    qw: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    input_scale: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+    fp8_fast_accum: bool = False,
+) -> torch.Tensor:
+    """x [..., K] fp16/bf16/fp32 -> y [..., N] in x's dtype: quantize the activations (format of ``qw``), then GEMM."""
+    _check(qw.dtype in FORMAT_OF_DTYPE, f"qw must be int8 or float8_e4m3fn, got {qw.dtype}")
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    qa, a_scale = quantize_activations(x2, FORMAT_OF_DTYPE[qw.dtype], input_scale)
+    y = w8a8_matmul(qa, a_scale, qw, w_scale, bias, out_dtype=x.dtype, config=config, fp8_fast_accum=fp8_fast_accum)
+    return y.reshape(*x.shape[:-1], qw.shape[0])

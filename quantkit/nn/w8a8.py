@@ -1,0 +1,218 @@
+"""W8A8 linear layer: 8-bit weights and 8-bit activations (int8 as in SmoothQuant, or fp8 e4m3).
+
+Buffers (N = out_features, K = in_features):
+
+- ``weight``       int8 [N, K] (``fmt="int"``) or float8_e4m3fn [N, K] (``fmt="fp8"``), row-major, K contiguous
+- ``weight_scale`` fp32 [N]: per-output-channel scale, ``W ~= weight * weight_scale[:, None]``
+- ``input_scale``  fp32 [1]: calibrated per-tensor activation scale; registered only for static activations
+- ``bias``         [N] in the model dtype, when the layer has one
+
+Layout: ``Layout.INT8_ROWMAJOR`` or ``Layout.FP8_ROWMAJOR`` (``quantkit.quant.packing``), by the scheme's format.
+
+Numerics (one contract, two execution paths): activations are quantized per token (dynamic: scale = row abs-max /
+QMAX) or per tensor (static: ``input_scale``), symmetric, QMAX = 127 (int8) or 448 (e4m3), rounding half to even;
+``y = (qa @ weight^T) * a_scale[m] * weight_scale[n] + bias`` (see ``quantkit.kernels.w8a8``). ``execution`` picks:
+
+- ``"simulated"`` (default): fake-quantized activations times the dequantized weight, an fp32 matmul; any device,
+  both formats.
+- ``"integer"``: the 8-bit product itself. CUDA: the Triton kernels (int8 and fp8). CPU: ``torch._int_mm``
+  (int8 x int8 -> int32) then the fp32 epilogue; fp8 has no CPU integer path and raises.
+
+The two paths see identical quantized operands; they differ only by fp32 rounding (summation order and where the
+scales are applied) before the final rounding to the output dtype.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from torch import nn
+
+from quantkit.errors import QuantkitError
+from quantkit.kernels import w8a8 as kernels
+from quantkit.quant.packing import Layout
+from quantkit.quant.scheme import QuantScheme
+from quantkit.quant.tensor import QuantizedWeight
+
+
+class Execution(str, Enum):
+    SIMULATED = "simulated"
+    INTEGER = "integer"
+
+
+KERNEL_FORMAT = {"int": "int8", "fp8": "fp8"}  # QuantScheme.fmt -> format name in quantkit.kernels.w8a8
+LAYOUT_OF_FORMAT = {"int": Layout.INT8_ROWMAJOR, "fp8": Layout.FP8_ROWMAJOR}
+
+
+def _check_scheme(scheme: QuantScheme) -> None:
+    if scheme.weight_only:
+        raise QuantkitError(f"W8A8Linear needs a W8A8 scheme (act_bits=8), got {scheme.name}")
+
+
+def static_input_scale(absmax: float | torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """Per-tensor activation scale fp32 [1] from a calibrated abs-max: ``absmax / QMAX``."""
+    _check_scheme(scheme)
+    amax = torch.as_tensor(absmax, dtype=torch.float32).reshape(1).clamp(min=kernels.MIN_AMAX)
+    return amax / kernels.QMAX_OF_FORMAT[KERNEL_FORMAT[scheme.fmt]]
+
+
+class W8A8Linear(nn.Module):
+    layout: Layout = Layout.INT8_ROWMAJOR  # fp8 instances set Layout.FP8_ROWMAJOR in __init__
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        scheme: QuantScheme,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float16,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        _check_scheme(scheme)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.scheme = scheme
+        self.dtype = dtype
+        self.layout = LAYOUT_OF_FORMAT[scheme.fmt]
+        self.fmt = KERNEL_FORMAT[scheme.fmt]
+        self.execution = Execution.SIMULATED
+        wdtype = kernels.DTYPE_OF_FORMAT[self.fmt]
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=wdtype, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        if scheme.act_dynamic:
+            self.input_scale = None
+        else:
+            self.register_buffer("input_scale", torch.ones(1, dtype=torch.float32, device=device))
+        if bias:
+            self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))
+        else:
+            self.bias = None
+
+    @property
+    def execution(self) -> Execution:
+        return self._execution
+
+    @execution.setter
+    def execution(self, value: Execution | str) -> None:
+        allowed = [e.value for e in Execution]
+        if value not in allowed:
+            raise QuantkitError(f"execution must be one of {allowed}, got {value!r}")
+        self._execution = Execution(value)
+
+    # -- construction ------------------------------------------------------------------------------------------
+
+    @classmethod
+    def _build(
+        cls,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        scheme: QuantScheme,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        input_scale: torch.Tensor | float | None,
+    ) -> W8A8Linear:
+        if scheme.act_dynamic and input_scale is not None:
+            raise QuantkitError("input_scale is only for static activations (scheme act_dynamic=False)")
+        if not scheme.act_dynamic and input_scale is None:
+            raise QuantkitError("static activations need a calibrated input_scale (see static_input_scale)")
+        n, k = q.shape
+        mod = cls(k, n, scheme, bias=bias is not None, dtype=dtype, device=q.device)
+        mod.weight.copy_(q)
+        mod.weight_scale.copy_(scale.reshape(n))
+        if input_scale is not None:
+            s = torch.as_tensor(input_scale, dtype=torch.float32).reshape(-1)
+            if s.numel() != 1 or not bool(s[0] > 0):
+                raise QuantkitError(f"input_scale must be one positive number, got {s.tolist()}")
+            mod.input_scale.copy_(s)
+        if bias is not None:
+            mod.bias.copy_(bias.detach().to(dtype))
+        return mod
+
+    @classmethod
+    def from_float(
+        cls, linear: nn.Linear, scheme: QuantScheme, input_scale: torch.Tensor | float | None = None
+    ) -> W8A8Linear:
+        """Round-to-nearest, symmetric per output channel: ``weight_scale = row abs-max / QMAX`` (fp32),
+        ``weight = round(W / weight_scale)`` to int8 [-127, 127] or e4m3. ``input_scale`` is required exactly when
+        the scheme's activations are static."""
+        _check_scheme(scheme)
+        w = linear.weight.detach()
+        q, scale = kernels.quantize_rows_reference(w, KERNEL_FORMAT[scheme.fmt])  # [N, K], [N]
+        bias = linear.bias.detach() if linear.bias is not None else None
+        return cls._build(q, scale, scheme, bias, w.dtype, input_scale)
+
+    @classmethod
+    def from_quantized(
+        cls,
+        qw: QuantizedWeight,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        input_scale: torch.Tensor | float | None = None,
+    ) -> W8A8Linear:
+        """From an integer ``QuantizedWeight`` (e.g. GPTQ on smoothed weights): codes q in [0, 255] with zero 128
+        and one scale per output channel become int8 ``q - 128``."""
+        s = qw.scheme
+        _check_scheme(s)
+        if s.fmt != "int":
+            raise QuantkitError("from_quantized takes integer weights; build fp8 layers with from_float")
+        if qw.scales.shape[1] != 1 or not bool((qw.zeros == 128).all()):
+            raise QuantkitError("W8A8 integer weights need one symmetric group per output channel (zero point 128)")
+        q = (qw.q.to(torch.int16) - 128).to(torch.int8)
+        return cls._build(q, qw.scales[:, 0].float(), s, bias, dtype, input_scale)
+
+    def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W [N, K] = weight * weight_scale[:, None], computed in fp32."""
+        return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
+
+    # -- forward -----------------------------------------------------------------------------------------------
+
+    def quantize_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] -> (qa [M, K], a_scale fp32 [M] or [1]) with the plain PyTorch reference quantizer."""
+        return kernels.quantize_activations_reference(x2, self.fmt, self.input_scale)
+
+    def _forward_simulated(self, x2: torch.Tensor) -> torch.Tensor:
+        qa, a_scale = self.quantize_input(x2)
+        x_fq = qa.float() * a_scale.reshape(-1, 1)  # [M, K] fake-quantized activations, fp32
+        y = x_fq @ self.dequantize_weight(torch.float32).t()
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x2.dtype)
+
+    def _forward_integer(self, x2: torch.Tensor) -> torch.Tensor:
+        if x2.is_cuda:
+            return kernels.w8a8_linear(x2, self.weight, self.weight_scale, self.bias, self.input_scale)
+        if x2.device.type != "cpu" or self.fmt != "int8":
+            where = "CUDA and CPU" if self.fmt == "int8" else "CUDA only"
+            raise QuantkitError(
+                f"no integer {self.fmt} W8A8 path for a {x2.device.type} input ({self.fmt} runs on {where}); "
+                "set execution='simulated'"
+            )
+        qa, a_scale = self.quantize_input(x2)
+        acc = torch._int_mm(qa, self.weight.t())  # int32 [M, N]
+        return kernels.scaled_epilogue_reference(acc, a_scale, self.weight_scale, self.bias, x2.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected input [..., {self.in_features}], got {tuple(x.shape)}")
+        x2 = x.reshape(-1, self.in_features)
+        if self.execution is Execution.INTEGER:
+            y = self._forward_integer(x2)
+        else:
+            y = self._forward_simulated(x2)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}, "
+            f"execution={self.execution.value}"
+        )
+
+
+def set_execution(model: nn.Module, execution: Execution | str) -> int:
+    """Set ``execution`` on every W8A8Linear in ``model``; returns how many modules were changed."""
+    mods = [m for m in model.modules() if isinstance(m, W8A8Linear)]
+    for m in mods:
+        m.execution = execution
+    return len(mods)
