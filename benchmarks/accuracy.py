@@ -1,0 +1,144 @@
+"""Accuracy tables on a real model: methods x bits x group sizes, perplexity and KL against float.
+
+    python benchmarks/accuracy.py --methods rtn,gptq --bits 8,4,3 --groups -1,128,64 --out results/acc.json
+
+The float model is loaded once; its next-token log-probabilities on the evaluation windows are computed once
+and kept in memory (fp16), so each cell costs one quantization and one forward pass over the windows. The
+calibration windows are the same for every cell. Protocol: see quantkit.eval.perplexity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import quantkit
+from quantkit.calib.data import calibration_windows, evaluation_windows
+from quantkit.eval import evaluate_windows, window_log_probs
+from quantkit.presets import preset_recipe
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--methods", default="rtn", help="comma-separated presets (quantkit.presets)")
+    ap.add_argument("--bits", default="4")
+    ap.add_argument("--groups", default="128")
+    ap.add_argument("--sym", action="store_true", help="symmetric (default: asymmetric)")
+    ap.add_argument("--params", default="{}", help="JSON of stage parameters applied to every method")
+    ap.add_argument("--calib", default="brown")
+    ap.add_argument("--nsamples", type=int, default=128)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--eval", default="moby-dick")
+    ap.add_argument("--eval-seqlen", type=int, default=512)
+    ap.add_argument("--windows", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
+    ap.add_argument("--out", type=Path, required=True, help="JSON results; a .md table is written beside it")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    console = Console()
+    float_model, tokenizer, _ = quantkit.load_model(args.model)
+    windows, protocol = evaluation_windows(tokenizer, args.eval, args.eval_seqlen, args.windows)
+    calib, fingerprint = calibration_windows(tokenizer, args.calib, args.nsamples, args.seqlen)
+    t0 = time.perf_counter()
+    baseline = [window_log_probs(float_model, ids).half() for ids in windows]
+    float_result = evaluate_windows(float_model, windows)
+    console.print(
+        f"float: ppl {float_result.perplexity:.3f} on {float_result.tokens} tokens ({time.perf_counter() - t0:.0f}s)"
+    )
+    rows = []
+    previous = json.loads(args.out.read_text()) if args.out.exists() else None
+    for method in args.methods.split(","):
+        for bits in map(int, args.bits.split(",")):
+            for group in map(int, args.groups.split(",")):
+                scheme = {"bits": bits, "group_size": group, "sym": args.sym}
+                recipe = preset_recipe(method, scheme, params=json.loads(args.params) or None)
+                model = copy.deepcopy(float_model)
+                t0 = time.perf_counter()
+                quantkit.quantize(model, recipe, calib if recipe.needs_calibration else None)
+                q_seconds = time.perf_counter() - t0
+                res = evaluate_windows(model, windows, baseline)
+                row = {
+                    "method": method,
+                    **scheme,
+                    "perplexity": res.perplexity,
+                    "kl": res.kl,
+                    "top1": res.top1_agreement,
+                    "quantize_seconds": round(q_seconds, 1),
+                }
+                rows.append(row)
+                console.print(row)
+                del model
+    report = {
+        "model": args.model,
+        "baseline_note": "float baseline = dequantized Q4_1 GGUF weights (see models-and-data.md)",
+        "float_perplexity": float_result.perplexity,
+        "eval": protocol,
+        "calibration": fingerprint,
+        "params": json.loads(args.params),
+        "rows": rows,
+        "torch_threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    if previous and previous.get("eval") == protocol:  # append to an earlier run of other cells
+        keep = [
+            r
+            for r in previous["rows"]
+            if not any(
+                (r["method"], r["bits"], r["group_size"], r["sym"])
+                == (n["method"], n["bits"], n["group_size"], n["sym"])
+                for n in rows
+            )
+        ]
+        report["rows"] = keep + rows
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(report))
+    table = Table(title=f"{args.model}: float ppl {float_result.perplexity:.3f} (dequantized GGUF baseline)")
+    for col in ("method", "bits", "group", "sym", "ppl", "Δppl", "KL", "top-1", "quantize s"):
+        table.add_column(col)
+    for r in report["rows"]:
+        table.add_row(
+            r["method"],
+            str(r["bits"]),
+            str(r["group_size"]),
+            str(r["sym"]),
+            f"{r['perplexity']:.3f}",
+            f"{r['perplexity'] - float_result.perplexity:+.3f}",
+            f"{r['kl']:.4f}",
+            f"{r['top1']:.3f}",
+            str(r["quantize_seconds"]),
+        )
+    console.print(table)
+
+
+def markdown(report: dict) -> str:
+    base = report["float_perplexity"]
+    lines = [
+        f"# Accuracy on {report['model']} ({report['date']})",
+        "",
+        f"Float baseline perplexity {base:.3f} ({report['baseline_note']}). Evaluation: {report['eval']['source']}, "
+        f"{report['eval']['windows']} windows x {report['eval']['seqlen']} tokens. Calibration: "
+        f"{report['calibration']['source']}, {report['calibration']['nsamples']} x {report['calibration']['seqlen']}.",
+        "",
+        "| method | bits | group | sym | ppl | Δppl | KL | top-1 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        lines.append(
+            f"| {r['method']} | {r['bits']} | {r['group_size']} | {r['sym']} | {r['perplexity']:.3f} | "
+            f"{r['perplexity'] - base:+.3f} | {r['kl']:.4f} | {r['top1']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
