@@ -1,7 +1,7 @@
 """Named one-line recipes behind ``quantkit quantize --method NAME`` (a recipe file can say anything more).
 
-Each preset lists its stages; the scheme, calibration and parameters come from the caller (CLI flags or
-defaults). ``awq+gptq`` reads: AWQ scaling, then GPTQ on the scaled weights.
+Each preset lists its stages and its default scheme; the caller's scheme keys (CLI flags), calibration and
+parameters go over them. ``awq+gptq`` reads: AWQ scaling, then GPTQ on the scaled weights.
 """
 
 from __future__ import annotations
@@ -9,22 +9,26 @@ from __future__ import annotations
 from quantkit.errors import QuantkitError
 from quantkit.recipe import Recipe
 
-DEFAULT_SCHEME = {"bits": 4, "group_size": 128, "sym": True}
+W4A16 = {"bits": 4, "group_size": 128, "sym": True}
+W8A8 = {"bits": 8, "group_size": -1, "sym": True, "act_bits": 8, "act_dynamic": True}
 
-PRESETS: dict[str, list[str]] = {
-    "rtn": ["rtn"],
+PRESETS: dict[str, tuple[list[str], dict]] = {
+    "rtn": (["rtn"], W4A16),
+    "gptq": (["gptq"], W4A16),
+    "awq": (["awq", "rtn"], W4A16),
+    "awq+gptq": (["awq", "gptq"], W4A16),
+    "w8a8": (["rtn"], W8A8),
+    "smoothquant": (["smoothquant", "rtn"], W8A8),
+    "smoothquant+gptq": (["smoothquant", "gptq"], W8A8),
 }
 
 
 def preset_recipe(method: str, scheme: dict | None = None, calibration: dict | None = None, params: dict | None = None):
-    """The recipe of preset ``method`` with ``scheme`` keys over the default scheme."""
+    """The recipe of preset ``method`` with ``scheme`` keys over its default scheme."""
     if method not in PRESETS:
         raise QuantkitError(f"unknown method {method!r}; available: {', '.join(sorted(PRESETS))}")
-    data = {
-        "name": method,
-        "scheme": {**DEFAULT_SCHEME, **(scheme or {})},
-        "stages": [{"method": m} for m in PRESETS[method]],
-    }
+    stages, default_scheme = PRESETS[method]
+    data = {"name": method, "scheme": {**default_scheme, **(scheme or {})}, "stages": [{"method": m} for m in stages]}
     if calibration:
         data["calibration"] = calibration
     recipe = Recipe.from_dict(data, f"method {method}")

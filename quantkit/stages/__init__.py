@@ -24,8 +24,14 @@ def register(name: str):
     return deco
 
 
+BUILTIN_MODULES = ("weights", "gptq", "awq", "smoothquant")
+
+
 def _load_builtin_methods() -> None:
-    from quantkit.stages import weights  # noqa: F401  (registers rtn)
+    import importlib
+
+    for module in BUILTIN_MODULES:  # each registers its methods on import
+        importlib.import_module(f"quantkit.stages.{module}")
 
 
 def stage_class(method: str) -> type:

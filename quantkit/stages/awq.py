@@ -1,0 +1,1 @@
+"""The awq recipe stage (registers method "awq")."""

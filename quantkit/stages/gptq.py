@@ -1,0 +1,1 @@
+"""The gptq recipe stage (registers method "gptq")."""

@@ -1,0 +1,1 @@
+"""The smoothquant recipe stage (registers method "smoothquant")."""
