@@ -1,0 +1,557 @@
+"""Weight-only W4A16 / W8A16 linear: y = x @ W.T + bias with W dequantized from GPTQ-v2 buffers in registers.
+
+What it computes
+    y[m, n] = sum_k x[m, k] * scales[g(k), n] * (q[k, n] - zeros[g(k), n]) + bias[n], accumulated in fp32 and
+    returned in x's dtype (fp16 or bf16). Groups must be contiguous along K, g(k) = k // G; act-order checkpoints are
+    permuted once at load time (``prepare_gptq_weight``) so that this holds, and x's columns are permuted per call.
+
+Layouts consumed (GPTQ-v2, ``quantkit.quant.packing``; b = 4 or 8 bits, pf = 32 / b codes per word)
+    qweight int32 [ceil(K/32)*b, N]  codes packed along K, lowest bits first: word r holds k = r*pf .. r*pf+pf-1
+    qzeros  int32 [n_g, ceil(N/32)*b] zero points packed along N, stored as they are (v2)
+    scales  fp16  [n_g, N]
+    x [M, K] fp16/bf16 (any strides), bias [N] (any float dtype), y [M, N] in x's dtype.
+    Kernel layout: ``KERNEL_LAYOUT`` v``KERNEL_LAYOUT_VERSION`` is gptq_v2 with K permuted so groups are
+    contiguous (identity without act-order). It lives only in memory; checkpoints stay gptq_v2.
+
+Kernels
+    ``_w4a16_gemm_kernel`` tiles [BLOCK_M, BLOCK_N] outputs and walks K in BLOCK_K steps. A tile of packed words
+    [BLOCK_K/pf, BLOCK_N] is loaded once, expanded to codes [BLOCK_K/pf, pf, BLOCK_N] by shifts and reshaped to
+    [BLOCK_K, BLOCK_N] (natural k order, so x needs no permutation). Two scale modes:
+    - tile (FUSE_SCALE=False; needs G % BLOCK_K == 0 or one group): the integer q - z is built exactly in the
+      activation dtype with the "magic number" trick (code | 0x6400 read as fp16 is 1024 + code; 0x4300 as bf16 is
+      128 + code), fed to tl.dot, and the fp32 product is scaled per column once per tile. No int->float
+      conversion instruction and no rounding of W at all.
+    - fused (FUSE_SCALE=True; any G multiple of 32): W = (q - z) * s is formed in fp32 and rounded once to the
+      activation dtype, exactly like PyTorch's dequantize-then-matmul, then accumulated by tl.dot. Lets the
+      compiler keep the accumulator inside the MMA pipeline (large M).
+    Split-K (SPLIT_K > 1): every CTA writes its fp32 partial tile to a workspace, then counts itself in on a
+    per-tile semaphore; the last arrival sums the partials in split order (deterministic), adds the bias, stores y
+    and resets the semaphore to 0 for the next launch. One launch, no memset, no second reduction kernel.
+    ``_w4a16_dequant_kernel`` writes W as [K, N] in x's dtype for the dequantize-then-cuBLAS path (large M).
+
+Regimes (``CONFIG_TABLE``): skinny M <= 16 (BLOCK_M 16, split-K to fill the SMs), medium, large M (tiled GEMM or
+dequantize + cuBLAS). The committed table is chosen by reasoning until an H200 sweep
+(``benchmarks/bench_w4a16.py --sweep``) replaces it: decode is memory bound, each SM needs ~24 KB of loads in
+flight (4 TB/s / 132 SMs x ~0.8 us latency), so skinny tiles are 16 x 128 x 128 (8 KB of words per stage, several
+stages, several CTAs per SM) and K is split until ~4 waves of CTAs exist.
+
+Limits: 4 or 8 bits; G a multiple of 32, or one group per column; int32 offsets (tensors < 2**31 elements);
+interpreter mode (TRITON_INTERPRET=1) computes bf16 tiles in fp32 because the interpreter cannot do bf16 arithmetic.
+Hardware: written for the H200 (sm_90, 132 SMs, 60 MB L2); tuned: not yet (see the table's comment).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+
+KERNEL_LAYOUT = "gptq_v2_sorted_groups"
+KERNEL_LAYOUT_VERSION = 1
+ACT_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_BITS = (4, 8)
+MAGIC_F32 = tl.constexpr(0x4B000000)  # code | MAGIC_F32 read as fp32 is 2**23 + code
+MAGIC_16 = {torch.float16: 0x6400, torch.bfloat16: 0x4300}  # 1024 + code, 128 + code (exact for code < 128)
+LOCK_SLOTS = 4096  # per-tile semaphores a prepared weight keeps for split-K launches
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------------------------
+def unpack_gptq_codes(qweight: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """int32 [ceil(K/32)*b, N] -> int32 codes [K, N] (4 or 8 bits)."""
+    pf = 32 // bits
+    shifts = torch.arange(0, 32, bits, device=qweight.device, dtype=torch.int32)
+    codes = (qweight.unsqueeze(1) >> shifts.view(1, pf, 1)) & (2**bits - 1)  # [rows, pf, N]
+    return codes.reshape(-1, qweight.shape[1])[:k]
+
+
+def w4a16_reference(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor,
+    bits: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain PyTorch: dequantize W [K, N] in fp32, y = x @ W (+ bias) in fp32, returned in x's dtype."""
+    k, n = x.shape[-1], qweight.shape[1]
+    q = unpack_gptq_codes(qweight, bits, k).float()  # [K, N]
+    zeros = unpack_gptq_codes(qzeros.t().contiguous(), bits, n).t().float()  # [n_g, N]
+    g = g_idx.long()
+    w = (q - zeros[g]) * scales.float()[g]  # [K, N]
+    y = x.float() @ w
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _to_act(v, ACT: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """fp32 -> ACT. EMULATE_BF16 (interpreter only) rounds to nearest even by hand: its own cast truncates."""
+    if EMULATE_BF16:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(ACT)
+
+
+@triton.jit
+def _dequant_tile(words, zeros, scales, ACT: tl.constexpr, COMPUTE: tl.constexpr, BITS: tl.constexpr,
+                  MAGIC: tl.constexpr, FUSE_SCALE: tl.constexpr, EMULATE_BF16: tl.constexpr):  # fmt: skip
+    """words int32 [R, BN], zeros int32 and scales fp16 [R or 1, BN] -> W tile [R * 32/BITS, BN] in COMPUTE.
+
+    FUSE_SCALE: (q - z) * s in fp32, rounded once. Otherwise the exact integer q - z (scale applied by the caller).
+    """
+    PF: tl.constexpr = 32 // BITS
+    shifts = tl.arange(0, PF) * BITS
+    q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # [R, PF, BN], k = r * PF + j
+    z = zeros[:, None, :]
+    if FUSE_SCALE:
+        qf = (q | MAGIC_F32).to(tl.float32, bitcast=True)
+        zf = (z | MAGIC_F32).to(tl.float32, bitcast=True)
+        w = _to_act((qf - zf) * scales[:, None, :].to(tl.float32), ACT, EMULATE_BF16).to(COMPUTE)
+    elif MAGIC != 0:
+        qh = (q | MAGIC).to(tl.int16).to(ACT, bitcast=True).to(COMPUTE)
+        zh = (z | MAGIC).to(tl.int16).to(ACT, bitcast=True).to(COMPUTE)
+        w = qh - zh
+    else:
+        w = ((q | MAGIC_F32).to(tl.float32, bitcast=True) - (z | MAGIC_F32).to(tl.float32, bitcast=True)).to(COMPUTE)
+    return tl.reshape(w, (words.shape[0] * PF, words.shape[1]))
+
+
+@triton.jit
+def _load_group(qz_ptr, s_ptr, grp, offs_n, mask, stride_qzg, stride_qzn, stride_sg, stride_sn,
+                BITS: tl.constexpr):  # fmt: skip
+    """Integer zeros and fp16 scales of groups ``grp`` ([R, 1]) for columns ``offs_n`` ([1, BN]) -> [R, BN] each."""
+    PF: tl.constexpr = 32 // BITS
+    zw = tl.load(qz_ptr + grp * stride_qzg + (offs_n // PF) * stride_qzn, mask=mask, other=0)
+    zeros = (zw >> ((offs_n % PF) * BITS)) & ((1 << BITS) - 1)
+    scales = tl.load(s_ptr + grp * stride_sg + offs_n * stride_sn, mask=mask, other=0.0)
+    return zeros, scales
+
+
+@triton.jit
+def _store_tile(acc, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS: tl.constexpr,
+                EMULATE_BF16: tl.constexpr):  # fmt: skip
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(ptrs, _to_act(acc, out_ptr.dtype.element_ty, EMULATE_BF16), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "group_size", "tiles_per_split"])
+def _w4a16_gemm_kernel(
+    # pointers
+    x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+    # sizes
+    M, N, K, group_size, tiles_per_split,
+    # strides
+    stride_xm, stride_xk, stride_qwk, stride_qwn, stride_qzg, stride_qzn, stride_sg, stride_sn, stride_om, stride_on,
+    # meta-parameters
+    BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr, FUSE_SCALE: tl.constexpr, MAGIC: tl.constexpr, COMPUTE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EMULATE_BF16: tl.constexpr,
+):  # fmt: skip
+    PF: tl.constexpr = 32 // BITS
+    BLOCK_KW: tl.constexpr = BLOCK_K // PF
+    ACT: tl.constexpr = x_ptr.dtype.element_ty
+
+    # Output tile, grouped GROUP_M tiles at a time along M so neighbouring CTAs share weight tiles in L2.
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    tiles_in_group = GROUP_M * num_pid_n
+    first_m = (pid // tiles_in_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % tiles_in_group) % group_rows
+    pid_n = (pid % tiles_in_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_kw = tl.arange(0, BLOCK_KW)
+    m_mask = offs_m < M
+    n_mask = offs_n < N  # loop-invariant; K masks (the ones inside the loop) are dropped when EVEN_K
+
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    qw_ptrs = qw_ptr + offs_kw[:, None] * stride_qwk + offs_n[None, :] * stride_qwn
+
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    t_begin = pid_k * tiles_per_split
+    t_end = tl.minimum(t_begin + tiles_per_split, k_tiles)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(t_begin, t_end):
+        k0 = t * BLOCK_K
+        kw = t * BLOCK_KW + offs_kw  # packed-word rows of this tile
+        if EVEN_K:
+            x = tl.load(x_ptrs + k0 * stride_xk, mask=m_mask[:, None], other=0.0)
+            w_mask = n_mask[None, :]
+        else:
+            x = tl.load(x_ptrs + k0 * stride_xk, mask=m_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
+            w_mask = (kw * PF < K)[:, None] & n_mask[None, :]
+        words = tl.load(qw_ptrs + t * BLOCK_KW * stride_qwk, mask=w_mask, other=0)
+        if FUSE_SCALE:
+            grp = (kw * PF) // group_size
+            zeros, scales = _load_group(qz_ptr, s_ptr, grp[:, None], offs_n[None, :], w_mask,
+                                        stride_qzg, stride_qzn, stride_sg, stride_sn, BITS)  # fmt: skip
+            w = _dequant_tile(words, zeros, scales, ACT, COMPUTE, BITS, MAGIC, True, EMULATE_BF16)
+            acc = tl.dot(x.to(COMPUTE), w, acc)
+        else:
+            grp = k0 // group_size  # the whole tile lies in one group
+            zeros, scales = _load_group(qz_ptr, s_ptr, grp, offs_n[None, :], n_mask[None, :],
+                                        stride_qzg, stride_qzn, stride_sg, stride_sn, BITS)  # fmt: skip
+            w = _dequant_tile(words, zeros, scales, ACT, COMPUTE, BITS, MAGIC, False, EMULATE_BF16)
+            acc += tl.dot(x.to(COMPUTE), w) * scales.to(tl.float32)
+
+    if SPLIT_K == 1:
+        _store_tile(acc, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS, EMULATE_BF16)
+    else:
+        # Serial fix-up: the last CTA of this output tile to arrive sums every split's partial in split order.
+        part_offs = offs_m[:, None] * N + offs_n[None, :]
+        part_mask = m_mask[:, None] & n_mask[None, :]
+        tl.store(part_ptr + pid_k * M * N + part_offs, acc, mask=part_mask)
+        tl.debug_barrier()  # all partial stores of this CTA happen before its release below
+        lock = lock_ptr + pid_m * num_pid_n + pid_n
+        arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(part_ptr + s * M * N + part_offs, mask=part_mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(lock, 0)  # ready for the next launch
+            _store_tile(total, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS, EMULATE_BF16)
+
+
+@triton.jit
+def _w4a16_dequant_kernel(
+    # pointers
+    qw_ptr, qz_ptr, s_ptr, w_ptr,
+    # sizes
+    N, K, group_size,
+    # strides
+    stride_qwk, stride_qwn, stride_qzg, stride_qzn, stride_sg, stride_sn, stride_wk, stride_wn,
+    # meta-parameters
+    BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_BF16: tl.constexpr,
+):  # fmt: skip
+    PF: tl.constexpr = 32 // BITS
+    BLOCK_KW: tl.constexpr = BLOCK_K // PF
+    ACT: tl.constexpr = w_ptr.dtype.element_ty
+    offs_kw = tl.program_id(0) * BLOCK_KW + tl.arange(0, BLOCK_KW)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_kw * PF < K)[:, None] & (offs_n < N)[None, :]
+    words = tl.load(qw_ptr + offs_kw[:, None] * stride_qwk + offs_n[None, :] * stride_qwn, mask=mask, other=0)
+    grp = (offs_kw * PF) // group_size
+    zeros, scales = _load_group(qz_ptr, s_ptr, grp[:, None], offs_n[None, :], mask,
+                                stride_qzg, stride_qzn, stride_sg, stride_sn, BITS)  # fmt: skip
+    w = _dequant_tile(words, zeros, scales, ACT, ACT, BITS, 0, True, EMULATE_BF16)  # [BLOCK_K, BLOCK_N]
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    w_mask = (offs_k < K)[:, None] & (offs_n < N)[None, :]
+    tl.store(w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn, w, mask=w_mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configurations and the regime table
+# ---------------------------------------------------------------------------------------------------------------
+METHODS = ("fused", "dequant")
+
+
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One launch configuration.
+
+    ``method``: "fused" (the Triton GEMM above) or "dequant" (Triton dequantize to [K, N], then cuBLAS).
+    ``split_waves``: split K until about ``split_waves * n_SMs`` CTAs exist (0: never split).
+    ``fuse_scale``: scale inside the tile (any G) instead of after each tile's dot (BLOCK_K is then capped by G).
+    """
+
+    method: str = "fused"
+    block_m: int = 16
+    block_n: int = 128
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    split_waves: int = 0
+    fuse_scale: bool = False
+    group_m: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        for name in ("block_m", "block_n", "block_k", "num_warps", "group_m"):
+            if not _pow2(getattr(self, name)):
+                raise ValueError(f"{name} must be a power of two, got {getattr(self, name)}")
+        if self.block_m < 16 or self.block_n < 16 or self.block_k < 32:
+            raise ValueError("tiles must be at least 16 (M, N) and 32 (K) wide for tl.dot and whole packed words")
+        if not 0 <= self.split_waves <= 8 or self.num_stages < 1:
+            raise ValueError("split_waves must be in [0, 8] and num_stages >= 1")
+
+    @property
+    def name(self) -> str:
+        if self.method == "dequant":
+            return "dequant+cublas"
+        scale = "fs" if self.fuse_scale else "ts"
+        return (
+            f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
+            f"sw{self.split_waves}{scale}"
+        )
+
+
+# BEGIN CONFIG_TABLE -- rewritten by `python benchmarks/bench_w4a16.py --apply <sweep.json>`
+# Source: reasoning (no H200 measurement yet). Largest M of each regime -> config.
+CONFIG_TABLE: tuple[tuple[int, KernelConfig], ...] = (
+    (16, KernelConfig("fused", 16, 128, 128, 4, 4, split_waves=4)),
+    (64, KernelConfig("fused", 64, 128, 128, 4, 4, split_waves=2)),
+    (256, KernelConfig("fused", 128, 128, 64, 8, 4, split_waves=1, fuse_scale=True)),
+    (2**31, KernelConfig("fused", 128, 256, 64, 8, 3, fuse_scale=True)),
+)
+# END CONFIG_TABLE
+
+
+def config_for(m: int) -> KernelConfig:
+    """The committed configuration of the regime that ``m`` rows fall in."""
+    for max_m, cfg in CONFIG_TABLE:
+        if m <= max_m:
+            return cfg
+    return CONFIG_TABLE[-1][1]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    block_k: int
+    split_k: int
+    tiles_per_split: int
+    grid: tuple[int, int]
+
+
+def plan_launch(cfg: KernelConfig, m: int, n: int, k: int, group_size: int, num_sms: int) -> LaunchPlan:
+    """Effective BLOCK_K (capped so a tile never straddles groups in tile-scale mode) and the split-K factor.
+
+    ``group_size`` is the contiguous group length along K, or 0 when there is a single group.
+    """
+    block_k = cfg.block_k
+    if group_size and not cfg.fuse_scale:
+        while group_size % block_k:
+            block_k //= 2
+    k_tiles = triton.cdiv(k, block_k)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    split = 1
+    if cfg.split_waves and tiles <= LOCK_SLOTS:
+        split = max(1, min(triton.cdiv(cfg.split_waves * num_sms, tiles), k_tiles))
+    tiles_per_split = triton.cdiv(k_tiles, split)
+    split = triton.cdiv(k_tiles, tiles_per_split)  # no empty splits
+    return LaunchPlan(block_k, split, tiles_per_split, (tiles, split))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernel-ready weights (load time)
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class W4A16Weight:
+    """GPTQ-v2 buffers in the kernel layout (``KERNEL_LAYOUT``): groups contiguous along K.
+
+    ``perm`` int64 [K] (act-order only): kernel input channel i is checkpoint channel perm[i], so the kernel reads
+    ``x[:, perm]``. ``group_size`` is the contiguous group length, 0 for a single group. ``locks`` int32
+    [LOCK_SLOTS] zeros: split-K semaphores, reset by the kernel itself after every use.
+    """
+
+    qweight: torch.Tensor
+    qzeros: torch.Tensor
+    scales: torch.Tensor
+    bits: int
+    group_size: int
+    in_features: int
+    out_features: int
+    perm: torch.Tensor | None = None
+    layout: str = KERNEL_LAYOUT
+    layout_version: int = KERNEL_LAYOUT_VERSION
+    locks: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.locks = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=self.qweight.device)
+
+
+def _group_order(g_idx: torch.Tensor, group: int) -> tuple[torch.Tensor | None, bool]:
+    """(perm that makes the groups contiguous or None if they already are, whether that is possible)."""
+    contiguous = torch.arange(g_idx.numel(), device=g_idx.device) // group
+    if torch.equal(g_idx.long(), contiguous):
+        return None, True
+    perm = torch.argsort(g_idx.long(), stable=True)
+    return perm, torch.equal(g_idx.long()[perm], contiguous)
+
+
+def unsupported_reason(bits: int, group_size: int, g_idx: torch.Tensor) -> str | None:
+    """Why the kernel cannot serve this layer, or None. ``group_size`` is the scheme's (-1 = per-channel)."""
+    k = g_idx.numel()
+    if bits not in SUPPORTED_BITS:
+        return f"{bits}-bit weights (the kernel serves {SUPPORTED_BITS})"
+    if group_size != -1 and group_size < k and group_size % 32:
+        return f"group size {group_size} is not a multiple of 32"
+    group = k if group_size == -1 else min(group_size, k)
+    if not _group_order(g_idx, group)[1]:
+        return f"g_idx does not hold groups of {group} channels (last one shorter): cannot sort it into groups"
+    return None
+
+
+def prepare_gptq_weight(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor,
+    bits: int,
+    group_size: int,
+) -> W4A16Weight:
+    """Kernel-ready weight from GPTQ-v2 buffers; ``unsupported_reason`` must have returned None for them.
+
+    Act-order (non-monotonic ``g_idx``): sort K by group once, repack the codes in that order and keep the
+    permutation. The buffers passed in are not modified; without act-order they are used as they are.
+    """
+    reason = unsupported_reason(bits, group_size, g_idx)
+    if reason:
+        raise ValueError(f"W4A16 kernel: unsupported layer: {reason}")
+    k, n = g_idx.numel(), qweight.shape[1]
+    group = k if group_size == -1 else min(group_size, k)
+    perm, _ = _group_order(g_idx, group)
+    if perm is not None:
+        codes = unpack_gptq_codes(qweight, bits, k)[perm]  # [K, N] in kernel order
+        qweight = _pack_gptq_codes(codes, bits)
+    return W4A16Weight(qweight, qzeros, scales, bits, 0 if group >= k else group, k, n, perm)
+
+
+def _pack_gptq_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int codes [K, N] -> int32 [ceil(K/32)*b, N], the inverse of ``unpack_gptq_codes``."""
+    k, n = codes.shape
+    pf = 32 // bits
+    padded = torch.zeros(triton.cdiv(k, 32) * 32, n, dtype=torch.int64, device=codes.device)
+    padded[:k] = codes.long()
+    shifts = torch.arange(0, 32, bits, device=codes.device, dtype=torch.int64).view(1, pf, 1)
+    words = (padded.view(-1, pf, n) << shifts).sum(dim=1)  # disjoint bit fields: the sum is an OR
+    return (words - ((words >> 31) << 32)).to(torch.int32)  # low 32 bits as signed
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------------------------
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _check(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, out: torch.Tensor | None) -> None:
+    k, n, b = w.in_features, w.out_features, w.bits
+    rows = triton.cdiv(k, 32) * b
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
+    if x.dtype not in ACT_DTYPES:
+        raise ValueError(f"x must be float16 or bfloat16, got {x.dtype}")
+    if not (x.is_cuda or _interpreting()):
+        raise ValueError("x must be a CUDA tensor (or set TRITON_INTERPRET=1 to run the kernel on CPU)")
+    if w.qweight.dtype != torch.int32 or tuple(w.qweight.shape) != (rows, n):
+        raise ValueError(f"qweight must be int32 [{rows}, {n}], got {w.qweight.dtype} {tuple(w.qweight.shape)}")
+    n_g = w.scales.shape[0]
+    zcols = triton.cdiv(n, 32) * b
+    if w.qzeros.dtype != torch.int32 or tuple(w.qzeros.shape) != (n_g, zcols):
+        raise ValueError(f"qzeros must be int32 [{n_g}, {zcols}], got {w.qzeros.dtype} {tuple(w.qzeros.shape)}")
+    if w.scales.dtype != torch.float16 or w.scales.shape[1] != n:
+        raise ValueError(f"scales must be float16 [n_groups, {n}], got {w.scales.dtype} {tuple(w.scales.shape)}")
+    if bias is not None and (bias.shape != (n,) or not bias.is_floating_point()):
+        raise ValueError(f"bias must be a float tensor [{n}], got {bias.dtype} {tuple(bias.shape)}")
+    if out is not None and (tuple(out.shape) != (x.shape[0], n) or out.dtype != x.dtype):
+        raise ValueError(f"out must be {x.dtype} [{x.shape[0]}, {n}], got {out.dtype} {tuple(out.shape)}")
+    for t in (x, w.qweight, w.scales, out):
+        if t is not None and t.numel() >= 2**31:
+            raise ValueError("tensors of 2**31 elements or more need 64-bit offsets, which the kernel does not use")
+    devices = {t.device for t in (x, w.qweight, w.qzeros, w.scales, bias, out) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def w4a16_gemm(
+    x: torch.Tensor,
+    w: W4A16Weight,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    config: KernelConfig | None = None,
+):
+    """y [M, N] = x [M, K] @ W.T + bias with the fused kernel; x is already in kernel channel order.
+
+    Returns (y, compiled kernel handle).
+    """
+    _check(x, w, bias, out)
+    m, k = x.shape
+    n = w.out_features
+    cfg = config or config_for(m)
+    plan = plan_launch(cfg, m, n, k, w.group_size, _num_sms(x.device))
+    if out is None:
+        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    part, locks = out, w.locks
+    if plan.split_k > 1:
+        part = torch.empty(plan.split_k, m, n, device=x.device, dtype=torch.float32)
+    emulate_bf16 = _interpreting() and x.dtype == torch.bfloat16  # the interpreter has no bf16 arithmetic
+    magic = MAGIC_16[x.dtype] if (w.bits == 4 or x.dtype == torch.float16) else 0
+    compute = tl.float32 if emulate_bf16 else (tl.float16 if x.dtype == torch.float16 else tl.bfloat16)
+    handle = _w4a16_gemm_kernel[plan.grid](
+        x, w.qweight, w.qzeros, w.scales, bias if bias is not None else out, out, part, locks,
+        m, n, k, w.group_size or 2**30, plan.tiles_per_split,
+        x.stride(0), x.stride(1), w.qweight.stride(0), w.qweight.stride(1), w.qzeros.stride(0), w.qzeros.stride(1),
+        w.scales.stride(0), w.scales.stride(1), out.stride(0), out.stride(1),
+        BITS=w.bits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=plan.block_k, GROUP_M=cfg.group_m,
+        SPLIT_K=plan.split_k, FUSE_SCALE=cfg.fuse_scale, MAGIC=magic, COMPUTE=compute,
+        HAS_BIAS=bias is not None, EVEN_K=k % plan.block_k == 0, EMULATE_BF16=emulate_bf16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out, handle
+
+
+def w4a16_dequantize(w: W4A16Weight, dtype: torch.dtype, block_k: int = 64, block_n: int = 128) -> torch.Tensor:
+    """W as [K, N] in ``dtype`` (kernel channel order): s * (q - z) in fp32, rounded once."""
+    if dtype not in ACT_DTYPES:
+        raise ValueError(f"dtype must be float16 or bfloat16, got {dtype}")
+    k, n = w.in_features, w.out_features
+    out = torch.empty(k, n, device=w.qweight.device, dtype=dtype)
+    grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
+    _w4a16_dequant_kernel[grid](
+        w.qweight, w.qzeros, w.scales, out, n, k, w.group_size or 2**30,
+        w.qweight.stride(0), w.qweight.stride(1), w.qzeros.stride(0), w.qzeros.stride(1),
+        w.scales.stride(0), w.scales.stride(1), out.stride(0), out.stride(1),
+        BITS=w.bits, BLOCK_K=block_k, BLOCK_N=block_n, EMULATE_BF16=_interpreting() and dtype == torch.bfloat16,
+    )  # fmt: skip
+    return out
+
+
+def w4a16_linear(
+    x: torch.Tensor,
+    w: W4A16Weight,
+    bias: torch.Tensor | None = None,
+    config: KernelConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ W.T + bias: permutes x for act-order, picks the regime's config by M."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if w.perm is not None:
+        x2 = x2.index_select(1, w.perm)
+    cfg = config or config_for(x2.shape[0])
+    if cfg.method == "dequant":
+        _check(x2, w, bias, out)
+        wt = w4a16_dequantize(w, x.dtype)  # [K, N]
+        y = torch.addmm(bias.to(x.dtype), x2, wt, out=out) if bias is not None else torch.mm(x2, wt, out=out)
+    else:
+        y, _ = w4a16_gemm(x2, w, bias, out, cfg)
+    return y.view(*lead, w.out_features)
