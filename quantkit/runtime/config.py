@@ -1,0 +1,75 @@
+"""The runtime's settings: cache geometry, batch limits and execution choices, checked once here."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar
+
+from quantkit.errors import QuantkitError
+
+BACKENDS = ("auto", "triton", "torch")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """- ``block_size``: tokens per KV-cache block (page).
+    - ``num_kv_blocks``: blocks in the cache; ``None`` sizes the cache from free GPU memory x
+      ``gpu_memory_utilization`` on CUDA, and gives ``cpu_kv_blocks`` on CPU.
+    - ``max_num_seqs`` / ``max_num_batched_tokens``: per-step limits on running sequences and scheduled tokens
+      (a longer prompt is prefilled in chunks of at most ``max_num_batched_tokens``).
+    - ``max_model_len``: longest sequence (prompt + output); ``None`` takes the model's ``max_position_embeddings``
+      capped at 32768.
+    - ``enable_prefix_caching``: share full KV blocks between sequences whose token prefixes are equal.
+    - ``enforce_eager``: no CUDA graphs; ``cuda_graph_max_bs``: largest decode batch that replays a graph.
+    - ``attention_backend``: ``triton`` kernels, the ``torch`` reference, or ``auto`` (Triton on CUDA).
+    - ``dtype``: activations and float weights; ``auto`` is the checkpoint's dtype on CUDA and float32 on CPU.
+    - ``seed``: seeds sampling for requests that give no seed of their own.
+    """
+
+    version: ClassVar[int] = 1
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    cpu_kv_blocks: int = 1024
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    cuda_graph_max_bs: int = 256
+    attention_backend: str = "auto"
+    dtype: str = "auto"
+    device: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "cpu_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs"):
+            if getattr(self, name) < 1:
+                raise QuantkitError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise QuantkitError(f"num_kv_blocks must be >= 1 or null, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise QuantkitError(f"max_model_len must be >= 1 or null, got {self.max_model_len}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise QuantkitError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.attention_backend not in BACKENDS:
+            raise QuantkitError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
+        if self.dtype not in DTYPES:
+            raise QuantkitError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        data = dict(data)
+        version = data.pop("version", cls.version)
+        if version != cls.version:
+            raise QuantkitError(f"engine config version {version} is not supported (this quantkit reads {cls.version})")
+        allowed = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - allowed)
+        if unknown:
+            raise QuantkitError(f"unknown engine setting {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}")
+        return cls(**data)

@@ -1,0 +1,161 @@
+"""Build the runtime's model from a float HF folder, a quantkit checkpoint, an HF model in memory, or a config
+with random ("dummy") weights.
+
+The model is built on the meta device, its linears made by a factory (``nn.Linear``, or the quantized module the
+checkpoint declares for that name), then filled with ``load_state_dict(assign=True)`` from the safetensors files,
+so no weight is allocated twice.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from quantkit.errors import QuantkitError
+from quantkit.runtime.model import CausalLM, RMSNorm
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+IGNORED_KEY_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    tokenizer: object | None
+    eos_token_ids: tuple[int, ...]
+
+
+def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type != "cuda":
+        return torch.float32
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    stored = DTYPES.get(stored, stored) if isinstance(stored, str) else stored
+    return stored if stored in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def eos_ids(*sources) -> tuple[int, ...]:
+    """EOS ids from the first source (generation config, then model config) that names any."""
+    for src in sources:
+        eos = getattr(src, "eos_token_id", None) if not isinstance(src, dict) else src.get("eos_token_id")
+        if eos is not None:
+            return tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
+    return ()
+
+
+def float_linear(dtype):
+    return lambda name, n_in, n_out, bias: nn.Linear(n_in, n_out, bias=bias, dtype=dtype)
+
+
+def quantized_linear(schemes: dict, dtype):
+    """Linears of the names a quantkit checkpoint lists are built empty for their scheme; the rest stay float."""
+    from quantkit.nn.factory import empty_quantized_linear
+
+    def make(name, n_in, n_out, bias):
+        if name in schemes:
+            return empty_quantized_linear(n_in, n_out, schemes[name], bias, dtype)
+        return nn.Linear(n_in, n_out, bias=bias, dtype=dtype)
+
+    return make
+
+
+def assign_weights(model: CausalLM, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Fill every meta parameter/buffer of ``model`` from ``tensors`` (cast to the dtype the module declares)."""
+    expected = {k: v for k, v in model.state_dict().items() if v.is_meta}
+    tensors = {k: v for k, v in tensors.items() if not k.endswith(IGNORED_KEY_SUFFIXES)}
+    if model.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(model.state_dict()))
+    if missing or unexpected:
+        raise QuantkitError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for k, t in expected.items():
+        if tuple(tensors[k].shape) != tuple(t.shape):
+            raise QuantkitError(f"checkpoint tensor {k} has shape {tuple(tensors[k].shape)}, expected {tuple(t.shape)}")
+    model.load_state_dict({k: tensors[k].to(device=device, dtype=t.dtype) for k, t in expected.items()}, assign=True,
+                          strict=False)  # fmt: skip
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise QuantkitError(f"{folder} holds no .safetensors files")
+    tensors = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            tensors.update({k: st.get_tensor(k) for k in st.keys()})  # noqa: SIM118 (safe_open is not a dict)
+    return tensors
+
+
+def load_folder(path: str | Path, dtype_name: str, device: torch.device) -> LoadedModel:
+    """A float HF folder or a quantkit checkpoint folder."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise QuantkitError(f"{folder} is not a model folder (no config.json)")
+    config = AutoConfig.from_pretrained(folder)
+    dtype = resolve_dtype(dtype_name, config, device)
+    qc = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    if qc is None:
+        linear = float_linear(dtype)
+    else:
+        from quantkit.checkpoint.config import module_schemes
+
+        linear = quantized_linear(module_schemes(qc), dtype)
+    with torch.device("meta"):
+        model = CausalLM(config, linear, dtype)
+    assign_weights(model, read_safetensors(folder), device)
+    tokenizer = None
+    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    gen = GenerationConfig.from_pretrained(folder) if (folder / "generation_config.json").is_file() else None
+    return LoadedModel(model, tokenizer, eos_ids(gen, config))
+
+
+def from_hf_model(hf_model: nn.Module, device: torch.device, tokenizer=None) -> LoadedModel:
+    """Adopt a loaded HF model's modules (float or quantized) and weights: shared, not copied."""
+    config = hf_model.config
+    modules = dict(hf_model.named_modules())
+    dtype = next(p for p in hf_model.parameters() if p.is_floating_point()).dtype
+
+    def adopt(name, n_in, n_out, bias):
+        mod = modules.get(name)
+        if mod is None or (getattr(mod, "in_features", None), getattr(mod, "out_features", None)) != (n_in, n_out):
+            raise QuantkitError(f"HF model has no linear {name} of shape [{n_out}, {n_in}]")
+        return mod
+
+    with torch.device("meta"):
+        model = CausalLM(config, adopt, dtype)
+    assign_weights(model, dict(hf_model.state_dict()), device)
+    model.to(device)
+    return LoadedModel(model, tokenizer, eos_ids(getattr(hf_model, "generation_config", None), config))
+
+
+def dummy(config, dtype_name: str, device: torch.device, seed: int = 0) -> LoadedModel:
+    """Random weights in the shape of ``config`` (an HF config or a dict with ``model_type``), for benchmarks."""
+    if isinstance(config, dict):
+        from transformers import AutoConfig
+
+        config = AutoConfig.for_model(**config)
+    dtype = resolve_dtype(dtype_name, config, device)
+    with torch.device("meta"):
+        model = CausalLM(config, float_linear(dtype), dtype)
+    model.to_empty(device=device)
+    gen = torch.Generator(device).manual_seed(seed)
+    std = getattr(config, "initializer_range", 0.02)
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, RMSNorm):
+                mod.weight.fill_(1.0)
+            elif isinstance(mod, nn.Linear | nn.Embedding):
+                mod.weight.normal_(0.0, std, generator=gen)
+                if getattr(mod, "bias", None) is not None:
+                    mod.bias.zero_()
+    return LoadedModel(model, None, eos_ids(config))

@@ -1,0 +1,211 @@
+"""The runtime's own forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3) on packed tokens.
+
+Tokens of all sequences in a step lie on one axis [T]; attention reads and writes the paged KV cache
+(``runtime.attention``). Module names equal Hugging Face's, so checkpoints load by name, and every linear is made by
+a factory: ``nn.Linear`` for float weights, ``QuantLinear`` / ``W8A8Linear`` for quantized ones. The arithmetic
+follows transformers' modeling code step for step (RMSNorm in fp32, rotary tables in fp32 cast to the activation
+dtype), so fp32 greedy outputs match it token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantkit.errors import QuantkitError
+from quantkit.runtime.attention import AttentionMetadata, paged_attention
+
+LinearFactory = Callable[[str, int, int, bool], nn.Module]  # (name, in_features, out_features, bias) -> module
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What distinguishes one Llama-family class: ``qkv_bias`` q/k/v carry a bias whatever the config says (Qwen2);
+    ``qk_norm`` an RMSNorm over each head of q and k before the rotary embedding (Qwen3)."""
+
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+
+DECODERS = {
+    "LlamaForCausalLM": DecoderSpec(),
+    "MistralForCausalLM": DecoderSpec(),
+    "Qwen2ForCausalLM": DecoderSpec(qkv_bias=True),
+    "Qwen3ForCausalLM": DecoderSpec(qk_norm=True),
+}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+UNSUPPORTED_ROPE = ("dynamic", "longrope")  # their frequencies depend on the current sequence length
+
+
+def architecture(config) -> str:
+    """The HF class name of a config: its ``architectures`` entry, else the one its ``model_type`` implies."""
+    names = getattr(config, "architectures", None)
+    return names[0] if names else MODEL_TYPES.get(config.model_type, config.model_type)
+
+
+def decoder_spec(config) -> DecoderSpec:
+    arch = architecture(config)
+    if arch not in DECODERS:
+        raise QuantkitError(f"the runtime does not support {arch}; supported: {', '.join(sorted(DECODERS))}")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise QuantkitError(f"the runtime supports SiLU-gated MLPs only, got hidden_act={config.hidden_act!r}")
+    return DECODERS[arch]
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def layer_windows(config) -> list[int]:
+    """Sliding-window size of each layer (0 = full attention)."""
+    window = getattr(config, "sliding_window", None) or 0
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return [window] * config.num_hidden_layers
+    return [window if t == "sliding_attention" else 0 for t in types]
+
+
+def rope_tables(config, max_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin fp32 [max_len, head_dim], computed as transformers does (including its rope scaling types)."""
+    params = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta}
+    rope_type = params.get("rope_type", "default")
+    if rope_type in UNSUPPORTED_ROPE:
+        raise QuantkitError(f"rope_type {rope_type!r} is not supported by the runtime")
+    if rope_type == "default":
+        dim = head_dim(config)
+        inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        scaling = 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    freqs = torch.arange(max_len, dtype=torch.float)[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(device), (emb.sin() * scaling).to(device)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, 1, D] in x's dtype."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config, spec: DecoderSpec, prefix: str, linear: LinearFactory, window: int, dtype):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim(config)
+        self.scale = self.head_dim**-0.5
+        self.window = window
+        bias = bool(getattr(config, "attention_bias", False))
+        hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = linear(f"{prefix}.q_proj", hidden, q_size, bias or spec.qkv_bias)
+        self.k_proj = linear(f"{prefix}.k_proj", hidden, kv_size, bias or spec.qkv_bias)
+        self.v_proj = linear(f"{prefix}.v_proj", hidden, kv_size, bias or spec.qkv_bias)
+        self.o_proj = linear(f"{prefix}.o_proj", q_size, hidden, bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        o = paged_attention(q, k, v, *kv_cache, meta, self.scale, self.window)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config, prefix: str, linear: LinearFactory):
+        super().__init__()
+        hidden, inter, bias = config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False))
+        self.gate_proj = linear(f"{prefix}.gate_proj", hidden, inter, bias)
+        self.up_proj = linear(f"{prefix}.up_proj", hidden, inter, bias)
+        self.down_proj = linear(f"{prefix}.down_proj", inter, hidden, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, spec: DecoderSpec, i: int, linear: LinearFactory, window: int, dtype):
+        super().__init__()
+        prefix = f"model.layers.{i}"
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, spec, f"{prefix}.self_attn", linear, window, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, f"{prefix}.mlp", linear)
+
+    def forward(self, h, cos, sin, meta, kv_cache):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Decoder(nn.Module):
+    def __init__(self, config, spec: DecoderSpec, linear: LinearFactory, dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        windows = layer_windows(config)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, spec, i, linear, windows[i], dtype) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
+class CausalLM(nn.Module):
+    """``forward(input_ids [T], positions [T], meta, kv_caches) -> hidden [T, hidden]``; ``logits(hidden)``.
+
+    The rotary tables (``cos``, ``sin`` [max_len, D] fp32) are plain attributes set by ``set_rope``."""
+
+    def __init__(self, config, linear: LinearFactory, dtype: torch.dtype):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.model = Decoder(config, decoder_spec(config), linear, dtype)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = (
+            None if self.tie_word_embeddings else linear("lm_head", config.hidden_size, config.vocab_size, False)
+        )
+        self.cos = self.sin = None
+
+    def set_rope(self, max_len: int, device) -> None:
+        self.cos, self.sin = rope_tables(self.config, max_len, device)
+
+    def forward(
+        self, input_ids, positions, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ):
+        h = self.model.embed_tokens(input_ids)
+        cos = self.cos[positions].to(h.dtype)[:, None, :]
+        sin = self.sin[positions].to(h.dtype)[:, None, :]
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, meta, kv_cache)
+        return self.model.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight)
+        return self.lm_head(hidden)

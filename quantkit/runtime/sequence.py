@@ -1,0 +1,67 @@
+"""One completion being generated: its tokens, how many have KV in the cache, and the blocks holding them."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+
+from quantkit.runtime.sampling_params import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """``token_ids`` = prompt + output. The first ``num_computed_tokens`` have K/V in the cache, in the blocks of
+    ``block_table`` (block i holds positions i*P .. i*P + P - 1). ``pending_forks`` completions of an n > 1 request
+    are split off when this sequence samples its first token; ``index`` numbers the completions of a request."""
+
+    def __init__(self, seq_id: int, request_id: int, prompt: list[int], params: SamplingParams, index: int = 0):
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index
+        self.params = params
+        self.token_ids = list(prompt)
+        self.num_prompt_tokens = len(prompt)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_keys: list[bytes] = []  # prefix hash of each full block of token_ids (computed lazily)
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.pending_forks = params.n - 1 if index == 0 else 0
+        self.generator: torch.Generator | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def fork(self, seq_id: int, index: int) -> Sequence:
+        """A copy sharing this sequence's history (the caller shares its blocks through the block manager)."""
+        child = Sequence(seq_id, self.request_id, self.token_ids[: self.num_prompt_tokens], self.params, index)
+        child.token_ids = list(self.token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.block_keys = list(self.block_keys)
+        child.status = self.status
+        return child
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, request={self.request_id}.{self.index}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)}, {self.status.value})"
+        )

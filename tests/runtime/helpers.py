@@ -1,0 +1,24 @@
+"""Shared pieces of the runtime tests: Hugging Face greedy references and random prompts."""
+
+from __future__ import annotations
+
+import torch
+
+
+def random_prompts(lengths, vocab: int, seed: int = 0, low: int = 3) -> list[list[int]]:
+    """Token-id prompts of the given lengths, avoiding the special ids below ``low``."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(low, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Hugging Face ``generate`` one prompt at a time (no padding), greedy; new tokens only, stopping at EOS."""
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        seq = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+        )
+        out.append(seq[0, len(p) :].tolist())
+    return out

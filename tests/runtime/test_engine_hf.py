@@ -1,0 +1,133 @@
+"""Greedy outputs of the runtime equal Hugging Face ``generate`` token for token (fp32, CPU).
+
+The runtime repeats transformers' arithmetic (fp32 RMSNorm, rotary tables, softmax attention), so on the same
+weights the logits agree to ~1e-6 and greedy tokens are identical; any scheduling bug (a wrong slot, block table,
+position or chunk boundary) changes the K/V a token sees and shows up as a different token.
+"""
+
+import pytest
+import torch
+import transformers as T
+
+import quantkit
+from quantkit.recipe import Recipe
+from quantkit.runtime import LLM, SamplingParams
+from tests.runtime.helpers import hf_greedy, random_prompts
+from tests.tiny_models import COMMON, tiny_model
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+LENGTHS = [5, 23, 1, 40, 16, 9]  # mixed, including one-token and exactly-one-block prompts
+NEW = 24
+VOCAB = COMMON["vocab_size"]
+
+SETTINGS = {
+    "roomy": dict(num_kv_blocks=64),
+    "chunked": dict(num_kv_blocks=64, max_num_batched_tokens=16),  # long prompts prefilled in pieces
+    "preempting": dict(num_kv_blocks=8, max_num_batched_tokens=64),  # 128 slots for 6 sequences of up to 64
+}
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_and_reference(request):
+    model = tiny_model(request.param)
+    prompts = random_prompts(LENGTHS, VOCAB, seed=1)
+    return model, prompts, hf_greedy(model, prompts, NEW)
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_greedy_matches_hf(arch_and_reference, setting):
+    model, prompts, reference = arch_and_reference
+    llm = LLM(model, **SETTINGS[setting])
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW))
+    assert [o.completions[0].token_ids for o in outputs] == reference
+    if setting == "preempting":
+        assert llm.scheduler.num_preemptions > 0
+    assert llm.block_manager.num_free == llm.block_manager.num_blocks
+
+
+def test_parallel_sampling_shares_prompt_blocks(arch_and_reference):
+    """n = 3 greedy completions equal HF's greedy output; they fork from one prefill and copy the shared
+    partly filled last block on their first write."""
+    model, prompts, reference = arch_and_reference
+    llm = LLM(model, num_kv_blocks=64)
+    copies, computed = [], []
+    run = llm.runner.run
+    llm.runner.run = lambda batch: (copies.extend(batch.copies), computed.append(batch.num_tokens), run(batch))[2]
+    outputs = llm.generate(prompts, SamplingParams(n=3, max_tokens=NEW))
+    for out, ref in zip(outputs, reference, strict=True):
+        assert [c.index for c in out.completions] == [0, 1, 2]
+        assert all(c.token_ids == ref for c in out.completions)
+    partial_prompts = sum(1 for p in prompts if len(p) % llm.config.block_size)
+    assert len(copies) == 2 * partial_prompts  # two of the three completions copy; the last owner writes in place
+    # each prompt is prefilled once; each completion then computes every sampled token but its last
+    decoded = sum(len(c.token_ids) - 1 for o in outputs for c in o.completions)
+    assert sum(computed) == sum(map(len, prompts)) + decoded
+
+
+def test_common_prefix_is_computed_once():
+    model = tiny_model("llama")
+    prefix = random_prompts([40], VOCAB, seed=2)[0]
+    prompts = [prefix + tail for tail in random_prompts([3, 7, 12], VOCAB, seed=3)]
+    reference = hf_greedy(model, prompts, 8)
+    llm = LLM(model, num_kv_blocks=64)
+    first = llm.generate(prompts[:1], SamplingParams(max_tokens=8))
+    computed = []
+    run = llm.runner.run
+    llm.runner.run = lambda batch: (computed.append(batch.num_tokens), run(batch))[1]
+    rest = llm.generate(prompts[1:], SamplingParams(max_tokens=8))
+    assert [o.completions[0].token_ids for o in first + rest] == reference
+    # the 32 tokens of the two full prefix blocks come from the cache: only tails are prefilled
+    assert computed[0] == sum(len(p) - 32 for p in prompts[1:])
+
+
+def test_sliding_window_matches_hf():
+    torch.manual_seed(0)
+    config = T.MistralConfig(**COMMON, sliding_window=8)
+    model = T.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    prompts = random_prompts([5, 20, 13], VOCAB, seed=4)
+    reference = hf_greedy(model, prompts, 16)
+    for settings in (dict(num_kv_blocks=32), dict(num_kv_blocks=32, max_num_batched_tokens=7)):
+        outputs = LLM(model, **settings).generate(prompts, SamplingParams(max_tokens=16))
+        assert [o.completions[0].token_ids for o in outputs] == reference
+
+
+def test_quantized_checkpoint_matches_hf(tmp_path):
+    """A quantkit checkpoint (RTN 4-bit, QuantLinear) loaded from disk by the runtime's own loader gives the same
+    greedy tokens as the same checkpoint loaded into transformers by quantkit.load_quantized."""
+    model = tiny_model("qwen2")
+    recipe = Recipe.from_dict({"scheme": {"bits": 4, "group_size": 32, "sym": False}, "stages": [{"method": "rtn"}]})
+    quantkit.quantize(model, recipe)
+    folder = quantkit.save_quantized(model, tmp_path / "q")
+    hf = quantkit.load_quantized(folder)
+    prompts = random_prompts([7, 30, 2], VOCAB, seed=5)
+    reference = hf_greedy(hf, prompts, 12)
+    llm = LLM(str(folder), num_kv_blocks=32, max_num_batched_tokens=16)
+    assert type(llm.model.model.layers[0].mlp.down_proj).__name__ == "QuantLinear"
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=12))
+    assert [o.completions[0].token_ids for o in outputs] == reference
+
+
+def test_w8a8_modules_match_hf():
+    w8a8 = pytest.importorskip("quantkit.nn.w8a8")
+    model = tiny_model("llama")
+    recipe = Recipe.from_dict(
+        {"scheme": {"bits": 8, "group_size": -1, "sym": True, "act_bits": 8}, "stages": [{"method": "rtn"}]}
+    )
+    quantkit.quantize(model, recipe)
+    assert any(isinstance(m, w8a8.W8A8Linear) for m in model.modules())
+    prompts = random_prompts([6, 19], VOCAB, seed=6)
+    reference = hf_greedy(model, prompts, 12)
+    outputs = LLM(model, num_kv_blocks=32).generate(prompts, SamplingParams(max_tokens=12))
+    assert [o.completions[0].token_ids for o in outputs] == reference
+
+
+def test_float_folder_and_stop_tokens(tmp_path):
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "m")
+    prompts = random_prompts([11, 4], VOCAB, seed=7)
+    reference = hf_greedy(model, prompts, 10)
+    llm = LLM(str(tmp_path / "m"), num_kv_blocks=32)
+    assert [o.completions[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=10))] == reference
+    stop = reference[0][3]
+    out = llm.generate(prompts[:1], SamplingParams(max_tokens=10, stop_token_ids=(stop,)))[0].completions[0]
+    assert out.token_ids == reference[0][: reference[0].index(stop) + 1] and out.finish_reason == "stop"
