@@ -24,13 +24,14 @@ Kernels
     - fused (FUSE_SCALE=True; any G multiple of 32): W = (q - z) * s is formed in fp32 and rounded once to the
       activation dtype, exactly like PyTorch's dequantize-then-matmul, then accumulated by tl.dot. Lets the
       compiler keep the accumulator inside the MMA pipeline (large M).
-    Split-K (SPLIT_K > 1): every CTA writes its fp32 partial tile to a workspace, then counts itself in on a
-    per-tile semaphore; the last arrival sums the partials in split order (deterministic), adds the bias, stores y
-    and resets the semaphore to 0 for the next launch. One launch, no memset, no second reduction kernel.
+    Split-K (grid axis 1 > 1, SPLIT=True): every CTA writes its fp32 partial tile to a workspace, then counts
+    itself in on a per-tile semaphore; the last arrival sums the partials in split order (deterministic), adds the
+    bias, stores y and resets the semaphore to 0 for the next launch. One launch, no memset, no second reduction
+    kernel. The split factor is read from the grid, so one compiled kernel serves every factor.
     ``_w4a16_dequant_kernel`` writes W as [K, N] in x's dtype for the dequantize-then-cuBLAS path (large M).
 
-Regimes (``CONFIG_TABLE``): skinny M <= 16 (BLOCK_M 16, split-K to fill the SMs), medium, large M (tiled GEMM or
-dequantize + cuBLAS). The committed table is chosen by reasoning until an H200 sweep
+Regimes (``CONFIG_TABLE`` in ``w4a16_configs.py``): skinny M <= 16 (BLOCK_M 16, split-K to fill the SMs),
+medium, large M (tiled GEMM or dequantize + cuBLAS). The committed table is chosen by reasoning until an H200 sweep
 (``benchmarks/bench_w4a16.py --sweep``) replaces it: decode is memory bound, each SM needs ~24 KB of loads in
 flight (4 TB/s / 132 SMs x ~0.8 us latency), so skinny tiles are 16 x 128 x 128 (8 KB of words per stage, several
 stages, several CTAs per SM) and K is split until ~4 waves of CTAs exist.
@@ -48,14 +49,30 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
+from quantkit.kernels.w4a16_configs import CONFIG_TABLE, LOCK_SLOTS, KernelConfig, LaunchPlan, config_for, plan_launch
 
+__all__ = [
+    "CONFIG_TABLE",
+    "KERNEL_LAYOUT",
+    "KERNEL_LAYOUT_VERSION",
+    "KernelConfig",
+    "LaunchPlan",
+    "W4A16Weight",
+    "config_for",
+    "plan_launch",
+    "prepare_gptq_weight",
+    "unsupported_reason",
+    "w4a16_dequantize",
+    "w4a16_gemm",
+    "w4a16_linear",
+    "w4a16_reference",
+]
 KERNEL_LAYOUT = "gptq_v2_sorted_groups"
 KERNEL_LAYOUT_VERSION = 1
 ACT_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_BITS = (4, 8)
 MAGIC_F32 = tl.constexpr(0x4B000000)  # code | MAGIC_F32 read as fp32 is 2**23 + code
 MAGIC_16 = {torch.float16: 0x6400, torch.bfloat16: 0x4300}  # 1024 + code, 128 + code (exact for code < 128)
-LOCK_SLOTS = 4096  # per-tile semaphores a prepared weight keeps for split-K launches
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -159,7 +176,7 @@ def _w4a16_gemm_kernel(
     stride_xm, stride_xk, stride_qwk, stride_qwn, stride_qzg, stride_qzn, stride_sg, stride_sn, stride_om, stride_on,
     # meta-parameters
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, FUSE_SCALE: tl.constexpr, MAGIC: tl.constexpr, COMPUTE: tl.constexpr,
+    SPLIT: tl.constexpr, FUSE_SCALE: tl.constexpr, MAGIC: tl.constexpr, COMPUTE: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
     PF: tl.constexpr = 32 // BITS
@@ -214,7 +231,7 @@ def _w4a16_gemm_kernel(
             w = _dequant_tile(words, zeros, scales, ACT, COMPUTE, BITS, MAGIC, False, EMULATE_BF16)
             acc += tl.dot(x.to(COMPUTE), w) * scales.to(tl.float32)
 
-    if SPLIT_K == 1:
+    if not SPLIT:
         _store_tile(acc, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS, EMULATE_BF16)
     else:
         # Serial fix-up: the last CTA of this output tile to arrive sums every split's partial in split order.
@@ -224,9 +241,10 @@ def _w4a16_gemm_kernel(
         tl.debug_barrier()  # all partial stores of this CTA happen before its release below
         lock = lock_ptr + pid_m * num_pid_n + pid_n
         arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
+        split_k = tl.num_programs(1)  # a runtime value: one compiled kernel serves every split factor
+        if arrived == split_k - 1:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(SPLIT_K):
+            for s in range(split_k):
                 total += tl.load(part_ptr + s * M * N + part_offs, mask=part_mask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(lock, 0)  # ready for the next launch
             _store_tile(total, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS, EMULATE_BF16)
@@ -257,103 +275,6 @@ def _w4a16_dequant_kernel(
     offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     w_mask = (offs_k < K)[:, None] & (offs_n < N)[None, :]
     tl.store(w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn, w, mask=w_mask)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Configurations and the regime table
-# ---------------------------------------------------------------------------------------------------------------
-METHODS = ("fused", "dequant")
-
-
-def _pow2(v: int) -> bool:
-    return v > 0 and v & (v - 1) == 0
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """One launch configuration.
-
-    ``method``: "fused" (the Triton GEMM above) or "dequant" (Triton dequantize to [K, N], then cuBLAS).
-    ``split_waves``: split K until about ``split_waves * n_SMs`` CTAs exist (0: never split).
-    ``fuse_scale``: scale inside the tile (any G) instead of after each tile's dot (BLOCK_K is then capped by G).
-    """
-
-    method: str = "fused"
-    block_m: int = 16
-    block_n: int = 128
-    block_k: int = 128
-    num_warps: int = 4
-    num_stages: int = 4
-    split_waves: int = 0
-    fuse_scale: bool = False
-    group_m: int = 8
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
-        for name in ("block_m", "block_n", "block_k", "num_warps", "group_m"):
-            if not _pow2(getattr(self, name)):
-                raise ValueError(f"{name} must be a power of two, got {getattr(self, name)}")
-        if self.block_m < 16 or self.block_n < 16 or self.block_k < 32:
-            raise ValueError("tiles must be at least 16 (M, N) and 32 (K) wide for tl.dot and whole packed words")
-        if not 0 <= self.split_waves <= 8 or self.num_stages < 1:
-            raise ValueError("split_waves must be in [0, 8] and num_stages >= 1")
-
-    @property
-    def name(self) -> str:
-        if self.method == "dequant":
-            return "dequant+cublas"
-        scale = "fs" if self.fuse_scale else "ts"
-        return (
-            f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
-            f"sw{self.split_waves}{scale}"
-        )
-
-
-# BEGIN CONFIG_TABLE -- rewritten by `python benchmarks/bench_w4a16.py --apply <sweep.json>`
-# Source: reasoning (no H200 measurement yet). Largest M of each regime -> config.
-CONFIG_TABLE: tuple[tuple[int, KernelConfig], ...] = (
-    (16, KernelConfig("fused", 16, 128, 128, 4, 4, split_waves=4)),
-    (64, KernelConfig("fused", 64, 128, 128, 4, 4, split_waves=2)),
-    (256, KernelConfig("fused", 128, 128, 64, 8, 4, split_waves=1, fuse_scale=True)),
-    (2**31, KernelConfig("fused", 128, 256, 64, 8, 3, fuse_scale=True)),
-)
-# END CONFIG_TABLE
-
-
-def config_for(m: int) -> KernelConfig:
-    """The committed configuration of the regime that ``m`` rows fall in."""
-    for max_m, cfg in CONFIG_TABLE:
-        if m <= max_m:
-            return cfg
-    return CONFIG_TABLE[-1][1]
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    block_k: int
-    split_k: int
-    tiles_per_split: int
-    grid: tuple[int, int]
-
-
-def plan_launch(cfg: KernelConfig, m: int, n: int, k: int, group_size: int, num_sms: int) -> LaunchPlan:
-    """Effective BLOCK_K (capped so a tile never straddles groups in tile-scale mode) and the split-K factor.
-
-    ``group_size`` is the contiguous group length along K, or 0 when there is a single group.
-    """
-    block_k = cfg.block_k
-    if group_size and not cfg.fuse_scale:
-        while group_size % block_k:
-            block_k //= 2
-    k_tiles = triton.cdiv(k, block_k)
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    split = 1
-    if cfg.split_waves and tiles <= LOCK_SLOTS:
-        split = max(1, min(triton.cdiv(cfg.split_waves * num_sms, tiles), k_tiles))
-    tiles_per_split = triton.cdiv(k_tiles, split)
-    split = triton.cdiv(k_tiles, tiles_per_split)  # no empty splits
-    return LaunchPlan(block_k, split, tiles_per_split, (tiles, split))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -512,7 +433,7 @@ def w4a16_gemm(
         x.stride(0), x.stride(1), w.qweight.stride(0), w.qweight.stride(1), w.qzeros.stride(0), w.qzeros.stride(1),
         w.scales.stride(0), w.scales.stride(1), out.stride(0), out.stride(1),
         BITS=w.bits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=plan.block_k, GROUP_M=cfg.group_m,
-        SPLIT_K=plan.split_k, FUSE_SCALE=cfg.fuse_scale, MAGIC=magic, COMPUTE=compute,
+        SPLIT=plan.split_k > 1, FUSE_SCALE=cfg.fuse_scale, MAGIC=magic, COMPUTE=compute,
         HAS_BIAS=bias is not None, EVEN_K=k % plan.block_k == 0, EMULATE_BF16=emulate_bf16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

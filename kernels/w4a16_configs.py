@@ -1,0 +1,111 @@
+"""Launch configurations of the W4A16 kernel family (``quantkit.kernels.w4a16``) and the committed regime table.
+
+A regime is a range of M (rows of x); each has one ``KernelConfig``. The split-K factor is not stored: it follows
+from the shape (``plan_launch``), so one table entry serves every layer shape. The block between the BEGIN/END
+markers is rewritten by ``python benchmarks/bench_w4a16.py --apply <sweep.json>`` from an H200 sweep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+METHODS = ("fused", "dequant")
+LOCK_SLOTS = 4096  # split-K semaphores a prepared weight keeps: at most this many output tiles may be split
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One launch configuration.
+
+    ``method``: "fused" (dequantize in registers inside the GEMM) or "dequant" (dequantize to [K, N], then cuBLAS).
+    ``split_waves``: split K until about ``split_waves * n_SMs`` CTAs exist (0: never split).
+    ``fuse_scale``: scale inside the tile (any G) instead of after each tile's dot, where BLOCK_K is capped by G.
+    """
+
+    method: str = "fused"
+    block_m: int = 16
+    block_n: int = 128
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    split_waves: int = 0
+    fuse_scale: bool = False
+    group_m: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        for name in ("block_m", "block_n", "block_k", "num_warps", "group_m"):
+            if not _pow2(getattr(self, name)):
+                raise ValueError(f"{name} must be a power of two, got {getattr(self, name)}")
+        if self.block_m < 16 or self.block_n < 16 or self.block_k < 32:
+            raise ValueError("tiles must be at least 16 (M, N) and 32 (K) wide: tl.dot's minimum, whole packed words")
+        if not 0 <= self.split_waves <= 8 or self.num_stages < 1:
+            raise ValueError("split_waves must be in [0, 8] and num_stages >= 1")
+
+    @property
+    def name(self) -> str:
+        if self.method == "dequant":
+            return "dequant+cublas"
+        scale = "fs" if self.fuse_scale else "ts"
+        return (
+            f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
+            f"sw{self.split_waves}{scale}"
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# BEGIN CONFIG_TABLE -- rewritten by `python benchmarks/bench_w4a16.py --apply <sweep.json>`
+# Source: reasoning, no H200 measurement yet (see w4a16.py's header). Largest M of each regime -> config.
+CONFIG_TABLE: tuple[tuple[int, KernelConfig], ...] = (
+    (16, KernelConfig("fused", 16, 128, 128, 4, 4, split_waves=4)),
+    (64, KernelConfig("fused", 64, 128, 128, 4, 4, split_waves=2)),
+    (256, KernelConfig("fused", 128, 128, 64, 8, 4, split_waves=1, fuse_scale=True)),
+    (2**31, KernelConfig("fused", 128, 256, 64, 8, 3, fuse_scale=True)),
+)
+# END CONFIG_TABLE
+
+
+def config_for(m: int) -> KernelConfig:
+    """The committed configuration of the regime that ``m`` rows fall in."""
+    for max_m, cfg in CONFIG_TABLE:
+        if m <= max_m:
+            return cfg
+    return CONFIG_TABLE[-1][1]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    block_k: int
+    split_k: int
+    tiles_per_split: int
+    grid: tuple[int, int]
+
+
+def plan_launch(cfg: KernelConfig, m: int, n: int, k: int, group_size: int, num_sms: int) -> LaunchPlan:
+    """Effective BLOCK_K (capped so a tile never straddles groups in tile-scale mode) and the split-K factor.
+
+    ``group_size`` is the contiguous group length along K, or 0 when there is a single group.
+    """
+    block_k = cfg.block_k
+    if group_size and not cfg.fuse_scale:
+        while group_size % block_k:
+            block_k //= 2
+    k_tiles = _cdiv(k, block_k)
+    tiles = _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n)
+    split = 1
+    if cfg.split_waves and tiles <= LOCK_SLOTS:
+        split = max(1, min(_cdiv(cfg.split_waves * num_sms, tiles), k_tiles))
+    tiles_per_split = _cdiv(k_tiles, split)
+    split = _cdiv(k_tiles, tiles_per_split)  # no empty splits
+    return LaunchPlan(block_k, split, tiles_per_split, (tiles, split))
