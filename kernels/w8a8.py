@@ -12,7 +12,9 @@ in two kernels:
    GPU and Triton's interpreter agree with ``torch.round`` / ``Tensor.to(torch.float8_e4m3fn)`` bit for bit
    (the interpreter's own fp32 -> fp8 cast does not round to nearest even).
 2. ``w8a8_matmul``: qa [M, K] x qw [N, K]^T. Tiles of BLOCK_M x BLOCK_N, grouped along M (GROUP_M) for L2 reuse,
-   K loop of BLOCK_K with an unmasked EVEN_K fast path. int8 accumulates in int32 (exact while
+   and a K loop of BLOCK_K. Two kernels share the accumulate and epilogue code: operand tiles fetched by the TMA
+   unit through host-built tensor descriptors (config ``USE_TMA``; needs K % 16 == 0), or by pointer loads with
+   an unmasked EVEN_K fast path (any K). int8 accumulates in int32 (exact while
    128 * 128 * K < 2**31, i.e. K <= 131_071; weights from GPTQ may use the code -128). fp8 accumulates in fp32;
    Hopper's fp8 tensor cores add with reduced precision, so by default each BLOCK_K-long partial sum is promoted
    into a full fp32 accumulator (DeepSeek-V3's fix, promotion interval 128); ``fp8_fast_accum=True`` keeps the
@@ -33,6 +35,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 INT8_MAX = 127.0
 E4M3_MAX = 448.0
@@ -210,6 +213,49 @@ def _quantize_rows_kernel(
 
 
 @triton.jit
+def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """program id -> (pid_m, pid_n), GROUP_M row-tiles at a time so that their weight tiles are reused from L2."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pids_per_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // pids_per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    return first_pid_m + (pid % pids_per_group) % group_rows, (pid % pids_per_group) // group_rows
+
+
+@triton.jit
+def _mma(a, w, acc, IS_FP8: tl.constexpr, FP8_FAST_ACCUM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += a [BLOCK_M, BLOCK_K] @ w [BLOCK_K, BLOCK_N] in int32 (int8) or fp32 (fp8)."""
+    if IS_FP8 and FP8_FAST_ACCUM:
+        return tl.dot(a, w, acc)  # sm_90: the whole K loop accumulates inside the tensor core (reduced precision)
+    elif IS_FP8:
+        return tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)  # promoted to full fp32 every BLOCK_K
+    else:
+        return tl.dot(a, w, acc, out_dtype=tl.int32)
+
+
+@triton.jit
+def _scale_bias_store(
+    acc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, stride_cm, stride_cn, offs_m, offs_n,
+    A_SCALE_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """Epilogue in registers: (acc * a_scale[m]) * w_scale[n] (+ bias[n]) in fp32 -> one masked store."""
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    y = acc.to(tl.float32)
+    if A_SCALE_PER_ROW:
+        y = y * tl.load(a_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
+    else:
+        y = y * tl.load(a_scale_ptr)
+    y = y * tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
 def _w8a8_matmul_kernel(
     # pointers
     a_ptr,
@@ -240,16 +286,7 @@ def _w8a8_matmul_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # program id -> (pid_m, pid_n), GROUP_M row-tiles at a time so their weight tiles are reused from L2
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pids_per_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // pids_per_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % pids_per_group) % group_rows
-    pid_n = (pid % pids_per_group) // group_rows
-
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -257,10 +294,7 @@ def _w8a8_matmul_kernel(
     a_ptrs = a_ptr + (offs_m % M)[:, None] * stride_am + offs_k[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + offs_k[:, None] * stride_wk + (offs_n % N)[None, :] * stride_wn  # [BLOCK_K, BLOCK_N]
 
-    if IS_FP8:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32 if IS_FP8 else tl.int32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -268,28 +302,56 @@ def _w8a8_matmul_kernel(
         else:
             a = tl.load(a_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0.0)
             w = tl.load(w_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0)
-        if IS_FP8 and FP8_FAST_ACCUM:
-            acc = tl.dot(a, w, acc)  # sm_90: the whole K loop accumulates inside the tensor core (reduced precision)
-        elif IS_FP8:
-            acc = tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)  # promoted to full fp32 every BLOCK_K
-        else:
-            acc = tl.dot(a, w, acc, out_dtype=tl.int32)
+        acc = _mma(a, w, acc, IS_FP8, FP8_FAST_ACCUM, BLOCK_K)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
+    _scale_bias_store(
+        acc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, stride_cm, stride_cn, offs_m, offs_n,
+        A_SCALE_PER_ROW, HAS_BIAS,
+    )  # fmt: skip
 
-    # epilogue in registers: (acc * a_scale[m]) * w_scale[n] (+ bias[n]) -> output dtype
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    y = acc.to(tl.float32)
-    if A_SCALE_PER_ROW:
-        y = y * tl.load(a_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
-    else:
-        y = y * tl.load(a_scale_ptr)
-    y = y * tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
-    if HAS_BIAS:
-        y = y + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+@triton.jit
+def _w8a8_matmul_tma_kernel(
+    # tensor descriptors (TMA): qa [M, K] in blocks [BLOCK_M, BLOCK_K], qw [N, K] in blocks [BLOCK_N, BLOCK_K]
+    a_desc,
+    w_desc,
+    # pointers
+    c_ptr,
+    a_scale_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    # sizes
+    M,
+    N,
+    K,
+    # strides
+    stride_cm,
+    stride_cn,
+    # meta-parameters
+    A_SCALE_PER_ROW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    FP8_FAST_ACCUM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """The same product with operand tiles fetched by the TMA unit (bulk async copies; out-of-bounds reads are
+    zero-filled, so ragged M/N/K need no masks)."""
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32 if IS_FP8 else tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([pid_m * BLOCK_M, k0])
+        w = w_desc.load([pid_n * BLOCK_N, k0])
+        acc = _mma(a, w.T, acc, IS_FP8, FP8_FAST_ACCUM, BLOCK_K)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _scale_bias_store(
+        acc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, stride_cm, stride_cn, offs_m, offs_n,
+        A_SCALE_PER_ROW, HAS_BIAS,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -297,22 +359,21 @@ def _w8a8_matmul_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 
 M_REGIMES = (("m16", 16), ("m64", 64), ("m256", 256), ("large", None))  # regime = first whose bound >= M
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "USE_TMA", "num_warps", "num_stages")
 
 # BEGIN TUNED CONFIGS (rewritten by `python benchmarks/bench_w8a8.py --apply-sweep SWEEP.json`)
 CONFIGS_TUNED_ON = "not tuned: starting points from Triton matmul tutorial sizes, never measured on a GPU"
-CONFIGS = {
-    ("int8", "m16"): {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 4},
-    ("int8", "m64"): {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 4},
-    ("int8", "m256"): {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
-    ("int8", "large"): {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
-    ("fp8", "m16"): {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 4},
-    ("fp8", "m64"): {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 4},
-    ("fp8", "m256"): {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
-    ("fp8", "large"): {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+CONFIGS = {  # (format, M regime): CONFIG_KEYS values
+    ("int8", "m16"): (16, 64, 256, 1, 0, 4, 4),
+    ("int8", "m64"): (64, 64, 256, 1, 0, 4, 4),
+    ("int8", "m256"): (128, 128, 128, 8, 1, 8, 4),
+    ("int8", "large"): (128, 256, 128, 8, 1, 8, 3),
+    ("fp8", "m16"): (16, 64, 256, 1, 0, 4, 4),
+    ("fp8", "m64"): (64, 64, 256, 1, 0, 4, 4),
+    ("fp8", "m256"): (128, 128, 128, 8, 1, 8, 4),
+    ("fp8", "large"): (128, 256, 128, 8, 1, 8, 3),
 }
 # END TUNED CONFIGS
-
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 
 
 def m_regime(m: int) -> str:
@@ -323,7 +384,7 @@ def m_regime(m: int) -> str:
 
 
 def pick_config(m: int, fmt: str) -> dict[str, int]:
-    return CONFIGS[(fmt, m_regime(m))]
+    return dict(zip(CONFIG_KEYS, CONFIGS[(fmt, m_regime(m))], strict=True))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -458,34 +519,33 @@ def w8a8_matmul(
         return out
     cfg = dict(config) if config is not None else dict(pick_config(m, fmt))
     _check(set(cfg) == set(CONFIG_KEYS), f"config keys must be {CONFIG_KEYS}, got {sorted(cfg)}")
-    num_warps, num_stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    launch = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
+    use_tma = cfg.pop("USE_TMA") and tma_compatible(qa, qw)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _w8a8_matmul_kernel[grid](
-        qa,
-        qw,
-        out,
-        a_scale,
-        w_scale,
-        bias if bias is not None else w_scale,  # never read when HAS_BIAS is False
-        m,
-        n,
-        k,
-        qa.stride(0),
-        qa.stride(1),
-        qw.stride(0),
-        qw.stride(1),
-        out.stride(0),
-        out.stride(1),
-        A_SCALE_PER_ROW=a_scale.numel() == m,  # for M == 1 both readings are the same value
-        HAS_BIAS=bias is not None,
-        IS_FP8=fmt == "fp8",
-        FP8_FAST_ACCUM=fp8_fast_accum and fmt == "fp8",
-        EVEN_K=k % cfg["BLOCK_K"] == 0,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **cfg,
-    )
+    epilogue = (out, a_scale, w_scale, bias if bias is not None else w_scale)  # bias never read without HAS_BIAS
+    meta = {
+        "A_SCALE_PER_ROW": a_scale.numel() == m,  # for M == 1 both readings are the same value
+        "HAS_BIAS": bias is not None,
+        "IS_FP8": fmt == "fp8",
+        "FP8_FAST_ACCUM": fp8_fast_accum and fmt == "fp8",
+    }
+    if use_tma:
+        a_desc = TensorDescriptor.from_tensor(qa, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
+        w_desc = TensorDescriptor.from_tensor(qw, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+        _w8a8_matmul_tma_kernel[grid](
+            a_desc, w_desc, *epilogue, m, n, k, out.stride(0), out.stride(1), **meta, **cfg, **launch
+        )
+    else:
+        _w8a8_matmul_kernel[grid](
+            qa, qw, *epilogue, m, n, k, qa.stride(0), qa.stride(1), qw.stride(0), qw.stride(1),
+            out.stride(0), out.stride(1), EVEN_K=k % cfg["BLOCK_K"] == 0, **meta, **cfg, **launch,
+        )  # fmt: skip
     return out
+
+
+def tma_compatible(qa: torch.Tensor, qw: torch.Tensor) -> bool:
+    """TMA descriptors need 16-byte aligned base addresses and row strides (8-bit operands: K % 16 == 0)."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) == 1 for t in (qa, qw))
 
 
 def w8a8_linear(

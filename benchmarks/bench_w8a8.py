@@ -1,0 +1,502 @@
+"""W8A8 end-to-end speed against cuBLAS on one GPU, correctness checked first.
+
+Every figure goes from bf16 activations x [M, K] to a bf16 output [M, N] and is timed in the same run as bf16 cuBLAS:
+
+  bf16            F.linear(x, W_bf16): cuBLAS, the baseline of every ratio
+  int8            quantize_activations + w8a8_matmul (ours, Triton): the end-to-end figure
+  int8_gemm       w8a8_matmul alone on pre-quantized activations (ours), to split the cost
+  quant           quantize_activations alone (int8; fp8 costs the same)
+  int_mm          our quantizer + torch._int_mm(qa, W.t()) + a PyTorch epilogue; cuBLAS int8 needs M > 16, so
+                  M <= 16 runs on INT_MM_ROWS = 32 zero-padded rows
+  fp8             quantize_activations + w8a8_matmul, fp8, partial sums promoted to fp32 every BLOCK_K
+  fp8_fast        the same, accumulating in the tensor core throughout (fp8_fast_accum=True)
+  scaled_mm       our fp8 quantizer + torch._scaled_mm with row-wise scales, use_fast_accum=False
+  scaled_mm_fast  the same with use_fast_accum=True
+
+Timing: a CUDA graph of R calls over R rotated copies of every operand (R chosen so that they span more than 3x
+the 60 MB L2), replayed under ``triton.testing.do_bench(return_mode="median")``, which also flushes L2 before each
+replay; the time per call is the replay time / R. The graph removes Python launch overhead, which would otherwise
+dominate the small-M figures.
+
+Modes (results under $OUT if set, else ./bench_out: JSON + markdown; a short table is printed last):
+  python benchmarks/bench_w8a8.py                       full table, 6 shapes x 7 M
+  python benchmarks/bench_w8a8.py --quick               2 shapes x 3 M
+  python benchmarks/bench_w8a8.py --sweep               time tile candidates per (format, M regime), print winners
+  python benchmarks/bench_w8a8.py --configs SWEEP.json  full table with a sweep's winners instead of CONFIGS
+  python benchmarks/bench_w8a8.py --apply-sweep SWEEP.json   (no GPU) write the winners into kernels/w8a8.py
+  TRITON_INTERPRET=1 python benchmarks/bench_w8a8.py --smoke  CPU plumbing check in Triton's interpreter: tiny
+                                                        shapes, wall-clock timing, numbers meaningless
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+from quantkit.kernels import w8a8 as K
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
+
+L2_BYTES = 60 * 2**20
+ROTATE_SPAN = 3 * L2_BYTES
+MAX_ROTATIONS = 64
+SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]  # (N, K)
+MS = [1, 16, 64, 256, 1024, 4096, 16384]
+QUICK_SHAPES = [(4096, 4096), (28672, 8192)]
+QUICK_MS = [16, 1024, 4096]
+SMOKE_SHAPES = [(96, 64), (48, 160)]
+SMOKE_MS = [1, 20, 70]
+INT_MM_ROWS = 32  # cuBLAS int8 (torch._int_mm) requires M > 16: smaller M is padded to this many rows
+TARGETS = [  # (format variant, M range, minimum speedup over bf16) from issue 7
+    ("int8", (1024, None), 1.3),
+    ("int8", (16, 64), 1.6),
+    ("fp8", (1024, None), 1.6),
+]
+VARIANTS = ["bf16", "int8", "int8_gemm", "quant", "int_mm", "fp8", "fp8_fast", "scaled_mm", "scaled_mm_fast"]
+RATIO_VARIANTS = ["int8", "int_mm", "fp8", "fp8_fast", "scaled_mm", "scaled_mm_fast"]
+
+# Sweep candidates per M regime, as K.CONFIG_KEYS tuples (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, num_warps,
+# num_stages), the same for int8 and fp8. Small M is weight-bandwidth bound: narrow N tiles give enough CTAs to fill
+# 132 SMs and deep K pipelines keep bytes in flight; large M is tensor-core bound: wide tiles for operand reuse.
+# Each regime tries pointer loads and TMA.
+SWEEP_CANDIDATES = {
+    "m16": [
+        (16, 64, 256, 1, 0, 4, 4),
+        (16, 32, 256, 1, 0, 4, 5),
+        (16, 128, 128, 1, 0, 4, 4),
+        (16, 64, 256, 1, 1, 4, 4),
+        (16, 32, 256, 1, 1, 4, 6),
+    ],
+    "m64": [
+        (64, 64, 256, 1, 0, 4, 4),
+        (64, 128, 128, 1, 0, 4, 4),
+        (32, 64, 256, 1, 0, 4, 4),
+        (64, 64, 256, 1, 1, 4, 4),
+        (64, 128, 128, 1, 1, 4, 4),
+    ],
+    "m256": [
+        (128, 128, 128, 8, 0, 8, 4),
+        (64, 128, 128, 8, 0, 4, 4),
+        (128, 128, 128, 8, 1, 8, 4),
+        (128, 256, 128, 8, 1, 8, 3),
+        (64, 256, 128, 8, 1, 4, 4),
+    ],
+    "large": [
+        (128, 256, 128, 8, 0, 8, 3),
+        (128, 256, 128, 8, 1, 8, 3),
+        (256, 128, 128, 8, 1, 8, 3),
+        (128, 128, 128, 8, 1, 8, 4),
+        (128, 256, 64, 8, 1, 8, 4),
+    ],
+}
+SWEEP_MS = {"m16": [1, 16], "m64": [64], "m256": [256], "large": [1024, 4096]}
+SMOKE_SWEEP_CANDIDATES = {r: [(16, 32, 32, 1, 0, 4, 2), (16, 16, 64, 2, 1, 4, 2)] for r in SWEEP_CANDIDATES}
+SMOKE_SWEEP_MS = {"m16": [1], "m64": [20], "m256": [70], "large": [300]}
+
+
+# -- timing ------------------------------------------------------------------------------------------------------
+
+
+class Timer:
+    """Seconds per call of R rotated calls: CUDA graph + do_bench on a GPU, wall clock in --smoke."""
+
+    def __init__(self, smoke: bool, warmup_ms: int, rep_ms: int) -> None:
+        self.smoke, self.warmup_ms, self.rep_ms = smoke, warmup_ms, rep_ms
+
+    def per_call(self, calls: list) -> float:
+        if self.smoke:
+            t0 = time.perf_counter()
+            for c in calls:
+                c()
+            return (time.perf_counter() - t0) / len(calls)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up off the capture stream, as torch.cuda.graphs recommends
+            for c in calls:
+                c()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for c in calls:
+                c()
+        ms = triton.testing.do_bench(graph.replay, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
+        del graph
+        return ms * 1e-3 / len(calls)
+
+
+def rotations(m: int, n: int, k: int) -> int:
+    """How many operand copies make one pass over them span ROTATE_SPAN bytes (int8 weights, the smallest)."""
+    per_call = n * k + 2 * m * k + 2 * m * n
+    return max(1, min(MAX_ROTATIONS, math.ceil(ROTATE_SPAN / per_call)))
+
+
+# -- operands and variants ---------------------------------------------------------------------------------------
+
+
+class Problem:
+    """R rotated copies of every operand of one (N, K, M) point; weights quantized per channel (RTN)."""
+
+    def __init__(self, n: int, k: int, m: int, device: str, seed: int, r: int | None = None) -> None:
+        self.n, self.k, self.m = n, k, m
+        self.r = r if r is not None else rotations(m, n, k)
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.x, self.w16, self.wq = [], [], {"int8": [], "fp8": []}
+        self.w_scale = {"int8": [], "fp8": []}
+        self.qa = {"int8": [], "fp8": []}
+        self.a_scale = {"int8": [], "fp8": []}
+        for _ in range(self.r):
+            x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
+            w = (torch.randn(n, k, generator=g, device=device) * 0.02).to(torch.bfloat16)
+            self.x.append(x)
+            self.w16.append(w)
+            for fmt in ("int8", "fp8"):
+                q, s = K.quantize_rows_reference(w, fmt)
+                self.wq[fmt].append(q)
+                self.w_scale[fmt].append(s)
+                qa, sa = K.quantize_activations_reference(x, fmt)
+                self.qa[fmt].append(qa)
+                self.a_scale[fmt].append(sa)
+        self.qa_pad = [
+            torch.zeros(INT_MM_ROWS, k, dtype=torch.int8, device=device) if m <= 16 else None for _ in range(self.r)
+        ]
+        self._reference = {}
+
+    def calls(self, variant: str, config: dict | None = None) -> list:
+        """One zero-argument callable per rotation, each returning the bf16 output [M, N]."""
+        return [self._call(variant, i, config) for i in range(self.r)]
+
+    def _call(self, variant: str, i: int, config: dict | None):
+        x, m = self.x[i], self.m
+        fmt = "fp8" if variant.startswith(("fp8", "scaled_mm")) else "int8"
+        wq, ws = self.wq[fmt][i], self.w_scale[fmt][i]
+        if variant == "bf16":
+            return lambda: F.linear(x, self.w16[i])
+        if variant in ("int8", "fp8", "fp8_fast"):
+            fast = variant == "fp8_fast"
+            return lambda: K.w8a8_linear(x, wq, ws, config=config, fp8_fast_accum=fast)
+        if variant == "int8_gemm":
+            qa, sa = self.qa["int8"][i], self.a_scale["int8"][i]
+            return lambda: K.w8a8_matmul(qa, sa, wq, ws, out_dtype=torch.bfloat16, config=config)
+        if variant == "quant":
+            return lambda: K.quantize_activations(x, "int8")
+        if variant == "int_mm":
+            pad = self.qa_pad[i]
+
+            def int_mm():
+                if pad is None:
+                    qa, sa = K.quantize_activations(x, "int8")
+                    acc = torch._int_mm(qa, wq.t())
+                else:
+                    _, sa = K.quantize_activations(x, "int8", out=pad[:m])
+                    acc = torch._int_mm(pad, wq.t())[:m]
+                return (acc.float() * sa[:, None] * ws[None, :]).to(torch.bfloat16)
+
+            return int_mm
+        if variant in ("scaled_mm", "scaled_mm_fast"):
+            fast = variant == "scaled_mm_fast"
+
+            def scaled_mm():
+                qa, sa = K.quantize_activations(x, "fp8")
+                return torch._scaled_mm(
+                    qa, wq.t(), sa[:, None], ws[None, :], out_dtype=torch.bfloat16, use_fast_accum=fast
+                )
+
+            return scaled_mm
+        raise ValueError(f"unknown variant {variant!r}")
+
+    def reference(self, fmt: str) -> torch.Tensor:
+        """fp32 GEMM of rotation 0's quantized operands, scaled in fp32 (close enough to judge bf16 outputs)."""
+        if fmt not in self._reference:
+            qa, sa = self.qa[fmt][0], self.a_scale[fmt][0]
+            acc = qa.float() @ self.wq[fmt][0].float().t()
+            self._reference[fmt] = acc * sa[:, None] * self.w_scale[fmt][0][None, :]
+        return self._reference[fmt]
+
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k
+
+
+def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+
+
+MAX_REL_ERROR = 4e-3  # bf16 output rounding alone is ~2e-3 relative (rms); fp8 fast accumulation adds a little
+
+
+def check(problem: Problem, variant: str, y: torch.Tensor) -> float:
+    fmt = "fp8" if variant.startswith(("fp8", "scaled_mm")) else "int8"
+    err = rel_error(y, problem.reference(fmt))
+    if not err <= MAX_REL_ERROR:
+        raise AssertionError(f"{variant} N={problem.n} K={problem.k} M={problem.m}: relative error {err:.3g}")
+    return err
+
+
+def quantizer_mismatches(problem: Problem) -> int:
+    """Codes where the Triton quantizer and the PyTorch reference differ (expected: 0)."""
+    bad = 0
+    for fmt in ("int8", "fp8"):
+        qa, sa = K.quantize_activations(problem.x[0], fmt)
+        bad += int((qa.view(torch.uint8) != problem.qa[fmt][0].view(torch.uint8)).sum())
+        bad += int((sa != problem.a_scale[fmt][0]).sum())
+    return bad
+
+
+# -- full table ----------------------------------------------------------------------------------------------------
+
+
+def run_table(shapes, ms, timer: Timer, device: str, configs: dict | None) -> list[dict]:
+    rows = []
+    for n, k in shapes:
+        for m in ms:
+            t0 = time.perf_counter()
+            p = Problem(n, k, m, device, seed=n + k + m, r=1 if timer.smoke else None)
+            row = {"N": n, "K": k, "M": m, "R": p.r, "quant_mismatches": quantizer_mismatches(p), "us": {}, "err": {}}
+            for variant in VARIANTS:
+                fmt = "fp8" if variant.startswith(("fp8", "scaled_mm")) else "int8"
+                cfg = configs.get((fmt, K.m_regime(m))) if configs else None
+                try:
+                    calls = p.calls(variant, cfg)
+                    y = calls[0]()
+                except RuntimeError as e:  # a baseline that cuBLAS refuses for this shape: reported, not fatal
+                    if variant in ("bf16", "int8", "int8_gemm", "quant", "fp8", "fp8_fast"):
+                        raise
+                    row["us"][variant] = None
+                    row["err"][variant] = f"unsupported: {str(e).splitlines()[0][:120]}"
+                    continue
+                if variant not in ("bf16", "quant"):  # bf16 computes from unquantized operands: nothing to compare
+                    row["err"][variant] = check(p, variant, y)
+                row["us"][variant] = timer.per_call(calls) * 1e6
+            base = row["us"]["bf16"]
+            row["speedup"] = {v: base / row["us"][v] for v in RATIO_VARIANTS if row["us"].get(v)}
+            row["int8_tops"] = p.flops() / (row["us"]["int8"] * 1e-6) / 1e12
+            row["bf16_tflops"] = p.flops() / (base * 1e-6) / 1e12
+            row["int8_weight_tbps"] = n * k / (row["us"]["int8"] * 1e-6) / 1e12
+            rows.append(row)
+            print(
+                f"N={n:6d} K={k:6d} M={m:6d}  bf16 {base:9.1f} us  int8 {row['speedup']['int8']:.2f}x  "
+                f"int_mm {row['speedup'].get('int_mm', float('nan')):.2f}x  fp8 {row['speedup']['fp8']:.2f}x  "
+                f"scaled_mm_fast {row['speedup'].get('scaled_mm_fast', float('nan')):.2f}x  "
+                f"[{time.perf_counter() - t0:.1f} s]",
+                flush=True,
+            )
+            del p
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def target_report(rows: list[dict]) -> list[str]:
+    lines = []
+    for variant, (lo, hi), goal in TARGETS:
+        got = [r["speedup"][variant] for r in rows if r["M"] >= lo and (hi is None or r["M"] <= hi)]
+        if not got:
+            continue
+        worst, gm = min(got), geomean(got)
+        verdict = "met" if worst >= goal else ("met on geomean only" if gm >= goal else "NOT met")
+        span = f"M >= {lo}" if hi is None else f"M {lo}-{hi}"
+        lines.append(f"{variant} {span}: target {goal:.1f}x, worst {worst:.2f}x, geomean {gm:.2f}x -> {verdict}")
+    return lines
+
+
+def table_markdown(rows: list[dict], env: dict) -> str:
+    head = ["N", "K", "M", "bf16 us"] + [f"{v} us" for v in VARIANTS[1:]] + [f"{v} x" for v in RATIO_VARIANTS]
+    out = [f"# W8A8 vs bf16 cuBLAS, {env['gpu']}, {env['date']}", "", "```", json.dumps(env, indent=1), "```", ""]
+    out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        us = [f"{r['us'][v]:.1f}" if r["us"].get(v) else "n/a" for v in VARIANTS]
+        sp = [f"{r['speedup'][v]:.2f}" if v in r["speedup"] else "n/a" for v in RATIO_VARIANTS]
+        out.append("| " + " | ".join([str(r["N"]), str(r["K"]), str(r["M"]), *us, *sp]) + " |")
+    out += ["", "## Targets (issue 7)", ""] + [f"- {line}" for line in target_report(rows)]
+    return "\n".join(out) + "\n"
+
+
+def short_table(rows: list[dict]) -> str:
+    """Geomean speedup over bf16 across shapes, one line per M."""
+    lines = ["M        " + "".join(f"{v:>16s}" for v in RATIO_VARIANTS)]
+    for m in sorted({r["M"] for r in rows}):
+        at = [r for r in rows if r["M"] == m]
+        cells = [geomean([r["speedup"][v] for r in at if v in r["speedup"]]) for v in RATIO_VARIANTS]
+        lines.append(f"{m:<9d}" + "".join(f"{c:>15.2f}x" for c in cells))
+    return "\n".join(lines)
+
+
+# -- sweep ---------------------------------------------------------------------------------------------------------
+
+
+def as_config(cand: tuple) -> dict[str, int]:
+    return dict(zip(K.CONFIG_KEYS, cand, strict=True))
+
+
+def run_sweep(shapes, timer: Timer, device: str, candidates: dict, sweep_ms: dict) -> dict:
+    """GEMM-only time (the quantizer does not depend on the tile config) of every candidate; the winner per
+    (format, regime) has the smallest geometric-mean time over the regime's shapes and M values."""
+    results, winners = [], {}
+    for regime, cands in candidates.items():
+        points = [(n, k, m) for n, k in shapes for m in sweep_ms[regime]]
+        times = {(fmt, c): [] for fmt in ("int8", "fp8") for c in cands}
+        for n, k, m in points:
+            p = Problem(n, k, m, device, seed=n + k + m, r=1 if timer.smoke else None)
+            for fmt in ("int8", "fp8"):
+                qa, sa = p.qa[fmt], p.a_scale[fmt]
+                ref = p.reference(fmt)
+                for c in cands:
+                    cfg = as_config(c)
+                    calls = [
+                        partial(K.w8a8_matmul, qa[i], sa[i], p.wq[fmt][i], p.w_scale[fmt][i], None, torch.bfloat16)
+                        for i in range(p.r)
+                    ]
+                    calls = [partial(c_, config=cfg) for c_ in calls]
+                    record = {"fmt": fmt, "regime": regime, "cand": c, "N": n, "K": k, "M": m}
+                    try:
+                        y = calls[0]()
+                    except (OutOfResources, CompilationError, RuntimeError) as e:
+                        # a candidate this GPU / Triton cannot build (shared memory, unsupported layout): recorded
+                        # with its reason and never the winner, instead of ending the sweep
+                        print(f"  candidate {c} {fmt}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+                        times[(fmt, c)].append(float("inf"))
+                        results.append({**record, "us": None, "why": str(e)[:120]})
+                        continue
+                    err = rel_error(y, ref)
+                    if not err <= MAX_REL_ERROR:
+                        raise AssertionError(f"candidate {c} {fmt} N={n} K={k} M={m}: relative error {err:.3g}")
+                    us = timer.per_call(calls) * 1e6
+                    times[(fmt, c)].append(us)
+                    results.append({**record, "us": us})
+            del p
+        for fmt in ("int8", "fp8"):
+            scored = sorted((geomean(times[(fmt, c)]), c) for c in cands)
+            best_score, best = scored[0]
+            current = K.CONFIGS[(fmt, regime)]
+            cur_t = next((s for s, c in scored if tuple(c) == tuple(current)), None)
+            winners[f"{fmt}/{regime}"] = as_config(best)
+            gain = f", {cur_t / best_score:.2f}x over the committed config" if cur_t else ""
+            print(f"{fmt:5s} {regime:6s} winner {best}  geomean {best_score:.1f} us{gain}", flush=True)
+    return {"winners": winners, "results": results}
+
+
+def tuned_on(env: dict) -> str:
+    return f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}"
+
+
+def configs_block(winners: dict, label: str) -> str:
+    lines = [f"CONFIGS_TUNED_ON = {json.dumps(label)}", "CONFIGS = {  # (format, M regime): CONFIG_KEYS values"]
+    for fmt, (regime, _) in ((f, r) for f in ("int8", "fp8") for r in K.M_REGIMES):
+        cfg = winners.get(f"{fmt}/{regime}")
+        values = tuple(cfg[key] for key in K.CONFIG_KEYS) if cfg else tuple(K.CONFIGS[(fmt, regime)])
+        lines.append(f'    ("{fmt}", "{regime}"): {values},')
+    return "\n".join([*lines, "}"])
+
+
+BLOCK_RE = re.compile(r"(# BEGIN TUNED CONFIGS[^\n]*\n)(.*?)(# END TUNED CONFIGS)", re.S)
+
+
+def apply_sweep(path: Path) -> None:
+    sweep = json.loads(path.read_text())
+    target = Path(K.__file__)
+    text = target.read_text()
+    if not BLOCK_RE.search(text):
+        raise SystemExit(f"no '# BEGIN TUNED CONFIGS' ... '# END TUNED CONFIGS' block in {target}")
+    block = configs_block(sweep["winners"], tuned_on(sweep["env"]))
+    target.write_text(BLOCK_RE.sub(lambda mt: mt.group(1) + block + "\n" + mt.group(3), text, count=1))
+    print(f"wrote the winners of {path} into {target}; run ruff format on it, then the kernel tests")
+
+
+# -- main ----------------------------------------------------------------------------------------------------------
+
+
+def environment(device: str) -> dict:
+    rev = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, check=False
+    )
+    return {
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter, timings meaningless)",
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": rev.stdout.strip() if rev.returncode == 0 else "unknown",
+        "configs_tuned_on": K.CONFIGS_TUNED_ON,
+    }
+
+
+def load_configs(path: Path) -> dict:
+    winners = json.loads(path.read_text())["winners"]
+    return {tuple(key.split("/")): cfg for key, cfg in winners.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="2 shapes x 3 M")
+    mode.add_argument("--sweep", action="store_true", help="time tile candidates, print and save the winners")
+    mode.add_argument("--apply-sweep", type=Path, metavar="SWEEP_JSON", help="write a sweep's winners into CONFIGS")
+    ap.add_argument("--configs", type=Path, metavar="SWEEP_JSON", help="use a sweep's winners instead of CONFIGS")
+    ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (needs TRITON_INTERPRET=1)")
+    args = ap.parse_args(argv)
+
+    if args.apply_sweep:
+        apply_sweep(args.apply_sweep)
+        return 0
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("--smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
+        device, timer = "cpu", Timer(smoke=True, warmup_ms=0, rep_ms=0)
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("this benchmark needs a CUDA device (or --smoke with TRITON_INTERPRET=1)")
+        device, timer = "cuda", Timer(smoke=False, warmup_ms=10, rep_ms=50)
+    out_dir = Path(os.environ.get("OUT") or "bench_out")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = environment(device)
+    t_start = time.perf_counter()
+
+    if args.sweep:
+        shapes = SMOKE_SHAPES if args.smoke else SHAPES
+        cands = SMOKE_SWEEP_CANDIDATES if args.smoke else SWEEP_CANDIDATES
+        sweep = run_sweep(shapes, timer, device, cands, SMOKE_SWEEP_MS if args.smoke else SWEEP_MS)
+        sweep["env"] = env
+        path = out_dir / "w8a8_sweep.json"
+        path.write_text(json.dumps(sweep, indent=1))
+        print(f"\nsweep took {time.perf_counter() - t_start:.0f} s; saved {path}. CONFIGS to commit:\n")
+        print(configs_block(sweep["winners"], tuned_on(env)))
+        return 0
+
+    if args.smoke:
+        shapes, ms = SMOKE_SHAPES, SMOKE_MS
+    elif args.quick:
+        shapes, ms = QUICK_SHAPES, QUICK_MS
+    else:
+        shapes, ms = SHAPES, MS
+    configs = load_configs(args.configs) if args.configs else None
+    if configs:
+        env["configs_tuned_on"] = f"sweep winners from {args.configs}"
+    rows = run_table(shapes, ms, timer, device, configs)
+    env["seconds"] = round(time.perf_counter() - t_start)
+    (out_dir / "w8a8_results.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    (out_dir / "w8a8_results.md").write_text(table_markdown(rows, env))
+    print(f"\n{env['gpu']}, {env['date']}, {env['seconds']} s; full results in {out_dir}/w8a8_results.{{json,md}}")
+    print("geomean speedup over bf16 cuBLAS across shapes (end to end: quantize + GEMM + epilogue):")
+    print(short_table(rows))
+    for line in target_report(rows):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
