@@ -1,0 +1,533 @@
+"""W4A16 speed against cuBLAS fp16 on one GPU, correctness checked first.
+
+Every figure maps fp16 activations x [M, K] to an fp16 output [M, N] and is timed in the same run as cuBLAS:
+
+  fp16     F.linear(x, W_fp16): cuBLAS, the baseline of every ratio
+  w4a16    quantkit.kernels.w4a16.w4a16_linear with the committed table: what QuantLinear runs on CUDA
+  dequant  Triton dequantize to [K, N] + cuBLAS (M >= 128 only, to show where it crosses the fused kernel)
+
+Weights are 4-bit GPTQ-v2 (random codes and zeros, fp16 scales), groups 128 and 64. "weight TB/s" counts the bytes
+of qweight + qzeros + scales once per call; "% copy" compares it with the device-to-device copy bandwidth measured
+in the same run (read + write bytes). Correctness: before timing, each (shape, group) is checked at a few M against
+a float64 reference with flash-attn's rule (error <= 2x cuBLAS fp16's own error + a floor of 2**-20 max|y|).
+
+Timing: a CUDA graph of R calls over R rotated copies of every operand (R chosen so that they span more than 2x the
+60 MB L2), replayed under ``triton.testing.do_bench(return_mode="median")``, which also flushes L2 before each
+replay; time per call = replay time / R. The graph removes Python launch overhead, as in a captured decode step.
+
+Modes (results under $OUT if set, else ./bench_out: JSON + markdown; a short table is printed last):
+  python benchmarks/bench_w4a16.py                    full table: 6 shapes x 11 M x groups {128, 64}
+  python benchmarks/bench_w4a16.py --quick            smoke test on the GPU: 2 shapes x 4 M, group 128
+  python benchmarks/bench_w4a16.py --sweep            time SWEEP candidates per M regime, write sweep.json, print
+                                                      the winners as a CONFIG_TABLE literal
+  python benchmarks/bench_w4a16.py --sweep --table    the sweep, then the full table with its winners (one run)
+  python benchmarks/bench_w4a16.py --configs S.json   full table with a sweep's winners instead of CONFIG_TABLE
+  python benchmarks/bench_w4a16.py --apply S.json     (no GPU) write a sweep's winners into kernels/w4a16_configs.py
+  TRITON_INTERPRET=1 python benchmarks/bench_w4a16.py --smoke   CPU plumbing check: tiny shapes, wall clock
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import multiprocessing
+import os
+import re
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+from quantkit.kernels import w4a16 as K
+from quantkit.kernels import w4a16_configs as C
+
+L2_BYTES = 60 * 2**20
+ROTATE_SPAN = 2 * L2_BYTES
+MAX_ROTATIONS = 32
+SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]  # (N, K)
+MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
+GROUPS = [128, 64]
+CHECK_MS = [1, 33, 300]
+DEQUANT_MIN_M = 128
+QUICK = {"shapes": [(4096, 4096), (28672, 8192)], "ms": [1, 16, 64, 1024], "groups": [128]}
+SMOKE = {"shapes": [(96, 256), (64, 320)], "ms": [1, 20, 70], "groups": [64]}
+TARGETS = [(1, 3.0), (16, 2.5), (64, 1.5), (256, 0.95), (1024, 0.95), (4096, 0.95)]  # issue 6: M -> min speedup
+M1_TARGET_SHAPES = [(14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]  # "four largest" + tie
+
+# Sweep candidates per regime (largest M of the regime, M values timed, configs). Skinny M is weight-bandwidth
+# bound: BLOCK_M 16 (tl.dot's minimum), tiles of 8-32 KB of packed words, split-K to 2-8 waves of CTAs, deep
+# pipelines. Large M is tensor-core bound: wide tiles, 8 warps, scale fused into the tile so the accumulator stays
+# in the MMA pipeline, and dequantize + cuBLAS as the alternative.
+F_ = C.KernelConfig
+SWEEP = {
+    "skinny": (16, [1, 8, 16], [
+        F_("fused", 16, 128, 128, 4, 4, split_waves=4),
+        F_("fused", 16, 64, 128, 4, 4, split_waves=4),
+        F_("fused", 16, 256, 128, 8, 3, split_waves=2),
+        F_("fused", 16, 128, 128, 4, 6, split_waves=8),
+        F_("fused", 16, 128, 256, 4, 3, split_waves=4, fuse_scale=True),
+        F_("fused", 16, 64, 256, 4, 4, split_waves=8, fuse_scale=True),
+    ]),
+    "medium": (64, [32, 64], [
+        F_("fused", 64, 128, 128, 4, 4, split_waves=2),
+        F_("fused", 32, 128, 128, 4, 4, split_waves=2),
+        F_("fused", 64, 64, 128, 4, 4, split_waves=2),
+        F_("fused", 64, 128, 64, 4, 5, split_waves=1, fuse_scale=True),
+        F_("fused", 32, 64, 256, 4, 3, split_waves=4, fuse_scale=True),
+    ]),
+    "large": (256, [128, 256], [
+        F_("fused", 128, 128, 64, 8, 4, split_waves=1, fuse_scale=True),
+        F_("fused", 128, 128, 128, 8, 3, split_waves=1),
+        F_("fused", 64, 128, 128, 4, 4, split_waves=1),
+        F_("fused", 128, 256, 64, 8, 3, fuse_scale=True),
+        F_("dequant"),
+    ]),
+    "huge": (2**31, [1024, 4096], [
+        F_("fused", 128, 256, 64, 8, 3, fuse_scale=True),
+        F_("fused", 128, 128, 64, 8, 4, fuse_scale=True),
+        F_("fused", 128, 128, 64, 8, 4),
+        F_("dequant"),
+    ]),
+}  # fmt: skip
+SMOKE_SWEEP = {
+    name: (max_m, [SMOKE["ms"][min(i, 2)]], [F_("fused", 16, 32, 64, 4, 2, split_waves=4), F_("dequant")])
+    for i, (name, (max_m, _, _)) in enumerate(SWEEP.items())
+}
+TABLE_FILE = Path(__file__).resolve().parents[1] / "kernels" / "w4a16_configs.py"
+
+
+# -- operands ----------------------------------------------------------------------------------------------------
+
+
+def random_weight(n: int, k: int, group: int, device: str, gen: torch.Generator) -> K.W4A16Weight:
+    """Random 4-bit GPTQ-v2 buffers (every bit pattern is a valid code), fp16 scales, contiguous groups."""
+    n_g = -(-k // group)
+    full = dict(low=-(2**31), high=2**31 - 1, dtype=torch.int32, device=device, generator=gen)
+    qweight = torch.randint(size=(-(-k // 32) * 4, n), **full)
+    qzeros = torch.randint(size=(n_g, -(-n // 32) * 4), **full)
+    scales = (torch.rand(n_g, n, device=device, generator=gen) * 0.01 + 0.001).half()
+    g_idx = (torch.arange(k, device=device) // group).int()
+    return K.prepare_gptq_weight(qweight, qzeros, scales, g_idx, 4, group)
+
+
+def weight_bytes(w: K.W4A16Weight) -> int:
+    return sum(t.numel() * t.element_size() for t in (w.qweight, w.qzeros, w.scales))
+
+
+def dequant64(w: K.W4A16Weight) -> torch.Tensor:
+    """W [K, N] in float64 from the packed buffers (plain PyTorch)."""
+    k, n = w.in_features, w.out_features
+    q = K.unpack_gptq_codes(w.qweight, 4, k).double()
+    z = K.unpack_gptq_codes(w.qzeros.t().contiguous(), 4, n).t().double()  # [n_g, N]
+    g = torch.arange(k, device=q.device) // (w.group_size or k)
+    return (q - z[g]) * w.scales.double()[g]
+
+
+def rotations(per_call_bytes: int) -> int:
+    cap = 2 if os.environ.get("TRITON_INTERPRET") == "1" else MAX_ROTATIONS  # the interpreter is slow
+    return max(1, min(cap, math.ceil(ROTATE_SPAN / per_call_bytes)))
+
+
+class Timer:
+    """Microseconds per call of R rotated calls: CUDA graph + do_bench on a GPU, wall clock in --smoke."""
+
+    def __init__(self, smoke: bool, warmup_ms: int = 10, rep_ms: int = 40) -> None:
+        self.smoke, self.warmup_ms, self.rep_ms = smoke, warmup_ms, rep_ms
+
+    def per_call(self, calls: list) -> float:
+        if self.smoke:
+            t0 = time.perf_counter()
+            for c in calls:
+                c()
+            return (time.perf_counter() - t0) * 1e6 / len(calls)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up (and compile) off the capture stream
+            for c in calls:
+                c()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for c in calls:
+                c()
+        ms = triton.testing.do_bench(graph.replay, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
+        del graph
+        return ms * 1e3 / len(calls)
+
+
+class Layer:
+    """R rotated copies of one (N, K, group) weight, fp16 baselines, and x/out buffers per M."""
+
+    def __init__(self, n: int, k: int, group: int, device: str, seed: int) -> None:
+        self.n, self.k, self.group, self.device = n, k, group, device
+        self.gen = torch.Generator(device=device).manual_seed(seed)
+        w0 = random_weight(n, k, group, device, self.gen)
+        self.bytes = weight_bytes(w0)
+        self.weights = [w0] + [random_weight(n, k, group, device, self.gen) for _ in range(rotations(self.bytes) - 1)]
+        self._w64 = None
+
+    def w64(self) -> torch.Tensor:
+        if self._w64 is None:
+            self._w64 = dequant64(self.weights[0])
+        return self._w64
+
+    def calls(self, m: int, config: C.KernelConfig | None) -> list:
+        """One zero-argument callable per rotation (x, out and weights rotate together)."""
+        r = len(self.weights)
+        xs = [torch.randn(m, self.k, device=self.device, generator=self.gen).half() for _ in range(r)]
+        outs = [torch.empty(m, self.n, device=self.device, dtype=torch.float16) for _ in range(r)]
+        return [
+            (lambda x=x, w=w, o=o: K.w4a16_linear(x, w, config=config, out=o))
+            for x, w, o in zip(xs, self.weights, outs, strict=True)
+        ]
+
+    def check(self, m: int, config: C.KernelConfig | None) -> dict:
+        """Kernel error vs float64 against cuBLAS fp16's error on the same inputs (flash-attn's rule)."""
+        x = torch.randn(m, self.k, device=self.device, generator=self.gen).half()
+        ref = x.double() @ self.w64()
+        err = (K.w4a16_linear(x, self.weights[0], config=config).double() - ref).abs().max().item()
+        torch_err = ((x @ self.w64().half()).double() - ref).abs().max().item()
+        ok = err <= 2 * torch_err + 2**-20 * ref.abs().max().item()
+        return {"m": m, "err": err, "torch_err": torch_err, "ok": ok}
+
+
+def fp16_calls(n: int, k: int, m: int, device: str, gen: torch.Generator) -> list:
+    r = rotations(2 * n * k + 2 * m * (n + k))
+    ws = [torch.randn(n, k, device=device, generator=gen).half() for _ in range(r)]
+    xs = [torch.randn(m, k, device=device, generator=gen).half() for _ in range(r)]
+    return [(lambda x=x, w=w: F.linear(x, w)) for x, w in zip(xs, ws, strict=True)]
+
+
+def copy_bandwidth(timer: Timer, device: str) -> float:
+    """Device-to-device copy, TB/s counting read + write bytes."""
+    if timer.smoke:
+        return float("nan")
+    src = torch.empty(2**30, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
+    return 2 * src.numel() / (ms * 1e-3) / 1e12
+
+
+# -- compiled metadata and parallel precompilation -----------------------------------------------------------------
+
+
+def kernel_metadata(layer: Layer, m: int, config: C.KernelConfig) -> dict:
+    """Registers, spills and shared memory of the compiled fused kernel for this layer and M (None: interpreter)."""
+    x = torch.randn(m, layer.k, device=layer.device).half()
+    _, handle = K.w4a16_gemm(x, layer.weights[0], config=config)
+    if handle is None or not hasattr(handle, "metadata"):
+        return {}
+    if hasattr(handle, "_init_handles"):
+        handle._init_handles()
+    return {
+        "n_regs": getattr(handle, "n_regs", None),
+        "n_spills": getattr(handle, "n_spills", None),
+        "shared_bytes": getattr(handle.metadata, "shared", None),
+        "num_warps": getattr(handle.metadata, "num_warps", None),
+    }
+
+
+def _precompile(job: tuple) -> tuple[str, float, str | None]:
+    """Worker (spawned process): compile one (config, group, split) variant into Triton's on-disk cache by running it
+    once on a small layer whose integer arguments specialize exactly like the benchmark shapes (multiples of 16)."""
+    cfg_dict, group, split = job
+    cfg = C.KernelConfig(**cfg_dict)
+    cfg = replace(cfg, split_waves=8 if split else 0)
+    t0 = time.perf_counter()
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        w = random_weight(max(512, 2 * cfg.block_n), 1024, group, "cuda", gen)
+        x = torch.randn(1 if split else cfg.block_m, 1024, device="cuda").half()
+        K.w4a16_linear(x, w, config=cfg)
+        torch.cuda.synchronize()
+        return cfg.name, time.perf_counter() - t0, None
+    except Exception as e:  # reported by the parent; the timed run then fails on the same config and says so
+        return cfg.name, time.perf_counter() - t0, f"{type(e).__name__}: {e}"
+
+
+def precompile(cases: list[tuple], workers: int) -> None:
+    """Compile, in parallel processes, every kernel variant that ``cases`` [(config, n, k, m, group)] will launch.
+
+    A variant is (config, effective BLOCK_K, split or not); M, the group size and the split factor are runtime
+    arguments, so the benchmark shapes need nothing else.
+    """
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    jobs = {}
+    for cfg, n, k, m, group in cases:
+        if cfg.method == "fused":
+            plan = C.plan_launch(cfg, m, n, k, group, num_sms)
+            jobs.setdefault((cfg, plan.block_k, plan.split_k > 1), (cfg.to_dict(), group, plan.split_k > 1))
+    todo = [*jobs.values(), (C.KernelConfig("dequant").to_dict(), cases[0][4], False)]
+    t0 = time.perf_counter()
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(todo))), mp_context=ctx) as pool:
+        results = list(pool.map(_precompile, todo))
+    print(f"precompiled {len(todo)} kernel variants in {time.perf_counter() - t0:.1f}s with {workers} processes")
+    for name, _, err in results:
+        if err:
+            print(f"  compile FAILED {name}: {err[:300]}")
+
+
+# -- the full table ------------------------------------------------------------------------------------------------
+
+
+def run_table(args, timer: Timer, device: str, table: list | None) -> dict:
+    spec = SMOKE if args.smoke else QUICK if args.quick else {"shapes": SHAPES, "ms": MS, "groups": GROUPS}
+    choose = (lambda m: table_config(table, m)) if table else C.config_for
+    if not args.smoke and not args.no_precompile:
+        ms = sorted(set(spec["ms"]) | set(CHECK_MS))
+        precompile(
+            [(choose(m), n, k, m, g) for n, k in spec["shapes"] for g in spec["groups"] for m in ms], args.workers
+        )
+    copy_bw = copy_bandwidth(timer, device)
+    print(f"device copy bandwidth: {copy_bw:.2f} TB/s (read + write)")
+    rows, checks, meta = [], [], {}
+    gen = torch.Generator(device=device).manual_seed(1)
+    for n, k in spec["shapes"]:
+        base = {m: timer.per_call(fp16_calls(n, k, m, device, gen)) for m in spec["ms"]}
+        for group in spec["groups"]:
+            layer = Layer(n, k, group, device, seed=n + k + group)
+            for m in CHECK_MS if not args.smoke else spec["ms"]:
+                checks.append({"n": n, "k": k, "group": group, **layer.check(m, choose(m))})
+                if not checks[-1]["ok"]:
+                    print(f"  CORRECTNESS FAILURE {n}x{k} g{group}: {checks[-1]}")
+            for m in spec["ms"]:
+                cfg = choose(m)
+                us = timer.per_call(layer.calls(m, cfg))
+                row = {"n": n, "k": k, "group": group, "m": m, "config": cfg.name, "fp16_us": base[m], "w4a16_us": us}
+                row["speedup"] = base[m] / us
+                row["weight_tbps"] = layer.bytes / (us * 1e-6) / 1e12
+                row["pct_copy_bw"] = 100 * row["weight_tbps"] / copy_bw
+                if m >= DEQUANT_MIN_M and cfg.method != "dequant":
+                    row["dequant_us"] = timer.per_call(layer.calls(m, C.KernelConfig("dequant")))
+                rows.append(row)
+                key = (cfg.name, group)
+                if cfg.method == "fused" and key not in meta:
+                    meta[key] = {"config": cfg.name, "group": group, "m": m, **kernel_metadata(layer, m, cfg)}
+            del layer
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    source = "sweep winners" if table else "committed CONFIG_TABLE"
+    return {"table": source, "copy_tbps": copy_bw, "rows": rows, "checks": checks, "metadata": list(meta.values())}
+
+
+def table_config(table: list, m: int) -> C.KernelConfig:
+    for max_m, cfg in table:
+        if m <= max_m:
+            return cfg
+    return table[-1][1]
+
+
+def markdown_table(result: dict) -> str:
+    lines = [
+        "| N x K | G | M | config | fp16 us | w4a16 us | speedup | weight TB/s | % copy BW | dequant+cuBLAS us |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        deq = f"{r['dequant_us']:.1f}" if "dequant_us" in r else ""
+        lines.append(
+            f"| {r['n']}x{r['k']} | {r['group']} | {r['m']} | {r['config']} | {r['fp16_us']:.1f} | "
+            f"{r['w4a16_us']:.1f} | {r['speedup']:.2f} | {r['weight_tbps']:.2f} | {r['pct_copy_bw']:.0f} | {deq} |"
+        )
+    lines += ["", "| config | G | regs | spills | shared bytes | warps |", "|---|---|---|---|---|---|"]
+    for md in result["metadata"]:
+        lines.append(
+            f"| {md['config']} | {md['group']} | {md.get('n_regs')} | {md.get('n_spills')} | "
+            f"{md.get('shared_bytes')} | {md.get('num_warps')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def print_short_table(result: dict) -> None:
+    ms = sorted({r["m"] for r in result["rows"]})
+    print(f"\nspeedup over cuBLAS fp16 (w4a16, {result['table']}); '*' = below the issue-6 target")
+    print(f"{'N x K':>12} {'G':>4} " + " ".join(f"{m:>6}" for m in ms))
+    targets = dict(TARGETS)
+    by_key: dict = {}
+    for r in result["rows"]:
+        by_key.setdefault((r["n"], r["k"], r["group"]), {})[r["m"]] = r["speedup"]
+    for (n, k, g), cells in by_key.items():
+        out = []
+        for m in ms:
+            s = cells.get(m)
+            target = targets.get(m)
+            if m == 1 and (n, k) not in M1_TARGET_SHAPES:
+                target = None
+            out.append(f"{s:5.2f}{'*' if target and s < target else ' '}" if s is not None else "      ")
+        print(f"{f'{n}x{k}':>12} {g:>4} " + " ".join(out))
+    bad = [c for c in result["checks"] if not c["ok"]]
+    print(f"correctness: {len(result['checks']) - len(bad)}/{len(result['checks'])} checks within 2x cuBLAS error")
+
+
+# -- the sweep -----------------------------------------------------------------------------------------------------
+
+
+def run_sweep(args, timer: Timer, device: str) -> dict:
+    sweep = SMOKE_SWEEP if args.smoke else SWEEP
+    shapes = SMOKE["shapes"] if args.smoke else SHAPES
+    groups = SMOKE["groups"] if args.smoke else GROUPS
+    if not args.smoke and not args.no_precompile:
+        regimes = sweep.values()
+        cases = [(c, n, k, m, g) for _, ms, cs in regimes for c in cs for m in ms for n, k in shapes for g in groups]
+        precompile(cases, args.workers)
+    gen = torch.Generator(device=device).manual_seed(2)
+    base = {}
+    timings = []  # (regime, candidate index, n, k, group, m, us, speedup) ; us None = failed
+    for n, k in shapes:
+        for group in groups:
+            layer = Layer(n, k, group, device, seed=n + k + group)
+            for regime, (_, ms, cands) in sweep.items():
+                for i, cfg in enumerate(cands):
+                    try:
+                        ok = layer.check(ms[0], cfg)["ok"]
+                        if not ok:
+                            print(f"  {regime} {cfg.name} {n}x{k} g{group}: WRONG RESULT, disqualified")
+                        for m in ms:
+                            if (n, k, m) not in base:
+                                base[(n, k, m)] = timer.per_call(fp16_calls(n, k, m, device, gen))
+                            us = timer.per_call(layer.calls(m, cfg)) if ok else None
+                            sp = base[(n, k, m)] / us if us else None
+                            timings.append({"regime": regime, "cand": i, "config": cfg.name, "n": n, "k": k,
+                                            "group": group, "m": m, "us": us, "speedup": sp})  # fmt: skip
+                    except Exception as e:  # a candidate that does not compile or launch is reported and skipped
+                        print(f"  {regime} {cfg.name} {n}x{k} g{group}: {type(e).__name__}: {str(e)[:200]}")
+                        timings.append({"regime": regime, "cand": i, "config": cfg.name, "n": n, "k": k,
+                                        "group": group, "m": None, "us": None, "speedup": None})  # fmt: skip
+            del layer
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    winners = []
+    for regime, (max_m, _, cands) in sweep.items():
+        scores = []
+        for i, cfg in enumerate(cands):
+            sp = [t["speedup"] for t in timings if t["regime"] == regime and t["cand"] == i]
+            valid = sp and all(s is not None for s in sp)
+            score = math.exp(sum(math.log(s) for s in sp) / len(sp)) if valid else None
+            scores.append({"config": cfg.to_dict(), "name": cfg.name, "geomean_speedup": score})
+        best = max((s for s in scores if s["geomean_speedup"]), key=lambda s: s["geomean_speedup"], default=None)
+        if best is None:
+            raise SystemExit(f"sweep: no candidate of regime {regime} ran correctly; nothing to commit")
+        winners.append({"regime": regime, "max_m": max_m, **best, "scores": scores})
+    return {"winners": winners, "timings": timings}
+
+
+def print_sweep(sweep: dict) -> None:
+    print("\nsweep: geomean speedup over cuBLAS fp16 per candidate (over shapes x groups x M of the regime)")
+    for w in sweep["winners"]:
+        print(f"  {w['regime']} (M <= {w['max_m']}):")
+        for s in w["scores"]:
+            mark = "  <- winner" if s["name"] == w["name"] else ""
+            score = f"{s['geomean_speedup']:.3f}" if s["geomean_speedup"] else "failed"
+            print(f"    {s['name']:<32} {score}{mark}")
+    print("\nCONFIG_TABLE literal (or run: python benchmarks/bench_w4a16.py --apply <out>/sweep.json):")
+    print(config_table_literal(sweep))
+
+
+def config_table_literal(sweep: dict) -> str:
+    lines = ["CONFIG_TABLE: tuple[tuple[int, KernelConfig], ...] = ("]
+    for w in sweep["winners"]:
+        c = w["config"]
+        extra = "".join(f", {f}={c[f]!r}" for f in ("split_waves", "fuse_scale", "group_m"))
+        head = f'"{c["method"]}", {c["block_m"]}, {c["block_n"]}, {c["block_k"]}, {c["num_warps"]}, {c["num_stages"]}'
+        max_m = "2**31" if w["max_m"] >= 2**31 else str(w["max_m"])
+        lines.append(f"    ({max_m}, KernelConfig({head}{extra})),")
+    return "\n".join([*lines, ")"])
+
+
+def apply_sweep(path: Path) -> None:
+    """Rewrite the CONFIG_TABLE block of kernels/w4a16_configs.py with a sweep's winners (no GPU needed)."""
+    data = json.loads(path.read_text())
+    sweep = data["sweep"]
+    env = data["env"]
+    summary = ", ".join(f"{w['regime']} {w['geomean_speedup']:.2f}x" for w in sweep["winners"])
+    block = "\n".join(
+        [
+            "# BEGIN CONFIG_TABLE -- rewritten by `python benchmarks/bench_w4a16.py --apply <sweep.json>`",
+            f"# Source: sweep of {env['date']} on {env['device']} (torch {env['torch']}, triton {env['triton']}).",
+            "# Largest M of each regime -> config. Geomean speedup over cuBLAS fp16 (shapes x groups x M):",
+            f"# {summary}.",
+            config_table_literal(sweep),
+            "# END CONFIG_TABLE",
+        ]
+    )
+    text = TABLE_FILE.read_text()
+    new, count = re.subn(r"# BEGIN CONFIG_TABLE.*?# END CONFIG_TABLE", lambda _: block, text, flags=re.S)
+    if count != 1:
+        raise SystemExit(f"{TABLE_FILE}: expected one CONFIG_TABLE block, found {count}")
+    TABLE_FILE.write_text(new)
+    print(f"wrote {len(sweep['winners'])} regimes into {TABLE_FILE}; run the tests, then commit it with {path}")
+
+
+def load_table(path: Path) -> list:
+    winners = json.loads(path.read_text())["sweep"]["winners"]
+    return [(w["max_m"], C.KernelConfig(**w["config"])) for w in winners]
+
+
+# -- main ----------------------------------------------------------------------------------------------------------
+
+
+def environment(device: str) -> dict:
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
+    return {
+        "date": dt.date.today().isoformat(),
+        "device": name,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--table", action="store_true", help="with --sweep: run the full table with the winners after")
+    ap.add_argument("--configs", type=Path, help="sweep.json whose winners replace CONFIG_TABLE for this run")
+    ap.add_argument("--apply", type=Path, help="write a sweep.json's winners into kernels/w4a16_configs.py and exit")
+    ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (needs TRITON_INTERPRET=1)")
+    ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="precompile processes")
+    ap.add_argument("--no-precompile", action="store_true", help="compile lazily in this process instead")
+    args = ap.parse_args()
+    if args.apply:
+        apply_sweep(args.apply)
+        return
+    if args.smoke != (os.environ.get("TRITON_INTERPRET") == "1"):
+        raise SystemExit("--smoke runs in Triton's interpreter and only there: set TRITON_INTERPRET=1 with --smoke")
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device (or TRITON_INTERPRET=1 --smoke for a CPU plumbing check)")
+    device = "cpu" if args.smoke else "cuda"
+    out_dir = Path(os.environ.get("OUT", "bench_out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = environment(device)
+    print(f"{env['device']}  torch {env['torch']}  triton {env['triton']}  {env['date']}")
+    timer = Timer(smoke=args.smoke)
+    t0 = time.perf_counter()
+    table = load_table(args.configs) if args.configs else None
+    if args.sweep:
+        sweep = run_sweep(args, timer, device)
+        (out_dir / "sweep.json").write_text(json.dumps({"env": env, "sweep": sweep}, indent=1))
+        print_sweep(sweep)
+        print(f"sweep took {time.perf_counter() - t0:.0f}s; wrote {out_dir / 'sweep.json'}")
+        if not args.table:
+            return
+        table = [(w["max_m"], C.KernelConfig(**w["config"])) for w in sweep["winners"]]
+    result = run_table(args, timer, device, table)
+    tag = "smoke" if args.smoke else "quick" if args.quick else "full"
+    (out_dir / f"w4a16_{tag}.json").write_text(json.dumps({"env": env, **result}, indent=1))
+    header = f"# W4A16 vs cuBLAS fp16 -- {env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}\n"
+    header += f"\nDevice copy bandwidth {result['copy_tbps']:.2f} TB/s (read + write).\n\n"
+    (out_dir / f"w4a16_{tag}.md").write_text(header + markdown_table(result))
+    print("\ncompiled kernels (registers, spills, shared memory):")
+    for md in result["metadata"]:
+        print(f"  {md}")
+    print(f"took {time.perf_counter() - t0:.0f}s; wrote {out_dir}/w4a16_{tag}.json and .md")
+    print_short_table(result)
+
+
+if __name__ == "__main__":
+    main()
