@@ -1,0 +1,124 @@
+"""Triton attention kernels against float64 attention (Triton's interpreter on CPU; real kernels on CUDA).
+
+Rule (flash-attn's): on fresh random fp16 inputs the kernel's error against a float64 reference is at most twice
+PyTorch's own fp16 error (plain softmax(q k^T) v in fp16) plus a few fp16 ulps of the output. Every cache slot
+that no sequence owns holds NaN, so reading one (or a padded block-table entry) poisons the output.
+"""
+
+import pytest
+import torch
+from quantkit.kernels.flash_prefill import flash_prefill, flash_prefill_reference
+from quantkit.kernels.paged_attention import gather_context, paged_decode, paged_decode_reference, store_kv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.float16
+
+
+def paged_cache(context_lens, page: int, hkv: int, d: int, gen, spare_blocks: int = 3):
+    """Random K/V for each sequence scattered over shuffled pages; unowned slots are NaN; int32 block tables."""
+    pages = [-(-n // page) for n in context_lens]
+    num_blocks = sum(pages) + spare_blocks
+    order = torch.randperm(num_blocks, generator=gen)
+    k_cache = torch.full((num_blocks, page, hkv, d), float("nan"), dtype=DTYPE)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    width = max(max(pages), 1) + 1  # one padding column
+    tables = torch.zeros(len(context_lens), width, dtype=torch.int32)
+    at = 0
+    for i, (n, np_) in enumerate(zip(context_lens, pages, strict=True)):
+        tables[i, :np_] = order[at : at + np_]
+        at += np_
+        slots = tables[i, torch.arange(n) // page].long() * page + torch.arange(n) % page
+        k_cache.view(-1, hkv, d)[slots] = torch.randn(n, hkv, d, generator=gen).to(DTYPE)
+        v_cache.view(-1, hkv, d)[slots] = torch.randn(n, hkv, d, generator=gen).to(DTYPE)
+    return k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE)
+
+
+def plain_attention(q, k, v, scale, allowed, dtype):
+    """softmax(q k^T * scale) v in ``dtype``; q [M, H, D], k/v [L, H, D], allowed [M, L]."""
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    s = torch.einsum("mhd,lhd->hml", q, k) * scale
+    s = s.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hml,lhd->mhd", s.softmax(-1), v)
+
+
+def check_close(out, q, k_cache, v_cache, table, q_pos, kv_len, scale, window):
+    """Compare rows ``out`` (queries at positions ``q_pos``) of one sequence against float64 and fp16 torch."""
+    group = q.shape[1] // k_cache.shape[2]
+    k = gather_context(k_cache, table, 0, kv_len).repeat_interleave(group, dim=1)
+    v = gather_context(v_cache, table, 0, kv_len).repeat_interleave(group, dim=1)
+    kp = torch.arange(kv_len, device=q.device)[None, :]
+    allowed = kp <= q_pos[:, None]
+    if window:
+        allowed &= kp > q_pos[:, None] - window
+    ref64 = plain_attention(q, k, v, scale, allowed, torch.float64)
+    torch_err = (plain_attention(q, k, v, scale, allowed, torch.float32).to(DTYPE).double() - ref64).abs().max()
+    err = (out.double() - ref64).abs().max()
+    assert torch.isfinite(out).all()
+    assert err <= 2 * torch_err + 2e-3, f"kernel error {err:.2e} vs torch fp16 error {torch_err:.2e}"
+
+
+def test_store_kv_writes_exactly_the_mapped_slots():
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.zeros(6, 8, 2, 32, dtype=DTYPE, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    k = torch.randn(7, 2, 32, generator=gen).to(DTYPE).to(DEVICE)
+    v = torch.randn(7, 2, 32, generator=gen).to(DTYPE).to(DEVICE)
+    slots = torch.tensor([3, -1, 17, 47, 8, -1, 0], device=DEVICE)
+    store_kv(k, v, k_cache, v_cache, slots)
+    keep = slots >= 0
+    assert torch.equal(k_cache.view(-1, 2, 32)[slots[keep]], k[keep])
+    assert torch.equal(v_cache.view(-1, 2, 32)[slots[keep]], v[keep])
+    assert int((k_cache.view(-1, 2, 32).abs().sum((1, 2)) > 0).sum()) == int(keep.sum())
+
+
+DECODE_CASES = [  # (page, kv heads, group, head dim, splits, window)
+    (16, 2, 1, 32, 1, 0),
+    (16, 1, 4, 64, 3, 0),
+    (8, 2, 3, 48, 2, 0),
+    (16, 2, 2, 32, 4, 9),
+]
+
+
+@pytest.mark.parametrize("page,hkv,group,d,splits,window", DECODE_CASES)
+def test_paged_decode(page, hkv, group, d, splits, window):
+    gen = torch.Generator().manual_seed(page + hkv + group + d + splits + window)
+    lens = [int(x) for x in torch.randint(1, 90, (4,), generator=gen)]
+    lens[0] = 1
+    k_cache, v_cache, tables = paged_cache(lens, page, hkv, d, gen)
+    q = torch.randn(len(lens), hkv * group, d, generator=gen).to(DTYPE).to(DEVICE)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    scale = d**-0.5
+    out = paged_decode(q, k_cache, v_cache, tables, ctx, scale, window=window, num_splits=splits)
+    for b, n in enumerate(lens):
+        check_close(out[b : b + 1], q[b : b + 1], k_cache, v_cache, tables[b], torch.tensor([n - 1]), n, scale, window)
+    ref = paged_decode_reference(q, k_cache, v_cache, tables, ctx, scale, window)
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=0)
+
+
+PREFILL_CASES = [  # (page, kv heads, group, head dim, window): chunks with and without a cached prefix
+    (16, 2, 1, 32, 0),
+    (16, 1, 4, 64, 0),
+    (8, 2, 3, 48, 0),
+    (16, 2, 2, 32, 11),
+]
+
+
+@pytest.mark.parametrize("page,hkv,group,d,window", PREFILL_CASES)
+def test_flash_prefill_chunks_against_paged_context(page, hkv, group, d, window):
+    gen = torch.Generator().manual_seed(page * hkv + group + d + window)
+    q_lens = [1, 37, 20, 5]
+    prefix = [0, 30, 0, 3]  # tokens already in the cache before the chunk
+    kv_lens = [a + b for a, b in zip(q_lens, prefix, strict=True)]
+    k_cache, v_cache, tables = paged_cache(kv_lens, page, hkv, d, gen)
+    hq = hkv * group
+    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(DTYPE).to(DEVICE)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
+    scale = d**-0.5
+    out = flash_prefill(q, k_cache, v_cache, tables, cu, ctx, max(q_lens), scale, window=window)
+    for n, (ql, kl) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        rows = slice(int(cu[n]), int(cu[n + 1]))
+        q_pos = torch.arange(kl - ql, kl, device=DEVICE)
+        check_close(out[rows], q[rows], k_cache, v_cache, tables[n], q_pos, kl, scale, window)
+    ref = flash_prefill_reference(q, k_cache, v_cache, tables, cu, ctx, scale, window)
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=0)

@@ -1,0 +1,94 @@
+"""The engine's front ends and sampling: streaming, seeds, top-k / top-p, settings checks, the Triton backend."""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.runtime import LLM, EngineConfig, SamplingParams
+from quantkit.runtime.sampler import filter_logits
+from tests.runtime.helpers import hf_greedy, random_prompts
+from tests.tiny_models import COMMON, tiny_model
+
+VOCAB = COMMON["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+def test_stream_yields_the_generated_tokens_in_order(model):
+    prompts = random_prompts([4, 18], VOCAB, seed=11)
+    params = SamplingParams(max_tokens=7, ignore_eos=True)
+    expected = [o.completions[0].token_ids for o in LLM(model, num_kv_blocks=16).generate(prompts, params)]
+    got: dict[int, list[int]] = {}
+    last = {}
+    for ev in LLM(model, num_kv_blocks=16).stream(prompts, params):
+        got.setdefault(ev.request_id, []).append(ev.token_id)
+        last[ev.request_id] = ev.finish_reason
+    assert [got[0], got[1]] == expected
+    assert last == {0: "length", 1: "length"}
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(model):
+    prompts = random_prompts([6, 25, 3], VOCAB, seed=12)
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    alone = LLM(model, num_kv_blocks=32).generate(prompts[1:2], params)[0].completions[0].token_ids
+    batched = LLM(model, num_kv_blocks=32, max_num_batched_tokens=8).generate(prompts, params)
+    assert batched[1].completions[0].token_ids == alone
+    n3 = LLM(model, num_kv_blocks=32).generate(prompts[1:2], dataclasses.replace(params, n=3))[0]
+    assert n3.completions[0].token_ids == alone  # completion 0 uses the seed itself
+    assert len({tuple(c.token_ids) for c in n3.completions}) == 3  # the others use seed + i
+
+
+def test_filter_logits_keeps_top_k_and_the_nucleus():
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.0, -1.0])
+    kept = lambda p: torch.isfinite(filter_logits(logits, p)).nonzero().flatten().tolist()
+    assert kept(SamplingParams(temperature=1.0, top_k=2)) == [1, 3]
+    probs = logits.softmax(-1)  # sorted: 0.64, 0.24, 0.09, ...: 0.64 < 0.7 so the nucleus needs two tokens
+    assert probs[1] < 0.7 < probs[1] + probs[3]
+    assert kept(SamplingParams(temperature=1.0, top_p=0.7)) == [1, 3]
+    assert kept(SamplingParams(temperature=1.0, top_p=0.5)) == [1]
+
+
+def test_sampling_follows_the_distribution(model):
+    """With top_k = 2 only the two most likely tokens appear, at their renormalised probabilities (4 sigma)."""
+    llm = LLM(model, num_kv_blocks=64, max_num_seqs=256)
+    prompt = random_prompts([5], VOCAB, seed=13)[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1]
+    top = logits.topk(2)
+    q = float(top.values.softmax(-1)[0])
+    n = 256
+    out = llm.generate([prompt], SamplingParams(n=n, temperature=1.0, top_k=2, seed=3, max_tokens=1))[0]
+    firsts = [c.token_ids[0] for c in out.completions]
+    assert set(firsts) <= set(top.indices.tolist())
+    assert abs(firsts.count(int(top.indices[0])) - n * q) <= 4 * (n * q * (1 - q)) ** 0.5 + 1
+
+
+def test_bad_settings_are_user_errors(model):
+    with pytest.raises(QuantkitError, match="block_size"):
+        EngineConfig(block_size=0)
+    with pytest.raises(QuantkitError, match="unknown engine setting 'blocks'"):
+        EngineConfig.from_dict({"blocks": 3})
+    with pytest.raises(QuantkitError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    llm = LLM(model, num_kv_blocks=2)
+    with pytest.raises(QuantkitError, match="cannot fit the KV cache"):
+        llm.generate([[5] * 30], SamplingParams(max_tokens=10))
+    with pytest.raises(QuantkitError, match="no tokenizer"):
+        llm.generate(["hello"])
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1", reason="needs CUDA or the interpreter"
+)
+def test_triton_backend_matches_hf(model):
+    """The Triton kernels inside the engine (mixed decode + chunked prefill steps) give HF's greedy tokens."""
+    prompts = random_prompts([3, 21, 9], VOCAB, seed=14)
+    reference = hf_greedy(model, prompts, 6)
+    llm = LLM(model, num_kv_blocks=16, max_num_batched_tokens=12, attention_backend="triton", device="cpu")
+    assert [o.completions[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6))] == reference
