@@ -257,7 +257,8 @@ def quantizer_mismatches(problem: Problem) -> int:
 # -- full table ----------------------------------------------------------------------------------------------------
 
 
-def run_table(shapes, ms, timer: Timer, device: str, configs: dict | None) -> list[dict]:
+def run_table(shapes, ms, timer: Timer, device: str, configs: dict | None, save) -> list[dict]:
+    """One row per (shape, M); ``save(rows)`` after every row, so a run cut short still leaves its results."""
     rows = []
     for n, k in shapes:
         for m in ms:
@@ -285,6 +286,7 @@ def run_table(shapes, ms, timer: Timer, device: str, configs: dict | None) -> li
             row["bf16_tflops"] = p.flops() / (base * 1e-6) / 1e12
             row["int8_weight_tbps"] = n * k / (row["us"]["int8"] * 1e-6) / 1e12
             rows.append(row)
+            save(rows)
             print(
                 f"N={n:6d} K={k:6d} M={m:6d}  bf16 {base:9.1f} us  int8 {row['speedup']['int8']:.2f}x  "
                 f"int_mm {row['speedup'].get('int_mm', float('nan')):.2f}x  fp8 {row['speedup']['fp8']:.2f}x  "
@@ -344,7 +346,7 @@ def as_config(cand: tuple) -> dict[str, int]:
     return dict(zip(K.CONFIG_KEYS, cand, strict=True))
 
 
-def run_sweep(shapes, timer: Timer, device: str, candidates: dict, sweep_ms: dict) -> dict:
+def run_sweep(shapes, timer: Timer, device: str, candidates: dict, sweep_ms: dict, save) -> dict:
     """GEMM-only time (the quantizer does not depend on the tile config) of every candidate; the winner per
     (format, regime) has the smallest geometric-mean time over the regime's shapes and M values."""
     results, winners = [], {}
@@ -388,6 +390,7 @@ def run_sweep(shapes, timer: Timer, device: str, candidates: dict, sweep_ms: dic
             winners[f"{fmt}/{regime}"] = as_config(best)
             gain = f", {cur_t / best_score:.2f}x over the committed config" if cur_t else ""
             print(f"{fmt:5s} {regime:6s} winner {best}  geomean {best_score:.1f} us{gain}", flush=True)
+        save({"winners": winners, "results": results})  # after every regime: a run cut short keeps the finished ones
     return {"winners": winners, "results": results}
 
 
@@ -469,10 +472,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         shapes = SMOKE_SHAPES if args.smoke else SHAPES
         cands = SMOKE_SWEEP_CANDIDATES if args.smoke else SWEEP_CANDIDATES
-        sweep = run_sweep(shapes, timer, device, cands, SMOKE_SWEEP_MS if args.smoke else SWEEP_MS)
-        sweep["env"] = env
         path = out_dir / "w8a8_sweep.json"
-        path.write_text(json.dumps(sweep, indent=1))
+
+        def save_sweep(sweep: dict) -> None:
+            path.write_text(json.dumps({**sweep, "env": env}, indent=1))
+
+        sweep = run_sweep(shapes, timer, device, cands, SMOKE_SWEEP_MS if args.smoke else SWEEP_MS, save_sweep)
         print(f"\nsweep took {time.perf_counter() - t_start:.0f} s; saved {path}. CONFIGS to commit:\n")
         print(configs_block(sweep["winners"], tuned_on(env)))
         return 0
@@ -486,9 +491,12 @@ def main(argv: list[str] | None = None) -> int:
     configs = load_configs(args.configs) if args.configs else None
     if configs:
         env["configs_tuned_on"] = f"sweep winners from {args.configs}"
-    rows = run_table(shapes, ms, timer, device, configs)
-    env["seconds"] = round(time.perf_counter() - t_start)
-    (out_dir / "w8a8_results.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+
+    def save_rows(rows: list[dict]) -> None:
+        env["seconds"] = round(time.perf_counter() - t_start)
+        (out_dir / "w8a8_results.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+
+    rows = run_table(shapes, ms, timer, device, configs, save_rows)
     (out_dir / "w8a8_results.md").write_text(table_markdown(rows, env))
     print(f"\n{env['gpu']}, {env['date']}, {env['seconds']} s; full results in {out_dir}/w8a8_results.{{json,md}}")
     print("geomean speedup over bf16 cuBLAS across shapes (end to end: quantize + GEMM + epilogue):")
