@@ -28,6 +28,7 @@ class QuantizeResult:
     seconds: float = 0.0
     peak_device_bytes: int | None = None
     device: str = "cpu"
+    source_model: str | None = None  # where the float model came from (set by the caller, recorded on save)
 
 
 def prepare_model(model: nn.Module) -> None:
@@ -45,18 +46,18 @@ def quantize(
     tokenizer=None,
     device: str | torch.device | None = None,
     progress=None,
+    fingerprint: dict | None = None,
 ) -> QuantizeResult:
     """Quantize ``model`` in place following ``recipe``; returns what was done.
 
-    ``calib`` is an int64 tensor [nsamples, seqlen] of token windows; when None and the recipe needs data,
-    windows are cut from ``recipe.calibration`` with ``tokenizer``. ``device`` is where each layer is processed
+    ``calib`` is an int64 tensor [nsamples, seqlen] of token windows (``fingerprint`` says where they came
+    from); when None and the recipe needs data, windows are cut from ``recipe.calibration`` with ``tokenizer``. ``device`` is where each layer is processed
     (default: CUDA when available, else CPU); the model itself stays where it is.
     """
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
     arch = arch_for(model)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    fingerprint = None
     batches = None
     if recipe.needs_calibration:
         if calib is None:
@@ -64,7 +65,7 @@ def quantize(
                 raise QuantkitError("this recipe needs calibration data: pass calib windows or a tokenizer")
             c = recipe.calibration
             calib, fingerprint = calibration_windows(tokenizer, c.source, c.nsamples, c.seqlen, c.seed)
-        else:
+        elif fingerprint is None:
             fingerprint = {"source": "tensor", "nsamples": calib.shape[0], "seqlen": calib.shape[1]}
         batches = list(calib.split(recipe.calibration.batch_size))
     prepare_model(model)
@@ -79,7 +80,9 @@ def quantize(
 
     with torch.no_grad():
         layers = run_layerwise(model, arch, batches, device, on_layer, progress)
-    result = QuantizeResult(recipe, fingerprint, layers, time.perf_counter() - t0, device=str(device))
+    result = QuantizeResult(
+        recipe, fingerprint if batches else None, layers, time.perf_counter() - t0, device=str(device)
+    )
     if device.type == "cuda":
         result.peak_device_bytes = torch.cuda.max_memory_allocated(device)
     if not layers:

@@ -11,7 +11,7 @@ COMMON = dict(
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
-    vocab_size=160,
+    vocab_size=320,
     pad_token_id=0,
     bos_token_id=1,
     eos_token_id=2,
@@ -30,7 +30,7 @@ CONFIGS = {
         ffn_dim=96,
         num_hidden_layers=2,
         num_attention_heads=4,
-        vocab_size=160,
+        vocab_size=320,
         word_embed_proj_dim=64,
         pad_token_id=1,
         bos_token_id=2,
@@ -61,3 +61,33 @@ def tiny_model(arch: str, seed: int = 0, dtype=torch.float32):
             if "norm" in name and p.dim() == 1:
                 p.copy_(torch.rand_like(p) * 0.5 + 0.75 if "gemma" not in arch else torch.rand_like(p) * 0.5 - 0.25)
     return model
+
+
+def tiny_tokenizer(vocab_size: int = 320):
+    """A byte-level BPE tokenizer trained in well under a second on the shipped calibration text."""
+    from importlib import resources
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = resources.files("quantkit.calib_data").joinpath("brown_calib.txt").read_text()[:200_000]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(text.splitlines(), trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def tiny_model_dir(path, arch: str = "llama", seed: int = 0):
+    """Save a tiny random model of ``arch`` with a matching tokenizer as a Hugging Face folder."""
+    model = tiny_model(arch, seed)
+    model.save_pretrained(path)
+    tiny_tokenizer(model.config.vocab_size).save_pretrained(path)
+    return path

@@ -51,6 +51,7 @@ def quantization_config(model: nn.Module) -> dict:
         "architecture": arch_for(model).name,
         "recipe": result.recipe.to_dict(),
         "calibration": result.calibration,
+        "source_model": result.source_model,
         "versions": versions(),
     }
 

@@ -101,6 +101,19 @@ def convert_gguf(gguf: Path) -> Path:
     return target
 
 
+def check_supported(folder: Path) -> None:
+    """Fail early (before loading weights) on an architecture quantkit has no table for."""
+    import json
+
+    from quantkit.models.arch import arch_for
+
+    try:
+        architectures = json.loads((folder / "config.json").read_text()).get("architectures") or ["(none)"]
+    except json.JSONDecodeError as exc:
+        raise QuantkitError(f"{folder / 'config.json'} is corrupt: {exc}") from None
+    arch_for(architectures[0])
+
+
 def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """(model, tokenizer, folder) for a float model; quantized quantkit folders go through ``load_quantized``."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

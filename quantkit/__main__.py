@@ -1,0 +1,3 @@
+from quantkit.cli.main import main
+
+main()

@@ -1,0 +1,275 @@
+"""The quantize, eval and inspect commands."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from quantkit.errors import QuantkitError
+
+stderr = Console(stderr=True)
+stdout = Console()
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def progress_bar() -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[note]}"),
+        console=stderr,
+        transient=False,
+    )
+
+
+def _dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    return DTYPES[name]
+
+
+def _device(name: str | None) -> str:
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise QuantkitError(f"device {name} requested but CUDA is not available")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise QuantkitError(f"unknown device {name!r} (cpu, cuda, cuda:N)")
+    return name
+
+
+# CLI flag -> (recipe section, key). Section "scheme" changes every stage's scheme, "calibration" the
+# calibration, "params" the parameters of every stage that has that parameter.
+FLAG_MAP = {
+    "bits": ("scheme", "bits"),
+    "group_size": ("scheme", "group_size"),
+    "sym": ("scheme", "sym"),
+    "act_static": ("scheme", "act_dynamic"),
+    "calib": ("calibration", "source"),
+    "nsamples": ("calibration", "nsamples"),
+    "seqlen": ("calibration", "seqlen"),
+    "seed": ("calibration", "seed"),
+    "damp": ("params", "damp"),
+    "block_size": ("params", "block_size"),
+    "act_order": ("params", "act_order"),
+    "static_groups": ("params", "static_groups"),
+    "alpha": ("params", "alpha"),
+    "alpha_search": ("params", "alpha_search"),
+    "grid": ("params", "grid"),
+    "clip": ("params", "clip"),
+}
+
+
+def resolve_recipe(method: str | None, recipe_spec: str | None, flags: dict):
+    """Recipe from --recipe or --method (default: the shipped 'default' recipe), CLI flags on top."""
+    from quantkit.presets import preset_recipe
+    from quantkit.recipe import load_recipe
+    from quantkit.stages import stage_class
+
+    if method and recipe_spec:
+        raise QuantkitError("give either --method or --recipe, not both")
+    changes: dict[str, dict] = {"scheme": {}, "calibration": {}, "params": {}}
+    for flag, value in flags.items():
+        if value is None:
+            continue
+        section, key = FLAG_MAP[flag]
+        changes[section][key] = (not value) if flag == "act_static" else value
+    recipe = preset_recipe(method) if method else load_recipe(recipe_spec or "default")
+    known = {f for s in recipe.stages for f in stage_class(s.method).Params.__dataclass_fields__}
+    stray = sorted(set(changes["params"]) - known)
+    if stray:
+        flag = "--" + stray[0].replace("_", "-")
+        methods = ", ".join(s.method for s in recipe.stages)
+        raise QuantkitError(f"{flag} does not apply to this recipe's methods ({methods})")
+    return recipe.with_overrides(changes["scheme"], changes["calibration"], changes["params"])
+
+
+def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out: Path) -> Table:
+    table = Table(title="quantkit quantize: resolved configuration", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("model", model_spec)
+    table.add_row("output", str(out))
+    table.add_row("device / dtype", f"{device} / {str(dtype).removeprefix('torch.')}")
+    table.add_row("recipe", recipe.name or "(unnamed)")
+    for i, s in enumerate(recipe.stages):
+        params = {k: v for k, v in (s.params.__dict__ if s.params else {}).items()}
+        scheme = s.scheme.name if s.scheme else "-"
+        table.add_row(f"stage {i + 1}", f"{s.method}  scheme={scheme}  {params if params else ''}")
+    if recipe.needs_calibration:
+        c = recipe.calibration
+        table.add_row("calibration", f"{c.source}: {c.nsamples} x {c.seqlen} tokens, seed {c.seed}")
+    else:
+        table.add_row("calibration", "not needed")
+    return table
+
+
+@click.command("quantize")
+@click.option("--model", default="smollm2-135m", show_default=True, help="HF folder, .gguf file or built-in name.")
+@click.option("--method", default=None, help="A preset: rtn, gptq, awq, awq+gptq, w8a8, smoothquant, ...")
+@click.option("--recipe", "recipe_spec", default=None, help="A YAML recipe file or shipped recipe name.")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Output checkpoint folder.")
+@click.option("--bits", type=int, default=None)
+@click.option("--group-size", type=int, default=None, help="Input channels per scale; -1 = per-channel.")
+@click.option("--sym/--asym", default=None, help="Symmetric or asymmetric (integer zero point).")
+@click.option("--calib", default=None, help="Calibration text: shipped name, files, or hf:NAME[:CONFIG][:SPLIT].")
+@click.option("--nsamples", type=int, default=None)
+@click.option("--seqlen", type=int, default=None)
+@click.option("--seed", type=int, default=None)
+@click.option("--damp", type=float, default=None, help="GPTQ dampening (fraction of mean diag H).")
+@click.option("--block-size", type=int, default=None, help="GPTQ lazy-update block size.")
+@click.option("--act-order/--no-act-order", default=None, help="GPTQ: columns by decreasing diag(H).")
+@click.option("--static-groups/--no-static-groups", default=None, help="GPTQ: group grids fixed up front.")
+@click.option("--alpha", type=float, default=None, help="SmoothQuant migration strength.")
+@click.option("--alpha-search/--no-alpha-search", default=None, help="SmoothQuant: search alpha per layer.")
+@click.option("--act-static", is_flag=True, default=None, help="W8A8: static per-tensor activation scales.")
+@click.option("--grid", type=int, default=None, help="AWQ: scale-search grid size.")
+@click.option("--clip/--no-clip", default=None, help="AWQ: clipping search.")
+@click.option("--device", default=None, help="Where layers are processed (default: cuda if available).")
+@click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True)
+@click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
+def quantize_command(model, method, recipe_spec, out, device, dtype, overwrite, **flags) -> None:
+    """Quantize a model and save a self-describing checkpoint."""
+    import quantkit
+    from quantkit.calib.data import calibration_windows
+
+    out = out.expanduser().resolve()
+    if out.exists() and not overwrite:
+        raise QuantkitError(f"output directory {out} already exists (use --overwrite to replace it)")
+    device = _device(device)
+    torch_dtype = _dtype(dtype, device)
+    recipe = resolve_recipe(method, recipe_spec, flags)
+    folder = quantkit.models.loading.resolve_model(model)  # bad input fails here, before any heavy work
+    quantkit.models.loading.check_supported(folder)
+    t0 = time.perf_counter()
+    float_model, tokenizer, folder = quantkit.load_model(folder, dtype=torch_dtype)
+    calib = fingerprint = None
+    if recipe.needs_calibration:  # cut the windows now so that too little text fails before any output
+        c = recipe.calibration
+        calib, fingerprint = calibration_windows(tokenizer, c.source, c.nsamples, c.seqlen, c.seed)
+    stdout.print(summary_table(recipe, model, device, torch_dtype, out))
+    n_layers = len(float_model.get_submodule(quantkit.models.arch_for(float_model).layers))
+    with progress_bar() as bar:
+        task = bar.add_task("quantizing", total=n_layers, note="")
+        result = quantkit.quantize(
+            float_model,
+            recipe,
+            calib,
+            fingerprint=fingerprint,
+            device=device,
+            progress=lambda done, total, note: bar.update(task, completed=done, note=note),
+        )
+    float_model.quantkit.source_model = str(folder)
+    path = quantkit.save_quantized(float_model, out, tokenizer=tokenizer, overwrite=overwrite)
+    stdout.print(
+        f"[green]saved[/] {path}  ({len(result.layers)} linears quantized in {result.seconds:.1f}s, "
+        f"total {time.perf_counter() - t0:.1f}s)"
+    )
+
+
+def load_any(spec: str, dtype: torch.dtype, device: str):
+    """(model, tokenizer) for a quantkit checkpoint or a float model spec."""
+    from transformers import AutoTokenizer
+
+    import quantkit
+
+    path = Path(spec).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        config = json.loads((path / "config.json").read_text())
+        if "quantization_config" in config:
+            model = quantkit.load_quantized(path, dtype=dtype, device=device)
+            return model, AutoTokenizer.from_pretrained(path)
+    model, tokenizer, _ = quantkit.load_model(spec, dtype=dtype, device=device)
+    return model, tokenizer
+
+
+@click.command("eval")
+@click.option("--model", required=True, help="Checkpoint folder, HF folder, .gguf or built-in name.")
+@click.option("--baseline", default=None, help="Float model to compare against (KL, top-1 agreement).")
+@click.option("--data", "source", default="moby-dick", show_default=True, help="Evaluation text.")
+@click.option("--seqlen", type=int, default=512, show_default=True)
+@click.option("--windows", type=int, default=40, show_default=True, help="Number of windows (0 = all).")
+@click.option("--device", default=None)
+@click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of a table.")
+def eval_command(model, baseline, source, seqlen, windows, device, dtype, as_json) -> None:
+    """Perplexity (and KL / top-1 agreement against a float baseline) on an evaluation text."""
+    from quantkit.calib.data import evaluation_windows
+    from quantkit.eval import evaluate_windows
+
+    device = _device(device)
+    torch_dtype = _dtype(dtype, device)
+    m, tokenizer = load_any(model, torch_dtype, device)
+    base = load_any(baseline, torch_dtype, device)[0] if baseline else None
+    ids, protocol = evaluation_windows(tokenizer, source, seqlen, windows or None)
+    t0 = time.perf_counter()
+    with progress_bar() as bar:
+        task = bar.add_task("evaluating", total=len(ids), note="")
+        result = evaluate_windows(m, ids, base, progress=lambda d, t: bar.update(task, completed=d))
+    report = {
+        "model": model,
+        "baseline": baseline,
+        **result.to_dict(),
+        "protocol": protocol,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    table = Table(title=f"quantkit eval on {protocol['source']} ({result.tokens} predictions, seqlen {seqlen})")
+    for col in ("model", "perplexity", "KL vs baseline", "top-1 agreement"):
+        table.add_column(col)
+    if base is not None:
+        table.add_row(f"{baseline} (baseline)", f"{result.baseline_perplexity:.3f}", "-", "-")
+    table.add_row(
+        model,
+        f"{result.perplexity:.3f}",
+        f"{result.kl:.4f}" if result.kl is not None else "-",
+        f"{result.top1_agreement:.3f}" if result.top1_agreement is not None else "-",
+    )
+    stdout.print(table)
+
+
+@click.command("inspect")
+@click.argument("folder", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+def inspect_command(folder: Path, as_json: bool) -> None:
+    """Per-layer scheme, bytes and compression ratio of a quantkit checkpoint (reads only metadata)."""
+    from quantkit.checkpoint.inspect import inspect_checkpoint
+
+    info = inspect_checkpoint(folder)
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    table = Table(title=f"{folder}  ({info['architecture']}, format v{info['format_version']})")
+    for col in ("module", "scheme", "layout", "shape [N, K]", "bytes", "fp16 bytes", "ratio"):
+        table.add_column(col, justify="right" if col in ("bytes", "fp16 bytes", "ratio") else "left")
+    for row in info["modules"]:
+        table.add_row(
+            row["name"],
+            row["scheme"],
+            row["layout"],
+            f"{row['shape'][0]} x {row['shape'][1]}",
+            f"{row['bytes']:,}",
+            f"{row['fp16_bytes']:,}",
+            f"{row['ratio']:.2f}x",
+        )
+    t = info["totals"]
+    table.add_row(
+        "[bold]quantized linears", "", "", "", f"{t['quantized_bytes']:,}", f"{t['fp16_bytes']:,}", f"{t['ratio']:.2f}x"
+    )
+    stdout.print(table)
+    stdout.print(
+        f"whole checkpoint: {t['file_bytes']:,} bytes of tensors; recipe: {info['recipe']}; "
+        f"calibration: {info['calibration']}; versions: {info['versions']}"
+    )

@@ -1,0 +1,61 @@
+"""``quantkit`` command line: parses arguments and calls the Python API, nothing more.
+
+Bad input (a QuantkitError) prints one line on stderr and exits with status 2; no output is left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+from rich.console import Console
+from rich.logging import RichHandler
+
+from quantkit.errors import QuantkitError
+
+console = Console(stderr=True)
+
+
+class QuantkitGroup(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except QuantkitError as exc:
+            click.echo(f"quantkit: error: {exc}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=QuantkitGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+@click.version_option(package_name="quantkit")
+def cli(verbose: bool) -> None:
+    """Post-training quantization for LLMs: quantize, evaluate, inspect, serve."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(message)s",
+        handlers=[RichHandler(console=console, show_path=False, show_time=False)],
+    )
+    for noisy in ("transformers", "datasets", "httpx", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+
+
+def _register_commands() -> None:
+    from quantkit.cli.commands import eval_command, inspect_command, quantize_command
+
+    cli.add_command(quantize_command)
+    cli.add_command(eval_command)
+    cli.add_command(inspect_command)
+
+
+def main() -> None:
+    _register_commands()
+    cli(prog_name="quantkit")

@@ -1,0 +1,195 @@
+"""The CLI: a happy path on a tiny model, and every kind of bad input -> one line, exit 2, nothing written."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from quantkit.cli.main import _register_commands, cli
+from tests.tiny_models import tiny_model_dir, tiny_tokenizer
+
+_register_commands()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+def run(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def assert_clean_failure(result, fragment, out=None):
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("quantkit: error:") and fragment in lines[0], lines[0]
+    assert "Traceback" not in result.output
+    if out is not None:
+        assert not out.exists()
+        assert not list(out.parent.glob(f".{out.name}.tmp-*"))
+
+
+def test_quantize_eval_inspect_happy_path(tiny_dir, tmp_path):
+    out = tmp_path / "q"
+    r = run("quantize", "--model", tiny_dir, "--out", out, "--bits", "4", "--group-size", "32", "--asym")
+    assert r.exit_code == 0, r.output
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "quantkit" and qc["schemes"] == {
+        "w4a16-g32-asym": {
+            "bits": 4,
+            "group_size": 32,
+            "sym": False,
+            "fmt": "int",
+            "act_bits": None,
+            "act_dynamic": True,
+        }
+    }
+    assert qc["layouts"] == {"gptq_v2": 1}
+    assert set(qc["versions"]) == {"quantkit", "torch", "transformers"}
+    assert qc["source_model"] == str(tiny_dir)
+
+    r = run("inspect", out, "--json")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    assert len(info["modules"]) == 14 and info["totals"]["ratio"] > 2.5
+
+    r = run("eval", "--model", out, "--baseline", tiny_dir, "--windows", "2", "--seqlen", "32", "--json")
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert res["perplexity"] > 1 and res["kl"] >= 0 and 0 <= res["top1_agreement"] <= 1
+
+
+def test_cli_flag_overrides_recipe(tiny_dir, tmp_path):
+    out = tmp_path / "q"
+    r = run("quantize", "--model", tiny_dir, "--out", out, "--recipe", "w4a16-rtn-mixed", "--bits", "8")
+    assert r.exit_code == 0, r.output
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    # --bits 8 applies to the stage scheme; the recipe's per-layer override still wins for down_proj
+    assert set(qc["schemes"]) == {"w8a16-g64-asym", "w8a16-pc-sym"}
+    assert qc["modules"]["model.layers.0.mlp.down_proj"] == "w8a16-pc-sym"
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--model", "/nonexistent/model"], "model not found"),
+        (["--bits", "5"], "bits must be one of 2, 3, 4, 8, got 5"),
+        (["--group-size", "0"], "group_size must be a positive integer or -1"),
+        (["--recipe", "/nonexistent.yaml"], "recipe not found"),
+        (["--method", "nope"], "unknown method 'nope'"),
+        (["--method", "rtn", "--damp", "0.1"], "--damp does not apply"),
+        (["--method", "rtn", "--recipe", "default"], "either --method or --recipe"),
+        (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "tpu"], "device"),
+    ],
+)
+def test_bad_quantize_arguments(tiny_dir, tmp_path, args, fragment):
+    out = tmp_path / "q"
+    args = ["--model", tiny_dir, *args] if "--model" not in args else args
+    assert_clean_failure(run("quantize", "--out", out, *args), fragment, out)
+
+
+def test_malformed_yaml_and_unknown_key(tiny_dir, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stages: [method: rtn\n  - oops: {")
+    assert_clean_failure(
+        run("quantize", "--model", tiny_dir, "--out", tmp_path / "q", "--recipe", bad), "malformed YAML", tmp_path / "q"
+    )
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("scheme: {bits: 4}\nstages:\n  - method: rtn\n    tagrets: [Linear]\n")
+    assert_clean_failure(
+        run("quantize", "--model", tiny_dir, "--out", tmp_path / "q", "--recipe", unknown),
+        "unknown key 'tagrets'",
+        tmp_path / "q",
+    )
+    unknown_scheme = tmp_path / "unknown_scheme.yaml"
+    unknown_scheme.write_text("scheme: {bits: 4, groupsize: 32}\nstages: [{method: rtn}]\n")
+    assert_clean_failure(
+        run("quantize", "--model", tiny_dir, "--out", tmp_path / "q", "--recipe", unknown_scheme),
+        "unknown key 'groupsize'",
+        tmp_path / "q",
+    )
+
+
+def test_too_little_calibration_text(tiny_dir, tmp_path):
+    text = tmp_path / "short.txt"
+    text.write_text("Only a few words here.\n")
+    out = tmp_path / "q"
+    r = run(
+        "quantize",
+        "--model",
+        tiny_dir,
+        "--out",
+        out,
+        "--method",
+        "w8a8",
+        "--act-static",
+        "--calib",
+        text,
+        "--nsamples",
+        "4",
+        "--seqlen",
+        "64",
+    )
+    assert_clean_failure(r, "tokens", out)
+
+
+def test_missing_calibration_file(tiny_dir, tmp_path):
+    out = tmp_path / "q"
+    r = run(
+        "quantize",
+        "--model",
+        tiny_dir,
+        "--out",
+        out,
+        "--method",
+        "w8a8",
+        "--act-static",
+        "--calib",
+        tmp_path / "missing.txt",
+    )
+    assert_clean_failure(r, "text source not found", out)
+
+
+def test_existing_output_is_refused_and_kept(tiny_dir, tmp_path):
+    out = tmp_path / "q"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert_clean_failure(run("quantize", "--model", tiny_dir, "--out", out), "already exists")
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_unsupported_architecture(tmp_path):
+    model_dir = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=320)).save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    r = run("quantize", "--model", model_dir, "--out", tmp_path / "q")
+    assert_clean_failure(r, "unsupported model architecture GPT2LMHeadModel; supported: ", tmp_path / "q")
+    assert "LlamaForCausalLM" in r.stderr
+
+
+def test_corrupt_checkpoint(tiny_dir, tmp_path):
+    out = tmp_path / "q"
+    assert run("quantize", "--model", tiny_dir, "--out", out).exit_code == 0
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert_clean_failure(run("eval", "--model", out, "--windows", "1", "--seqlen", "16"), "cannot load")
+    assert_clean_failure(run("inspect", out), "not a readable safetensors file")
+    (out / "config.json").write_text("{ not json")
+    assert_clean_failure(run("inspect", out), "corrupt")
+
+
+def test_entry_point_exit_code_and_single_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "quantkit", "quantize", "--out", tmp_path / "q", "--bits", "5"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["quantkit: error: bits must be one of 2, 3, 4, 8, got 5"]
