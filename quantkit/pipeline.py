@@ -51,8 +51,9 @@ def quantize(
     """Quantize ``model`` in place following ``recipe``; returns what was done.
 
     ``calib`` is an int64 tensor [nsamples, seqlen] of token windows (``fingerprint`` says where they came
-    from); when None and the recipe needs data, windows are cut from ``recipe.calibration`` with ``tokenizer``. ``device`` is where each layer is processed
-    (default: CUDA when available, else CPU); the model itself stays where it is.
+    from); when None and the recipe needs data, windows are cut from ``recipe.calibration`` with
+    ``tokenizer``. ``device`` is where each layer is processed (default: CUDA when available, else CPU); the
+    model itself stays where it is.
     """
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
