@@ -122,27 +122,24 @@ def _to_act(v, ACT: tl.constexpr, EMULATE_BF16: tl.constexpr):
 
 
 @triton.jit
-def _dequant_tile(words, zeros, scales, ACT: tl.constexpr, COMPUTE: tl.constexpr, BITS: tl.constexpr,
-                  MAGIC: tl.constexpr, FUSE_SCALE: tl.constexpr, EMULATE_BF16: tl.constexpr):  # fmt: skip
-    """words int32 [R, BN], zeros int32 and scales fp16 [R or 1, BN] -> W tile [R * 32/BITS, BN] in COMPUTE.
+def _dequant(q, zeros, scales, ACT: tl.constexpr, COMPUTE: tl.constexpr, MAGIC: tl.constexpr,
+             FUSE_SCALE: tl.constexpr, EMULATE_BF16: tl.constexpr):  # fmt: skip
+    """Codes q (int32) with broadcastable zeros (int32) and scales (fp16) -> W in COMPUTE, elementwise.
 
-    FUSE_SCALE: (q - z) * s in fp32, rounded once. Otherwise the exact integer q - z (scale applied by the caller).
+    FUSE_SCALE: (q - z) * s in fp32, rounded once to ACT. Otherwise the exact integer q - z (the caller scales),
+    built without any int->float instruction: (code | MAGIC) read as ACT is MAGIC's value + code.
     """
-    PF: tl.constexpr = 32 // BITS
-    shifts = tl.arange(0, PF) * BITS
-    q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # [R, PF, BN], k = r * PF + j
-    z = zeros[:, None, :]
     if FUSE_SCALE:
         qf = (q | MAGIC_F32).to(tl.float32, bitcast=True)
-        zf = (z | MAGIC_F32).to(tl.float32, bitcast=True)
-        w = _to_act((qf - zf) * scales[:, None, :].to(tl.float32), ACT, EMULATE_BF16).to(COMPUTE)
+        zf = (zeros | MAGIC_F32).to(tl.float32, bitcast=True)
+        return _to_act((qf - zf) * scales.to(tl.float32), ACT, EMULATE_BF16).to(COMPUTE)
     elif MAGIC != 0:
         qh = (q | MAGIC).to(tl.int16).to(ACT, bitcast=True).to(COMPUTE)
-        zh = (z | MAGIC).to(tl.int16).to(ACT, bitcast=True).to(COMPUTE)
-        w = qh - zh
+        zh = (zeros | MAGIC).to(tl.int16).to(ACT, bitcast=True).to(COMPUTE)
+        return qh - zh
     else:
-        w = ((q | MAGIC_F32).to(tl.float32, bitcast=True) - (z | MAGIC_F32).to(tl.float32, bitcast=True)).to(COMPUTE)
-    return tl.reshape(w, (words.shape[0] * PF, words.shape[1]))
+        qf = (q | MAGIC_F32).to(tl.float32, bitcast=True)
+        return (qf - (zeros | MAGIC_F32).to(tl.float32, bitcast=True)).to(COMPUTE)
 
 
 @triton.jit
@@ -177,9 +174,10 @@ def _w4a16_gemm_kernel(
     # meta-parameters
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr, FUSE_SCALE: tl.constexpr, MAGIC: tl.constexpr, COMPUTE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    NIBBLE_DOTS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
     PF: tl.constexpr = 32 // BITS
+    QMASK: tl.constexpr = (1 << BITS) - 1
     BLOCK_KW: tl.constexpr = BLOCK_K // PF
     ACT: tl.constexpr = x_ptr.dtype.element_ty
 
@@ -212,24 +210,41 @@ def _w4a16_gemm_kernel(
         k0 = t * BLOCK_K
         kw = t * BLOCK_KW + offs_kw  # packed-word rows of this tile
         if EVEN_K:
-            x = tl.load(x_ptrs + k0 * stride_xk, mask=m_mask[:, None], other=0.0)
             w_mask = n_mask[None, :]
+            x_mask = m_mask[:, None]
         else:
-            x = tl.load(x_ptrs + k0 * stride_xk, mask=m_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
             w_mask = (kw * PF < K)[:, None] & n_mask[None, :]
-        words = tl.load(qw_ptrs + t * BLOCK_KW * stride_qwk, mask=w_mask, other=0)
-        if FUSE_SCALE:
+            x_mask = m_mask[:, None] & (k0 + offs_k < K)[None, :]
+        if not NIBBLE_DOTS:
+            x = tl.load(x_ptrs + k0 * stride_xk, mask=x_mask, other=0.0)
+        words = tl.load(qw_ptrs + t * BLOCK_KW * stride_qwk, mask=w_mask, other=0)  # [BLOCK_KW, BLOCK_N]
+        if FUSE_SCALE:  # zeros and scales per word row
             grp = (kw * PF) // group_size
             zeros, scales = _load_group(qz_ptr, s_ptr, grp[:, None], offs_n[None, :], w_mask,
                                         stride_qzg, stride_qzn, stride_sg, stride_sn, BITS)  # fmt: skip
-            w = _dequant_tile(words, zeros, scales, ACT, COMPUTE, BITS, MAGIC, True, EMULATE_BF16)
-            acc = tl.dot(x.to(COMPUTE), w, acc)
-        else:
-            grp = k0 // group_size  # the whole tile lies in one group
-            zeros, scales = _load_group(qz_ptr, s_ptr, grp, offs_n[None, :], n_mask[None, :],
+            part = acc  # accumulate inside the dot
+        else:  # the whole tile lies in one group
+            zeros, scales = _load_group(qz_ptr, s_ptr, k0 // group_size, offs_n[None, :], n_mask[None, :],
                                         stride_qzg, stride_qzn, stride_sg, stride_sn, BITS)  # fmt: skip
-            w = _dequant_tile(words, zeros, scales, ACT, COMPUTE, BITS, MAGIC, False, EMULATE_BF16)
-            acc += tl.dot(x.to(COMPUTE), w) * scales.to(tl.float32)
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if NIBBLE_DOTS:
+            # PF dots of depth BLOCK_KW: dot j takes code j of every word and x[:, k0 + r * PF + j]
+            for j in tl.static_range(PF):
+                kj = k0 + offs_kw * PF + j
+                xj_mask = m_mask[:, None] if EVEN_K else m_mask[:, None] & (kj < K)[None, :]
+                xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + kj[None, :] * stride_xk, mask=xj_mask, other=0.0)
+                wj = _dequant((words >> (j * BITS)) & QMASK, zeros, scales, ACT, COMPUTE, MAGIC, FUSE_SCALE,
+                              EMULATE_BF16)  # fmt: skip
+                part = tl.dot(xj.to(COMPUTE), wj, part)
+        else:
+            # one dot: codes [BLOCK_KW, PF, BLOCK_N] (k = r * PF + j) reshaped to [BLOCK_K, BLOCK_N]
+            q = (words[:, None, :] >> (tl.arange(0, PF) * BITS)[None, :, None]) & QMASK
+            w = _dequant(q, zeros[:, None, :], scales[:, None, :], ACT, COMPUTE, MAGIC, FUSE_SCALE, EMULATE_BF16)
+            part = tl.dot(x.to(COMPUTE), tl.reshape(w, (BLOCK_K, BLOCK_N)), part)
+        if FUSE_SCALE:
+            acc = part
+        else:
+            acc += part * scales.to(tl.float32)
 
     if not SPLIT:
         _store_tile(acc, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS, EMULATE_BF16)
@@ -271,7 +286,9 @@ def _w4a16_dequant_kernel(
     grp = (offs_kw * PF) // group_size
     zeros, scales = _load_group(qz_ptr, s_ptr, grp[:, None], offs_n[None, :], mask,
                                 stride_qzg, stride_qzn, stride_sg, stride_sn, BITS)  # fmt: skip
-    w = _dequant_tile(words, zeros, scales, ACT, ACT, BITS, 0, True, EMULATE_BF16)  # [BLOCK_K, BLOCK_N]
+    q = (words[:, None, :] >> (tl.arange(0, PF) * BITS)[None, :, None]) & ((1 << BITS) - 1)  # k = r * PF + j
+    w = _dequant(q, zeros[:, None, :], scales[:, None, :], ACT, ACT, 0, True, EMULATE_BF16)
+    w = tl.reshape(w, (BLOCK_K, BLOCK_N))
     offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     w_mask = (offs_k < K)[:, None] & (offs_n < N)[None, :]
     tl.store(w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn, w, mask=w_mask)
@@ -418,7 +435,7 @@ def w4a16_gemm(
     m, k = x.shape
     n = w.out_features
     cfg = config or config_for(m)
-    plan = plan_launch(cfg, m, n, k, w.group_size, _num_sms(x.device))
+    plan = plan_launch(cfg, m, n, k, w.group_size, _num_sms(x.device), w.bits)
     if out is None:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     part, locks = out, w.locks
@@ -433,7 +450,7 @@ def w4a16_gemm(
         x.stride(0), x.stride(1), w.qweight.stride(0), w.qweight.stride(1), w.qzeros.stride(0), w.qzeros.stride(1),
         w.scales.stride(0), w.scales.stride(1), out.stride(0), out.stride(1),
         BITS=w.bits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=plan.block_k, GROUP_M=cfg.group_m,
-        SPLIT=plan.split_k > 1, FUSE_SCALE=cfg.fuse_scale, MAGIC=magic, COMPUTE=compute,
+        SPLIT=plan.split_k > 1, FUSE_SCALE=plan.fuse_scale, MAGIC=magic, COMPUTE=compute, NIBBLE_DOTS=cfg.nibble_dots,
         HAS_BIAS=bias is not None, EVEN_K=k % plan.block_k == 0, EMULATE_BF16=emulate_bf16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
