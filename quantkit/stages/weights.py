@@ -11,12 +11,11 @@ from quantkit.algorithms.rtn import rtn
 from quantkit.calib.runner import LayerContext
 from quantkit.calib.stats import LinearStats
 from quantkit.nn.factory import make_quantized_linear
+from quantkit.nn.w8a8 import W8A8Linear, static_input_scale
 from quantkit.quant.scheme import QuantScheme
 from quantkit.quant.tensor import QuantizedWeight
 from quantkit.recipe import Stage
 from quantkit.stages import register
-
-INT8_MAX = 127.0
 
 
 class WeightStage:
@@ -40,6 +39,10 @@ class WeightStage:
 
     def quantize(self, w: torch.Tensor, stats: LinearStats | None, scheme: QuantScheme) -> tuple[QuantizedWeight, dict]:
         raise NotImplementedError
+
+    def quantized_module(self, module, stats, scheme, input_scale):
+        qw, info = self.quantize(module.weight.data, stats, scheme)
+        return make_quantized_linear(qw, module.bias, module.weight.dtype, input_scale), info
 
     def collect_together(self) -> bool:
         """Collect the statistics of all groups in one pass (False: group by group, true-sequential)."""
@@ -71,12 +74,8 @@ class WeightStage:
                 )
             for name, module, scheme in chosen:
                 t0 = time.perf_counter()
-                qw, info = self.quantize(module.weight.data, stats.get(name), scheme)
-                input_scale = None
-                if not scheme.act_dynamic:
-                    st = stats[name]
-                    input_scale = (st.absmax.max().clamp(min=1e-8) / INT8_MAX).reshape(1)
-                new = make_quantized_linear(qw, module.bias, module.weight.dtype, input_scale)
+                input_scale = None if scheme.act_dynamic else static_input_scale(stats[name].absmax.max(), scheme)
+                new, info = self.quantized_module(module, stats.get(name), scheme, input_scale)
                 ctx.layer.set_submodule(name, new)
                 ctx.record(
                     name,
@@ -89,7 +88,16 @@ class WeightStage:
 
 @register("rtn")
 class RTNStage(WeightStage):
-    """Round-to-nearest: no calibration data needed for weight-only schemes."""
+    """Round-to-nearest: no calibration data needed for weight-only schemes.
+
+    W8A8 layers use the module's own per-channel RTN (int8 abs-max / 127, or fp8 e4m3), the grid its kernels'
+    activation quantizer shares.
+    """
 
     def quantize(self, w, stats, scheme):
         return rtn(w, scheme), {}
+
+    def quantized_module(self, module, stats, scheme, input_scale):
+        if scheme.weight_only:
+            return super().quantized_module(module, stats, scheme, input_scale)
+        return W8A8Linear.from_float(module, scheme, input_scale), {}

@@ -1,0 +1,32 @@
+"""Every shipped recipe runs end to end on a tiny model (quantize, save, reload with equal logits)."""
+
+from importlib import resources
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import quantkit
+from quantkit.nn.factory import quantized_modules
+from quantkit.recipe import load_recipe, shipped_recipes
+from tests.tiny_models import tiny_model
+
+
+def test_shipped_recipe_files_are_listed():
+    on_disk = sorted(p.name[:-5] for p in resources.files("quantkit.recipes").iterdir() if p.name.endswith(".yaml"))
+    assert shipped_recipes() == on_disk and "default" in on_disk
+
+
+@pytest.mark.parametrize("name", shipped_recipes())
+def test_shipped_recipe_runs(name, tmp_path):
+    recipe = load_recipe(name)
+    model = tiny_model("llama")
+    calib = torch.randint(3, 320, (8, 48), generator=torch.Generator().manual_seed(0))
+    quantkit.quantize(model, recipe, calib)
+    assert quantized_modules(model)
+    ids = torch.randint(3, 320, (1, 16))
+    with torch.no_grad():
+        before = model(ids).logits
+    reloaded = AutoModelForCausalLM.from_pretrained(quantkit.save_quantized(model, tmp_path / name)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, before, rtol=0, atol=0)
