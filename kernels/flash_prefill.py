@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from quantkit.kernels.paged_attention import LOG2E, gather_context
+from quantkit.kernels.paged_attention import LOG2E, dot_precision, gather_context
 
 
 def flash_prefill_reference(
@@ -74,6 +74,7 @@ def _attend_tile(
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """One key tile of the online softmax; returns the updated (m_i, l_i, acc)."""
     pos = n + tl.arange(0, BLOCK_N)
@@ -88,7 +89,7 @@ def _attend_tile(
     k = tl.load(
         k_base + page[:, None] * stride_kb + row[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0
     )
-    qk = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
     if MASKED:
         allowed = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
         allowed &= (window <= 0) | (pos[None, :] > q_pos[:, None] - window)
@@ -101,7 +102,7 @@ def _attend_tile(
     v = tl.load(
         v_base + page[:, None] * stride_vb + row[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0
     )
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -133,6 +134,7 @@ def _prefill_kernel(
     PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32 rounding), "tf32" (ignored) for 16-bit ones
 ):
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -170,13 +172,13 @@ def _prefill_kernel(
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, n, q_pos, kv_len, window, table, k_base, v_base,
             stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_mask, qk_scale,
-            PAGE, BLOCK_N, False,
+            PAGE, BLOCK_N, False, PRECISION,
         )  # fmt: skip
     for n in range(full_end, hi, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, n, q_pos, kv_len, window, table, k_base, v_base,
             stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_mask, qk_scale,
-            PAGE, BLOCK_N, True,
+            PAGE, BLOCK_N, True, PRECISION,
         )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -250,6 +252,7 @@ def flash_prefill(
         PAGE=page,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        PRECISION=dot_precision(q.dtype),
         num_warps=num_warps or (4 if block_m <= 64 else 8),
         num_stages=num_stages,
     )

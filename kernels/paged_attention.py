@@ -24,6 +24,11 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 attention stays fp32 on tensor cores ("ieee"); 16-bit inputs ignore the setting."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def store_kv_reference(k, v, k_cache, v_cache, slot_mapping) -> None:
     """k, v [T, Hkv, D] -> k_cache/v_cache rows at ``slot_mapping`` (rows with slot -1 are skipped)."""
     keep = slot_mapping >= 0
@@ -131,6 +136,7 @@ def _decode_split_kernel(
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32 rounding), "tf32" (ignored) for 16-bit ones
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -166,7 +172,7 @@ def _decode_split_kernel(
             mask=kv_mask,
             other=0.0,
         )
-        qk = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -177,7 +183,7 @@ def _decode_split_kernel(
             mask=kv_mask,
             other=0.0,
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -298,6 +304,7 @@ def paged_decode(
         PAGE=page,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
+        PRECISION=dot_precision(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -80,6 +80,11 @@ class ModelRunner:
         shape = (cfg.num_hidden_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         return torch.zeros(shape, dtype=self.model.dtype, device=self.device)
 
+    def num_splits(self, num_decodes: int) -> int:
+        """Flash-decoding splits, from the batch size and ``max_model_len`` only (never the current contexts), so a
+        captured graph stays valid and eager steps split the way a graph of that size does."""
+        return default_num_splits(num_decodes, self.num_kv_heads, self.max_model_len)
+
     # -- packing -------------------------------------------------------------------------------------------------
 
     def pack(self, batch: ScheduledBatch) -> HostBatch:
@@ -115,6 +120,7 @@ class ModelRunner:
             meta.decode_block_tables = self._tensor(pad_tables(hb.tables[:nd]), torch.int32)
             meta.decode_context_lens = self._tensor(hb.context_lens[:nd], torch.int32)
             meta.max_decode_context = max(hb.context_lens[:nd])
+            meta.decode_num_splits = self.num_splits(nd)
         if len(hb.tables) > nd:
             meta.prefill_block_tables = self._tensor(pad_tables(hb.tables[nd:]), torch.int32)
             meta.prefill_context_lens = self._tensor(hb.context_lens[nd:], torch.int32)
@@ -164,7 +170,7 @@ class ModelRunner:
                     num_decodes=b,
                     decode_block_tables=s["tables"][:b],
                     decode_context_lens=s["ctx"][:b],
-                    decode_num_splits=default_num_splits(b, self.num_kv_heads, self.max_model_len),
+                    decode_num_splits=self.num_splits(b),
                     backend=self.backend,
                 )
                 self.model(s["ids"][:b], s["pos"][:b], meta, self.kv_caches)  # warm-up: compile, lazy state

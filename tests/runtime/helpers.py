@@ -16,7 +16,7 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
     """Hugging Face ``generate`` one prompt at a time (no padding), greedy; new tokens only, stopping at EOS."""
     out = []
     for p in prompts:
-        ids = torch.tensor([p])
+        ids = torch.tensor([p], device=model.device)
         seq = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
         )
