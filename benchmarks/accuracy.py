@@ -33,6 +33,12 @@ def main() -> None:
     ap.add_argument("--groups", default="128")
     ap.add_argument("--sym", action="store_true", help="symmetric (default: asymmetric)")
     ap.add_argument("--params", default="{}", help="JSON of stage parameters applied to every method")
+    ap.add_argument(
+        "--label",
+        default=None,
+        help="name for the method column instead of the preset name, to tell runs with different --params apart "
+        "(one method only)",
+    )
     ap.add_argument("--calib", default="brown")
     ap.add_argument("--nsamples", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=512)
@@ -42,6 +48,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
     ap.add_argument("--out", type=Path, required=True, help="JSON results; a .md table is written beside it")
     args = ap.parse_args()
+    if args.label and "," in args.methods:
+        ap.error("--label names a single method; run one method per --label")
     if args.threads:
         torch.set_num_threads(args.threads)
     console = Console()
@@ -67,12 +75,13 @@ def main() -> None:
                 q_seconds = time.perf_counter() - t0
                 res = evaluate_windows(model, windows, baseline)
                 row = {
-                    "method": method,
+                    "method": args.label or method,
                     **scheme,
                     "perplexity": res.perplexity,
                     "kl": res.kl,
                     "top1": res.top1_agreement,
                     "quantize_seconds": round(q_seconds, 1),
+                    "params": json.loads(args.params),
                 }
                 rows.append(row)
                 console.print(row)
