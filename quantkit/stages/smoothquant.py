@@ -1,1 +1,239 @@
-"""The smoothquant recipe stage (registers method "smoothquant")."""
+"""The smoothquant recipe stage (registers method "smoothquant"): smooth every smoothing group of a layer.
+
+A "transform" stage: it rewrites float weights (the division folded into the producer, the multiplication into
+the consumers) and leaves quantization to the weight stage after it (``rtn`` = SmoothQuant W8A8, ``gptq`` = W8A8
+GPTQ on the smoothed weights). One forward pass of the layer collects, for every consumer, the per-column input
+abs-max over all calibration tokens and (for the alpha search) a random sample of input rows. Smoothing keeps the
+float function, so the statistics of all groups come from that one pass.
+
+Per group the report (``quant_report.json``, under the producer's name) holds ``smoothquant``: the consumers,
+the alpha used, and the activation outlier ratio (largest / median channel abs-max) before and after; with the
+search, the W8A8 error of every grid point and of no smoothing. :func:`outlier_rows` reads it back as a table.
+Groups with a consumer that the stage's targets / ignore do not select are left alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quantkit.algorithms.smoothquant import (
+    outlier_ratio,
+    search_alpha,
+    smoothing_scales,
+    to_channels,
+    weight_absmax,
+)
+from quantkit.calib.runner import LayerContext
+from quantkit.calib.stats import StatsCollector
+from quantkit.errors import QuantkitError
+from quantkit.models.fold import BoundGroup, bind_smooth_groups, fold_group
+from quantkit.nn.factory import quantized_module_types
+from quantkit.quant.scheme import QuantScheme
+from quantkit.recipe import Stage
+from quantkit.stages import register
+
+DEFAULT_GRID = tuple(round(0.3 + 0.05 * i, 2) for i in range(13))  # 0.30, 0.35, ..., 0.90
+PRODUCERS = ("all", "norms")
+
+
+@dataclass(frozen=True)
+class SmoothQuantParams:
+    """- ``alpha``: migration strength used for every group when not searching (the paper's default 0.5).
+    - ``alpha_search``: per group, the grid point with the smallest W8A8 output error on calibration samples.
+    - ``alpha_grid``: the candidates, each in [0, 1].
+    - ``search_tokens``: input rows sampled per consumer for the search (the abs-max always uses every token).
+    - ``producers``: ``"all"`` smoothing groups of the architecture table, or ``"norms"``: only groups fed by a
+      norm (q/k/v and gate/up or fc1), the paper's choice.
+    """
+
+    alpha: float = 0.5
+    alpha_search: bool = False
+    alpha_grid: tuple[float, ...] = DEFAULT_GRID
+    search_tokens: int = 2048
+    producers: str = "all"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or not 0 <= self.alpha <= 1:
+            raise QuantkitError(f"smoothquant alpha must be a number in [0, 1], got {self.alpha!r}")
+        if not isinstance(self.alpha_search, bool):
+            raise QuantkitError(f"smoothquant alpha_search must be true or false, got {self.alpha_search!r}")
+        grid = self.alpha_grid
+        if not isinstance(grid, list | tuple) or not grid:
+            raise QuantkitError(f"smoothquant alpha_grid must be a non-empty list of numbers, got {grid!r}")
+        if any(isinstance(a, bool) or not isinstance(a, int | float) or not 0 <= a <= 1 for a in grid):
+            raise QuantkitError(f"smoothquant alpha_grid values must be numbers in [0, 1], got {list(grid)}")
+        object.__setattr__(self, "alpha", float(self.alpha))
+        object.__setattr__(self, "alpha_grid", tuple(float(a) for a in grid))
+        if isinstance(self.search_tokens, bool) or not isinstance(self.search_tokens, int) or self.search_tokens < 1:
+            raise QuantkitError(f"smoothquant search_tokens must be a positive integer, got {self.search_tokens!r}")
+        if self.producers not in PRODUCERS:
+            raise QuantkitError(f"smoothquant producers must be one of {PRODUCERS}, got {self.producers!r}")
+
+
+class _InputSampler:
+    """Forward pre-hooks keeping a random subset of each module's input rows (about ``keep`` of every ``total``)."""
+
+    def __init__(self, modules: dict[str, nn.Module], fraction: float, seed: int) -> None:
+        self.modules = modules
+        self.fraction = fraction
+        self.gen = torch.Generator().manual_seed(seed)
+        self.rows: dict[str, list[torch.Tensor]] = {n: [] for n in modules}
+        self._handles = []
+
+    def _hook(self, name: str):
+        def hook(module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1])
+            n = x.shape[0]
+            k = max(1, round(n * self.fraction)) if self.fraction < 1 else n
+            idx = torch.randperm(n, generator=self.gen)[:k].to(x.device)
+            self.rows[name].append(x[idx].float())
+
+        return hook
+
+    def __enter__(self) -> _InputSampler:
+        self._handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in self.modules.items()]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def samples(self, name: str, limit: int, k: int, device) -> torch.Tensor:
+        rows = self.rows[name]
+        return torch.cat(rows)[:limit] if rows else torch.zeros(0, k, device=device)
+
+
+@register("smoothquant")
+class SmoothQuantStage:
+    kind = "transform"
+    Params = SmoothQuantParams
+
+    def __init__(self, stage: Stage) -> None:
+        self.stage = stage
+        self.params: SmoothQuantParams = stage.params if stage.params is not None else SmoothQuantParams()
+        scheme = stage.scheme
+        act_dynamic = scheme.act_dynamic if scheme is not None and not scheme.weight_only else True
+        if self.params.alpha_search and scheme is not None and scheme.fmt != "int":
+            raise QuantkitError(f"the smoothquant alpha search models int8 W8A8; the stage scheme is {scheme.name}")
+        # what the search fakes: int8 per-channel weights, int8 activations per token or per tensor
+        self.search_scheme = QuantScheme(bits=8, group_size=-1, sym=True, act_bits=8, act_dynamic=act_dynamic)
+
+    @classmethod
+    def needs_calibration(cls, stage: Stage) -> bool:
+        return True
+
+    def _groups(self, ctx: LayerContext) -> list[BoundGroup]:
+        quantized = [n for n, m in ctx.layer.named_modules() if isinstance(m, quantized_module_types())]
+        if quantized:
+            raise QuantkitError(
+                f"{ctx.full_name(quantized[0])} is already quantized: put smoothquant before the weight stage"
+            )
+        out = []
+        for g in bind_smooth_groups(ctx.layer, ctx.arch):
+            if self.params.producers == "norms" and isinstance(ctx.layer.get_submodule(g.producer), nn.Linear):
+                continue
+            if all(self.stage.selects(ctx.full_name(c), ctx.layer.get_submodule(c)) for c in g.consumers):
+                out.append(g)
+        return out
+
+    def apply(self, ctx: LayerContext) -> None:
+        if not ctx.has_data:
+            raise QuantkitError("smoothquant needs calibration data")
+        groups = self._groups(ctx)
+        consumers = {c: ctx.layer.get_submodule(c) for g in groups for c in g.consumers}
+        if not consumers:
+            return
+        total = sum(h.shape[0] * h.shape[1] for h in ctx.hidden)
+        p = self.params
+        fraction = min(1.0, p.search_tokens / max(total, 1)) if p.alpha_search else 0.0
+        with (
+            StatsCollector(consumers, hessian=False) as stats,
+            _InputSampler(consumers if p.alpha_search else {}, fraction, seed=ctx.index) as sampler,
+        ):
+            ctx.forward()
+        for g in groups:
+            self._smooth(ctx, g, consumers, stats.stats, sampler)
+
+    def _smooth(self, ctx, g: BoundGroup, consumers, stats, sampler) -> None:
+        layer_consumers = [consumers[c] for c in g.consumers]
+        k = layer_consumers[0].in_features
+        zeros = torch.zeros(k, device=ctx.device)
+        col_absmax = [stats[c].absmax if c in stats else zeros for c in g.consumers]  # [K] each
+        n_channels = int(g.channel_map.max()) + 1 if g.channel_map is not None else k
+        act = to_channels(torch.stack(col_absmax).amax(dim=0), g.channel_map, n_channels)  # [C]
+        p = self.params
+        info: dict = {"consumers": [ctx.full_name(c) for c in g.consumers]}
+        if p.alpha_search:
+            inputs = [sampler.samples(c, p.search_tokens, k, ctx.device) for c in g.consumers]
+            found = search_alpha(
+                inputs,
+                [m.weight for m in layer_consumers],
+                act,
+                p.alpha_grid,
+                self.search_scheme,
+                g.channel_map,
+                col_absmax,
+            )
+            alpha, s = found.alpha, found.scales
+            info["search"] = {
+                "activations": "dynamic" if self.search_scheme.act_dynamic else "static",
+                "tokens": [int(x.shape[0]) for x in inputs],
+                "grid": list(found.grid),
+                "errors": [float(f"{e:.4g}") for e in found.errors],
+                "error_unsmoothed": float(f"{found.error_unsmoothed:.4g}"),
+            }
+        else:
+            w_absmax = to_channels(weight_absmax([m.weight for m in layer_consumers]), g.channel_map, n_channels)
+            alpha, s = p.alpha, smoothing_scales(act, w_absmax, p.alpha)
+        fold_group(ctx.layer, g, s, ctx.arch.norm)
+        before, after = outlier_ratio(act), outlier_ratio(act / s)
+        info.update(
+            alpha=alpha,
+            outlier_before=None if before is None else round(before, 2),
+            outlier_after=None if after is None else round(after, 2),
+        )
+        ctx.record(g.producer, smoothquant=info)
+
+
+def outlier_rows(layers: dict[str, dict]) -> list[dict]:
+    """The ``smoothquant`` records of a quantize report (``QuantizeResult.layers`` / ``quant_report.json``'s
+    ``layers``) as rows: producer, consumers, alpha, outlier ratio before and after."""
+    rows = []
+    for name, rec in layers.items():
+        sq = rec.get("smoothquant")
+        if sq is not None:
+            rows.append(
+                {"producer": name, **{k: sq[k] for k in ("consumers", "alpha", "outlier_before", "outlier_after")}}
+            )
+    return rows
+
+
+def outlier_markdown(rows: list[dict]) -> str:
+    """A markdown table of :func:`outlier_rows`."""
+    lines = [
+        "| producer | consumers | alpha | outlier ratio before | after |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        consumers = ", ".join(_relative(c, r["producer"]) for c in r["consumers"])
+        lines.append(
+            f"| {r['producer']} | {consumers} | {r['alpha']:.2f} | {_ratio(r['outlier_before'])} | "
+            f"{_ratio(r['outlier_after'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _relative(name: str, producer: str) -> str:
+    """``name`` without the module path it shares with ``producer`` (at least its last component stays)."""
+    parts, other = name.split("."), producer.split(".")
+    n = 0
+    while n < len(parts) - 1 and n < len(other) and parts[n] == other[n]:
+        n += 1
+    return ".".join(parts[n:])
+
+
+def _ratio(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
