@@ -1,0 +1,124 @@
+"""The ``generate`` and ``bench-serve`` commands: thin wrappers over ``quantkit.runtime``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import click
+
+from quantkit.errors import QuantkitError
+from quantkit.runtime.config import DTYPES, EngineConfig
+from quantkit.runtime.sampling_params import SamplingParams
+
+DUMMY_PREFIX = "dummy:"
+
+
+def _defaults(cls) -> dict:
+    return {f.name: f.default for f in fields(cls)}
+
+
+ENGINE = _defaults(EngineConfig)
+SAMPLING = _defaults(SamplingParams)
+
+
+def _engine(model: str, **settings):
+    """An LLM for a model folder, quantkit checkpoint, .gguf, built-in name, or ``dummy:<shape>``."""
+    from quantkit.runtime import LLM
+    from quantkit.runtime.bench import DUMMY_MODELS
+
+    settings = {k: v for k, v in settings.items() if v is not None}
+    if model.startswith(DUMMY_PREFIX):
+        shape = model.removeprefix(DUMMY_PREFIX)
+        if shape not in DUMMY_MODELS:
+            raise QuantkitError(f"unknown dummy model {shape!r}; available: {', '.join(sorted(DUMMY_MODELS))}")
+        return LLM(DUMMY_MODELS[shape], **settings)
+    from quantkit.models.loading import resolve_model
+
+    return LLM(str(resolve_model(model)), **settings)
+
+
+def engine_options(f):
+    d = ENGINE
+    options = [
+        click.option(
+            "--model",
+            default="smollm2-135m",
+            show_default=True,
+            help="HF folder, quantkit checkpoint, .gguf, built-in name, or dummy:<shape> (random weights).",
+        ),
+        click.option("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)."),
+        click.option("--dtype", type=click.Choice(DTYPES), default=d["dtype"], show_default=True),
+        click.option("--max-num-seqs", type=int, default=d["max_num_seqs"], show_default=True),
+        click.option("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"], show_default=True),
+        click.option("--max-model-len", type=int, default=None, help="Default: the model's, capped at 32768."),
+        click.option("--num-kv-blocks", type=int, default=None, help="Default: from free GPU memory; CPU: 1024."),
+        click.option("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"], show_default=True),
+        click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+@click.command("generate")
+@click.argument("prompts", nargs=-1, required=True)
+@engine_options
+@click.option("--max-tokens", type=int, default=SAMPLING["max_tokens"], show_default=True)
+@click.option("--temperature", type=float, default=SAMPLING["temperature"], show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=SAMPLING["top_k"], show_default=True, help="0 = off.")
+@click.option("--top-p", type=float, default=SAMPLING["top_p"], show_default=True)
+@click.option("--seed", type=int, default=SAMPLING["seed"])
+@click.option("-n", "n", type=int, default=SAMPLING["n"], show_default=True, help="Completions per prompt.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt instead of text.")
+@click.option("--token-ids", is_flag=True, help="PROMPTS are space-separated token ids (models with no tokenizer).")
+def generate_command(prompts, model, max_tokens, temperature, top_k, top_p, seed, n, as_json, token_ids, **settings):
+    """Complete PROMPTS with the paged runtime; streams the text of a single prompt as it is generated."""
+    if token_ids:
+        try:
+            prompts = [[int(t) for t in p.split()] for p in prompts]
+        except ValueError:
+            raise QuantkitError("--token-ids prompts must be space-separated integers") from None
+    llm = _engine(model, **settings)
+    params = SamplingParams(n=n, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens)
+    if len(prompts) == 1 and n == 1 and not as_json and llm.tokenizer is not None:
+        tokens, shown = [], ""
+        for event in llm.stream(list(prompts), params):
+            tokens.append(event.token_id)
+            text = llm.tokenizer.decode(tokens, skip_special_tokens=True)
+            click.echo(text[len(shown) :], nl=False)
+            shown = text
+        click.echo()
+        return
+    for prompt, out in zip(prompts, llm.generate(list(prompts), params), strict=True):
+        if as_json:
+            click.echo(json.dumps({"prompt": prompt, "completions": [asdict(c) for c in out.completions]}))
+        else:
+            for c in out.completions:
+                click.echo(f"[{c.index}] {c.text if c.text is not None else c.token_ids}")
+
+
+@click.command("bench-serve")
+@engine_options
+@click.option("--num-requests", type=int, default=256, show_default=True)
+@click.option("--min-input-len", type=int, default=128, show_default=True)
+@click.option("--max-input-len", type=int, default=1024, show_default=True)
+@click.option("--output-len", type=int, default=256, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="JSON results.")
+def bench_serve_command(num_requests, min_input_len, max_input_len, output_len, seed, out_path, model, **settings):
+    """Offline throughput of the paged runtime: random prompts, all submitted at once, EOS ignored."""
+    from quantkit.runtime.bench import offline_throughput, random_workload
+
+    llm = _engine(model, **settings)
+    prompts = random_workload(num_requests, min_input_len, max_input_len, llm.model.config.vocab_size, seed)
+    result, _ = offline_throughput(llm, prompts, output_len)
+    row = {"model": model, **result.to_dict()}
+    click.echo(
+        f"{result.requests} requests, {result.prompt_tokens} prompt + {result.output_tokens} output tokens in "
+        f"{result.seconds:.2f} s: {result.output_tok_s:.1f} output tok/s, {result.total_tok_s:.1f} total tok/s, "
+        f"KV waste {100 * result.kv_waste:.2f}%, {result.preemptions} preemptions"
+    )
+    if out_path is not None:
+        out_path.write_text(json.dumps(row, indent=2))

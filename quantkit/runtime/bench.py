@@ -1,0 +1,108 @@
+"""Offline serving measurements: a seeded random workload, and the engine's throughput and KV waste on it.
+
+Used by ``quantkit bench-serve`` and ``benchmarks/bench_serve.py``. Model shapes for random-weight ("dummy")
+benchmarks are named here, so a GPU with no real model can still measure real-sized work.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from quantkit.runtime.engine import LLM
+from quantkit.runtime.sampling_params import SamplingParams
+
+DUMMY_MODELS = {
+    "llama-3-8b": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        bos_token_id=128000,
+        eos_token_id=128001,
+        dtype="bfloat16",
+    ),
+    "tiny-llama": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        eos_token_id=2,
+    ),
+}
+
+
+@dataclass
+class Throughput:
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    seconds: float
+    steps: int
+    preemptions: int
+    kv_waste: float  # fraction of allocated KV slots holding nothing, averaged over steps
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def total_tok_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.seconds
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "output_tok_s": self.output_tok_s, "total_tok_s": self.total_tok_s}
+
+
+def random_workload(num_requests: int, min_len: int, max_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of uniform random length in [min_len, max_len] made of uniform random token ids (>= 3)."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(min_len, max_len + 1, (num_requests,), generator=gen).tolist()
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lens]
+
+
+def _sync(llm: LLM) -> None:
+    if llm.device.type == "cuda":
+        torch.cuda.synchronize(llm.device)
+
+
+def offline_throughput(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[Throughput, list[list[int]]]:
+    """Generate ``output_len`` tokens for every prompt (EOS ignored, greedy), all submitted at once; returns the
+    measurement and the generated tokens. A short warm-up first compiles the kernels outside the timing."""
+    llm.generate([prompts[0][:32], prompts[-1][:8]], SamplingParams(max_tokens=4, ignore_eos=True))
+    preemptions, steps0, allocated0, used0 = (
+        llm.scheduler.num_preemptions, llm.stats.steps, llm.stats.allocated_slots, llm.stats.used_slots
+    )  # fmt: skip
+    _sync(llm)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=output_len, ignore_eos=True))
+    _sync(llm)
+    seconds = time.perf_counter() - start
+    allocated = llm.stats.allocated_slots - allocated0
+    used = llm.stats.used_slots - used0
+    tokens = [o.completions[0].token_ids for o in outputs]
+    result = Throughput(
+        requests=len(prompts),
+        prompt_tokens=sum(map(len, prompts)),
+        output_tokens=sum(map(len, tokens)),
+        seconds=seconds,
+        steps=llm.stats.steps - steps0,
+        preemptions=llm.scheduler.num_preemptions - preemptions,
+        kv_waste=1.0 - used / allocated if allocated else 0.0,
+    )
+    return result, tokens

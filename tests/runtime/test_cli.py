@@ -1,0 +1,36 @@
+"""``quantkit generate`` and ``quantkit bench-serve`` on a random-weight model."""
+
+import json
+
+from click.testing import CliRunner
+
+from quantkit.cli.main import _register_commands, cli
+from quantkit.runtime import LLM, SamplingParams
+from quantkit.runtime.bench import DUMMY_MODELS
+
+
+def run(*args):
+    _register_commands()
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def test_generate_prints_the_engine_tokens():
+    result = run("generate", "--model", "dummy:tiny-llama", "--json", "--token-ids", "--max-tokens", "6", "5 6 7")
+    assert result.exit_code == 0, result.output
+    got = json.loads(result.output.strip().splitlines()[-1])
+    expected = LLM(DUMMY_MODELS["tiny-llama"]).generate([[5, 6, 7]], SamplingParams(max_tokens=6))
+    assert got["completions"][0]["token_ids"] == expected[0].completions[0].token_ids
+
+
+def test_bad_prompt_is_a_one_line_error():
+    result = run("generate", "--model", "dummy:tiny-llama", "--token-ids", "5 x")
+    assert result.exit_code == 2 and "space-separated integers" in result.output
+
+
+def test_bench_serve_writes_json(tmp_path):
+    out = tmp_path / "r.json"
+    result = run("bench-serve", "--model", "dummy:tiny-llama", "--num-requests", "6", "--min-input-len", "4",
+                 "--max-input-len", "20", "--output-len", "5", "--num-kv-blocks", "32", "--out", str(out))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    row = json.loads(out.read_text())
+    assert row["requests"] == 6 and row["output_tokens"] == 30 and 0 <= row["kv_waste"] < 1
