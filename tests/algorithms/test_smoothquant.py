@@ -198,6 +198,32 @@ def test_w8a8_checkpoint_reloads_with_equal_logits(dynamic, tmp_path):
         torch.testing.assert_close(reloaded(ids).logits, logits, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_smoothquant_then_gptq_composes(arch, tmp_path):
+    """W8A8 GPTQ on the smoothed weights: GPTQ minimises the layer output error on the calibration tokens, so on
+    those tokens it beats RTN on the same smoothed weights (measured 0.6-0.86x on tiny models; asserted < 0.95x)."""
+    calib = calib_ids(16, 64)
+    errors, models = {}, {}
+    for method in ("smoothquant", "smoothquant+gptq"):
+        model = tiny_model(arch)
+        with torch.no_grad():
+            float_logits = model(calib).logits
+        result = quantkit.quantize(model, preset_recipe(method), calib)
+        with torch.no_grad():
+            errors[method] = ((model(calib).logits - float_logits).norm() / float_logits.norm()).item()
+        models[method] = model
+    assert errors["smoothquant+gptq"] < 0.95 * errors["smoothquant"], errors
+    layers = result.layers
+    assert len(outlier_rows(layers)) == 2 * len(arch_for(model).smooth)
+    linears = [rec for rec in layers.values() if "method" in rec]
+    assert linears and all(rec["method"] == "gptq" and rec["scheme"] == "w8a8-int8-dynamic" for rec in linears)
+    model = models["smoothquant+gptq"]
+    out = quantkit.save_quantized(model, tmp_path / "q")
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(calib[:2]).logits, model(calib[:2]).logits, rtol=0, atol=0)
+
+
 # -- parameters and shipped recipes ----------------------------------------------------------------------------
 
 
@@ -236,7 +262,7 @@ SHIPPED = sorted(p.stem for p in RECIPES.glob("smoothquant-*.yaml"))
 
 
 def test_smoothquant_recipes_are_shipped():
-    assert SHIPPED == ["smoothquant-alpha-search", "smoothquant-dynamic", "smoothquant-static"]
+    assert SHIPPED == ["smoothquant-alpha-search", "smoothquant-dynamic", "smoothquant-gptq", "smoothquant-static"]
 
 
 @pytest.mark.parametrize("name", SHIPPED)
