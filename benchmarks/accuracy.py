@@ -39,6 +39,11 @@ def main() -> None:
         help="name for the method column instead of the preset name, to tell runs with different --params apart "
         "(one method only)",
     )
+    ap.add_argument(
+        "--act-static",
+        action="store_true",
+        help="W8A8 presets: one calibrated per-tensor activation scale instead of per-token scales",
+    )
     ap.add_argument("--calib", default="brown")
     ap.add_argument("--nsamples", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=512)
@@ -68,6 +73,8 @@ def main() -> None:
         for bits in map(int, args.bits.split(",")):
             for group in map(int, args.groups.split(",")):
                 scheme = {"bits": bits, "group_size": group, "sym": args.sym}
+                if args.act_static:
+                    scheme["act_dynamic"] = False
                 recipe = preset_recipe(method, scheme, params=json.loads(args.params) or None)
                 model = copy.deepcopy(float_model)
                 t0 = time.perf_counter()
@@ -102,8 +109,8 @@ def main() -> None:
             r
             for r in previous["rows"]
             if not any(
-                (r["method"], r["bits"], r["group_size"], r["sym"])
-                == (n["method"], n["bits"], n["group_size"], n["sym"])
+                (r["method"], r["bits"], r["group_size"], r["sym"], r.get("act_dynamic", True))
+                == (n["method"], n["bits"], n["group_size"], n["sym"], n.get("act_dynamic", True))
                 for n in rows
             )
         ]
@@ -116,7 +123,7 @@ def main() -> None:
         table.add_column(col)
     for r in report["rows"]:
         table.add_row(
-            r["method"],
+            method_cell(r),
             str(r["bits"]),
             str(r["group_size"]),
             str(r["sym"]),
@@ -127,6 +134,10 @@ def main() -> None:
             str(r["quantize_seconds"]),
         )
     console.print(table)
+
+
+def method_cell(row: dict) -> str:
+    return row["method"] + (" (static act.)" if row.get("act_dynamic") is False else "")
 
 
 def markdown(report: dict) -> str:
@@ -143,7 +154,7 @@ def markdown(report: dict) -> str:
     ]
     for r in report["rows"]:
         lines.append(
-            f"| {r['method']} | {r['bits']} | {r['group_size']} | {r['sym']} | {r['perplexity']:.3f} | "
+            f"| {method_cell(r)} | {r['bits']} | {r['group_size']} | {r['sym']} | {r['perplexity']:.3f} | "
             f"{r['perplexity'] - base:+.3f} | {r['kl']:.4f} | {r['top1']:.3f} |"
         )
     return "\n".join(lines) + "\n"
