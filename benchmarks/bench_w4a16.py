@@ -62,7 +62,7 @@ M1_TARGET_SHAPES = [(14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (
 
 # Sweep candidates per regime (largest M of the regime, M values timed, configs). Skinny M is weight-bandwidth
 # bound: BLOCK_M 16 (tl.dot's minimum), tiles of 8-32 KB of packed words, split-K to 2-8 waves of CTAs, deep
-# pipelines, and both K orders (one reshaped dot, or one dot per code slot). Large M is tensor-core bound: wide
+# pipelines. Large M is tensor-core bound: wide
 # tiles, 8 warps, scale fused into the tile so the accumulator stays in the MMA pipeline, and dequantize + cuBLAS.
 F_ = C.KernelConfig
 SWEEP = {
@@ -73,8 +73,6 @@ SWEEP = {
         F_("fused", 16, 128, 128, 4, 6, split_waves=8),
         F_("fused", 16, 128, 256, 4, 3, split_waves=4, fuse_scale=True),
         F_("fused", 16, 64, 256, 4, 4, split_waves=8, fuse_scale=True),
-        F_("fused", 16, 128, 128, 4, 4, split_waves=4, nibble_dots=True),
-        F_("fused", 16, 256, 128, 8, 3, split_waves=2, nibble_dots=True),
     ]),
     "medium": (64, [32, 64], [
         F_("fused", 64, 128, 128, 4, 4, split_waves=2),
@@ -82,7 +80,6 @@ SWEEP = {
         F_("fused", 64, 64, 128, 4, 4, split_waves=2),
         F_("fused", 64, 128, 64, 4, 5, split_waves=1, fuse_scale=True),
         F_("fused", 32, 64, 256, 4, 3, split_waves=4, fuse_scale=True),
-        F_("fused", 64, 128, 128, 4, 4, split_waves=2, nibble_dots=True),
     ]),
     "large": (256, [128, 256], [
         F_("fused", 128, 128, 64, 8, 4, split_waves=1, fuse_scale=True),
@@ -102,11 +99,11 @@ SMOKE_SWEEP = {
     name: (
         max_m,
         [SMOKE["ms"][min(i, 2)]],
-        [F_("fused", 16, 32, 128, 4, 2, split_waves=4, nibble_dots=True), F_("dequant")],
+        [F_("fused", 16, 32, 128, 4, 2, split_waves=4), F_("dequant")],
     )
     for i, (name, (max_m, _, _)) in enumerate(SWEEP.items())
 }
-KEYWORD_FIELDS = ("split_waves", "fuse_scale", "group_m", "nibble_dots")  # written only where not the default
+KEYWORD_FIELDS = ("split_waves", "fuse_scale", "group_m")  # written only where not the default
 TABLE_FILE = Path(__file__).resolve().parents[1] / "kernels" / "w4a16_configs.py"
 
 

@@ -28,9 +28,6 @@ class KernelConfig:
     ``method``: "fused" (dequantize in registers inside the GEMM) or "dequant" (dequantize to [K, N], then cuBLAS).
     ``split_waves``: split K until about ``split_waves * n_SMs`` CTAs exist (0: never split).
     ``fuse_scale``: scale inside the tile (any G) instead of after each tile's dot, where BLOCK_K is capped by G.
-    ``nibble_dots``: one dot per code slot of the packed words (depth BLOCK_K / pf, x read with stride pf) instead
-    of one dot over the reshaped tile: no reshape of the weight tile, at the price of strided x loads. Needs
-    BLOCK_K >= 128; where tile-scale mode would have to cap BLOCK_K below 16 * pf, the scale is fused instead.
     """
 
     method: str = "fused"
@@ -42,7 +39,6 @@ class KernelConfig:
     split_waves: int = 0
     fuse_scale: bool = False
     group_m: int = 8
-    nibble_dots: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -52,8 +48,6 @@ class KernelConfig:
                 raise ValueError(f"{name} must be a power of two, got {getattr(self, name)}")
         if self.block_m < 16 or self.block_n < 16 or self.block_k < 32:
             raise ValueError("tiles must be at least 16 (M, N) and 32 (K) wide: tl.dot's minimum, whole packed words")
-        if self.nibble_dots and self.block_k < 128:
-            raise ValueError("nibble_dots needs block_k >= 128 (16 words of 4-bit codes per dot)")
         if not 0 <= self.split_waves <= 8 or self.num_stages < 1:
             raise ValueError("split_waves must be in [0, 8] and num_stages >= 1")
 
@@ -62,10 +56,9 @@ class KernelConfig:
         if self.method == "dequant":
             return "dequant+cublas"
         scale = "fs" if self.fuse_scale else "ts"
-        order = "nd" if self.nibble_dots else ""
         return (
             f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
-            f"sw{self.split_waves}{scale}{order}"
+            f"sw{self.split_waves}{scale}"
         )
 
     def to_dict(self) -> dict:
@@ -94,23 +87,20 @@ def config_for(m: int) -> KernelConfig:
 @dataclass(frozen=True)
 class LaunchPlan:
     block_k: int
-    fuse_scale: bool
     split_k: int
     tiles_per_split: int
     grid: tuple[int, int]
 
 
-def plan_launch(cfg: KernelConfig, m: int, n: int, k: int, group_size: int, num_sms: int, bits: int = 4) -> LaunchPlan:
-    """Effective BLOCK_K and scale mode (a tile-scale tile never straddles groups) and the split-K factor.
+def plan_launch(cfg: KernelConfig, m: int, n: int, k: int, group_size: int, num_sms: int) -> LaunchPlan:
+    """Effective BLOCK_K (capped so a tile-scale tile never straddles groups) and the split-K factor.
 
     ``group_size`` is the contiguous group length along K, or 0 when there is a single group.
     """
-    block_k, fuse = cfg.block_k, cfg.fuse_scale
-    if group_size and not fuse:
+    block_k = cfg.block_k
+    if group_size and not cfg.fuse_scale:
         while group_size % block_k:
             block_k //= 2
-        if cfg.nibble_dots and block_k < 16 * (32 // bits):
-            block_k, fuse = cfg.block_k, True
     k_tiles = _cdiv(k, block_k)
     tiles = _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n)
     split = 1
@@ -118,4 +108,4 @@ def plan_launch(cfg: KernelConfig, m: int, n: int, k: int, group_size: int, num_
         split = max(1, min(_cdiv(cfg.split_waves * num_sms, tiles), k_tiles))
     tiles_per_split = _cdiv(k_tiles, split)
     split = _cdiv(k_tiles, tiles_per_split)  # no empty splits
-    return LaunchPlan(block_k, fuse, split, tiles_per_split, (tiles, split))
+    return LaunchPlan(block_k, split, tiles_per_split, (tiles, split))

@@ -28,8 +28,7 @@ SPLIT = K.KernelConfig("fused", 16, 32, 64, 4, 2, split_waves=8)  # on CPU 4 "SM
 FUSED = K.KernelConfig("fused", 32, 64, 128, 4, 2, fuse_scale=True, split_waves=2)
 LARGE = K.KernelConfig("fused", 64, 64, 64, 4, 2, fuse_scale=True, group_m=2)
 DEQUANT = K.KernelConfig("dequant")
-NIBBLE = K.KernelConfig("fused", 16, 32, 128, 4, 2, split_waves=8, nibble_dots=True)
-NIBBLE_WIDE = K.KernelConfig("fused", 64, 32, 256, 4, 2, split_waves=1, nibble_dots=True, fuse_scale=True)
+WIDE = K.KernelConfig("fused", 64, 32, 256, 4, 2, split_waves=1, fuse_scale=True)
 
 
 def make_layer(n, k, bits=4, group_size=128, sym=False, act_order=False, seed=0):
@@ -90,10 +89,9 @@ CASES = [
     (300, 20, 288, 8, 32, True, torch.bfloat16, True, False, None),
     (129, 33, 256, 4, 128, False, torch.float16, True, True, DEQUANT),
     (2, 66, 130, 4, 64, True, torch.bfloat16, False, True, DEQUANT),
-    (1, 77, 576, 4, 128, False, torch.float16, False, True, NIBBLE),  # one dot per code slot, x strided
-    (4, 40, 200, 4, 64, False, torch.bfloat16, True, True, NIBBLE),  # G 64 < 128: scale fused by the plan
-    (9, 48, 384, 8, 128, True, torch.float16, False, False, NIBBLE),  # 8-bit: 4 dots of depth 32
-    (70, 33, 320, 4, -1, False, torch.bfloat16, False, True, NIBBLE_WIDE),
+    (9, 48, 384, 8, 128, True, torch.float16, False, False, SKINNY),  # 8-bit fp16: lane pairs of 8-bit codes
+    (70, 33, 320, 4, -1, False, torch.bfloat16, False, True, WIDE),
+    (4, 40, 200, 4, 64, False, torch.bfloat16, True, True, FUSED),  # bf16 fused scale: fp32 path
 ]
 
 
@@ -211,11 +209,6 @@ def test_plan_caps_block_k_by_group_and_fills_the_sms():
     plan = K.plan_launch(skinny, 1, 28672, 8192, 128, 132)
     assert plan.split_k == 3 and plan.grid == (224, 3)
     assert K.plan_launch(K.KernelConfig("fused", 128, 256, 64, 8, 3), 4096, 28672, 8192, 128, 132).split_k == 1
-    nibble = K.KernelConfig(block_k=128, nibble_dots=True)
-    assert not K.plan_launch(nibble, 1, 4096, 4096, 128, 132).fuse_scale
-    plan = K.plan_launch(nibble, 1, 4096, 4096, 64, 132)  # 64 codes per dot would be 8 words: fuse instead
-    assert plan.fuse_scale and plan.block_k == 128
-    assert not K.plan_launch(nibble, 1, 4096, 4096, 64, 132, bits=8).fuse_scale  # 8-bit: 16 words of 4 codes
 
 
 def test_config_table_covers_every_m():
