@@ -39,7 +39,7 @@ import torch
 from quantkit.algorithms.rtn import group_qparams
 from quantkit.errors import QuantkitError
 from quantkit.quant.scheme import QuantScheme
-from quantkit.quant.tensor import QuantizedWeight, compute_qparams, group_index, quantize_with_qparams
+from quantkit.quant.tensor import QuantizedWeight, compute_qparams, group_index
 
 log = logging.getLogger(__name__)
 
@@ -142,36 +142,31 @@ def gptq(
 
     U, damp_used, retries = inverse_hessian_factor(H, damp)  # [K, K] upper
     del H
-    Q = torch.empty_like(W)  # [N, K] dequantized, processing order
-    codes = torch.empty(N, K, dtype=torch.uint8, device=W.device)
+    codes = torch.empty(N, K, dtype=torch.uint8, device=W.device)  # processing order
     for i1, i2 in block_bounds(K, block_size, G):
         if not (static_groups or n_groups == 1) and i1 % G == 0:
             g = i1 // G  # a group starts here; W[:, i1:] holds every update from earlier blocks
             scales[:, g], zeros[:, g] = compute_qparams(W[:, i1 : i1 + G], scheme.bits, scheme.sym)
         W1 = W[:, i1:i2].clone()  # [N, B]
         U1 = U[i1:i2, i1:i2]  # [B, B]
-        E1 = torch.empty_like(W1)  # [N, B] scaled errors of the block
+        Q1 = torch.empty_like(W1)  # [N, B] integer codes (as floats)
+        E1 = torch.empty_like(W1)  # [N, B] scaled errors
         s1 = scales[:, proc_group[i1:i2]]  # [N, B]
         z1 = zeros[:, proc_group[i1:i2]]
-        for i in range(i2 - i1):
-            w = W1[:, i]
-            q = quantize_with_qparams(w, s1[:, i], z1[:, i], maxq)
-            deq = (q - z1[:, i]) * s1[:, i]
-            codes[:, i1 + i] = q.to(torch.uint8)
-            Q[:, i1 + i] = deq
-            err = (w - deq) / U1[i, i]
-            W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
-            E1[:, i] = err
+        for i in range(i2 - i1):  # in-place ops with out=: this loop is launch-bound on GPUs
+            w, q, s, z = W1[:, i], Q1[:, i], s1[:, i], z1[:, i]
+            torch.div(w, s, out=q).round_().add_(z).clamp_(0, maxq)  # = quantize_with_qparams(w, s, z, maxq)
+            err = torch.sub(w, (q - z).mul_(s), out=E1[:, i]).div_(U1[i, i])  # err = (w - quant(w)) / [H^-1]_qq
+            W1[:, i:].addr_(err, U1[i, i:], alpha=-1)  # update the rest of the block
+        codes[:, i1:i2] = Q1.to(torch.uint8)
         W[:, i2:] -= E1 @ U[i1:i2, i2:]  # lazy batch update of all later columns
     del U, W
 
     inv = torch.argsort(perm)  # processing position of each original column
-    codes = codes[:, inv]
-    Q = Q[:, inv]
     g_idx = proc_group[inv].to(torch.int32)  # group of each original column
-    qw = QuantizedWeight(codes, scales, zeros.to(torch.int32), g_idx, scheme)
+    qw = QuantizedWeight(codes[:, inv], scales, zeros.to(torch.int32), g_idx, scheme)
     info = {
-        "loss": reconstruction_loss(W0, Q, H_obj),
+        "loss": reconstruction_loss(W0, qw.dequantize(), H_obj),
         "damp": damp_used,
         "retries": retries,
         "dead_columns": n_dead,
