@@ -1,0 +1,202 @@
+"""GPTQ speed and memory: a Llama-3-8B-shaped model with random weights on CUDA, or SmolLM2-135M on CPU.
+
+    python benchmarks/bench_gptq.py                    # Llama-3-8B shapes, 32 layers, 128 x 2048 random tokens, CUDA
+    python benchmarks/bench_gptq.py --layers 2         # smoke run: the first 2 decoder layers only
+    python benchmarks/bench_gptq.py --cpu-smollm2      # the real SmolLM2-135M on CPU, 128 x 512 Brown windows
+
+GPU mode: the bf16 model is built on the meta device and materialised on the CPU (random normal weights drawn on the
+GPU in bf16 and copied over, one tensor at a time: ~16 GB of host writes and no fp32 copy); the calibration ids are
+uniform random. ``quantkit.quantize`` then moves one decoder layer at a time to the GPU, exactly as for a real model,
+so the timing includes layer transfers, Hessian accumulation (fp32), the true-sequential forwards and GPTQ itself.
+Random weights and tokens leave the arithmetic unchanged: GPTQ's cost depends on shapes, not values.
+
+Printed and written (``$OUT`` or ``--out``: ``bench_gptq.json`` and ``bench_gptq.md``): wall time of the build and of
+the quantization, time per layer, the GPTQ share (sum of the per-linear ``seconds`` of the report), and the peak
+GPU memory (``torch.cuda.max_memory_allocated``). Needs only torch and transformers (no datasets / gguf in GPU mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+LLAMA3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+
+
+def random_llama(shapes: dict, device: torch.device, seed: int = 0):
+    """LlamaForCausalLM with ``shapes`` (LlamaConfig keys) in bf16 on the CPU, weights ~ N(0, 0.02), norms 1.
+    Random values are drawn on ``device`` (fast on a GPU) and copied into the CPU tensors one by one."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**shapes)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.to_empty(device="cpu")  # uninitialised bf16 storage, no fp32 copy, nothing written yet
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)  # RMSNorm weights
+            else:  # drawn where it is fast (the GPU), one tensor at a time
+                p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.bfloat16).mul_(0.02))
+        rotary = model.model.rotary_emb  # its inv_freq buffer was computed on meta: rebuild it for real
+        model.model.rotary_emb = type(rotary)(config=config)
+    for name, b in model.named_buffers():
+        if b.is_meta:
+            raise RuntimeError(f"buffer {name} is still on the meta device")
+    return model.eval()
+
+
+def gptq_recipe(args):
+    from quantkit.recipe import Recipe
+
+    return Recipe.from_dict(
+        {
+            "name": "bench-gptq",
+            "scheme": {"bits": args.bits, "group_size": args.group_size, "sym": not args.asym},
+            "calibration": {"nsamples": args.nsamples, "seqlen": args.seqlen, "batch_size": args.batch_size},
+            "stages": [{"method": "gptq", "params": {"act_order": args.act_order, "block_size": args.block_size}}],
+        },
+        "bench recipe",
+    )
+
+
+def run(model, calib, args, device) -> dict:
+    import quantkit
+
+    per_layer: list[float] = []
+    last = [time.perf_counter()]
+
+    def progress(done, total, desc):
+        now = time.perf_counter()
+        per_layer.append(now - last[0])
+        last[0] = now
+        print(f"  [{done}/{total}] {desc}", flush=True)
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    result = quantkit.quantize(model, gptq_recipe(args), calib, device=device, progress=progress)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    gptq_seconds = sum(r.get("seconds", 0.0) for r in result.layers.values())
+    retries = sum(r.get("retries", 0) for r in result.layers.values())
+    return {
+        "quantize_seconds": round(wall, 2),
+        "gptq_seconds": round(gptq_seconds, 2),
+        "seconds_per_layer_median": round(statistics.median(per_layer), 3),
+        "seconds_per_layer_max": round(max(per_layer), 3),
+        "layers": len(per_layer),
+        "linears": len(result.layers),
+        "cholesky_retries": retries,
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu-smollm2", action="store_true", help="time SmolLM2-135M (real weights, Brown text) on CPU")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers to build (GPU mode; default 32)")
+    ap.add_argument("--nsamples", type=int, default=128)
+    ap.add_argument("--seqlen", type=int, default=None, help="default 2048 (GPU mode) or 512 (--cpu-smollm2)")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--asym", action="store_true", help="asymmetric grid (default symmetric)")
+    ap.add_argument("--act-order", action="store_true")
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave the default)")
+    ap.add_argument("--out", type=Path, default=os.environ.get("OUT"), help="folder for JSON/markdown (default $OUT)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    seed = 0
+    info: dict = {
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "cpu_threads": torch.get_num_threads(),
+        "scheme": {"bits": args.bits, "group_size": args.group_size, "sym": not args.asym},
+        "act_order": args.act_order,
+        "block_size": args.block_size,
+    }
+    t0 = time.perf_counter()
+    if args.cpu_smollm2:
+        import quantkit
+        from quantkit.calib.data import calibration_windows
+
+        args.seqlen = args.seqlen or 512
+        device = torch.device("cpu")
+        model, tokenizer, _ = quantkit.load_model("smollm2-135m")
+        calib, fingerprint = calibration_windows(tokenizer, "brown", args.nsamples, args.seqlen)
+        info.update(mode="smollm2-135m-cpu", calibration=fingerprint)
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("GPU mode needs CUDA; use --cpu-smollm2 for the CPU benchmark")
+        args.seqlen = args.seqlen or 2048
+        device = torch.device("cuda")
+        layers = args.layers or LLAMA3_8B["num_hidden_layers"]
+        model = random_llama({**LLAMA3_8B, "num_hidden_layers": layers}, device, seed)
+        calib = torch.randint(0, LLAMA3_8B["vocab_size"], (args.nsamples, args.seqlen), generator=torch.Generator())
+        info.update(mode="llama3-8b-shapes-random-cuda", gpu=torch.cuda.get_device_name(), decoder_layers=layers)
+        info["calibration"] = {"source": "random ids", "nsamples": args.nsamples, "seqlen": args.seqlen}
+    info["build_seconds"] = round(time.perf_counter() - t0, 2)
+    print(
+        f"built {info['mode']} in {info['build_seconds']} s; quantizing ({info['calibration']['nsamples']} x "
+        f"{args.seqlen} tokens, w{args.bits} g{args.group_size})",
+        flush=True,
+    )
+    info.update(run(model, calib, args, device))
+    peak = info["peak_gpu_bytes"]
+    print(
+        f"quantize: {info['quantize_seconds']} s wall ({info['gptq_seconds']} s inside GPTQ), "
+        f"{info['seconds_per_layer_median']} s/layer median"
+        + (f", peak GPU memory {peak / 2**30:.2f} GiB" if peak is not None else "")
+    )
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_gptq.json").write_text(json.dumps(info, indent=1) + "\n")
+        (args.out / "bench_gptq.md").write_text(markdown(info))
+        print(f"wrote {args.out / 'bench_gptq.json'} and .md")
+
+
+def markdown(info: dict) -> str:
+    peak = info["peak_gpu_bytes"]
+    rows = [
+        ("mode", info["mode"]),
+        ("device", info.get("gpu", f"CPU, {info['cpu_threads']} threads")),
+        ("calibration", f"{info['calibration']['nsamples']} x {info['calibration']['seqlen']} tokens"),
+        ("scheme", f"w{info['scheme']['bits']} g{info['scheme']['group_size']} sym={info['scheme']['sym']}"),
+        ("act_order", str(info["act_order"])),
+        ("layers / linears", f"{info['layers']} / {info['linears']}"),
+        ("build (s)", str(info["build_seconds"])),
+        ("quantize wall (s)", str(info["quantize_seconds"])),
+        ("inside GPTQ (s)", str(info["gptq_seconds"])),
+        ("per layer median / max (s)", f"{info['seconds_per_layer_median']} / {info['seconds_per_layer_max']}"),
+        ("peak GPU memory", "n/a" if peak is None else f"{peak / 2**30:.2f} GiB"),
+        ("torch", info["torch"]),
+    ]
+    return "# GPTQ benchmark\n\n| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
+
+
+if __name__ == "__main__":
+    main()
