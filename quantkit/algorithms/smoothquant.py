@@ -10,9 +10,9 @@ where max|W_j| is taken over every consumer's column j, and rewrites X W^T = (X 
 folded into the producer (:mod:`quantkit.models.fold`), the multiplication into the weights. The migration
 strength a (alpha) is global (the paper hand-tunes 0.5-0.9 per model) or searched per group on a grid, keeping
 the a whose W8A8 output error on calibration samples is smallest (:func:`search_alpha`). The search fakes the
-deployed numerics exactly: int8 activations per token (dynamic) or per tensor (static, scale = calibrated
-abs-max / 127) from ``quantkit.kernels.w8a8``'s reference quantizer, and int8 per-channel weights from RTN on
-the W8A8 scheme, as the weight stage that follows stores them.
+numerics the rtn stage deploys (``W8A8Linear.from_float``), with the reference quantizers of
+``quantkit.kernels.w8a8``: 8-bit activations per token (dynamic) or per tensor (static, scale = calibrated
+abs-max / QMAX) and 8-bit per-channel abs-max weights, int8 or fp8 e4m3 as the scheme says.
 
 Notation: C producer channels; K consumer input columns (K = C except under grouped-query attention, where
 ``channel_map`` [K] names the channel behind each column); T tokens.
@@ -24,14 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.algorithms.rtn import rtn
 from quantkit.errors import QuantkitError
-from quantkit.kernels.w8a8 import INT8_MAX, quantize_activations_reference
+from quantkit.kernels.w8a8 import quantize_activations_reference, quantize_rows_reference
 from quantkit.models.fold import column_scales
+from quantkit.nn.w8a8 import KERNEL_FORMAT, static_input_scale
 from quantkit.quant.scheme import QuantScheme
 
 MIN_SCALE, MAX_SCALE = 1e-5, 1e5  # s outside this range means a degenerate channel, not an outlier to migrate
-MIN_INPUT_AMAX = 1e-8  # the weight stage's floor for a static input scale
 
 
 def to_channels(v: torch.Tensor, channel_map: torch.Tensor | None, n_channels: int) -> torch.Tensor:
@@ -80,10 +79,11 @@ def w8a8_error(
 
     ``inputs[i]`` x [T_i, K] and ``weights[i]`` W [N_i, K] of consumer i; ``s_cols`` [K]. Static schemes need
     ``input_absmax[i]`` [K], the per-column abs-max of consumer i's input over all calibration tokens (the
-    per-tensor scale is max_j(absmax_j / s_j) / 127). ``reference`` may pass the float outputs X W^T.
+    per-tensor scale is max_j(absmax_j / s_j) / QMAX). ``reference`` may pass the float outputs X W^T.
     """
-    if scheme.weight_only or scheme.fmt != "int":
-        raise QuantkitError(f"the W8A8 error is defined for int8 W8A8 schemes, got {scheme.name}")
+    if scheme.weight_only:
+        raise QuantkitError(f"the W8A8 error needs a W8A8 scheme, got {scheme.name}")
+    fmt = KERNEL_FORMAT[scheme.fmt]
     if not scheme.act_dynamic and input_absmax is None:
         raise QuantkitError("static activations need the calibrated input abs-max of every consumer")
     err = norm = 0.0
@@ -95,11 +95,11 @@ def w8a8_error(
         y = reference[i] if reference is not None else x @ w.t()  # [T, N]
         input_scale = None
         if not scheme.act_dynamic:
-            amax = (input_absmax[i].float() / s_cols).max().clamp(min=MIN_INPUT_AMAX)
-            input_scale = (amax / INT8_MAX).reshape(1)
-        qa, a_scale = quantize_activations_reference(x / s_cols, "int8", input_scale)  # [T, K], [T] or [1]
+            input_scale = static_input_scale((input_absmax[i].float() / s_cols).max(), scheme)
+        qa, a_scale = quantize_activations_reference(x / s_cols, fmt, input_scale)  # [T, K], [T] or [1]
         xq = qa.float() * a_scale.reshape(-1, 1)
-        wq = rtn(w * s_cols, scheme).dequantize(torch.float32)  # [N, K]
+        qw, w_scale = quantize_rows_reference(w * s_cols, fmt)  # [N, K], [N]
+        wq = qw.float() * w_scale[:, None]
         err += (xq @ wq.t() - y).pow(2).sum().item()
         norm += y.pow(2).sum().item()
     return err / max(norm, 1e-30)

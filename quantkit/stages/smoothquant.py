@@ -115,11 +115,11 @@ class SmoothQuantStage:
         self.stage = stage
         self.params: SmoothQuantParams = stage.params if stage.params is not None else SmoothQuantParams()
         scheme = stage.scheme
-        act_dynamic = scheme.act_dynamic if scheme is not None and not scheme.weight_only else True
-        if self.params.alpha_search and scheme is not None and scheme.fmt != "int":
-            raise QuantkitError(f"the smoothquant alpha search models int8 W8A8; the stage scheme is {scheme.name}")
-        # what the search fakes: int8 per-channel weights, int8 activations per token or per tensor
-        self.search_scheme = QuantScheme(bits=8, group_size=-1, sym=True, act_bits=8, act_dynamic=act_dynamic)
+        # what the search fakes: the stage's W8A8 scheme, or int8 with per-token activations when it has none
+        if scheme is not None and not scheme.weight_only:
+            self.search_scheme = scheme
+        else:
+            self.search_scheme = QuantScheme(bits=8, group_size=-1, sym=True, act_bits=8, act_dynamic=True)
 
     @classmethod
     def needs_calibration(cls, stage: Stage) -> bool:
@@ -179,7 +179,7 @@ class SmoothQuantStage:
             )
             alpha, s = found.alpha, found.scales
             info["search"] = {
-                "activations": "dynamic" if self.search_scheme.act_dynamic else "static",
+                "scheme": self.search_scheme.name,
                 "tokens": [int(x.shape[0]) for x in inputs],
                 "grid": list(found.grid),
                 "errors": [float(f"{e:.4g}") for e in found.errors],
