@@ -1,5 +1,7 @@
 import copy
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -201,6 +203,17 @@ def test_w8a8_checkpoint_reloads_with_equal_logits(dynamic, tmp_path):
     )
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, logits, rtol=0, atol=0)
+    # the outlier script reads the saved report
+    script = Path(__file__).resolve().parents[2] / "scripts" / "smoothquant_outliers.py"
+    done = subprocess.run(
+        [sys.executable, str(script), str(out), "--layers", "1", "--out", str(tmp_path / "o.md")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("| model.layers.")]
+    assert len(lines) == len(arch_for(model).smooth) and all("layers.1." in line for line in lines)
+    assert json.loads((tmp_path / "o.json").read_text())[0]["alpha"] == 0.6
 
 
 @pytest.mark.parametrize("arch", ["llama", "opt"])
