@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--out", default="out/demo")
     args = ap.parse_args()
-    console = Console()
+    console = Console(soft_wrap=True)
     t0 = time.perf_counter()
 
     model, tokenizer, folder = quantkit.load_model(args.model)
