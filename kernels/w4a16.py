@@ -10,20 +10,23 @@ Layouts consumed (GPTQ-v2, ``quantkit.quant.packing``; b = 4 or 8 bits, pf = 32 
     qzeros  int32 [n_g, ceil(N/32)*b] zero points packed along N, stored as they are (v2)
     scales  fp16  [n_g, N]
     x [M, K] fp16/bf16 (any strides), bias [N] (any float dtype), y [M, N] in x's dtype.
-    Kernel layout: ``KERNEL_LAYOUT`` v``KERNEL_LAYOUT_VERSION`` is gptq_v2 with K permuted so groups are
-    contiguous (identity without act-order). It lives only in memory; checkpoints stay gptq_v2.
+    Kernel layout: ``KERNEL_LAYOUT`` v``KERNEL_LAYOUT_VERSION`` (``w4a16_weight.py``) is gptq_v2 with K permuted
+    so groups are contiguous (identity without act-order). It lives only in memory; checkpoints stay gptq_v2.
 
 Kernels
-    ``_w4a16_gemm_kernel`` tiles [BLOCK_M, BLOCK_N] outputs and walks K in BLOCK_K steps. A tile of packed words
-    [BLOCK_K/pf, BLOCK_N] is loaded once, expanded to codes [BLOCK_K/pf, pf, BLOCK_N] by shifts and reshaped to
-    [BLOCK_K, BLOCK_N] (natural k order, so x needs no permutation). Two scale modes:
-    - tile (FUSE_SCALE=False; needs G % BLOCK_K == 0 or one group): the integer q - z is built exactly in the
-      activation dtype with the "magic number" trick (code | 0x6400 read as fp16 is 1024 + code; 0x4300 as bf16 is
-      128 + code), fed to tl.dot, and the fp32 product is scaled per column once per tile. No int->float
-      conversion instruction and no rounding of W at all.
-    - fused (FUSE_SCALE=True; any G multiple of 32): W = (q - z) * s is formed in fp32 and rounded once to the
-      activation dtype, exactly like PyTorch's dequantize-then-matmul, then accumulated by tl.dot. Lets the
-      compiler keep the accumulator inside the MMA pipeline (large M).
+    ``_w4a16_gemm_kernel`` tiles [BLOCK_M, BLOCK_N] outputs and walks K in BLOCK_K steps; tl.dot on fp16/bf16
+    operands, fp32 accumulation. Each tile of packed words [BLOCK_K/pf, BLOCK_N] is loaded once and unpacked two
+    codes per 32-bit operation: (w >> s) & 0x000F000F | 0x64006400 holds two codes as two fp16 values 1024 + code
+    (bf16: 0x4300, 128 + code), the "magic number" trick, so no int->float conversion instruction runs; tl.join
+    keeps a word's codes in its own thread; the tile is reshaped to [BLOCK_K, BLOCK_N] in natural k order, so x
+    tiles are read contiguously. Offline sm_90 compiles (benchmarks/sass_w4a16.py) put the skinny loop at ~3.9 SASS
+    instructions per weight, under the ~4.3 issue slots per weight that HBM at ~4 TB/s leaves each SM. Two scale
+    modes:
+    - tile (FUSE_SCALE=False; needs G % BLOCK_K == 0 or one group): tl.dot gets the exact integers q - z and its
+      fp32 result is scaled per column once per tile; W is never rounded.
+    - fused (FUSE_SCALE=True; any G multiple of 32): W = (q - z) * s rounded once to the activation dtype, exactly
+      PyTorch's dequantize-then-matmul (fp16: one fp16 multiply of exact operands; bf16: in fp32, as scales are
+      fp16), accumulated inside tl.dot so the accumulator can stay in the MMA pipeline (large M).
     Split-K (grid axis 1 > 1, SPLIT=True): every CTA writes its fp32 partial tile to a workspace, then counts
     itself in on a per-tile semaphore; the last arrival sums the partials in split order (deterministic), adds the
     bias, stores y and resets the semaphore to 0 for the next launch. One launch, no memset, no second reduction
@@ -33,23 +36,32 @@ Kernels
 Regimes (``CONFIG_TABLE`` in ``w4a16_configs.py``): skinny M <= 16 (BLOCK_M 16, split-K to fill the SMs),
 medium, large M (tiled GEMM or dequantize + cuBLAS). The committed table is chosen by reasoning until an H200 sweep
 (``benchmarks/bench_w4a16.py --sweep``) replaces it: decode is memory bound, each SM needs ~24 KB of loads in
-flight (4 TB/s / 132 SMs x ~0.8 us latency), so skinny tiles are 16 x 128 x 128 (8 KB of words per stage, several
-stages, several CTAs per SM) and K is split until ~4 waves of CTAs exist.
+flight (4 TB/s / 132 SMs x ~0.8 us latency), so skinny tiles are 16 x 128 x 128 (8 KB of words per stage, 3
+stages in flight, 2 CTAs per SM at 188 registers) and K is split until ~4 waves of CTAs exist.
 
 Limits: 4 or 8 bits; G a multiple of 32, or one group per column; int32 offsets (tensors < 2**31 elements);
-interpreter mode (TRITON_INTERPRET=1) computes bf16 tiles in fp32 because the interpreter cannot do bf16 arithmetic.
-Hardware: written for the H200 (sm_90, 132 SMs, 60 MB L2); tuned: not yet (see the table's comment).
+interpreter mode (TRITON_INTERPRET=1) computes bf16 tiles in fp32 and rounds to bf16 by hand, because the
+interpreter has no bf16 arithmetic and its bf16 cast truncates. Split-K semaphores live in the prepared weight:
+one weight must not run on two streams at once.
+Hardware: written for the H200 (sm_90, 132 SMs, 60 MB L2); compiled offline for sm_90, not yet timed on one.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 
 import torch
 import triton
 import triton.language as tl
-from quantkit.kernels.w4a16_configs import CONFIG_TABLE, LOCK_SLOTS, KernelConfig, LaunchPlan, config_for, plan_launch
+from quantkit.kernels.w4a16_configs import CONFIG_TABLE, KernelConfig, LaunchPlan, config_for, plan_launch
+from quantkit.kernels.w4a16_weight import (
+    KERNEL_LAYOUT,
+    KERNEL_LAYOUT_VERSION,
+    W4A16Weight,
+    prepare_gptq_weight,
+    unpack_gptq_codes,
+    unsupported_reason,
+)
 
 __all__ = [
     "CONFIG_TABLE",
@@ -61,16 +73,14 @@ __all__ = [
     "config_for",
     "plan_launch",
     "prepare_gptq_weight",
+    "unpack_gptq_codes",
     "unsupported_reason",
     "w4a16_dequantize",
     "w4a16_gemm",
     "w4a16_linear",
     "w4a16_reference",
 ]
-KERNEL_LAYOUT = "gptq_v2_sorted_groups"
-KERNEL_LAYOUT_VERSION = 1
 ACT_DTYPES = (torch.float16, torch.bfloat16)
-SUPPORTED_BITS = (4, 8)
 MAGIC_F32 = tl.constexpr(0x4B000000)  # code | MAGIC_F32 read as fp32 is 2**23 + code
 MAGIC_16 = {torch.float16: 0x6400, torch.bfloat16: 0x4300}  # 1024 + code, 128 + code (exact for code < 128)
 
@@ -78,14 +88,6 @@ MAGIC_16 = {torch.float16: 0x6400, torch.bfloat16: 0x4300}  # 1024 + code, 128 +
 # ---------------------------------------------------------------------------------------------------------------
 # Reference
 # ---------------------------------------------------------------------------------------------------------------
-def unpack_gptq_codes(qweight: torch.Tensor, bits: int, k: int) -> torch.Tensor:
-    """int32 [ceil(K/32)*b, N] -> int32 codes [K, N] (4 or 8 bits)."""
-    pf = 32 // bits
-    shifts = torch.arange(0, 32, bits, device=qweight.device, dtype=torch.int32)
-    codes = (qweight.unsqueeze(1) >> shifts.view(1, pf, 1)) & (2**bits - 1)  # [rows, pf, N]
-    return codes.reshape(-1, qweight.shape[1])[:k]
-
-
 def w4a16_reference(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -334,92 +336,6 @@ def _w4a16_dequant_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Kernel-ready weights (load time)
-# ---------------------------------------------------------------------------------------------------------------
-@dataclass
-class W4A16Weight:
-    """GPTQ-v2 buffers in the kernel layout (``KERNEL_LAYOUT``): groups contiguous along K.
-
-    ``perm`` int64 [K] (act-order only): kernel input channel i is checkpoint channel perm[i], so the kernel reads
-    ``x[:, perm]``. ``group_size`` is the contiguous group length, 0 for a single group. ``locks`` int32
-    [LOCK_SLOTS] zeros: split-K semaphores, reset by the kernel itself after every use.
-    """
-
-    qweight: torch.Tensor
-    qzeros: torch.Tensor
-    scales: torch.Tensor
-    bits: int
-    group_size: int
-    in_features: int
-    out_features: int
-    perm: torch.Tensor | None = None
-    layout: str = KERNEL_LAYOUT
-    layout_version: int = KERNEL_LAYOUT_VERSION
-    locks: torch.Tensor = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self.locks = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=self.qweight.device)
-
-
-def _group_order(g_idx: torch.Tensor, group: int) -> tuple[torch.Tensor | None, bool]:
-    """(perm that makes the groups contiguous or None if they already are, whether that is possible)."""
-    contiguous = torch.arange(g_idx.numel(), device=g_idx.device) // group
-    if torch.equal(g_idx.long(), contiguous):
-        return None, True
-    perm = torch.argsort(g_idx.long(), stable=True)
-    return perm, torch.equal(g_idx.long()[perm], contiguous)
-
-
-def unsupported_reason(bits: int, group_size: int, g_idx: torch.Tensor) -> str | None:
-    """Why the kernel cannot serve this layer, or None. ``group_size`` is the scheme's (-1 = per-channel)."""
-    k = g_idx.numel()
-    if bits not in SUPPORTED_BITS:
-        return f"{bits}-bit weights (the kernel serves {SUPPORTED_BITS})"
-    if group_size != -1 and group_size < k and group_size % 32:
-        return f"group size {group_size} is not a multiple of 32"
-    group = k if group_size == -1 else min(group_size, k)
-    if not _group_order(g_idx, group)[1]:
-        return f"g_idx does not hold groups of {group} channels (last one shorter): cannot sort it into groups"
-    return None
-
-
-def prepare_gptq_weight(
-    qweight: torch.Tensor,
-    qzeros: torch.Tensor,
-    scales: torch.Tensor,
-    g_idx: torch.Tensor,
-    bits: int,
-    group_size: int,
-) -> W4A16Weight:
-    """Kernel-ready weight from GPTQ-v2 buffers; ``unsupported_reason`` must have returned None for them.
-
-    Act-order (non-monotonic ``g_idx``): sort K by group once, repack the codes in that order and keep the
-    permutation. The buffers passed in are not modified; without act-order they are used as they are.
-    """
-    reason = unsupported_reason(bits, group_size, g_idx)
-    if reason:
-        raise ValueError(f"W4A16 kernel: unsupported layer: {reason}")
-    k, n = g_idx.numel(), qweight.shape[1]
-    group = k if group_size == -1 else min(group_size, k)
-    perm, _ = _group_order(g_idx, group)
-    if perm is not None:
-        codes = unpack_gptq_codes(qweight, bits, k)[perm]  # [K, N] in kernel order
-        qweight = _pack_gptq_codes(codes, bits)
-    return W4A16Weight(qweight, qzeros, scales, bits, 0 if group >= k else group, k, n, perm)
-
-
-def _pack_gptq_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """int codes [K, N] -> int32 [ceil(K/32)*b, N], the inverse of ``unpack_gptq_codes``."""
-    k, n = codes.shape
-    pf = 32 // bits
-    padded = torch.zeros(triton.cdiv(k, 32) * 32, n, dtype=torch.int64, device=codes.device)
-    padded[:k] = codes.long()
-    shifts = torch.arange(0, 32, bits, device=codes.device, dtype=torch.int64).view(1, pf, 1)
-    words = (padded.view(-1, pf, n) << shifts).sum(dim=1)  # disjoint bit fields: the sum is an OR
-    return (words - ((words >> 31) << 32)).to(torch.int32)  # low 32 bits as signed
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------------------------
 def _interpreting() -> bool:
@@ -480,6 +396,8 @@ def w4a16_gemm(
     m, k = x.shape
     n = w.out_features
     cfg = config or config_for(m)
+    if cfg.method != "fused":
+        raise ValueError(f"w4a16_gemm runs the fused kernel; config {cfg.name} asks for {cfg.method!r}")
     plan = plan_launch(cfg, m, n, k, w.group_size, _num_sms(x.device))
     if out is None:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -503,7 +421,7 @@ def w4a16_gemm(
 
 
 def w4a16_dequantize(w: W4A16Weight, dtype: torch.dtype, block_k: int = 64, block_n: int = 128) -> torch.Tensor:
-    """W as [K, N] in ``dtype`` (kernel channel order): s * (q - z) in fp32, rounded once."""
+    """W as [K, N] in ``dtype`` (kernel channel order): s * (q - z) rounded once, as PyTorch's fp32 dequantize."""
     if dtype not in ACT_DTYPES:
         raise ValueError(f"dtype must be float16 or bfloat16, got {dtype}")
     k, n = w.in_features, w.out_features
