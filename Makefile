@@ -4,7 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.quantkit-installed
 
-.PHONY: demo test test-fast lint clean
+HF_COMPAT := .venv/hf-5.17   # transformers 5.17 (the GPU machine's version), layered over the venv for hook tests
+HOOK_TESTS := tests/checkpoint tests/test_w8a8_pipeline.py tests/test_recipes.py
+
+.PHONY: demo test test-fast test-hf-compat lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +22,16 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(MAKE) test-hf-compat
+
+$(HF_COMPAT)/.installed: $(STAMP)
+	$(PY) -m pip install -q --target $(HF_COMPAT) "transformers==5.17.0" "huggingface_hub<2"
+	touch $@
+
+# The from_pretrained hook must work on transformers 5.17 as well as on the newest 5.x installed above.
+test-hf-compat: $(HF_COMPAT)/.installed
+	PYTHONPATH=$(HF_COMPAT) $(PY) -c "import transformers; assert transformers.__version__ == '5.17.0'"
+	PYTHONPATH=$(HF_COMPAT) $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile $(HOOK_TESTS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
