@@ -4,7 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.quantkit-installed
 
-HF_COMPAT := .venv/hf-5.17   # transformers 5.17 (the GPU machine's version), layered over the venv for hook tests
+# transformers 5.17 (the GPU machine's version), layered over the venv for the hook tests
+HF_COMPAT := .venv/hf-5.17
 HOOK_TESTS := tests/checkpoint tests/test_w8a8_pipeline.py tests/test_recipes.py
 
 .PHONY: demo test test-fast test-hf-compat lint clean
