@@ -272,8 +272,12 @@ def precompile(cases: list[tuple], workers: int) -> None:
     todo = [*jobs.values(), (C.KernelConfig("dequant").to_dict(), cases[0][4], False)]
     t0 = time.perf_counter()
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(todo))), mp_context=ctx) as pool:
-        results = list(pool.map(_precompile, todo))
+    try:
+        with ProcessPoolExecutor(max_workers=max(1, min(workers, len(todo))), mp_context=ctx) as pool:
+            results = list(pool.map(_precompile, todo))
+    except Exception as e:  # the pool itself failed: every kernel still compiles lazily where it is first timed
+        print(f"precompile pool failed ({type(e).__name__}: {e}); compiling lazily instead")
+        return
     print(f"precompiled {len(todo)} kernel variants in {time.perf_counter() - t0:.1f}s with {workers} processes")
     for name, _, err in results:
         if err:
