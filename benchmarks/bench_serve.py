@@ -1,0 +1,421 @@
+"""End-to-end serving speed of the paged runtime on one GPU (issue 8, benchmarks 1, 2 and 4), random weights.
+
+One process, one set of random bf16 weights in Llama-3-8B shape (transformers' own initialisation, seeded):
+
+  1. Offline throughput: 256 requests, prompt lengths uniform in 128..1024, 256 new tokens each, EOS ignored, all
+     submitted at once (seeded prompts). quantkit runtime in bf16, W4A16 (RTN, 4-bit, group 128, symmetric) and
+     W8A8 (RTN int8 per channel, dynamic per-token activations), the quantized modules built in process from the
+     same float weights. Baselines on the same weights and prompts: transformers' ``generate_batch`` (continuous
+     batching, paged cache) and ``generate`` in static batches of 64 (left padding). The HF baselines run on the
+     first ``--hf-requests`` requests only (default 64: they are ~10x slower); the table says so, and quantkit
+     bf16 is also measured on that subset for a like-for-like ratio.
+  2. Batch-1 decode tokens/s (CUDA graphs; time between the first and last generated token) for each variant, as
+     a fraction of the bandwidth roofline: copy bandwidth measured here (read + write bytes / s) / bytes of
+     weights read per token (every linear incl. lm_head, quantized buffers as stored; the embedding is a gather).
+  4. KV waste during benchmark 1: allocated minus filled KV slots over allocated, averaged over engine steps.
+  Also: greedy agreement with HF ``generate`` (bf16, 8 prompts x 32 tokens, equal lengths so HF needs no padding).
+
+  python benchmarks/bench_serve.py            full run, ~4 minutes on an H200 (about 1.5 of them in the HF baselines)
+  python benchmarks/bench_serve.py --quick    GPU smoke test: 32 requests x 32 tokens, HF on 8
+  python benchmarks/bench_serve.py --smoke    CPU plumbing check: tiny model, a handful of requests
+
+Results: JSON + markdown under $OUT if set, else ./bench_out, rewritten after every phase (a late failure keeps
+the earlier figures); a failing phase is recorded with its error and the run goes on. A short table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import os
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quantkit.quant.scheme import QuantScheme
+from quantkit.runtime import LLM, SamplingParams
+from quantkit.runtime.bench import DUMMY_MODELS, offline_throughput, random_workload
+
+SCHEMES = {
+    "w4a16": QuantScheme(bits=4, group_size=128, sym=True),
+    "w8a8": QuantScheme(bits=8, group_size=-1, sym=True, act_bits=8, act_dynamic=True),
+}
+TARGETS = {"bf16_tok_s": 5000.0, "bf16_vs_generate_batch": 10.0, "bf16_b1_roofline": 0.70, "w4a16_b1_vs_bf16": 2.5,
+           "kv_waste": 0.04}  # fmt: skip
+MODES = {  # requests, min/max prompt, new tokens, HF requests, batch-1 new tokens, shape
+    "full": (256, 128, 1024, 256, 64, 256, "llama-3-8b"),
+    "quick": (32, 128, 1024, 32, 8, 32, "llama-3-8b"),
+    "smoke": (6, 8, 40, 8, 3, 8, "tiny-llama"),
+}
+
+
+class Report:
+    def __init__(self, out_dir: Path, tag: str, meta: dict):
+        self.out_dir, self.tag, self.meta = out_dir, tag, meta
+        self.results: dict[str, dict] = {}
+        self.errors: dict[str, str] = {}
+        out_dir.mkdir(parents=True, exist_ok=True)
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        print(f"[{time.strftime('%H:%M:%S')}] {name} ...", flush=True)
+        try:
+            yield
+        except Exception as exc:  # a benchmark phase failing must not lose the others' figures
+            traceback.print_exc()
+            self.errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        finally:
+            self.meta.setdefault("phase_seconds", {})[name] = round(time.perf_counter() - start, 1)
+            self.write()
+
+    def write(self) -> None:
+        data = {"meta": self.meta, "results": self.results, "errors": self.errors, "summary": summary(self)}
+        (self.out_dir / f"bench_serve_{self.tag}.json").write_text(json.dumps(data, indent=2))
+        (self.out_dir / f"bench_serve_{self.tag}.md").write_text(markdown(self, data["summary"]))
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy of 1 GiB, bytes read + written per second (median)."""
+    import triton.testing
+
+    src = torch.randn(1 << 29, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    seconds = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3
+    return 2 * src.numel() * src.element_size() / seconds
+
+
+def build_hf_model(shape: str, device, dtype, seed: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**DUMMY_MODELS[shape])
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.eval()
+    model.generation_config.eos_token_id = None  # EOS disabled for every HF run
+    return model
+
+
+def quantize_decoder_linears(hf, scheme: QuantScheme) -> dict[str, nn.Module]:
+    """RTN-quantized copies of every decoder-layer linear (lm_head stays float), built on the weights' device."""
+    from quantkit.algorithms.rtn import rtn
+    from quantkit.nn.factory import make_quantized_linear
+
+    out = {}
+    with torch.no_grad():
+        for name, mod in hf.named_modules():
+            if isinstance(mod, nn.Linear) and name.startswith("model.layers."):
+                out[name] = make_quantized_linear(rtn(mod.weight, scheme), mod.bias, mod.weight.dtype)
+    return out
+
+
+def swap_modules(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    """Put ``modules`` into ``model`` by name; returns the modules they replaced."""
+    previous = {}
+    for name, mod in modules.items():
+        parent, child = name.rsplit(".", 1)
+        owner = model.get_submodule(parent)
+        previous[name] = getattr(owner, child)
+        setattr(owner, child, mod)
+    return previous
+
+
+def weight_bytes_per_token(model: nn.Module) -> int:
+    """Bytes a decode step must read: every linear's stored weight buffers (not the embedding, a gather)."""
+    from quantkit.nn.qlinear import QuantLinear
+    from quantkit.nn.w8a8 import W8A8Linear
+
+    def nbytes(*ts):
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    total = 0
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            total += nbytes(mod.qweight, mod.qzeros, mod.scales, mod.bias)
+        elif isinstance(mod, W8A8Linear):
+            total += nbytes(mod.weight, mod.weight_scale, mod.bias)
+        elif isinstance(mod, nn.Linear):
+            total += nbytes(mod.weight, mod.bias)
+    if getattr(model, "lm_head", None) is None:  # tied: the logits read the embedding matrix
+        total += nbytes(model.model.embed_tokens.weight)
+    return total
+
+
+def batch1_decode(llm: LLM, prompt: list[int], new_tokens: int) -> dict:
+    """Decode tokens/s of one sequence: (tokens - 1) / time from the first to the last generated token."""
+    stamps = []
+    for _ in llm.stream([prompt], SamplingParams(max_tokens=new_tokens, ignore_eos=True)):
+        stamps.append(time.perf_counter())
+    return {"tokens": len(stamps), "tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
+
+
+def engine(hf, args) -> LLM:
+    return LLM(
+        hf,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_kv_blocks=args.num_kv_blocks,
+        enforce_eager=args.enforce_eager,
+    )
+
+
+def measure_variant(name: str, hf, prompts, args, report: Report, hf_subset: int | None = None) -> LLM:
+    llm = engine(hf, args)
+    row = report.results.setdefault(name, {})
+    row["kv_blocks"] = llm.runner.num_blocks
+    result, tokens = offline_throughput(llm, prompts, args.output_len)
+    row["throughput"] = result.to_dict()
+    report.write()
+    weight_bytes = weight_bytes_per_token(llm.model)
+    b1 = batch1_decode(llm, prompts[0][:128], args.b1_tokens)
+    roofline = report.meta.get("copy_Bps", float("nan")) / weight_bytes
+    row["batch1"] = {
+        **b1,
+        "weight_bytes": weight_bytes,
+        "roofline_tok_s": roofline,
+        "of_roofline": b1["tok_s"] / roofline,
+    }
+    if hf_subset:
+        sub, _ = offline_throughput(llm, prompts[:hf_subset], args.output_len)
+        row["throughput_hf_subset"] = sub.to_dict()
+    row["tokens_sample"] = tokens[0][:16]
+    return llm
+
+
+def agreement(llm: LLM, hf, prompts, new_tokens: int = 32, n: int = 8, length: int = 128) -> dict:
+    """Greedy tokens of the runtime vs HF generate on equal-length prompts (no padding anywhere)."""
+    length = min(length, *(len(p) for p in prompts[:n]))
+    batch = [p[:length] for p in prompts[:n]]
+    ids = torch.tensor(batch, device=hf.device)
+    with torch.no_grad():
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[:, length:].tolist()  # fmt: skip
+    ours = [
+        o.completions[0].token_ids for o in llm.generate(batch, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    ]
+    prefix = []
+    for a, b in zip(ours, ref, strict=True):
+        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        prefix.append(same)
+    positionwise = sum(x == y for a, b in zip(ours, ref, strict=True) for x, y in zip(a, b, strict=True))
+    n = len(batch)
+    return {
+        "prompts": n,
+        "new_tokens": new_tokens,
+        "first_token": sum(p > 0 for p in prefix) / n,
+        "mean_identical_prefix": sum(prefix) / n,
+        "positionwise": positionwise / (n * new_tokens),
+    }
+
+
+def hf_generate_batch(hf, prompts, output_len: int) -> dict:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=None, pad_token_id=0)
+    sync()
+    start = time.perf_counter()
+    results = hf.generate_batch(inputs=prompts, generation_config=config)
+    sync()
+    seconds = time.perf_counter() - start
+    tokens = sum(len(r.generated_tokens) for r in results.values())
+    return {"requests": len(prompts), "output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds,
+            "attn_implementation": str(hf.config._attn_implementation)}  # fmt: skip
+
+
+def hf_static(hf, prompts, output_len: int, batch_size: int = 64) -> dict:
+    tokens, seconds = 0, 0.0
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device=hf.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=hf.device)
+        sync()
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
+                              do_sample=False, pad_token_id=0)  # fmt: skip
+        sync()
+        seconds += time.perf_counter() - start
+        tokens += (out.shape[1] - width) * len(chunk)
+    return {"requests": len(prompts), "batch_size": batch_size, "output_tokens": tokens, "seconds": seconds,
+            "output_tok_s": tokens / seconds}  # fmt: skip
+
+
+def summary(report: Report) -> list[tuple[str, str, str]]:
+    """(figure, value, target verdict) rows."""
+    r, rows = report.results, []
+
+    def get(*path):
+        node = r
+        for p in path:
+            if not isinstance(node, dict) or p not in node:
+                return None
+            node = node[p]
+        return node
+
+    bf16 = get("bf16", "throughput", "output_tok_s")
+    gb = get("hf_generate_batch", "output_tok_s")
+    sub = get("bf16", "throughput_hf_subset", "output_tok_s")
+    n_hf = get("hf_generate_batch", "requests") or get("hf_static64", "requests")
+    for name in ("bf16", "w4a16", "w8a8"):
+        tok_s = get(name, "throughput", "output_tok_s")
+        if tok_s is None:
+            continue
+        verdict = ""
+        if name == "bf16":
+            verdict = f">= {TARGETS['bf16_tok_s']:.0f}: {'met' if tok_s >= TARGETS['bf16_tok_s'] else 'MISSED'}"
+        elif bf16:
+            verdict = f"> bf16: {'met' if tok_s > bf16 else 'MISSED'} ({tok_s / bf16:.2f}x)"
+        n = get(name, "throughput", "requests")
+        rows.append((f"(1) {name} offline tok/s ({n} req)", f"{tok_s:.0f}", verdict))
+    for key, label in (("hf_generate_batch", "HF generate_batch"), ("hf_static64", "HF generate static 64")):
+        tok_s = get(key, "output_tok_s")
+        if tok_s is not None:
+            rows.append((f"(1) {label} tok/s ({get(key, 'requests')} req)", f"{tok_s:.0f}", ""))
+    if sub and gb:
+        ratio = sub / gb
+        ok = "met" if ratio >= TARGETS["bf16_vs_generate_batch"] else "MISSED"
+        rows.append((f"(1) bf16 / generate_batch, same {n_hf} req", f"{ratio:.1f}x", f">= 10x: {ok}"))
+    b1 = {n: get(n, "batch1") for n in ("bf16", "w4a16", "w8a8")}
+    for name, v in b1.items():
+        if v:
+            verdict = ""
+            if name == "bf16":
+                verdict = f">= 70% roofline: {'met' if v['of_roofline'] >= TARGETS['bf16_b1_roofline'] else 'MISSED'}"
+            elif name == "w4a16" and b1["bf16"]:
+                x = v["tok_s"] / b1["bf16"]["tok_s"]
+                verdict = f">= 2.5x bf16: {'met' if x >= TARGETS['w4a16_b1_vs_bf16'] else 'MISSED'} ({x:.2f}x)"
+            rows.append((f"(2) {name} batch-1 tok/s", f"{v['tok_s']:.0f} ({v['of_roofline']:.0%} roofline)", verdict))
+    for name in ("bf16", "w4a16", "w8a8"):
+        waste = get(name, "throughput", "kv_waste")
+        if waste is not None:
+            ok = "met" if waste < TARGETS["kv_waste"] else "MISSED"
+            rows.append((f"(4) {name} KV waste", f"{waste:.2%}", f"< 4%: {ok}"))
+    agree = get("agreement_bf16")
+    if agree:
+        value = f"{agree['positionwise']:.0%} positionwise, first token {agree['first_token']:.0%}"
+        prefix = f"identical prefix {agree['mean_identical_prefix']:.1f}/{agree['new_tokens']}"
+        rows.append(("HF agreement (bf16, greedy)", value, prefix))
+    for phase, err in report.errors.items():
+        rows.append((f"FAILED {phase}", err[:60], ""))
+    return rows
+
+
+def markdown(report: Report, rows) -> str:
+    m = report.meta
+    lines = [f"# Paged runtime serving benchmark, {m['device']}, {m['date']}", "", f"Command: `{m['command']}`", ""]
+    lines.append(
+        f"Random weights in {m['shape']} shape, {m['dtype']}; {m['requests']} requests, prompts {m['min_len']}-"
+        f"{m['max_len']} tokens, {m['output_len']} new tokens each, EOS ignored, seed {m['seed']}. HF baselines on "
+        f"the first {m['hf_requests']} requests only. Copy bandwidth {m.get('copy_Bps', float('nan')) / 1e12:.2f} TB/s."
+    )
+    lines += ["", "| figure | value | target |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="GPU smoke test")
+    ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (tiny model)")
+    ap.add_argument("--variants", default="bf16,w4a16,w8a8", help="comma-separated subset of bf16,w4a16,w8a8")
+    ap.add_argument("--hf-requests", type=int, default=None, help="requests for the HF baselines (0: skip them)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--num-kv-blocks", type=int, default=None, help="default: from free memory (CPU: 1024)")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    args = ap.parse_args()
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    n_req, min_len, max_len, out_len, hf_req, b1_tokens, shape = MODES[mode]
+    hf_req = hf_req if args.hf_requests is None else args.hf_requests
+    args.output_len, args.b1_tokens = out_len, b1_tokens
+    if not args.smoke and not torch.cuda.is_available():
+        ap.error("needs a CUDA device (or --smoke)")
+    device = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        torch.set_num_threads(1)  # tiny tensors: threads only contend (50x slower on a shared 2-core machine)
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    variants = args.variants.split(",")
+    meta = {"date": dt.date.today().isoformat(), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+            "command": " ".join(["python benchmarks/bench_serve.py", *os.sys.argv[1:]]), "shape": shape,
+            "dtype": str(dtype).removeprefix("torch."), "requests": n_req, "min_len": min_len, "max_len": max_len,
+            "output_len": out_len, "hf_requests": min(hf_req, n_req), "seed": args.seed, "torch": torch.__version__,
+            "settings": vars(args)}  # fmt: skip
+    import transformers
+
+    meta["transformers"] = transformers.__version__
+    report = Report(Path(os.environ.get("OUT", "bench_out")), mode, meta)
+    start = time.perf_counter()
+
+    if device == "cuda":
+        with report.phase("copy bandwidth"):
+            meta["copy_Bps"] = copy_bandwidth(device)
+    with report.phase("build model"):
+        hf = build_hf_model(shape, device, dtype, args.seed)
+    prompts = random_workload(n_req, min_len, max_len, hf.config.vocab_size, args.seed)
+    hf_prompts = prompts[: min(hf_req, n_req)]
+
+    if "bf16" in variants:
+        llm = None
+        with report.phase("bf16"):
+            llm = measure_variant("bf16", hf, prompts, args, report, hf_subset=len(hf_prompts) or None)
+        if llm is not None:
+            with report.phase("agreement"):
+                report.results["agreement_bf16"] = agreement(llm, hf, prompts)
+        llm = None
+        free_memory()
+    if hf_prompts:
+        with report.phase("hf_generate_batch"):
+            report.results["hf_generate_batch"] = hf_generate_batch(hf, hf_prompts, out_len)
+        free_memory()
+        with report.phase("hf_static64"):
+            report.results["hf_static64"] = hf_static(hf, hf_prompts, out_len)
+        free_memory()
+    for name in ("w4a16", "w8a8"):
+        if name not in variants:
+            continue
+        with report.phase(name):
+            modules = quantize_decoder_linears(hf, SCHEMES[name])
+            float_modules = swap_modules(hf, modules)
+            try:
+                llm = measure_variant(name, hf, prompts, args, report)
+                llm = None
+            finally:
+                swap_modules(hf, float_modules)
+                modules = None
+        free_memory()
+    meta["seconds"] = round(time.perf_counter() - start, 1)
+    report.write()
+    print(f"\n{meta['device']}, {meta['seconds']:.0f} s, results in {report.out_dir}; HF baselines on "
+          f"{meta['hf_requests']} of {n_req} requests")  # fmt: skip
+    rows = summary(report)
+    width = max(len(a) for a, _, _ in rows) if rows else 10
+    for a, b, c in rows:
+        print(f"{a:{width}}  {b:28} {c}")
+
+
+if __name__ == "__main__":
+    main()
