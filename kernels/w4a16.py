@@ -159,8 +159,8 @@ def _unpack_magic(words, BITS: tl.constexpr, MAGIC: tl.constexpr, ACT: tl.conste
     """int32 words [R, BN] -> ACT values MAGIC's value + code, [R, BN, 32/BITS], code j at [..., j].
 
     Two codes per 32-bit operation: (w >> s) & 0x000F000F | MAGIC:MAGIC holds codes j and j + 4 (4-bit; j and
-    j + 2 for 8-bit) as two 16-bit floats; the compiler then only splits the lanes (measured offline for sm_90 with
-    Triton 3.9: ~3.5 SASS instructions per weight for the whole skinny loop, against ~5.6 code by code).
+    j + 2 for 8-bit) as two 16-bit floats; the compiler then only splits the lanes (sm_90 SASS from Triton 3.9, see
+    benchmarks/sass_w4a16.py: 3.9 instructions per weight for the whole skinny loop, against 5.6 code by code).
     """
     PAIR: tl.constexpr = MAGIC | (MAGIC << 16)
     if BITS == 4:
