@@ -22,3 +22,13 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
         )
         out.append(seq[0, len(p) :].tolist())
     return out
+
+
+def sharpen(model, factor: float = 10.0):
+    """Scale q/k projections so attention is far from uniform: at init it is nearly uniform, and then a wrong
+    position or a wrong cache slot barely changes the logits. Returns the model."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(factor)
+            layer.self_attn.k_proj.weight.mul_(factor)
+    return model

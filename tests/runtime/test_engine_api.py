@@ -9,7 +9,7 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.runtime import LLM, EngineConfig, SamplingParams
 from quantkit.runtime.sampler import filter_logits
-from tests.runtime.helpers import hf_greedy, random_prompts
+from tests.runtime.helpers import hf_greedy, random_prompts, sharpen
 from tests.tiny_models import COMMON, tiny_model
 
 VOCAB = COMMON["vocab_size"]
@@ -17,7 +17,7 @@ VOCAB = COMMON["vocab_size"]
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model("llama")
+    return sharpen(tiny_model("llama"))
 
 
 def test_stream_yields_the_generated_tokens_in_order(model):

@@ -12,7 +12,7 @@ import transformers as T
 import quantkit
 from quantkit.recipe import Recipe
 from quantkit.runtime import LLM, SamplingParams
-from tests.runtime.helpers import hf_greedy, random_prompts
+from tests.runtime.helpers import hf_greedy, random_prompts, sharpen
 from tests.tiny_models import COMMON, tiny_model
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -29,7 +29,7 @@ SETTINGS = {
 
 @pytest.fixture(scope="module", params=ARCHS)
 def arch_and_reference(request):
-    model = tiny_model(request.param)
+    model = sharpen(tiny_model(request.param))
     prompts = random_prompts(LENGTHS, VOCAB, seed=1)
     return model, prompts, hf_greedy(model, prompts, NEW)
 
@@ -65,7 +65,7 @@ def test_parallel_sampling_shares_prompt_blocks(arch_and_reference):
 
 
 def test_common_prefix_is_computed_once():
-    model = tiny_model("llama")
+    model = sharpen(tiny_model("llama"))
     prefix = random_prompts([40], VOCAB, seed=2)[0]
     prompts = [prefix + tail for tail in random_prompts([3, 7, 12], VOCAB, seed=3)]
     reference = hf_greedy(model, prompts, 8)
@@ -83,7 +83,7 @@ def test_common_prefix_is_computed_once():
 def test_sliding_window_matches_hf():
     torch.manual_seed(0)
     config = T.MistralConfig(**COMMON, sliding_window=8)
-    model = T.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = sharpen(T.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
     prompts = random_prompts([5, 20, 13], VOCAB, seed=4)
     reference = hf_greedy(model, prompts, 16)
     for settings in (dict(num_kv_blocks=32), dict(num_kv_blocks=32, max_num_batched_tokens=7)):
@@ -91,10 +91,28 @@ def test_sliding_window_matches_hf():
         assert [o.completions[0].token_ids for o in outputs] == reference
 
 
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 16},
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    ],
+)  # fmt: skip
+def test_rope_scaling_matches_hf(rope):
+    torch.manual_seed(0)
+    config = T.LlamaConfig(**COMMON, rope_parameters=rope, max_position_embeddings=256)
+    model = sharpen(T.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+    prompts = random_prompts([30, 7], VOCAB, seed=8)
+    reference = hf_greedy(model, prompts, 12)
+    outputs = LLM(model, num_kv_blocks=16).generate(prompts, SamplingParams(max_tokens=12))
+    assert [o.completions[0].token_ids for o in outputs] == reference
+
+
 def test_quantized_checkpoint_matches_hf(tmp_path):
     """A quantkit checkpoint (RTN 4-bit, QuantLinear) loaded from disk by the runtime's own loader gives the same
     greedy tokens as the same checkpoint loaded into transformers by quantkit.load_quantized."""
-    model = tiny_model("qwen2")
+    model = sharpen(tiny_model("qwen2"))
     recipe = Recipe.from_dict({"scheme": {"bits": 4, "group_size": 32, "sym": False}, "stages": [{"method": "rtn"}]})
     quantkit.quantize(model, recipe)
     folder = quantkit.save_quantized(model, tmp_path / "q")
@@ -109,7 +127,7 @@ def test_quantized_checkpoint_matches_hf(tmp_path):
 
 def test_w8a8_modules_match_hf():
     w8a8 = pytest.importorskip("quantkit.nn.w8a8")
-    model = tiny_model("llama")
+    model = sharpen(tiny_model("llama"))
     recipe = Recipe.from_dict(
         {"scheme": {"bits": 8, "group_size": -1, "sym": True, "act_bits": 8}, "stages": [{"method": "rtn"}]}
     )
@@ -122,7 +140,7 @@ def test_w8a8_modules_match_hf():
 
 
 def test_float_folder_and_stop_tokens(tmp_path):
-    model = tiny_model("llama")
+    model = sharpen(tiny_model("llama"))
     model.save_pretrained(tmp_path / "m")
     prompts = random_prompts([11, 4], VOCAB, seed=7)
     reference = hf_greedy(model, prompts, 10)

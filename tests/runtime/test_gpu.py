@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from quantkit.runtime import LLM, SamplingParams
-from tests.runtime.helpers import hf_greedy, random_prompts
+from tests.runtime.helpers import hf_greedy, random_prompts, sharpen
 from tests.tiny_models import COMMON, tiny_model
 
 pytestmark = [
@@ -18,7 +18,7 @@ VOCAB = COMMON["vocab_size"]
 def test_triton_and_cuda_graphs_match_hf_fp32(arch):
     """fp32 end to end (the kernels keep fp32 dot products in IEEE precision), decode steps replayed from graphs,
     chunked prefill and preemption: the tokens must equal HF's on the same GPU."""
-    model = tiny_model(arch).cuda()
+    model = sharpen(tiny_model(arch)).cuda()
     prompts = random_prompts([5, 23, 1, 40, 16, 9, 70], VOCAB, seed=1)
     reference = hf_greedy(model, prompts, 24)
     for settings in (dict(num_kv_blocks=64), dict(num_kv_blocks=10, max_num_batched_tokens=32)):
@@ -29,7 +29,7 @@ def test_triton_and_cuda_graphs_match_hf_fp32(arch):
 
 
 def test_graph_replay_equals_eager_bf16():
-    model = tiny_model("llama", dtype=torch.bfloat16).cuda()
+    model = sharpen(tiny_model("llama", dtype=torch.bfloat16)).cuda()
     prompts = random_prompts([7, 30, 12], VOCAB, seed=2)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     graphed = LLM(model, num_kv_blocks=32).generate(prompts, params)
