@@ -1,1 +1,343 @@
-"""The awq recipe stage (registers method "awq")."""
+"""The awq recipe stage (registers method "awq"): AWQ scale and clip search on one decoder layer at a time.
+
+A "transform" stage: it rewrites the float weights of the layer (scales folded into producers and consumers,
+weights clamped to the searched clip ranges) and leaves quantization to the weight stage after it (RTN, GPTQ),
+which then sees the scaled, clipped weights. The fake-quant objective uses the stage's scheme (the recipe's
+default scheme, with the stage's overrides per linear).
+
+Per layer, for each smoothing group of the architecture table in order: capture the calls of the group's block
+and mean |x| of its input in one forward pass, search the scales, fold them at once (so later groups see the
+folded layer). Then capture a token sample of every linear to clip in one more pass, search and clamp.
+
+``save_search`` writes each layer's results to ``<dir>/<layer prefix>.safetensors``; ``load_search`` replays
+such a directory without calibration data.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quantkit.algorithms.awq import (
+    BlockObjective,
+    GroupScales,
+    LayerSearch,
+    LinearObjective,
+    clip_weight,
+    group_range,
+    search_clip,
+    search_scales,
+)
+from quantkit.calib.runner import LayerContext
+from quantkit.errors import QuantkitError
+from quantkit.models.fold import BoundGroup, bind_smooth_groups, fold_group, producer_channels
+from quantkit.models.layers import match
+from quantkit.quant.scheme import QuantScheme
+from quantkit.recipe import Stage
+from quantkit.stages import register
+
+
+def _pattern_matches(pattern: str, name: str) -> bool:
+    """``re:<regex>`` full-matches the name inside the layer; otherwise the name or its last dotted parts."""
+    if pattern.startswith("re:"):
+        return re.fullmatch(pattern[3:], name) is not None
+    return name == pattern or name.endswith("." + pattern)
+
+
+@register("awq")
+class AWQStage:
+    kind = "transform"
+
+    @dataclass(frozen=True)
+    class Params:
+        grid: int = 20  # scale-search points a = 0, 1/grid, ... (grid - 1)/grid
+        duo_scaling: bool = True  # s = mean|x|^a / mean|w|^(1-a); False: s = mean|x|^a
+        clip: bool = True
+        clip_grid: int = 20  # shrink steps of 1/clip_grid
+        clip_min: float = 0.5  # smallest fraction of the range tried
+        clip_tokens: int = 512  # calibration tokens per linear for the clip objective
+        search_samples: int | None = None  # calibration windows the scale objective runs on (None: all)
+        clip_skip: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "qkv_proj"])
+        save_search: str | None = None  # directory for the search results, one file per layer
+        load_search: str | None = None  # directory written by save_search: replay it instead of searching
+
+        def __post_init__(self) -> None:
+            for name in ("grid", "clip_grid", "clip_tokens"):
+                v = getattr(self, name)
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise QuantkitError(f"awq {name} must be a positive integer, got {v!r}")
+            v = self.search_samples
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise QuantkitError(f"awq search_samples must be a positive integer or null (all), got {v!r}")
+            for name in ("duo_scaling", "clip"):
+                if not isinstance(getattr(self, name), bool):
+                    raise QuantkitError(f"awq {name} must be true or false, got {getattr(self, name)!r}")
+            v = self.clip_min
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 < v <= 1:
+                raise QuantkitError(f"awq clip_min must be a fraction in (0, 1], got {v!r}")
+            skip = self.clip_skip
+            if isinstance(skip, str):
+                skip = [skip]
+            if not isinstance(skip, (list, tuple)) or not all(isinstance(p, str) for p in skip):
+                raise QuantkitError(f"awq clip_skip must be a list of name patterns, got {skip!r}")
+            object.__setattr__(self, "clip_skip", list(skip))
+            for name in ("save_search", "load_search"):
+                v = getattr(self, name)
+                if v is not None and not (isinstance(v, str) and v):
+                    raise QuantkitError(f"awq {name} must be a directory path or null, got {v!r}")
+            if self.save_search is not None and self.load_search is not None:
+                raise QuantkitError("awq: give save_search or load_search, not both")
+
+    def __init__(self, stage: Stage) -> None:
+        self.stage = stage
+        self.params = stage.params if stage.params is not None else self.Params()
+        scheme = stage.scheme
+        if scheme is None:
+            raise QuantkitError("awq needs a scheme (the recipe's default scheme) for its fake-quantization objective")
+        if not scheme.weight_only or scheme.fmt != "int":
+            raise QuantkitError(f"awq searches for weight-only integer schemes, got {scheme.name}")
+
+    @classmethod
+    def needs_calibration(cls, stage: Stage) -> bool:
+        return stage.params is None or stage.params.load_search is None
+
+    def apply(self, ctx: LayerContext) -> None:
+        if self.params.load_search is not None:
+            search = self._load(ctx)
+            self._replay(ctx, search)
+        else:
+            if not ctx.has_data:
+                raise QuantkitError("awq needs calibration data (or load_search with saved search results)")
+            search = self._search(ctx)
+            if self.params.save_search is not None:
+                self._save(ctx, search)
+
+    # search ---------------------------------------------------------------------------------------------
+
+    def _selected(self, ctx: LayerContext, name: str, module: nn.Module) -> bool:
+        return isinstance(module, nn.Linear) and self.stage.selects(ctx.full_name(name), module)
+
+    def _search(self, ctx: LayerContext) -> LayerSearch:
+        search = LayerSearch()
+        for group in bind_smooth_groups(ctx.layer, ctx.arch):
+            found = self._search_group(ctx, group)
+            if found is not None:
+                search.groups.append(found)
+        if self.params.clip:
+            self._search_clips(ctx, search)
+        return search
+
+    def _search_group(self, ctx: LayerContext, group: BoundGroup) -> GroupScales | None:
+        producer, consumers, _ = group.modules(ctx.layer)
+        for n, m in zip(group.consumers, consumers, strict=True):
+            if not isinstance(m, nn.Linear):
+                raise QuantkitError(
+                    f"awq: {ctx.full_name(n)} is already quantized ({type(m).__name__}); "
+                    "put the awq stage before the weight stage"
+                )
+        if group.channel_map is not None:  # v_proj -> o_proj under GQA: fewer value channels than o_proj inputs
+            for n in group.consumers:
+                ctx.record(n, awq_skipped=f"{group.producer} outputs do not match the inputs (grouped-query heads)")
+            return None
+        schemes = [
+            self.stage.scheme_for(ctx.full_name(n), m) if self._selected(ctx, n, m) else None
+            for n, m in zip(group.consumers, consumers, strict=True)
+        ]
+        if all(sc is None for sc in schemes):
+            return None
+        t0 = time.perf_counter()
+        block = ctx.layer.get_submodule(group.block)
+        calls = self._search_context(ctx).capture_calls(block)
+        width = producer_channels(producer, group.producer_rows)
+        gram = consumers == [block] and width < _tokens(calls)  # a lone linear: the Gram matrix is cheaper
+        x_mean, xtx, n_tokens = _input_stats(calls, width, ctx.device, gram)
+        if n_tokens == 0:  # no calibration token reached the block (an expert nobody was routed to)
+            for n in group.consumers:
+                ctx.record(n, awq_skipped="no calibration tokens")
+            return None
+        objective = LinearObjective(block.weight, xtx, n_tokens) if gram else BlockObjective(block, calls, consumers)
+        found = search_scales(
+            [m.weight for m in consumers],
+            schemes,
+            x_mean,
+            objective,
+            grid=self.params.grid,
+            duo_scaling=self.params.duo_scaling,
+            group_size=self.stage.scheme.group_size,
+        )
+        del calls, objective
+        fold_group(ctx.layer, group, found.scales, ctx.arch.norm)
+        for n in group.consumers:
+            ctx.record(
+                n,
+                awq_ratio=found.ratio,
+                awq_loss=found.loss,
+                awq_loss_rtn=found.loss_rtn,
+                awq_seconds=round(time.perf_counter() - t0, 3),
+            )
+        return GroupScales(
+            group.producer,
+            list(group.consumers),
+            list(group.readers),
+            group.producer_rows,
+            found.scales.cpu(),
+            found.ratio,
+            found.loss,
+            found.loss_rtn,
+        )
+
+    def _search_context(self, ctx: LayerContext) -> LayerContext:
+        """``ctx`` limited to the first calibration batches holding ``search_samples`` windows (all when None)."""
+        limit = self.params.search_samples
+        if limit is None:
+            return ctx
+        kept, windows = 0, 0
+        while kept < len(ctx.hidden) and windows < limit:
+            windows += ctx.hidden[kept].shape[0]
+            kept += 1
+        return replace(ctx, hidden=ctx.hidden[:kept], kwargs=ctx.kwargs[:kept])
+
+    def _search_clips(self, ctx: LayerContext, search: LayerSearch) -> None:
+        skip = self.params.clip_skip
+        targets = {
+            n: m
+            for group in ctx.sequential_groups()
+            for n, m in group
+            if self._selected(ctx, n, m) and not any(_pattern_matches(p, n) for p in skip)
+        }
+        if not targets:
+            return
+        samples = _sample_inputs(ctx, targets, self.params.clip_tokens)
+        for name, module in targets.items():
+            x = samples.get(name)
+            if x is None:
+                ctx.record(name, awq_clip_skipped="no calibration tokens")
+                continue
+            t0 = time.perf_counter()
+            scheme = self.stage.scheme_for(ctx.full_name(name), module)
+            lo, hi = search_clip(module.weight, x, scheme, self.params.clip_grid, self.params.clip_min)
+            ratio = _mean_ratio(module.weight, lo, hi, scheme)
+            clip_weight(module.weight.data, lo, hi, scheme.group_size)
+            search.clips[name] = (lo.cpu(), hi.cpu())
+            ctx.record(name, awq_clip_mean_ratio=ratio, awq_clip_seconds=round(time.perf_counter() - t0, 3))
+
+    # replay ----------------------------------------------------------------------------------------------
+
+    def _replay(self, ctx: LayerContext, search: LayerSearch) -> None:
+        bound = {g.producer: g for g in bind_smooth_groups(ctx.layer, ctx.arch)}
+        for saved in search.groups:
+            group = bound.get(saved.producer)
+            if group is None or (group.consumers, group.readers) != (saved.consumers, saved.readers):
+                raise QuantkitError(
+                    f"awq load_search: the saved group of {ctx.full_name(saved.producer)} does not match this model"
+                )
+            fold_group(ctx.layer, group, saved.scales, ctx.arch.norm)
+            for n in saved.consumers:
+                ctx.record(
+                    n, awq_ratio=saved.ratio, awq_loss=saved.loss, awq_loss_rtn=saved.loss_rtn, awq_replayed=True
+                )
+        for name, (lo, hi) in search.clips.items():
+            if not match(ctx.layer, name):
+                raise QuantkitError(f"awq load_search: {ctx.full_name(name)} is not in this model")
+            module = ctx.layer.get_submodule(name)
+            scheme = self.stage.scheme_for(ctx.full_name(name), module)
+            ratio = _mean_ratio(module.weight, lo, hi, scheme)
+            clip_weight(module.weight.data, lo, hi, scheme.group_size)
+            ctx.record(name, awq_clip_mean_ratio=ratio, awq_replayed=True)
+
+    # files ----------------------------------------------------------------------------------------------
+
+    def _save(self, ctx: LayerContext, search: LayerSearch) -> None:
+        from safetensors.torch import save_file
+
+        folder = Path(self.params.save_search)
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors, meta = search.to_tensors(self.stage.scheme)
+        save_file(tensors, str(folder / f"{ctx.prefix}.safetensors"), metadata=meta)
+
+    def _load(self, ctx: LayerContext) -> LayerSearch:
+        from safetensors import safe_open
+
+        path = Path(self.params.load_search) / f"{ctx.prefix}.safetensors"
+        if not path.is_file():
+            raise QuantkitError(f"awq load_search: {path} not found (was the search saved for this model?)")
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+        search = LayerSearch.from_tensors(tensors, meta, str(path))
+        saved = LayerSearch.scheme_of(meta)
+        if saved != self.stage.scheme:
+            raise QuantkitError(
+                f"awq load_search: {path} was searched for {saved.name}, this recipe quantizes to "
+                f"{self.stage.scheme.name}"
+            )
+        return search
+
+
+def _block_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _tokens(calls) -> int:
+    inputs = [_block_input(args, kwargs) for args, kwargs in calls]
+    return sum(x.numel() // max(x.shape[-1], 1) for x in inputs)
+
+
+def _input_stats(calls, width: int, device, gram: bool):
+    """Over every call of the block: mean |x| per input channel [width], the Gram matrix sum x^T x [width, width]
+    (fp32, only when ``gram``) and the number of tokens."""
+    total = torch.zeros(width, dtype=torch.float64, device=device)
+    xtx = torch.zeros(width, width, dtype=torch.float32, device=device) if gram else None
+    count = 0
+    for args, kwargs in calls:
+        x = _block_input(args, kwargs)
+        if x.shape[-1] != width:
+            raise QuantkitError(f"awq: the block's input has {x.shape[-1]} channels, the consumers take {width}")
+        x = x.reshape(-1, width).float()
+        total += x.abs().sum(dim=0).double()
+        if xtx is not None:
+            xtx.addmm_(x.t(), x)
+        count += x.shape[0]
+    return (total / max(count, 1)).float(), xtx, count
+
+
+def _sample_inputs(ctx: LayerContext, modules: dict[str, nn.Linear], n_tokens: int) -> dict[str, torch.Tensor]:
+    """Up to ``n_tokens`` input rows of each module, evenly strided within each calibration batch: {name: [T, K]}."""
+    per_call = -(-n_tokens // max(len(ctx.hidden), 1))
+    rows: dict[str, list[torch.Tensor]] = {}
+
+    def hook(name: str):
+        def fn(module, args):
+            x = args[0].reshape(-1, module.in_features)
+            step = max(1, x.shape[0] // per_call)
+            if x.shape[0]:
+                rows.setdefault(name, []).append(x[::step][:per_call].float())
+
+        return fn
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in modules.items()]
+    try:
+        ctx.forward()
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: torch.cat(r)[:n_tokens] for n, r in rows.items()}
+
+
+def _mean_ratio(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: QuantScheme) -> float:
+    """Mean clipped range over the unclipped range (1.0: nothing clipped), for the report; call before clipping."""
+    lo0, hi0 = group_range(w.detach(), scheme.group_size, scheme.sym)
+    if lo0.shape != lo.shape:
+        raise QuantkitError(
+            f"clip ranges of shape {tuple(lo.shape)} do not fit {scheme.name} on a weight {tuple(w.shape)}"
+        )
+    full = (hi0 - lo0).cpu()
+    clipped = (hi - lo).float().cpu()
+    ok = full > 0
+    return round(float((clipped[ok] / full[ok]).mean()), 4) if ok.any() else 1.0

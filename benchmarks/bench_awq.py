@@ -1,0 +1,160 @@
+"""AWQ search speed and memory on a Llama-3-8B-shaped model with random bf16 weights on CUDA.
+
+    python benchmarks/bench_awq.py                 # 8 decoder layers, 128 x 512 random-id calibration, w4 g128 asym
+    python benchmarks/bench_awq.py --layers 32     # the whole 8B stack (about 4 s per layer expected on an H200)
+    python benchmarks/bench_awq.py --smoke         # CPU plumbing check: tiny shapes, numbers meaningless
+
+The model is built on the meta device and materialised on the CPU in bf16 (weights ~ N(0, 0.02) drawn on the GPU,
+one tensor at a time; norms 1), as a real checkpoint would sit in host memory. ``quantkit.quantize`` with a recipe
+holding only the awq stage then moves one decoder layer at a time to the GPU: the timing covers the layer
+transfers, the captures, the scale search of every smoothing group (block re-runs with fake-quantized weights) and
+the clip search. Random weights and ids leave the cost unchanged: it depends on shapes, not values.
+
+Printed and written (``$OUT`` or ``--out``: ``bench_awq.json``): wall time, time per layer (median, max) and the
+extrapolation to 32 layers, and the peak GPU memory (``torch.cuda.max_memory_allocated``). Needs only torch and
+transformers: no ``datasets``, no ``gguf``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+LLAMA3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+SMOKE = dict(LLAMA3_8B, hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2)
+SMOKE["vocab_size"] = 512
+
+
+def build(shapes: dict, layers: int, draw_on: torch.device, seed: int = 0):
+    """LlamaForCausalLM in bf16 on the CPU, random weights drawn on ``draw_on`` (fast on a GPU), norms 1."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**shapes, "num_hidden_layers": layers})
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.to_empty(device="cpu")
+    gen = torch.Generator(device=draw_on).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, device=draw_on, dtype=torch.bfloat16) * 0.02)
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # inv_freq was computed on meta
+    stray = [n for n, b in model.named_buffers() if b.is_meta]
+    if stray:
+        raise RuntimeError(f"buffers left on the meta device: {stray}")
+    return model.eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8, help="decoder layers to build (the 8B model has 32)")
+    ap.add_argument("--nsamples", type=int, default=128)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--sym", action="store_true", help="symmetric grid (default asymmetric, as AWQ checkpoints)")
+    ap.add_argument("--grid", type=int, default=20)
+    ap.add_argument("--no-clip", dest="clip", action="store_false")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, not speed")
+    ap.add_argument("--out", type=Path, default=os.environ.get("OUT"), help="folder for bench_awq.json ($OUT)")
+    args = ap.parse_args()
+
+    import transformers
+
+    import quantkit
+    from quantkit.recipe import Recipe
+
+    if args.smoke:
+        device, shapes = torch.device("cpu"), SMOKE
+        args.nsamples, args.seqlen = min(args.nsamples, 8), min(args.seqlen, 64)
+    elif torch.cuda.is_available():
+        device, shapes = torch.device("cuda"), LLAMA3_8B
+    else:
+        raise SystemExit("needs a CUDA device (or --smoke for a CPU plumbing check)")
+    scheme = {"bits": args.bits, "group_size": args.group_size, "sym": args.sym}
+    recipe = Recipe.from_dict(
+        {
+            "name": "bench-awq",
+            "scheme": scheme,
+            "calibration": {"nsamples": args.nsamples, "seqlen": args.seqlen, "batch_size": args.batch_size},
+            "stages": [{"method": "awq", "params": {"grid": args.grid, "clip": args.clip}}],
+        },
+        "bench recipe",
+    )
+    t0 = time.perf_counter()
+    model = build(shapes, args.layers, device)
+    build_seconds = time.perf_counter() - t0
+    calib = torch.randint(0, shapes["vocab_size"], (args.nsamples, args.seqlen), generator=torch.Generator())
+    print(f"built {args.layers} layers in {build_seconds:.1f} s; AWQ search on {args.nsamples} x {args.seqlen} tokens")
+
+    per_layer: list[float] = []
+    last = [time.perf_counter()]
+
+    def progress(done, total, desc):
+        now = time.perf_counter()
+        per_layer.append(now - last[0])
+        last[0] = now
+        print(f"  [{done}/{total}] {desc}", flush=True)
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = last[0] = time.perf_counter()
+    result = quantkit.quantize(model, recipe, calib, device=device, progress=progress)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    report = result.layers.values()
+    median = statistics.median(per_layer)
+    info = {
+        "model": "Llama-3-8B shapes, random bf16 weights" if not args.smoke else "smoke: tiny Llama shapes",
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "decoder_layers": args.layers,
+        "calibration": {"source": "random ids", "nsamples": args.nsamples, "seqlen": args.seqlen},
+        "scheme": scheme,
+        "grid": args.grid,
+        "clip": args.clip,
+        "build_seconds": round(build_seconds, 2),
+        "search_seconds": round(wall, 2),
+        "seconds_per_layer_median": round(median, 3),
+        "seconds_per_layer_max": round(max(per_layer), 3),
+        "extrapolated_32_layers_seconds": round(wall + (32 - args.layers) * median, 1),
+        "linears_scaled_per_layer": sum(r.get("awq_ratio") is not None for r in report) / args.layers,
+        "linears_clipped_per_layer": sum("awq_clip_mean_ratio" in r for r in report) / args.layers,
+        "peak_gpu_bytes": peak,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }
+    print(
+        f"AWQ search: {wall:.1f} s for {args.layers} layers ({median:.2f} s/layer median, "
+        f"~{info['extrapolated_32_layers_seconds']:.0f} s for 32 layers)"
+        + (f", peak GPU memory {peak / 2**30:.2f} GiB" if peak is not None else "")
+    )
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_awq.json").write_text(json.dumps(info, indent=1) + "\n")
+        print(f"wrote {args.out / 'bench_awq.json'}")
+
+
+if __name__ == "__main__":
+    main()
