@@ -15,10 +15,11 @@ def run(*args):
 
 
 def test_generate_prints_the_engine_tokens():
-    result = run("generate", "--model", "dummy:tiny-llama", "--json", "--token-ids", "--max-tokens", "6", "5 6 7")
+    args = ["--model", "dummy:tiny-llama", "--device", "cpu", "--json", "--token-ids", "--max-tokens", "6"]
+    result = run("generate", *args, "5 6 7")
     assert result.exit_code == 0, result.output
     got = json.loads(result.output.strip().splitlines()[-1])
-    expected = LLM(DUMMY_MODELS["tiny-llama"]).generate([[5, 6, 7]], SamplingParams(max_tokens=6))
+    expected = LLM(DUMMY_MODELS["tiny-llama"], device="cpu").generate([[5, 6, 7]], SamplingParams(max_tokens=6))
     assert got["completions"][0]["token_ids"] == expected[0].completions[0].token_ids
 
 
@@ -29,8 +30,9 @@ def test_bad_prompt_is_a_one_line_error():
 
 def test_bench_serve_writes_json(tmp_path):
     out = tmp_path / "r.json"
-    result = run("bench-serve", "--model", "dummy:tiny-llama", "--num-requests", "6", "--min-input-len", "4",
-                 "--max-input-len", "20", "--output-len", "5", "--num-kv-blocks", "32", "--out", str(out))  # fmt: skip
+    args = ["--model", "dummy:tiny-llama", "--device", "cpu", "--num-requests", "6", "--min-input-len", "4"]
+    args += ["--max-input-len", "20", "--output-len", "5", "--num-kv-blocks", "32", "--out", str(out)]
+    result = run("bench-serve", *args)
     assert result.exit_code == 0, result.output
     row = json.loads(out.read_text())
     assert row["requests"] == 6 and row["output_tokens"] == 30 and 0 <= row["kv_waste"] < 1

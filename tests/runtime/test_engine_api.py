@@ -23,10 +23,12 @@ def model():
 def test_stream_yields_the_generated_tokens_in_order(model):
     prompts = random_prompts([4, 18], VOCAB, seed=11)
     params = SamplingParams(max_tokens=7, ignore_eos=True)
-    expected = [o.completions[0].token_ids for o in LLM(model, num_kv_blocks=16).generate(prompts, params)]
+    expected = [
+        o.completions[0].token_ids for o in LLM(model, device="cpu", num_kv_blocks=16).generate(prompts, params)
+    ]
     got: dict[int, list[int]] = {}
     last = {}
-    for ev in LLM(model, num_kv_blocks=16).stream(prompts, params):
+    for ev in LLM(model, device="cpu", num_kv_blocks=16).stream(prompts, params):
         got.setdefault(ev.request_id, []).append(ev.token_id)
         last[ev.request_id] = ev.finish_reason
     assert [got[0], got[1]] == expected
@@ -36,10 +38,10 @@ def test_stream_yields_the_generated_tokens_in_order(model):
 def test_seeded_sampling_does_not_depend_on_the_batch(model):
     prompts = random_prompts([6, 25, 3], VOCAB, seed=12)
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
-    alone = LLM(model, num_kv_blocks=32).generate(prompts[1:2], params)[0].completions[0].token_ids
-    batched = LLM(model, num_kv_blocks=32, max_num_batched_tokens=8).generate(prompts, params)
+    alone = LLM(model, device="cpu", num_kv_blocks=32).generate(prompts[1:2], params)[0].completions[0].token_ids
+    batched = LLM(model, device="cpu", num_kv_blocks=32, max_num_batched_tokens=8).generate(prompts, params)
     assert batched[1].completions[0].token_ids == alone
-    n3 = LLM(model, num_kv_blocks=32).generate(prompts[1:2], dataclasses.replace(params, n=3))[0]
+    n3 = LLM(model, device="cpu", num_kv_blocks=32).generate(prompts[1:2], dataclasses.replace(params, n=3))[0]
     assert n3.completions[0].token_ids == alone  # completion 0 uses the seed itself
     assert len({tuple(c.token_ids) for c in n3.completions}) == 3  # the others use seed + i
 
@@ -56,7 +58,7 @@ def test_filter_logits_keeps_top_k_and_the_nucleus():
 
 def test_sampling_follows_the_distribution(model):
     """With top_k = 2 only the two most likely tokens appear, at their renormalised probabilities (4 sigma)."""
-    llm = LLM(model, num_kv_blocks=64, max_num_seqs=256)
+    llm = LLM(model, device="cpu", num_kv_blocks=64, max_num_seqs=256)
     prompt = random_prompts([5], VOCAB, seed=13)[0]
     with torch.no_grad():
         logits = model(torch.tensor([prompt])).logits[0, -1]
@@ -76,7 +78,7 @@ def test_bad_settings_are_user_errors(model):
         EngineConfig.from_dict({"blocks": 3})
     with pytest.raises(QuantkitError, match="top_p"):
         SamplingParams(top_p=0.0)
-    llm = LLM(model, num_kv_blocks=2)
+    llm = LLM(model, device="cpu", num_kv_blocks=2)
     with pytest.raises(QuantkitError, match="cannot fit the KV cache"):
         llm.generate([[5] * 30], SamplingParams(max_tokens=10))
     with pytest.raises(QuantkitError, match="no tokenizer"):
@@ -86,9 +88,11 @@ def test_bad_settings_are_user_errors(model):
 @pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1", reason="needs CUDA or the interpreter"
 )
-def test_triton_backend_matches_hf(model):
+def test_triton_backend_matches_hf():
     """The Triton kernels inside the engine (mixed decode + chunked prefill steps) give HF's greedy tokens."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = sharpen(tiny_model("llama")).to(device)
     prompts = random_prompts([3, 21, 9], VOCAB, seed=14)
     reference = hf_greedy(model, prompts, 6)
-    llm = LLM(model, num_kv_blocks=16, max_num_batched_tokens=12, attention_backend="triton", device="cpu")
+    llm = LLM(model, num_kv_blocks=16, max_num_batched_tokens=12, attention_backend="triton", enforce_eager=True)
     assert [o.completions[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6))] == reference

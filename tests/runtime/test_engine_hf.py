@@ -37,7 +37,7 @@ def arch_and_reference(request):
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_greedy_matches_hf(arch_and_reference, setting):
     model, prompts, reference = arch_and_reference
-    llm = LLM(model, **SETTINGS[setting])
+    llm = LLM(model, device="cpu", **SETTINGS[setting])
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW))
     assert [o.completions[0].token_ids for o in outputs] == reference
     if setting == "preempting":
@@ -49,7 +49,7 @@ def test_parallel_sampling_shares_prompt_blocks(arch_and_reference):
     """n = 3 greedy completions equal HF's greedy output; they fork from one prefill and copy the shared
     partly filled last block on their first write."""
     model, prompts, reference = arch_and_reference
-    llm = LLM(model, num_kv_blocks=64)
+    llm = LLM(model, device="cpu", num_kv_blocks=64)
     copies, computed = [], []
     run = llm.runner.run
     llm.runner.run = lambda batch: (copies.extend(batch.copies), computed.append(batch.num_tokens), run(batch))[2]
@@ -69,7 +69,7 @@ def test_common_prefix_is_computed_once():
     prefix = random_prompts([40], VOCAB, seed=2)[0]
     prompts = [prefix + tail for tail in random_prompts([3, 7, 12], VOCAB, seed=3)]
     reference = hf_greedy(model, prompts, 8)
-    llm = LLM(model, num_kv_blocks=64)
+    llm = LLM(model, device="cpu", num_kv_blocks=64)
     first = llm.generate(prompts[:1], SamplingParams(max_tokens=8))
     computed = []
     run = llm.runner.run
@@ -87,7 +87,7 @@ def test_sliding_window_matches_hf():
     prompts = random_prompts([5, 20, 13], VOCAB, seed=4)
     reference = hf_greedy(model, prompts, 16)
     for settings in (dict(num_kv_blocks=32), dict(num_kv_blocks=32, max_num_batched_tokens=7)):
-        outputs = LLM(model, **settings).generate(prompts, SamplingParams(max_tokens=16))
+        outputs = LLM(model, device="cpu", **settings).generate(prompts, SamplingParams(max_tokens=16))
         assert [o.completions[0].token_ids for o in outputs] == reference
 
 
@@ -105,7 +105,7 @@ def test_rope_scaling_matches_hf(rope):
     model = sharpen(T.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
     prompts = random_prompts([30, 7], VOCAB, seed=8)
     reference = hf_greedy(model, prompts, 12)
-    outputs = LLM(model, num_kv_blocks=16).generate(prompts, SamplingParams(max_tokens=12))
+    outputs = LLM(model, device="cpu", num_kv_blocks=16).generate(prompts, SamplingParams(max_tokens=12))
     assert [o.completions[0].token_ids for o in outputs] == reference
 
 
@@ -119,7 +119,7 @@ def test_quantized_checkpoint_matches_hf(tmp_path):
     hf = quantkit.load_quantized(folder)
     prompts = random_prompts([7, 30, 2], VOCAB, seed=5)
     reference = hf_greedy(hf, prompts, 12)
-    llm = LLM(str(folder), num_kv_blocks=32, max_num_batched_tokens=16)
+    llm = LLM(str(folder), device="cpu", num_kv_blocks=32, max_num_batched_tokens=16)
     assert type(llm.model.model.layers[0].mlp.down_proj).__name__ == "QuantLinear"
     outputs = llm.generate(prompts, SamplingParams(max_tokens=12))
     assert [o.completions[0].token_ids for o in outputs] == reference
@@ -135,7 +135,7 @@ def test_w8a8_modules_match_hf():
     assert any(isinstance(m, w8a8.W8A8Linear) for m in model.modules())
     prompts = random_prompts([6, 19], VOCAB, seed=6)
     reference = hf_greedy(model, prompts, 12)
-    outputs = LLM(model, num_kv_blocks=32).generate(prompts, SamplingParams(max_tokens=12))
+    outputs = LLM(model, device="cpu", num_kv_blocks=32).generate(prompts, SamplingParams(max_tokens=12))
     assert [o.completions[0].token_ids for o in outputs] == reference
 
 
@@ -144,7 +144,7 @@ def test_float_folder_and_stop_tokens(tmp_path):
     model.save_pretrained(tmp_path / "m")
     prompts = random_prompts([11, 4], VOCAB, seed=7)
     reference = hf_greedy(model, prompts, 10)
-    llm = LLM(str(tmp_path / "m"), num_kv_blocks=32)
+    llm = LLM(str(tmp_path / "m"), device="cpu", num_kv_blocks=32)
     assert [o.completions[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=10))] == reference
     stop = reference[0][3]
     out = llm.generate(prompts[:1], SamplingParams(max_tokens=10, stop_token_ids=(stop,)))[0].completions[0]

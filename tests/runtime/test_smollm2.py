@@ -32,7 +32,9 @@ def test_float_folder_matches_hf(smollm2):
     model, tokenizer, folder = smollm2
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     reference = hf_greedy(model, prompts, NEW)
-    llm = LLM(str(folder), num_kv_blocks=64, max_num_batched_tokens=24)  # chunked prefill of the long prompt
+    llm = LLM(
+        str(folder), device="cpu", num_kv_blocks=64, max_num_batched_tokens=24
+    )  # chunked prefill of the long prompt
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW))
     assert [o.completions[0].token_ids for o in outputs] == reference
     assert outputs[0].completions[0].text == tokenizer.decode(reference[0], skip_special_tokens=True)
@@ -46,5 +48,5 @@ def test_quantized_checkpoint_matches_hf(smollm2, tmp_path):
     hf = quantkit.load_quantized(folder)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]  # fewer, shorter: QuantLinear dequantizes on CPU
     reference = hf_greedy(hf, prompts, 12)
-    llm = LLM(str(folder), num_kv_blocks=64)
+    llm = LLM(str(folder), device="cpu", num_kv_blocks=64)
     assert [o.completions[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12))] == reference

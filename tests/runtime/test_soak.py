@@ -77,7 +77,7 @@ def random_request(rng: np.random.Generator, prefixes):
 
 def test_soak_1000_requests_with_preemption():
     rng = np.random.default_rng(0)
-    llm = LLM(TINY, num_kv_blocks=24, block_size=P, max_num_seqs=16, max_num_batched_tokens=128)
+    llm = LLM(TINY, device="cpu", num_kv_blocks=24, block_size=P, max_num_seqs=16, max_num_batched_tokens=128)
     bm = llm.block_manager
     runner = llm.runner = ShadowRunner(bm, seed=1)
     hits = []
