@@ -234,12 +234,16 @@ def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 MAX_REL_ERROR = 4e-3  # bf16 output rounding alone is ~2e-3 relative (rms); fp8 fast accumulation adds a little
+# PyTorch's fp8 fast-accumulation baseline keeps partial sums in Hopper's ~14-bit accumulator over the whole K:
+# at K = 28672 it measured 4.7e-3. Baselines are only timed, so they get a looser bound than quantkit's kernels.
+MAX_REL_ERROR_BASELINE = 2e-2
 
 
 def check(problem: Problem, variant: str, y: torch.Tensor) -> float:
     fmt = "fp8" if variant.startswith(("fp8", "scaled_mm")) else "int8"
     err = rel_error(y, problem.reference(fmt))
-    if not err <= MAX_REL_ERROR:
+    bound = MAX_REL_ERROR_BASELINE if variant.startswith(("scaled_mm", "int_mm")) else MAX_REL_ERROR
+    if not err <= bound:
         raise AssertionError(f"{variant} N={problem.n} K={problem.k} M={problem.m}: relative error {err:.3g}")
     return err
 
