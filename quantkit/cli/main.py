@@ -5,6 +5,7 @@ Bad input (a QuantkitError) prints one line on stderr and exits with status 2; n
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import sys
 
@@ -42,10 +43,11 @@ def cli(verbose: bool) -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    import datasets
+    if importlib.util.find_spec("datasets") is not None:  # absent on some GPU images; only text loading needs it
+        import datasets
 
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+        datasets.disable_progress_bars()
+        datasets.logging.set_verbosity_error()
 
 
 def _register_commands() -> None:
