@@ -196,3 +196,46 @@ def test_hopeless_hessians_raise():
         gptq(w, torch.zeros(16, 16), scheme)
     with pytest.raises(QuantkitError, match="integer"):
         gptq(w, torch.eye(16), QuantScheme(bits=8, group_size=-1, fmt="fp8"))
+
+
+@pytest.mark.slow
+def test_beats_rtn_on_a_real_smollm2_layer():
+    """Real weights, real text: layer 3 of SmolLM2-135M, Hessians from 16 Brown windows of 512 tokens, scored on
+    those tokens and on 8 held-out windows. Attention inputs have a low effective rank: GPTQ's gain carries over
+    to held-out tokens (measured 0.38-0.46x RTN on both). down_proj's inputs (K = 1536, effective rank ~450) need
+    more data: with 16 windows the gain is clear on the calibration tokens (0.64x) but gone on held-out ones
+    (~1.07x; with 64 windows 0.90x), so only a bound against blowing up is asserted there."""
+    import quantkit
+    from quantkit.calib.data import calibration_windows
+    from quantkit.calib.runner import LayerContext, capture_layer_inputs, decoder_layers
+    from quantkit.models.arch import arch_for
+
+    model, tokenizer, _ = quantkit.load_model("smollm2-135m")
+    arch = arch_for(model)
+    layers = decoder_layers(model, arch)
+    windows, _ = calibration_windows(tokenizer, "brown", 24, 512, seed=0)
+    target = 3
+    names = ("self_attn.q_proj", "mlp.down_proj")
+    hessians = []
+    for split in (windows[:16], windows[16:]):
+        hidden, kwargs = capture_layer_inputs(model, arch, list(split.split(4)), torch.device("cpu"))
+        for i in range(target):
+            hidden = LayerContext(i, "", layers[i], arch, hidden, kwargs[i], torch.device("cpu")).forward()
+        ctx = LayerContext(target, "", layers[target], arch, hidden, kwargs[target], torch.device("cpu"))
+        stats = ctx.collect({n: layers[target].get_submodule(n) for n in names})
+        hessians.append({n: stats[n].hessian() for n in names})
+    calib_h, held_h = hessians
+    cases = [  # (linear, scheme, max GPTQ/RTN on calibration tokens, max on held-out tokens)
+        ("self_attn.q_proj", QuantScheme(bits=4, group_size=128, sym=False), 0.6, 0.6),  # ragged 576 = 4*128 + 64
+        ("self_attn.q_proj", QuantScheme(bits=3, group_size=64, sym=False), 0.6, 0.6),
+        ("mlp.down_proj", QuantScheme(bits=4, group_size=-1, sym=False), 0.8, 1.25),
+    ]
+    for name, scheme, max_calib, max_held in cases:
+        w = layers[target].get_submodule(name).weight.data
+        qw, info = gptq(w, calib_h[name], scheme)
+        ref = rtn(w, scheme).dequantize()
+        ratio_calib = info["loss"] / reconstruction_loss(w, ref, calib_h[name])
+        ratio_held = reconstruction_loss(w, qw.dequantize(), held_h[name]) / reconstruction_loss(w, ref, held_h[name])
+        print(f"{name} {scheme.name}: GPTQ/RTN {ratio_calib:.3f} calibration, {ratio_held:.3f} held-out")
+        assert ratio_calib < max_calib, (name, scheme.name, ratio_calib)
+        assert ratio_held < max_held, (name, scheme.name, ratio_held)

@@ -1,0 +1,124 @@
+"""The gptq recipe stage on tiny models: parameters, true-sequential, MoE experts without tokens, and act-order
+checkpoints that reload with identical logits."""
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import quantkit
+from quantkit.algorithms.rtn import rtn
+from quantkit.errors import QuantkitError
+from quantkit.nn.factory import quantized_modules
+from quantkit.quant import QuantScheme
+from quantkit.recipe import Recipe
+from quantkit.stages import parse_params
+from tests.tiny_models import tiny_model
+
+SCHEME = {"bits": 4, "group_size": 32, "sym": False}
+
+
+def gptq_recipe(**params) -> Recipe:
+    return Recipe.from_dict({"scheme": SCHEME, "stages": [{"method": "gptq", "params": params}]})
+
+
+def calib_ids(n=16, length=32, seed=0) -> torch.Tensor:
+    return torch.randint(3, 160, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_params_defaults_and_validation():
+    p = parse_params("gptq", None, "params")
+    assert (p.damp, p.block_size, p.act_order, p.static_groups, p.true_sequential) == (0.01, 128, False, False, True)
+    bad = [
+        ({"damp": -0.1}, "damp"),
+        ({"damp": float("nan")}, "damp"),
+        ({"damp": "0.01"}, "damp"),
+        ({"block_size": 0}, "block_size"),
+        ({"block_size": 64.0}, "block_size"),
+        ({"act_order": "yes"}, "act_order"),
+        ({"static_groups": 1}, "static_groups"),
+        ({"true_sequential": None}, "true_sequential"),
+        ({"desc_act": True}, "unknown key 'desc_act'"),
+    ]
+    for data, message in bad:
+        with pytest.raises(QuantkitError, match=message):
+            parse_params("gptq", data, "params")
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen3_moe"])
+def test_act_order_checkpoint_reloads_with_identical_logits(arch, tmp_path):
+    model = tiny_model(arch)
+    ids = calib_ids(2, 12, seed=1)
+    with torch.no_grad():
+        float_logits = model(ids).logits
+    result = quantkit.quantize(model, gptq_recipe(act_order=True, block_size=16), calib_ids())
+    report = result.layers
+    assert all(r["method"] == "gptq" and r["loss"] >= 0 and r["damp"] == 0.01 for r in report.values())
+    modules = quantized_modules(model)
+    assert len(modules) == len(report)
+    non_monotonic = [n for n, m in modules.items() if bool((m.g_idx[1:] < m.g_idx[:-1]).any())]
+    assert len(non_monotonic) > len(modules) // 2, "act-order should permute most layers' groups"
+    with torch.no_grad():
+        q_logits = model(ids).logits
+    assert not torch.equal(q_logits, float_logits)
+    assert (q_logits - float_logits).abs().mean() < 0.5 * float_logits.abs().mean()
+
+    out = quantkit.save_quantized(model, tmp_path / "q")
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    reloaded_modules = quantized_modules(reloaded)
+    assert set(reloaded_modules) == set(modules)
+    for name in non_monotonic:
+        assert torch.equal(reloaded_modules[name].g_idx, modules[name].g_idx)
+    with torch.no_grad():
+        r_logits = reloaded(ids).logits
+    torch.testing.assert_close(r_logits, q_logits, rtol=0, atol=0)
+
+
+def test_true_sequential_calibrates_on_quantized_outputs():
+    """q/k/v see the same float inputs either way; o_proj's inputs depend on whether q/k/v were quantized first."""
+    reports = {}
+    for seq in (True, False):
+        model = tiny_model("llama")
+        reports[seq] = quantkit.quantize(model, gptq_recipe(true_sequential=seq), calib_ids()).layers
+    q, o = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj"
+    assert reports[True][q]["loss"] == reports[False][q]["loss"]
+    assert reports[True][o]["loss"] != reports[False][o]["loss"]
+
+
+def starve_expert(model, expert: int) -> None:
+    """Make layer 0's router never pick ``expert``: hidden channel 0 is a positive constant entering layer 0's MLP
+    (embedding column set, attention output row zeroed) and the expert's router row reads -100 x channel 0.
+    The other embedding channels get unit scale so that tokens still differ and route to all other experts."""
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        emb.copy_(torch.randn(emb.shape, generator=torch.Generator().manual_seed(0)))
+        emb[:, 0] = 3.0
+        layer.self_attn.o_proj.weight[0] = 0.0
+        layer.post_attention_layernorm.weight[0] = 1.0
+        layer.mlp.gate.weight[expert] = 0.0
+        layer.mlp.gate.weight[expert, 0] = -100.0
+
+
+def test_moe_expert_without_tokens_is_rtn_and_reported(caplog):
+    model = tiny_model("mixtral")
+    starve_expert(model, 3)
+    with caplog.at_level(logging.WARNING, logger="quantkit.stages.gptq"):
+        result = quantkit.quantize(model, gptq_recipe(), calib_ids())
+    starved = [n for n, r in result.layers.items() if r.get("tokens") == 0]
+    prefix = "model.layers.0.mlp.experts.3."
+    assert sorted(starved) == [prefix + p for p in ("down_proj", "gate_proj", "up_proj")]
+    for name in starved:
+        assert result.layers[name]["fallback"].startswith("rtn")
+        assert "loss" not in result.layers[name]
+        assert f"{name} received no calibration tokens" in caplog.text
+    others = [r for n, r in result.layers.items() if n not in starved]
+    assert all(r["tokens"] > 0 and "fallback" not in r for r in others)
+
+    fresh = tiny_model("mixtral")
+    starve_expert(fresh, 3)
+    quantkit.pipeline.prepare_model(fresh)
+    expected = rtn(fresh.model.layers[0].mlp.experts[3].up_proj.weight, QuantScheme(**SCHEME)).dequantize()
+    got = model.model.layers[0].mlp.experts[3].up_proj.dequantize_weight()
+    assert torch.equal(got, expected)
