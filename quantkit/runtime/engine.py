@@ -83,10 +83,10 @@ class LLM:
         self.model = loaded.model
         self.tokenizer = tokenizer or loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
-        if device.type == "cuda" and any(type(m).__name__ == "W8A8Linear" for m in self.model.modules()):
+        if device.type == "cuda":
             from quantkit.nn.w8a8 import set_execution
 
-            set_execution(self.model, "integer")  # the 8-bit kernels, not the fp32 simulation
+            set_execution(self.model, "integer")  # W8A8 layers run the 8-bit kernels, not the fp32 simulation
         mcfg = self.model.config
         self.max_model_len = self.config.max_model_len or min(mcfg.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
         self.runner = ModelRunner(self.model, self.config, device, self.max_model_len)
