@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from rich.table import Table
 import quantkit
 from quantkit.calib.data import calibration_windows, evaluation_windows
 from quantkit.eval import evaluate_windows, window_log_probs
+from quantkit.models.loading import cache_dir, resolve_model
 from quantkit.presets import preset_recipe
 
 
@@ -62,8 +65,8 @@ def main() -> None:
     windows, protocol = evaluation_windows(tokenizer, args.eval, args.eval_seqlen, args.windows)
     calib, fingerprint = calibration_windows(tokenizer, args.calib, args.nsamples, args.seqlen)
     t0 = time.perf_counter()
-    baseline = [window_log_probs(float_model, ids).half() for ids in windows]
-    float_result = evaluate_windows(float_model, windows)
+    baseline = cached_baseline(float_model, args.model, windows, protocol)
+    float_result = evaluate_windows(float_model, windows, baseline, float_from_baseline=True)
     console.print(
         f"float: ppl {float_result.perplexity:.3f} on {float_result.tokens} tokens ({time.perf_counter() - t0:.0f}s)"
     )
@@ -138,6 +141,21 @@ def main() -> None:
 
 def method_cell(row: dict) -> str:
     return row["method"] + (" (static act.)" if row.get("act_dynamic") is False else "")
+
+
+def cached_baseline(model, model_spec: str, windows: torch.Tensor, protocol: dict) -> list[torch.Tensor]:
+    """The float model's next-token log-probs (fp16) on the windows, cached on disk and memory-mapped, so that
+    concurrent table runs share one copy in the page cache instead of each computing and holding ~2 GB."""
+    folder = str(resolve_model(model_spec))
+    key = hashlib.sha256(json.dumps([folder, protocol], sort_keys=True).encode()).hexdigest()[:20]
+    path = cache_dir() / "baselines" / f"{key}.pt"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        stacked = torch.stack([window_log_probs(model, ids).half() for ids in windows])  # [n, L-1, V]
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        torch.save(stacked, tmp)
+        os.replace(tmp, path)
+    return list(torch.load(path, mmap=True))
 
 
 def markdown(report: dict) -> str:

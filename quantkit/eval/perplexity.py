@@ -48,12 +48,17 @@ def window_log_probs(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate_windows(model, windows: torch.Tensor, baseline=None, progress=None) -> EvalResult:
-    """Evaluate ``model`` (and compare with ``baseline``: a model, or a list of per-window log-prob tensors)."""
+def evaluate_windows(
+    model, windows: torch.Tensor, baseline=None, progress=None, float_from_baseline: bool = False
+) -> EvalResult:
+    """Evaluate ``model`` (and compare with ``baseline``: a model, or a list of per-window log-prob tensors).
+
+    ``float_from_baseline``: the baseline log-probs are the model's own; score them without a forward pass.
+    """
     nll = kl = agree = base_nll = 0.0
     count = 0
     for i, ids in enumerate(windows):
-        lp = window_log_probs(model, ids)
+        lp = baseline[i].float() if float_from_baseline else window_log_probs(model, ids)
         target = ids[1:].to(lp.device)
         nll += -lp.gather(1, target[:, None]).sum().item()
         if baseline is not None:
