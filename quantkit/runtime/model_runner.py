@@ -144,16 +144,19 @@ class ModelRunner:
         else:
             ids, pos = self._tensor(hb.input_ids, torch.int64), self._tensor(hb.positions, torch.int64)
             hidden = self.model(ids, pos, self.metadata(hb), self.kv_caches)
-        rows = self._tensor(hb.sample_rows, torch.int64)
-        return self.model.logits(hidden[rows]).float()
+        if hb.sample_rows != list(range(n)):  # a pure decode step samples every row: no gather needed
+            hidden = hidden[self._tensor(hb.sample_rows, torch.int64)]
+        return self.model.logits(hidden).float()
 
     # -- CUDA graphs -----------------------------------------------------------------------------------------------
 
-    def _capture_graphs(self) -> None:
+    def graph_sizes(self) -> list[int]:
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_num_seqs)
-        sizes = sorted({b for b in (1, 2, 4, 8, *range(16, max_bs + 16, 16)) if b <= max_bs} | {max_bs})
-        width = -(-self.max_model_len // self.block_size)
-        dev = self.device
+        return sorted({b for b in (1, 2, 4, 8, *range(16, max_bs + 16, 16)) if b <= max_bs} | {max_bs})
+
+    def alloc_static(self, max_bs: int) -> None:
+        """The fixed input buffers that captured decode steps read (padding rows: slot -1, context 0)."""
+        width, dev = -(-self.max_model_len // self.block_size), self.device
         self.static = {
             "ids": torch.zeros(max_bs, dtype=torch.int64, device=dev),
             "pos": torch.zeros(max_bs, dtype=torch.int64, device=dev),
@@ -161,22 +164,31 @@ class ModelRunner:
             "ctx": torch.zeros(max_bs, dtype=torch.int32, device=dev),
             "tables": torch.zeros(max_bs, width, dtype=torch.int32, device=dev),
         }
+
+    def static_forward(self, b: int):
+        """The decode step of ``b`` rows over the static buffers, as a callable (what a graph captures)."""
         s = self.static
+        meta = AttentionMetadata(
+            slot_mapping=s["slots"][:b],
+            num_decodes=b,
+            decode_block_tables=s["tables"][:b],
+            decode_context_lens=s["ctx"][:b],
+            decode_num_splits=self.num_splits(b),
+            backend=self.backend,
+        )
+        return lambda: self.model(s["ids"][:b], s["pos"][:b], meta, self.kv_caches)
+
+    def _capture_graphs(self) -> None:
+        sizes = self.graph_sizes()
+        self.alloc_static(sizes[-1])
         pool = None
         with torch.inference_mode():
             for b in reversed(sizes):  # largest first, so the smaller graphs reuse its memory pool
-                meta = AttentionMetadata(
-                    slot_mapping=s["slots"][:b],
-                    num_decodes=b,
-                    decode_block_tables=s["tables"][:b],
-                    decode_context_lens=s["ctx"][:b],
-                    decode_num_splits=self.num_splits(b),
-                    backend=self.backend,
-                )
-                self.model(s["ids"][:b], s["pos"][:b], meta, self.kv_caches)  # warm-up: compile, lazy state
+                forward = self.static_forward(b)
+                forward()  # warm-up: compiles kernels, fills lazy kernel state outside the capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool):
-                    out = self.model(s["ids"][:b], s["pos"][:b], meta, self.kv_caches)
+                    out = forward()
                 pool = graph.pool()
                 self.graphs[b] = (graph, out)
         self.graphs = dict(sorted(self.graphs.items()))
@@ -184,14 +196,16 @@ class ModelRunner:
 
     def _replay(self, hb: HostBatch, bucket: int) -> torch.Tensor:
         n, s = len(hb.input_ids), self.static
-        s["ids"][:n] = self._tensor(hb.input_ids, torch.int64)
-        s["pos"][:n] = self._tensor(hb.positions, torch.int64)
-        s["slots"][:n] = self._tensor(hb.slots, torch.int64)
-        s["slots"][n:bucket] = -1
-        s["ctx"][:n] = self._tensor(hb.context_lens, torch.int32)
-        s["ctx"][n:bucket] = 0
         tables = pad_tables(hb.tables)
-        s["tables"][:n, : tables.shape[1]] = self._tensor(tables, torch.int32)
+        host = np.concatenate([hb.input_ids, hb.positions, hb.slots, hb.context_lens, tables.ravel()])
+        dev = self._tensor(host, torch.int64)  # one host-to-device copy per step
+        s["ids"][:n] = dev[:n]
+        s["pos"][:n] = dev[n : 2 * n]
+        s["slots"][:n] = dev[2 * n : 3 * n]
+        s["slots"][n:bucket] = -1
+        s["ctx"][:n] = dev[3 * n : 4 * n]
+        s["ctx"][n:bucket] = 0
+        s["tables"][:n, : tables.shape[1]] = dev[4 * n :].view(n, tables.shape[1])
         graph, out = self.graphs[bucket]
         graph.replay()
         return out[:n]
