@@ -32,3 +32,27 @@ def sharpen(model, factor: float = 10.0):
             layer.self_attn.q_proj.weight.mul_(factor)
             layer.self_attn.k_proj.weight.mul_(factor)
     return model
+
+
+def record_logits(llm) -> dict[int, list[torch.Tensor]]:
+    """Wrap the runner so every sampled row is kept, per request, in generation order."""
+    rows: dict[int, list[torch.Tensor]] = {}
+    run = llm.runner.run
+
+    def recording(batch):
+        logits = run(batch)
+        for seq, row in zip(batch.sampled, logits, strict=True):
+            rows.setdefault(seq.request_id, []).append(row)
+        return logits
+
+    llm.runner.run = recording
+    return rows
+
+
+def assert_logits_match_hf(model, prompts, outputs, rows, atol: float) -> None:
+    """Every recorded row equals HF's forward logits over prompt + completion at the same position."""
+    for out, prompt in zip(outputs, prompts, strict=True):
+        full = torch.tensor([prompt + out.completions[0].token_ids[:-1]], device=model.device)
+        with torch.no_grad():
+            expected = model(full).logits[0, len(prompt) - 1 :]
+        torch.testing.assert_close(torch.stack(rows[out.request_id]), expected.float(), atol=atol, rtol=0)

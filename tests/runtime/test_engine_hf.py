@@ -12,7 +12,7 @@ import transformers as T
 import quantkit
 from quantkit.recipe import Recipe
 from quantkit.runtime import LLM, SamplingParams
-from tests.runtime.helpers import hf_greedy, random_prompts, sharpen
+from tests.runtime.helpers import assert_logits_match_hf, hf_greedy, random_prompts, record_logits, sharpen
 from tests.tiny_models import COMMON, tiny_model
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -34,21 +34,6 @@ def arch_and_reference(request):
     return model, prompts, hf_greedy(model, prompts, NEW)
 
 
-def record_logits(llm) -> dict[int, list[torch.Tensor]]:
-    """Wrap the runner so every sampled row is kept, per request, in generation order."""
-    rows: dict[int, list[torch.Tensor]] = {}
-    run = llm.runner.run
-
-    def recording(batch):
-        logits = run(batch)
-        for seq, row in zip(batch.sampled, logits, strict=True):
-            rows.setdefault(seq.request_id, []).append(row)
-        return logits
-
-    llm.runner.run = recording
-    return rows
-
-
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_greedy_matches_hf(arch_and_reference, setting):
     """Tokens equal HF generate's, and every step's logits equal HF's forward pass over the final sequence
@@ -58,11 +43,7 @@ def test_greedy_matches_hf(arch_and_reference, setting):
     rows = record_logits(llm)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW))
     assert [o.completions[0].token_ids for o in outputs] == reference
-    for out, prompt in zip(outputs, prompts, strict=True):
-        full = torch.tensor([prompt + out.completions[0].token_ids[:-1]])
-        with torch.no_grad():
-            expected = model(full).logits[0, len(prompt) - 1 :]
-        torch.testing.assert_close(torch.stack(rows[out.request_id]), expected, atol=1e-5, rtol=0)  # seen: 6e-7
+    assert_logits_match_hf(model, prompts, outputs, rows, atol=1e-5)  # seen: 6e-7
     if setting == "preempting":
         assert llm.scheduler.num_preemptions > 0
     assert llm.block_manager.num_free == llm.block_manager.num_blocks

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from quantkit.runtime import LLM, SamplingParams
-from tests.runtime.helpers import hf_greedy, random_prompts, sharpen
+from tests.runtime.helpers import assert_logits_match_hf, hf_greedy, random_prompts, record_logits, sharpen
 from tests.tiny_models import COMMON, tiny_model
 
 pytestmark = [
@@ -24,8 +24,10 @@ def test_triton_and_cuda_graphs_match_hf_fp32(arch):
     for settings in (dict(num_kv_blocks=64), dict(num_kv_blocks=10, max_num_batched_tokens=32)):
         llm = LLM(model, cuda_graph_max_bs=8, **settings)
         assert llm.runner.backend == "triton" and llm.runner.graphs
+        rows = record_logits(llm)
         outputs = llm.generate(prompts, SamplingParams(max_tokens=24))
         assert [o.completions[0].token_ids for o in outputs] == reference
+        assert_logits_match_hf(model, prompts, outputs, rows, atol=1e-4)
 
 
 def test_graph_replay_equals_eager_bf16():
