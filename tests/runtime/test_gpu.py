@@ -31,13 +31,20 @@ def test_triton_and_cuda_graphs_match_hf_fp32(arch):
 
 
 def test_graph_replay_equals_eager_bf16():
+    """Graph replays give the logits of eager steps (bf16: they may differ in GEMM shape and split count, so a
+    tolerance of a few bf16 ulps of the logits)."""
     model = sharpen(tiny_model("llama", dtype=torch.bfloat16)).cuda()
     prompts = random_prompts([7, 30, 12], VOCAB, seed=2)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    graphed = LLM(model, num_kv_blocks=32).generate(prompts, params)
-    eager = LLM(model, num_kv_blocks=32, enforce_eager=True).generate(prompts, params)
-    agree = [a.completions[0].token_ids == b.completions[0].token_ids for a, b in zip(graphed, eager, strict=True)]
-    assert all(agree)
+    steps = {}
+    for eager in (False, True):
+        llm = LLM(model, num_kv_blocks=32, enforce_eager=eager)
+        assert bool(llm.runner.graphs) != eager
+        rows = record_logits(llm)
+        llm.generate(prompts, params)
+        steps[eager] = [torch.stack(rows[r]) for r in sorted(rows)]
+    for graphed, eager in zip(steps[False], steps[True], strict=True):
+        torch.testing.assert_close(graphed, eager, atol=0.05, rtol=0)
 
 
 def test_cache_sized_from_free_memory():
