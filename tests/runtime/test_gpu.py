@@ -36,15 +36,16 @@ def test_graph_replay_equals_eager_bf16():
     model = sharpen(tiny_model("llama", dtype=torch.bfloat16)).cuda()
     prompts = random_prompts([7, 30, 12], VOCAB, seed=2)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    steps = {}
+    steps, tokens = {}, {}
     for eager in (False, True):
         llm = LLM(model, num_kv_blocks=32, enforce_eager=eager)
         assert bool(llm.runner.graphs) != eager
         rows = record_logits(llm)
-        llm.generate(prompts, params)
+        tokens[eager] = [o.completions[0].token_ids for o in llm.generate(prompts, params)]
         steps[eager] = [torch.stack(rows[r]) for r in sorted(rows)]
-    for graphed, eager in zip(steps[False], steps[True], strict=True):
-        torch.testing.assert_close(graphed, eager, atol=0.05, rtol=0)
+    for graphed, eager, a, b in zip(steps[False], steps[True], tokens[False], tokens[True], strict=True):
+        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))  # a bf16 near-tie
+        torch.testing.assert_close(graphed[: same + 1], eager[: same + 1], atol=0.05, rtol=0)  # may flip a token
 
 
 def test_cache_sized_from_free_memory():
