@@ -49,8 +49,9 @@ DECODE_SWEEP = [  # (block_n, num_warps, num_stages, splits or None = default)
     (64, 4, 3, None),
     (64, 8, 2, None),
     (128, 8, 3, None),
+    (64, 4, 2, 1),
     (64, 4, 2, 2),
-    (64, 4, 2, 4),
+    (64, 4, 2, 6),
 ]
 PREFILL_SWEEP = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 4), (64, 128, 4, 3), (128, 32, 4, 3)]
 SMOKE = {"decode": [(3, 40)], "prefill": [(48, 2)], "hq": 4, "hkv": 2, "d": 32}
