@@ -47,6 +47,7 @@ def check_close(out, q, k_cache, v_cache, table, q_pos, kv_len, scale, window):
     k = gather_context(k_cache, table, 0, kv_len).repeat_interleave(group, dim=1)
     v = gather_context(v_cache, table, 0, kv_len).repeat_interleave(group, dim=1)
     kp = torch.arange(kv_len, device=q.device)[None, :]
+    q_pos = q_pos.to(q.device)
     allowed = kp <= q_pos[:, None]
     if window:
         allowed &= kp > q_pos[:, None] - window
