@@ -29,7 +29,7 @@ from quantkit.algorithms.smoothquant import (
 from quantkit.calib.runner import LayerContext
 from quantkit.calib.stats import StatsCollector
 from quantkit.errors import QuantkitError
-from quantkit.models.fold import BoundGroup, bind_smooth_groups, fold_group
+from quantkit.models.fold import BoundGroup, bind_smooth_groups, column_scales, fold_group
 from quantkit.nn.factory import quantized_module_types
 from quantkit.quant.scheme import QuantScheme
 from quantkit.recipe import Stage
@@ -163,7 +163,8 @@ class SmoothQuantStage:
         zeros = torch.zeros(k, device=ctx.device)
         col_absmax = [stats[c].absmax if c in stats else zeros for c in g.consumers]  # [K] each
         n_channels = int(g.channel_map.max()) + 1 if g.channel_map is not None else k
-        act = to_channels(torch.stack(col_absmax).amax(dim=0), g.channel_map, n_channels)  # [C]
+        col_act = torch.stack(col_absmax).amax(dim=0)  # [K]
+        act = to_channels(col_act, g.channel_map, n_channels)  # [C]
         p = self.params
         info: dict = {"consumers": [ctx.full_name(c) for c in g.consumers]}
         if p.alpha_search:
@@ -189,7 +190,8 @@ class SmoothQuantStage:
             w_absmax = to_channels(weight_absmax([m.weight for m in layer_consumers]), g.channel_map, n_channels)
             alpha, s = p.alpha, smoothing_scales(act, w_absmax, p.alpha)
         fold_group(ctx.layer, g, s, ctx.arch.norm)
-        before, after = outlier_ratio(act), outlier_ratio(act / s)
+        # of the consumers' input columns (under GQA several columns read one channel, each with its own abs-max)
+        before, after = outlier_ratio(col_act), outlier_ratio(col_act / column_scales(s, g.channel_map))
         info.update(
             alpha=alpha,
             outlier_before=None if before is None else round(before, 2),
