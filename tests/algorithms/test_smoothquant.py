@@ -409,3 +409,21 @@ def test_smollm2_w8a8_paths_agree(smollm2):
     assert (integer - simulated).norm() < 2 * floor, ((integer - simulated).norm(), floor)
     kl_sim, kl_int = kl(float_logits, simulated), kl(float_logits, integer)
     assert abs(kl_int - kl_sim) < 0.25 * kl_sim, (kl_sim, kl_int)
+
+
+@pytest.mark.slow
+def test_smollm2_static_checkpoint_reloads_with_equal_logits(smollm2, tmp_path):
+    model, calib = smollm2
+    model = copy.deepcopy(model)
+    ids = calib[:1, :64]
+    quantkit.quantize(model, load_recipe("smoothquant-static"), calib[:2])  # 2 x 128 tokens: static costs 6 passes
+    with torch.no_grad():
+        logits = model(ids).logits
+    out = quantkit.save_quantized(model, tmp_path / "q")
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    layers = quantized_modules(reloaded)
+    assert len(layers) == 7 * 30
+    assert all(m.input_scale is not None and m.weight.dtype == torch.int8 for m in layers.values())
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()  # still tied
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, logits, rtol=0, atol=0)
