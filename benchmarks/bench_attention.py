@@ -7,16 +7,16 @@ a shuffled block pool:
            Minimum bytes = K + V of every context (+ q and out); "% copy" compares the achieved TB/s with the
            device-to-device copy bandwidth measured in the same run (read + write bytes, as in gpu.md).
            Target: >= 70% at batch 64, 4k context. Timed as a CUDA graph (do_bench_cudagraph, median).
-  prefill  quantkit.kernels.flash_prefill.flash_prefill: causal attention of packed sequences read through block
-           tables, against torch SDPA (is_causal, GQA via enable_gqa and via repeated K/V; the faster is the
-           baseline) on the same tensors. FLOPs = 4 * L^2 / 2 * Hq * D per sequence. Target: >= 80% of SDPA.
-           16k tokens per case (L = 1k and 4k). Timed with do_bench (median, L2 flushed).
+  prefill  quantkit.kernels.flash_prefill.flash_prefill: causal attention of packed sequences (first prefills: the
+           chunk's K/V packed, no cached prefix), against torch SDPA (is_causal, GQA via enable_gqa and via repeated
+           K/V; the faster is the baseline) on the same tensors. FLOPs = 4 * L^2 / 2 * Hq * D per sequence.
+           Target: >= 80% of SDPA. 16k tokens per case (L = 1k and 4k). Timed with do_bench (median, L2 flushed).
 
 A small sweep of launch configurations runs for each case; the table reports the default configuration (what the
 runtime uses) and the best one found, so a better default can be committed from one run.
 
   python benchmarks/bench_attention.py            full: ~1-2 minutes on an H200 (mostly Triton compiles)
-  python benchmarks/bench_attention.py --quick    target cases only, default configs only
+  python benchmarks/bench_attention.py --quick    target cases only; decode default config, small prefill sweep
   TRITON_INTERPRET=1 python benchmarks/bench_attention.py --smoke    CPU plumbing check (tiny shapes, wall clock)
 
 Results: JSON + markdown under $OUT if set, else ./bench_out; a short table is printed last.
@@ -53,7 +53,8 @@ DECODE_SWEEP = [  # (block_n, num_warps, num_stages, splits or None = default)
     (64, 4, 2, 2),
     (64, 4, 2, 6),
 ]
-PREFILL_SWEEP = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 4), (64, 128, 4, 3), (128, 32, 4, 3)]
+PREFILL_SWEEP = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 32, 4, 4), (64, 64, 4, 3), (128, 128, 8, 2)]
+PREFILL_QUICK = 4  # configurations of the sweep that --quick runs
 SMOKE = {"decode": [(3, 40)], "prefill": [(48, 2)], "hq": 4, "hkv": 2, "d": 32}
 DTYPE = torch.bfloat16  # fp16 under --smoke: Triton 3.9's interpreter computes bf16 tl.dot wrongly
 
@@ -154,23 +155,26 @@ def run_prefill(cases, hq, hkv, d, sweep, smoke, device, gen, dtype) -> list[dic
         cu = torch.arange(0, (n_seq + 1) * length, length, dtype=torch.int32, device=device)
         ctx = torch.full((n_seq,), length, dtype=torch.int32, device=device)
         scale = d**-0.5
-        out = flash_prefill(q, k, v, tables, cu, ctx, length, scale)
+        # the chunk's K/V packed [n_seq * L, Hkv, D], as the runtime passes them (and stores them in the cache)
+        pos = torch.arange(length, device=device)
+        kp = torch.cat([k[tables[s, pos // PAGE].long(), pos % PAGE] for s in range(n_seq)])
+        vp = torch.cat([v[tables[s, pos // PAGE].long(), pos % PAGE] for s in range(n_seq)])
+        out = flash_prefill(q, kp, vp, k, v, tables, cu, ctx, length, scale)
         check = slice(0, min(length, 256))  # first rows of sequence 0 against the reference
-        ref = flash_prefill_reference(q[:length], k, v, tables[:1], cu[:2], ctx[:1], scale)
+        ref = flash_prefill_reference(q[:length], kp[:length], vp[:length], k, v, tables[:1], cu[:2], ctx[:1], scale)
         err = float((out[check].float() - ref[check].float()).abs().max())
         if err > 3e-2:
             raise AssertionError(f"prefill L={length}: max error {err:.3e} against the reference")
-        # the same K/V contiguous for SDPA: [n_seq, H, L, D]
-        pos = torch.arange(length, device=device)
-        kc = torch.stack([k[tables[s, pos // PAGE].long(), pos % PAGE] for s in range(n_seq)]).transpose(1, 2)
-        vc = torch.stack([v[tables[s, pos // PAGE].long(), pos % PAGE] for s in range(n_seq)]).transpose(1, 2)
+        # the same K/V for SDPA: [n_seq, H, L, D]
+        kc = kp.view(n_seq, length, hkv, d).transpose(1, 2)
+        vc = vp.view(n_seq, length, hkv, d).transpose(1, 2)
         qs = q.view(n_seq, length, hq, d).transpose(1, 2)
         flops = 4 * n_seq * length * length / 2 * hq * d
         base, base_name = sdpa_seconds(qs, kc.contiguous(), vc.contiguous(), smoke)
         rows.append({"kernel": "prefill", "case": f"L={length} x{n_seq}", "config": base_name, "default": False,
                      "us": base * 1e6, "TFLOP/s": flops / base / 1e12, "vs_sdpa": 1.0, "max_err": 0.0})  # fmt: skip
         for bm, bn, warps, stages in sweep:
-            fn = partial(flash_prefill, q, k, v, tables, cu, ctx, length, scale, block_m=bm, block_n=bn,
+            fn = partial(flash_prefill, q, kp, vp, k, v, tables, cu, ctx, length, scale, block_m=bm, block_n=bn,
                          num_warps=warps, num_stages=stages)  # fmt: skip
             sec = bench_config(fn, graph=False, smoke=smoke)
             if sec is None:
@@ -220,7 +224,7 @@ def markdown(meta: dict, rows: list[dict], table: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="target cases, default configurations only")
+    ap.add_argument("--quick", action="store_true", help="target cases; decode default config, 4 prefill configs")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (TRITON_INTERPRET=1), tiny shapes")
     args = ap.parse_args()
     if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
@@ -234,7 +238,7 @@ def main() -> None:
     decode_cases = SMOKE["decode"] if args.smoke else [DECODE_CASES[0]] if args.quick else DECODE_CASES
     prefill_cases = SMOKE["prefill"] if args.smoke else PREFILL_CASES
     decode_sweep = DECODE_SWEEP[:1] if args.quick or args.smoke else DECODE_SWEEP
-    prefill_sweep = PREFILL_SWEEP[:1] if args.quick or args.smoke else PREFILL_SWEEP
+    prefill_sweep = PREFILL_SWEEP[:1] if args.smoke else PREFILL_SWEEP[:PREFILL_QUICK] if args.quick else PREFILL_SWEEP
 
     start = time.perf_counter()
     copy_bw = copy_bandwidth(device, args.smoke)

@@ -1,8 +1,9 @@
 """Attention over the paged KV cache for one mixed step: decodes first, then prefill chunks, packed on one axis.
 
 The step's tokens are ``[decode_0 .. decode_{D-1}, chunk_0 tokens, chunk_1 tokens, ...]``. Every token's K/V are
-written into the cache first; decodes (one query each) then use the flash-decoding kernel and chunks the
-FlashAttention-style prefill kernel, both reading K/V through block tables. The ``torch`` backend runs the plain
+written into the cache first; decodes (one query each) then use the flash-decoding kernel over block tables, and
+chunks the FlashAttention-style prefill kernel, which reads the chunk's own K/V from the packed ``k`` / ``v`` and
+only the cached prefix through block tables. The ``torch`` backend runs the plain
 PyTorch references of the same kernels (CPU, tests).
 """
 
@@ -61,12 +62,9 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
             parts.append(decode_kernels.paged_decode_reference(*args))
     if meta.has_prefill:
         bt, cu, ctx = meta.prefill_block_tables, meta.prefill_cu_seqlens, meta.prefill_context_lens
+        args = (q[nd:], k[nd:], v[nd:], k_cache, v_cache, bt, cu, ctx)
         if triton:
-            parts.append(
-                prefill_kernels.flash_prefill(
-                    q[nd:], k_cache, v_cache, bt, cu, ctx, meta.max_prefill_len, scale, window
-                )
-            )
+            parts.append(prefill_kernels.flash_prefill(*args, meta.max_prefill_len, scale, window))
         else:
-            parts.append(prefill_kernels.flash_prefill_reference(q[nd:], k_cache, v_cache, bt, cu, ctx, scale, window))
+            parts.append(prefill_kernels.flash_prefill_reference(*args, scale, window))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

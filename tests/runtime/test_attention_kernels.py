@@ -41,11 +41,11 @@ def plain_attention(q, k, v, scale, allowed, dtype):
     return torch.einsum("hml,lhd->mhd", s.softmax(-1), v)
 
 
-def check_close(out, q, k_cache, v_cache, table, q_pos, kv_len, scale, window):
-    """Compare rows ``out`` (queries at positions ``q_pos``) of one sequence against float64 and fp16 torch."""
-    group = q.shape[1] // k_cache.shape[2]
-    k = gather_context(k_cache, table, 0, kv_len).repeat_interleave(group, dim=1)
-    v = gather_context(v_cache, table, 0, kv_len).repeat_interleave(group, dim=1)
+def check_close(out, q, k, v, q_pos, kv_len, scale, window):
+    """Compare rows ``out`` (queries at positions ``q_pos``) of one sequence, whose keys / values are ``k`` / ``v``
+    [kv_len, Hkv, D], against float64 and fp16 torch."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     kp = torch.arange(kv_len, device=q.device)[None, :]
     q_pos = q_pos.to(q.device)
     allowed = kp <= q_pos[:, None]
@@ -91,7 +91,8 @@ def test_paged_decode(page, hkv, group, d, splits, window):
     scale = d**-0.5
     out = paged_decode(q, k_cache, v_cache, tables, ctx, scale, window=window, num_splits=splits)
     for b, n in enumerate(lens):
-        check_close(out[b : b + 1], q[b : b + 1], k_cache, v_cache, tables[b], torch.tensor([n - 1]), n, scale, window)
+        k, v = gather_context(k_cache, tables[b], 0, n), gather_context(v_cache, tables[b], 0, n)
+        check_close(out[b : b + 1], q[b : b + 1], k, v, torch.tensor([n - 1]), n, scale, window)
     ref = paged_decode_reference(q, k_cache, v_cache, tables, ctx, scale, window)
     torch.testing.assert_close(out, ref, atol=2e-3, rtol=0)
 
@@ -104,22 +105,40 @@ PREFILL_CASES = [  # (page, kv heads, group, head dim, window): chunks with and 
 ]
 
 
-@pytest.mark.parametrize("page,hkv,group,d,window", PREFILL_CASES)
-def test_flash_prefill_chunks_against_paged_context(page, hkv, group, d, window):
-    gen = torch.Generator().manual_seed(page * hkv + group + d + window)
-    q_lens = [1, 37, 20, 5]
-    prefix = [0, 30, 0, 3]  # tokens already in the cache before the chunk
+def check_prefill(q_lens, prefix, page, hkv, group, d, window, seed, **launch):
+    """Chunks of ``q_lens`` queries after ``prefix`` cached tokens: the chunk's K/V come packed, and their cache
+    slots hold NaN, so the kernel must read the chunk from the packed tensors and only the prefix from the cache."""
+    gen = torch.Generator().manual_seed(seed)
     kv_lens = [a + b for a, b in zip(q_lens, prefix, strict=True)]
     k_cache, v_cache, tables = paged_cache(kv_lens, page, hkv, d, gen)
-    hq = hkv * group
-    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(DTYPE).to(DEVICE)
+    full_k = [gather_context(k_cache, tables[n], 0, kl).clone() for n, kl in enumerate(kv_lens)]
+    full_v = [gather_context(v_cache, tables[n], 0, kl).clone() for n, kl in enumerate(kv_lens)]
+    k = torch.cat([fk[p:] for fk, p in zip(full_k, prefix, strict=True)])
+    v = torch.cat([fv[p:] for fv, p in zip(full_v, prefix, strict=True)])
+    for n, (p, kl) in enumerate(zip(prefix, kv_lens, strict=True)):
+        pos = torch.arange(p, kl, device=DEVICE)
+        slots = tables[n, pos // page].long() * page + pos % page
+        k_cache.view(-1, hkv, d)[slots] = float("nan")
+        v_cache.view(-1, hkv, d)[slots] = float("nan")
+    q = torch.randn(sum(q_lens), hkv * group, d, generator=gen).to(DTYPE).to(DEVICE)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     ctx = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
     scale = d**-0.5
-    out = flash_prefill(q, k_cache, v_cache, tables, cu, ctx, max(q_lens), scale, window=window)
+    out = flash_prefill(q, k, v, k_cache, v_cache, tables, cu, ctx, max(q_lens), scale, window=window, **launch)
     for n, (ql, kl) in enumerate(zip(q_lens, kv_lens, strict=True)):
         rows = slice(int(cu[n]), int(cu[n + 1]))
         q_pos = torch.arange(kl - ql, kl, device=DEVICE)
-        check_close(out[rows], q[rows], k_cache, v_cache, tables[n], q_pos, kl, scale, window)
-    ref = flash_prefill_reference(q, k_cache, v_cache, tables, cu, ctx, scale, window)
+        check_close(out[rows], q[rows], full_k[n], full_v[n], q_pos, kl, scale, window)
+    ref = flash_prefill_reference(q, k, v, k_cache, v_cache, tables, cu, ctx, scale, window)
     torch.testing.assert_close(out, ref, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("page,hkv,group,d,window", PREFILL_CASES)
+def test_flash_prefill_chunks_against_paged_context(page, hkv, group, d, window):
+    check_prefill([1, 37, 20, 5], [0, 30, 0, 3], page, hkv, group, d, window, seed=page * hkv + group + d + window)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(32, 16), (16, 32)])
+def test_flash_prefill_tile_shapes(block_m, block_n):
+    """Tiles taller or wider than a page and than the diagonal step: full, diagonal and prefix tiles all occur."""
+    check_prefill([70, 9], [21, 40], 16, 2, 2, 32, 0, seed=block_m + block_n, block_m=block_m, block_n=block_n)
