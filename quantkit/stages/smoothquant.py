@@ -74,7 +74,7 @@ class SmoothQuantParams:
 
 
 class _InputSampler:
-    """Forward pre-hooks keeping a random subset of each module's input rows (about ``keep`` of every ``total``)."""
+    """Forward pre-hooks keeping a random ``fraction`` of the input rows of each call of each module."""
 
     def __init__(self, modules: dict[str, nn.Module], fraction: float, seed: int) -> None:
         self.modules = modules
