@@ -3,6 +3,7 @@
     python benchmarks/bench_awq.py                 # 8 decoder layers, 128 x 512 random-id calibration, w4 g128 asym
     python benchmarks/bench_awq.py --layers 32     # the whole 8B stack (about 4 s per layer expected on an H200)
     python benchmarks/bench_awq.py --smoke         # CPU plumbing check: tiny shapes, numbers meaningless
+    python benchmarks/bench_awq.py --cpu-smollm2 --threads 1   # the real SmolLM2-135M (fp32) on CPU, Brown windows
 
 The model is built on the meta device and materialised on the CPU in bf16 (weights ~ N(0, 0.02) drawn on the GPU,
 one tensor at a time; norms 1), as a real checkpoint would sit in host memory. ``quantkit.quantize`` with a recipe
@@ -75,9 +76,14 @@ def main() -> None:
     ap.add_argument("--sym", action="store_true", help="symmetric grid (default asymmetric, as AWQ checkpoints)")
     ap.add_argument("--grid", type=int, default=20)
     ap.add_argument("--no-clip", dest="clip", action="store_false")
+    ap.add_argument("--search-samples", type=int, default=None, help="windows the scale objective runs on (all)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, not speed")
+    ap.add_argument("--cpu-smollm2", action="store_true", help="time SmolLM2-135M (real weights, Brown text) on CPU")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave the default)")
     ap.add_argument("--out", type=Path, default=os.environ.get("OUT"), help="folder for bench_awq.json ($OUT)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     import transformers
 
@@ -87,6 +93,8 @@ def main() -> None:
     if args.smoke:
         device, shapes = torch.device("cpu"), SMOKE
         args.nsamples, args.seqlen = min(args.nsamples, 8), min(args.seqlen, 64)
+    elif args.cpu_smollm2:
+        device, shapes = torch.device("cpu"), None
     elif torch.cuda.is_available():
         device, shapes = torch.device("cuda"), LLAMA3_8B
     else:
@@ -97,14 +105,27 @@ def main() -> None:
             "name": "bench-awq",
             "scheme": scheme,
             "calibration": {"nsamples": args.nsamples, "seqlen": args.seqlen, "batch_size": args.batch_size},
-            "stages": [{"method": "awq", "params": {"grid": args.grid, "clip": args.clip}}],
+            "stages": [
+                {
+                    "method": "awq",
+                    "params": {"grid": args.grid, "clip": args.clip, "search_samples": args.search_samples},
+                }
+            ],
         },
         "bench recipe",
     )
     t0 = time.perf_counter()
-    model = build(shapes, args.layers, device)
+    if args.cpu_smollm2:
+        from quantkit.calib.data import calibration_windows
+
+        model, tokenizer, _ = quantkit.load_model("smollm2-135m")
+        args.layers = model.config.num_hidden_layers
+        calib, calibration = calibration_windows(tokenizer, "brown", args.nsamples, args.seqlen)
+    else:
+        model = build(shapes, args.layers, device)
+        calib = torch.randint(0, shapes["vocab_size"], (args.nsamples, args.seqlen), generator=torch.Generator())
+        calibration = {"source": "random ids", "nsamples": args.nsamples, "seqlen": args.seqlen}
     build_seconds = time.perf_counter() - t0
-    calib = torch.randint(0, shapes["vocab_size"], (args.nsamples, args.seqlen), generator=torch.Generator())
     print(f"built {args.layers} layers in {build_seconds:.1f} s; AWQ search on {args.nsamples} x {args.seqlen} tokens")
 
     per_layer: list[float] = []
@@ -128,10 +149,13 @@ def main() -> None:
     report = result.layers.values()
     median = statistics.median(per_layer)
     info = {
-        "model": "Llama-3-8B shapes, random bf16 weights" if not args.smoke else "smoke: tiny Llama shapes",
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "model": "smollm2-135m (fp32)"
+        if args.cpu_smollm2
+        else ("smoke: tiny Llama shapes" if args.smoke else "Llama-3-8B shapes, random bf16 weights"),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads",
         "decoder_layers": args.layers,
-        "calibration": {"source": "random ids", "nsamples": args.nsamples, "seqlen": args.seqlen},
+        "calibration": calibration,
+        "search_samples": args.search_samples,
         "scheme": scheme,
         "grid": args.grid,
         "clip": args.clip,
@@ -139,15 +163,18 @@ def main() -> None:
         "search_seconds": round(wall, 2),
         "seconds_per_layer_median": round(median, 3),
         "seconds_per_layer_max": round(max(per_layer), 3),
-        "extrapolated_32_layers_seconds": round(wall + (32 - args.layers) * median, 1),
+        "extrapolated_32_layers_seconds": None
+        if args.cpu_smollm2
+        else round(wall + max(32 - args.layers, 0) * median, 1),
         "linears_scaled_per_layer": sum(r.get("awq_ratio") is not None for r in report) / args.layers,
         "linears_clipped_per_layer": sum("awq_clip_mean_ratio" in r for r in report) / args.layers,
         "peak_gpu_bytes": peak,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
+    extrapolated = info["extrapolated_32_layers_seconds"]
     print(
-        f"AWQ search: {wall:.1f} s for {args.layers} layers ({median:.2f} s/layer median, "
-        f"~{info['extrapolated_32_layers_seconds']:.0f} s for 32 layers)"
+        f"AWQ search: {wall:.1f} s for {args.layers} layers ({median:.2f} s/layer median"
+        + (f", ~{extrapolated:.0f} s for 32 layers)" if extrapolated is not None else ")")
         + (f", peak GPU memory {peak / 2**30:.2f} GiB" if peak is not None else "")
     )
     if args.out:
