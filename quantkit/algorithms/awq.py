@@ -3,9 +3,10 @@
 A producer P (a norm or a linear) computes the activations x that enter the consumer linears W. For any positive
 per-channel s, ``W x = (W diag(s)) (diag(s)^-1 x)``: dividing P's output channel j by s_j and multiplying column j
 of every consumer by s_j leaves the float model unchanged, while channels with large mean |x| get finer relative
-quantization steps. The paper searches s = mean|x|^a / mean|w|^(1-a) (or mean|x|^a) on a grid of a in [0, 1)
-for the value that minimises the error of the block output computed with fake-quantized consumers (Sec. 3.2).
-A second search shrinks each group's clipping range (Sec. 3.3 of the paper's released code).
+quantization steps. The paper searches s = mean|x|^a on a grid of a in [0, 1) for the value that minimises the
+error of the block output computed with fake-quantized consumers (Sec. 3.2); its released code also
+offers s = mean|x|^a / mean|w|^(1-a) ("duo scaling", the default here). A second search from the released code
+shrinks each group's clipping range to minimise that group's share of the output error.
 
 Search and apply are separate, as in the reference implementation: :func:`search_scales` and :func:`search_clip`
 return plain tensors; :func:`quantkit.models.fold.fold_scales` and :func:`clip_weight` replay them;
