@@ -118,6 +118,7 @@ class BlockManager:
         for block in hits:
             self._take(block)
         seq.block_table = list(hits)
+        seq.table_version += 1
         seq.num_computed_tokens = len(hits) * self.block_size
         self.append(seq, num_new)
 
@@ -133,6 +134,7 @@ class BlockManager:
             self.used_slots += self.filled[dst]
             self._release(src)
             seq.block_table[i] = dst
+            seq.table_version += 1
             copies.append((src, dst))
         while len(seq.block_table) * self.block_size < seq.num_computed_tokens + num_new:
             seq.block_table.append(self._new_block())
@@ -142,12 +144,14 @@ class BlockManager:
         for block in parent.block_table:
             self._take(block)
         child.block_table = list(parent.block_table)
+        child.table_version += 1
 
     def free_seq(self, seq: Sequence) -> None:
         """Drop the sequence's references, tail first (so its tail is evicted from the prefix cache first)."""
         for block in reversed(seq.block_table):
             self._release(block)
         seq.block_table = []
+        seq.table_version += 1
         seq.num_computed_tokens = 0
 
     def commit(self, seq: Sequence, start: int) -> None:

@@ -142,18 +142,29 @@ class LLM:
         logits = self.runner.run(batch)
         self.scheduler.commit(batch)
         seqs, rows = self._split_forks(batch.sampled)
-        tokens = sample(logits[rows], [s.params for s in seqs], [self._generator_for(s) for s in seqs])
+        if rows is not None:
+            logits = logits[rows]
+        if all(s.params.greedy for s in seqs):
+            tokens = logits.argmax(-1).tolist()  # on the device; the step's one device-to-host copy
+        else:
+            tokens = sample(logits, [s.params for s in seqs], [self._generator_for(s) for s in seqs])
+        finished = False
         for seq, token in zip(seqs, tokens, strict=True):
-            self._append(seq, token)
+            finished |= self._append(seq, token)
         allocated, used = self.block_manager.kv_usage()
         self.stats.allocated_slots += allocated
         self.stats.used_slots += used
-        self.scheduler.drop_finished()
+        if finished:
+            self.scheduler.drop_finished()
         self.stats.steps += 1
         self.stats.output_tokens += len(seqs)
         return list(zip(seqs, tokens, strict=True))
 
-    def _split_forks(self, sampled: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+    def _split_forks(self, sampled: list[Sequence]) -> tuple[list[Sequence], list[int] | None]:
+        """The sampled sequences with the first-time forks of n > 1 requests, and the logits row of each (None:
+        one row per sampled sequence, in order)."""
+        if not any(s.pending_forks for s in sampled):
+            return sampled, None
         seqs, rows = [], []
         for row, seq in enumerate(sampled):
             children = [seq.fork(next(self._seq_ids), i + 1) for i in range(seq.pending_forks)]
@@ -164,7 +175,8 @@ class LLM:
             rows += [row] * (1 + len(children))
         return seqs, rows
 
-    def _append(self, seq: Sequence, token: int) -> None:
+    def _append(self, seq: Sequence, token: int) -> bool:
+        """Add a sampled token; returns whether the sequence finished."""
         seq.token_ids.append(token)
         p = seq.params
         if token in p.stop_token_ids:
@@ -173,8 +185,10 @@ class LLM:
             seq.finish_reason = "eos"
         elif seq.num_output_tokens >= p.max_tokens:
             seq.finish_reason = "length"
-        if seq.finish_reason is not None:
-            seq.status = Status.FINISHED
+        if seq.finish_reason is None:
+            return False
+        seq.status = Status.FINISHED
+        return True
 
     # -- front ends ------------------------------------------------------------------------------------------------
 

@@ -3,46 +3,29 @@
 KV cache: one tensor [layers, 2, num_blocks, block_size, Hkv, D]; on CUDA the number of blocks is what fits in
 ``gpu_memory_utilization`` of the device after the weights and the activations of a profiling step of
 ``max_num_batched_tokens`` tokens. Pure-decode steps of up to ``cuda_graph_max_bs`` sequences replay a CUDA graph
-captured for the next batch-size bucket (1, 2, 4, 8, then multiples of 16), padded rows writing nowhere.
+captured for the next batch-size bucket (1, 2, 4, 8, then multiples of 16), padded rows writing nowhere. A step's
+integer inputs reach the device in two host-to-device copies (``runtime.inputs``); the only device-to-host copy of
+a step is the engine's read of the sampled tokens.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.kernels.paged_attention import default_num_splits
 from quantkit.runtime.attention import AttentionMetadata
 from quantkit.runtime.config import EngineConfig
+from quantkit.runtime.inputs import StepInputs, StepLayout
 from quantkit.runtime.model import CausalLM
+from quantkit.runtime.sampling_params import SamplingParams
 from quantkit.runtime.scheduler import ScheduledBatch
+from quantkit.runtime.sequence import Sequence
 
 GRAPH_MEMORY_RESERVE = 1 << 30  # bytes kept free for CUDA-graph pools and allocator slack
-
-
-@dataclass
-class HostBatch:
-    """A step's inputs on the host, decodes first (``num_decodes`` of them), then prefill chunks."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    num_decodes: int
-    tables: list[list[int]]  # block table of each scheduled sequence, in packed order
-    context_lens: list[int]
-    cu_seqlens: list[int]  # over the prefill chunks
-    sample_rows: list[int]  # packed row of the last token of each ``batch.sampled`` sequence
-
-
-def pad_tables(tables: list[list[int]], width: int | None = None) -> np.ndarray:
-    out = np.zeros((len(tables), width or max(map(len, tables), default=1)), dtype=np.int32)
-    for i, t in enumerate(tables):
-        out[i, : len(t)] = t
-    return out
+_PROFILE_PARAMS = SamplingParams(max_tokens=1)
 
 
 class ModelRunner:
@@ -60,6 +43,9 @@ class ModelRunner:
         block_bytes = 2 * cfg.num_hidden_layers * self.block_size * self.num_kv_heads * self.head_dim
         block_bytes *= torch.empty(0, dtype=model.dtype).element_size()
         self.block_bytes = block_bytes
+        self.table_width = -(-max_model_len // self.block_size)
+        self.inputs = StepInputs(self.block_size, self.table_width, pin=device.type == "cuda")
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None  # recorded after the input copies
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         self.kv = self._empty_cache(self.num_blocks)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_hidden_layers)]
@@ -85,47 +71,46 @@ class ModelRunner:
         captured graph stays valid and eager steps split the way a graph of that size does."""
         return default_num_splits(num_decodes, self.num_kv_heads, self.max_model_len)
 
-    # -- packing -------------------------------------------------------------------------------------------------
+    # -- inputs ----------------------------------------------------------------------------------------------------
 
-    def pack(self, batch: ScheduledBatch) -> HostBatch:
-        bs = self.block_size
-        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new[i] != 1)  # decodes first, stable
-        ids, pos, slots, tables, ctx, cu, last_row = [], [], [], [], [], [0], {}
-        num_decodes = 0
-        for i in order:
-            seq, n = batch.seqs[i], batch.num_new[i]
-            start, table = seq.num_computed_tokens, seq.block_table
-            ids += seq.token_ids[start : start + n]
-            pos += range(start, start + n)
-            if n == 1:
-                num_decodes += 1
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                p = np.arange(start, start + n)
-                slots += (np.asarray(table)[p // bs] * bs + p % bs).tolist()
-                cu.append(cu[-1] + n)
-            tables.append(table)
-            ctx.append(start + n)
-            last_row[seq.seq_id] = len(ids) - 1
-        rows = [last_row[s.seq_id] for s in batch.sampled]
-        return HostBatch(ids, pos, slots, num_decodes, tables, ctx, cu, rows)
+    def _write(self, batch: ScheduledBatch, graph_rows: int | None = None) -> StepLayout:
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies are done reading the host buffers
+        return self.inputs.write(batch, graph_rows)
 
-    def _tensor(self, data, dtype) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(data), dtype=dtype).to(self.device, non_blocking=True)
+    def _to_device(self, layout: StepLayout, flat_dst: torch.Tensor | None, tables_dst: torch.Tensor | None):
+        """Copy the step's host buffers to the device (into the given buffers, else into new tensors)."""
+        host_flat = self.inputs.flat.tensor[: layout.size]
+        host_tables = self.inputs.tables.buf.tensor[: layout.num_seqs]
+        if flat_dst is None:
+            flat = host_flat.to(self.device, non_blocking=True)
+            tables = host_tables.to(self.device, non_blocking=True)
+        else:
+            flat, tables = flat_dst, tables_dst
+            flat[: layout.size].copy_(host_flat, non_blocking=True)
+            tables[: layout.num_seqs].copy_(host_tables, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        return flat, tables
 
-    def metadata(self, hb: HostBatch) -> AttentionMetadata:
-        nd = hb.num_decodes
-        meta = AttentionMetadata(slot_mapping=self._tensor(hb.slots, torch.int64), num_decodes=nd, backend=self.backend)
+    def metadata(self, layout: StepLayout, flat: torch.Tensor, tables: torch.Tensor) -> AttentionMetadata:
+        def part(name):
+            a, b = layout.offsets[name]
+            return flat[a:b]
+
+        nd, n = layout.num_decodes, layout.num_seqs
+        ctx = part("ctx")
+        meta = AttentionMetadata(slot_mapping=part("slots"), num_decodes=nd, backend=self.backend)
         if nd:
-            meta.decode_block_tables = self._tensor(pad_tables(hb.tables[:nd]), torch.int32)
-            meta.decode_context_lens = self._tensor(hb.context_lens[:nd], torch.int32)
-            meta.max_decode_context = max(hb.context_lens[:nd])
+            meta.decode_block_tables = tables[:nd]
+            meta.decode_context_lens = ctx[:nd]
+            meta.max_decode_context = layout.max_decode_context
             meta.decode_num_splits = self.num_splits(nd)
-        if len(hb.tables) > nd:
-            meta.prefill_block_tables = self._tensor(pad_tables(hb.tables[nd:]), torch.int32)
-            meta.prefill_context_lens = self._tensor(hb.context_lens[nd:], torch.int32)
-            meta.prefill_cu_seqlens = self._tensor(hb.cu_seqlens, torch.int32)
-            meta.max_prefill_len = max(b - a for a, b in zip(hb.cu_seqlens, hb.cu_seqlens[1:], strict=False))
+        if n > nd:
+            meta.prefill_block_tables = tables[nd:n]
+            meta.prefill_context_lens = ctx[nd:n]
+            meta.prefill_cu_seqlens = part("cu")
+            meta.max_prefill_len = layout.max_prefill_len
         return meta
 
     # -- running ---------------------------------------------------------------------------------------------------
@@ -134,18 +119,25 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Execute one step; returns fp32 logits [len(batch.sampled), vocab]."""
         if batch.copies:
-            src, dst = (self._tensor(x, torch.int64) for x in zip(*batch.copies, strict=True))
+            src, dst = (torch.tensor(x, device=self.device) for x in zip(*batch.copies, strict=True))
             self.kv[:, :, dst] = self.kv[:, :, src]
-        hb = self.pack(batch)
-        n = len(hb.input_ids)
-        bucket = next((b for b in self.graphs if b >= n), None) if hb.num_decodes == n else None
+        n = batch.num_tokens
+        bucket = None
+        if len(batch.seqs) == n:  # one token per sequence: every one is a decode
+            bucket = next((b for b in self.graphs if b >= n), None)
+        layout = self._write(batch, graph_rows=bucket)
         if bucket is not None:
-            hidden = self._replay(hb, bucket)
+            flat, _ = self._to_device(layout, self.static["flat"], self.static["tables"])
+            graph, out = self.graphs[bucket]
+            graph.replay()
+            hidden = out[:n]
         else:
-            ids, pos = self._tensor(hb.input_ids, torch.int64), self._tensor(hb.positions, torch.int64)
-            hidden = self.model(ids, pos, self.metadata(hb), self.kv_caches)
-        if hb.sample_rows != list(range(n)):  # a pure decode step samples every row: no gather needed
-            hidden = hidden[self._tensor(hb.sample_rows, torch.int64)]
+            flat, tables = self._to_device(layout, None, None)
+            ids, pos = (flat[a:b] for a, b in (layout.offsets["ids"], layout.offsets["pos"]))
+            hidden = self.model(ids, pos, self.metadata(layout, flat, tables), self.kv_caches)
+        if layout.sample_rows is not None:
+            a, b = layout.offsets["sample"]
+            hidden = hidden[flat[a:b]]
         return self.model.logits(hidden).float()
 
     # -- CUDA graphs -----------------------------------------------------------------------------------------------
@@ -155,28 +147,27 @@ class ModelRunner:
         return sorted({b for b in (1, 2, 4, 8, *range(16, max_bs + 16, 16)) if b <= max_bs} | {max_bs})
 
     def alloc_static(self, max_bs: int) -> None:
-        """The fixed input buffers that captured decode steps read (padding rows: slot -1, context 0)."""
-        width, dev = -(-self.max_model_len // self.block_size), self.device
+        """The fixed device buffers that captured decode steps read: the flat inputs laid out for ``max_bs`` rows (a
+        graph of b rows reads the layout for b rows at the start of it) and ``max_bs`` block-table rows."""
         self.static = {
-            "ids": torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            "pos": torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            "slots": torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
-            "ctx": torch.zeros(max_bs, dtype=torch.int32, device=dev),
-            "tables": torch.zeros(max_bs, width, dtype=torch.int32, device=dev),
+            "flat": torch.zeros(5 * max_bs, dtype=torch.int32, device=self.device),
+            "tables": torch.zeros(max_bs, self.table_width, dtype=torch.int32, device=self.device),
         }
 
     def static_forward(self, b: int):
         """The decode step of ``b`` rows over the static buffers, as a callable (what a graph captures)."""
-        s = self.static
+        flat = self.static["flat"]
         meta = AttentionMetadata(
-            slot_mapping=s["slots"][:b],
+            slot_mapping=flat[2 * b : 3 * b],
             num_decodes=b,
-            decode_block_tables=s["tables"][:b],
-            decode_context_lens=s["ctx"][:b],
+            decode_block_tables=self.static["tables"][:b],
+            decode_context_lens=flat[3 * b : 4 * b],
             decode_num_splits=self.num_splits(b),
             backend=self.backend,
         )
-        return lambda: self.model(s["ids"][:b], s["pos"][:b], meta, self.kv_caches)
+        flat[: 4 * b] = 0
+        flat[2 * b : 3 * b] = -1  # until the first replay's inputs arrive: a warm-up or capture run writes nothing
+        return lambda: self.model(flat[:b], flat[b : 2 * b], meta, self.kv_caches)
 
     def _capture_graphs(self) -> None:
         sizes = self.graph_sizes()
@@ -193,22 +184,6 @@ class ModelRunner:
                 self.graphs[b] = (graph, out)
         self.graphs = dict(sorted(self.graphs.items()))
         torch.cuda.synchronize()
-
-    def _replay(self, hb: HostBatch, bucket: int) -> torch.Tensor:
-        n, s = len(hb.input_ids), self.static
-        tables = pad_tables(hb.tables)
-        host = np.concatenate([hb.input_ids, hb.positions, hb.slots, hb.context_lens, tables.ravel()])
-        dev = self._tensor(host, torch.int64)  # one host-to-device copy per step
-        s["ids"][:n] = dev[:n]
-        s["pos"][:n] = dev[n : 2 * n]
-        s["slots"][:n] = dev[2 * n : 3 * n]
-        s["slots"][n:bucket] = -1
-        s["ctx"][:n] = dev[3 * n : 4 * n]
-        s["ctx"][n:bucket] = 0
-        s["tables"][:n, : tables.shape[1]] = dev[4 * n :].view(n, tables.shape[1])
-        graph, out = self.graphs[bucket]
-        graph.replay()
-        return out[:n]
 
     # -- sizing the cache ------------------------------------------------------------------------------------------
 
@@ -243,14 +218,15 @@ class ModelRunner:
         kv = self._empty_cache(n_seq * pages)
         kv_bytes = torch.cuda.memory_allocated() - base
         caches = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
-        lens = [min(seq_len, total - i * seq_len) for i in range(n_seq)]
-        tables = [list(range(i * pages, (i + 1) * pages)) for i in range(n_seq)]
-        positions = [p for n in lens for p in range(n)]
-        slots = [i * pages * self.block_size + p for i, n in enumerate(lens) for p in range(n)]  # tables are contiguous
-        cu = [0, *np.cumsum(lens).tolist()]
-        hb = HostBatch([0] * len(positions), positions, slots, 0, tables, lens, cu, [])
-        ids, pos = self._tensor(hb.input_ids, torch.int64), self._tensor(hb.positions, torch.int64)
-        hidden = self.model(ids, pos, self.metadata(hb), caches)
+        batch = ScheduledBatch()
+        for i in range(n_seq):
+            seq = Sequence(-1 - i, -1, [0] * min(seq_len, total - i * seq_len), _PROFILE_PARAMS)
+            seq.block_table = list(range(i * pages, (i + 1) * pages))
+            batch.add(seq, seq.num_tokens, [])
+        layout = self._write(batch)
+        flat, tables = self._to_device(layout, None, None)
+        ids, pos = (flat[a:b] for a, b in (layout.offsets["ids"], layout.offsets["pos"]))
+        hidden = self.model(ids, pos, self.metadata(layout, flat, tables), caches)
         self.model.logits(hidden[-1:].expand(self.config.max_num_seqs, -1)).float()
         torch.cuda.synchronize()
         activations = torch.cuda.max_memory_allocated() - base - kv_bytes

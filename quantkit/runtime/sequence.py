@@ -17,7 +17,9 @@ class Status(Enum):
 
 class Sequence:
     """``token_ids`` = prompt + output. The first ``num_computed_tokens`` have K/V in the cache, in the blocks of
-    ``block_table`` (block i holds positions i*P .. i*P + P - 1). ``pending_forks`` completions of an n > 1 request
+    ``block_table`` (block i holds positions i*P .. i*P + P - 1); ``table_version`` changes whenever entries of the
+    table are replaced (not when blocks are appended), so copies of it can be extended instead of rebuilt.
+    ``pending_forks`` completions of an n > 1 request
     are split off when this sequence samples its first token; ``index`` numbers the completions of a request."""
 
     def __init__(self, seq_id: int, request_id: int, prompt: list[int], params: SamplingParams, index: int = 0):
@@ -29,6 +31,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.table_version = 0
         self.block_keys: list[bytes] = []  # prefix hash of each full block of token_ids (computed lazily)
         self.status = Status.WAITING
         self.finish_reason: str | None = None

@@ -1,0 +1,159 @@
+"""A step's integer inputs, written on the host into buffers kept between steps and copied to the device at once.
+
+Two host buffers (pinned on CUDA, so the copies are asynchronous DMA):
+
+- ``BlockTableRows`` [rows, width] int32: the block table of every scheduled sequence, in packed order. A row that
+  holds the same sequence (same ``table_version``) as in the previous step only gets its appended entries, so a
+  decode step writes one entry per sequence every ``block_size`` tokens instead of rebuilding every table.
+- a flat int32 buffer, laid out ``[ids T | positions T | slots T | context lens N | cu_seqlens P + 1 | sample rows S]``
+  for an eager step (T tokens, N sequences, P prefill chunks, S sampled rows), or ``[ids B | positions B | slots B |
+  context lens B | sample rows S]`` for a decode step replayed from the CUDA graph of B rows (rows past the batch:
+  slot -1, context 0, so they write and read nothing). Sample rows are written only when they are not simply every
+  row in order.
+
+A step therefore costs two host-to-device copies, and no device-to-host copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from quantkit.runtime.scheduler import ScheduledBatch
+from quantkit.runtime.sequence import Sequence
+
+
+class HostBuffer:
+    """A growable 1-D host tensor (pinned when ``pin``) with a numpy view of the same memory."""
+
+    def __init__(self, shape: tuple[int, ...], pin: bool):
+        self.pin = pin
+        self.tensor = torch.zeros(shape, dtype=torch.int32, pin_memory=pin)
+        self.array = self.tensor.numpy()
+
+    def reserve(self, rows: int) -> None:
+        """At least ``rows`` entries along the first axis, keeping the contents."""
+        if rows > self.tensor.shape[0]:
+            old = self.tensor
+            self.tensor = torch.zeros((max(rows, 2 * old.shape[0]), *old.shape[1:]), dtype=torch.int32,
+                                      pin_memory=self.pin)  # fmt: skip
+            self.tensor[: old.shape[0]] = old
+            self.array = self.tensor.numpy()
+
+
+class BlockTableRows:
+    """Host block-table rows of the scheduled sequences, extended in place from one step to the next."""
+
+    def __init__(self, width: int, pin: bool):
+        self.width = width
+        self.buf = HostBuffer((16, width), pin)
+        self.keys: list[tuple[int, int] | None] = []  # (seq_id, table_version) each row holds
+        self.lens: list[int] = []  # entries of the row that are up to date
+
+    def fill(self, seqs: list[Sequence]) -> np.ndarray:
+        """Rows ``0 .. len(seqs)-1`` = the sequences' block tables (entries past a table's length are stale)."""
+        self.buf.reserve(len(seqs))
+        if len(self.keys) < len(seqs):
+            self.keys += [None] * (len(seqs) - len(self.keys))
+            self.lens += [0] * (len(seqs) - len(self.lens))
+        rows, keys, lens = self.buf.array, self.keys, self.lens
+        for i, seq in enumerate(seqs):
+            table, key = seq.block_table, (seq.seq_id, seq.table_version)
+            start = lens[i] if keys[i] == key else 0
+            if len(table) > start:
+                rows[i, start : len(table)] = table[start:]
+            keys[i], lens[i] = key, len(table)
+        return rows
+
+
+@dataclass
+class StepLayout:
+    """What was written for one step: sizes, where each part lies in the flat buffer, and host-side bounds."""
+
+    num_tokens: int
+    num_decodes: int
+    num_seqs: int
+    rows: int  # padded row count of a graph replay (= num_tokens for an eager step)
+    offsets: dict[str, tuple[int, int]]  # part -> (start, end) in the flat buffer
+    size: int  # entries of the flat buffer to copy
+    sample_rows: list[int] | None  # packed row of each sampled sequence; None: every row, in order
+    max_decode_context: int
+    max_prefill_len: int
+
+
+class StepInputs:
+    def __init__(self, block_size: int, width: int, pin: bool):
+        self.block_size = block_size
+        self.tables = BlockTableRows(width, pin)
+        self.flat = HostBuffer((1024,), pin)
+
+    def write(self, batch: ScheduledBatch, graph_rows: int | None = None) -> StepLayout:
+        """Pack ``batch`` (decodes first, then prefill chunks) into the host buffers; ``graph_rows``: lay the step out
+        for the decode graph of that many rows (the batch must then be all decodes)."""
+        bs = self.block_size
+        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new[i] != 1)  # decodes first, stable
+        seqs = [batch.seqs[i] for i in order]
+        num_new = [batch.num_new[i] for i in order]
+        nd = next((i for i, n in enumerate(num_new) if n != 1), len(num_new))
+        n_seq, t = len(seqs), sum(num_new)
+        tables = self.tables.fill(seqs)
+
+        rows = graph_rows or t
+        n_ctx = graph_rows or n_seq
+        n_cu = 0 if graph_rows else n_seq - nd + 1
+        n_sample = len(batch.sampled)
+        parts = (("ids", rows), ("pos", rows), ("slots", rows), ("ctx", n_ctx), ("cu", n_cu), ("sample", n_sample))
+        offsets, at = {}, 0
+        for name, size in parts:
+            offsets[name] = (at, at + size)
+            at += size
+        self.flat.reserve(at)
+        flat = self.flat.array
+        ids, pos, slots, ctx = (flat[a:b] for a, b in (offsets[k] for k in ("ids", "pos", "slots", "ctx")))
+
+        # decodes: one token each, at position num_computed_tokens
+        dec_pos = [s.num_computed_tokens for s in seqs[:nd]]
+        ids[:nd] = [s.token_ids[p] for s, p in zip(seqs, dec_pos, strict=False)]
+        pos[:nd] = dec_pos
+        slots[:nd] = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, dec_pos, strict=False)]
+        ctx[:nd] = pos[:nd] + 1
+        if graph_rows:
+            ids[nd:], pos[nd:], slots[nd:], ctx[nd:] = 0, 0, -1, 0
+        # prefill chunks: num_new tokens each, from num_computed_tokens
+        cu = flat[offsets["cu"][0] : offsets["cu"][1]]
+        at, max_prefill = nd, 0
+        if n_cu:
+            cu[0] = 0
+        for j, (seq, n) in enumerate(zip(seqs[nd:], num_new[nd:], strict=True)):
+            start = seq.num_computed_tokens
+            p = np.arange(start, start + n, dtype=np.int32)
+            ids[at : at + n] = seq.token_ids[start : start + n]
+            pos[at : at + n] = p
+            slots[at : at + n] = tables[nd + j, p // bs] * bs + p % bs
+            ctx[nd + j] = start + n
+            cu[j + 1] = cu[j] + n
+            at += n
+            max_prefill = max(max_prefill, n)
+
+        last_row, row = {}, 0
+        for seq, n in zip(seqs, num_new, strict=True):
+            row += n
+            last_row[seq.seq_id] = row - 1
+        sample_rows = [last_row[s.seq_id] for s in batch.sampled]
+        if sample_rows == list(range(t)):
+            sample_rows = None  # a pure decode step samples every row: no gather
+        else:
+            flat[offsets["sample"][0] : offsets["sample"][1]] = sample_rows
+        return StepLayout(
+            num_tokens=t,
+            num_decodes=nd,
+            num_seqs=n_seq,
+            rows=rows,
+            offsets=offsets,
+            size=offsets["sample"][1],
+            sample_rows=sample_rows,
+            max_decode_context=max(dec_pos) + 1 if nd else 0,
+            max_prefill_len=max_prefill,
+        )
