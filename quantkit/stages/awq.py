@@ -63,6 +63,8 @@ class AWQStage:
         clip_min: float = 0.5  # smallest fraction of the range tried
         clip_tokens: int = 512  # calibration tokens per linear for the clip objective
         search_samples: int | None = None  # calibration windows the scale objective runs on (None: all)
+        # not clipped: q and k (their error is amplified through the attention scores, which the clip objective
+        # does not see), and Phi-3's fused qkv_proj, which holds q and k rows; names or "re:<regex>" in the layer
         clip_skip: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "qkv_proj"])
         save_search: str | None = None  # directory for the search results, one file per layer
         load_search: str | None = None  # directory written by save_search: replay it instead of searching
