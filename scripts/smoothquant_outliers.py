@@ -38,8 +38,27 @@ def main() -> None:
     print(table, end="")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(f"Activation outlier ratio (max / median channel abs-max), from {path}\n\n{table}")
+        args.out.write_text(f"{describe(path)}\n\n{table}")
         args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def describe(report: Path) -> str:
+    """One line on what was measured: the checkpoint's smoothquant parameters and calibration, when known."""
+    text = "Activation outlier ratio (largest / median channel abs-max of a group's input) before and after smoothing"
+    config = report.parent / "config.json"
+    if not config.is_file():
+        return f"{text}; from {report.name}."
+    qc = json.loads(config.read_text()).get("quantization_config", {})
+    stages = qc.get("recipe", {}).get("stages", [])
+    params = next((s.get("params", {}) for s in stages if s.get("method") == "smoothquant"), {})
+    keys = ("alpha_search", "alpha_grid", "producers") if params.get("alpha_search") else ("alpha", "producers")
+    shown = {k: v for k, v in params.items() if k in keys}
+    calib = qc.get("calibration") or {}
+    return (
+        f"{text}. Checkpoint {report.parent.name}: methods {' + '.join(s.get('method', '?') for s in stages)}, "
+        f"schemes {', '.join(qc.get('schemes', {}))}, smoothquant {shown}; calibration {calib.get('source')} "
+        f"{calib.get('nsamples')} x {calib.get('seqlen')} tokens."
+    )
 
 
 def _layer_index(name: str) -> int | None:
