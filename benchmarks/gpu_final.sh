@@ -2,10 +2,11 @@
 # The H200 benchmark batch, in one or two calls of the device tool (device time is scarce: ~10 minutes total).
 #   bash benchmarks/gpu_final.sh serve   # runtime throughput (+ HF baselines), W8A8 table, attention kernels
 #   bash benchmarks/gpu_final.sh quant   # GPTQ and AWQ on a Llama-3-8B-shaped random model
+#   bash benchmarks/gpu_final.sh all     # both in one call, with capped layer counts (times scale per layer)
 # Everything lands in $OUT/<name>/ and is packed into $OUT/<part>.tgz (the device tool returns at most 8 files).
 set -u
 export PYTHONUNBUFFERED=1
-part=${1:?serve or quant}
+part=${1:?all, serve or quant}
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
@@ -16,7 +17,12 @@ run() {  # name timeout command...
   OUT="$OUT/$name" timeout "$limit" "$@" > "$OUT/$name/log.txt" 2>&1
   echo "exit $?"; tail -n 25 "$OUT/$name/log.txt"
 }
-if [ "$part" = serve ]; then
+if [ "$part" = all ]; then  # one call of <= 10 minutes when device time is short: capped layer counts
+  run serve 290 python3 benchmarks/bench_serve.py --hf-requests 16
+  run w8a8 60 python3 benchmarks/bench_w8a8.py
+  run gptq 170 python3 benchmarks/bench_gptq.py --layers 8
+  run awq 60 python3 benchmarks/bench_awq.py --layers 2
+elif [ "$part" = serve ]; then
   run serve 330 python3 benchmarks/bench_serve.py --hf-requests 32
   run w8a8 90 python3 benchmarks/bench_w8a8.py
   run attention 60 python3 benchmarks/bench_attention.py --quick
