@@ -56,55 +56,76 @@ GROUPS = [128, 64]
 CHECK_MS = [1, 33, 300]
 DEQUANT_MIN_M = 128
 QUICK = {"shapes": [(4096, 4096), (28672, 8192)], "ms": [1, 16, 64, 1024], "groups": [128]}
-SMOKE = {"shapes": [(96, 256), (64, 320)], "ms": [1, 20, 70], "groups": [64]}
+SMOKE = {"shapes": [(64, 320)], "ms": [1, 20], "groups": [64]}
 TARGETS = [(1, 3.0), (16, 2.5), (64, 1.5), (256, 0.95), (1024, 0.95), (4096, 0.95)]  # issue 6: M -> min speedup
 M1_TARGET_SHAPES = [(14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]  # "four largest" + tie
 
-# Sweep candidates per regime (largest M of the regime, M values timed, configs). Skinny M is weight-bandwidth
-# bound: BLOCK_M 16 (tl.dot's minimum), tiles of 8-32 KB of packed words, split-K to 2-8 waves of CTAs, deep
-# pipelines. Large M is tensor-core bound: wide tiles, 8 warps, scale fused into the tile so the accumulator stays
-# in the MMA pipeline, and dequantize + cuBLAS. Every candidate compiles for sm_90 without register spills (checked
-# offline with Triton 3.9's compiler and cuobjdump; the skinny ones run 3.8-4.9 SASS instructions per weight).
+# Sweep candidates per regime (largest M of the regime, M values timed, configs), timed on SWEEP_SHAPES at group
+# 128 only (the table then covers both groups). Decode (M <= 4) is weight-bandwidth bound: the CUDA-core gemv kernel
+# (no tensor cores; 3.7 SASS instructions per 4-bit weight at M = 1 with fold_zero, +1 FFMA per extra row) against
+# tensor-core tiles. From M ~ 4 the MMA path wins on instructions: BLOCK_M 16 with swap_ab (y.T = W.T @ x.T) runs
+# wgmma 64x16x16 with the dequantized weight as the A operand. The first H200 sweep (2026-11-29, results/
+# w4a16-h200-2026-11-29-sweep1.log) found both latency bound, not issue bound: gemv at ~2.4 TB/s (12% fewer
+# instructions gained 2%; ptxas issued each word row's load just before its use) and the MMA tiles fastest with
+# num_stages 2 (cp.async). So here the gemv candidates also pipeline their loads (tl.range num_stages) and the MMA
+# candidates vary the pipeline depth. Outcome (results/w4a16-h200-2026-11-29.log): pipelined gemv lost 10-25% to
+# the plain-load winner of the first sweep; the MMA tiles gained 10-30% from 3 stages. Large M is tensor-core bound:
+# dequantize to [N, K] + F.linear against the fused kernel. Every candidate compiles for sm_90 with Triton 3.6
+# without spills (benchmarks/sass_w4a16.py).
 F_ = C.KernelConfig
+GEMV_M1 = F_("gemv", 1, 512, 128, 4, 2, split_waves=8, fold_zero=True)
+SWAP16 = F_("fused", 16, 128, 64, 4, 2, split_waves=4, fuse_scale=True, swap_ab=True)
 SWEEP = {
-    "skinny": (16, [1, 8, 16], [
-        F_("fused", 16, 128, 128, 4, 4, split_waves=4),
-        F_("fused", 16, 128, 128, 4, 4, split_waves=2),
-        F_("fused", 16, 128, 128, 4, 6, split_waves=8),
-        F_("fused", 16, 256, 128, 8, 3, split_waves=2),
-        F_("fused", 16, 256, 128, 8, 4, split_waves=4),
-        F_("fused", 16, 128, 128, 4, 4, split_waves=4, fuse_scale=True),
+    "m1": (1, [1], [
+        F_("gemv", 1, 512, 128, 4, 1, split_waves=4, fold_zero=True),  # first H200 sweep's winner, loads not pipelined
+        GEMV_M1,
+        F_("gemv", 1, 512, 128, 4, 2, split_waves=4, fold_zero=True),
+        F_("gemv", 1, 512, 128, 4, 2, split_waves=16, fold_zero=True),
+        F_("gemv", 1, 512, 64, 4, 3, split_waves=8, fold_zero=True),
+        F_("gemv", 1, 512, 128, 4, 3, split_waves=8, fold_zero=True),
+    ]),
+    "m2": (2, [2], [
+        F_("gemv", 2, 512, 128, 4, 2, split_waves=8, fold_zero=True),
+        F_("gemv", 2, 512, 64, 4, 3, split_waves=8, fold_zero=True),
+        SWAP16,
+    ]),
+    "m4": (4, [4], [
+        F_("gemv", 4, 512, 64, 4, 3, split_waves=8, fold_zero=True),
+        SWAP16,
+        F_("fused", 16, 128, 64, 4, 3, split_waves=4, fuse_scale=True, swap_ab=True),
+    ]),
+    "skinny": (16, [8, 16], [
+        SWAP16,  # first H200 sweep's winner
+        F_("fused", 16, 128, 64, 4, 3, split_waves=4, fuse_scale=True, swap_ab=True),
+        F_("fused", 16, 128, 64, 4, 4, split_waves=4, fuse_scale=True, swap_ab=True),
+        F_("fused", 16, 128, 64, 4, 2, split_waves=8, fuse_scale=True, swap_ab=True),
+        F_("fused", 16, 64, 64, 4, 3, split_waves=4, fuse_scale=True, swap_ab=True),
+        F_("fused", 16, 256, 64, 8, 3, split_waves=4, fuse_scale=True, swap_ab=True),
     ]),
     "medium": (64, [32, 64], [
-        F_("fused", 64, 128, 128, 4, 4, split_waves=2),
-        F_("fused", 32, 128, 128, 4, 4, split_waves=2),
-        F_("fused", 32, 128, 128, 4, 4, split_waves=2, fuse_scale=True),
-        F_("fused", 64, 128, 64, 4, 5, split_waves=1, fuse_scale=True),
-        F_("fused", 64, 256, 64, 8, 3, split_waves=1, fuse_scale=True),
+        F_("fused", 32, 128, 64, 4, 2, split_waves=2, fuse_scale=True, swap_ab=True),  # first sweep's winner
+        F_("fused", 32, 128, 64, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True),
+        F_("fused", 64, 128, 64, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True),
+        F_("fused", 64, 64, 128, 4, 2, split_waves=2, fuse_scale=True),
+        F_("fused", 64, 128, 64, 4, 3, split_waves=2, fuse_scale=True),
     ]),
     "large": (256, [128, 256], [
         F_("fused", 128, 128, 64, 8, 4, split_waves=1, fuse_scale=True),
-        F_("fused", 64, 256, 64, 8, 3, split_waves=1, fuse_scale=True),
-        F_("fused", 64, 128, 128, 4, 4, split_waves=1),
-        F_("fused", 128, 256, 64, 8, 3, fuse_scale=True),
         F_("dequant"),
     ]),
     "huge": (2**31, [1024, 4096], [
-        F_("fused", 128, 256, 64, 8, 3, fuse_scale=True),
-        F_("fused", 128, 256, 64, 8, 4, fuse_scale=True),
         F_("fused", 128, 128, 64, 8, 4, fuse_scale=True),
         F_("dequant"),
     ]),
 }  # fmt: skip
+SWEEP_SHAPES = [(14336, 4096), (8192, 8192), (28672, 8192)]
+SWEEP_GROUPS = [128]
 SMOKE_SWEEP = {
-    name: (
-        max_m,
-        [SMOKE["ms"][min(i, 2)]],
-        [F_("fused", 16, 32, 128, 4, 2, split_waves=4), F_("dequant")],
-    )
+    name: (max_m, [SMOKE["ms"][i // 4]], [F_("gemv", 1, 32, 64, 1, 1, split_waves=4), F_("dequant")])
     for i, (name, (max_m, _, _)) in enumerate(SWEEP.items())
 }
-KEYWORD_FIELDS = ("split_waves", "fuse_scale", "group_m")  # written only where not the default
+# written only where not the default
+KEYWORD_FIELDS = ("split_waves", "fuse_scale", "group_m", "swap_ab", "fold_zero")
 TABLE_FILE = Path(__file__).resolve().parents[1] / "kernels" / "w4a16_configs.py"
 
 
@@ -224,9 +245,12 @@ def copy_bandwidth(timer: Timer, device: str) -> float:
 
 
 def kernel_metadata(layer: Layer, m: int, config: C.KernelConfig) -> dict:
-    """Registers, spills and shared memory of the compiled fused kernel for this layer and M (None: interpreter)."""
+    """Registers, spills and shared memory of the compiled kernel for this layer and M (None: interpreter)."""
     x = torch.randn(m, layer.k, device=layer.device).half()
-    _, handle = K.w4a16_gemm(x, layer.weights[0], config=config)
+    if config.method == "gemv":
+        _, handle = K.w4a16_gemv(x, layer.weights[0], config)
+    else:
+        _, handle = K.w4a16_gemm(x, layer.weights[0], config=config)
     if handle is None or not hasattr(handle, "metadata"):
         return {}
     if hasattr(handle, "_init_handles"):
@@ -266,7 +290,7 @@ def precompile(cases: list[tuple], workers: int) -> None:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     jobs = {}
     for cfg, n, k, m, group in cases:
-        if cfg.method == "fused":
+        if cfg.method != "dequant":
             plan = C.plan_launch(cfg, m, n, k, group, num_sms)
             jobs.setdefault((cfg, plan.block_k, plan.split_k > 1), (cfg.to_dict(), group, plan.split_k > 1))
     todo = [*jobs.values(), (C.KernelConfig("dequant").to_dict(), cases[0][4], False)]
@@ -318,7 +342,7 @@ def run_table(args, timer: Timer, device: str, table: list | None) -> dict:
                     row["dequant_us"] = timer.per_call(layer.calls(m, C.KernelConfig("dequant")))
                 rows.append(row)
                 key = (cfg.name, group)
-                if cfg.method == "fused" and key not in meta:
+                if cfg.method != "dequant" and key not in meta:
                     meta[key] = {"config": cfg.name, "group": group, "m": m, **kernel_metadata(layer, m, cfg)}
             del layer
             if device == "cuda":
@@ -380,8 +404,8 @@ def print_short_table(result: dict) -> None:
 
 def run_sweep(args, timer: Timer, device: str) -> dict:
     sweep = SMOKE_SWEEP if args.smoke else SWEEP
-    shapes = SMOKE["shapes"] if args.smoke else SHAPES
-    groups = SMOKE["groups"] if args.smoke else GROUPS
+    shapes = SMOKE["shapes"] if args.smoke else SWEEP_SHAPES
+    groups = SMOKE["groups"] if args.smoke else SWEEP_GROUPS
     if not args.smoke and not args.no_precompile:
         regimes = sweep.values()
         cases = [(c, n, k, m, g) for _, ms, cs in regimes for c in cs for m in ms for n, k in shapes for g in groups]

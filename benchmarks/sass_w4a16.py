@@ -2,6 +2,7 @@
 
     python benchmarks/sass_w4a16.py                 the committed table and every sweep candidate, groups 128 and 64
     python benchmarks/sass_w4a16.py --table-only    the committed table only
+    PYTHONPATH=<dir with triton==3.6.0> python ...  the GPU machine's Triton (pip install --target; no GPU needed)
 
 For each configuration: registers, stack (non-zero means spills), shared memory, MMA kind (mma.sync or wgmma) and
 the SASS instruction histogram of the main loop, with "per weight" = loop instructions x threads / weights per
@@ -33,6 +34,7 @@ import triton
 import triton.language as tl
 from quantkit.kernels import w4a16 as K
 from quantkit.kernels import w4a16_configs as C
+from quantkit.kernels import w4a16_gemv as G
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -45,19 +47,27 @@ DIVISIBLE = ["N", "K", "stride_xm", "stride_qwk", "stride_qzg", "stride_sg", "st
 UNIT_STRIDES = ["stride_xk", "stride_qwn", "stride_qzn", "stride_sn", "stride_on"]
 
 
-def compile_gemm(cfg: C.KernelConfig, group: int, dtype: torch.dtype, split: bool, n: int = 4096, k: int = 4096):
-    fn = K._w4a16_gemm_kernel
+def compile_kernel(cfg: C.KernelConfig, group: int, dtype: torch.dtype, split: bool, n: int = 4096, k: int = 4096):
+    """Compile the kernel ``cfg`` runs (gemv or fused) for sm_90 as the benchmark shapes specialize it."""
+    gemv = cfg.method == "gemv"
+    fn = G._w4a16_gemv_kernel if gemv else K._w4a16_gemm_kernel
     act = "fp16" if dtype == torch.float16 else "bf16"
     sig = dict.fromkeys(fn.arg_names, "i32")
     sig.update(x_ptr=f"*{act}", out_ptr=f"*{act}", bias_ptr=f"*{act}", s_ptr="*fp16", part_ptr="*fp32")
     sig.update(qw_ptr="*i32", qz_ptr="*i32", lock_ptr="*i32")
     plan = C.plan_launch(cfg, 1, n, k, group, 132)
     const = dict(
-        BITS=4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=plan.block_k, GROUP_M=cfg.group_m, SPLIT=split,
-        FUSE_SCALE=cfg.fuse_scale, MAGIC=K._magic(4, dtype), COMPUTE=tl.float16 if act == "fp16" else tl.bfloat16,
-        HALF_SCALE=act == "fp16", HAS_BIAS=False, EVEN_K=True, EMULATE_BF16=False,
-        **dict.fromkeys(UNIT_STRIDES, 1),
+        BITS=4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=plan.block_k, SPLIT=split, HAS_BIAS=False,
+        EVEN_K=True, EMULATE_BF16=False, **dict.fromkeys(UNIT_STRIDES, 1),
     )  # fmt: skip
+    if gemv:
+        const.update(STAGES=cfg.num_stages, FOLD=cfg.fold_zero)
+    else:
+        const.update(
+            GROUP_M=cfg.group_m, FUSE_SCALE=cfg.fuse_scale,
+            SWAP_AB=cfg.swap_ab, MAGIC=K._magic(4, dtype), COMPUTE=tl.float16 if act == "fp16" else tl.bfloat16,
+            HALF_SCALE=act == "fp16",
+        )  # fmt: skip
     sig.update(dict.fromkeys(const, "constexpr"))
     hints = [a for a in fn.arg_names if a.endswith("_ptr")] + DIVISIBLE
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in hints}
@@ -78,7 +88,7 @@ def loop_body(sass: str) -> list[str]:
 
 
 def report(cfg: C.KernelConfig, group: int, dtype: torch.dtype, split: bool) -> str:
-    kernel, plan = compile_gemm(cfg, group, dtype, split)
+    kernel, plan = compile_kernel(cfg, group, dtype, split)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -88,7 +98,8 @@ def report(cfg: C.KernelConfig, group: int, dtype: torch.dtype, split: bool) -> 
     body = loop_body(sass)
     per_weight = len(body) * cfg.num_warps * 32 / (plan.block_k * cfg.block_n)
     ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
-    mma = "wgmma" if "warp_group_dot" in kernel.asm["ttgir"] else "mma.sync"
+    ttgir = kernel.asm["ttgir"]
+    mma = "wgmma" if "warp_group_dot" in ttgir else "mma.sync" if "tt.dot" in ttgir else "none"
     top = " ".join(f"{op}:{n}" for op, n in ops.most_common(10))
     return (
         f"{cfg.name:<24} g{group:<3} regs {regs:>3} stack {stack:>3} smem {kernel.metadata.shared:>6} {mma:<8} "
@@ -107,7 +118,7 @@ def main() -> None:
         configs += [c for _, _, cands in SWEEP.values() for c in cands if c not in configs]
     print(f"triton {triton.__version__}, target sm_90, {dtype}, 4-bit")
     for cfg in configs:
-        if cfg.method != "fused":
+        if cfg.method == "dequant":
             continue
         for group in (128, 64):
             print(report(cfg, group, dtype, split=cfg.split_waves > 0))

@@ -13,51 +13,60 @@ Layouts consumed (GPTQ-v2, ``quantkit.quant.packing``; b = 4 or 8 bits, pf = 32 
     Kernel layout: ``KERNEL_LAYOUT`` v``KERNEL_LAYOUT_VERSION`` (``w4a16_weight.py``) is gptq_v2 with K permuted
     so groups are contiguous (identity without act-order). It lives only in memory; checkpoints stay gptq_v2.
 
-Kernels
-    ``_w4a16_gemm_kernel`` tiles [BLOCK_M, BLOCK_N] outputs and walks K in BLOCK_K steps; tl.dot on fp16/bf16
-    operands, fp32 accumulation. Each tile of packed words [BLOCK_K/pf, BLOCK_N] is loaded once and unpacked two
-    codes per 32-bit operation: (w >> s) & 0x000F000F | 0x64006400 holds two codes as two fp16 values 1024 + code
-    (bf16: 0x4300, 128 + code), the "magic number" trick, so no int->float conversion instruction runs; tl.join
-    keeps a word's codes in its own thread; the tile is reshaped to [BLOCK_K, BLOCK_N] in natural k order, so x
-    tiles are read contiguously. Offline sm_90 compiles (benchmarks/sass_w4a16.py) put the skinny loop at ~3.9 SASS
-    instructions per weight, under the ~4.3 issue slots per weight that HBM at ~4 TB/s leaves each SM. Two scale
-    modes:
-    - tile (FUSE_SCALE=False; needs G % BLOCK_K == 0 or one group): tl.dot gets the exact integers q - z and its
-      fp32 result is scaled per column once per tile; W is never rounded.
-    - fused (FUSE_SCALE=True; any G multiple of 32): W = (q - z) * s rounded once to the activation dtype, exactly
-      PyTorch's dequantize-then-matmul (fp16: one fp16 multiply of exact operands; bf16: in fp32, as scales are
-      fp16), accumulated inside tl.dot so the accumulator can stay in the MMA pipeline (large M).
-    Split-K (grid axis 1 > 1, SPLIT=True): every CTA writes its fp32 partial tile to a workspace, then counts
-    itself in on a per-tile semaphore; the last arrival sums the partials in split order (deterministic), adds the
-    bias, stores y and resets the semaphore to 0 for the next launch. One launch, no memset, no second reduction
-    kernel. The split factor is read from the grid, so one compiled kernel serves every factor.
-    ``_w4a16_dequant_kernel`` writes W as [K, N] in x's dtype for the dequantize-then-cuBLAS path (large M).
+Kernels (this file: the tensor-core GEMM and the dequantize kernel; ``w4a16_gemv.py``: the CUDA-core decode kernel;
+``w4a16_epilogue.py``: the store and split-K fix-up they share)
+    ``_w4a16_gemm_kernel`` tiles [BLOCK_M, BLOCK_N] outputs and walks K in BLOCK_K steps, each K tile inside one
+    group (``plan_launch`` caps BLOCK_K); tl.dot on fp16/bf16 operands, fp32 accumulation. Each tile of packed words
+    [BLOCK_K/pf, BLOCK_N] is loaded once and unpacked two codes per 32-bit operation: (w >> s) & 0x000F000F |
+    0x64006400 holds two codes as two fp16 values 1024 + code (bf16: 0x4300, 128 + code), the "magic number" trick,
+    so no int->float conversion instruction runs; tl.join keeps a word's codes in its own thread; the tile is
+    reshaped to [BLOCK_K, BLOCK_N] in natural k order, so x tiles are read contiguously. Two scale modes:
+    - tile (FUSE_SCALE=False): tl.dot gets the exact integers q - z and its fp32 result is scaled per column once
+      per tile; W is never rounded.
+    - fused (FUSE_SCALE=True): W = (q - z) * s rounded once to the activation dtype, exactly PyTorch's
+      dequantize-then-matmul (fp16: one fp16 multiply of exact operands; bf16: in fp32, as scales are fp16),
+      accumulated inside tl.dot so the accumulator stays in the MMA pipeline and no per-tile scale is moved into
+      the accumulator's layout.
+    SWAP_AB computes y.T = W.T @ x.T: the weight tile becomes the MMA's M side, so a few rows of x (BLOCK_M 16)
+    still run Hopper's wgmma (64 x 16 x 16) with the dequantized tile as the A operand, where tl.dot would fall
+    back to mma.sync for M < 64.
+    Split-K (grid axis 1 > 1): ``w4a16_epilogue._finish_tile``'s deterministic serial fix-up, one launch.
+    ``_w4a16_dequant_kernel`` writes W as [N, K] in x's dtype for the dequantize-then-cuBLAS path (large M):
+    ``F.linear(x, W)`` then runs the same cuBLAS kernel as the fp16 baseline.
 
-Regimes (``CONFIG_TABLE`` in ``w4a16_configs.py``): skinny M <= 16 (BLOCK_M 16, split-K to fill the SMs),
-medium, large M (tiled GEMM or dequantize + cuBLAS). The committed table is chosen by reasoning until an H200 sweep
-(``benchmarks/bench_w4a16.py --sweep``) replaces it: decode is memory bound, each SM needs ~24 KB of loads in
-flight (4 TB/s / 132 SMs x ~0.8 us latency), so skinny tiles are 16 x 128 x 128 (8 KB of words per stage, 3
-stages in flight, 2 CTAs per SM at 188 registers) and K is split until ~4 waves of CTAs exist.
+Regimes (``CONFIG_TABLE`` in ``w4a16_configs.py``, chosen by ``benchmarks/bench_w4a16.py --sweep`` on the H200):
+M <= 2 the gemv kernel, 4 <= M <= 64 this kernel with SWAP_AB (BLOCK_M 16/64, 3 stages, split-K to fill the 132
+SMs), larger M dequantize + cuBLAS. The first H200 run (results/w4a16-h200-2026-11-29-first.md) showed 16 x 128 x
+128 tiles with 4 stages latency bound at ~0.45 TB/s (162 registers and 71 KB of shared memory: 3 CTAs of 4 warps
+per SM, a synchronous scale load per tile); small BLOCK_K = 64 tiles with the scale fused into the tile and 3
+stages run at 0.7-1.3 TB/s of weight bytes for M <= 16 (72-96 registers). Still far from the memory roofline:
+the dequantized tile makes a round trip through shared memory for the wgmma A operand (STS + LDSM), and Triton
+3.6 waits on each wgmma before the next tile's dequantization.
 
 Limits: 4 or 8 bits; G a multiple of 32, or one group per column; int32 offsets (tensors < 2**31 elements);
 interpreter mode (TRITON_INTERPRET=1) computes bf16 tiles in fp32 and rounds to bf16 by hand, because the
 interpreter has no bf16 arithmetic and its bf16 cast truncates. Split-K semaphores live in the prepared weight:
 one weight must not run on two streams at once.
-Hardware: written for the H200 (sm_90, 132 SMs, 60 MB L2); compiled offline for sm_90, not yet timed on one.
+Hardware: tuned on the H200 (sm_90, 132 SMs, 60 MB L2); SASS checked offline with Triton 3.6 for sm_90.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from quantkit.kernels.w4a16_configs import CONFIG_TABLE, KernelConfig, LaunchPlan, config_for, plan_launch
+from quantkit.kernels.w4a16_epilogue import _finish_tile, _to_act
+from quantkit.kernels.w4a16_gemv import w4a16_gemv, w4a16_gemv_reference
 from quantkit.kernels.w4a16_weight import (
+    ACT_DTYPES,
     KERNEL_LAYOUT,
     KERNEL_LAYOUT_VERSION,
     W4A16Weight,
+    check_operands,
+    interpreting,
+    num_sms,
     prepare_gptq_weight,
     unpack_gptq_codes,
     unsupported_reason,
@@ -77,10 +86,11 @@ __all__ = [
     "unsupported_reason",
     "w4a16_dequantize",
     "w4a16_gemm",
+    "w4a16_gemv",
+    "w4a16_gemv_reference",
     "w4a16_linear",
     "w4a16_reference",
 ]
-ACT_DTYPES = (torch.float16, torch.bfloat16)
 MAGIC_F32 = tl.constexpr(0x4B000000)  # code | MAGIC_F32 read as fp32 is 2**23 + code
 MAGIC_16 = {torch.float16: 0x6400, torch.bfloat16: 0x4300}  # 1024 + code, 128 + code (exact for code < 128)
 
@@ -113,17 +123,6 @@ def w4a16_reference(
 # Kernels
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _to_act(v, ACT: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """fp32 -> ACT. EMULATE_BF16 (interpreter only) rounds to nearest even by hand: its own cast truncates."""
-    if EMULATE_BF16:
-        bits = v.to(tl.int32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:
-        return v.to(ACT)
-
-
-@triton.jit
 def _join8(c0, c1, c2, c3, c4, c5, c6, c7):
     """Eight [R, BN] tensors -> [R, BN, 8] with c_j at [..., j]. tl.join adds a dimension held by the same thread,
     so a word's codes never leave its thread (the first join's selector ends up the most significant index bit)."""
@@ -155,28 +154,28 @@ def _lanes(p, ACT: tl.constexpr):
 
 
 @triton.jit
-def _unpack_magic(words, BITS: tl.constexpr, MAGIC: tl.constexpr, ACT: tl.constexpr):
+def _unpack_magic(words, pair, BITS: tl.constexpr, ACT: tl.constexpr):
     """int32 words [R, BN] -> ACT values MAGIC's value + code, [R, BN, 32/BITS], code j at [..., j].
 
-    Two codes per 32-bit operation: (w >> s) & 0x000F000F | MAGIC:MAGIC holds codes j and j + 4 (4-bit; j and
-    j + 2 for 8-bit) as two 16-bit floats; the compiler then only splits the lanes (sm_90 SASS from Triton 3.9, see
-    benchmarks/sass_w4a16.py: 3.9 instructions per weight for the whole skinny loop, against 5.6 code by code).
+    Two codes per 32-bit operation: (w >> s) & 0x000F000F | pair holds codes j and j + 4 (4-bit; j and j + 2 for
+    8-bit) as two 16-bit floats; the compiler then only splits the lanes. ``pair`` (MAGIC:MAGIC) is a run-time
+    value so that it stays in a register and the mask is the LOP3's immediate: as a compile-time constant it was
+    re-materialized, two LOP3s per pair (sm_90 SASS, benchmarks/sass_w4a16.py).
     """
-    PAIR: tl.constexpr = MAGIC | (MAGIC << 16)
     if BITS == 4:
-        l0, h0 = _lanes((words & 0x000F000F) | PAIR, ACT)
-        l1, h1 = _lanes(((words >> 4) & 0x000F000F) | PAIR, ACT)
-        l2, h2 = _lanes(((words >> 8) & 0x000F000F) | PAIR, ACT)
-        l3, h3 = _lanes(((words >> 12) & 0x000F000F) | PAIR, ACT)
+        l0, h0 = _lanes((words & 0x000F000F) | pair, ACT)
+        l1, h1 = _lanes(((words >> 4) & 0x000F000F) | pair, ACT)
+        l2, h2 = _lanes(((words >> 8) & 0x000F000F) | pair, ACT)
+        l3, h3 = _lanes(((words >> 12) & 0x000F000F) | pair, ACT)
         return _join8(l0, l1, l2, l3, h0, h1, h2, h3)
     else:
-        l0, h0 = _lanes((words & 0x00FF00FF) | PAIR, ACT)
-        l1, h1 = _lanes(((words >> 8) & 0x00FF00FF) | PAIR, ACT)
+        l0, h0 = _lanes((words & 0x00FF00FF) | pair, ACT)
+        l1, h1 = _lanes(((words >> 8) & 0x00FF00FF) | pair, ACT)
         return _join4(l0, l1, h0, h1)
 
 
 @triton.jit
-def _dequant_tile(words, zeros, scales, ACT: tl.constexpr, COMPUTE: tl.constexpr, BITS: tl.constexpr,
+def _dequant_tile(words, zeros, scales, pair, ACT: tl.constexpr, COMPUTE: tl.constexpr, BITS: tl.constexpr,
                   MAGIC: tl.constexpr, FUSE_SCALE: tl.constexpr, HALF_SCALE: tl.constexpr,
                   EMULATE_BF16: tl.constexpr):  # fmt: skip
     """words int32 [R, BN], zeros int32 and scales fp16 [R or 1, BN] -> W [R * 32/BITS, BN] in COMPUTE (k = r*pf + j).
@@ -187,7 +186,7 @@ def _dequant_tile(words, zeros, scales, ACT: tl.constexpr, COMPUTE: tl.constexpr
     """
     PF: tl.constexpr = 32 // BITS
     if MAGIC != 0 and (HALF_SCALE or not FUSE_SCALE):
-        v = tl.permute(_unpack_magic(words, BITS, MAGIC, ACT), (0, 2, 1)).to(COMPUTE)  # [R, PF, BN]
+        v = tl.permute(_unpack_magic(words, pair, BITS, ACT), (0, 2, 1)).to(COMPUTE)  # [R, PF, BN]
         z = (zeros | MAGIC).to(tl.int16).to(ACT, bitcast=True).to(COMPUTE)
         w = v - z[:, None, :]
         if FUSE_SCALE:
@@ -214,28 +213,22 @@ def _load_group(qz_ptr, s_ptr, grp, offs_n, mask, stride_qzg, stride_qzn, stride
     return zeros, scales
 
 
-@triton.jit
-def _store_tile(acc, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS: tl.constexpr,
-                EMULATE_BF16: tl.constexpr):  # fmt: skip
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(ptrs, _to_act(acc, out_ptr.dtype.element_ty, EMULATE_BF16), mask=mask)
-
-
-@triton.jit(do_not_specialize=["M", "group_size", "tiles_per_split"])
+@triton.jit(do_not_specialize=["M", "group_size", "tiles_per_split", "magic_pair"])
 def _w4a16_gemm_kernel(
     # pointers
     x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
     # sizes
     M, N, K, group_size, tiles_per_split,
+    # MAGIC:MAGIC as a run-time value (kept in a register; see _unpack_magic)
+    magic_pair,
     # strides
     stride_xm, stride_xk, stride_qwk, stride_qwn, stride_qzg, stride_qzn, stride_sg, stride_sn, stride_om, stride_on,
     # meta-parameters
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT: tl.constexpr, FUSE_SCALE: tl.constexpr, MAGIC: tl.constexpr, COMPUTE: tl.constexpr,
-    HALF_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    SPLIT: tl.constexpr, FUSE_SCALE: tl.constexpr, SWAP_AB: tl.constexpr,
+    MAGIC: tl.constexpr,
+    COMPUTE: tl.constexpr, HALF_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
     PF: tl.constexpr = 32 // BITS
     BLOCK_KW: tl.constexpr = BLOCK_K // PF
@@ -265,7 +258,10 @@ def _w4a16_gemm_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     t_begin = pid_k * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, k_tiles)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:  # y.T = W.T @ x.T: the weight tile is the MMA's M side (>= 64 rows: wgmma even for a few rows of x)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(t_begin, t_end):
         k0 = t * BLOCK_K
         kw = t * BLOCK_KW + offs_kw  # packed-word rows of this tile
@@ -276,47 +272,41 @@ def _w4a16_gemm_kernel(
             x = tl.load(x_ptrs + k0 * stride_xk, mask=m_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
             w_mask = (kw * PF < K)[:, None] & n_mask[None, :]
         words = tl.load(qw_ptrs + t * BLOCK_KW * stride_qwk, mask=w_mask, other=0)  # [BLOCK_KW, BLOCK_N]
-        if FUSE_SCALE:  # zeros and scales per word row; accumulate inside the dot
-            grp = (kw * PF) // group_size
-            zeros, scales = _load_group(qz_ptr, s_ptr, grp[:, None], offs_n[None, :], w_mask,
-                                        stride_qzg, stride_qzn, stride_sg, stride_sn, BITS)  # fmt: skip
-            w = _dequant_tile(words, zeros, scales, ACT, COMPUTE, BITS, MAGIC, True, HALF_SCALE, EMULATE_BF16)
-            acc = tl.dot(x.to(COMPUTE), w, acc)
-        else:  # the whole tile lies in one group: scale the exact integer product once
-            zeros, scales = _load_group(qz_ptr, s_ptr, k0 // group_size, offs_n[None, :], n_mask[None, :],
-                                        stride_qzg, stride_qzn, stride_sg, stride_sn, BITS)  # fmt: skip
-            w = _dequant_tile(words, zeros, scales, ACT, COMPUTE, BITS, MAGIC, False, HALF_SCALE, EMULATE_BF16)
-            acc += tl.dot(x.to(COMPUTE), w) * scales.to(tl.float32)
+        # the tile lies in one group (plan_launch caps BLOCK_K): one [1, BLOCK_N] row of zeros and scales
+        zeros, scales = _load_group(qz_ptr, s_ptr, k0 // group_size, offs_n[None, :], n_mask[None, :],
+                                    stride_qzg, stride_qzn, stride_sg, stride_sn, BITS)  # fmt: skip
+        if FUSE_SCALE:  # W = (q - z) * s rounded to ACT inside the tile; accumulate inside the dot
+            w = _dequant_tile(words, zeros, scales, magic_pair, ACT, COMPUTE, BITS, MAGIC, True, HALF_SCALE,
+                              EMULATE_BF16)  # fmt: skip
+            if SWAP_AB:
+                acc = tl.dot(tl.trans(w), tl.trans(x.to(COMPUTE)), acc)
+            else:
+                acc = tl.dot(x.to(COMPUTE), w, acc)
+        else:  # scale the exact integer product once per tile
+            w = _dequant_tile(words, zeros, scales, magic_pair, ACT, COMPUTE, BITS, MAGIC, False, HALF_SCALE,
+                              EMULATE_BF16)  # fmt: skip
+            if SWAP_AB:
+                acc += tl.dot(tl.trans(w), tl.trans(x.to(COMPUTE))) * tl.trans(scales.to(tl.float32))
+            else:
+                acc += tl.dot(x.to(COMPUTE), w) * scales.to(tl.float32)
+    if SWAP_AB:
+        acc = tl.trans(acc)
 
-    if not SPLIT:
-        _store_tile(acc, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS, EMULATE_BF16)
-    else:
-        # Serial fix-up: the last CTA of this output tile to arrive sums every split's partial in split order.
-        part_offs = offs_m[:, None] * N + offs_n[None, :]
-        part_mask = m_mask[:, None] & n_mask[None, :]
-        tl.store(part_ptr + pid_k * M * N + part_offs, acc, mask=part_mask)
-        tl.debug_barrier()  # all partial stores of this CTA happen before its release below
-        lock = lock_ptr + pid_m * num_pid_n + pid_n
-        arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
-        split_k = tl.num_programs(1)  # a runtime value: one compiled kernel serves every split factor
-        if arrived == split_k - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(split_k):
-                total += tl.load(part_ptr + s * M * N + part_offs, mask=part_mask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(lock, 0)  # ready for the next launch
-            _store_tile(total, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS, EMULATE_BF16)
+    _finish_tile(acc, bias_ptr, out_ptr, part_ptr, lock_ptr, pid_m * num_pid_n + pid_n, offs_m, offs_n, M, N,
+                 stride_om, stride_on, SPLIT, HAS_BIAS, EMULATE_BF16)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["magic_pair"])
 def _w4a16_dequant_kernel(
     # pointers
     qw_ptr, qz_ptr, s_ptr, w_ptr,
     # sizes
-    N, K, group_size,
+    N, K, group_size, magic_pair,
     # strides
     stride_qwk, stride_qwn, stride_qzg, stride_qzn, stride_sg, stride_sn, stride_wk, stride_wn,
     # meta-parameters
-    BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, MAGIC: tl.constexpr, HALF_SCALE: tl.constexpr,
+    BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, MAGIC: tl.constexpr,
+    HALF_SCALE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
     PF: tl.constexpr = 32 // BITS
@@ -329,7 +319,7 @@ def _w4a16_dequant_kernel(
     grp = (offs_kw * PF) // group_size
     zeros, scales = _load_group(qz_ptr, s_ptr, grp[:, None], offs_n[None, :], mask,
                                 stride_qzg, stride_qzn, stride_sg, stride_sn, BITS)  # fmt: skip
-    w = _dequant_tile(words, zeros, scales, ACT, ACT, BITS, MAGIC, True, HALF_SCALE, EMULATE_BF16)
+    w = _dequant_tile(words, zeros, scales, magic_pair, ACT, ACT, BITS, MAGIC, True, HALF_SCALE, EMULATE_BF16)
     offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     w_mask = (offs_k < K)[:, None] & (offs_n < N)[None, :]
     tl.store(w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn, w, mask=w_mask)
@@ -338,47 +328,16 @@ def _w4a16_dequant_kernel(
 # ---------------------------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------------------------
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _check(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, out: torch.Tensor | None) -> None:
-    k, n, b = w.in_features, w.out_features, w.bits
-    rows = triton.cdiv(k, 32) * b
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
-    if x.dtype not in ACT_DTYPES:
-        raise ValueError(f"x must be float16 or bfloat16, got {x.dtype}")
-    if not (x.is_cuda or _interpreting()):
-        raise ValueError("x must be a CUDA tensor (or set TRITON_INTERPRET=1 to run the kernel on CPU)")
-    if w.qweight.dtype != torch.int32 or tuple(w.qweight.shape) != (rows, n):
-        raise ValueError(f"qweight must be int32 [{rows}, {n}], got {w.qweight.dtype} {tuple(w.qweight.shape)}")
-    n_g = w.scales.shape[0]
-    zcols = triton.cdiv(n, 32) * b
-    if w.qzeros.dtype != torch.int32 or tuple(w.qzeros.shape) != (n_g, zcols):
-        raise ValueError(f"qzeros must be int32 [{n_g}, {zcols}], got {w.qzeros.dtype} {tuple(w.qzeros.shape)}")
-    if w.scales.dtype != torch.float16 or w.scales.shape[1] != n:
-        raise ValueError(f"scales must be float16 [n_groups, {n}], got {w.scales.dtype} {tuple(w.scales.shape)}")
-    if bias is not None and (bias.shape != (n,) or not bias.is_floating_point()):
-        raise ValueError(f"bias must be a float tensor [{n}], got {bias.dtype} {tuple(bias.shape)}")
-    if out is not None and (tuple(out.shape) != (x.shape[0], n) or out.dtype != x.dtype):
-        raise ValueError(f"out must be {x.dtype} [{x.shape[0]}, {n}], got {out.dtype} {tuple(out.shape)}")
-    for t in (x, w.qweight, w.scales, out):
-        if t is not None and t.numel() >= 2**31:
-            raise ValueError("tensors of 2**31 elements or more need 64-bit offsets, which the kernel does not use")
-    devices = {t.device for t in (x, w.qweight, w.qzeros, w.scales, bias, out) if t is not None}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-
-
 def _magic(bits: int, dtype: torch.dtype) -> int:
     """The 16-bit pattern that reads as 2**e + code in ``dtype`` for every code, or 0 (bf16 holds 8-bit codes from
     128 only up to 127)."""
     return MAGIC_16[dtype] if bits == 4 or dtype == torch.float16 else 0
 
 
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+def _pair(magic: int) -> int:
+    """MAGIC:MAGIC as the signed int32 the kernels take."""
+    v = magic | (magic << 16)
+    return v - (1 << 32) if v >= 1 << 31 else v
 
 
 def w4a16_gemm(
@@ -392,27 +351,29 @@ def w4a16_gemm(
 
     Returns (y, compiled kernel handle).
     """
-    _check(x, w, bias, out)
+    check_operands(x, w, bias, out)
     m, k = x.shape
     n = w.out_features
     cfg = config or config_for(m)
     if cfg.method != "fused":
         raise ValueError(f"w4a16_gemm runs the fused kernel; config {cfg.name} asks for {cfg.method!r}")
-    plan = plan_launch(cfg, m, n, k, w.group_size, _num_sms(x.device))
+    plan = plan_launch(cfg, m, n, k, w.group_size, num_sms(x.device))
     if out is None:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     part, locks = out, w.locks
     if plan.split_k > 1:
         part = torch.empty(plan.split_k, m, n, device=x.device, dtype=torch.float32)
-    emulate_bf16 = _interpreting() and x.dtype == torch.bfloat16  # the interpreter has no bf16 arithmetic
+    emulate_bf16 = interpreting() and x.dtype == torch.bfloat16  # the interpreter has no bf16 arithmetic
+    magic = _magic(w.bits, x.dtype)
     compute = tl.float32 if emulate_bf16 else (tl.float16 if x.dtype == torch.float16 else tl.bfloat16)
     handle = _w4a16_gemm_kernel[plan.grid](
         x, w.qweight, w.qzeros, w.scales, bias if bias is not None else out, out, part, locks,
-        m, n, k, w.group_size or 2**30, plan.tiles_per_split,
+        m, n, k, w.group_size or 2**30, plan.tiles_per_split, _pair(magic),
         x.stride(0), x.stride(1), w.qweight.stride(0), w.qweight.stride(1), w.qzeros.stride(0), w.qzeros.stride(1),
         w.scales.stride(0), w.scales.stride(1), out.stride(0), out.stride(1),
         BITS=w.bits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=plan.block_k, GROUP_M=cfg.group_m,
-        SPLIT=plan.split_k > 1, FUSE_SCALE=cfg.fuse_scale, MAGIC=_magic(w.bits, x.dtype), COMPUTE=compute,
+        SPLIT=plan.split_k > 1, FUSE_SCALE=cfg.fuse_scale, SWAP_AB=cfg.swap_ab,
+        MAGIC=magic, COMPUTE=compute,
         HALF_SCALE=x.dtype == torch.float16,
         HAS_BIAS=bias is not None, EVEN_K=k % plan.block_k == 0, EMULATE_BF16=emulate_bf16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -421,18 +382,23 @@ def w4a16_gemm(
 
 
 def w4a16_dequantize(w: W4A16Weight, dtype: torch.dtype, block_k: int = 64, block_n: int = 128) -> torch.Tensor:
-    """W as [K, N] in ``dtype`` (kernel channel order): s * (q - z) rounded once, as PyTorch's fp32 dequantize."""
+    """W as [N, K] in ``dtype`` (kernel channel order): s * (q - z) rounded once, as PyTorch's fp32 dequantize.
+
+    [N, K] (the nn.Linear layout) so that ``F.linear(x, W)`` runs the same cuBLAS kernel as the fp16 baseline.
+    """
     if dtype not in ACT_DTYPES:
         raise ValueError(f"dtype must be float16 or bfloat16, got {dtype}")
     k, n = w.in_features, w.out_features
-    out = torch.empty(k, n, device=w.qweight.device, dtype=dtype)
+    out = torch.empty(n, k, device=w.qweight.device, dtype=dtype)
+    magic = _magic(w.bits, dtype)
     grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
     _w4a16_dequant_kernel[grid](
-        w.qweight, w.qzeros, w.scales, out, n, k, w.group_size or 2**30,
+        w.qweight, w.qzeros, w.scales, out, n, k, w.group_size or 2**30, _pair(magic),
         w.qweight.stride(0), w.qweight.stride(1), w.qzeros.stride(0), w.qzeros.stride(1),
-        w.scales.stride(0), w.scales.stride(1), out.stride(0), out.stride(1),
-        BITS=w.bits, BLOCK_K=block_k, BLOCK_N=block_n, MAGIC=_magic(w.bits, dtype), HALF_SCALE=dtype == torch.float16,
-        EMULATE_BF16=_interpreting() and dtype == torch.bfloat16,
+        w.scales.stride(0), w.scales.stride(1), out.stride(1), out.stride(0),
+        BITS=w.bits, BLOCK_K=block_k, BLOCK_N=block_n, MAGIC=magic,
+        HALF_SCALE=dtype == torch.float16,
+        EMULATE_BF16=interpreting() and dtype == torch.bfloat16,
     )  # fmt: skip
     return out
 
@@ -444,16 +410,22 @@ def w4a16_linear(
     config: KernelConfig | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ W.T + bias: permutes x for act-order, picks the regime's config by M."""
+    """y [..., N] = x [..., K] @ W.T + bias: permutes x for act-order, runs the regime's config for M rows."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if w.perm is not None:
         x2 = x2.index_select(1, w.perm)
     cfg = config or config_for(x2.shape[0])
     if cfg.method == "dequant":
-        _check(x2, w, bias, out)
-        wt = w4a16_dequantize(w, x.dtype)  # [K, N]
-        y = torch.addmm(bias.to(x.dtype), x2, wt, out=out) if bias is not None else torch.mm(x2, wt, out=out)
+        check_operands(x2, w, bias, out)
+        wt = w4a16_dequantize(w, x.dtype)  # [N, K]
+        b = bias.to(x.dtype) if bias is not None else None
+        if out is None:
+            y = F.linear(x2, wt, b)
+        else:
+            y = torch.addmm(b, x2, wt.t(), out=out) if b is not None else torch.mm(x2, wt.t(), out=out)
+    elif cfg.method == "gemv":
+        y, _ = w4a16_gemv(x2, w, cfg, bias, out)
     else:
         y, _ = w4a16_gemm(x2, w, bias, out, cfg)
     return y.view(*lead, w.out_features)

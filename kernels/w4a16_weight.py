@@ -1,4 +1,5 @@
 """Kernel-ready W4A16/W8A16 weights: GPTQ-v2 buffers checked, act-order sorted into contiguous groups, once.
+Also the operand checks every W4A16 launcher runs (``check_operands``).
 
 The kernel (``quantkit.kernels.w4a16``) needs each group's input channels to be contiguous along K. Checkpoints
 quantized with act-order (``desc_act``) store a non-monotonic ``g_idx``; ``prepare_gptq_weight`` sorts K by group
@@ -8,6 +9,7 @@ The result is the in-memory layout ``KERNEL_LAYOUT`` (version ``KERNEL_LAYOUT_VE
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +18,7 @@ from quantkit.kernels.w4a16_configs import LOCK_SLOTS
 KERNEL_LAYOUT = "gptq_v2_sorted_groups"
 KERNEL_LAYOUT_VERSION = 1
 SUPPORTED_BITS = (4, 8)
+ACT_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def unpack_gptq_codes(qweight: torch.Tensor, bits: int, k: int) -> torch.Tensor:
@@ -107,3 +110,43 @@ def _pack_gptq_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(0, 32, bits, device=codes.device, dtype=torch.int64).view(1, pf, 1)
     words = (padded.view(-1, pf, n) << shifts).sum(dim=1)  # disjoint bit fields: the sum is an OR
     return (words - ((words >> 31) << 32)).to(torch.int32)  # low 32 bits as signed
+
+
+def interpreting() -> bool:
+    """True under Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device; 4 under the interpreter (so small test shapes still split K)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def check_operands(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, out: torch.Tensor | None) -> None:
+    """Shapes, dtypes and devices of one product x [M, K] @ W.T (+ bias) into out [M, N]; raises ValueError."""
+    k, n, b = w.in_features, w.out_features, w.bits
+    rows = -(-k // 32) * b
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
+    if x.dtype not in ACT_DTYPES:
+        raise ValueError(f"x must be float16 or bfloat16, got {x.dtype}")
+    if not (x.is_cuda or interpreting()):
+        raise ValueError("x must be a CUDA tensor (or set TRITON_INTERPRET=1 to run the kernel on CPU)")
+    if w.qweight.dtype != torch.int32 or tuple(w.qweight.shape) != (rows, n):
+        raise ValueError(f"qweight must be int32 [{rows}, {n}], got {w.qweight.dtype} {tuple(w.qweight.shape)}")
+    n_g = w.scales.shape[0]
+    zcols = -(-n // 32) * b
+    if w.qzeros.dtype != torch.int32 or tuple(w.qzeros.shape) != (n_g, zcols):
+        raise ValueError(f"qzeros must be int32 [{n_g}, {zcols}], got {w.qzeros.dtype} {tuple(w.qzeros.shape)}")
+    if w.scales.dtype != torch.float16 or w.scales.shape[1] != n:
+        raise ValueError(f"scales must be float16 [n_groups, {n}], got {w.scales.dtype} {tuple(w.scales.shape)}")
+    if bias is not None and (bias.shape != (n,) or not bias.is_floating_point()):
+        raise ValueError(f"bias must be a float tensor [{n}], got {bias.dtype} {tuple(bias.shape)}")
+    if out is not None and (tuple(out.shape) != (x.shape[0], n) or out.dtype != x.dtype):
+        raise ValueError(f"out must be {x.dtype} [{x.shape[0]}, {n}], got {out.dtype} {tuple(out.shape)}")
+    for t in (x, w.qweight, w.scales, out):
+        if t is not None and t.numel() >= 2**31:
+            raise ValueError("tensors of 2**31 elements or more need 64-bit offsets, which the kernel does not use")
+    devices = {t.device for t in (x, w.qweight, w.qzeros, w.scales, bias, out) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from quantkit.kernels import w4a16 as K
+from quantkit.kernels.w4a16_weight import num_sms
 
 from quantkit.nn.dispatch import cuda_weight_only_linear
 from quantkit.nn.qlinear import QuantLinear
@@ -29,6 +30,12 @@ FUSED = K.KernelConfig("fused", 32, 64, 128, 4, 2, fuse_scale=True, split_waves=
 LARGE = K.KernelConfig("fused", 64, 64, 64, 4, 2, fuse_scale=True, group_m=2)
 DEQUANT = K.KernelConfig("dequant")
 WIDE = K.KernelConfig("fused", 64, 32, 256, 4, 2, split_waves=1, fuse_scale=True)
+SWAP = K.KernelConfig("fused", 16, 64, 64, 4, 1, split_waves=8, fuse_scale=True, swap_ab=True)  # y.T = W.T @ x.T
+SWAP_TS = K.KernelConfig("fused", 16, 64, 128, 4, 1, split_waves=0, swap_ab=True)
+GEMV = K.KernelConfig("gemv", 1, 64, 128, 2, 1, split_waves=8)  # CUDA-core kernel, split-K on 4 "SMs"
+GEMV_M4 = K.KernelConfig("gemv", 4, 32, 64, 1, 1, split_waves=8)  # 4 rows per CTA; M > 4 uses several CTAs
+GEMV_PRE = K.KernelConfig("gemv", 2, 64, 128, 2, 3)  # loads pipelined 2 tiles ahead through shared memory
+GEMV_FOLD = K.KernelConfig("gemv", 2, 64, 128, 2, 1, split_waves=8, fold_zero=True)  # 4-bit: no FADD per code
 
 
 def make_layer(n, k, bits=4, group_size=128, sym=False, act_order=False, seed=0):
@@ -92,6 +99,19 @@ CASES = [
     (9, 48, 384, 8, 128, True, torch.float16, False, False, SKINNY),  # 8-bit fp16: lane pairs of 8-bit codes
     (70, 33, 320, 4, -1, False, torch.bfloat16, False, True, WIDE),
     (4, 40, 200, 4, 64, False, torch.bfloat16, True, True, FUSED),  # bf16 fused scale: fp32 path
+    (1, 77, 576, 4, 128, False, torch.float16, False, True, GEMV),  # ragged last group, split K
+    (1, 64, 256, 4, -1, True, torch.bfloat16, True, False, GEMV),  # per-channel, act-order
+    (3, 33, 200, 4, 64, False, torch.bfloat16, False, True, GEMV_M4),  # K % 32 != 0: masked x, padded words
+    (9, 50, 384, 8, 128, False, torch.float16, True, True, GEMV_M4),  # 8-bit, 3 row blocks, last one partial
+    (5, 96, 512, 4, 32, True, torch.float16, False, False, GEMV_PRE),
+    (2, 40, 130, 8, 64, True, torch.bfloat16, False, True, GEMV_PRE),  # K % 8 != 0
+    (1, 96, 1024, 4, 128, False, torch.float16, False, True, GEMV_FOLD),  # offsets folded out: rounding check
+    (3, 40, 200, 4, -1, False, torch.bfloat16, True, False, GEMV_FOLD),  # masked K tail, per-channel
+    (2, 33, 256, 8, 64, True, torch.float16, False, True, GEMV_FOLD),  # 8-bit: fold_zero does not apply
+    (16, 70, 320, 4, 64, False, torch.float16, True, True, SWAP),
+    (3, 33, 200, 4, 128, True, torch.bfloat16, False, True, SWAP),  # bf16 fused scale through fp32
+    (20, 96, 384, 4, -1, False, torch.float16, False, True, SWAP_TS),  # tile scale, two row blocks
+    (7, 48, 256, 8, 64, False, torch.float16, False, False, SWAP_TS),
 ]
 
 
@@ -125,15 +145,16 @@ def test_leading_dims_and_default_config():
     assert_close_to_float64(y.reshape(6, 40), x.reshape(6, 256), qw, None)
 
 
-def test_split_k_is_deterministic_and_resets_its_semaphores():
+@pytest.mark.parametrize("config", [SPLIT, GEMV])
+def test_split_k_is_deterministic_and_resets_its_semaphores(config):
     _, buffers = make_layer(64, 512, seed=4)
     w = prepared(buffers, 4, 128)
-    x = torch.randn(3, 512, device=DEVICE).half()
-    plan = K.plan_launch(SPLIT, 3, 64, 512, 128, 4)
+    x = torch.randn(1, 512, device=DEVICE).half()
+    plan = K.plan_launch(config, 1, 64, 512, 128, 4)
     assert plan.split_k > 1
-    y1 = K.w4a16_linear(x, w, config=SPLIT)
+    y1 = K.w4a16_linear(x, w, config=config)
     assert int(w.locks.abs().sum()) == 0
-    y2 = K.w4a16_linear(x, w, config=SPLIT)
+    y2 = K.w4a16_linear(x, w, config=config)
     assert torch.equal(y1, y2)
 
 
@@ -143,8 +164,8 @@ def test_split_k_is_deterministic_and_resets_its_semaphores():
 def test_dequantize_kernel_is_bit_exact(bits, group, dtype):
     qw, buffers = make_layer(45, 200, bits, group, seed=bits)
     w = prepared(buffers, bits, group)
-    got = K.w4a16_dequantize(w, dtype)  # [K, N]
-    want = qw.dequantize(torch.float32).to(dtype).t().to(DEVICE)
+    got = K.w4a16_dequantize(w, dtype)  # [N, K]
+    want = qw.dequantize(torch.float32).to(dtype).to(DEVICE)
     assert torch.equal(got, want)
 
 
@@ -175,6 +196,16 @@ def test_reference_function_matches_quantized_weight():
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
 
 
+def test_gemv_reference_matches_quantized_weight():
+    qw, buffers = make_layer(30, 200, 8, 64, seed=11)
+    x = torch.randn(3, 200, device=DEVICE)
+    bias = torch.randn(30, device=DEVICE)
+    b = {name: t for name, t in buffers.items()}
+    y = K.w4a16_gemv_reference(x, b["qweight"], b["qzeros"], b["scales"], 64, 8, bias)
+    want = x.double() @ qw.dequantize(torch.float64).to(DEVICE).T + bias.double()
+    torch.testing.assert_close(y, want.float(), rtol=1e-6, atol=1e-6)
+
+
 def test_unsupported_layers_are_named():
     g = torch.arange(256, dtype=torch.int32) // 64
     assert K.unsupported_reason(4, 64, g) is None
@@ -189,6 +220,12 @@ def test_launcher_checks_inputs():
     w = prepared(buffers, 4, 128)
     x = torch.randn(2, 256, device=DEVICE).half()
     with pytest.raises(ValueError, match=r"x must be \[M, 256\]"):
+        K.w4a16_gemv(x[:, :128], w, GEMV)
+    with pytest.raises(ValueError, match="runs the gemv kernel"):
+        K.w4a16_gemv(x, w, SPLIT)
+    with pytest.raises(ValueError, match="runs the fused kernel"):
+        K.w4a16_gemm(x, w, config=GEMV)
+    with pytest.raises(ValueError, match=r"x must be \[M, 256\]"):
         K.w4a16_gemm(x[:, :128], w)
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         K.w4a16_gemm(x.float(), w)
@@ -200,8 +237,9 @@ def test_launcher_checks_inputs():
 
 def test_plan_caps_block_k_by_group_and_fills_the_sms():
     skinny = K.KernelConfig("fused", 16, 128, 128, 4, 4, split_waves=4)
-    assert K.plan_launch(skinny, 1, 4096, 4096, 64, 132).block_k == 64  # tile-scale: never straddle groups
-    assert K.plan_launch(K.KernelConfig(block_k=128, fuse_scale=True), 1, 4096, 4096, 64, 132).block_k == 128
+    assert K.plan_launch(skinny, 1, 4096, 4096, 64, 132).block_k == 64  # a K tile never straddles groups
+    assert K.plan_launch(K.KernelConfig(block_k=128, fuse_scale=True), 1, 4096, 4096, 96, 132).block_k == 32
+    assert K.plan_launch(K.KernelConfig(block_k=128, fuse_scale=True), 1, 4096, 4096, 0, 132).block_k == 128
     plan = K.plan_launch(skinny, 1, 4096, 4096, 128, 132)  # 32 output tiles, 32 K tiles
     assert plan.split_k == 16 and plan.tiles_per_split == 2  # 512 CTAs: ~4 waves of 132
     plan = K.plan_launch(skinny, 1, 4096, 14336, 128, 132)  # 112 K tiles
@@ -209,6 +247,11 @@ def test_plan_caps_block_k_by_group_and_fills_the_sms():
     plan = K.plan_launch(skinny, 1, 28672, 8192, 128, 132)
     assert plan.split_k == 3 and plan.grid == (224, 3)
     assert K.plan_launch(K.KernelConfig("fused", 128, 256, 64, 8, 3), 4096, 28672, 8192, 128, 132).split_k == 1
+    gemv = K.KernelConfig("gemv", 1, 512, 128, 4, 1, split_waves=8)
+    assert K.plan_launch(gemv, 1, 4096, 4096, 64, 132).block_k == 64  # a gemv tile never straddles groups
+    plan = K.plan_launch(gemv, 1, 28672, 8192, 128, 132)  # 56 column blocks, 64 K tiles
+    assert plan.grid == (56, 16) and plan.tiles_per_split == 4
+    assert K.plan_launch(gemv, 5, 28672, 8192, 128, 132).grid[0] == 5 * 56  # one row per CTA: 5 row blocks
 
 
 def test_config_table_covers_every_m():
@@ -264,7 +307,7 @@ def test_split_k_replays_inside_a_cuda_graph():
     w = prepared(buffers, 4, 128)
     x = torch.randn(1, 4096, device="cuda").half()
     cfg = K.KernelConfig("fused", 16, 128, 128, 4, 4, split_waves=4)
-    assert K.plan_launch(cfg, 1, 4096, 4096, 128, K._num_sms(x.device)).split_k > 1
+    assert K.plan_launch(cfg, 1, 4096, 4096, 128, num_sms(x.device)).split_k > 1
     out = torch.full((1, 4096), float("nan"), device="cuda", dtype=torch.float16)
     K.w4a16_linear(x, w, config=cfg, out=out)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
