@@ -13,6 +13,7 @@ statistics of the linears being processed, never the whole model.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +27,10 @@ from quantkit.models.layers import linears
 
 def _hidden_of(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
+
+
+class _InputsSeen(Exception):
+    """Raised by a pre-hook once every module being measured has received its input in this call."""
 
 
 @dataclass
@@ -63,9 +68,34 @@ class LayerContext:
 
     @torch.no_grad()
     def collect(self, modules: dict[str, nn.Linear], hessian: bool = True) -> dict[str, LinearStats]:
-        """Run the layer once with hooks on ``modules``; every module gets stats (zero tokens if never called)."""
+        """Run the layer with hooks on ``modules``; every module gets stats (zero tokens if never called).
+
+        Each calibration batch runs only until every module in ``modules`` has seen its input: the rest of the
+        layer cannot change the statistics. Stopping there halves the cost of true-sequential calibration
+        (q/k/v need only the input norm, o_proj only attention). PyTorch offers no way to leave a forward
+        early other than raising from a hook, so this one place does that, with a private exception type; a
+        module that is never called (an expert no token was routed to) simply lets the layer run to its end.
+        """
+        pending: set[str] = set()
+
+        def stop_when_all_seen(name: str):
+            def hook(module, args):
+                pending.discard(name)
+                if not pending:
+                    raise _InputsSeen
+
+            return hook
+
         with StatsCollector(modules, hessian=hessian) as collector:
-            self.forward()
+            handles = [m.register_forward_pre_hook(stop_when_all_seen(n)) for n, m in modules.items()]
+            try:
+                for h, kw in zip(self.hidden, self.kwargs, strict=True):
+                    pending.update(modules)
+                    with contextlib.suppress(_InputsSeen):
+                        self.layer(h, **kw)
+            finally:
+                for handle in handles:
+                    handle.remove()
         out = collector.stats
         for name, m in modules.items():
             if name not in out:  # e.g. an expert no calibration token was routed to

@@ -35,16 +35,41 @@ class LinearStats:
 
 
 class StatsCollector:
-    """Accumulates :class:`LinearStats` for a set of linears while the layer runs."""
+    """Accumulates :class:`LinearStats` for a set of linears while the layer runs.
+
+    Linears fed by the same tensor (q/k/v after one norm, gate/up) share one :class:`LinearStats` object: the
+    statistics are identical, so X^T X is computed once. Consumers must treat stats as read-only.
+    """
 
     def __init__(self, modules: dict[str, nn.Linear], hessian: bool = True) -> None:
         self.modules = modules
         self.hessian = hessian
         self.stats: dict[str, LinearStats] = {}
         self._handles = []
+        self._last_input: dict[str, torch.Tensor] = {}  # module -> the input tensor of its latest call
+        self._same_input_as: dict[str, str] = {}  # module -> the module whose stats it shares
+
+    def _shares_input(self, name: str, x: torch.Tensor) -> bool:
+        """True when ``x`` is the very tensor another hooked module received in this call (held by reference,
+        so its memory cannot have been reused)."""
+        if name in self._same_input_as:
+            if self._last_input.get(self._same_input_as[name]) is not x:
+                raise RuntimeError(f"{name} stopped sharing its input with {self._same_input_as[name]}")
+            return True
+        if name in self.stats:  # already accumulating on its own
+            return False
+        for other, seen in self._last_input.items():
+            if seen is x and other != name and other not in self._same_input_as:
+                self._same_input_as[name] = other
+                self.stats[name] = self.stats[other]
+                return True
+        return False
 
     def _hook(self, name: str):
         def hook(module: nn.Linear, args):
+            if self._shares_input(name, args[0]):
+                return
+            self._last_input[name] = args[0]
             x = args[0].detach().reshape(-1, module.in_features).float()
             st = self.stats.get(name)
             if st is None:
@@ -72,3 +97,4 @@ class StatsCollector:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._last_input.clear()

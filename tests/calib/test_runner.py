@@ -1,0 +1,52 @@
+"""The layer-by-layer runner's statistics: early-stopped, input-sharing collection equals a plain full pass."""
+
+import pytest
+import torch
+
+from quantkit.calib.runner import LayerContext, capture_layer_inputs
+from quantkit.calib.stats import StatsCollector
+from quantkit.models.arch import arch_for
+from quantkit.pipeline import prepare_model
+from tests.tiny_models import CONFIGS, tiny_model
+
+
+class UnsharedCollector(StatsCollector):
+    def _shares_input(self, name, x):
+        return False
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_collect_matches_independent_full_pass(arch):
+    model = tiny_model(arch)
+    prepare_model(model)
+    spec = arch_for(model)
+    batches = list(torch.randint(3, 320, (6, 24), generator=torch.Generator().manual_seed(0)).split(2))
+    hidden, kwargs = capture_layer_inputs(model, spec, batches, torch.device("cpu"))
+    layer = model.get_submodule(spec.layers)[0]
+    ctx = LayerContext(0, f"{spec.layers}.0", layer, spec, hidden, kwargs[0], torch.device("cpu"))
+    for group in ctx.sequential_groups():
+        modules = dict(group)
+        fast = ctx.collect(modules)
+        with UnsharedCollector(modules) as reference:
+            ctx.forward()
+        for name in modules:
+            if name not in reference.stats:  # an expert that received no token
+                assert fast[name].n_tokens == 0
+                continue
+            ref = reference.stats[name]
+            assert fast[name].n_tokens == ref.n_tokens == sum(b.numel() for b in batches) or "experts" in name
+            torch.testing.assert_close(fast[name].xtx, ref.xtx)
+            torch.testing.assert_close(fast[name].absmax, ref.absmax)
+            torch.testing.assert_close(fast[name].abssum, ref.abssum)
+
+
+def test_modules_fed_by_one_tensor_share_their_statistics():
+    model = tiny_model("llama")
+    spec = arch_for(model)
+    batches = [torch.randint(3, 320, (2, 16))]
+    hidden, kwargs = capture_layer_inputs(model, spec, batches, torch.device("cpu"))
+    ctx = LayerContext(0, "model.layers.0", model.model.layers[0], spec, hidden, kwargs[0], torch.device("cpu"))
+    qkv = dict(ctx.sequential_groups()[0])
+    stats = ctx.collect(qkv)
+    q, k, v = (stats[f"self_attn.{p}_proj"] for p in "qkv")
+    assert q is k is v  # one X^T X for the three projections of the same normed input
