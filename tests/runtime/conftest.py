@@ -1,14 +1,8 @@
-"""Runtime tests run the Triton kernels in Triton's interpreter when no CUDA device is present (set before any
-kernel module is imported), and run torch on one CPU thread: the tensors are tiny, and on a shared 2-core machine
-thread contention made the tests ~50x slower."""
-
-import os
+"""Runtime tests run torch on one CPU thread: the tensors are tiny, and on a shared 2-core machine thread contention
+made the tests ~50x slower. (TRITON_INTERPRET is set by tests/conftest.py.)"""
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True, scope="module")
