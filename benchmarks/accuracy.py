@@ -92,6 +92,7 @@ def main() -> None:
                     "top1": res.top1_agreement,
                     "quantize_seconds": round(q_seconds, 1),
                     "params": json.loads(args.params),
+                    "calibration": f"{args.calib} {args.nsamples}x{args.seqlen}" if recipe.needs_calibration else None,
                 }
                 rows.append(row)
                 console.print(row)
@@ -167,13 +168,14 @@ def markdown(report: dict) -> str:
         f"{report['eval']['windows']} windows x {report['eval']['seqlen']} tokens. Calibration: "
         f"{report['calibration']['source']}, {report['calibration']['nsamples']} x {report['calibration']['seqlen']}.",
         "",
-        "| method | bits | group | sym | ppl | Δppl | KL | top-1 |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | bits | group | sym | ppl | Δppl | KL | top-1 | calibration | quantize s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         lines.append(
             f"| {method_cell(r)} | {r['bits']} | {r['group_size']} | {r['sym']} | {r['perplexity']:.3f} | "
-            f"{r['perplexity'] - base:+.3f} | {r['kl']:.4f} | {r['top1']:.3f} |"
+            f"{r['perplexity'] - base:+.3f} | {r['kl']:.4f} | {r['top1']:.3f} | {r.get('calibration') or '-'} | "
+            f"{r['quantize_seconds']} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -63,6 +63,7 @@ FLAG_MAP = {
     "block_size": ("params", "block_size"),
     "act_order": ("params", "act_order"),
     "static_groups": ("params", "static_groups"),
+    "mse": ("params", "mse"),
     "alpha": ("params", "alpha"),
     "alpha_search": ("params", "alpha_search"),
     "grid": ("params", "grid"),
@@ -130,6 +131,7 @@ def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out:
 @click.option("--block-size", type=int, default=None, help="GPTQ lazy-update block size.")
 @click.option("--act-order/--no-act-order", default=None, help="GPTQ: columns by decreasing diag(H).")
 @click.option("--static-groups/--no-static-groups", default=None, help="GPTQ: group grids fixed up front.")
+@click.option("--mse/--no-mse", default=None, help="GPTQ: clip each group's grid where that lowers its error.")
 @click.option("--alpha", type=float, default=None, help="SmoothQuant migration strength.")
 @click.option("--alpha-search/--no-alpha-search", default=None, help="SmoothQuant: search alpha per layer.")
 @click.option("--act-static", is_flag=True, default=None, help="W8A8: static per-tensor activation scales.")

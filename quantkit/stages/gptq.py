@@ -37,6 +37,7 @@ class GPTQStage(WeightStage):
         act_order: bool = False
         static_groups: bool = False
         true_sequential: bool = True
+        mse: bool = False
 
         def __post_init__(self) -> None:
             if isinstance(self.damp, bool) or not isinstance(self.damp, (int, float)):
@@ -45,7 +46,7 @@ class GPTQStage(WeightStage):
                 raise QuantkitError(f"gptq damp must be >= 0 (a fraction of mean(diag(H)), e.g. 0.01), got {self.damp}")
             if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
                 raise QuantkitError(f"gptq block_size must be a positive integer, got {self.block_size!r}")
-            for name in ("act_order", "static_groups", "true_sequential"):
+            for name in ("act_order", "static_groups", "true_sequential", "mse"):
                 if not isinstance(getattr(self, name), bool):
                     raise QuantkitError(f"gptq {name} must be true or false, got {getattr(self, name)!r}")
 
@@ -77,5 +78,6 @@ class GPTQStage(WeightStage):
             block_size=p.block_size,
             act_order=p.act_order,
             static_groups=p.static_groups,
+            mse=p.mse,
         )
         return qw, {**info, "tokens": stats.n_tokens}

@@ -239,3 +239,14 @@ def test_beats_rtn_on_a_real_smollm2_layer():
         print(f"{name} {scheme.name}: GPTQ/RTN {ratio_calib:.3f} calibration, {ratio_held:.3f} held-out")
         assert ratio_calib < max_calib, (name, scheme.name, ratio_calib)
         assert ratio_held < max_held, (name, scheme.name, ratio_held)
+
+
+@pytest.mark.parametrize("group", [-1, 32])
+def test_mse_grids_lower_the_output_error_with_outliers(group):
+    """With a few outlying weights per row, clipped grids (mse=True) leave GPTQ a lower output error."""
+    w, h = correlated_problem(seed=7)
+    w[:, ::23] *= 6
+    scheme = QuantScheme(bits=4, group_size=group, sym=False)
+    _, plain = gptq(w, h, scheme)
+    _, clipped = gptq(w, h, scheme, mse=True)
+    assert clipped["loss"] < plain["loss"]
