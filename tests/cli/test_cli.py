@@ -193,3 +193,33 @@ def test_entry_point_exit_code_and_single_line(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["quantkit: error: bits must be one of 2, 3, 4, 8, got 5"]
+
+
+def test_smoothquant_command_and_inspect_show_w8a8(tiny_dir, tmp_path):
+    out = tmp_path / "sq"
+    r = run(
+        "quantize", "--model", tiny_dir, "--out", out, "--method", "smoothquant", "--alpha", "0.6", "--act-static",
+        "--nsamples", "4", "--seqlen", "32", "--calib", "brown",
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    (name,) = qc["schemes"]
+    assert qc["schemes"][name]["act_bits"] == 8 and qc["schemes"][name]["act_dynamic"] is False
+    r = run("inspect", out, "--json")
+    assert r.exit_code == 0, r.output
+    assert {m["scheme"] for m in json.loads(r.stdout)["modules"]} == {name}
+    r = run("inspect", out)
+    assert r.exit_code == 0 and "w8a8" in r.stdout  # the table (narrow terminal: names may wrap)
+
+
+def test_gptq_command_with_its_flags(tiny_dir, tmp_path):
+    out = tmp_path / "g"
+    r = run(
+        "quantize", "--model", tiny_dir, "--out", out, "--method", "gptq", "--bits", "3", "--group-size", "32",
+        "--damp", "0.02", "--block-size", "16", "--act-order", "--mse", "--nsamples", "4", "--seqlen", "32",
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    (stage,) = json.loads((out / "config.json").read_text())["quantization_config"]["recipe"]["stages"]
+    assert stage["params"] == {
+        "damp": 0.02, "block_size": 16, "act_order": True, "static_groups": False, "true_sequential": True, "mse": True,
+    }  # fmt: skip
