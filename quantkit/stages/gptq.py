@@ -4,6 +4,12 @@ With ``true_sequential`` (default) the linears are quantized group by group in e
 then gate/up, then down, from the architecture table), so that each group's Hessian is measured on the outputs
 of the groups already quantized. Without it, all Hessians of the layer come from one float forward pass.
 
+Defaults: act-order and MSE-clipped grids are on. Both are options in the paper's and in the reference code (off
+there); on SmolLM2-135M (4-bit per channel, 64 x 512 Brown tokens, results/accuracy-gptq.md) plain GPTQ removed
+only 12% of RTN's perplexity increase, act-order 38%, act-order with clipped grids 58%. On a real layer the held-out
+output error of down_proj fell from 0.90x RTN's to 0.63x. ``act_order: false`` keeps g_idx = k // G for consumers
+that cannot permute.
+
 A linear that received no calibration token (an MoE expert no token was routed to) has an all-zero Hessian, so
 GPTQ has nothing to minimise: it is quantized with RTN instead -- which is what GPTQ with H = I would compute --
 and this is logged as a warning and recorded in the layer report (``fallback``), never silently.
@@ -34,10 +40,10 @@ class GPTQStage(WeightStage):
     class Params:
         damp: float = 0.01
         block_size: int = 128
-        act_order: bool = False
+        act_order: bool = True
         static_groups: bool = False
         true_sequential: bool = True
-        mse: bool = False
+        mse: bool = True
 
         def __post_init__(self) -> None:
             if isinstance(self.damp, bool) or not isinstance(self.damp, (int, float)):

@@ -29,7 +29,9 @@ def calib_ids(n=16, length=32, seed=0) -> torch.Tensor:
 
 def test_params_defaults_and_validation():
     p = parse_params("gptq", None, "params")
-    assert (p.damp, p.block_size, p.act_order, p.static_groups, p.true_sequential) == (0.01, 128, False, False, True)
+    assert (p.damp, p.block_size, p.act_order, p.static_groups, p.true_sequential, p.mse) == (
+        0.01, 128, True, False, True, True
+    )  # fmt: skip
     bad = [
         ({"damp": -0.1}, "damp"),
         ({"damp": float("nan")}, "damp"),
@@ -39,6 +41,7 @@ def test_params_defaults_and_validation():
         ({"act_order": "yes"}, "act_order"),
         ({"static_groups": 1}, "static_groups"),
         ({"true_sequential": None}, "true_sequential"),
+        ({"mse": "on"}, "mse"),
         ({"desc_act": True}, "unknown key 'desc_act'"),
     ]
     for data, message in bad:
