@@ -16,6 +16,12 @@ from quantkit.checkpoint.config import FORMAT_VERSION, QUANT_METHOD, layout_of
 from quantkit.errors import QuantkitError
 from quantkit.nn.factory import quantized_modules
 from quantkit.quant.packing import LAYOUT_VERSIONS
+from quantkit.stages.smoothquant import outlier_markdown, outlier_rows
+
+SMOOTHING_HEADER = (
+    "Activation outlier ratio (largest / median per-channel abs-max of each smoothing group's input, over all\n"
+    "calibration tokens) before and after smoothing, and the migration strength alpha used.\n\n"
+)
 
 SHARD_BYTES = 4 << 30
 WEIGHTS_NAME = "model.safetensors"
@@ -132,6 +138,9 @@ def save_quantized(
             "layers": result.layers,
         }
         (tmp / "quant_report.json").write_text(json.dumps(report, indent=1) + "\n")
+        smoothing = outlier_rows(result.layers)
+        if smoothing:  # what smoothing did to the activation outliers, readable without tools
+            (tmp / "smoothing.md").write_text(SMOOTHING_HEADER + outlier_markdown(smoothing))
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             out.rename(old)

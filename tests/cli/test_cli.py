@@ -202,6 +202,7 @@ def test_smoothquant_command_and_inspect_show_w8a8(tiny_dir, tmp_path):
         "--nsamples", "4", "--seqlen", "32", "--calib", "brown",
     )  # fmt: skip
     assert r.exit_code == 0, r.output
+    assert "smoothing: median activation outlier ratio" in r.stdout
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     (name,) = qc["schemes"]
     assert qc["schemes"][name]["act_bits"] == 8 and qc["schemes"][name]["act_dynamic"] is False
@@ -210,6 +211,7 @@ def test_smoothquant_command_and_inspect_show_w8a8(tiny_dir, tmp_path):
     assert {m["scheme"] for m in json.loads(r.stdout)["modules"]} == {name}
     r = run("inspect", out)
     assert r.exit_code == 0 and "w8a8" in r.stdout  # the table (narrow terminal: names may wrap)
+    assert "| producer |" in (out / "smoothing.md").read_text()
 
 
 def test_gptq_command_with_its_flags(tiny_dir, tmp_path):
