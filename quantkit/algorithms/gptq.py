@@ -22,8 +22,9 @@ where F are the remaining columns. Paper notation below:
   columns quantized before it. Blocks are cut at group starts, so the group's columns are up to date at that point
   (lazy updates of earlier blocks all applied). ``static_groups`` instead computes every group's grid up front from
   the original W, in the original column order.
-- ``mse`` (off by default, as in the paper): grids clip each group's range where that lowers the group's own
-  rounding error, searched over 80 shrink factors; it matters most per channel, where a few outliers set the grid.
+- ``mse`` (off by default here, as in the paper; the gptq recipe stage turns it on): grids clip each group's
+  range where that lowers the group's own rounding error, searched over 80 shrink factors; it matters most per
+  channel, where a few outliers set the grid.
 - Act-order (``desc_act``): columns are processed by decreasing diag(H). Without static groups, groups are runs of
   G consecutive columns in processing order, so ``g_idx`` (the group of each ORIGINAL column) is non-monotonic;
   with static groups ``g_idx[k] = k // G``.

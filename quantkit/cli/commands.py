@@ -178,16 +178,15 @@ def quantize_command(model, method, recipe_spec, out, device, dtype, overwrite, 
         f"[green]saved[/] {path}  ({len(result.layers)} linears quantized in {result.seconds:.1f}s, "
         f"total {time.perf_counter() - t0:.1f}s)"
     )
-    if (path / "smoothing.md").is_file():
-        from quantkit.stages.smoothquant import outlier_rows
+    from quantkit.stages.smoothquant import outlier_rows
 
-        rows = outlier_rows(result.layers)
-        ratios = [
-            (r["outlier_before"], r["outlier_after"])
-            for r in rows
-            if None not in (r["outlier_before"], r["outlier_after"])
-        ]
-        before, after = (statistics.median(x) for x in zip(*ratios, strict=True)) if ratios else (float("nan"),) * 2
+    ratios = [
+        (r["outlier_before"], r["outlier_after"])
+        for r in outlier_rows(result.layers)
+        if None not in (r["outlier_before"], r["outlier_after"])
+    ]
+    if ratios:  # the checkpoint's smoothing.md holds the whole table
+        before, after = (statistics.median(x) for x in zip(*ratios, strict=True))
         stdout.print(
             f"smoothing: median activation outlier ratio {before:.1f} -> {after:.1f} over {len(ratios)} groups "
             f"(table: {path / 'smoothing.md'})"

@@ -215,13 +215,15 @@ def test_smoothquant_command_and_inspect_show_w8a8(tiny_dir, tmp_path):
 
 
 def test_gptq_command_with_its_flags(tiny_dir, tmp_path):
+    """Each flag lands in the saved recipe; --no-act-order / --no-mse turn the stage's defaults off."""
     out = tmp_path / "g"
     r = run(
         "quantize", "--model", tiny_dir, "--out", out, "--method", "gptq", "--bits", "3", "--group-size", "32",
-        "--damp", "0.02", "--block-size", "16", "--act-order", "--mse", "--nsamples", "4", "--seqlen", "32",
+        "--damp", "0.02", "--block-size", "16", "--no-act-order", "--no-mse", "--nsamples", "4", "--seqlen", "32",
     )  # fmt: skip
     assert r.exit_code == 0, r.output
     (stage,) = json.loads((out / "config.json").read_text())["quantization_config"]["recipe"]["stages"]
     assert stage["params"] == {
-        "damp": 0.02, "block_size": 16, "act_order": True, "static_groups": False, "true_sequential": True, "mse": True,
+        "damp": 0.02, "block_size": 16, "act_order": False, "static_groups": False, "true_sequential": True,
+        "mse": False,
     }  # fmt: skip
