@@ -73,7 +73,12 @@ def gptq_recipe(args):
             "name": "bench-gptq",
             "scheme": {"bits": args.bits, "group_size": args.group_size, "sym": not args.asym},
             "calibration": {"nsamples": args.nsamples, "seqlen": args.seqlen, "batch_size": args.batch_size},
-            "stages": [{"method": "gptq", "params": {"act_order": args.act_order, "block_size": args.block_size}}],
+            "stages": [
+                {
+                    "method": "gptq",
+                    "params": {"act_order": args.act_order, "mse": args.mse, "block_size": args.block_size},
+                }
+            ],
         },
         "bench recipe",
     )
@@ -124,7 +129,10 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--asym", action="store_true", help="asymmetric grid (default symmetric)")
-    ap.add_argument("--act-order", action="store_true")
+    ap.add_argument(
+        "--act-order", action=argparse.BooleanOptionalAction, default=True, help="default: on (as the stage)"
+    )
+    ap.add_argument("--mse", action=argparse.BooleanOptionalAction, default=True, help="clipped grids (default: on)")
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave the default)")
     ap.add_argument("--out", type=Path, default=os.environ.get("OUT"), help="folder for JSON/markdown (default $OUT)")
@@ -138,6 +146,7 @@ def main() -> None:
         "cpu_threads": torch.get_num_threads(),
         "scheme": {"bits": args.bits, "group_size": args.group_size, "sym": not args.asym},
         "act_order": args.act_order,
+        "mse": args.mse,
         "block_size": args.block_size,
     }
     t0 = time.perf_counter()
@@ -188,7 +197,7 @@ def markdown(info: dict) -> str:
         ("device", info.get("gpu", f"CPU, {info['cpu_threads']} threads")),
         ("calibration", f"{info['calibration']['nsamples']} x {info['calibration']['seqlen']} tokens"),
         ("scheme", f"w{info['scheme']['bits']} g{info['scheme']['group_size']} sym={info['scheme']['sym']}"),
-        ("act_order", str(info["act_order"])),
+        ("act_order / mse", f"{info['act_order']} / {info.get('mse', False)}"),
         ("layers / linears", f"{info['layers']} / {info['linears']}"),
         ("build (s)", str(info["build_seconds"])),
         ("quantize wall (s)", str(info["quantize_seconds"])),

@@ -41,6 +41,8 @@ import torch
 
 from quantkit.algorithms.rtn import group_qparams
 from quantkit.errors import QuantkitError
+from quantkit.kernels.gptq_block import MAX_BLOCK as MAX_KERNEL_BLOCK
+from quantkit.kernels.gptq_block import gptq_block, gptq_block_reference
 from quantkit.quant.scheme import QuantScheme
 from quantkit.quant.tensor import QuantizedWeight, compute_qparams, group_index, search_qparams
 
@@ -75,6 +77,14 @@ def inverse_hessian_factor(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, 
         f"GPTQ: the Hessian is not positive definite even with damp {damp:.3g} after {MAX_RETRIES} retries "
         "(check the calibration data for NaN/Inf activations)"
     )
+
+
+def block_step(W1, U1, s1, z1, maxq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block of the column loop (see :mod:`quantkit.kernels.gptq_block`): a Triton kernel on CUDA, where the
+    PyTorch loop is launch-bound, and the PyTorch loop elsewhere."""
+    if W1.is_cuda:
+        return gptq_block(W1, U1, s1, z1, maxq)
+    return gptq_block_reference(W1, U1, s1, z1, maxq)
 
 
 def block_bounds(K: int, block_size: int, group: int) -> list[tuple[int, int]]:
@@ -150,21 +160,15 @@ def gptq(
     U, damp_used, retries = inverse_hessian_factor(H, damp)  # [K, K] upper
     del H
     codes = torch.empty(N, K, dtype=torch.uint8, device=W.device)  # processing order
+    if W.is_cuda:  # the kernel holds a block in registers; smaller blocks give the same result (lazy updates)
+        block_size = min(block_size, MAX_KERNEL_BLOCK)
     for i1, i2 in block_bounds(K, block_size, G):
         if not (static_groups or n_groups == 1) and i1 % G == 0:
             g = i1 // G  # a group starts here; W[:, i1:] holds every update from earlier blocks
             scales[:, g], zeros[:, g] = qparams(W[:, i1 : i1 + G], scheme.bits, scheme.sym)
-        W1 = W[:, i1:i2].clone()  # [N, B]
-        U1 = U[i1:i2, i1:i2]  # [B, B]
-        Q1 = torch.empty_like(W1)  # [N, B] integer codes (as floats)
-        E1 = torch.empty_like(W1)  # [N, B] scaled errors
-        s1 = scales[:, proc_group[i1:i2]]  # [N, B]
+        s1 = scales[:, proc_group[i1:i2]]  # [N, B]: the grid of each column of the block
         z1 = zeros[:, proc_group[i1:i2]]
-        for i in range(i2 - i1):  # in-place ops with out=: this loop is launch-bound on GPUs
-            w, q, s, z = W1[:, i], Q1[:, i], s1[:, i], z1[:, i]
-            torch.div(w, s, out=q).round_().add_(z).clamp_(0, maxq)  # = quantize_with_qparams(w, s, z, maxq)
-            err = torch.sub(w, (q - z).mul_(s), out=E1[:, i]).div_(U1[i, i])  # err = (w - quant(w)) / [H^-1]_qq
-            W1[:, i:].addr_(err, U1[i, i:], alpha=-1)  # update the rest of the block
+        Q1, E1 = block_step(W[:, i1:i2], U[i1:i2, i1:i2], s1, z1, maxq)  # codes, scaled errors [N, B]
         codes[:, i1:i2] = Q1.to(torch.uint8)
         W[:, i2:] -= E1 @ U[i1:i2, i2:]  # lazy batch update of all later columns
     del U, W

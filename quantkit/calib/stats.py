@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(a, b, out_dtype=...) (CUDA, torch >= 2.8)
+
 
 @dataclass
 class LinearStats:
@@ -70,7 +72,8 @@ class StatsCollector:
             if self._shares_input(name, args[0]):
                 return
             self._last_input[name] = args[0]
-            x = args[0].detach().reshape(-1, module.in_features).float()
+            x16 = args[0].detach().reshape(-1, module.in_features)
+            x = x16.float()
             st = self.stats.get(name)
             if st is None:
                 k = module.in_features
@@ -81,7 +84,12 @@ class StatsCollector:
                     abssum=torch.zeros(k, dtype=torch.float32, device=x.device),
                 )
             if self.hessian:
-                st.xtx.addmm_(x.t(), x)
+                if x16.is_cuda and x16.dtype in (torch.float16, torch.bfloat16) and _MM_OUT_DTYPE:
+                    # 16-bit operands, fp32 products and accumulation on tensor cores: the same sums as an fp32
+                    # GEMM of the upcast inputs (16-bit products are exact in fp32) at ~10x the speed
+                    st.xtx += torch.mm(x16.t(), x16, out_dtype=torch.float32)
+                else:
+                    st.xtx.addmm_(x.t(), x)
             a = x.abs()
             torch.maximum(st.absmax, a.amax(dim=0), out=st.absmax)
             st.abssum += a.sum(dim=0)

@@ -50,3 +50,19 @@ def test_modules_fed_by_one_tensor_share_their_statistics():
     stats = ctx.collect(qkv)
     q, k, v = (stats[f"self_attn.{p}_proj"] for p in "qkv")
     assert q is k is v  # one X^T X for the three projections of the same normed input
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the 16-bit tensor-core Hessian path is CUDA-only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_hessian_of_16bit_inputs_equals_fp32_gemm(dtype):
+    """X^T X from 16-bit activations (fp32 accumulation on tensor cores) equals the fp32 GEMM of the upcast inputs."""
+    lin = torch.nn.Linear(512, 8, device="cuda", dtype=dtype)
+    xs = [torch.randn(3, 700, 512, device="cuda", dtype=dtype) for _ in range(3)]
+    with StatsCollector({"lin": lin}) as col:
+        for x in xs:
+            lin(x)
+    x32 = torch.cat([x.reshape(-1, 512).float() for x in xs])
+    expect = x32.t().double() @ x32.double()
+    got = col.stats["lin"].xtx.double()
+    fp32 = (x32.t() @ x32).double()
+    assert (got - expect).abs().max() <= 4 * (fp32 - expect).abs().max() + 1e-3
