@@ -85,8 +85,8 @@ class StatsCollector:
                 )
             if self.hessian:
                 if x16.is_cuda and x16.dtype in (torch.float16, torch.bfloat16) and _MM_OUT_DTYPE:
-                    # 16-bit operands, fp32 products and accumulation on tensor cores: the same sums as an fp32
-                    # GEMM of the upcast inputs (16-bit products are exact in fp32) at ~10x the speed
+                    # 16-bit operands, exact products and fp32 accumulation on tensor cores: an fp32-accurate
+                    # X^T X (within ~1e-5 relative on the H200) many times faster than an fp32 GEMM
                     st.xtx += torch.mm(x16.t(), x16, out_dtype=torch.float32)
                 else:
                     st.xtx.addmm_(x.t(), x)
