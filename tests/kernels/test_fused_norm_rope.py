@@ -1,0 +1,71 @@
+"""The runtime's fused element-wise kernels against their PyTorch references (interpreter on CPU, GPU on the H200).
+
+Each kernel rounds to the output dtype from fp32 (the add of add_rms_norm is exact in fp32 then rounded, like
+a 16-bit add; the norm rounds twice, like the module), so results agree with the references to a unit in the last
+place of the output dtype -- two in Triton's interpreter, whose fp32 -> bf16 cast truncates -- plus fp32 slack for
+reductions done in another order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from quantkit.kernels import fused_norm_rope as K
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def close(got, ref, dtype):
+    ulp = 2 * torch.finfo(dtype).eps if dtype != torch.float32 else 1e-5
+    return bool(((got.float() - ref.float()).abs() <= ulp * ref.float().abs() + 1e-5).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("t", "n"), [(1, 64), (5, 100), (3, 576)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm(dtype, t, n, with_residual):
+    x = torch.randn(t, n, device=DEVICE).to(dtype)
+    r = torch.randn(t, n, device=DEVICE).to(dtype) if with_residual else None
+    w = (torch.rand(n, device=DEVICE) + 0.5).to(dtype)
+    y, h = K.add_rms_norm(x, w, 1e-5, r)
+    h_ref = K.add_rms_norm_reference(x, w, 1e-5, r)[1]
+    if DEVICE == "cuda" or dtype != torch.bfloat16:  # the sum is rounded once, to nearest, like a 16-bit add
+        assert torch.equal(h, h_ref)
+    else:  # the interpreter's bf16 cast truncates
+        assert close(h, h_ref, dtype)
+    assert close(y, K.add_rms_norm_reference(h, w, 1e-5)[0], dtype)  # the norm of the sum the kernel made
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("t", "hq", "hkv", "d"), [(1, 4, 2, 16), (7, 9, 3, 64), (2, 20, 4, 128)])
+def test_rotary(dtype, t, hq, hkv, d):
+    q = torch.randn(t, hq, d, device=DEVICE).to(dtype)
+    k = torch.randn(t, hkv, d, device=DEVICE).to(dtype)
+    angle = torch.rand(t, d // 2, device=DEVICE) * 6
+    cos = torch.cat((angle.cos(), angle.cos()), -1).to(dtype)
+    sin = torch.cat((angle.sin(), angle.sin()), -1).to(dtype)
+    q_ref, k_ref = q.clone(), k.clone()
+    K.rotary_reference_(q_ref, k_ref, cos, sin)
+    K.rotary_(q, k, cos, sin)
+    assert close(q, q_ref, dtype) and close(k, k_ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("t", "n"), [(1, 64), (3, 3000)])
+def test_silu_mul(dtype, t, n):
+    g = (torch.randn(t, n, device=DEVICE) * 4).to(dtype)
+    u = torch.randn(t, n, device=DEVICE).to(dtype)
+    assert close(K.silu_mul(g, u), K.silu_mul_reference(g, u), dtype)
+
+
+def test_shape_errors():
+    x = torch.randn(2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="weight"):
+        K.add_rms_norm(x, torch.ones(7, device=DEVICE), 1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        K.add_rms_norm(x, torch.ones(8, device=DEVICE), 1e-5, torch.randn(3, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="power of two"):
+        K.rotary_(torch.randn(2, 1, 6, device=DEVICE), torch.randn(2, 1, 6, device=DEVICE), x[:, :6], x[:, :6])
+    with pytest.raises(ValueError, match="equal"):
+        K.silu_mul(x, x[:1])
