@@ -171,7 +171,8 @@ def batch1_decode(llm: LLM, prompt: list[int], new_tokens: int) -> dict:
     if 1 in llm.runner.graphs:  # where a step's time goes: the decode graph alone, the lm_head, the rest (host)
         graph, hidden = llm.runner.graphs[1]
         out["graph_ms"] = timed_ms(graph.replay)
-        out["logits_ms"] = timed_ms(lambda: llm.model.logits(hidden[:1]).float())
+        with torch.inference_mode():
+            out["logits_ms"] = timed_ms(lambda: llm.model.logits(hidden[:1]).float())
         out["host_ms"] = out["step_ms"] - out["graph_ms"] - out["logits_ms"]
     return out
 
