@@ -18,6 +18,7 @@ from quantkit.errors import QuantkitError
 from quantkit.runtime import loader
 from quantkit.runtime.block_manager import BlockManager
 from quantkit.runtime.config import EngineConfig
+from quantkit.runtime.model import fuse_projections
 from quantkit.runtime.model_runner import ModelRunner
 from quantkit.runtime.sampler import sample
 from quantkit.runtime.sampling_params import SamplingParams
@@ -87,6 +88,7 @@ class LLM:
             from quantkit.nn.w8a8 import set_execution
 
             set_execution(self.model, "integer")  # W8A8 layers run the 8-bit kernels, not the fp32 simulation
+            fuse_projections(self.model)  # float q/k/v and gate/up: one GEMM each
         mcfg = self.model.config
         self.max_model_len = self.config.max_model_len or min(mcfg.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
         self.runner = ModelRunner(self.model, self.config, device, self.max_model_len)

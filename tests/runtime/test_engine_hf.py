@@ -153,3 +153,19 @@ def test_float_folder_and_stop_tokens(tmp_path):
     stop = reference[0][3]
     out = llm.generate(prompts[:1], SamplingParams(max_tokens=10, stop_token_ids=(stop,)))[0].completions[0]
     assert out.token_ids == reference[0][: reference[0].index(stop) + 1] and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_fused_projections_match_hf(arch):
+    """q/k/v and gate/up fused into one linear each (what the engine does on CUDA) keep the logits of HF's forward."""
+    from quantkit.runtime.model import fuse_projections
+
+    model = sharpen(tiny_model(arch))
+    prompts = random_prompts(LENGTHS, VOCAB, seed=2)
+    llm = LLM(model, device="cpu", num_kv_blocks=64)
+    assert fuse_projections(llm.model) == 2 * COMMON["num_hidden_layers"]
+    layer = llm.model.model.layers[0]
+    assert layer.self_attn.q_proj is None and layer.mlp.gate_proj is None
+    rows = record_logits(llm)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=12))
+    assert_logits_match_hf(model, prompts, outputs, rows, atol=1e-5)
