@@ -16,7 +16,7 @@ import json
 import re
 from pathlib import Path
 
-from quantkit.stages.smoothquant import outlier_markdown, outlier_rows
+from quantkit.checkpoint.smoothing import outlier_markdown, outlier_rows
 
 
 def main() -> None:

@@ -13,10 +13,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from quantkit.checkpoint.config import FORMAT_VERSION, QUANT_METHOD, layout_of
+from quantkit.checkpoint.smoothing import outlier_markdown, outlier_rows
 from quantkit.errors import QuantkitError
 from quantkit.nn.factory import quantized_modules
 from quantkit.quant.packing import LAYOUT_VERSIONS
-from quantkit.stages.smoothquant import outlier_markdown, outlier_rows
 
 SMOOTHING_HEADER = (
     "Activation outlier ratio (largest / median per-channel abs-max of each smoothing group's input, over all\n"

@@ -178,7 +178,7 @@ def quantize_command(model, method, recipe_spec, out, device, dtype, overwrite, 
         f"[green]saved[/] {path}  ({len(result.layers)} linears quantized in {result.seconds:.1f}s, "
         f"total {time.perf_counter() - t0:.1f}s)"
     )
-    from quantkit.stages.smoothquant import outlier_rows
+    from quantkit.checkpoint.smoothing import outlier_rows
 
     ratios = [
         (r["outlier_before"], r["outlier_after"])

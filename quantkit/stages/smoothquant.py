@@ -8,7 +8,8 @@ float function, so the statistics of all groups come from that one pass.
 
 Per group the report (``quant_report.json``, under the producer's name) holds ``smoothquant``: the consumers,
 the alpha used, and the activation outlier ratio (largest / median channel abs-max) before and after; with the
-search, the W8A8 error of every grid point and of no smoothing. :func:`outlier_rows` reads it back as a table.
+search, the W8A8 error of every grid point and of no smoothing. ``quantkit.checkpoint.smoothing`` reads it back
+as a table.
 Groups with a consumer that the stage's targets / ignore do not select are left alone.
 """
 
@@ -198,44 +199,3 @@ class SmoothQuantStage:
             outlier_after=None if after is None else round(after, 2),
         )
         ctx.record(g.producer, smoothquant=info)
-
-
-def outlier_rows(layers: dict[str, dict]) -> list[dict]:
-    """The ``smoothquant`` records of a quantize report (``QuantizeResult.layers`` / ``quant_report.json``'s
-    ``layers``) as rows: producer, consumers, alpha, outlier ratio before and after."""
-    rows = []
-    for name, rec in layers.items():
-        sq = rec.get("smoothquant")
-        if sq is not None:
-            rows.append(
-                {"producer": name, **{k: sq[k] for k in ("consumers", "alpha", "outlier_before", "outlier_after")}}
-            )
-    return rows
-
-
-def outlier_markdown(rows: list[dict]) -> str:
-    """A markdown table of :func:`outlier_rows`."""
-    lines = [
-        "| producer | consumers | alpha | outlier ratio before | after |",
-        "|---|---|---|---|---|",
-    ]
-    for r in rows:
-        consumers = ", ".join(_relative(c, r["producer"]) for c in r["consumers"])
-        lines.append(
-            f"| {r['producer']} | {consumers} | {r['alpha']:.2f} | {_ratio(r['outlier_before'])} | "
-            f"{_ratio(r['outlier_after'])} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def _relative(name: str, producer: str) -> str:
-    """``name`` without the module path it shares with ``producer`` (at least its last component stays)."""
-    parts, other = name.split("."), producer.split(".")
-    n = 0
-    while n < len(parts) - 1 and n < len(other) and parts[n] == other[n]:
-        n += 1
-    return ".".join(parts[n:])
-
-
-def _ratio(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1f}"

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 import quantkit
 from quantkit.algorithms.smoothquant import search_alpha, smoothing_scales, w8a8_error, weight_absmax
 from quantkit.calib.stats import StatsCollector
+from quantkit.checkpoint.smoothing import outlier_markdown, outlier_rows
 from quantkit.errors import QuantkitError
 from quantkit.models.arch import arch_for
 from quantkit.models.fold import bind_smooth_groups
@@ -21,7 +22,7 @@ from quantkit.nn.w8a8 import W8A8Linear, set_execution, static_input_scale
 from quantkit.presets import preset_recipe
 from quantkit.quant.scheme import QuantScheme
 from quantkit.recipe import Recipe, load_recipe
-from quantkit.stages.smoothquant import SmoothQuantParams, outlier_markdown, outlier_rows
+from quantkit.stages.smoothquant import SmoothQuantParams
 from tests.tiny_models import CONFIGS, tiny_model
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
