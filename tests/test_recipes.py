@@ -30,3 +30,15 @@ def test_shipped_recipe_runs(name, tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(quantkit.save_quantized(model, tmp_path / name)).eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, before, rtol=0, atol=0)
+
+
+def test_awq_then_gptq_presets_do_not_clip_before_gptq():
+    """AWQ's clip ranges are searched for round-to-nearest; before GPTQ they only cost accuracy (see presets)."""
+    from quantkit.presets import preset_recipe
+    from quantkit.recipe import load_recipe
+
+    preset = preset_recipe("awq+gptq")
+    assert [s.method for s in preset.stages] == ["awq", "gptq"] and preset.stages[0].params.clip is False
+    assert preset_recipe("awq").stages[0].params.clip is True  # AWQ + RTN keeps its clip search
+    assert preset_recipe("awq+gptq", params={"clip": True}).stages[0].params.clip is True  # still a choice
+    assert load_recipe("awq-gptq-w4g128").stages[0].params.clip is False
