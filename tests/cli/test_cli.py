@@ -219,11 +219,12 @@ def test_gptq_command_with_its_flags(tiny_dir, tmp_path):
     out = tmp_path / "g"
     r = run(
         "quantize", "--model", tiny_dir, "--out", out, "--method", "gptq", "--bits", "3", "--group-size", "32",
-        "--damp", "0.02", "--block-size", "16", "--no-act-order", "--no-mse", "--nsamples", "4", "--seqlen", "32",
+        "--damp", "0.02", "--block-size", "16", "--no-act-order", "--no-mse", "--static-groups", "--nsamples", "4",
+        "--seqlen", "32",
     )  # fmt: skip
     assert r.exit_code == 0, r.output
     (stage,) = json.loads((out / "config.json").read_text())["quantization_config"]["recipe"]["stages"]
     assert stage["params"] == {
-        "damp": 0.02, "block_size": 16, "act_order": False, "static_groups": False, "true_sequential": True,
+        "damp": 0.02, "block_size": 16, "act_order": False, "static_groups": True, "true_sequential": True,
         "mse": False,
     }  # fmt: skip

@@ -125,3 +125,19 @@ def test_moe_expert_without_tokens_is_rtn_and_reported(caplog):
     expected = rtn(fresh.model.layers[0].mlp.experts[3].up_proj.weight, QuantScheme(**SCHEME)).dequantize()
     got = model.model.layers[0].mlp.experts[3].up_proj.dequantize_weight()
     assert torch.equal(got, expected)
+
+
+def test_act_order_with_static_groups_reloads_with_identical_logits(tmp_path):
+    """desc_act with static groups: columns processed by decreasing diag(H), but g_idx stays k // G."""
+    model = tiny_model("llama")
+    ids = calib_ids(2, 12, seed=1)
+    quantkit.quantize(model, gptq_recipe(act_order=True, static_groups=True, block_size=16), calib_ids())
+    modules = quantized_modules(model)
+    for m in modules.values():
+        k = m.g_idx.shape[0]
+        assert torch.equal(m.g_idx.cpu(), (torch.arange(k) // SCHEME["group_size"]).to(m.g_idx.dtype))
+    with torch.no_grad():
+        q_logits = model(ids).logits
+    reloaded = AutoModelForCausalLM.from_pretrained(quantkit.save_quantized(model, tmp_path / "q")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, q_logits, rtol=0, atol=0)
