@@ -48,7 +48,7 @@ def test_run_quantizes_every_layer_and_reports():
     bench = load_bench()
     model = bench.random_llama(TINY, torch.device("cpu"), seed=0)
     args = argparse.Namespace(
-        bits=4, group_size=32, asym=False, nsamples=4, seqlen=32, batch_size=2, act_order=True, block_size=16
+        bits=4, group_size=32, asym=False, nsamples=4, seqlen=32, batch_size=2, act_order=True, mse=True, block_size=16
     )
     calib = torch.randint(0, 300, (4, 32), generator=torch.Generator().manual_seed(0))
     info = bench.run(model, calib, args, torch.device("cpu"))
@@ -66,6 +66,7 @@ def test_run_quantizes_every_layer_and_reports():
                 "calibration": {"nsamples": 4, "seqlen": 32},
                 "scheme": {"bits": 4, "group_size": 32, "sym": True},
                 "act_order": True,
+                "mse": True,
                 "build_seconds": 0.0,
             },
         }
