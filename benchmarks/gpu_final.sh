@@ -26,8 +26,9 @@ elif [ "$part" = serve ]; then
   run serve 330 python3 benchmarks/bench_serve.py --hf-requests 32
   run w8a8 90 python3 benchmarks/bench_w8a8.py
   run attention 60 python3 benchmarks/bench_attention.py --quick
-else
+else  # 2026-12-01: GPTQ ~110 s with the model build, AWQ ~150 s, both on all 32 layers
+  run gptq-tests 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gptq_block.py tests/calib
   run gptq 330 python3 benchmarks/bench_gptq.py
-  run awq 200 python3 benchmarks/bench_awq.py --layers 8
+  run awq 200 python3 benchmarks/bench_awq.py --layers 32
 fi
 tar czf "$OUT/$part.tgz" -C "$OUT" $(cd "$OUT" && ls -d */)

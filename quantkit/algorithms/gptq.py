@@ -32,9 +32,9 @@ where F are the remaining columns. Paper notation below:
 All math is fp32 on W's device. On CUDA the column loop of a block runs as one Triton kernel
 (:mod:`quantkit.kernels.gptq_block`; blocks of at most 256 columns, which gives the same result since lazy
 updates are exact), everywhere else as the PyTorch loop; a Llama-3-8B-shaped model (32 layers, 128 x 2048
-calibration tokens, act-order and clipped grids) takes 81 s on an H200 (results/gptq-8b-h200-2026-12-01.md). The
-returned :class:`QuantizedWeight` dequantizes exactly to the Q the algorithm
-chose (same codes, same fp16-representable scales, same integer zeros).
+calibration tokens, act-order and clipped grids) takes 81 s on an H200 (results/gptq-8b-h200-2026-12-01.md).
+The returned :class:`QuantizedWeight` dequantizes exactly to the Q the algorithm chose (same codes, same
+fp16-representable scales, same integer zeros).
 """
 
 from __future__ import annotations

@@ -72,8 +72,7 @@ class StatsCollector:
             if self._shares_input(name, args[0]):
                 return
             self._last_input[name] = args[0]
-            x16 = args[0].detach().reshape(-1, module.in_features)
-            x = x16.float()
+            x = args[0].detach().reshape(-1, module.in_features)
             st = self.stats.get(name)
             if st is None:
                 k = module.in_features
@@ -84,15 +83,16 @@ class StatsCollector:
                     abssum=torch.zeros(k, dtype=torch.float32, device=x.device),
                 )
             if self.hessian:
-                if x16.is_cuda and x16.dtype in (torch.float16, torch.bfloat16) and _MM_OUT_DTYPE:
+                if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and _MM_OUT_DTYPE:
                     # 16-bit operands, exact products and fp32 accumulation on tensor cores: an fp32-accurate
                     # X^T X (within ~1e-5 relative on the H200) many times faster than an fp32 GEMM
-                    st.xtx += torch.mm(x16.t(), x16, out_dtype=torch.float32)
+                    st.xtx += torch.mm(x.t(), x, out_dtype=torch.float32)
                 else:
-                    st.xtx.addmm_(x.t(), x)
-            a = x.abs()
-            torch.maximum(st.absmax, a.amax(dim=0), out=st.absmax)
-            st.abssum += a.sum(dim=0)
+                    xf = x.float()
+                    st.xtx.addmm_(xf.t(), xf)
+            a = x.abs()  # abs and max are exact in any dtype; the sum accumulates in fp32
+            torch.maximum(st.absmax, a.amax(dim=0).float(), out=st.absmax)
+            st.abssum += a.sum(dim=0, dtype=torch.float32)
             st.n_tokens += x.shape[0]
 
         return hook

@@ -62,20 +62,19 @@ def search_qparams(
     w = w.float()
     factors = torch.tensor([1 - i / steps for i in range(round(max_shrink * steps) + 1)], device=w.device)
     per_chunk = max(1, SEARCH_CHUNK_ELEMENTS // max(1, w.numel()))
-    best_err = best_scale = best_zero = None
+    shape = w.shape[:-1]
+    best_err = torch.full(shape, float("inf"), device=w.device)
+    best_scale, best_zero = torch.ones(shape, device=w.device), torch.zeros(shape, device=w.device)
     for f in factors.split(per_chunk):
         wf = w.unsqueeze(-2) * f[:, None]  # [..., F, G]: the group shrunk by each factor
         scale, zero = compute_qparams(wf, bits, sym)  # [..., F]
         err = _grid_error(w.unsqueeze(-2), scale, zero, maxq, norm)  # [..., F]
         err, i = err.min(dim=-1)  # first minimum: the largest factor among equals
         scale, zero = scale.gather(-1, i[..., None])[..., 0], zero.gather(-1, i[..., None])[..., 0]
-        if best_err is None:
-            best_err, best_scale, best_zero = err, scale, zero
-        else:
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best_scale = torch.where(better, scale, best_scale)
-            best_zero = torch.where(better, zero, best_zero)
+        better = err < best_err  # strict: an earlier chunk (larger factors) keeps ties
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        best_zero = torch.where(better, zero, best_zero)
     return best_scale, best_zero
 
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantkit.errors import QuantkitError
-from quantkit.kernels.fused_norm_rope import add_rms_norm, rotary_, silu_mul
+from quantkit.kernels.fused_norm_rope import add_rms_norm, add_rms_norm_reference, rotary_, silu_mul
 from quantkit.runtime.attention import AttentionMetadata, paged_attention
 
 LinearFactory = Callable[[str, int, int, bool], nn.Module]  # (name, in_features, out_features, bias) -> module
@@ -101,16 +101,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             return add_rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps)[0].view(x.shape)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return add_rms_norm_reference(x, self.weight, self.eps)[0]
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual) for x, residual [T, n]; without residual, (norm(x), x)."""
-        if x.is_cuda:
-            return add_rms_norm(x, self.weight, self.eps, residual)
-        h = x if residual is None else residual + x
-        return self(h), h
+        norm = add_rms_norm if x.is_cuda else add_rms_norm_reference
+        return norm(x, self.weight, self.eps, residual)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
