@@ -83,14 +83,22 @@ SWEEP = {
         F_("gemv", 1, 512, 128, 4, 2, split_waves=16, fold_zero=True),
         F_("gemv", 1, 512, 64, 4, 3, split_waves=8, fold_zero=True),
         F_("gemv", 1, 512, 128, 4, 3, split_waves=8, fold_zero=True),
+        F_("gemv", 1, 512, 128, 4, 1, split_waves=4, fold_zero=True, prefetch=True),  # loads in registers, 1 ahead
+        F_("gemv", 1, 512, 128, 4, 1, split_waves=8, fold_zero=True, prefetch=True),
+        F_("gemv", 1, 512, 64, 4, 1, split_waves=4, fold_zero=True, prefetch=True),
+        F_("gemv", 1, 512, 64, 4, 1, split_waves=8, fold_zero=True, prefetch=True),
+        F_("gemv", 1, 256, 128, 2, 1, split_waves=8, fold_zero=True, prefetch=True),
     ]),
     "m2": (2, [2], [
         F_("gemv", 2, 512, 128, 4, 2, split_waves=8, fold_zero=True),
         F_("gemv", 2, 512, 64, 4, 3, split_waves=8, fold_zero=True),
+        F_("gemv", 2, 512, 128, 4, 1, split_waves=4, fold_zero=True, prefetch=True),
+        F_("gemv", 2, 512, 64, 4, 1, split_waves=8, fold_zero=True, prefetch=True),
         SWAP16,
     ]),
     "m4": (4, [4], [
         F_("gemv", 4, 512, 64, 4, 3, split_waves=8, fold_zero=True),
+        F_("gemv", 4, 512, 64, 4, 1, split_waves=8, fold_zero=True, prefetch=True),
         SWAP16,
         F_("fused", 16, 128, 64, 4, 3, split_waves=4, fuse_scale=True, swap_ab=True),
     ]),
@@ -101,6 +109,8 @@ SWEEP = {
         F_("fused", 16, 128, 64, 4, 2, split_waves=8, fuse_scale=True, swap_ab=True),
         F_("fused", 16, 64, 64, 4, 3, split_waves=4, fuse_scale=True, swap_ab=True),
         F_("fused", 16, 256, 64, 8, 3, split_waves=4, fuse_scale=True, swap_ab=True),
+        F_("fused", 16, 64, 64, 2, 3, split_waves=4, fuse_scale=True, swap_ab=True),  # 2 warps: mma.sync, not wgmma
+        F_("fused", 16, 128, 64, 2, 3, split_waves=4, fuse_scale=True, swap_ab=True),
     ]),
     "medium": (64, [32, 64], [
         F_("fused", 32, 128, 64, 4, 2, split_waves=2, fuse_scale=True, swap_ab=True),  # first sweep's winner
@@ -108,6 +118,7 @@ SWEEP = {
         F_("fused", 64, 128, 64, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True),
         F_("fused", 64, 64, 128, 4, 2, split_waves=2, fuse_scale=True),
         F_("fused", 64, 128, 64, 4, 3, split_waves=2, fuse_scale=True),
+        F_("fused", 32, 64, 64, 2, 3, split_waves=2, fuse_scale=True, swap_ab=True),
     ]),
     "large": (256, [128, 256], [
         F_("fused", 128, 128, 64, 8, 4, split_waves=1, fuse_scale=True),
@@ -125,7 +136,7 @@ SMOKE_SWEEP = {
     for i, (name, (max_m, _, _)) in enumerate(SWEEP.items())
 }
 # written only where not the default
-KEYWORD_FIELDS = ("split_waves", "fuse_scale", "group_m", "swap_ab", "fold_zero")
+KEYWORD_FIELDS = ("split_waves", "fuse_scale", "group_m", "swap_ab", "fold_zero", "prefetch")
 TABLE_FILE = Path(__file__).resolve().parents[1] / "kernels" / "w4a16_configs.py"
 
 

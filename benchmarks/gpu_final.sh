@@ -3,10 +3,11 @@
 #   bash benchmarks/gpu_final.sh serve   # runtime throughput (+ HF baselines), W8A8 table, attention kernels
 #   bash benchmarks/gpu_final.sh quant   # GPTQ and AWQ on a Llama-3-8B-shaped random model
 #   bash benchmarks/gpu_final.sh all     # both in one call, with capped layer counts (times scale per layer)
+#   bash benchmarks/gpu_final.sh w4a16   # W4A16 kernel tests, config sweep and table (then --apply the sweep here)
 # Everything lands in $OUT/<name>/ and is packed into $OUT/<part>.tgz (the device tool returns at most 8 files).
 set -u
 export PYTHONUNBUFFERED=1
-part=${1:?all, serve or quant}
+part=${1:?all, serve, quant or w4a16}
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
@@ -22,6 +23,9 @@ if [ "$part" = all ]; then  # one call of <= 10 minutes when device time is shor
   run w8a8 60 python3 benchmarks/bench_w8a8.py
   run gptq 170 python3 benchmarks/bench_gptq.py --layers 8
   run awq 60 python3 benchmarks/bench_awq.py --layers 2
+elif [ "$part" = w4a16 ]; then  # kernel tests, config sweep + full table with the winners (~5 min)
+  run w4a16-tests 120 python3 -m pytest -q -p no:cacheprovider -n 8 tests/kernels/test_w4a16.py
+  run w4a16 420 python3 benchmarks/bench_w4a16.py --sweep --table --workers 14
 elif [ "$part" = serve ]; then
   run serve 330 python3 benchmarks/bench_serve.py --hf-requests 32
   run w8a8 90 python3 benchmarks/bench_w8a8.py

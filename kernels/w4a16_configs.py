@@ -33,6 +33,8 @@ class KernelConfig:
     tile's dot product. Either way BLOCK_K is capped so that a K tile never straddles groups (``plan_launch``).
     ``fold_zero`` (gemv, 4-bit): take the zero point and the unpacking offset out of the inner loop (no FADD per
     code; ``w4a16_gemv._tile_mac_folded``).
+    ``prefetch`` (gemv, num_stages 1): issue the loads of K tile t + 1 before the arithmetic of tile t (the next
+    tile's words wait in registers), so every thread keeps a whole tile of loads in flight.
     ``swap_ab`` (fused): compute y.T = W.T @ x.T so the weight tile is the MMA's M side (wgmma for M < 64).
     """
 
@@ -47,6 +49,7 @@ class KernelConfig:
     group_m: int = 8
     swap_ab: bool = False
     fold_zero: bool = False
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -61,13 +64,15 @@ class KernelConfig:
             )
         if not 0 <= self.split_waves <= 32 or self.num_stages < 1:
             raise ValueError("split_waves must be in [0, 32] and num_stages >= 1")
+        if self.prefetch and (self.method != "gemv" or self.num_stages != 1):
+            raise ValueError("prefetch is a gemv option and replaces pipelining: it needs num_stages 1")
 
     @property
     def name(self) -> str:
         if self.method == "dequant":
             return "dequant+cublas"
         if self.method == "gemv":
-            fold = "f" if self.fold_zero else ""
+            fold = ("f" if self.fold_zero else "") + ("p" if self.prefetch else "")
             return (
                 f"gemv-m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
                 f"{fold}sw{self.split_waves}"
@@ -84,12 +89,12 @@ class KernelConfig:
 
 
 # BEGIN CONFIG_TABLE -- rewritten by `python benchmarks/bench_w4a16.py --apply <sweep.json>`
-# Source: sweep of 2026-11-29 on NVIDIA H200 (torch 2.11.0+cu130, triton 3.6.0).
+# Source: sweep of 2026-12-01 on NVIDIA H200 (torch 2.11.0+cu130, triton 3.6.0).
 # Largest M of each regime -> config. Geomean speedup over cuBLAS fp16 (shapes x groups x M):
-# m1 2.29x, m2 1.47x, m4 1.31x, skinny 1.32x, medium 0.87x, large 0.53x, huge 0.86x.
+# m1 2.39x, m2 1.71x, m4 1.34x, skinny 1.35x, medium 0.89x, large 0.54x, huge 0.86x.
 CONFIG_TABLE: tuple[tuple[int, KernelConfig], ...] = (
     (1, KernelConfig("gemv", 1, 512, 128, 4, 1, split_waves=4, fold_zero=True)),
-    (2, KernelConfig("gemv", 2, 512, 128, 4, 2, split_waves=8, fold_zero=True)),
+    (2, KernelConfig("gemv", 2, 512, 64, 4, 1, split_waves=8, fold_zero=True, prefetch=True)),
     (4, KernelConfig("fused", 16, 128, 64, 4, 3, split_waves=4, fuse_scale=True, swap_ab=True)),
     (16, KernelConfig("fused", 16, 64, 64, 4, 3, split_waves=4, fuse_scale=True, swap_ab=True)),
     (64, KernelConfig("fused", 64, 128, 64, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True)),

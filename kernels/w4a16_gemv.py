@@ -214,8 +214,8 @@ def _w4a16_gemv_kernel(
     stride_xm, stride_xk, stride_qwk, stride_qwn, stride_qzg, stride_qzn, stride_sg, stride_sn, stride_om, stride_on,
     # meta-parameters
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, STAGES: tl.constexpr, FOLD: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
+    SPLIT: tl.constexpr, STAGES: tl.constexpr, FOLD: tl.constexpr, PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -228,14 +228,28 @@ def _w4a16_gemv_kernel(
     t_begin = tl.program_id(1) * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, k_tiles)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # STAGES >= 2: Triton pipelines the tile's loads through shared memory (cp.async, STAGES - 1 tiles ahead);
-    # STAGES = 1: plain loads (measured faster on the H200, see the header)
-    for t in tl.range(t_begin, t_end, num_stages=STAGES):
-        words, scales, zeros = _load_tile(qw_ptr, qz_ptr, s_ptr, t, offs_n, N, K, group_size, stride_qwk,
-                                          stride_qwn, stride_qzg, stride_qzn, stride_sg, stride_sn, BITS, BLOCK_K,
-                                          EVEN_K)  # fmt: skip
-        acc = _mac(acc, words, scales, zeros, x_ptr, t, pid_m * BLOCK_M, M, K, stride_xm, stride_xk, magic, sixteen,
-                   BITS, BLOCK_K, EVEN_K, FOLD)  # fmt: skip
+    if PREFETCH:  # software pipelining in registers: tile t + 1's loads are in flight during tile t's arithmetic
+        t_last = tl.minimum(t_end, k_tiles) - 1
+        words, scales, zeros = _load_tile(qw_ptr, qz_ptr, s_ptr, tl.minimum(t_begin, t_last), offs_n, N, K,
+                                          group_size, stride_qwk, stride_qwn, stride_qzg, stride_qzn, stride_sg,
+                                          stride_sn, BITS, BLOCK_K, EVEN_K)  # fmt: skip
+        for t in tl.range(t_begin, t_end, num_stages=1):
+            # the last tile reloads itself (an L2 hit) rather than reading past the split
+            w_next, s_next, z_next = _load_tile(qw_ptr, qz_ptr, s_ptr, tl.minimum(t + 1, t_last), offs_n, N, K,
+                                                group_size, stride_qwk, stride_qwn, stride_qzg, stride_qzn,
+                                                stride_sg, stride_sn, BITS, BLOCK_K, EVEN_K)  # fmt: skip
+            acc = _mac(acc, words, scales, zeros, x_ptr, t, pid_m * BLOCK_M, M, K, stride_xm, stride_xk, magic,
+                       sixteen, BITS, BLOCK_K, EVEN_K, FOLD)  # fmt: skip
+            words, scales, zeros = w_next, s_next, z_next
+    else:
+        # STAGES >= 2: Triton pipelines the tile's loads through shared memory (cp.async, STAGES - 1 tiles ahead);
+        # STAGES = 1: plain loads, each issued by ptxas just before its use
+        for t in tl.range(t_begin, t_end, num_stages=STAGES):
+            words, scales, zeros = _load_tile(qw_ptr, qz_ptr, s_ptr, t, offs_n, N, K, group_size, stride_qwk,
+                                              stride_qwn, stride_qzg, stride_qzn, stride_sg, stride_sn, BITS,
+                                              BLOCK_K, EVEN_K)  # fmt: skip
+            acc = _mac(acc, words, scales, zeros, x_ptr, t, pid_m * BLOCK_M, M, K, stride_xm, stride_xk, magic,
+                       sixteen, BITS, BLOCK_K, EVEN_K, FOLD)  # fmt: skip
     _finish_tile(acc, bias_ptr, out_ptr, part_ptr, lock_ptr, pid, offs_m, offs_n, M, N, stride_om, stride_on,
                  SPLIT, HAS_BIAS, EMULATE_BF16)  # fmt: skip
 
@@ -269,6 +283,7 @@ def w4a16_gemv(
         w.scales.stride(0), w.scales.stride(1), out.stride(0), out.stride(1),
         BITS=w.bits, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=plan.block_k,
         SPLIT=plan.split_k > 1, STAGES=config.num_stages, FOLD=config.fold_zero and w.bits == 4,
+        PREFETCH=config.prefetch,
         HAS_BIAS=bias is not None, EVEN_K=k % plan.block_k == 0,
         EMULATE_BF16=interpreting() and x.dtype == torch.bfloat16,
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -36,6 +36,7 @@ GEMV = K.KernelConfig("gemv", 1, 64, 128, 2, 1, split_waves=8)  # CUDA-core kern
 GEMV_M4 = K.KernelConfig("gemv", 4, 32, 64, 1, 1, split_waves=8)  # 4 rows per CTA; M > 4 uses several CTAs
 GEMV_PRE = K.KernelConfig("gemv", 2, 64, 128, 2, 3)  # loads pipelined 2 tiles ahead through shared memory
 GEMV_FOLD = K.KernelConfig("gemv", 2, 64, 128, 2, 1, split_waves=8, fold_zero=True)  # 4-bit: no FADD per code
+GEMV_PREFETCH = K.KernelConfig("gemv", 1, 64, 64, 2, 1, split_waves=8, fold_zero=True, prefetch=True)  # registers
 
 
 def make_layer(n, k, bits=4, group_size=128, sym=False, act_order=False, seed=0):
@@ -108,6 +109,9 @@ CASES = [
     (1, 96, 1024, 4, 128, False, torch.float16, False, True, GEMV_FOLD),  # offsets folded out: rounding check
     (3, 40, 200, 4, -1, False, torch.bfloat16, True, False, GEMV_FOLD),  # masked K tail, per-channel
     (2, 33, 256, 8, 64, True, torch.float16, False, True, GEMV_FOLD),  # 8-bit: fold_zero does not apply
+    (1, 77, 576, 4, 128, False, torch.float16, False, True, GEMV_PREFETCH),  # prefetch across a ragged split
+    (3, 40, 200, 4, -1, True, torch.bfloat16, True, False, GEMV_PREFETCH),  # masked K tail, one group
+    (2, 33, 256, 8, 32, False, torch.float16, False, True, GEMV_PREFETCH),  # 8-bit, small groups
     (16, 70, 320, 4, 64, False, torch.float16, True, True, SWAP),
     (3, 33, 200, 4, 128, True, torch.bfloat16, False, True, SWAP),  # bf16 fused scale through fp32
     (20, 96, 384, 4, -1, False, torch.float16, False, True, SWAP_TS),  # tile scale, two row blocks
@@ -233,6 +237,8 @@ def test_launcher_checks_inputs():
         K.w4a16_gemm(x, w, out=torch.empty(2, 40, device=DEVICE))
     with pytest.raises(ValueError, match="bias must be"):
         K.w4a16_gemm(x, w, bias=torch.zeros(41, device=DEVICE))
+    with pytest.raises(ValueError, match="prefetch is a gemv option"):
+        K.KernelConfig("gemv", 1, 64, 64, 2, 2, prefetch=True)
 
 
 def test_plan_caps_block_k_by_group_and_fills_the_sms():
