@@ -76,6 +76,36 @@ class QuantLinear(nn.Module):
             mod.bias.copy_(bias.detach().to(dtype))
         return mod
 
+    @classmethod
+    def concat(cls, parts: list[QuantLinear]) -> QuantLinear:
+        """One layer whose output is the parts' outputs side by side (q/k/v or gate/up of one input), made by
+        concatenating the packed buffers along N: exact, nothing is re-quantized. Missing biases become zeros.
+
+        Raises ValueError when the parts cannot share one packed weight: different schemes or inputs, different
+        group maps (act-order permutations differ unless the parts shared one Hessian), or an output width that
+        does not fill whole packed zero-point words.
+        """
+        first = parts[0]
+        for p in parts:
+            if p.scheme != first.scheme or p.in_features != first.in_features:
+                raise ValueError("only layers with one scheme and one input width can be concatenated")
+            if not torch.equal(p.g_idx, first.g_idx):
+                raise ValueError("the layers map input channels to groups differently (act-order permutations)")
+            if (p.out_features * p.scheme.bits) % 32:
+                raise ValueError(f"{p.out_features} outputs do not fill whole packed zero-point words")
+        dtype = next((p.bias.dtype for p in parts if p.bias is not None), torch.float16)
+        n = sum(p.out_features for p in parts)
+        with torch.device("meta"):  # no storage: the buffers are assigned below
+            out = cls(first.in_features, n, first.scheme, bias=any(p.bias is not None for p in parts), dtype=dtype)
+        for name in ("qweight", "qzeros", "scales"):
+            setattr(out, name, torch.cat([getattr(p, name) for p in parts], dim=1))
+        out.g_idx = first.g_idx.clone()
+        if out.bias is not None:
+            out.bias = torch.cat(
+                [p.bias if p.bias is not None else p.scales.new_zeros(p.out_features, dtype=dtype) for p in parts]
+            )
+        return out
+
     def quantized_weight(self) -> QuantizedWeight:
         return QuantizedWeight.unpack(
             {"qweight": self.qweight, "qzeros": self.qzeros, "scales": self.scales, "g_idx": self.g_idx},

@@ -162,6 +162,44 @@ class W8A8Linear(nn.Module):
         q = (qw.q.to(torch.int16) - 128).to(torch.int8)
         return cls._build(q, qw.scales[:, 0].float(), s, bias, dtype, input_scale)
 
+    @classmethod
+    def concat(cls, parts: list[W8A8Linear]) -> W8A8Linear:
+        """One layer whose output is the parts' outputs side by side (q/k/v or gate/up of one input): weights and
+        per-channel scales concatenated, exact. Each token's activation scale depends on the input only, so the
+        fused layer quantizes the shared input once where the parts did it once each. Missing biases become zeros.
+
+        Raises ValueError when the parts differ in scheme, input width, execution or static input scale.
+        """
+        first = parts[0]
+        for p in parts:
+            if (p.scheme, p.in_features, p.execution, p.dtype) != (
+                first.scheme,
+                first.in_features,
+                first.execution,
+                first.dtype,
+            ):
+                raise ValueError("only layers with one scheme, input width, dtype and execution can be concatenated")
+            if p.input_scale is not None and not torch.equal(p.input_scale, first.input_scale):
+                raise ValueError("the layers' static input scales differ")
+        n = sum(p.out_features for p in parts)
+        with torch.device("meta"):  # no storage: the buffers are assigned below
+            out = cls(
+                first.in_features, n, first.scheme, bias=any(p.bias is not None for p in parts), dtype=first.dtype
+            )
+        out.weight = torch.cat([p.weight for p in parts])
+        out.weight_scale = torch.cat([p.weight_scale for p in parts])
+        if first.input_scale is not None:
+            out.input_scale = first.input_scale.clone()
+        if out.bias is not None:
+            out.bias = torch.cat(
+                [
+                    p.bias if p.bias is not None else p.weight_scale.new_zeros(p.out_features, dtype=p.dtype)
+                    for p in parts
+                ]
+            )
+        out.execution = first.execution
+        return out
+
     def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W [N, K] = weight * weight_scale[:, None], computed in fp32."""
         return (self.weight.float() * self.weight_scale[:, None]).to(dtype)

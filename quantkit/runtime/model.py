@@ -241,25 +241,45 @@ class CausalLM(nn.Module):
 
 
 def fuse_projections(model: CausalLM) -> int:
-    """Concatenate float q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` per layer (the parts are
+    """Concatenate q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` per layer (the parts are
     dropped); returns how many fused linears were made.
 
     One GEMM instead of three (two) saves launches and reads the k/v weights at full bandwidth, which is what
-    batch-1 decode is bound by. Done on CUDA only: on CPU the runtime must match transformers' fp32 outputs
-    token for token, and a fused GEMM may sum in another order. Quantized linears stay separate.
+    batch-1 decode is bound by; a W8A8 group also quantizes its shared input once. Float, W4A16 (``QuantLinear``,
+    packed buffers concatenated along N) and W8A8 parts fuse when they are all of one kind and compatible (same
+    scheme, same act-order group map, ...); other groups stay separate. Done on CUDA only: on CPU the runtime must
+    match transformers' fp32 outputs token for token, and a fused GEMM may sum in another order.
     """
     fused = 0
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if all(type(m) is nn.Linear for m in (attn.q_proj, attn.k_proj, attn.v_proj)):
-            attn.qkv_proj = _concat_linears((attn.q_proj, attn.k_proj, attn.v_proj))
-            attn.q_proj = attn.k_proj = attn.v_proj = None
+        qkv = _concat((attn.q_proj, attn.k_proj, attn.v_proj))
+        if qkv is not None:
+            attn.qkv_proj, attn.q_proj, attn.k_proj, attn.v_proj = qkv, None, None, None
             fused += 1
-        if all(type(m) is nn.Linear for m in (mlp.gate_proj, mlp.up_proj)):
-            mlp.gate_up_proj = _concat_linears((mlp.gate_proj, mlp.up_proj))
-            mlp.gate_proj = mlp.up_proj = None
+        gate_up = _concat((mlp.gate_proj, mlp.up_proj))
+        if gate_up is not None:
+            mlp.gate_up_proj, mlp.gate_proj, mlp.up_proj = gate_up, None, None
             fused += 1
     return fused
+
+
+def _concat(parts: tuple[nn.Module, ...]) -> nn.Module | None:
+    """The parts as one linear, or None when they are of different kinds or cannot share one weight."""
+    from quantkit.nn.qlinear import QuantLinear
+    from quantkit.nn.w8a8 import W8A8Linear
+
+    kind = type(parts[0])
+    if any(type(p) is not kind for p in parts):
+        return None
+    if kind is nn.Linear:
+        return _concat_linears(parts)
+    if kind in (QuantLinear, W8A8Linear):
+        try:
+            return kind.concat(list(parts))
+        except ValueError:
+            return None  # e.g. act-order parts with different permutations: they run one GEMM each
+    return None
 
 
 def _concat_linears(parts: tuple[nn.Linear, ...]) -> nn.Linear:

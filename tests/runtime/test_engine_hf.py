@@ -169,3 +169,31 @@ def test_fused_projections_match_hf(arch):
     rows = record_logits(llm)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=12))
     assert_logits_match_hf(model, prompts, outputs, rows, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "atol"),
+    [
+        ({"bits": 4, "group_size": 32, "sym": False}, 1e-4),  # W4A16: packed buffers concatenated along N
+        # W8A8: the shared input quantized once. A 1e-7 difference in summation order can move an activation across
+        # a rounding boundary of its int8 grid, which changes logits by ~1e-3: the tokens must still agree
+        ({"bits": 8, "group_size": -1, "sym": True, "act_bits": 8}, 1e-2),
+    ],
+)
+def test_fused_quantized_projections_match_hf(scheme, atol):
+    """Quantized q/k/v and gate/up fuse like float ones (what the engine does on CUDA) and keep HF's greedy tokens
+    and logits."""
+    from quantkit.runtime.model import fuse_projections
+
+    model = sharpen(tiny_model("qwen2"))
+    quantkit.quantize(model, Recipe.from_dict({"scheme": scheme, "stages": [{"method": "rtn"}]}))
+    prompts = random_prompts(LENGTHS, VOCAB, seed=3)
+    llm = LLM(model, device="cpu", num_kv_blocks=64)
+    kind = type(llm.model.model.layers[0].mlp.gate_proj)
+    assert kind.__name__ in ("QuantLinear", "W8A8Linear")
+    assert fuse_projections(llm.model) == 2 * COMMON["num_hidden_layers"]
+    assert type(llm.model.model.layers[0].mlp.gate_up_proj) is kind
+    rows = record_logits(llm)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=12))
+    assert [o.completions[0].token_ids for o in outputs] == hf_greedy(model, prompts, 12)
+    assert_logits_match_hf(model, prompts, outputs, rows, atol=atol)
