@@ -126,6 +126,33 @@ class LinearObjective:
         return (torch.matmul(d, self.gram) * d).sum().double().item() / max(self.n_tokens * d.shape[0], 1)
 
 
+def rtn_candidate(w: torch.Tensor, scheme: QuantScheme, s: torch.Tensor) -> torch.Tensor:
+    """What the folded model computes with RTN: Q(W diag(s)) diag(s)^-1, fp32 [N, K]."""
+    return fake_quantize(w.float() * s, scheme) / s
+
+
+class GPTQCandidate:
+    """The same with GPTQ as the quantizer: GPTQ of W diag(s) against the Hessian of its scaled input x / s,
+    H_s = diag(s)^-1 H diag(s)^-1 (``hessian`` H = sum x^T x of the unscaled input, [K, K])."""
+
+    def __init__(self, hessian: torch.Tensor, **options) -> None:
+        self.hessian, self.options = hessian.float(), options
+
+    def __call__(self, w: torch.Tensor, scheme: QuantScheme, s: torch.Tensor) -> torch.Tensor:
+        from quantkit.algorithms.gptq import gptq
+
+        h = self.hessian / (s[:, None] * s[None, :])
+        qw, _ = gptq(w.float() * s, h, scheme, **self.options)
+        return qw.dequantize(torch.float32) / s
+
+
+def candidate_loss(weights, schemes, objective, s: torch.Tensor, quantize=rtn_candidate) -> float:
+    """The objective with every quantized consumer replaced by its candidate for scales ``s``."""
+    return objective(
+        [None if scheme is None else quantize(w, scheme, s) for w, scheme in zip(weights, schemes, strict=True)]
+    )
+
+
 @torch.no_grad()
 def search_scales(
     weights: list[torch.Tensor],
@@ -145,25 +172,44 @@ def search_scales(
     The identity (s = 1, plain quantization) is always a candidate, so the result is never worse than RTN.
     """
     w_mean = weight_magnitude(torch.cat([w.float() for w in weights]), group_size) if duo_scaling else None
-
-    def loss_of(s: torch.Tensor) -> float:
-        return objective(
-            [
-                None if scheme is None else fake_quantize(w.float() * s, scheme) / s
-                for w, scheme in zip(weights, schemes, strict=True)
-            ]
-        )
-
     ones = torch.ones(x_mean.shape, dtype=torch.float32, device=x_mean.device)
-    loss_rtn = loss_of(ones)
+    loss_rtn = candidate_loss(weights, schemes, objective, ones)
     best = ScaleSearch(ones, None, loss_rtn, loss_rtn)
     for i in range(grid):
         a = i / grid
         s = candidate_scales(x_mean.float(), w_mean, a)
-        loss = loss_of(s)
+        loss = candidate_loss(weights, schemes, objective, s)
         if math.isfinite(loss) and loss < best.loss:
             best = ScaleSearch(s, a, loss, loss_rtn)
     return best
+
+
+@torch.no_grad()
+def temper_scales(
+    weights: list[torch.Tensor],
+    schemes: list[QuantScheme | None],
+    objective,
+    scales: torch.Tensor,
+    quantize,
+    powers: tuple[float, ...] = (0.0, 0.5),
+) -> tuple[torch.Tensor, float, dict[float, float]]:
+    """Re-judge scales found for RTN under the quantizer that will really run (GPTQ): try s^p for each power p
+    (0: no scaling, 1: the scales as found) and keep the one with the lowest objective.
+
+    GPTQ already spends the Hessian on the salient channels that AWQ's scales protect, so full AWQ scales can
+    make GPTQ worse (its act-order sees diag(H) / s^2, its grids a different weight). Returns the chosen scales,
+    the power, and the loss of every power tried.
+    """
+    losses: dict[float, float] = {}
+    best_p, best_loss = None, float("inf")
+    for p in powers:
+        loss = candidate_loss(weights, schemes, objective, scales.float().pow(p), quantize)
+        losses[p] = loss
+        if math.isfinite(loss) and loss < best_loss:
+            best_p, best_loss = p, loss
+    if best_p is None:
+        raise QuantkitError("awq: every tempered scale candidate gave a non-finite loss")
+    return scales.float().pow(best_p), best_p, losses
 
 
 def group_range(w: torch.Tensor, group_size: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:

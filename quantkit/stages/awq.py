@@ -26,6 +26,7 @@ from torch import nn
 
 from quantkit.algorithms.awq import (
     BlockObjective,
+    GPTQCandidate,
     GroupScales,
     LayerSearch,
     LinearObjective,
@@ -33,6 +34,7 @@ from quantkit.algorithms.awq import (
     group_range,
     search_clip,
     search_scales,
+    temper_scales,
 )
 from quantkit.calib.runner import LayerContext
 from quantkit.errors import QuantkitError
@@ -63,6 +65,13 @@ class AWQStage:
         clip_min: float = 0.5  # smallest fraction of the range tried
         clip_tokens: int = 512  # calibration tokens per linear for the clip objective
         search_samples: int | None = None  # calibration windows the scale objective runs on (None: all)
+        # token-wise blocks (MLPs, MoE blocks: called with nothing but their input) are judged on this many tokens
+        # evenly strided over every calibration window instead (None: on the search_samples windows)
+        search_tokens: int | None = 8192
+        # the quantizer that follows: "gptq" re-judges each group's scales s as s^p, p in temper_powers, with GPTQ
+        # (act-order, MSE grids: GPTQ's defaults) in the objective, so scaling never makes a later GPTQ worse
+        quantizer: str = "rtn"
+        temper_powers: list[float] = field(default_factory=lambda: [0.0, 0.5])
         # not clipped: q and k (their error is amplified through the attention scores, which the clip objective
         # does not see), and Phi-3's fused qkv_proj, which holds q and k rows; names or "re:<regex>" in the layer
         clip_skip: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "qkv_proj"])
@@ -74,9 +83,10 @@ class AWQStage:
                 v = getattr(self, name)
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                     raise QuantkitError(f"awq {name} must be a positive integer, got {v!r}")
-            v = self.search_samples
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise QuantkitError(f"awq search_samples must be a positive integer or null (all), got {v!r}")
+            for name in ("search_samples", "search_tokens"):
+                v = getattr(self, name)
+                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                    raise QuantkitError(f"awq {name} must be a positive integer or null, got {v!r}")
             for name in ("duo_scaling", "clip"):
                 if not isinstance(getattr(self, name), bool):
                     raise QuantkitError(f"awq {name} must be true or false, got {getattr(self, name)!r}")
@@ -93,6 +103,16 @@ class AWQStage:
                 v = getattr(self, name)
                 if v is not None and not (isinstance(v, str) and v):
                     raise QuantkitError(f"awq {name} must be a directory path or null, got {v!r}")
+            if self.quantizer not in ("rtn", "gptq"):
+                raise QuantkitError(f"awq quantizer must be 'rtn' or 'gptq', got {self.quantizer!r}")
+            powers = self.temper_powers
+            if (
+                not isinstance(powers, (list, tuple))
+                or not powers
+                or not all(isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p <= 1 for p in powers)
+            ):
+                raise QuantkitError(f"awq temper_powers must be a non-empty list of numbers in [0, 1], got {powers!r}")
+            object.__setattr__(self, "temper_powers", [float(p) for p in powers])
             if self.save_search is not None and self.load_search is not None:
                 raise QuantkitError("awq: give save_search or load_search, not both")
 
@@ -155,10 +175,14 @@ class AWQStage:
             return None
         t0 = time.perf_counter()
         block = ctx.layer.get_submodule(group.block)
-        calls = self._search_context(ctx).capture_calls(block)
+        search_ctx = self._search_context(ctx)
+        calls = search_ctx.capture_calls(block)
+        if self.params.search_tokens is not None and _tokenwise(calls):
+            calls = _token_sample(calls if search_ctx is ctx else ctx.capture_calls(block), self.params.search_tokens)
         width = producer_channels(producer, group.producer_rows)
         gram = consumers == [block] and width < _tokens(calls)  # a lone linear: the Gram matrix is cheaper
-        x_mean, xtx, n_tokens = _input_stats(calls, width, ctx.device, gram)
+        tempered = self.params.quantizer == "gptq"
+        x_mean, xtx, n_tokens = _input_stats(calls, width, ctx.device, gram or tempered)
         if n_tokens == 0:  # no calibration token reached the block (an expert nobody was routed to)
             for n in group.consumers:
                 ctx.record(n, awq_skipped="no calibration tokens")
@@ -173,6 +197,14 @@ class AWQStage:
             duo_scaling=self.params.duo_scaling,
             group_size=self.stage.scheme.group_size,
         )
+        power = None
+        if tempered:
+            quantize = GPTQCandidate(xtx, act_order=True, mse=True)
+            weights = [m.weight for m in consumers]
+            scales, power, losses = temper_scales(
+                weights, schemes, objective, found.scales, quantize, tuple(self.params.temper_powers)
+            )
+            found = replace(found, scales=scales, loss=losses[power])  # loss_rtn stays the identity under RTN
         del calls, objective
         fold_group(ctx.layer, group, found.scales, ctx.arch.norm)
         for n in group.consumers:
@@ -182,6 +214,7 @@ class AWQStage:
                 awq_loss=found.loss,
                 awq_loss_rtn=found.loss_rtn,
                 awq_seconds=round(time.perf_counter() - t0, 3),
+                **({"awq_power": power, "awq_losses_gptq": losses} if tempered else {}),
             )
         return GroupScales(
             group.producer,
@@ -284,6 +317,24 @@ class AWQStage:
 
 def _block_input(args: tuple, kwargs: dict) -> torch.Tensor:
     return args[0] if args else kwargs["hidden_states"]
+
+
+def _tokenwise(calls) -> bool:
+    """A block called with its input alone (no positions, no mask) maps each token by itself: an MLP or MoE block
+    in the architecture table (attention always receives position embeddings or a mask)."""
+    return bool(calls) and all(
+        len(args) == 1 and isinstance(args[0], torch.Tensor) and not any(torch.is_tensor(v) for v in kwargs.values())
+        for args, kwargs in calls
+    )
+
+
+def _token_sample(calls, n_tokens: int) -> list[tuple[tuple, dict]]:
+    """One call of a token-wise block on ``n_tokens`` input rows evenly strided over all ``calls`` (all rows
+    when there are fewer)."""
+    x = torch.cat([args[0].reshape(-1, args[0].shape[-1]) for args, _ in calls])
+    if x.shape[0] > n_tokens:
+        x = x[torch.linspace(0, x.shape[0] - 1, n_tokens, device=x.device).round().long()]
+    return [((x.unsqueeze(0),), dict(calls[0][1]))]
 
 
 def _tokens(calls) -> int:
