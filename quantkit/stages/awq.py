@@ -323,9 +323,16 @@ def _tokenwise(calls) -> bool:
     """A block called with its input alone (no positions, no mask) maps each token by itself: an MLP or MoE block
     in the architecture table (attention always receives position embeddings or a mask)."""
     return bool(calls) and all(
-        len(args) == 1 and isinstance(args[0], torch.Tensor) and not any(torch.is_tensor(v) for v in kwargs.values())
-        for args, kwargs in calls
+        len(args) == 1 and isinstance(args[0], torch.Tensor) and not _holds_tensor(kwargs) for args, kwargs in calls
     )
+
+
+def _holds_tensor(v) -> bool:
+    if isinstance(v, torch.Tensor):
+        return True
+    if isinstance(v, dict):
+        return any(_holds_tensor(x) for x in v.values())
+    return isinstance(v, (tuple, list)) and any(_holds_tensor(x) for x in v)
 
 
 def _token_sample(calls, n_tokens: int) -> list[tuple[tuple, dict]]:

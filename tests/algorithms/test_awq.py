@@ -10,14 +10,17 @@ from torch import nn
 import quantkit
 from quantkit.algorithms.awq import (
     BlockObjective,
+    GPTQCandidate,
     GroupScales,
     LayerSearch,
     LinearObjective,
+    candidate_loss,
     clip_weight,
     fake_quantize,
     group_range,
     search_clip,
     search_scales,
+    temper_scales,
 )
 from quantkit.algorithms.rtn import group_qparams, rtn
 from quantkit.errors import QuantkitError
@@ -27,6 +30,7 @@ from quantkit.nn.factory import quantized_modules
 from quantkit.pipeline import prepare_model
 from quantkit.quant import QuantScheme
 from quantkit.recipe import Recipe, load_recipe
+from quantkit.stages.awq import _token_sample, _tokenwise
 from tests.tiny_models import COMMON, CONFIGS, tiny_model
 
 SCHEME = {"bits": 4, "group_size": 32, "sym": False}
@@ -269,7 +273,18 @@ def test_tied_embeddings_untouched():
 
 
 def test_params_are_checked():
-    for bad in ({"grid": 0}, {"clip": "yes"}, {"clip_min": 0}, {"clip_min": 1.5}, {"clip_skip": [1]}):
+    bad_params = (
+        {"grid": 0},
+        {"clip": "yes"},
+        {"clip_min": 0},
+        {"clip_min": 1.5},
+        {"clip_skip": [1]},
+        {"quantizer": "hqq"},
+        {"temper_powers": [0, 2]},
+        {"temper_powers": []},
+        {"search_tokens": 0},
+    )
+    for bad in bad_params:
         with pytest.raises(QuantkitError, match="awq"):
             awq_recipe(**bad)
     with pytest.raises(QuantkitError, match="unknown key 'gird'"):
@@ -303,6 +318,54 @@ def test_shipped_awq_recipes_run(name):
     assert len(quantized_modules(model)) == 14
     with torch.no_grad():
         assert torch.isfinite(model(calib_ids(1, 16)).logits).all()
+
+
+def test_scales_tempered_under_gptq_are_never_worse_than_plain_gptq():
+    """quantizer "gptq": each group's scales are re-judged as s^p with GPTQ in the objective; p = 0 (plain GPTQ) is
+    a candidate, so the kept loss is the smallest of those tried, and the recorded power is one of them."""
+    model = tiny("llama_mha")
+    recipe = Recipe.from_dict(
+        {
+            "scheme": {"bits": 3, "group_size": 32, "sym": False},
+            "stages": [{"method": "awq", "params": {"clip": False, "quantizer": "gptq"}}, {"method": "gptq"}],
+        }
+    )
+    result = quantkit.quantize(model, recipe, calib_ids())
+    searched = [r for r in result.layers.values() if "awq_losses_gptq" in r]
+    assert len(searched) == len(result.layers)  # v_proj -> o_proj is a group too (no grouped-query heads here)
+    for r in searched:
+        losses = r["awq_losses_gptq"]
+        assert set(losses) == {0.0, 0.5} and r["awq_power"] in losses
+        assert r["awq_loss"] == min(losses.values())
+    with torch.no_grad():
+        assert torch.isfinite(model(calib_ids(1, 16)).logits).all()
+
+
+def test_temper_scales_picks_the_power_with_the_lowest_gptq_loss():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(512, 64, generator=gen) * torch.linspace(0.1, 4, 64)  # a few channels with large activations
+    w = torch.randn(48, 64, generator=gen)
+    gram = x.t() @ x
+    scheme = QuantScheme(bits=3, group_size=32, sym=False)
+    objective = LinearObjective(w, gram, x.shape[0])
+    s = x.abs().mean(0).sqrt()
+    quantize = GPTQCandidate(gram, act_order=True, mse=True)
+    scales, power, losses = temper_scales([w], [scheme], objective, s, quantize, (0.0, 0.25, 0.5, 1.0))
+    assert losses[power] == min(losses.values())
+    assert torch.allclose(scales, s.pow(power))
+    assert losses[0.0] < candidate_loss([w], [scheme], objective, torch.ones(64))  # GPTQ beats RTN here
+
+
+def test_token_wise_blocks_are_sampled_over_every_window():
+    x = torch.arange(4 * 10 * 3, dtype=torch.float32).reshape(4, 10, 3)
+    mlp_calls = [((x[:2],), {}), ((x[2:],), {})]
+    attention_calls = [((x,), {"position_embeddings": (x, x), "attention_mask": None})]
+    assert _tokenwise(mlp_calls) and not _tokenwise(attention_calls)
+    [(args, kwargs)] = _token_sample(mlp_calls, 5)
+    rows = args[0][0]
+    assert rows.shape == (5, 3) and kwargs == {}
+    assert rows[0, 0] == 0 and rows[-1, 0] == x[-1, -1, 0]  # first and last token of all windows
+    assert _token_sample(mlp_calls, 1000)[0][0][0].shape == (1, 40, 3)
 
 
 # a real layer --------------------------------------------------------------------------------------------------
