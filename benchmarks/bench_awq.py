@@ -77,6 +77,11 @@ def main() -> None:
     ap.add_argument("--grid", type=int, default=20)
     ap.add_argument("--no-clip", dest="clip", action="store_false")
     ap.add_argument("--search-samples", type=int, default=None, help="windows the scale objective runs on (all)")
+    ap.add_argument(
+        "--then-gptq",
+        action="store_true",
+        help="time the awq+gptq composition: AWQ (no clip) with its scales re-judged under GPTQ, then GPTQ",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, not speed")
     ap.add_argument("--cpu-smollm2", action="store_true", help="time SmolLM2-135M (real weights, Brown text) on CPU")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave the default)")
@@ -108,8 +113,14 @@ def main() -> None:
             "stages": [
                 {
                     "method": "awq",
-                    "params": {"grid": args.grid, "clip": args.clip, "search_samples": args.search_samples},
-                }
+                    "params": {
+                        "grid": args.grid,
+                        "clip": args.clip and not args.then_gptq,
+                        "search_samples": args.search_samples,
+                        "quantizer": "gptq" if args.then_gptq else "rtn",
+                    },
+                },
+                *([{"method": "gptq"}] if args.then_gptq else []),
             ],
         },
         "bench recipe",
@@ -158,7 +169,8 @@ def main() -> None:
         "search_samples": args.search_samples,
         "scheme": scheme,
         "grid": args.grid,
-        "clip": args.clip,
+        "clip": args.clip and not args.then_gptq,
+        "stages": "awq (scales re-judged under GPTQ) + gptq" if args.then_gptq else "awq",
         "build_seconds": round(build_seconds, 2),
         "search_seconds": round(wall, 2),
         "seconds_per_layer_median": round(median, 3),

@@ -88,12 +88,18 @@ SWEEP = {
         F_("gemv", 1, 512, 64, 4, 1, split_waves=4, fold_zero=True, prefetch=True),
         F_("gemv", 1, 512, 64, 4, 1, split_waves=8, fold_zero=True, prefetch=True),
         F_("gemv", 1, 256, 128, 2, 1, split_waves=8, fold_zero=True, prefetch=True),
+        F_("gemv", 1, 1024, 64, 4, 1, split_waves=4, fold_zero=True),  # 8 columns per thread: x loads shared by 8
+        F_("gemv", 1, 1024, 64, 4, 1, split_waves=8, fold_zero=True),
+        F_("gemv", 1, 1024, 128, 4, 1, split_waves=4, fold_zero=True),
+        F_("gemv", 1, 2048, 64, 8, 1, split_waves=4, fold_zero=True),
     ]),
     "m2": (2, [2], [
         F_("gemv", 2, 512, 128, 4, 2, split_waves=8, fold_zero=True),
         F_("gemv", 2, 512, 64, 4, 3, split_waves=8, fold_zero=True),
         F_("gemv", 2, 512, 128, 4, 1, split_waves=4, fold_zero=True, prefetch=True),
         F_("gemv", 2, 512, 64, 4, 1, split_waves=8, fold_zero=True, prefetch=True),
+        F_("gemv", 2, 1024, 64, 4, 1, split_waves=8, fold_zero=True, prefetch=True),
+        F_("gemv", 2, 1024, 32, 4, 1, split_waves=8, fold_zero=True, prefetch=True),
         SWAP16,
     ]),
     "m4": (4, [4], [
