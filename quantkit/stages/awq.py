@@ -9,6 +9,14 @@ Per layer, for each smoothing group of the architecture table in order: capture 
 and mean |x| of its input in one forward pass, search the scales, fold them at once (so later groups see the
 folded layer). Then capture a token sample of every linear to clip in one more pass, search and clamp.
 
+With ``quantizer: gptq`` (the awq+gptq preset) each group's scales, found for round-to-nearest, are re-judged with
+GPTQ in the objective: s^p for p in ``temper_powers``, p = 0 being plain GPTQ. On two SmolLM2-135M layers (3- and
+4-bit, groups of 128: 12 groups) full AWQ scales raised GPTQ's block-output error in 11 groups; s^0.5 lowered it
+in 6, by up to 6%: GPTQ already spends the Hessian on the channels that AWQ protects.
+
+Token-wise blocks (MLPs, MoE blocks) are judged on ``search_tokens`` rows evenly strided over every calibration
+window rather than on whole windows: the same cost buys more varied tokens, and attention keeps its windows.
+
 ``save_search`` writes each layer's results to ``<dir>/<layer prefix>.safetensors``; ``load_search`` replays
 such a directory without calibration data.
 """
