@@ -71,7 +71,10 @@ M1_TARGET_SHAPES = [(14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (
 # candidates vary the pipeline depth. Outcome (results/w4a16-h200-2026-11-29.log): pipelined gemv lost 10-25% to
 # the plain-load winner of the first sweep; the MMA tiles gained 10-30% from 3 stages. Large M is tensor-core bound:
 # dequantize to [N, K] + F.linear against the fused kernel. Every candidate compiles for sm_90 with Triton 3.6
-# without spills (benchmarks/sass_w4a16.py).
+# without spills (benchmarks/sass_w4a16.py). Added 2026-12-01: gemv with the next K tile prefetched into registers
+# (won at M = 2, 1.50x -> 1.71x; lost at M = 1, 2.11-2.20x vs 2.36-2.39x), 8 columns per thread at M = 1 and 2
+# (lost), 2-warp tiles that run mma.sync instead of wgmma at M 8-64 (0.41-0.64x vs 0.89-1.35x): the losers stay as
+# the evidence (results/w4a16-h200-2026-12-01.log, -sweep2.log).
 F_ = C.KernelConfig
 GEMV_M1 = F_("gemv", 1, 512, 128, 4, 2, split_waves=8, fold_zero=True)
 SWAP16 = F_("fused", 16, 128, 64, 4, 2, split_waves=4, fuse_scale=True, swap_ab=True)

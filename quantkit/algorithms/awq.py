@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantkit.algorithms.gptq import gptq
 from quantkit.algorithms.rtn import rtn
 from quantkit.errors import QuantkitError
 from quantkit.quant.scheme import QuantScheme
@@ -139,8 +140,6 @@ class GPTQCandidate:
         self.hessian, self.options = hessian.float(), options
 
     def __call__(self, w: torch.Tensor, scheme: QuantScheme, s: torch.Tensor) -> torch.Tensor:
-        from quantkit.algorithms.gptq import gptq
-
         h = self.hessian / (s[:, None] * s[None, :])
         qw, _ = gptq(w.float() * s, h, scheme, **self.options)
         return qw.dequantize(torch.float32) / s
@@ -191,7 +190,7 @@ def temper_scales(
     objective,
     scales: torch.Tensor,
     quantize,
-    powers: tuple[float, ...] = (0.0, 0.5),
+    powers: tuple[float, ...],
 ) -> tuple[torch.Tensor, float, dict[float, float]]:
     """Re-judge scales found for RTN under the quantizer that will really run (GPTQ): try s^p for each power p
     (0: no scaling, 1: the scales as found) and keep the one with the lowest objective.
