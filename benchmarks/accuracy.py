@@ -54,6 +54,11 @@ def main() -> None:
     ap.add_argument("--eval-seqlen", type=int, default=512)
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="where layers are quantized and windows evaluated (cpu, cuda); fp32 on either, TF32 off",
+    )
     ap.add_argument("--out", type=Path, required=True, help="JSON results; a .md table is written beside it")
     args = ap.parse_args()
     if args.label and "," in args.methods:
@@ -61,7 +66,12 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     console = Console()
+    device = torch.device(args.device)
+    if device.type == "cuda":  # fp32 products as on the CPU: no TF32 rounding
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     float_model, tokenizer, _ = quantkit.load_model(args.model)
+    float_model.to(device)
     windows, protocol = evaluation_windows(tokenizer, args.eval, args.eval_seqlen, args.windows)
     calib, fingerprint = calibration_windows(tokenizer, args.calib, args.nsamples, args.seqlen)
     t0 = time.perf_counter()
@@ -81,7 +91,7 @@ def main() -> None:
                 recipe = preset_recipe(method, scheme, params=json.loads(args.params) or None)
                 model = copy.deepcopy(float_model)
                 t0 = time.perf_counter()
-                quantkit.quantize(model, recipe, calib if recipe.needs_calibration else None)
+                quantkit.quantize(model, recipe, calib if recipe.needs_calibration else None, device=device)
                 q_seconds = time.perf_counter() - t0
                 res = evaluate_windows(model, windows, baseline)
                 row = {
@@ -93,6 +103,7 @@ def main() -> None:
                     "quantize_seconds": round(q_seconds, 1),
                     "params": json.loads(args.params),
                     "calibration": f"{args.calib} {args.nsamples}x{args.seqlen}" if recipe.needs_calibration else None,
+                    "device": device.type,
                 }
                 rows.append(row)
                 console.print(row)
@@ -152,7 +163,7 @@ def cached_baseline(model, model_spec: str, windows: torch.Tensor, protocol: dic
     path = cache_dir() / "baselines" / f"{key}.pt"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        stacked = torch.stack([window_log_probs(model, ids).half() for ids in windows])  # [n, L-1, V]
+        stacked = torch.stack([window_log_probs(model, ids).half().cpu() for ids in windows])  # [n, L-1, V]
         tmp = path.with_suffix(f".tmp-{os.getpid()}")
         torch.save(stacked, tmp)
         os.replace(tmp, path)
@@ -168,14 +179,14 @@ def markdown(report: dict) -> str:
         f"{report['eval']['windows']} windows x {report['eval']['seqlen']} tokens. Calibration: "
         f"{report['calibration']['source']}, {report['calibration']['nsamples']} x {report['calibration']['seqlen']}.",
         "",
-        "| method | bits | group | sym | ppl | Δppl | KL | top-1 | calibration | quantize s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| method | bits | group | sym | ppl | Δppl | KL | top-1 | calibration | quantize s | device |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         lines.append(
             f"| {method_cell(r)} | {r['bits']} | {r['group_size']} | {r['sym']} | {r['perplexity']:.3f} | "
             f"{r['perplexity'] - base:+.3f} | {r['kl']:.4f} | {r['top1']:.3f} | {r.get('calibration') or '-'} | "
-            f"{r['quantize_seconds']} |"
+            f"{r['quantize_seconds']} | {r.get('device', 'cpu')} |"
         )
     return "\n".join(lines) + "\n"
 
