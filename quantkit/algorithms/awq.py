@@ -222,13 +222,20 @@ def group_range(w: torch.Tensor, group_size: int, sym: bool) -> tuple[torch.Tens
 
 @torch.no_grad()
 def search_clip(
-    w: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, grid: int = 20, min_ratio: float = 0.5
+    w: torch.Tensor,
+    x: torch.Tensor,
+    scheme: QuantScheme,
+    grid: int = 20,
+    min_ratio: float = 0.5,
+    separate_ends: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per output channel and group, the clipping range minimising the error of that group's share of the output.
 
     ``w`` [N, K], ``x`` [T, K] a sample of the layer's inputs. The range [min, max] of each group (always holding
     0; [-absmax, absmax] when symmetric) is shrunk by r = 1, 1 - 1/grid, ... down to ``min_ratio``; each candidate
-    is quantized with the min-max grid of the clipped weights. Returns (lo, hi), fp32 [N, n_g].
+    is quantized with the min-max grid of the clipped weights. ``separate_ends`` (asymmetric schemes): then shrink
+    the top end alone, then the bottom end alone, from the best common ratio (never worse than it). Returns
+    (lo, hi), fp32 [N, n_g].
     """
     n, k = w.shape
     gsize = scheme.group_of(k)
@@ -239,23 +246,41 @@ def search_clip(
     lo_out, hi_out = [], []
     for start in range(0, n, rows):
         wb = _grouped(w[start : start + rows].float(), gsize)  # [r, n_g, G]
-        ref = torch.matmul(wb.transpose(0, 1), xg)  # [n_g, r, G] @ [n_g, G, T] -> [n_g, r, T]
         lo0, hi0 = group_range(w[start : start + rows], gsize, scheme.sym)  # [r, n_g]
-        best_err = torch.full_like(hi0, float("inf"))
-        best_r = torch.ones_like(hi0)
-        for r in ratios:
-            wc = torch.maximum(torch.minimum(wb, (hi0 * r)[..., None]), (lo0 * r)[..., None])
-            scale, zero = compute_qparams(wc, scheme.bits, scheme.sym)  # [r, n_g]
-            wq = (quantize_with_qparams(wc, scale[..., None], zero[..., None], scheme.maxq) - zero[..., None]) * scale[
-                ..., None
-            ]
-            err = (torch.matmul(wq.transpose(0, 1), xg) - ref).pow(2).mean(dim=-1).t()  # [n_g, r, T] -> [r, n_g]
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best_r = torch.where(better, torch.full_like(best_r, r), best_r)
-        lo_out.append(lo0 * best_r)
-        hi_out.append(hi0 * best_r)
+        lo, hi = _clip_rows(wb, xg, lo0, hi0, scheme, ratios, separate_ends and not scheme.sym)
+        lo_out.append(lo)
+        hi_out.append(hi)
     return torch.cat(lo_out), torch.cat(hi_out)
+
+
+def _clip_rows(wb, xg, lo0, hi0, scheme: QuantScheme, ratios: list[float], separate_ends: bool):
+    """search_clip on a chunk of rows: wb [r, n_g, G], xg [n_g, G, T], full ranges lo0 / hi0 [r, n_g]."""
+    ref = torch.matmul(wb.transpose(0, 1), xg)  # [n_g, r, G] @ [n_g, G, T] -> [n_g, r, T]
+    best_err = torch.full_like(hi0, float("inf"))
+    best_lo, best_hi = lo0.clone(), hi0.clone()
+
+    def consider(lo: torch.Tensor, hi: torch.Tensor) -> None:
+        wc = torch.maximum(torch.minimum(wb, hi[..., None]), lo[..., None])
+        scale, zero = compute_qparams(wc, scheme.bits, scheme.sym)  # [r, n_g]
+        wq = (quantize_with_qparams(wc, scale[..., None], zero[..., None], scheme.maxq) - zero[..., None]) * scale[
+            ..., None
+        ]
+        err = (torch.matmul(wq.transpose(0, 1), xg) - ref).pow(2).mean(dim=-1).t()  # [n_g, r, T] -> [r, n_g]
+        better = err < best_err
+        best_err.copy_(torch.where(better, err, best_err))
+        best_lo.copy_(torch.where(better, lo, best_lo))
+        best_hi.copy_(torch.where(better, hi, best_hi))
+
+    for r in ratios:
+        consider(lo0 * r, hi0 * r)
+    if separate_ends:
+        fixed_lo = best_lo.clone()
+        for r in ratios:
+            consider(fixed_lo, hi0 * r)
+        fixed_hi = best_hi.clone()
+        for r in ratios:
+            consider(lo0 * r, fixed_hi)
+    return best_lo, best_hi
 
 
 @torch.no_grad()

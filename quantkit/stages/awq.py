@@ -72,6 +72,8 @@ class AWQStage:
         clip_grid: int = 20  # shrink steps of 1/clip_grid
         clip_min: float = 0.5  # smallest fraction of the range tried
         clip_tokens: int = 512  # calibration tokens per linear for the clip objective
+        # asymmetric schemes: after the common shrink of both ends, shrink each end alone (3x the clip search)
+        clip_separate_ends: bool = False
         search_samples: int | None = None  # calibration windows the scale objective runs on (None: all)
         # token-wise blocks (MLPs, MoE blocks: called with nothing but their input) are judged on this many tokens
         # evenly strided over every calibration window instead (None: on the search_samples windows)
@@ -95,7 +97,7 @@ class AWQStage:
                 v = getattr(self, name)
                 if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                     raise QuantkitError(f"awq {name} must be a positive integer or null, got {v!r}")
-            for name in ("duo_scaling", "clip"):
+            for name in ("duo_scaling", "clip", "clip_separate_ends"):
                 if not isinstance(getattr(self, name), bool):
                     raise QuantkitError(f"awq {name} must be true or false, got {getattr(self, name)!r}")
             v = self.clip_min
@@ -264,7 +266,9 @@ class AWQStage:
                 continue
             t0 = time.perf_counter()
             scheme = self.stage.scheme_for(ctx.full_name(name), module)
-            lo, hi = search_clip(module.weight, x, scheme, self.params.clip_grid, self.params.clip_min)
+            lo, hi = search_clip(
+                module.weight, x, scheme, self.params.clip_grid, self.params.clip_min, self.params.clip_separate_ends
+            )
             ratio = _mean_ratio(module.weight, lo, hi, scheme)
             clip_weight(module.weight.data, lo, hi, scheme.group_size)
             search.clips[name] = (lo.cpu(), hi.cpu())

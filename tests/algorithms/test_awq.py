@@ -145,6 +145,29 @@ def test_clip_reduces_output_error_on_heavy_tails(sym, group):
     assert (hi - lo).min() > 0
 
 
+def test_clip_separate_ends_never_loses_to_the_common_shrink():
+    """Asymmetric groups: shrinking each end alone after the common shrink only lowers each group's output error,
+    and moves some ranges off the common ratio (skewed weights: the heavy tail is on one side)."""
+    torch.manual_seed(6)
+    w = torch.distributions.StudentT(2.0).sample((40, 96)).abs() - 0.5  # one heavy positive tail per row
+    x = torch.randn(256, 96)
+    scheme = QuantScheme(bits=3, group_size=32, sym=False)
+    common = search_clip(w, x, scheme)
+    separate = search_clip(w, x, scheme, separate_ends=True)
+
+    def group_err(lo, hi):
+        v = w.clone()
+        clip_weight(v, lo, hi, 32)
+        delta = (rtn(v, scheme).dequantize() - w).view(40, 3, 32)
+        return torch.einsum("ngk,tgk->ngt", delta, x.view(256, 3, 32)).pow(2).mean(-1)  # [N, n_g]
+
+    e_common, e_separate = group_err(*common), group_err(*separate)
+    assert (e_separate <= e_common * (1 + 1e-5) + 1e-7).all()
+    assert e_separate.sum() < 0.99 * e_common.sum()
+    lo0, hi0 = group_range(w, 32, False)
+    assert not torch.allclose(separate[0] / lo0.clamp(max=-1e-9), separate[1] / hi0.clamp(min=1e-9))
+
+
 @pytest.mark.parametrize("sym", [False, True])
 def test_clipped_weights_give_the_later_stage_the_searched_grid(sym):
     """After clamping, RTN's min-max grid is exactly the one the clip search evaluated: range [lo, hi]."""
