@@ -12,7 +12,8 @@ folded layer). Then capture a token sample of every linear to clip in one more p
 With ``quantizer: gptq`` (the awq+gptq preset) each group's scales, found for round-to-nearest, are re-judged with
 GPTQ in the objective: s^p for p in ``temper_powers``, p = 0 being plain GPTQ. On two SmolLM2-135M layers (3- and
 4-bit, groups of 128: 12 groups) full AWQ scales raised GPTQ's block-output error in 11 groups; s^0.5 lowered it
-in 6, by up to 6%: GPTQ already spends the Hessian on the channels that AWQ protects.
+in 6, by up to 6%: GPTQ already spends the Hessian on the channels that AWQ protects. Powers {0, 0.25, 0.5, 0.75}
+beat {0, 0.5} in the four grouped SmolLM2 cells (results/accuracy-h200-2026-12-01.md; 4-bit g64 51.73 -> 50.37).
 
 Token-wise blocks (MLPs, MoE blocks) are judged on ``search_tokens`` rows evenly strided over every calibration
 window rather than on whole windows: the same cost buys more varied tokens, and attention keeps its windows.
@@ -72,7 +73,8 @@ class AWQStage:
         clip_grid: int = 20  # shrink steps of 1/clip_grid
         clip_min: float = 0.5  # smallest fraction of the range tried
         clip_tokens: int = 512  # calibration tokens per linear for the clip objective
-        # asymmetric schemes: after the common shrink of both ends, shrink each end alone (3x the clip search)
+        # asymmetric schemes: after the common shrink of both ends, shrink each end alone (3x the clip search);
+        # with clip_skip [] the best AWQ measured on SmolLM2 (recipe awq-w4g128-clipqk), mixed at 4 bits without
         clip_separate_ends: bool = False
         search_samples: int | None = None  # calibration windows the scale objective runs on (None: all)
         # token-wise blocks (MLPs, MoE blocks: called with nothing but their input) are judged on this many tokens
@@ -81,7 +83,7 @@ class AWQStage:
         # the quantizer that follows: "gptq" re-judges each group's scales s as s^p, p in temper_powers, with GPTQ
         # (act-order, MSE grids: GPTQ's defaults) in the objective, so scaling never makes a later GPTQ worse
         quantizer: str = "rtn"
-        temper_powers: list[float] = field(default_factory=lambda: [0.0, 0.5])
+        temper_powers: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75])
         # not clipped: q and k (their error is amplified through the attention scores, which the clip objective
         # does not see), and Phi-3's fused qkv_proj, which holds q and k rows; names or "re:<regex>" in the layer
         clip_skip: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "qkv_proj"])

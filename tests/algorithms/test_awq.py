@@ -34,7 +34,7 @@ from quantkit.stages.awq import _token_sample, _tokenwise
 from tests.tiny_models import COMMON, CONFIGS, tiny_model
 
 SCHEME = {"bits": 4, "group_size": 32, "sym": False}
-AWQ_RECIPES = ("awq-w4g128", "awq-w3g64", "awq-gptq-w4g128")
+AWQ_RECIPES = ("awq-w4g128", "awq-w3g64", "awq-gptq-w4g128", "awq-w4g128-clipqk")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -343,6 +343,16 @@ def test_shipped_awq_recipes_run(name):
         assert torch.isfinite(model(calib_ids(1, 16)).logits).all()
 
 
+def test_clipqk_recipe_clips_q_and_k_with_separate_ends():
+    recipe = load_recipe("awq-w4g128-clipqk")
+    params = recipe.stages[0].params
+    assert params.clip_skip == [] and params.clip_separate_ends
+    model = tiny("llama_mha")
+    report = quantkit.quantize(model, recipe, calib_ids()).layers
+    assert "awq_clip_mean_ratio" in report["model.layers.0.self_attn.q_proj"]
+    assert "awq_clip_mean_ratio" in report["model.layers.0.self_attn.k_proj"]
+
+
 def test_scales_tempered_under_gptq_are_never_worse_than_plain_gptq():
     """quantizer "gptq": each group's scales are re-judged as s^p with GPTQ in the objective; p = 0 (plain GPTQ) is
     a candidate, so the kept loss is the smallest of those tried, and the recorded power is one of them."""
@@ -358,7 +368,7 @@ def test_scales_tempered_under_gptq_are_never_worse_than_plain_gptq():
     assert len(searched) == len(result.layers)  # v_proj -> o_proj is a group too (no grouped-query heads here)
     for r in searched:
         losses = r["awq_losses_gptq"]
-        assert set(losses) == {0.0, 0.5} and r["awq_power"] in losses
+        assert set(losses) == {0.0, 0.25, 0.5, 0.75} and r["awq_power"] in losses
         assert r["awq_loss"] == min(losses.values())
     with torch.no_grad():
         assert torch.isfinite(model(calib_ids(1, 16)).logits).all()
