@@ -49,6 +49,7 @@ def main() -> None:
     )
     ap.add_argument("--calib", default="brown")
     ap.add_argument("--nsamples", type=int, default=128)
+    ap.add_argument("--calib-seed", type=int, default=0, help="which random calibration windows (run-to-run spread)")
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--eval", default="moby-dick")
     ap.add_argument("--eval-seqlen", type=int, default=512)
@@ -73,7 +74,7 @@ def main() -> None:
     float_model, tokenizer, _ = quantkit.load_model(args.model)
     float_model.to(device)
     windows, protocol = evaluation_windows(tokenizer, args.eval, args.eval_seqlen, args.windows)
-    calib, fingerprint = calibration_windows(tokenizer, args.calib, args.nsamples, args.seqlen)
+    calib, fingerprint = calibration_windows(tokenizer, args.calib, args.nsamples, args.seqlen, args.calib_seed)
     t0 = time.perf_counter()
     baseline = cached_baseline(float_model, args.model, windows, protocol)
     float_result = evaluate_windows(float_model, windows, baseline, float_from_baseline=True)
@@ -102,7 +103,12 @@ def main() -> None:
                     "top1": res.top1_agreement,
                     "quantize_seconds": round(q_seconds, 1),
                     "params": json.loads(args.params),
-                    "calibration": f"{args.calib} {args.nsamples}x{args.seqlen}" if recipe.needs_calibration else None,
+                    "calibration": (
+                        f"{args.calib} {args.nsamples}x{args.seqlen}"
+                        + (f" seed {args.calib_seed}" if args.calib_seed else "")
+                        if recipe.needs_calibration
+                        else None
+                    ),
                     "device": device.type,
                 }
                 rows.append(row)

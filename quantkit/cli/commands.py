@@ -69,7 +69,11 @@ FLAG_MAP = {
     "alpha_search": ("params", "alpha_search"),
     "grid": ("params", "grid"),
     "clip": ("params", "clip"),
+    "clip_qk": ("params", "clip_skip"),
+    "clip_separate_ends": ("params", "clip_separate_ends"),
 }
+# flags whose value is not the parameter's: --act-static sets act_dynamic false, --clip-qk empties clip_skip
+FLAG_VALUES = {"act_static": lambda v: not v, "clip_qk": lambda v: [] if v else None}
 
 
 def resolve_recipe(method: str | None, recipe_spec: str | None, flags: dict):
@@ -85,7 +89,9 @@ def resolve_recipe(method: str | None, recipe_spec: str | None, flags: dict):
         if value is None:
             continue
         section, key = FLAG_MAP[flag]
-        changes[section][key] = (not value) if flag == "act_static" else value
+        value = FLAG_VALUES.get(flag, lambda v: v)(value)
+        if value is not None:
+            changes[section][key] = value
     recipe = preset_recipe(method) if method else load_recipe(recipe_spec or "default")
     known = {f for s in recipe.stages for f in stage_class(s.method).Params.__dataclass_fields__}
     stray = sorted(set(changes["params"]) - known)
@@ -138,6 +144,12 @@ def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out:
 @click.option("--act-static", is_flag=True, default=None, help="W8A8: static per-tensor activation scales.")
 @click.option("--grid", type=int, default=None, help="AWQ: scale-search grid size.")
 @click.option("--clip/--no-clip", default=None, help="AWQ: clipping search.")
+@click.option("--clip-qk", is_flag=True, default=None, help="AWQ: clip q_proj and k_proj too (skipped by default).")
+@click.option(
+    "--clip-separate-ends/--no-clip-separate-ends",
+    default=None,
+    help="AWQ: after the common shrink, shrink each end of an asymmetric range alone.",
+)
 @click.option("--device", default=None, help="Where layers are processed (default: cuda if available).")
 @click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True)
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
