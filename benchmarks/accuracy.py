@@ -126,15 +126,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
     }
     if previous and previous.get("eval") == protocol:  # append to an earlier run of other cells
-        keep = [
-            r
-            for r in previous["rows"]
-            if not any(
-                (r["method"], r["bits"], r["group_size"], r["sym"], r.get("act_dynamic", True))
-                == (n["method"], n["bits"], n["group_size"], n["sym"], n.get("act_dynamic", True))
-                for n in rows
-            )
-        ]
+        keep = [r for r in previous["rows"] if not any(row_key(r) == row_key(n) for n in rows)]
         report["rows"] = keep + rows
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
@@ -155,6 +147,19 @@ def main() -> None:
             str(r["quantize_seconds"]),
         )
     console.print(table)
+
+
+def row_key(row: dict) -> tuple:
+    """A later run replaces an earlier row of the same cell: same method, scheme, calibration draw and device."""
+    return (
+        row["method"],
+        row["bits"],
+        row["group_size"],
+        row["sym"],
+        row.get("act_dynamic", True),
+        row.get("calibration"),
+        row.get("device", "cpu"),
+    )
 
 
 def method_cell(row: dict) -> str:
