@@ -12,7 +12,7 @@ set -u
 export PYTHONUNBUFFERED=1
 jobs_file=${1:?job file}
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/gguf-*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/gguf-*.whl || exit 1
 export PYTHONPATH=/tmp/site
 gguf=/tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf
 cat /tmp/m/smollm2.gguf.part00 .gpuship/smollm2.gguf.part01 > "$gguf" || exit 1
