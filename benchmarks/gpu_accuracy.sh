@@ -6,7 +6,7 @@
 #   call 1, carry [".gpuship/smollm2.gguf.part00"]:  mkdir -p /tmp/m && cp .gpuship/smollm2.gguf.part00 /tmp/m/
 #   call 2, carry [".gpuship/smollm2.gguf.part01", ".whl"]:  bash benchmarks/gpu_accuracy.sh JOBFILE
 # .whl holds the gguf wheel (transformers reads GGUF through it; the GPU image lacks it).
-# JOBFILE lines: name|methods|bits|groups|params JSON|label|nsamples. Each job is one process writing
+# JOBFILE lines: name|methods|bits|groups|params JSON|label|nsamples|calibration seed (the last two optional). Each job is one process writing
 # $OUT/acc/<name>.json; all start together after a first job has cached the float baseline.
 set -u
 export PYTHONUNBUFFERED=1
@@ -22,10 +22,10 @@ mkdir -p "$OUT/acc"
 limit=${LIMIT:-480}
 start=$(date +%s)
 first=1
-while IFS='|' read -r name methods bits groups params label nsamples; do
+while IFS='|' read -r name methods bits groups params label nsamples seed; do
   [ -z "$name" ] || [ "${name:0:1}" = "#" ] && continue
   args=(--model "$gguf" --methods "$methods" --bits "$bits" --groups="$groups" --params "$params"
-        --nsamples "${nsamples:-64}" --threads 1 --device cuda --out "$OUT/acc/$name.json")
+        --nsamples "${nsamples:-64}" --calib-seed "${seed:-0}" --threads 1 --device cuda --out "$OUT/acc/$name.json")
   [ -n "$label" ] && args+=(--label "$label")
   left=$(( limit - ($(date +%s) - start) ))
   if [ $first = 1 ]; then  # computes and caches the float baseline for the others

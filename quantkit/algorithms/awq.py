@@ -27,6 +27,7 @@ from torch import nn
 from quantkit.algorithms.gptq import gptq
 from quantkit.algorithms.rtn import rtn
 from quantkit.errors import QuantkitError
+from quantkit.models.fold import column_scales
 from quantkit.quant.scheme import QuantScheme
 from quantkit.quant.tensor import compute_qparams, quantize_with_qparams
 
@@ -63,6 +64,18 @@ def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, a: float
         s = s / w_mean.clamp(min=1e-8).pow(1 - a)
     s = s.clamp(min=1e-4)
     return s / (s.max() * s.min()).sqrt()
+
+
+def channel_means(v: torch.Tensor, channel_map: torch.Tensor | None) -> torch.Tensor:
+    """Per consumer column [K] -> per producer channel [C]: the mean over the columns that read each channel
+    (``channel_map`` [K] column -> channel, as in :func:`quantkit.models.fold.repeated_heads_map`; None: C = K)."""
+    if channel_map is None:
+        return v
+    idx = channel_map.to(v.device)
+    n = int(idx.max()) + 1
+    total = torch.zeros(n, dtype=v.dtype, device=v.device).index_add_(0, idx, v)
+    count = torch.zeros(n, dtype=v.dtype, device=v.device).index_add_(0, idx, torch.ones_like(v))
+    return total / count.clamp(min=1)
 
 
 def _output(out) -> torch.Tensor:
@@ -161,6 +174,7 @@ def search_scales(
     grid: int = 20,
     duo_scaling: bool = True,
     group_size: int = 128,
+    channel_map: torch.Tensor | None = None,
 ) -> ScaleSearch:
     """Grid search of AWQ scales for the consumers of one producer (paper, Sec. 3.2).
 
@@ -169,15 +183,21 @@ def search_scales(
     candidate weights to the block-output error (:class:`BlockObjective`, :class:`LinearObjective`). For scales s
     a consumer's candidate is Q(W diag(s)) diag(s)^-1: what the folded model computes on the unscaled input.
     The identity (s = 1, plain quantization) is always a candidate, so the result is never worse than RTN.
+
+    ``channel_map`` (grouped-query v_proj -> o_proj): consumer column j reads producer channel map[j]. Statistics
+    come per column and are averaged over each channel's columns; one scale per channel is searched and returned
+    (the fold can only divide a producer channel once), and every column takes its channel's scale.
     """
     w_mean = weight_magnitude(torch.cat([w.float() for w in weights]), group_size) if duo_scaling else None
-    ones = torch.ones(x_mean.shape, dtype=torch.float32, device=x_mean.device)
-    loss_rtn = candidate_loss(weights, schemes, objective, ones)
+    x_ch = channel_means(x_mean.float(), channel_map)
+    w_ch = None if w_mean is None else channel_means(w_mean, channel_map)
+    ones = torch.ones(x_ch.shape, dtype=torch.float32, device=x_mean.device)
+    loss_rtn = candidate_loss(weights, schemes, objective, column_scales(ones, channel_map))
     best = ScaleSearch(ones, None, loss_rtn, loss_rtn)
     for i in range(grid):
         a = i / grid
-        s = candidate_scales(x_mean.float(), w_mean, a)
-        loss = candidate_loss(weights, schemes, objective, s)
+        s = candidate_scales(x_ch, w_ch, a)
+        loss = candidate_loss(weights, schemes, objective, column_scales(s, channel_map))
         if math.isfinite(loss) and loss < best.loss:
             best = ScaleSearch(s, a, loss, loss_rtn)
     return best
@@ -191,23 +211,30 @@ def temper_scales(
     scales: torch.Tensor,
     quantize,
     powers: tuple[float, ...],
+    channel_map: torch.Tensor | None = None,
+    margin: float = 0.0,
 ) -> tuple[torch.Tensor, float, dict[float, float]]:
     """Re-judge scales found for RTN under the quantizer that will really run (GPTQ): try s^p for each power p
     (0: no scaling, 1: the scales as found) and keep the one with the lowest objective.
 
     GPTQ already spends the Hessian on the salient channels that AWQ's scales protect, so full AWQ scales can
-    make GPTQ worse (its act-order sees diag(H) / s^2, its grids a different weight). Returns the chosen scales,
-    the power, and the loss of every power tried.
+    make GPTQ worse (its act-order sees diag(H) / s^2, its grids a different weight). ``scales`` are per producer
+    channel (see :func:`search_scales` for ``channel_map``). ``margin``: the smallest power is kept unless another
+    lowers the loss by more than this fraction of its loss. Returns the chosen scales, the power, and the loss of
+    every power tried.
     """
     losses: dict[float, float] = {}
     best_p, best_loss = None, float("inf")
     for p in powers:
-        loss = candidate_loss(weights, schemes, objective, scales.float().pow(p), quantize)
+        loss = candidate_loss(weights, schemes, objective, column_scales(scales.float().pow(p), channel_map), quantize)
         losses[p] = loss
         if math.isfinite(loss) and loss < best_loss:
             best_p, best_loss = p, loss
     if best_p is None:
         raise QuantkitError("awq: every tempered scale candidate gave a non-finite loss")
+    low = min(powers)
+    if margin and math.isfinite(losses[low]) and best_loss > (1 - margin) * losses[low]:
+        best_p = low
     return scales.float().pow(best_p), best_p, losses
 
 

@@ -71,6 +71,7 @@ FLAG_MAP = {
     "clip": ("params", "clip"),
     "clip_qk": ("params", "clip_skip"),
     "clip_separate_ends": ("params", "clip_separate_ends"),
+    "scale_grouped_values": ("params", "scale_grouped_values"),
 }
 # flags whose value is not the parameter's: --act-static sets act_dynamic false, --clip-qk empties clip_skip
 FLAG_VALUES = {"act_static": lambda v: not v, "clip_qk": lambda v: [] if v else None}
@@ -149,6 +150,11 @@ def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out:
     "--clip-separate-ends/--no-clip-separate-ends",
     default=None,
     help="AWQ: after the common shrink, shrink each end of an asymmetric range alone.",
+)
+@click.option(
+    "--scale-grouped-values/--no-scale-grouped-values",
+    default=None,
+    help="AWQ: scale v_proj -> o_proj under grouped-query heads too (one scale per value channel).",
 )
 @click.option("--device", default=None, help="Where layers are processed (default: cuda if available).")
 @click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True)

@@ -47,7 +47,7 @@ from quantkit.algorithms.awq import (
 )
 from quantkit.calib.runner import LayerContext
 from quantkit.errors import QuantkitError
-from quantkit.models.fold import BoundGroup, bind_smooth_groups, fold_group, producer_channels
+from quantkit.models.fold import BoundGroup, bind_smooth_groups, fold_group
 from quantkit.models.layers import match
 from quantkit.quant.scheme import QuantScheme
 from quantkit.recipe import Stage
@@ -84,10 +84,22 @@ class AWQStage:
         # (act-order, MSE grids: GPTQ's defaults) in the objective, so scaling never raises GPTQ's block error
         quantizer: str = "rtn"
         temper_powers: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75])
+        # keep the smallest power unless another lowers the block error by more than this fraction of its error
+        temper_margin: float = 0.0
+        # GPTQ candidates fitted on other calibration batches than those they are judged on (the windows past
+        # search_samples, else the second half of the batches), not fitted and judged on the same tokens: on
+        # SmolLM2-135M 3-bit g128 this turned AWQ+GPTQ from worse than GPTQ alone in three calibration draws of
+        # three (mean 76.09 vs 75.04) to better (73.74), and 3-bit g64 from 71.26 to 70.03 (GPTQ 72.09)
+        temper_holdout: bool = True
         # not clipped: q and k (their error is amplified through the attention scores, which the clip objective
         # does not see), and Phi-3's fused qkv_proj, which holds q and k rows; names or "re:<regex>" in the layer.
         # AutoAWQ's default; on SmolLM2-135M clipping them too (clip_skip: []) was better in every cell measured
         clip_skip: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "qkv_proj"])
+        # v_proj -> o_proj under grouped-query heads (fewer value channels than o_proj columns): search one scale
+        # per value channel, shared by the o_proj columns that read it (the fold stays exact). Off by default, as
+        # in AutoAWQ: on SmolLM2-135M (3 value heads for 9 query heads) it was mixed -- AWQ + RTN worse in 4 of 6
+        # cells (3-bit g128 108.6 -> 117.2), AWQ + GPTQ better in 4 of 6 (results/accuracy-h200-2026-12-02.md)
+        scale_grouped_values: bool = False
         save_search: str | None = None  # directory for the search results, one file per layer
         load_search: str | None = None  # directory written by save_search: replay it instead of searching
 
@@ -100,9 +112,12 @@ class AWQStage:
                 v = getattr(self, name)
                 if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                     raise QuantkitError(f"awq {name} must be a positive integer or null, got {v!r}")
-            for name in ("duo_scaling", "clip", "clip_separate_ends"):
+            for name in ("duo_scaling", "clip", "clip_separate_ends", "scale_grouped_values", "temper_holdout"):
                 if not isinstance(getattr(self, name), bool):
                     raise QuantkitError(f"awq {name} must be true or false, got {getattr(self, name)!r}")
+            v = self.temper_margin
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+                raise QuantkitError(f"awq temper_margin must be a fraction in [0, 1), got {v!r}")
             v = self.clip_min
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 < v <= 1:
                 raise QuantkitError(f"awq clip_min must be a fraction in (0, 1], got {v!r}")
@@ -169,16 +184,16 @@ class AWQStage:
         return search
 
     def _search_group(self, ctx: LayerContext, group: BoundGroup) -> GroupScales | None:
-        producer, consumers, _ = group.modules(ctx.layer)
+        _, consumers, _ = group.modules(ctx.layer)
         for n, m in zip(group.consumers, consumers, strict=True):
             if not isinstance(m, nn.Linear):
                 raise QuantkitError(
                     f"awq: {ctx.full_name(n)} is already quantized ({type(m).__name__}); "
                     "put the awq stage before the weight stage"
                 )
-        if group.channel_map is not None:  # v_proj -> o_proj under GQA: fewer value channels than o_proj inputs
+        if group.channel_map is not None and not self.params.scale_grouped_values:
             for n in group.consumers:
-                ctx.record(n, awq_skipped=f"{group.producer} outputs do not match the inputs (grouped-query heads)")
+                ctx.record(n, awq_skipped=f"{group.producer} feeds grouped-query heads (scale_grouped_values is off)")
             return None
         schemes = [
             self.stage.scheme_for(ctx.full_name(n), m) if self._selected(ctx, n, m) else None
@@ -190,9 +205,12 @@ class AWQStage:
         block = ctx.layer.get_submodule(group.block)
         search_ctx = self._search_context(ctx)
         calls = search_ctx.capture_calls(block)
-        if self.params.search_tokens is not None and _tokenwise(calls):
+        sampled = self.params.search_tokens is not None and _tokenwise(calls)
+        if sampled:
             calls = _token_sample(calls if search_ctx is ctx else ctx.capture_calls(block), self.params.search_tokens)
-        width = producer_channels(producer, group.producer_rows)
+        # the consumers' input width: under grouped-query heads (v_proj -> o_proj) wider than the producer's output,
+        # each value channel read by several o_proj columns (group.channel_map)
+        width = consumers[0].in_features
         gram = consumers == [block] and width < _tokens(calls)  # a lone linear: the Gram matrix is cheaper
         tempered = self.params.quantizer == "gptq"
         x_mean, xtx, n_tokens = _input_stats(calls, width, ctx.device, gram or tempered)
@@ -209,15 +227,31 @@ class AWQStage:
             grid=self.params.grid,
             duo_scaling=self.params.duo_scaling,
             group_size=self.stage.scheme.group_size,
+            channel_map=group.channel_map,
         )
         power = None
         if tempered:
-            quantize = GPTQCandidate(xtx, act_order=True, mse=True)
-            weights = [m.weight for m in consumers]
+            judge, hessian = objective, xtx
+            if self.params.temper_holdout:
+                held = self._holdout(ctx, search_ctx, block, consumers, width, sampled)
+                if held is None:
+                    why = "one calibration batch" if len(ctx.hidden) < 2 else "no token in one part"
+                    for n in group.consumers:
+                        ctx.record(n, awq_temper_in_sample=why)
+                else:
+                    judge, hessian = held
             scales, power, losses = temper_scales(
-                weights, schemes, objective, found.scales, quantize, tuple(self.params.temper_powers)
+                [m.weight for m in consumers],
+                schemes,
+                judge,
+                found.scales,
+                GPTQCandidate(hessian, act_order=True, mse=True),
+                tuple(self.params.temper_powers),
+                group.channel_map,
+                self.params.temper_margin,
             )
             found = replace(found, scales=scales, loss=losses[power])  # loss_rtn stays the identity under RTN
+            del judge, hessian
         del calls, objective
         fold_group(ctx.layer, group, found.scales, ctx.arch.norm)
         for n in group.consumers:
@@ -239,6 +273,29 @@ class AWQStage:
             found.loss,
             found.loss_rtn,
         )
+
+    def _holdout(self, ctx, search_ctx, block, consumers, width: int, sampled: bool):
+        """(objective, Hessian) for temper_holdout: GPTQ's Hessian from the batches past ``search_ctx`` and the
+        objective on ``search_ctx``'s (token-sampled as the search samples them); when the search uses every
+        batch, the Hessian from the second half of the batches and the objective on the first. None (judged in
+        sample) with a single batch, or when no token reached the block in one of the two parts."""
+        used = len(search_ctx.hidden)
+        if used >= len(ctx.hidden):
+            used = len(ctx.hidden) // 2
+            search_ctx = replace(ctx, hidden=ctx.hidden[:used], kwargs=ctx.kwargs[:used])
+        if used == 0:
+            return None
+        rest = replace(ctx, hidden=ctx.hidden[used:], kwargs=ctx.kwargs[used:])
+        _, hessian, n_fit = _input_stats(rest.capture_calls(block), width, ctx.device, True)
+        calls = search_ctx.capture_calls(block)
+        if sampled:
+            calls = _token_sample(calls, self.params.search_tokens)
+        if n_fit == 0 or _tokens(calls) == 0:  # an expert that tokens reached in one part only
+            return None
+        if consumers == [block] and width < _tokens(calls):
+            _, gram, n = _input_stats(calls, width, ctx.device, True)
+            return LinearObjective(block.weight, gram, n), hessian
+        return BlockObjective(block, calls, consumers), hessian
 
     def _search_context(self, ctx: LayerContext) -> LayerContext:
         """``ctx`` limited to the first calibration batches holding ``search_samples`` windows (all when None)."""

@@ -15,6 +15,7 @@ from quantkit.algorithms.awq import (
     LayerSearch,
     LinearObjective,
     candidate_loss,
+    channel_means,
     clip_weight,
     fake_quantize,
     group_range,
@@ -25,7 +26,7 @@ from quantkit.algorithms.awq import (
 from quantkit.algorithms.rtn import group_qparams, rtn
 from quantkit.errors import QuantkitError
 from quantkit.models.arch import arch_for
-from quantkit.models.fold import bind_smooth_groups
+from quantkit.models.fold import bind_smooth_groups, producer_channels, repeated_heads_map
 from quantkit.nn.factory import quantized_modules
 from quantkit.pipeline import prepare_model
 from quantkit.quant import QuantScheme
@@ -121,6 +122,42 @@ def test_scale_search_keeps_identity_when_nothing_helps():
     assert found.ratio is None and torch.equal(found.scales, torch.ones(64))
 
 
+def test_grouped_query_search_gives_one_scale_per_value_channel():
+    """v_proj -> o_proj with 2 value heads read by 4 query heads: o_proj's input columns of one value channel
+    share its scale; salient value channels are still found, and the loss beats plain RTN."""
+    head_dim, kv_heads, heads = 16, 2, 4
+    channel_map = repeated_heads_map(kv_heads * head_dim, heads * head_dim, head_dim)
+    x_ch = outlier_inputs(t=512, k=kv_heads * head_dim)  # channels 0-3 salient
+    x = x_ch[:, channel_map] * (1 + 0.1 * torch.rand(512, heads * head_dim, generator=torch.Generator()))
+    w = torch.randn(48, heads * head_dim, generator=torch.Generator().manual_seed(1))
+    scheme = QuantScheme(bits=3, group_size=32, sym=False)
+    objective = LinearObjective(w, x.t() @ x, x.shape[0])
+    found = search_scales([w], [scheme], x.abs().mean(0), objective, group_size=32, channel_map=channel_map)
+    assert found.scales.shape == (kv_heads * head_dim,)
+    assert found.loss < 0.8 * found.loss_rtn  # measured 0.61
+    assert found.scales[:4].min() > found.scales[4:].max()
+    assert torch.equal(channel_means(torch.arange(4.0), torch.tensor([0, 1, 0, 1])), torch.tensor([1.0, 2.0]))
+
+
+def test_grouped_query_value_group_is_searched_and_folds_exactly():
+    """The tiny Llama has grouped-query heads: with scale_grouped_values the awq stage scales v_proj -> o_proj
+    too (one scale per value channel) and the transform alone leaves the float logits unchanged; without it the
+    group is skipped and says why."""
+    model = tiny("llama")
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    ids = calib_ids()
+    with torch.no_grad():
+        before = model(ids).logits
+    skipped = quantkit.quantize(tiny("llama"), awq_recipe(clip=False), ids).layers
+    assert "scale_grouped_values is off" in skipped["model.layers.0.self_attn.o_proj"]["awq_skipped"]
+    report = quantkit.quantize(model, awq_recipe(clip=False, scale_grouped_values=True), ids).layers
+    o_proj = report["model.layers.0.self_attn.o_proj"]
+    assert "awq_skipped" not in o_proj and o_proj["awq_loss"] <= o_proj["awq_loss_rtn"]
+    with torch.no_grad():
+        after = model(ids).logits
+    assert (after - before).norm() / before.norm() < 1e-5
+
+
 # clip search ---------------------------------------------------------------------------------------------------
 
 
@@ -190,15 +227,16 @@ def test_clipped_weights_give_the_later_stage_the_searched_grid(sym):
 
 
 def random_search(model, gen) -> dict[str, LayerSearch]:
-    """Scales spanning 1/8..8 for every group AWQ may scale (GQA v -> o excluded), per layer."""
+    """Scales spanning 1/8..8 for every smoothing group (one per producer channel: fewer than o_proj's columns
+    under grouped-query heads), per layer."""
     spec = arch_for(model)
     out = {}
     for i, layer in enumerate(model.get_submodule(spec.layers)):
         search = LayerSearch()
         for g in bind_smooth_groups(layer, spec):
-            if g.channel_map is None:
-                s = torch.exp2(torch.rand(layer.get_submodule(g.consumers[0]).in_features, generator=gen) * 6 - 3)
-                search.groups.append(GroupScales(g.producer, g.consumers, g.readers, g.producer_rows, s))
+            n = producer_channels(layer.get_submodule(g.producer), g.producer_rows)
+            s = torch.exp2(torch.rand(n, generator=gen) * 6 - 3)
+            search.groups.append(GroupScales(g.producer, g.consumers, g.readers, g.producer_rows, s))
         out[f"{spec.layers}.{i}"] = search
     return out
 
@@ -224,8 +262,7 @@ def test_replayed_random_scales_keep_float_logits(arch, tmp_path):
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, original[n])}
     producers = {f"{prefix}.{g.producer}" for prefix, s in searches.items() for g in s.groups}
     assert all(any(n.startswith(p + ".") for n in changed) for p in producers)
-    if arch in ("llama_mha", "opt"):
-        assert any(g.producer.endswith("v_proj") for s in searches.values() for g in s.groups)
+    assert any(g.producer.endswith("v_proj") for s in searches.values() for g in s.groups) or arch == "phi3"
     with torch.no_grad():
         after = model(ids).logits
     rel = (after - before).norm() / before.norm()
@@ -306,6 +343,9 @@ def test_params_are_checked():
         {"temper_powers": [0, 2]},
         {"temper_powers": []},
         {"search_tokens": 0},
+        {"scale_grouped_values": 1},
+        {"temper_margin": 1},
+        {"temper_holdout": "yes"},
     )
     for bad in bad_params:
         with pytest.raises(QuantkitError, match="awq"):
@@ -353,19 +393,21 @@ def test_clipqk_recipe_clips_q_and_k_with_separate_ends():
     assert "awq_clip_mean_ratio" in report["model.layers.0.self_attn.k_proj"]
 
 
-def test_scales_tempered_under_gptq_are_never_worse_than_plain_gptq():
+@pytest.mark.parametrize("arch", ["llama_mha", "llama"])
+def test_scales_tempered_under_gptq_are_never_worse_than_plain_gptq(arch):
     """quantizer "gptq": each group's scales are re-judged as s^p with GPTQ in the objective; p = 0 (plain GPTQ) is
     a candidate, so the kept loss is the smallest of those tried, and the recorded power is one of them."""
-    model = tiny("llama_mha")
+    model = tiny(arch)
+    params = {"clip": False, "quantizer": "gptq", "scale_grouped_values": True}
     recipe = Recipe.from_dict(
         {
             "scheme": {"bits": 3, "group_size": 32, "sym": False},
-            "stages": [{"method": "awq", "params": {"clip": False, "quantizer": "gptq"}}, {"method": "gptq"}],
+            "stages": [{"method": "awq", "params": params}, {"method": "gptq"}],
         }
     )
     result = quantkit.quantize(model, recipe, calib_ids())
     searched = [r for r in result.layers.values() if "awq_losses_gptq" in r]
-    assert len(searched) == len(result.layers)  # v_proj -> o_proj is a group too (no grouped-query heads here)
+    assert len(searched) == len(result.layers)  # v_proj -> o_proj is a group too, grouped-query heads or not
     for r in searched:
         losses = r["awq_losses_gptq"]
         assert set(losses) == {0.0, 0.25, 0.5, 0.75} and r["awq_power"] in losses
@@ -387,6 +429,42 @@ def test_temper_scales_picks_the_power_with_the_lowest_gptq_loss():
     assert losses[power] == min(losses.values())
     assert torch.allclose(scales, s.pow(power))
     assert losses[0.0] < candidate_loss([w], [scheme], objective, torch.ones(64))  # GPTQ beats RTN here
+    # a margin keeps the smallest power unless another is better by more than that fraction
+    gain = 1 - losses[power] / losses[0.0]
+    if power != 0.0:
+        _, kept, _ = temper_scales([w], [scheme], objective, s, quantize, (0.0, 0.25, 0.5, 1.0), margin=gain + 0.01)
+        assert kept == 0.0
+    _, kept, _ = temper_scales([w], [scheme], objective, s, quantize, (0.0, 0.25, 0.5, 1.0), margin=gain / 2)
+    assert kept == power
+
+
+def test_temper_holdout_fits_gptq_on_other_batches_than_it_is_judged_on():
+    """temper_holdout (the default): the GPTQ candidates' Hessian comes from the batches past search_samples, or
+    from the second half when the search uses them all; one calibration batch is judged in sample, and says so."""
+
+    def run(batch_size: int, **params):
+        recipe = Recipe.from_dict(
+            {
+                "scheme": {"bits": 3, "group_size": 32, "sym": False},
+                "calibration": {"batch_size": batch_size},
+                "stages": [
+                    {"method": "awq", "params": {"clip": False, "quantizer": "gptq", **params}},
+                    {"method": "gptq"},
+                ],
+            }
+        )
+        model = tiny("llama_mha")
+        layers = quantkit.quantize(model, recipe, calib_ids(8)).layers
+        with torch.no_grad():
+            assert torch.isfinite(model(calib_ids(1, 16)).logits).all()
+        assert all("awq_losses_gptq" in r for r in layers.values())
+        return layers
+
+    for layers in (run(2, search_samples=4, temper_margin=0.01), run(2)):
+        assert not any("awq_temper_in_sample" in r for r in layers.values())
+    in_sample = run(8)
+    assert all(r["awq_temper_in_sample"] == "one calibration batch" for r in in_sample.values())
+    assert not any("awq_temper_in_sample" in r for r in run(8, temper_holdout=False).values())
 
 
 def test_token_wise_blocks_are_sampled_over_every_window():
