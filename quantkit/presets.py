@@ -4,8 +4,9 @@ Each preset lists its stages and its default scheme; the caller's scheme keys (C
 parameters go over them. ``awq+gptq`` reads: AWQ scaling, then GPTQ on the scaled weights. Its AWQ stage does not
 clip: AWQ's clip ranges are searched for round-to-nearest, and clamping the weights to them before GPTQ throws away
 what GPTQ's own clipped grids and error feedback would use (SmolLM2-135M, 3-bit g128: 96.7 perplexity with the clip,
-79.1 without; results/accuracy-awq.md). It re-judges its scales under GPTQ (``quantizer: gptq``): 52.1 at 4-bit g128
-and 70.3 at 3-bit g64 against 54.9 and 72.3 for GPTQ alone (results/accuracy-h200-2026-12-01.md).
+79.1 without; results/accuracy-awq.md). It re-judges its scales under GPTQ (``quantizer: gptq``), with GPTQ fitted
+on other calibration batches than those it is judged on: 51.9 at 4-bit g128 and 70.0 at 3-bit g64 (mean of three
+calibration draws) against 54.9 and 72.1 for GPTQ alone (results/accuracy-h200-2026-12-02.md).
 """
 
 from __future__ import annotations
