@@ -10,7 +10,8 @@ and mean |x| of its input in one forward pass, search the scales, fold them at o
 folded layer). Then capture a token sample of every linear to clip in one more pass, search and clamp.
 
 With ``quantizer: gptq`` (the awq+gptq preset) each group's scales, found for round-to-nearest, are re-judged with
-GPTQ in the objective: s^p for p in ``temper_powers``, p = 0 being plain GPTQ. On two SmolLM2-135M layers (3- and
+GPTQ in the objective: s^p for p in ``temper_powers``, p = 0 being plain GPTQ, each GPTQ candidate fitted on other
+calibration batches than those it is judged on (``temper_holdout``). On two SmolLM2-135M layers (3- and
 4-bit, groups of 128: 12 groups) full AWQ scales raised GPTQ's block-output error in 11 groups; s^0.5 lowered it
 in 6, by up to 6%: GPTQ already spends the Hessian on the channels that AWQ protects. Powers {0, 0.25, 0.5, 0.75}
 beat {0, 0.5} in the four grouped SmolLM2 cells (results/accuracy-h200-2026-12-01.md; 4-bit g64 51.73 -> 50.37).
@@ -233,7 +234,7 @@ class AWQStage:
         if tempered:
             judge, hessian = objective, xtx
             if self.params.temper_holdout:
-                held = self._holdout(ctx, search_ctx, block, consumers, width, sampled)
+                held = self._holdout(ctx, search_ctx, block, consumers, width, objective, sampled)
                 if held is None:
                     why = "one calibration batch" if len(ctx.hidden) < 2 else "no token in one part"
                     for n in group.consumers:
@@ -274,12 +275,14 @@ class AWQStage:
             found.loss_rtn,
         )
 
-    def _holdout(self, ctx, search_ctx, block, consumers, width: int, sampled: bool):
+    def _holdout(self, ctx, search_ctx, block, consumers, width: int, objective, sampled: bool):
         """(objective, Hessian) for temper_holdout: GPTQ's Hessian from the batches past ``search_ctx`` and the
-        objective on ``search_ctx``'s (token-sampled as the search samples them); when the search uses every
-        batch, the Hessian from the second half of the batches and the objective on the first. None (judged in
-        sample) with a single batch, or when no token reached the block in one of the two parts."""
+        objective on ``search_ctx``'s (token-sampled as the search samples them; the search's own ``objective``
+        when it judged exactly those calls); when the search uses every batch, the Hessian from the second half
+        of the batches and the objective on the first. None (judged in sample) with a single batch, or when no
+        token reached the block in one of the two parts."""
         used = len(search_ctx.hidden)
+        reuse = used < len(ctx.hidden) and not sampled  # the search judged exactly search_ctx's calls
         if used >= len(ctx.hidden):
             used = len(ctx.hidden) // 2
             search_ctx = replace(ctx, hidden=ctx.hidden[:used], kwargs=ctx.kwargs[:used])
@@ -287,10 +290,14 @@ class AWQStage:
             return None
         rest = replace(ctx, hidden=ctx.hidden[used:], kwargs=ctx.kwargs[used:])
         _, hessian, n_fit = _input_stats(rest.capture_calls(block), width, ctx.device, True)
+        if n_fit == 0:  # an expert that tokens reached in one part only
+            return None
+        if reuse:
+            return objective, hessian
         calls = search_ctx.capture_calls(block)
         if sampled:
             calls = _token_sample(calls, self.params.search_tokens)
-        if n_fit == 0 or _tokens(calls) == 0:  # an expert that tokens reached in one part only
+        if _tokens(calls) == 0:
             return None
         if consumers == [block] and width < _tokens(calls):
             _, gram, n = _input_stats(calls, width, ctx.device, True)

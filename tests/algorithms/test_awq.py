@@ -467,6 +467,41 @@ def test_temper_holdout_fits_gptq_on_other_batches_than_it_is_judged_on():
     assert not any("awq_temper_in_sample" in r for r in run(8, temper_holdout=False).values())
 
 
+def test_temper_holdout_hessian_comes_from_the_windows_past_the_search(monkeypatch):
+    """Layer 0's first group (input norm -> q/k/v): with search_samples 4 of 8 windows in batches of 2, the GPTQ
+    candidates' Hessian is X^T X of the normed embeddings of windows 5-8 exactly, not of the judged windows 1-4."""
+    import quantkit.stages.awq as stage_module
+
+    hessians = []
+
+    class Recording(GPTQCandidate):
+        def __init__(self, hessian, **options):
+            hessians.append(hessian.clone())
+            super().__init__(hessian, **options)
+
+    monkeypatch.setattr(stage_module, "GPTQCandidate", Recording)
+    model = tiny("llama_mha")
+    ids = calib_ids(8)
+    with torch.no_grad():
+        layer = model.model.layers[0]
+        x = layer.input_layernorm(model.model.embed_tokens(ids)).float()  # [8, L, H]
+    recipe = Recipe.from_dict(
+        {
+            "scheme": {"bits": 3, "group_size": 32, "sym": False},
+            "calibration": {"batch_size": 2},
+            "stages": [
+                {"method": "awq", "params": {"clip": False, "quantizer": "gptq", "search_samples": 4}},
+                {"method": "gptq"},
+            ],
+        }
+    )
+    quantkit.quantize(model, recipe, ids)
+    held_out, judged = (x[a:b].reshape(-1, x.shape[-1]) for a, b in ((4, 8), (0, 4)))
+    held_out, judged = held_out.t() @ held_out, judged.t() @ judged
+    torch.testing.assert_close(hessians[0], held_out, rtol=1e-4, atol=1e-3)
+    assert not torch.allclose(hessians[0], judged, rtol=1e-2)
+
+
 def test_token_wise_blocks_are_sampled_over_every_window():
     x = torch.arange(4 * 10 * 3, dtype=torch.float32).reshape(4, 10, 3)
     mlp_calls = [((x[:2],), {}), ((x[2:],), {})]
