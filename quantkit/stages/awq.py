@@ -82,7 +82,8 @@ class AWQStage:
         # evenly strided over every calibration window instead (None: on the search_samples windows)
         search_tokens: int | None = 8192
         # the quantizer that follows: "gptq" re-judges each group's scales s as s^p, p in temper_powers, with GPTQ
-        # (act-order, MSE grids: GPTQ's defaults) in the objective, so scaling never raises GPTQ's block error
+        # (act-order, MSE grids: GPTQ's defaults) in the objective (p = 0 is plain GPTQ, so scaling is kept only where
+        # it lowers GPTQ's block error on the judged tokens)
         quantizer: str = "rtn"
         temper_powers: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75])
         # keep the smallest power unless another lowers the block error by more than this fraction of its error
