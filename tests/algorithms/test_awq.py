@@ -128,7 +128,7 @@ def test_grouped_query_search_gives_one_scale_per_value_channel():
     head_dim, kv_heads, heads = 16, 2, 4
     channel_map = repeated_heads_map(kv_heads * head_dim, heads * head_dim, head_dim)
     x_ch = outlier_inputs(t=512, k=kv_heads * head_dim)  # channels 0-3 salient
-    x = x_ch[:, channel_map] * (1 + 0.1 * torch.rand(512, heads * head_dim, generator=torch.Generator()))
+    x = x_ch[:, channel_map] * (1 + 0.1 * torch.rand(512, heads * head_dim, generator=torch.Generator().manual_seed(2)))
     w = torch.randn(48, heads * head_dim, generator=torch.Generator().manual_seed(1))
     scheme = QuantScheme(bits=3, group_size=32, sym=False)
     objective = LinearObjective(w, x.t() @ x, x.shape[0])
@@ -430,10 +430,10 @@ def test_temper_scales_picks_the_power_with_the_lowest_gptq_loss():
     assert torch.allclose(scales, s.pow(power))
     assert losses[0.0] < candidate_loss([w], [scheme], objective, torch.ones(64))  # GPTQ beats RTN here
     # a margin keeps the smallest power unless another is better by more than that fraction
+    assert power == 0.5  # measured: 4% below plain GPTQ
     gain = 1 - losses[power] / losses[0.0]
-    if power != 0.0:
-        _, kept, _ = temper_scales([w], [scheme], objective, s, quantize, (0.0, 0.25, 0.5, 1.0), margin=gain + 0.01)
-        assert kept == 0.0
+    _, kept, _ = temper_scales([w], [scheme], objective, s, quantize, (0.0, 0.25, 0.5, 1.0), margin=gain + 0.01)
+    assert kept == 0.0
     _, kept, _ = temper_scales([w], [scheme], objective, s, quantize, (0.0, 0.25, 0.5, 1.0), margin=gain / 2)
     assert kept == power
 
