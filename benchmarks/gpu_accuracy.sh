@@ -6,8 +6,9 @@
 #   call 1, carry [".gpuship/smollm2.gguf.part00"]:  mkdir -p /tmp/m && cp .gpuship/smollm2.gguf.part00 /tmp/m/
 #   call 2, carry [".gpuship/smollm2.gguf.part01", ".whl"]:  bash benchmarks/gpu_accuracy.sh JOBFILE
 # .whl holds the gguf wheel (transformers reads GGUF through it; the GPU image lacks it).
-# JOBFILE lines: name|methods|bits|groups|params JSON|label|nsamples|calibration seed (the last two optional). Each job is one process writing
-# $OUT/acc/<name>.json; all start together after a first job has cached the float baseline.
+# JOBFILE lines: name|methods|bits|groups|params JSON|label|nsamples|calibration seed (the last two optional).
+# Each job is one process writing $OUT/acc/<name>.json; all start together after a first job has cached the
+# float baseline.
 set -u
 export PYTHONUNBUFFERED=1
 jobs_file=${1:?job file}

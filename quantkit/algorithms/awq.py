@@ -27,7 +27,7 @@ from torch import nn
 from quantkit.algorithms.gptq import gptq
 from quantkit.algorithms.rtn import rtn
 from quantkit.errors import QuantkitError
-from quantkit.models.fold import column_scales
+from quantkit.models.fold import column_scales, to_channels
 from quantkit.quant.scheme import QuantScheme
 from quantkit.quant.tensor import compute_qparams, quantize_with_qparams
 
@@ -64,18 +64,6 @@ def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, a: float
         s = s / w_mean.clamp(min=1e-8).pow(1 - a)
     s = s.clamp(min=1e-4)
     return s / (s.max() * s.min()).sqrt()
-
-
-def channel_means(v: torch.Tensor, channel_map: torch.Tensor | None) -> torch.Tensor:
-    """Per consumer column [K] -> per producer channel [C]: the mean over the columns that read each channel
-    (``channel_map`` [K] column -> channel, as in :func:`quantkit.models.fold.repeated_heads_map`; None: C = K)."""
-    if channel_map is None:
-        return v
-    idx = channel_map.to(v.device)
-    n = int(idx.max()) + 1
-    total = torch.zeros(n, dtype=v.dtype, device=v.device).index_add_(0, idx, v)
-    count = torch.zeros(n, dtype=v.dtype, device=v.device).index_add_(0, idx, torch.ones_like(v))
-    return total / count.clamp(min=1)
 
 
 def _output(out) -> torch.Tensor:
@@ -189,8 +177,9 @@ def search_scales(
     (the fold can only divide a producer channel once), and every column takes its channel's scale.
     """
     w_mean = weight_magnitude(torch.cat([w.float() for w in weights]), group_size) if duo_scaling else None
-    x_ch = channel_means(x_mean.float(), channel_map)
-    w_ch = None if w_mean is None else channel_means(w_mean, channel_map)
+    n_channels = x_mean.numel() if channel_map is None else int(channel_map.max()) + 1
+    x_ch = to_channels(x_mean.float(), channel_map, n_channels, "mean")
+    w_ch = None if w_mean is None else to_channels(w_mean, channel_map, n_channels, "mean")
     ones = torch.ones(x_ch.shape, dtype=torch.float32, device=x_mean.device)
     loss_rtn = candidate_loss(weights, schemes, objective, column_scales(ones, channel_map))
     best = ScaleSearch(ones, None, loss_rtn, loss_rtn)

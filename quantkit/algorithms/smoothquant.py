@@ -26,19 +26,11 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.kernels.w8a8 import quantize_activations_reference, quantize_rows_reference
-from quantkit.models.fold import column_scales
+from quantkit.models.fold import column_scales, to_channels
 from quantkit.nn.w8a8 import KERNEL_FORMAT, static_input_scale
 from quantkit.quant.scheme import QuantScheme
 
 MIN_SCALE, MAX_SCALE = 1e-5, 1e5  # s outside this range means a degenerate channel, not an outlier to migrate
-
-
-def to_channels(v: torch.Tensor, channel_map: torch.Tensor | None, n_channels: int) -> torch.Tensor:
-    """Per-column maxima [K] -> per-channel maxima [C] (max over the columns that read each channel)."""
-    if channel_map is None:
-        return v
-    out = torch.zeros(n_channels, dtype=v.dtype, device=v.device)
-    return out.scatter_reduce(0, channel_map.to(v.device), v, reduce="amax", include_self=True)
 
 
 def weight_absmax(weights: list[torch.Tensor]) -> torch.Tensor:

@@ -78,6 +78,17 @@ def column_scales(s: torch.Tensor, channel_map: torch.Tensor | None) -> torch.Te
     return s if channel_map is None else s[channel_map.to(s.device)]
 
 
+def to_channels(
+    v: torch.Tensor, channel_map: torch.Tensor | None, n_channels: int, reduce: str = "amax"
+) -> torch.Tensor:
+    """The other way: a statistic per consumer column [K] -> per producer channel [C], reduced ("amax" or "mean")
+    over the columns that read each channel."""
+    if channel_map is None:
+        return v
+    out = torch.zeros(n_channels, dtype=v.dtype, device=v.device)
+    return out.scatter_reduce(0, channel_map.to(v.device), v, reduce=reduce, include_self=False)
+
+
 def _check_scales(s: torch.Tensor, n_channels: int) -> None:
     if s.dim() != 1 or s.numel() != n_channels:
         raise QuantkitError(f"expected one scale per producer channel ({n_channels}), got shape {tuple(s.shape)}")

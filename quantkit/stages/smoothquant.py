@@ -24,13 +24,12 @@ from quantkit.algorithms.smoothquant import (
     outlier_ratio,
     search_alpha,
     smoothing_scales,
-    to_channels,
     weight_absmax,
 )
 from quantkit.calib.runner import LayerContext
 from quantkit.calib.stats import StatsCollector
 from quantkit.errors import QuantkitError
-from quantkit.models.fold import BoundGroup, bind_smooth_groups, column_scales, fold_group
+from quantkit.models.fold import BoundGroup, bind_smooth_groups, column_scales, fold_group, to_channels
 from quantkit.nn.factory import quantized_module_types
 from quantkit.quant.scheme import QuantScheme
 from quantkit.recipe import Stage

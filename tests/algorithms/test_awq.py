@@ -15,7 +15,6 @@ from quantkit.algorithms.awq import (
     LayerSearch,
     LinearObjective,
     candidate_loss,
-    channel_means,
     clip_weight,
     fake_quantize,
     group_range,
@@ -26,7 +25,7 @@ from quantkit.algorithms.awq import (
 from quantkit.algorithms.rtn import group_qparams, rtn
 from quantkit.errors import QuantkitError
 from quantkit.models.arch import arch_for
-from quantkit.models.fold import bind_smooth_groups, producer_channels, repeated_heads_map
+from quantkit.models.fold import bind_smooth_groups, producer_channels, repeated_heads_map, to_channels
 from quantkit.nn.factory import quantized_modules
 from quantkit.pipeline import prepare_model
 from quantkit.quant import QuantScheme
@@ -136,7 +135,7 @@ def test_grouped_query_search_gives_one_scale_per_value_channel():
     assert found.scales.shape == (kv_heads * head_dim,)
     assert found.loss < 0.8 * found.loss_rtn  # measured 0.61
     assert found.scales[:4].min() > found.scales[4:].max()
-    assert torch.equal(channel_means(torch.arange(4.0), torch.tensor([0, 1, 0, 1])), torch.tensor([1.0, 2.0]))
+    assert torch.equal(to_channels(torch.arange(4.0), torch.tensor([0, 1, 0, 1]), 2, "mean"), torch.tensor([1.0, 2.0]))
 
 
 def test_grouped_query_value_group_is_searched_and_folds_exactly():
