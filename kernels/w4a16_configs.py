@@ -28,7 +28,8 @@ class KernelConfig:
     ``method``: "gemv" (CUDA-core kernel, ``w4a16_gemv.py``: ``block_m`` rows of x per CTA, any power of two),
     "fused" (dequantize in registers, tl.dot on tensor cores, ``w4a16.py``) or "dequant" (dequantize to [N, K],
     then cuBLAS through F.linear).
-    ``split_waves``: split K until about ``split_waves * n_SMs`` CTAs exist (0: never split).
+    ``split_waves``: split K until about ``split_waves * n_SMs`` CTAs exist (0: never split); scaled up in
+    proportion where ``plan_launch`` caps BLOCK_K below ``block_k`` (groups smaller than the tile).
     ``fuse_scale`` (fused): W = (q - z) * s rounded in the tile, accumulated inside the dot, instead of scaling each
     tile's dot product. Either way BLOCK_K is capped so that a K tile never straddles groups (``plan_launch``).
     ``fold_zero`` (gemv, 4-bit): take the zero point and the unpacking offset out of the inner loop (no FADD per
@@ -131,9 +132,14 @@ def plan_launch(cfg: KernelConfig, m: int, n: int, k: int, group_size: int, num_
             block_k //= 2
     k_tiles = _cdiv(k, block_k)
     tiles = _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n)
+    # a tile capped below the config's BLOCK_K holds proportionally fewer registers, so proportionally more CTAs
+    # fit on an SM and are needed to fill it: the M = 1 gemv at group 64 ran 64 instead of 96 registers (8 CTAs
+    # per SM instead of 5) and gained 5-12% from twice the split on the larger H200 shapes (results/
+    # w4a16-h200-2026-12-02.md)
+    waves = cfg.split_waves * (cfg.block_k // block_k)
     split = 1
-    if cfg.split_waves and tiles <= LOCK_SLOTS:
-        split = max(1, min(_cdiv(cfg.split_waves * num_sms, tiles), k_tiles))
+    if waves and tiles <= LOCK_SLOTS:
+        split = max(1, min(_cdiv(waves * num_sms, tiles), k_tiles))
     tiles_per_split = _cdiv(k_tiles, split)
     split = _cdiv(k_tiles, tiles_per_split)  # no empty splits
     return LaunchPlan(block_k, split, tiles_per_split, (tiles, split))

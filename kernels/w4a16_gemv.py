@@ -29,6 +29,11 @@ use (96 registers, 5 CTAs of 4 warps per SM), so each carries an exposed memory 
 with num_stages, and num_stages >= 2 makes Triton pipeline the loads through shared memory (cp.async, 64 registers)
 but measured 10-25% slower (two CTA barriers per tile, 36-71 KB of shared memory per CTA), so the committed table
 runs num_stages = 1. Small layers also pay ~7 us of fixed cost (launch, first loads, split-K fix-up).
+Nsight Compute on 28672 x 8192 g128 (2026-12-02, results/w4a16-h200-2026-12-02.md): 2.6 TB/s of DRAM traffic,
+issue slots 63% busy, 5.8 cycles between a warp's instructions (2.3 of them waiting on global loads), 5 CTAs of
+4 warps per SM: bounded by instruction issue and load latency together. Filling the waves better did not help at
+group 128; a K-major weight layout (32 codes of one column per 16-byte load) needed 4.6-6.0 instructions per
+weight and ran 25-35% slower on the large shapes (probe: benchmarks/probes/).
 
 Limits: 4 or 8 bits; BLOCK_K must divide the group size (``w4a16_configs.plan_launch`` sees to it); int32 offsets.
 Hardware: written for the H200 (sm_90, 132 SMs); register and SASS counts from ``benchmarks/sass_w4a16.py``.

@@ -258,6 +258,8 @@ def test_plan_caps_block_k_by_group_and_fills_the_sms():
     plan = K.plan_launch(gemv, 1, 28672, 8192, 128, 132)  # 56 column blocks, 64 K tiles
     assert plan.grid == (56, 16) and plan.tiles_per_split == 4
     assert K.plan_launch(gemv, 5, 28672, 8192, 128, 132).grid[0] == 5 * 56  # one row per CTA: 5 row blocks
+    plan = K.plan_launch(gemv, 1, 28672, 8192, 64, 132)  # tiles capped to half: twice the CTAs
+    assert plan.block_k == 64 and plan.grid == (56, 32) and plan.tiles_per_split == 4
 
 
 def test_config_table_covers_every_m():
