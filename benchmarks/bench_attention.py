@@ -13,7 +13,8 @@ a shuffled block pool:
            Target: >= 80% of SDPA. 16k tokens per case (L = 1k and 4k). Timed with do_bench (median, L2 flushed).
 
 A small sweep of launch configurations runs for each case; the table reports the default configuration (what the
-runtime uses) and the best one found, so a better default can be committed from one run.
+runtime uses: ``flash_prefill.prefill_config`` of the case's length, TMA on) and the best one found, so a better
+default can be committed from one run.
 
   python benchmarks/bench_attention.py            full: ~1-2 minutes on an H200 (mostly Triton compiles)
   python benchmarks/bench_attention.py --quick    target cases only; decode default config, small prefill sweep
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from quantkit.kernels.flash_prefill import flash_prefill, flash_prefill_reference
+from quantkit.kernels.flash_prefill import LAZY_RESCALE, flash_prefill, flash_prefill_reference, prefill_config
 from quantkit.kernels.paged_attention import paged_decode, paged_decode_reference
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
@@ -53,8 +54,22 @@ DECODE_SWEEP = [  # (block_n, num_warps, num_stages, splits or None = default)
     (64, 4, 2, 2),
     (64, 4, 2, 6),
 ]
-PREFILL_SWEEP = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 32, 4, 4), (64, 64, 4, 3), (128, 128, 8, 2)]
-PREFILL_QUICK = 4  # configurations of the sweep that --quick runs
+PREFILL_SWEEP = [  # (block_m, block_n, num_warps, num_stages, TMA for q and the chunk's K/V, lazy rescaling)
+    (128, 32, 4, 4, True, False),  # the committed default up to 2048 queries a chunk (flash_prefill.PREFILL_CONFIGS)
+    (128, 128, 8, 3, True, False),  # ... and for longer chunks
+    (128, 32, 4, 4, True, True),  # the same with lazy rescaling (slower on the H200, 2026-12-02)
+    (128, 128, 8, 3, True, True),
+    (128, 32, 4, 4, False, False),  # ... without TMA
+    (128, 128, 8, 3, False, False),
+    (128, 64, 8, 3, True, False),
+    (64, 64, 4, 3, True, False),
+    (128, 32, 4, 3, True, False),
+    (128, 64, 4, 4, True, False),
+    (64, 32, 4, 4, True, False),
+    (128, 128, 8, 4, True, False),
+    (256, 64, 8, 3, True, False),
+]
+PREFILL_QUICK = 6  # configurations of the sweep that --quick runs
 SMOKE = {"decode": [(3, 40)], "prefill": [(48, 2)], "hq": 4, "hkv": 2, "d": 32}
 DTYPE = torch.bfloat16  # fp16 under --smoke: Triton 3.9's interpreter computes bf16 tl.dot wrongly
 
@@ -173,15 +188,17 @@ def run_prefill(cases, hq, hkv, d, sweep, smoke, device, gen, dtype) -> list[dic
         base, base_name = sdpa_seconds(qs, kc.contiguous(), vc.contiguous(), smoke)
         rows.append({"kernel": "prefill", "case": f"L={length} x{n_seq}", "config": base_name, "default": False,
                      "us": base * 1e6, "TFLOP/s": flops / base / 1e12, "vs_sdpa": 1.0, "max_err": 0.0})  # fmt: skip
-        for bm, bn, warps, stages in sweep:
+        for bm, bn, warps, stages, tma, lazy in sweep:
             fn = partial(flash_prefill, q, kp, vp, k, v, tables, cu, ctx, length, scale, block_m=bm, block_n=bn,
-                         num_warps=warps, num_stages=stages)  # fmt: skip
+                         num_warps=warps, num_stages=stages, use_tma=tma, lazy_rescale=lazy)  # fmt: skip
             sec = bench_config(fn, graph=False, smoke=smoke)
             if sec is None:
                 continue
+            name = f"m{bm} n{bn} w{warps} s{stages}" + (" tma" if tma else "") + (" lazy" if lazy else "")
             rows.append({
-                "kernel": "prefill", "case": f"L={length} x{n_seq}", "config": f"m{bm} n{bn} w{warps} s{stages}",
-                "default": (bm, bn, warps, stages) == PREFILL_SWEEP[0], "us": sec * 1e6,
+                "kernel": "prefill", "case": f"L={length} x{n_seq}", "config": name,
+                "default": (bm, bn, warps, stages, tma, lazy) == (*prefill_config(length, smoke), True, LAZY_RESCALE),
+                "us": sec * 1e6,
                 "TFLOP/s": flops / sec / 1e12, "vs_sdpa": base / sec, "max_err": err,
             })  # fmt: skip
     return rows
@@ -238,7 +255,9 @@ def main() -> None:
     decode_cases = SMOKE["decode"] if args.smoke else [DECODE_CASES[0]] if args.quick else DECODE_CASES
     prefill_cases = SMOKE["prefill"] if args.smoke else PREFILL_CASES
     decode_sweep = DECODE_SWEEP[:1] if args.quick or args.smoke else DECODE_SWEEP
-    prefill_sweep = PREFILL_SWEEP[:1] if args.smoke else PREFILL_SWEEP[:PREFILL_QUICK] if args.quick else PREFILL_SWEEP
+    prefill_sweep = PREFILL_SWEEP[:PREFILL_QUICK] if args.quick else PREFILL_SWEEP
+    if args.smoke:
+        prefill_sweep = [(*prefill_config(0, on_cpu=True), True, LAZY_RESCALE)]
 
     start = time.perf_counter()
     copy_bw = copy_bandwidth(device, args.smoke)

@@ -19,9 +19,12 @@ One program per (query head, sequence, BLOCK_M query rows), the last query tiles
 Key tiles that no query of the tile sees are skipped; wholly visible tiles load and compute without any mask, and
 only the (at most BLOCK_M / BLOCK_N + 1) tiles on the diagonal, the prefix's last partial tile and sliding-window
 tiles are masked. Scores stay in log2 units (exp2, the scale folded into the exponent's FMA); fp32 accumulation.
-Limits: D <= 256. Defaults for H200, bf16, D = 128: BLOCK_M 128, BLOCK_N 64, 8 warps, 3 stages. Measured there
-(bench_attention.py --quick, 2026-11-29): 55% of SDPA's TFLOP/s at L = 1k x 16 (best swept: 60%, BLOCK_N 32,
-4 warps, 4 stages) and 65% at L = 4k x 4, against 45% / 51% when the chunk was read through the block table.
+Where ``tma_compatible`` (power-of-two D, heads contiguous in a row, 16-byte aligned rows: the usual slices of a
+fused qkv output), q and the chunk's K/V tiles come through TMA descriptors over the [T, H * D] rows; the prefix
+always takes pointer loads through the block table (Hopper's TMA cannot gather rows).
+Limits: D <= 256. Launch configuration by the longest chunk (``PREFILL_CONFIGS``). Measured on the H200, bf16,
+D = 128, GQA 4 (bench_attention.py, 2026-12-02, results/attention-h200-2026-12-02.md): 68-74% of SDPA's TFLOP/s
+at L = 1k x 16 and 83-86% at L = 4k x 4 (2026-11-29, before TMA and the per-length configs: 45-55% / 51-65%).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 from quantkit.kernels.paged_attention import LOG2E, dot_precision, gather_context
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 def flash_prefill_reference(
@@ -60,23 +64,52 @@ def flash_prefill_reference(
     return out
 
 
+LAZY_RESCALE = False  # measured slower on the H200 (see _softmax_step)
+RESCALE_MARGIN = tl.constexpr(8.0)  # log2 units: p <= 256 between rescales
+
+
 @triton.jit
-def _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, allowed, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+def _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, allowed, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+                  LAZY: tl.constexpr):  # fmt: skip
     """One key tile of the online softmax, scores in log2 units (``qk_scale`` = scale * log2 e, applied in the
-    exponent's FMA); returns the updated (m_i, l_i, acc). Unmasked tiles skip every ``where``."""
+    exponent's FMA); returns the updated (m_i, l_i, acc). Unmasked tiles skip every ``where``.
+
+    LAZY: keep the running maximum m_i (the exponent's reference) until some row's maximum grows past it by more
+    than ``RESCALE_MARGIN`` (log2 units), and only then rescale acc and l_i, once for the whole tile. Exact: every
+    p, l_i and acc term of a row shares that row's reference, and the final acc / l_i cancels it; between
+    rescales p <= 2**RESCALE_MARGIN (far inside fp32 and bf16 range). Saves BLOCK_M x D multiplies per tile
+    (the acc * alpha below), but the block-wide vote (a cross-warp reduction and a branch per tile) cost more on
+    the H200: 3-13% slower (results/attention-h200-2026-12-02.md), so ``LAZY_RESCALE`` is off.
+    """
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
     if MASKED:
         qk = tl.where(allowed, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    if MASKED:
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at zero weight
+    if LAZY:
+        # a row with nothing visible before (m_i = -inf) and something now counts; one still with nothing does not
+        if tl.max(tl.where(m_new > m_i + RESCALE_MARGIN, 1, 0), 0) > 0:
+            alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        if MASKED:
+            m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+        else:
+            m_use = m_i
+        p = tl.exp2(qk * qk_scale - m_use[:, None])
+        l_i = l_i + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc=acc, input_precision=PRECISION)
+        return m_i, l_i, acc
     else:
-        m_use = m_new
-    p = tl.exp2(qk * qk_scale - m_use[:, None])
-    alpha = tl.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=PRECISION)
-    return m_new, l_i, acc
+        if MASKED:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: zero weight
+        else:
+            m_use = m_new
+        p = tl.exp2(qk * qk_scale - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=PRECISION)
+        return m_new, l_i, acc
 
 
 @triton.jit
@@ -114,6 +147,9 @@ def _prefill_kernel(
     cu_seqlens_ptr,
     context_lens_ptr,
     out_ptr,
+    q_desc,  # TMA descriptors over q [T, Hq * D], k and v [T, Hkv * D] (USE_TMA), else unused
+    k_desc,
+    v_desc,
     qk_scale,  # softmax scale * log2(e)
     window,
     stride_qt,
@@ -139,6 +175,9 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32 rounding), "tf32" (ignored) for 16-bit ones
+    USE_TMA: tl.constexpr,  # q and the chunk's K/V tiles through the TMA unit (BLOCK_D == HEAD_DIM)
+    HAS_WINDOW: tl.constexpr,  # window > 0: a sliding window (its length stays a run-time value)
+    LAZY: tl.constexpr,  # rescale acc only when a row maximum grows by more than RESCALE_MARGIN (_softmax_step)
 ):
     h = tl.program_id(0)
     seq = tl.program_id(1)
@@ -156,11 +195,14 @@ def _prefill_kernel(
     m_mask = offs_m < q_len
     d_mask = offs_d < HEAD_DIM
     rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(
-        q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-        mask=m_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
+    if USE_TMA:  # rows past the chunk are another sequence's (or TMA's zero fill): their outputs are not stored
+        q = q_desc.load([q_start + m_lo, h * HEAD_DIM])
+    else:
+        q = tl.load(
+            q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+            mask=m_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
     kvh = h // GROUP
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -179,14 +221,16 @@ def _prefill_kernel(
         pos = n + offs_n
         k = _paged_tile(k_base, table, pos, offs_d, stride_kb, stride_ks, pos < prefix, d_mask, PAGE, False, MASK_D)
         v = _paged_tile(v_base, table, pos, offs_d, stride_vb, stride_vs, pos < prefix, d_mask, PAGE, False, MASK_D)
-        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, None, False, PRECISION)
+        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, None, False, PRECISION, LAZY)
     for n in range(p_full, prefix, BLOCK_N):
         pos = n + offs_n
         n_mask = pos < prefix
         k = _paged_tile(k_base, table, pos, offs_d, stride_kb, stride_ks, n_mask, d_mask, PAGE, True, MASK_D)
         v = _paged_tile(v_base, table, pos, offs_d, stride_vb, stride_vs, n_mask, d_mask, PAGE, True, MASK_D)
-        allowed = n_mask[None, :] & ((window <= 0) | (pos[None, :] - prefix > offs_m[:, None] - window))
-        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, allowed, True, PRECISION)
+        allowed = n_mask[None, :]
+        if HAS_WINDOW:
+            allowed &= pos[None, :] - prefix > offs_m[:, None] - window
+        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, allowed, True, PRECISION, LAZY)
 
     # 2. the chunk itself, from the packed k / v: full tiles left of the diagonal, then the masked diagonal ones
     k_rows = k_ptr + kvh * stride_kh + offs_d[None, :]
@@ -195,20 +239,31 @@ def _prefill_kernel(
     c_full = tl.where(window > 0, c_lo, (m_lo + 1) // BLOCK_N * BLOCK_N)  # last key of a full tile <= m_lo
     c_hi = tl.minimum(m_lo + BLOCK_M, q_len)
     for j in range(c_lo, c_full, BLOCK_N):
-        t = (q_start + j + offs_n).to(tl.int64)[:, None]
-        k = _load(k_rows + t * stride_kt, d_mask[None, :], MASK_D)
-        v = _load(v_rows + t * stride_vt, d_mask[None, :], MASK_D)
-        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, None, False, PRECISION)
+        if USE_TMA:
+            k = k_desc.load([q_start + j, kvh * HEAD_DIM])
+            v = v_desc.load([q_start + j, kvh * HEAD_DIM])
+        else:
+            t = (q_start + j + offs_n).to(tl.int64)[:, None]
+            k = _load(k_rows + t * stride_kt, d_mask[None, :], MASK_D)
+            v = _load(v_rows + t * stride_vt, d_mask[None, :], MASK_D)
+        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, None, False, PRECISION, LAZY)
     for j in range(c_full, c_hi, BLOCK_N):
         idx = j + offs_n
         n_mask = idx < q_len
-        t = (q_start + idx).to(tl.int64)[:, None]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_rows + t * stride_kt, mask=kv_mask, other=0.0)
-        v = tl.load(v_rows + t * stride_vt, mask=kv_mask, other=0.0)
-        allowed = n_mask[None, :] & (idx[None, :] <= offs_m[:, None])
-        allowed &= (window <= 0) | (idx[None, :] > offs_m[:, None] - window)
-        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, allowed, True, PRECISION)
+        if USE_TMA:  # key rows past the chunk get no weight (causal), and hold finite values (no 0 * inf)
+            k = k_desc.load([q_start + j, kvh * HEAD_DIM])
+            v = v_desc.load([q_start + j, kvh * HEAD_DIM])
+        else:
+            t = (q_start + idx).to(tl.int64)[:, None]
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_rows + t * stride_kt, mask=kv_mask, other=0.0)
+            v = tl.load(v_rows + t * stride_vt, mask=kv_mask, other=0.0)
+        # causality alone also hides the keys past the chunk from every query of it (idx <= query < q_len); the
+        # tile's rows past the chunk compute garbage that is never stored
+        allowed = idx[None, :] <= offs_m[:, None]
+        if HAS_WINDOW:
+            allowed &= idx[None, :] > offs_m[:, None] - window
+        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, allowed, True, PRECISION, LAZY)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -233,10 +288,14 @@ def flash_prefill(
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 3,
+    num_stages: int | None = None,
+    use_tma: bool | None = None,
+    lazy_rescale: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed query chunks against their cached prefix and themselves (see the module
-    docstring for layouts). ``max_q_len`` is a host-side upper bound on the chunk lengths (it sizes the grid)."""
+    docstring for layouts). ``max_q_len`` is a host-side upper bound on the chunk lengths (it sizes the grid).
+    ``use_tma``: read q and the chunk's K/V through TMA descriptors; None = whenever ``tma_compatible``.
+    ``lazy_rescale``: see ``_softmax_step``; None = ``LAZY_RESCALE``."""
     t, hq, d = q.shape
     _, page, hkv, d_cache = k_cache.shape
     n_seq = context_lens.shape[0]
@@ -258,10 +317,20 @@ def flash_prefill(
     if t == 0 or n_seq == 0:
         return out
     on_cpu = q.device.type == "cpu"  # Triton's interpreter: small tiles run much faster there
-    block_m = block_m or (16 if on_cpu else 128)
-    block_n = block_n or (16 if on_cpu else 64)
+    default = prefill_config(max_q_len, on_cpu)
+    block_m, block_n = block_m or default[0], block_n or default[1]
+    num_warps = num_warps or (default[2] if (block_m, block_n) == default[:2] else 4 if block_m <= 64 else 8)
+    num_stages = num_stages or default[3]
     block_d = triton.next_power_of_2(d)
     grid = (hq, n_seq, triton.cdiv(max_q_len, block_m))
+    compatible = tma_compatible(q, k, v)
+    if use_tma and not compatible:
+        raise ValueError("flash_prefill: use_tma needs a power-of-two head dim, heads contiguous in each row and "
+                         "16-byte aligned rows in q, k and v")  # fmt: skip
+    use_tma = compatible if use_tma is None else use_tma
+    descs = (q, k, v)
+    if use_tma:
+        descs = (_rows_descriptor(q, block_m), _rows_descriptor(k, block_n), _rows_descriptor(v, block_n))
     _prefill_kernel[grid](
         q,
         k,
@@ -272,6 +341,7 @@ def flash_prefill(
         cu_seqlens_q,
         context_lens,
         out,
+        *descs,
         scale * LOG2E,
         window,
         q.stride(0),
@@ -293,7 +363,45 @@ def flash_prefill(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps or (4 if block_m <= 64 else 8),
+        USE_TMA=use_tma,
+        HAS_WINDOW=window > 0,
+        LAZY=LAZY_RESCALE if lazy_rescale is None else lazy_rescale,
+        num_warps=num_warps,
         num_stages=num_stages,
     )
     return out
+
+
+# (block_m, block_n, num_warps, num_stages) by the longest chunk of the launch, from benchmarks/bench_attention.py's
+# sweeps on the H200 (bf16, D = 128, GQA 4, TMA on; results/attention-h200-2026-12-02.md): short chunks want
+# narrow key tiles (more CTAs finish early on the causal diagonal), long ones the widest MMA tiles
+PREFILL_CONFIGS = ((2048, (128, 32, 4, 4)), (2**31, (128, 128, 8, 3)))
+INTERPRETER_CONFIG = (16, 16, 4, 1)  # Triton's interpreter: small tiles run much faster there
+
+
+def prefill_config(max_q_len: int, on_cpu: bool = False) -> tuple[int, int, int, int]:
+    """The committed launch configuration for chunks of at most ``max_q_len`` queries."""
+    if on_cpu:
+        return INTERPRETER_CONFIG
+    return next(cfg for longest, cfg in PREFILL_CONFIGS if max_q_len <= longest)
+
+
+def tma_compatible(*tensors: torch.Tensor) -> bool:
+    """[T, H, D] tensors that TMA can tile as [T, H * D] rows: D a power of two >= 16 bytes, heads contiguous
+    within a row, 16-byte aligned base and row stride."""
+    size = tensors[0].element_size()
+    return all(
+        t.shape[2] == triton.next_power_of_2(t.shape[2])
+        and t.shape[2] * size >= 16
+        and t.stride(2) == 1
+        and t.stride(1) == t.shape[2]
+        and t.data_ptr() % 16 == 0
+        and (t.stride(0) * size) % 16 == 0
+        for t in tensors
+    )
+
+
+def _rows_descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
+    """TMA descriptor over a [T, H, D] tensor seen as [T, H * D]; tiles of [block_rows, D] (one head)."""
+    rows, heads, d = t.shape
+    return TensorDescriptor(t, [rows, heads * d], [t.stride(0), 1], [block_rows, d])

@@ -7,7 +7,7 @@ that no sequence owns holds NaN, so reading one (or a padded block-table entry) 
 
 import pytest
 import torch
-from quantkit.kernels.flash_prefill import flash_prefill, flash_prefill_reference
+from quantkit.kernels.flash_prefill import flash_prefill, flash_prefill_reference, tma_compatible
 from quantkit.kernels.paged_attention import gather_context, paged_decode, paged_decode_reference, store_kv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -133,12 +133,48 @@ def check_prefill(q_lens, prefix, page, hkv, group, d, window, seed, **launch):
     torch.testing.assert_close(out, ref, atol=2e-3, rtol=0)
 
 
+@pytest.mark.parametrize("use_tma", [False, None])  # None: TMA descriptors where tma_compatible (d = 48 is not)
 @pytest.mark.parametrize("page,hkv,group,d,window", PREFILL_CASES)
-def test_flash_prefill_chunks_against_paged_context(page, hkv, group, d, window):
-    check_prefill([1, 37, 20, 5], [0, 30, 0, 3], page, hkv, group, d, window, seed=page * hkv + group + d + window)
+def test_flash_prefill_chunks_against_paged_context(page, hkv, group, d, window, use_tma):
+    check_prefill([1, 37, 20, 5], [0, 30, 0, 3], page, hkv, group, d, window, seed=page * hkv + group + d + window,
+                  use_tma=use_tma)  # fmt: skip
 
 
+def test_flash_prefill_tma_descriptor_rows():
+    """TMA tiles [T, H * D] rows: a slice of a fused qkv row qualifies, a head dim of 48 or heads apart do not."""
+    assert tma_compatible(torch.randn(4, 2, 64), torch.randn(4, 6, 64)[:, 2:4])
+    assert not tma_compatible(torch.randn(4, 2, 48))
+    assert not tma_compatible(torch.randn(2, 4, 64).transpose(0, 1))
+    q = torch.randn(8, 2, 48)
+    with pytest.raises(ValueError, match="use_tma"):
+        flash_prefill(q, q, q, q.view(4, 2, 2, 48), q.view(4, 2, 2, 48), torch.zeros(1, 4, dtype=torch.int32),
+                      torch.tensor([0, 8], dtype=torch.int32), torch.tensor([8], dtype=torch.int32), 8, 1.0,
+                      use_tma=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("lazy", [False, True])
 @pytest.mark.parametrize("block_m,block_n", [(32, 16), (16, 32)])
-def test_flash_prefill_tile_shapes(block_m, block_n):
+def test_flash_prefill_tile_shapes(block_m, block_n, lazy):
     """Tiles taller or wider than a page and than the diagonal step: full, diagonal and prefix tiles all occur."""
-    check_prefill([70, 9], [21, 40], 16, 2, 2, 32, 0, seed=block_m + block_n, block_m=block_m, block_n=block_n)
+    check_prefill([70, 9], [21, 40], 16, 2, 2, 32, 0, seed=block_m + block_n, block_m=block_m, block_n=block_n,
+                  lazy_rescale=lazy)  # fmt: skip
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_flash_prefill_lazy_rescale_follows_growing_scores(lazy):
+    """Scores that grow along the keys move the running maximum past the rescale margin many times (and far
+    enough that exp2 against a stale maximum would overflow fp32)."""
+    gen = torch.Generator().manual_seed(5)
+    t, hkv, d = 96, 1, 32
+    q = (torch.randn(t, 2, d, generator=gen) * 2).to(DTYPE).to(DEVICE)
+    growth = torch.linspace(1, 60, t).view(t, 1, 1)  # scores past 2**128 above the first tile's maximum
+    k = (torch.randn(t, hkv, d, generator=gen) * growth).to(DTYPE).to(DEVICE)
+    v = torch.randn(t, hkv, d, generator=gen).to(DTYPE).to(DEVICE)
+    cache = torch.zeros(1, 16, hkv, d, dtype=DTYPE, device=DEVICE)
+    tables = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    cu = torch.tensor([0, t], dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor([t], dtype=torch.int32, device=DEVICE)
+    out = flash_prefill(q, k, v, cache, cache, tables, cu, ctx, t, d**-0.5, block_m=16, block_n=16,
+                        lazy_rescale=lazy)  # fmt: skip
+    ref = flash_prefill_reference(q, k, v, cache, cache, tables, cu, ctx, d**-0.5)
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=0)
