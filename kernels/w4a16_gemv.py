@@ -154,21 +154,12 @@ def _tile_mac_folded(acc, words, scales, zeros, x_ptr, t, m0, M, K, stride_xm, s
     for r in tl.static_range(words.shape[0]):
         w = _row(words, r)
         k_r = k0 + r * 8
-        for i in tl.static_range(4):  # codes 2i at bits 12-15 and 2i + 1 at bits 16-19 of src
-            if i == 0:
-                src = w << twelve
-            elif i == 1:
-                src = w << four
-            elif i == 2:
-                src = w >> four
-            else:
-                src = w >> twelve
+        for i in tl.static_range(4):
+            fa, fb = _folded_pair(w, i, magic, four, twelve)
             xa = _x_at(x_rows, offs_bm, k_r + 2 * i, K, stride_xk, EVEN_K)
             xb = _x_at(x_rows, offs_bm, k_r + 2 * i + 1, K, stride_xk, EVEN_K)
-            fa = ((src & 0xF000) | magic).to(tl.float32, bitcast=True)[None, :]
-            fb = ((src & 0xF0000) | magic).to(tl.float32, bitcast=True)[None, :]
-            p_even = tl.fma(xa[:, None], fa, p_even)
-            p_odd = tl.fma(xb[:, None], fb, p_odd)
+            p_even = tl.fma(xa[:, None], fa[None, :], p_even)
+            p_odd = tl.fma(xb[:, None], fb[None, :], p_odd)
             x_even += xa
             x_odd += xb
     zf_even = ((zeros << 12) | magic).to(tl.float32, bitcast=True)[None, :]  # 2**23 + z 2**12
@@ -177,6 +168,23 @@ def _tile_mac_folded(acc, words, scales, zeros, x_ptr, t, m0, M, K, stride_xm, s
     t_odd = tl.fma(-x_odd[:, None], zf_odd, p_odd)
     t_sum = t_even * (1.0 / 4096) + t_odd * (1.0 / 65536)
     return acc + scales.to(tl.float32)[None, :] * t_sum
+
+
+@triton.jit
+def _folded_pair(w, i: tl.constexpr, magic, four, twelve):
+    """Codes 2i and 2i + 1 of 4-bit words w as fp32 2**23 + q * 2**12 and 2**23 + q * 2**16 (``_tile_mac_folded``):
+    one shift moves code 2i to bits 12-15 and code 2i + 1 to bits 16-19, one LOP3 each masks and ORs the magic."""
+    if i == 0:
+        src = w << twelve
+    elif i == 1:
+        src = w << four
+    elif i == 2:
+        src = w >> four
+    else:
+        src = w >> twelve
+    fa = ((src & 0xF000) | magic).to(tl.float32, bitcast=True)
+    fb = ((src & 0xF0000) | magic).to(tl.float32, bitcast=True)
+    return fa, fb
 
 
 @triton.jit

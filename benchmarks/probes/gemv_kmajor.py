@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 from quantkit.kernels.w4a16_epilogue import _finish_tile
+from quantkit.kernels.w4a16_gemv import _folded_pair
 
 MAGIC_F32 = 0x4B000000
 
@@ -51,15 +52,8 @@ def _tile(acc, w, x_ptr, qz_ptr, s_ptr, t, offs_n, n_mask, offs_w, K, group_size
     p_odd = tl.zeros(acc.shape, tl.float32)
     x_even = tl.zeros((BKW,), tl.float32)
     x_odd = tl.zeros((BKW,), tl.float32)
-    for i in tl.static_range(4):  # codes 2i at bits 12-15 and 2i + 1 at bits 16-19 of src
-        if i == 0:
-            src = w << twelve
-        elif i == 1:
-            src = w << four
-        elif i == 2:
-            src = w >> four
-        else:
-            src = w >> twelve
+    for i in tl.static_range(4):
+        fa, fb = _folded_pair(w, i, magic, four, twelve)
         if XPAIR:  # x_ptr is x viewed as int32: one 4-byte load holds x[8kw + 2i] (low half) and x[8kw + 2i + 1]
             if EVEN_K:
                 xw = tl.load(x_ptr + kw * 4 + i)
@@ -74,8 +68,6 @@ def _tile(acc, w, x_ptr, qz_ptr, s_ptr, t, offs_n, n_mask, offs_w, K, group_size
         else:
             xa = _xk(x_ptr, kw, 2 * i, K, EVEN_K)
             xb = _xk(x_ptr, kw, 2 * i + 1, K, EVEN_K)
-        fa = ((src & 0xF000) | magic).to(tl.float32, bitcast=True)
-        fb = ((src & 0xF0000) | magic).to(tl.float32, bitcast=True)
         p_even = tl.fma(xa[None, :], fa, p_even)
         p_odd = tl.fma(xb[None, :], fb, p_odd)
         x_even += xa
