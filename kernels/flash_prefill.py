@@ -24,7 +24,7 @@ fused qkv output), q and the chunk's K/V tiles come through TMA descriptors over
 always takes pointer loads through the block table (Hopper's TMA cannot gather rows).
 Limits: D <= 256. Launch configuration by the longest chunk (``PREFILL_CONFIGS``). Measured on the H200, bf16,
 D = 128, GQA 4 (bench_attention.py, 2026-12-02, results/attention-h200-2026-12-02.md): 68-74% of SDPA's TFLOP/s
-at L = 1k x 16 and 83-86% at L = 4k x 4 (2026-11-29, before TMA and the per-length configs: 45-55% / 51-65%).
+at L = 1k x 16 and 83-87% at L = 4k x 4 (2026-11-29, before TMA and the per-length configs: 45-55% / 51-65%).
 """
 
 from __future__ import annotations
