@@ -215,7 +215,10 @@ class AWQStage:
         width = consumers[0].in_features
         gram = consumers == [block] and width < _tokens(calls)  # a lone linear: the Gram matrix is cheaper
         tempered = self.params.quantizer == "gptq"
-        x_mean, xtx, n_tokens = _input_stats(calls, width, ctx.device, gram or tempered)
+        # the in-sample Gram matrix: the lone linear's objective, and GPTQ's Hessian unless held-out batches fit it
+        x_mean, xtx, n_tokens = _input_stats(
+            calls, width, ctx.device, gram or (tempered and not self.params.temper_holdout)
+        )
         if n_tokens == 0:  # no calibration token reached the block (an expert nobody was routed to)
             for n in group.consumers:
                 ctx.record(n, awq_skipped="no calibration tokens")
@@ -240,6 +243,8 @@ class AWQStage:
                     why = "one calibration batch" if len(ctx.hidden) < 2 else "no token in one part"
                     for n in group.consumers:
                         ctx.record(n, awq_temper_in_sample=why)
+                    if hessian is None:
+                        hessian = _input_stats(calls, width, ctx.device, True)[1]
                 else:
                     judge, hessian = held
             scales, power, losses = temper_scales(
