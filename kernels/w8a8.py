@@ -3,13 +3,13 @@
 Computes ``y[m, n] = (acc[m, n] * a_scale[m]) * w_scale[n] (+ bias[n])`` with ``acc = sum_k qa[m, k] * qw[n, k]``,
 in two kernels:
 
-1. ``quantize_activations``: one program per row of x [M, K] (fp16/bf16/fp32). Dynamic (per token): the row's
-   abs-max gives ``a_scale[m] = amax / QMAX`` and ``qa = clamp(round(x * (QMAX / amax)), -QMAX, QMAX)``; rows up to
-   ``ONE_PASS_MAX_K`` elements are read once and kept in registers. Static (per tensor): ``qa = clamp(round(x * (1 /
-   input_scale)))`` with the calibrated fp32 ``input_scale`` [1]. QMAX = 127 for int8 (symmetric, -128 unused) and
-   448 for e4m3fn (largest finite). ``amax`` is floored at ``MIN_AMAX`` so that all-zero rows give zeros, not NaN.
-   Rounding is half-to-even, to the integers (int8) or to the e4m3 grid (fp8), computed explicitly in fp32 so the
-   GPU and Triton's interpreter agree with ``torch.round`` / ``Tensor.to(torch.float8_e4m3fn)`` bit for bit
+1. ``quantize_activations``: one program per row of x [M, K] (fp16/bf16/fp32). Dynamic (per token): the row's abs-max
+   gives ``a_scale[m] = amax / QMAX`` and ``qa = clamp(round(x * (QMAX / amax)), -QMAX, QMAX)``; short rows are read
+   once and kept in registers, long ones in two sweeps (``_quantize_launch_params``). Static (per tensor): ``qa =
+   clamp(round(x * (1 / input_scale)))`` with the calibrated fp32 ``input_scale`` [1]. QMAX = 127 for int8 (symmetric,
+   -128 unused) and 448 for e4m3fn (largest finite). ``amax`` is floored at ``MIN_AMAX`` so that all-zero rows give
+   zeros, not NaN. Rounding is half-to-even, to the integers (int8) or to the e4m3 grid (fp8), computed explicitly in
+   fp32 so the GPU and Triton's interpreter agree with ``torch.round`` / ``Tensor.to(torch.float8_e4m3fn)`` bit for bit
    (the interpreter's own fp32 -> fp8 cast does not round to nearest even).
 2. ``w8a8_matmul``: qa [M, K] x qw [N, K]^T. Tiles of BLOCK_M x BLOCK_N, grouped along M (GROUP_M) for L2 reuse,
    and a K loop of BLOCK_K. Two kernels share the accumulate and epilogue code: operand tiles fetched by the TMA
@@ -40,7 +40,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 INT8_MAX = 127.0
 E4M3_MAX = 448.0
 MIN_AMAX = 1e-30  # keeps QMAX / amax finite in fp32 for all-zero (or subnormal) rows
-ONE_PASS_MAX_K = 32768  # rows up to this length are quantized from registers after a single read
+ONE_PASS_MAX_K = 32768  # rows up to this length may be quantized from registers after a single read
+SWEEP_BLOCK_K = 8192  # the block of the two-sweep path (abs-max sweep, then quantizing sweep) for longer rows
 INT32_SAFE_K = (2**31 - 1) // (128 * 128)  # 131_071: the int8 accumulator cannot overflow up to this K
 _MAX_NUMEL = 2**31 - 1
 
@@ -397,11 +398,22 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def _quantize_launch_params(k: int, block_k: int | None) -> tuple[int, bool, int]:
+def _quantize_launch_params(k: int, block_k: int | None, fmt: str, m: int) -> tuple[int, bool, int]:
+    """(block_k, one_pass, num_warps) for rows of length k, from an H200 probe (results/w8a8-quant-h200-2026-12-02.md).
+
+    Rows up to 16384 are read once. Longer rows are read once only for int8 with few rows (M <= 64): the registers
+    of a 32768-wide block spill little there, while fp8's rounding code spills more and, with many rows, one
+    1024-thread CTA per SM cannot overlap its load, reduce and store phases (fp8, M = 1024, K = 28672: 282 us one
+    pass, 54 us in two sweeps of 8192). Two sweeps use blocks of 8192 and 16 warps.
+    """
     if block_k is None:
-        block_k = triton.next_power_of_2(k) if k <= ONE_PASS_MAX_K else 4096
+        one_pass_max = ONE_PASS_MAX_K if fmt == "int8" and m <= 64 else SWEEP_BLOCK_K * 2
+        block_k = triton.next_power_of_2(k) if k <= one_pass_max else SWEEP_BLOCK_K
     one_pass = block_k >= k
-    num_warps = 4 if block_k <= 2048 else 8 if block_k <= 8192 else 16
+    if not one_pass:
+        num_warps = 16 if block_k >= SWEEP_BLOCK_K else 8 if block_k >= 4096 else 4
+    else:  # fp8's rounding needs more registers: 32 warps keep a 16384 block from spilling
+        num_warps = 4 if block_k <= 2048 else 8 if block_k <= 8192 else 16 if block_k <= 16384 and fmt == "int8" else 32
     return block_k, one_pass, num_warps
 
 
@@ -449,7 +461,7 @@ def quantize_activations(
         scale = input_scale
     if m == 0:
         return out, scale
-    block_k, one_pass, num_warps = _quantize_launch_params(k, block_k)
+    block_k, one_pass, num_warps = _quantize_launch_params(k, block_k, fmt, m)
     _quantize_rows_kernel[(m,)](
         x,
         out,

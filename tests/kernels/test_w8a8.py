@@ -248,3 +248,19 @@ def test_gpu_fp8_agrees_with_scaled_mm():
     exact = float64_reference(qa, a_scale, qw, w_scale, None)
     ours, theirs = (y.double() - exact).abs().max().item(), (ref.double() - exact).abs().max().item()
     assert ours <= 2 * theirs + 1e-6
+
+
+@pytest.mark.parametrize(
+    "k,fmt,m,want",
+    [
+        (4096, "int8", 1, (4096, True, 8)),
+        (14336, "int8", 1, (16384, True, 16)),
+        (14336, "fp8", 1, (16384, True, 32)),  # fp8's rounding spills at 16 warps
+        (28672, "int8", 16, (32768, True, 32)),  # few int8 rows: one read
+        (28672, "int8", 1024, (8192, False, 16)),  # many rows: two sweeps over L2
+        (28672, "fp8", 1, (8192, False, 16)),
+    ],
+)
+def test_quantizer_launch_rule(k, fmt, m, want):
+    assert K._quantize_launch_params(k, None, fmt, m) == want
+    assert K._quantize_launch_params(k, 64, fmt, m)[:2] == (64, False)  # an explicit block is kept
