@@ -36,6 +36,8 @@ class KernelConfig:
     code; ``w4a16_gemv._tile_mac_folded``).
     ``prefetch`` (gemv, num_stages 1): issue the loads of K tile t + 1 before the arithmetic of tile t (the next
     tile's words wait in registers), so every thread keeps a whole tile of loads in flight.
+    ``vector_x`` (gemv, with ``fold_zero``): read x four activations per 8-byte load (needs whole K tiles, unit
+    column stride and 8-byte aligned rows; otherwise the kernel reads one activation per load).
     ``swap_ab`` (fused): compute y.T = W.T @ x.T so the weight tile is the MMA's M side (wgmma for M < 64).
     """
 
@@ -51,6 +53,7 @@ class KernelConfig:
     swap_ab: bool = False
     fold_zero: bool = False
     prefetch: bool = False
+    vector_x: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -65,6 +68,8 @@ class KernelConfig:
             )
         if not 0 <= self.split_waves <= 32 or self.num_stages < 1:
             raise ValueError("split_waves must be in [0, 32] and num_stages >= 1")
+        if self.vector_x and not (self.method == "gemv" and self.fold_zero):
+            raise ValueError("vector_x is an option of the gemv's folded path: it needs fold_zero")
         if self.prefetch and (self.method != "gemv" or self.num_stages != 1):
             raise ValueError("prefetch is a gemv option and replaces pipelining: it needs num_stages 1")
 
@@ -73,7 +78,7 @@ class KernelConfig:
         if self.method == "dequant":
             return "dequant+cublas"
         if self.method == "gemv":
-            fold = ("f" if self.fold_zero else "") + ("p" if self.prefetch else "")
+            fold = ("f" if self.fold_zero else "") + ("p" if self.prefetch else "") + ("v" if self.vector_x else "")
             return (
                 f"gemv-m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
                 f"{fold}sw{self.split_waves}"
@@ -93,8 +98,10 @@ class KernelConfig:
 # Source: sweep of 2026-12-01 on NVIDIA H200 (torch 2.11.0+cu130, triton 3.6.0).
 # Largest M of each regime -> config. Geomean speedup over cuBLAS fp16 (shapes x groups x M):
 # m1 2.39x, m2 1.71x, m4 1.34x, skinny 1.35x, medium 0.89x, large 0.54x, huge 0.86x.
+# m1 with vector_x added by hand after benchmarks/probes/probe_gemv.py --vector (2026-12-02, H200): 0-7% faster on
+# 9 of 12 M = 1 cells, within 1% on the rest (results/w4a16-h200-2026-12-02b.md).
 CONFIG_TABLE: tuple[tuple[int, KernelConfig], ...] = (
-    (1, KernelConfig("gemv", 1, 512, 128, 4, 1, split_waves=4, fold_zero=True)),
+    (1, KernelConfig("gemv", 1, 512, 128, 4, 1, split_waves=4, fold_zero=True, vector_x=True)),
     (2, KernelConfig("gemv", 2, 512, 64, 4, 1, split_waves=8, fold_zero=True, prefetch=True)),
     (4, KernelConfig("fused", 16, 128, 64, 4, 3, split_waves=4, fuse_scale=True, swap_ab=True)),
     (16, KernelConfig("fused", 16, 64, 64, 4, 3, split_waves=4, fuse_scale=True, swap_ab=True)),

@@ -10,7 +10,8 @@ How
     A CTA owns BLOCK_N output columns (threads and warps only along N, 16-byte loads of packed words: BLOCK_N =
     128 * num_warps keeps 4 columns per thread, so every thread holds whole columns of a K tile and the K
     reduction never leaves the thread) and a K slice of whole tiles (split-K over grid axis 1, fixed up by
-    ``w4a16_epilogue._finish_tile``). x (the same address in every thread) is read straight from L1.
+    ``w4a16_epilogue._finish_tile``). x (the same address in every thread) is read straight from L1, four
+    activations per 8-byte load with ``vector_x`` (folded path, aligned rows; ``_x_lane`` splits them exactly).
     A tile is BLOCK_K codes of one group, so the scale is applied once per tile and column:
     sum_k x_k s (q_k - z) = s * sum_k x_k (q_k - z).
     Unpacking is exact and needs no int->float conversion: for the i-th code of a 16-bit half word,
@@ -34,6 +35,12 @@ issue slots 63% busy, 5.8 cycles between a warp's instructions (2.3 of them wait
 4 warps per SM: bounded by instruction issue and load latency together. Filling the waves better did not help at
 group 128; a K-major weight layout (32 codes of one column per 16-byte load) needed 4.6-6.0 instructions per
 weight and ran 25-35% slower on the large shapes (probe: benchmarks/probes/).
+2026-12-02, second session (results/w4a16-h200-2026-12-02b.md): vector_x cut the x loads 3x (LDG 149 -> 53 per
+tile) for 0-7% (geomean ~2%), so x's L1 latency was not the limit either. ptxas sinks the prefetched loads
+(``prefetch``) to the last ~15% of the loop body, so that option never prefetched much; forcing every weight load
+of a tile to issue first (a CTA barrier after the prefetch, or a data dependency on all the tile's words) moved
+them to the top of the loop and raised registers (96 -> 128); the best such variant per cell ran 0.89-1.04x the
+committed config's speed, most variants slower: code dropped.
 
 Limits: 4 or 8 bits; BLOCK_K must divide the group size (``w4a16_configs.plan_launch`` sees to it); int32 offsets.
 Hardware: written for the H200 (sm_90, 132 SMs); register and SASS counts from ``benchmarks/sass_w4a16.py``.
@@ -131,7 +138,7 @@ def _tile_mac(acc, words, scales, zeros, x_ptr, t, m0, M, K, stride_xm, stride_x
 
 @triton.jit
 def _tile_mac_folded(acc, words, scales, zeros, x_ptr, t, m0, M, K, stride_xm, stride_xk, magic, sixteen,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, X_VEC: tl.constexpr):  # fmt: skip
     """``_tile_mac`` for 4-bit codes with the zero point and the magic offset folded out of the inner loop.
 
     Every code is moved to mantissa bits 12-15 (even k) or 16-19 (odd k) of its own copy of the word (four shifts
@@ -154,10 +161,18 @@ def _tile_mac_folded(acc, words, scales, zeros, x_ptr, t, m0, M, K, stride_xm, s
     for r in tl.static_range(words.shape[0]):
         w = _row(words, r)
         k_r = k0 + r * 8
+        if X_VEC:  # the word's 8 activations in two 8-byte loads
+            q_lo = tl.load(x_rows.to(tl.pointer_type(tl.int64)) + k_r // 4)
+            q_hi = tl.load(x_rows.to(tl.pointer_type(tl.int64)) + k_r // 4 + 1)
         for i in tl.static_range(4):
             fa, fb = _folded_pair(w, i, magic, four, twelve)
-            xa = _x_at(x_rows, offs_bm, k_r + 2 * i, K, stride_xk, EVEN_K)
-            xb = _x_at(x_rows, offs_bm, k_r + 2 * i + 1, K, stride_xk, EVEN_K)
+            if X_VEC:
+                quad = q_lo if i < 2 else q_hi
+                xa = _x_lane(quad, 2 * (i % 2), x_ptr.dtype.element_ty)
+                xb = _x_lane(quad, 2 * (i % 2) + 1, x_ptr.dtype.element_ty)
+            else:
+                xa = _x_at(x_rows, offs_bm, k_r + 2 * i, K, stride_xk, EVEN_K)
+                xb = _x_at(x_rows, offs_bm, k_r + 2 * i + 1, K, stride_xk, EVEN_K)
             p_even = tl.fma(xa[:, None], fa[None, :], p_even)
             p_odd = tl.fma(xb[:, None], fb[None, :], p_odd)
             x_even += xa
@@ -198,6 +213,16 @@ def _x_at(x_rows, offs_bm, kk, K, stride_xk, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _x_lane(quad, j: tl.constexpr, act: tl.constexpr):
+    """Activation j of four 16-bit ones loaded as one int64 (lowest address in the lowest bits), as fp32: exact."""
+    half = (quad >> (32 * (j // 2))).to(tl.int32)  # a register of the pair: no instruction
+    if act == tl.bfloat16:  # a bf16 is the high half of the fp32 of the same value
+        return (half << 16 if j % 2 == 0 else half & -65536).to(tl.float32, bitcast=True)
+    else:
+        return (half >> (16 * (j % 2))).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _row(words, r: tl.constexpr):
     """Row r of words [R, BN] as a [BN] vector (a register selection: every thread holds all R rows)."""
     return tl.sum(tl.where(tl.arange(0, words.shape[0])[:, None] == r, words, 0), axis=0)
@@ -205,10 +230,10 @@ def _row(words, r: tl.constexpr):
 
 @triton.jit
 def _mac(acc, words, scales, zeros, x_ptr, t, m0, M, K, stride_xm, stride_xk, magic, sixteen, BITS: tl.constexpr,
-         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FOLD: tl.constexpr):  # fmt: skip
+         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FOLD: tl.constexpr, X_VEC: tl.constexpr):  # fmt: skip
     if FOLD:
         return _tile_mac_folded(acc, words, scales, zeros, x_ptr, t, m0, M, K, stride_xm, stride_xk, magic,
-                                sixteen, BLOCK_K, EVEN_K)  # fmt: skip
+                                sixteen, BLOCK_K, EVEN_K, X_VEC)  # fmt: skip
     else:
         return _tile_mac(acc, words, scales, zeros, x_ptr, t, m0, M, K, stride_xm, stride_xk, magic, sixteen,
                          BITS, BLOCK_K, EVEN_K)  # fmt: skip
@@ -228,7 +253,7 @@ def _w4a16_gemv_kernel(
     # meta-parameters
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, STAGES: tl.constexpr, FOLD: tl.constexpr, PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    EVEN_K: tl.constexpr, EMULATE_BF16: tl.constexpr, X_VEC: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -252,7 +277,7 @@ def _w4a16_gemv_kernel(
                                                 group_size, stride_qwk, stride_qwn, stride_qzg, stride_qzn,
                                                 stride_sg, stride_sn, BITS, BLOCK_K, EVEN_K)  # fmt: skip
             acc = _mac(acc, words, scales, zeros, x_ptr, t, pid_m * BLOCK_M, M, K, stride_xm, stride_xk, magic,
-                       sixteen, BITS, BLOCK_K, EVEN_K, FOLD)  # fmt: skip
+                       sixteen, BITS, BLOCK_K, EVEN_K, FOLD, X_VEC)  # fmt: skip
             words, scales, zeros = w_next, s_next, z_next
     else:
         # STAGES >= 2: Triton pipelines the tile's loads through shared memory (cp.async, STAGES - 1 tiles ahead);
@@ -262,7 +287,7 @@ def _w4a16_gemv_kernel(
                                               stride_qwn, stride_qzg, stride_qzn, stride_sg, stride_sn, BITS,
                                               BLOCK_K, EVEN_K)  # fmt: skip
             acc = _mac(acc, words, scales, zeros, x_ptr, t, pid_m * BLOCK_M, M, K, stride_xm, stride_xk, magic,
-                       sixteen, BITS, BLOCK_K, EVEN_K, FOLD)  # fmt: skip
+                       sixteen, BITS, BLOCK_K, EVEN_K, FOLD, X_VEC)  # fmt: skip
     _finish_tile(acc, bias_ptr, out_ptr, part_ptr, lock_ptr, pid, offs_m, offs_n, M, N, stride_om, stride_on,
                  SPLIT, HAS_BIAS, EMULATE_BF16)  # fmt: skip
 
@@ -298,7 +323,14 @@ def w4a16_gemv(
         SPLIT=plan.split_k > 1, STAGES=config.num_stages, FOLD=config.fold_zero and w.bits == 4,
         PREFETCH=config.prefetch,
         HAS_BIAS=bias is not None, EVEN_K=k % plan.block_k == 0,
-        EMULATE_BF16=interpreting() and x.dtype == torch.bfloat16,
+        EMULATE_BF16=interpreting() and x.dtype == torch.bfloat16, X_VEC=_vector_x(config, w.bits, x, plan.block_k),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out, handle
+
+
+def _vector_x(config: KernelConfig, bits: int, x: torch.Tensor, block_k: int) -> bool:
+    """Whether the kernel may read x four activations per 8-byte load: asked for (``vector_x``, folded 4-bit
+    path), whole K tiles, unit column stride and every row 8-byte aligned; otherwise one load per activation."""
+    aligned = x.stride(1) == 1 and x.data_ptr() % 8 == 0 and (x.shape[0] == 1 or x.stride(0) % 4 == 0)
+    return config.vector_x and config.fold_zero and bits == 4 and x.shape[1] % block_k == 0 and aligned

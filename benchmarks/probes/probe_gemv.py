@@ -4,6 +4,8 @@
                                                                      committed gemv and cuBLAS fp16
     python benchmarks/probes/probe_gemv.py --nmajor [--out DIR]     the committed gemv with its split-K factor
                                                                      forced to fill 1, 2 or 3 waves of CTAs
+    python benchmarks/probes/probe_gemv.py --vector [--out DIR]     the committed M = 1 and M = 2 gemv against
+                                                                     variants reading x 4 activations per load
     ncu --clock-control none --kernel-name regex:gemv --section ... python benchmarks/probes/ncu_gemv.py
 
 Same timing method as bench_w4a16.py (CUDA graphs over rotated operands, medians, cuBLAS in the same run).
@@ -54,9 +56,12 @@ def main() -> None:
     ap.add_argument("--groups", default="128,64")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--nmajor", action="store_true")
+    ap.add_argument("--vector", action="store_true")
     args = ap.parse_args()
     if args.nmajor:
         return nmajor(args)
+    if args.vector:
+        return vector(args)
     dev = "cuda"
     timer = Timer(False)
     bw = copy_bandwidth(timer, dev)
@@ -177,6 +182,51 @@ def nmajor(args) -> None:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "probe_nmajor.json").write_text(json.dumps(out, indent=1))
+
+
+# -- x read four activations per load (vector_x), against the committed table --------------------------------------
+def vector(args) -> None:
+    from quantkit.kernels import w4a16_configs as C
+
+    g = C.KernelConfig
+    variants = {
+        1: [
+            g("gemv", 1, 512, 128, 4, 1, split_waves=4, fold_zero=True, vector_x=True),
+            g("gemv", 1, 512, 128, 4, 1, split_waves=8, fold_zero=True, vector_x=True),
+            g("gemv", 1, 1024, 64, 4, 1, split_waves=4, fold_zero=True, vector_x=True),
+            g("gemv", 1, 1024, 64, 4, 1, split_waves=8, fold_zero=True, vector_x=True),
+            g("gemv", 1, 1024, 128, 4, 1, split_waves=4, fold_zero=True, vector_x=True),
+            g("gemv", 1, 512, 64, 4, 1, split_waves=4, fold_zero=True, prefetch=True, vector_x=True),
+            g("gemv", 1, 1024, 64, 4, 1, split_waves=4, fold_zero=True, prefetch=True, vector_x=True),
+        ],
+        2: [
+            g("gemv", 2, 512, 64, 4, 1, split_waves=8, fold_zero=True, prefetch=True, vector_x=True),
+            g("gemv", 2, 1024, 64, 4, 1, split_waves=8, fold_zero=True, vector_x=True),
+        ],
+    }
+    dev, timer = "cuda", Timer(False)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    out = []
+    for n, k in SHAPES:
+        for m, cands in variants.items():
+            fp16 = timer.per_call(fp16_calls(n, k, m, dev, gen))
+            for group in (128, 64):
+                layer = Layer(n, k, group, dev, seed=0)
+                table = C.config_for(m)
+                line = [f"{n}x{k} g{group} M={m} fp16 {fp16:.1f} us"]
+                for cfg in [table, *cands]:
+                    ok = layer.check(m, cfg)["ok"]
+                    us = timer.per_call(layer.calls(m, cfg))
+                    tag = "table " if cfg is table else ""
+                    line.append(f"{tag}{cfg.name:<28} {us:7.1f} us {fp16 / us:5.2f}x {layer.bytes / us / 1e6:5.2f} TB/s"
+                                f"{'' if ok else ' WRONG'}")  # fmt: skip
+                    out.append({"n": n, "k": k, "g": group, "m": m, "cfg": cfg.name, "table": cfg is table,
+                                "us": us, "fp16_us": fp16, "ok": ok})  # fmt: skip
+                print("\n    ".join(line), flush=True)
+                del layer
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "probe_vector.json").write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

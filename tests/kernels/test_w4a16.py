@@ -37,6 +37,7 @@ GEMV_M4 = K.KernelConfig("gemv", 4, 32, 64, 1, 1, split_waves=8)  # 4 rows per C
 GEMV_PRE = K.KernelConfig("gemv", 2, 64, 128, 2, 3)  # loads pipelined 2 tiles ahead through shared memory
 GEMV_FOLD = K.KernelConfig("gemv", 2, 64, 128, 2, 1, split_waves=8, fold_zero=True)  # 4-bit: no FADD per code
 GEMV_PREFETCH = K.KernelConfig("gemv", 1, 64, 64, 2, 1, split_waves=8, fold_zero=True, prefetch=True)  # registers
+GEMV_VEC = K.KernelConfig("gemv", 2, 64, 64, 2, 1, split_waves=8, fold_zero=True, vector_x=True)  # x 4 per load
 
 
 def make_layer(n, k, bits=4, group_size=128, sym=False, act_order=False, seed=0):
@@ -112,6 +113,9 @@ CASES = [
     (1, 77, 576, 4, 128, False, torch.float16, False, True, GEMV_PREFETCH),  # prefetch across a ragged split
     (3, 40, 200, 4, -1, True, torch.bfloat16, True, False, GEMV_PREFETCH),  # masked K tail, one group
     (2, 33, 256, 8, 32, False, torch.float16, False, True, GEMV_PREFETCH),  # 8-bit, small groups
+    (1, 96, 1024, 4, 128, False, torch.float16, False, True, GEMV_VEC),  # x read 4 activations per load
+    (3, 40, 512, 4, 64, True, torch.bfloat16, True, False, GEMV_VEC),  # bf16, two row blocks, act-order
+    (2, 40, 200, 4, -1, False, torch.float16, False, True, GEMV_VEC),  # K tail: falls back to one per load
     (16, 70, 320, 4, 64, False, torch.float16, True, True, SWAP),
     (3, 33, 200, 4, 128, True, torch.bfloat16, False, True, SWAP),  # bf16 fused scale through fp32
     (20, 96, 384, 4, -1, False, torch.float16, False, True, SWAP_TS),  # tile scale, two row blocks
@@ -129,6 +133,20 @@ def test_matches_float64_reference(m, n, k, bits, group, sym, dtype, act_order, 
     y = K.w4a16_linear(x, w, bias, config=config, out=out)
     assert y.data_ptr() == out.data_ptr()
     assert_close_to_float64(y, x, qw, bias)
+
+
+def test_vector_x_reads_only_aligned_rows():
+    qw, buffers = make_layer(48, 512, 4, 128, False, seed=11)
+    w = prepared(buffers, 4, 128)
+    wide = torch.randn(2, 520, device=DEVICE).half()
+    from quantkit.kernels.w4a16_gemv import _vector_x
+
+    assert _vector_x(GEMV_VEC, 4, wide[:, :512], 64)
+    assert not _vector_x(GEMV_VEC, 4, wide[:, 1:513], 64)  # rows 2 bytes off 8-byte alignment
+    assert not _vector_x(GEMV_VEC, 8, wide[:, :512], 64)  # 8-bit codes: the unfolded path
+    assert not _vector_x(GEMV_FOLD, 4, wide[:, :512], 64)  # not asked for
+    for x in (wide[:, :512], wide[:, 1:513], wide[:, 3:515]):  # both paths give the same, right answer
+        assert_close_to_float64(K.w4a16_linear(x, w, config=GEMV_VEC), x, qw, None)
 
 
 @pytest.mark.parametrize("regime", range(len(K.CONFIG_TABLE)))
