@@ -402,9 +402,9 @@ def _quantize_launch_params(k: int, block_k: int | None, fmt: str, m: int) -> tu
     """(block_k, one_pass, num_warps) for rows of length k, from an H200 probe (results/w8a8-quant-h200-2026-12-02.md).
 
     Rows up to 16384 are read once. Longer rows are read once only for int8 with few rows (M <= 64): the registers
-    of a 32768-wide block spill little there, while fp8's rounding code spills more and, with many rows, one
-    1024-thread CTA per SM cannot overlap its load, reduce and store phases (fp8, M = 1024, K = 28672: 282 us one
-    pass, 54 us in two sweeps of 8192). Two sweeps use blocks of 8192 and 16 warps.
+    of a 32768-wide block (32 warps) spill little there, while fp8's rounding code spilled at 16 warps and, with many
+    rows, a CTA that fills an SM's registers alone cannot overlap its load, reduce and store phases (fp8, M = 1024,
+    K = 28672: 282 us in one pass, 54 us in two sweeps of 8192). Two sweeps use blocks of 8192 and 16 warps.
     """
     if block_k is None:
         one_pass_max = ONE_PASS_MAX_K if fmt == "int8" and m <= 64 else SWEEP_BLOCK_K * 2
