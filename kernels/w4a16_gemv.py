@@ -35,7 +35,7 @@ issue slots 63% busy, 5.8 cycles between a warp's instructions (2.3 of them wait
 4 warps per SM: bounded by instruction issue and load latency together. Filling the waves better did not help at
 group 128; a K-major weight layout (32 codes of one column per 16-byte load) needed 4.6-6.0 instructions per
 weight and ran 25-35% slower on the large shapes (probe: benchmarks/probes/).
-2026-12-02, second session (results/w4a16-h200-2026-12-02b.md): vector_x cut the x loads 3x (LDG 149 -> 53 per
+2026-12-02, third session (results/w4a16-h200-2026-12-02b.md): vector_x cut the x loads 3x (LDG 149 -> 53 per
 tile) for 0-7% (geomean ~2%), so x's L1 latency was not the limit either. ptxas sinks the prefetched loads
 (``prefetch``) to the last ~15% of the loop body, so that option never prefetched much; forcing every weight load
 of a tile to issue first (a CTA barrier after the prefetch, or a data dependency on all the tile's words) moved
