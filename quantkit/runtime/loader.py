@@ -1,7 +1,7 @@
 """Build the runtime's model from a float HF folder, a quantkit checkpoint, an HF model in memory, or a config
 with random ("dummy") weights.
 
-The model is built on the meta device, its linears made by a factory (``nn.Linear``, or the quantized module the
+The model is built on the meta device, its linears made by a factory (``FloatLinear``, or the quantized module the
 checkpoint declares for that name), then filled with ``load_state_dict(assign=True)`` from the safetensors files,
 so no weight is allocated twice.
 """
@@ -17,7 +17,7 @@ from safetensors import safe_open
 from torch import nn
 
 from quantkit.errors import QuantkitError
-from quantkit.runtime.model import CausalLM, RMSNorm
+from quantkit.runtime.model import CausalLM, FloatLinear, RMSNorm
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 IGNORED_KEY_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -50,7 +50,7 @@ def eos_ids(*sources) -> tuple[int, ...]:
 
 
 def float_linear(dtype):
-    return lambda name, n_in, n_out, bias: nn.Linear(n_in, n_out, bias=bias, dtype=dtype)
+    return lambda name, n_in, n_out, bias: FloatLinear(n_in, n_out, bias=bias, dtype=dtype)
 
 
 def quantized_linear(schemes: dict, dtype):
@@ -60,7 +60,7 @@ def quantized_linear(schemes: dict, dtype):
     def make(name, n_in, n_out, bias):
         if name in schemes:
             return empty_quantized_linear(n_in, n_out, schemes[name], bias, dtype)
-        return nn.Linear(n_in, n_out, bias=bias, dtype=dtype)
+        return FloatLinear(n_in, n_out, bias=bias, dtype=dtype)
 
     return make
 
@@ -129,6 +129,8 @@ def from_hf_model(hf_model: nn.Module, device: torch.device, tokenizer=None) -> 
         mod = modules.get(name)
         if mod is None or (getattr(mod, "in_features", None), getattr(mod, "out_features", None)) != (n_in, n_out):
             raise QuantkitError(f"HF model has no linear {name} of shape [{n_out}, {n_in}]")
+        if type(mod) is nn.Linear:  # a meta FloatLinear, given the HF weights (the same tensors) by assign_weights
+            return FloatLinear(n_in, n_out, bias=mod.bias is not None, dtype=mod.weight.dtype)
         return mod
 
     with torch.device("meta"):

@@ -2,11 +2,12 @@
 
 Tokens of all sequences in a step lie on one axis [T]; attention reads and writes the paged KV cache
 (``runtime.attention``). Module names equal Hugging Face's, so checkpoints load by name, and every linear is made by
-a factory: ``nn.Linear`` for float weights, ``QuantLinear`` / ``W8A8Linear`` for quantized ones. The arithmetic
+a factory: ``FloatLinear`` for float weights, ``QuantLinear`` / ``W8A8Linear`` for quantized ones. The arithmetic
 follows transformers' modeling code step for step (RMSNorm in fp32, rotary tables in fp32 cast to the activation
 dtype), so fp32 greedy outputs match it token for token. On CUDA, RMSNorm (fused with the residual add before
 it), the rotary embedding and the SiLU-gated product run as single Triton kernels
-(``quantkit.kernels.fused_norm_rope``): same arithmetic, a few launches per layer instead of ~40.
+(``quantkit.kernels.fused_norm_rope``): same arithmetic, a few launches per layer instead of ~40; float linears
+take one row of x (batch-1 decode) through ``quantkit.kernels.gemv``, 6-31% faster than cuBLAS on these shapes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 
 from quantkit.errors import QuantkitError
 from quantkit.kernels.fused_norm_rope import add_rms_norm, add_rms_norm_reference, rotary_, silu_mul
+from quantkit.kernels.gemv import gemv, use_gemv
 from quantkit.runtime.attention import AttentionMetadata, paged_attention
 
 LinearFactory = Callable[[str, int, int, bool], nn.Module]  # (name, in_features, out_features, bias) -> module
@@ -90,6 +92,16 @@ def rope_tables(config, max_len: int, device) -> tuple[torch.Tensor, torch.Tenso
     freqs = torch.arange(max_len, dtype=torch.float)[:, None] * inv_freq.float()[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * scaling).to(device), (emb.sin() * scaling).to(device)
+
+
+class FloatLinear(nn.Linear):
+    """``nn.Linear`` whose one-row CUDA products (decode at batch 1) run ``kernels.gemv``; everything else is
+    ``F.linear``, so CPU and batched results are nn.Linear's own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_gemv(x, self.weight):
+            return gemv(x.reshape(1, -1), self.weight, self.bias).reshape(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -272,7 +284,7 @@ def _concat(parts: tuple[nn.Module, ...]) -> nn.Module | None:
     kind = type(parts[0])
     if any(type(p) is not kind for p in parts):
         return None
-    if kind is nn.Linear:
+    if kind in (nn.Linear, FloatLinear):
         return _concat_linears(parts)
     if kind in (QuantLinear, W8A8Linear):
         try:
@@ -283,10 +295,11 @@ def _concat(parts: tuple[nn.Module, ...]) -> nn.Module | None:
 
 
 def _concat_linears(parts: tuple[nn.Linear, ...]) -> nn.Linear:
-    """One linear whose output is the parts' outputs side by side (missing biases are zeros)."""
+    """One linear (of the parts' class) whose output is the parts' outputs side by side (missing biases are zeros)."""
     w = parts[0].weight
     with torch.device("meta"):  # no storage: the parameters are assigned below
-        out = nn.Linear(w.shape[1], sum(p.out_features for p in parts), bias=any(p.bias is not None for p in parts))
+        n_out, bias = sum(p.out_features for p in parts), any(p.bias is not None for p in parts)
+        out = type(parts[0])(w.shape[1], n_out, bias=bias)
     with torch.no_grad():
         out.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
         if out.bias is not None:

@@ -158,7 +158,7 @@ def test_float_folder_and_stop_tokens(tmp_path):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
 def test_fused_projections_match_hf(arch):
     """q/k/v and gate/up fused into one linear each (what the engine does on CUDA) keep the logits of HF's forward."""
-    from quantkit.runtime.model import fuse_projections
+    from quantkit.runtime.model import FloatLinear, fuse_projections
 
     model = sharpen(tiny_model(arch))
     prompts = random_prompts(LENGTHS, VOCAB, seed=2)
@@ -166,6 +166,7 @@ def test_fused_projections_match_hf(arch):
     assert fuse_projections(llm.model) == 2 * COMMON["num_hidden_layers"]
     layer = llm.model.model.layers[0]
     assert layer.self_attn.q_proj is None and layer.mlp.gate_proj is None
+    assert type(layer.self_attn.qkv_proj) is FloatLinear and type(layer.mlp.gate_up_proj) is FloatLinear
     rows = record_logits(llm)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=12))
     assert_logits_match_hf(model, prompts, outputs, rows, atol=1e-5)

@@ -48,6 +48,34 @@ def test_graph_replay_equals_eager_bf16():
         torch.testing.assert_close(graphed[: same + 1], eager[: same + 1], atol=0.05, rtol=0)  # may flip a token
 
 
+def test_batch1_decode_through_the_gemv_matches_cublas_bf16():
+    """One sequence decodes through kernels.gemv (one row per float linear, the lm_head excepted); the same steps with
+    the gemv switched off (cuBLAS) give the same logits to a few bf16 ulps."""
+    import quantkit.runtime.model as M
+
+    model = sharpen(tiny_model("llama", dtype=torch.bfloat16)).cuda()
+    prompt = random_prompts([9], VOCAB, seed=3)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    calls = []
+    real = M.gemv
+    steps = {}
+    for use in (True, False):
+        M.gemv = lambda *a, **k: calls.append(1) or real(*a, **k)
+        M.use_gemv = M.use_gemv if use else (lambda x, w: False)
+        try:
+            llm = LLM(model, num_kv_blocks=16)
+            rows = record_logits(llm)
+            tokens = llm.generate(prompt, params)[0].completions[0].token_ids
+            steps[use] = (tokens, torch.stack([torch.stack(rows[r]) for r in sorted(rows)]))
+        finally:
+            M.gemv = real
+            M.use_gemv = __import__("quantkit.kernels.gemv", fromlist=["use_gemv"]).use_gemv
+    assert calls  # the decode graphs were captured through the gemv
+    (a, la), (b, lb) = steps[True], steps[False]
+    same = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+    torch.testing.assert_close(la[:, : same + 1], lb[:, : same + 1], atol=0.05, rtol=0)
+
+
 def test_cache_sized_from_free_memory():
     config = dict(model_type="llama", vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)  # fmt: skip
