@@ -56,20 +56,18 @@ def test_batch1_decode_through_the_gemv_matches_cublas_bf16():
     model = sharpen(tiny_model("llama", dtype=torch.bfloat16)).cuda()
     prompt = random_prompts([9], VOCAB, seed=3)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    calls = []
-    real = M.gemv
-    steps = {}
+    calls, steps = [], {}
+    real_gemv, real_use = M.gemv, M.use_gemv
     for use in (True, False):
-        M.gemv = lambda *a, **k: calls.append(1) or real(*a, **k)
-        M.use_gemv = M.use_gemv if use else (lambda x, w: False)
+        M.gemv = lambda *a, **k: calls.append(1) or real_gemv(*a, **k)
+        M.use_gemv = real_use if use else (lambda x, w: False)
         try:
             llm = LLM(model, num_kv_blocks=16)
             rows = record_logits(llm)
             tokens = llm.generate(prompt, params)[0].completions[0].token_ids
             steps[use] = (tokens, torch.stack([torch.stack(rows[r]) for r in sorted(rows)]))
         finally:
-            M.gemv = real
-            M.use_gemv = __import__("quantkit.kernels.gemv", fromlist=["use_gemv"]).use_gemv
+            M.gemv, M.use_gemv = real_gemv, real_use
     assert calls  # the decode graphs were captured through the gemv
     (a, la), (b, lb) = steps[True], steps[False]
     same = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
