@@ -1,11 +1,12 @@
 """Float decode GEMV (``kernels/gemv.py``) against cuBLAS (``F.linear``) at one row of x, on one GPU.
 
-    python benchmarks/bench_gemv.py [--out DIR]
+    python benchmarks/bench_gemv.py [--out DIR]     committed launch against cuBLAS
+    python benchmarks/bench_gemv.py --sweep         also the launch shapes (BLOCK_N, BLOCK_K, warps, stages) below
 
-Shapes (N x K): the Llama-3-8B decoder's fused qkv, o, fused gate/up and down projections, two more Llama shapes,
-and the 128256-row lm_head; bf16 and fp16. Timing: a CUDA graph of R calls over R rotated copies of the operands
-(spanning more than 2x the L2), replayed under ``triton.testing.do_bench`` (median), per call = replay / R; cuBLAS
-measured the same way in the same run. Each kernel output is checked against float64 (no worse than 2x cuBLAS's
+Shapes (N x K): the Llama-3-8B decoder's fused qkv, o, fused gate/up and down projections, two more Llama shapes, and
+the 128256-row lm_head; bf16 and fp16. Timing: bench_w4a16.py's (a CUDA graph of R calls over R rotated copies of the
+operands spanning more than 2x the L2, replayed under ``triton.testing.do_bench``, median, per call = replay / R);
+cuBLAS measured the same way in the same run. Each kernel output is checked against float64 (no worse than 2x cuBLAS's
 own error plus one output ulp). Writes gemv.json and gemv.md under --out (default $OUT or ./bench_out).
 """
 
@@ -13,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -22,31 +23,32 @@ import torch.nn.functional as F
 import triton
 from quantkit.kernels import gemv as G
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_w4a16 import Timer, rotations
+
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (14336, 4096), (8192, 8192), (128256, 4096)]
-ROTATE_SPAN = 150e6  # bytes of weights cycled through per replay: > 2x the H200's 60 MB L2
+# --sweep: (BLOCK_N, BLOCK_K, num_warps, num_stages); the first is the committed launch (gemv.BLOCK_N, ...)
+SWEEP = [(4, 1024, 4, 1), (16, 512, 4, 1), (32, 256, 4, 1), (8, 1024, 4, 1), (16, 512, 4, 3), (64, 128, 4, 1),
+         (16, 1024, 8, 1), (8, 512, 2, 1)]  # fmt: skip
 
 
-def per_call_us(calls: list) -> float:
-    for c in calls:  # compile and warm up outside the capture
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=50, return_mode="median")
-    return ms * 1e3 / len(calls)
+def launch(x, w, out, bn: int, bk: int, warps: int, stages: int):
+    n, k = w.shape
+    G._gemv_kernel[(triton.cdiv(n, bn),)](x, w, out, out, n, k, w.stride(0), HAS_BIAS=False, EVEN_K=k % bk == 0,
+                                          BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)  # fmt: skip
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench_out"))
+    ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
-    dev = "cuda"
-    rows = []
+    dev, timer = "cuda", Timer(False, warmup_ms=10, rep_ms=50)
+    rows, sweep = [], []
     for dtype in (torch.bfloat16, torch.float16):
         for n, k in SHAPES:
-            r = max(1, min(16, math.ceil(ROTATE_SPAN / (2 * n * k))))
+            r = rotations(2 * n * k)
             g = torch.Generator(device=dev).manual_seed(n + k)
             ws = [(torch.randn(n, k, device=dev, generator=g) * 0.02).to(dtype) for _ in range(r)]
             xs = [torch.randn(1, k, device=dev, generator=g).to(dtype) for _ in range(r)]
@@ -55,8 +57,8 @@ def main() -> None:
             torch_err = (F.linear(xs[0], ws[0]).double() - exact).abs().max().item()
             err = (G.gemv(xs[0], ws[0]).double() - exact).abs().max().item()
             ok = err <= 2 * torch_err + torch.finfo(dtype).eps * exact.abs().max().item()
-            cublas = per_call_us([(lambda x=x, w=w: F.linear(x, w)) for x, w in zip(xs, ws, strict=True)])
-            ours = per_call_us(
+            cublas = timer.per_call([(lambda x=x, w=w: F.linear(x, w)) for x, w in zip(xs, ws, strict=True)])
+            ours = timer.per_call(
                 [(lambda x=x, w=w, o=o: G.gemv(x, w, out=o)) for x, w, o in zip(xs, ws, outs, strict=True)]
             )
             row = {"dtype": str(dtype).removeprefix("torch."), "n": n, "k": k, "cublas_us": cublas, "gemv_us": ours,
@@ -66,10 +68,18 @@ def main() -> None:
             tag = "" if ok else " WRONG"
             print(f"{row['dtype']} {n}x{k}: cuBLAS {cublas:.1f} us ({row['cublas_tbs']:.2f} TB/s), gemv {ours:.1f} "
                   f"us ({row['gemv_tbs']:.2f} TB/s) {row['speedup']:.2f}x{tag}", flush=True)  # fmt: skip
+            if args.sweep and dtype == torch.bfloat16:
+                for cfg in SWEEP:
+                    calls = [
+                        (lambda x=x, w=w, o=o, c=cfg: launch(x, w, o, *c)) for x, w, o in zip(xs, ws, outs, strict=True)
+                    ]
+                    us = timer.per_call(calls)
+                    sweep.append({"n": n, "k": k, "cfg": cfg, "us": us, "cublas_us": cublas})
+                    print(f"    {cfg}: {us:.1f} us ({cublas / us:.2f}x cuBLAS)", flush=True)
             del ws, xs, outs
     args.out.mkdir(parents=True, exist_ok=True)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
-    (args.out / "gemv.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    (args.out / "gemv.json").write_text(json.dumps({"env": env, "rows": rows, "sweep": sweep}, indent=1))
     lines = [
         f"# Float GEMV vs cuBLAS at M = 1 -- {env['gpu']}, torch {env['torch']}, triton {env['triton']}",
         "",
