@@ -99,7 +99,7 @@ class KernelConfig:
 # Largest M of each regime -> config. Geomean speedup over cuBLAS fp16 (shapes x groups x M):
 # m1 2.39x, m2 1.71x, m4 1.34x, skinny 1.35x, medium 0.89x, large 0.54x, huge 0.86x.
 # m1 with vector_x added by hand after benchmarks/probes/probe_gemv.py --vector (2026-12-02, H200): 0-7% faster on
-# 9 of 12 M = 1 cells, within 1% on the rest (results/w4a16-h200-2026-12-02b.md).
+# 9 of 12 M = 1 cells, at most 1.3% slower on the rest (results/w4a16-h200-2026-12-02b.md).
 CONFIG_TABLE: tuple[tuple[int, KernelConfig], ...] = (
     (1, KernelConfig("gemv", 1, 512, 128, 4, 1, split_waves=4, fold_zero=True, vector_x=True)),
     (2, KernelConfig("gemv", 2, 512, 64, 4, 1, split_waves=8, fold_zero=True, prefetch=True)),
