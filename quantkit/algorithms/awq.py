@@ -5,8 +5,10 @@ per-channel s, ``W x = (W diag(s)) (diag(s)^-1 x)``: dividing P's output channel
 of every consumer by s_j leaves the float model unchanged, while channels with large mean |x| get finer relative
 quantization steps. The paper searches s = mean|x|^a on a grid of a in [0, 1) for the value that minimises the
 error of the block output computed with fake-quantized consumers (Sec. 3.2); its released code also
-offers s = mean|x|^a / mean|w|^(1-a) ("duo scaling", the default here). A second search from the released code
-shrinks each group's clipping range to minimise that group's share of the output error.
+offers s = mean|x|^a / mean|w|^(1-a) ("duo scaling", the default here). :func:`refine_scales` then lets each
+channel's scale leave that one-parameter curve: Adam on log s against the same block error, rounding passed straight
+through (:func:`ste_fake_quantize`), kept only when the exact error is lower. A second search from the released
+code shrinks each group's clipping range to minimise that group's share of the output error.
 
 Search and apply are separate, as in the reference implementation: :func:`search_scales` and :func:`search_clip`
 return plain tensors; :func:`quantkit.models.fold.fold_scales` and :func:`clip_weight` replay them;
@@ -38,6 +40,30 @@ SEARCH_VERSION = 1
 def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """RTN on ``scheme``'s grid, dequantized: w [N, K] -> [N, K] (fp32)."""
     return rtn(w, scheme).dequantize(torch.float32)
+
+
+def ste_fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """:func:`fake_quantize` that gradients pass through: the same values, with every rounding (codes, zero
+    points, the fp16 scales) treated as the identity in the backward pass. w [N, K] -> [N, K] (fp32)."""
+    k = w.shape[1]
+    wg = _grouped(w.float(), scheme.group_of(k))  # [N, n_g, G]
+    lo = wg.amin(dim=-1, keepdim=True).clamp(max=0)
+    hi = wg.amax(dim=-1, keepdim=True).clamp(min=0)
+    maxq = scheme.maxq
+    scale = 2 * torch.maximum(-lo, hi) / maxq if scheme.sym else (hi - lo) / maxq
+    scale = _ste(scale, scale.to(torch.float16).float())
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if scheme.sym:
+        zero = torch.full_like(scale, 2 ** (scheme.bits - 1))
+    else:
+        zero = _ste(-lo / scale, torch.round(-lo / scale)).clamp(0, maxq)
+    q = torch.clamp(_ste(wg / scale, torch.round(wg / scale)) + zero, 0, maxq)
+    return ((q - zero) * scale).flatten(1)[:, :k]
+
+
+def _ste(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` forward, the gradient of ``x`` backward."""
+    return x + (value - x).detach()
 
 
 def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -91,7 +117,8 @@ class BlockObjective:
 
     def __init__(self, block: nn.Module, calls: list[tuple[tuple, dict]], consumers: list[nn.Linear]) -> None:
         self.block, self.calls, self.consumers = block, calls, consumers
-        self.reference = [_output(block(*args, **kwargs)) for args, kwargs in calls]
+        with torch.no_grad():
+            self.reference = [_output(block(*args, **kwargs)) for args, kwargs in calls]
 
     @torch.no_grad()
     def __call__(self, weights: list[torch.Tensor | None]) -> float:
@@ -110,6 +137,23 @@ class BlockObjective:
                 m.weight.data = w
         return total.item() / max(count, 1)
 
+    @property
+    def batches(self) -> int:
+        return len(self.calls)
+
+    def loss_tensor(self, weights: list[torch.Tensor | None], i: int) -> torch.Tensor:
+        """The error on call ``i`` alone as a tensor that gradients flow through to ``weights``."""
+        names = {id(m): n for n, m in self.block.named_modules()}
+        overrides = {n: p.detach() for n, p in self.block.named_parameters()}  # no gradient for the block's own
+        overrides |= {
+            (names[id(m)] + ".weight").lstrip("."): w.to(m.weight.dtype)
+            for m, w in zip(self.consumers, weights, strict=True)
+            if w is not None
+        }
+        args, kwargs = self.calls[i]
+        out = _output(torch.func.functional_call(self.block, overrides, args, kwargs))
+        return (out.float() - self.reference[i].float()).pow(2).mean()
+
 
 class LinearObjective:
     """The same error for a block that is a single linear y = x W^T + b, from the Gram matrix G = sum_t x_t^T x_t:
@@ -126,6 +170,13 @@ class LinearObjective:
             return 0.0
         d = self.weight - w.float()  # [N, K]
         return (torch.matmul(d, self.gram) * d).sum().double().item() / max(self.n_tokens * d.shape[0], 1)
+
+    batches = 1
+
+    def loss_tensor(self, weights: list[torch.Tensor | None], i: int = 0) -> torch.Tensor:
+        (w,) = weights
+        d = self.weight - w.float()
+        return (torch.matmul(d, self.gram) * d).sum() / max(self.n_tokens * d.shape[0], 1)
 
 
 def rtn_candidate(w: torch.Tensor, scheme: QuantScheme, s: torch.Tensor) -> torch.Tensor:
@@ -146,10 +197,48 @@ class GPTQCandidate:
         return qw.dequantize(torch.float32) / s
 
 
+class ClippedRTNCandidate:
+    """RTN after shrinking each group's range to the ratio that minimises the group's output error in the diagonal
+    approximation, sum_k E[x_k^2] (w_k - Q(w)_k)^2: scale candidates judged as the clip search will quantize
+    them (the clip search itself runs later, on sampled tokens, and sees the exact error).
+
+    ``x_sq`` [K]: mean x^2 of the consumers' unscaled input; ``ratios``: the shrink factors tried (1 included)."""
+
+    def __init__(self, x_sq: torch.Tensor, ratios: list[float]) -> None:
+        self.x_sq, self.ratios = x_sq.float(), ratios
+
+    def __call__(self, w: torch.Tensor, scheme: QuantScheme, s: torch.Tensor) -> torch.Tensor:
+        k = w.shape[1]
+        g = scheme.group_of(k)
+        wg = _grouped(w.float() * s, g)  # [N, n_g, G]
+        h = _grouped((self.x_sq / (s * s))[None], g)[0]  # the scaled input's mean square, [n_g, G]
+        lo0, hi0 = group_range(w.float() * s, g, scheme.sym)
+        best, best_err = None, None
+        for r in self.ratios:
+            wc = torch.maximum(torch.minimum(wg, (hi0 * r)[..., None]), (lo0 * r)[..., None])
+            scale, zero = compute_qparams(wc, scheme.bits, scheme.sym)
+            wq = (quantize_with_qparams(wc, scale[..., None], zero[..., None], scheme.maxq) - zero[..., None]) * scale[
+                ..., None
+            ]
+            err = ((wq - wg).pow(2) * h).sum(dim=-1)  # [N, n_g]
+            if best is None:
+                best, best_err = wq, err
+            else:
+                better = err < best_err
+                best = torch.where(better[..., None], wq, best)
+                best_err = torch.minimum(err, best_err)
+        return best.flatten(1)[:, :k] / s
+
+
 def candidate_loss(weights, schemes, objective, s: torch.Tensor, quantize=rtn_candidate) -> float:
-    """The objective with every quantized consumer replaced by its candidate for scales ``s``."""
+    """The objective with every quantized consumer replaced by its candidate for scales ``s``; ``quantize`` is
+    one candidate maker for all consumers or a list of one per consumer."""
+    makers = quantize if isinstance(quantize, (list, tuple)) else [quantize] * len(weights)
     return objective(
-        [None if scheme is None else quantize(w, scheme, s) for w, scheme in zip(weights, schemes, strict=True)]
+        [
+            None if scheme is None else make(w, scheme, s)
+            for w, scheme, make in zip(weights, schemes, makers, strict=True)
+        ]
     )
 
 
@@ -163,6 +252,7 @@ def search_scales(
     duo_scaling: bool = True,
     group_size: int = 128,
     channel_map: torch.Tensor | None = None,
+    quantize=rtn_candidate,
 ) -> ScaleSearch:
     """Grid search of AWQ scales for the consumers of one producer (paper, Sec. 3.2).
 
@@ -175,20 +265,68 @@ def search_scales(
     ``channel_map`` (grouped-query v_proj -> o_proj): consumer column j reads producer channel map[j]. Statistics
     come per column and are averaged over each channel's columns; one scale per channel is searched and returned
     (the fold can only divide a producer channel once), and every column takes its channel's scale.
+
+    ``quantize`` makes a consumer's candidate (:func:`rtn_candidate`, :class:`ClippedRTNCandidate`; a list: one
+    per consumer).
     """
     w_mean = weight_magnitude(torch.cat([w.float() for w in weights]), group_size) if duo_scaling else None
     n_channels = x_mean.numel() if channel_map is None else int(channel_map.max()) + 1
     x_ch = to_channels(x_mean.float(), channel_map, n_channels, "mean")
     w_ch = None if w_mean is None else to_channels(w_mean, channel_map, n_channels, "mean")
     ones = torch.ones(x_ch.shape, dtype=torch.float32, device=x_mean.device)
-    loss_rtn = candidate_loss(weights, schemes, objective, column_scales(ones, channel_map))
+    loss_rtn = candidate_loss(weights, schemes, objective, column_scales(ones, channel_map), quantize)
     best = ScaleSearch(ones, None, loss_rtn, loss_rtn)
     for i in range(grid):
         a = i / grid
         s = candidate_scales(x_ch, w_ch, a)
-        loss = candidate_loss(weights, schemes, objective, column_scales(s, channel_map))
+        loss = candidate_loss(weights, schemes, objective, column_scales(s, channel_map), quantize)
         if math.isfinite(loss) and loss < best.loss:
             best = ScaleSearch(s, a, loss, loss_rtn)
+    return best
+
+
+def refine_scales(
+    weights: list[torch.Tensor],
+    schemes: list[QuantScheme | None],
+    objective,
+    found: ScaleSearch,
+    steps: int,
+    lr: float = 0.01,
+    channel_map: torch.Tensor | None = None,
+    quantize=rtn_candidate,
+    checks: int = 10,
+) -> ScaleSearch:
+    """Refine the grid's best scales channel by channel: Adam on log s against the same block-output error, the
+    rounding passed straight through (:func:`ste_fake_quantize`), one calibration call per step.
+
+    The grid searches one exponent for all channels; this lets each channel move off the curve
+    s = mean|x|^a / mean|w|^(1-a). The iterates are judged ``checks`` times (evenly spaced, the last included)
+    with the exact objective (every call, real rounding); the best is kept, and the grid's scales unless an
+    iterate is lower, so the result is never worse than the grid search.
+    """
+    best = found
+    log_s = found.scales.float().log().clone().requires_grad_(True)
+    opt = torch.optim.Adam([log_s], lr=lr)
+    check_every = max(1, steps // checks)
+    for step in range(1, steps + 1):
+        with torch.enable_grad():
+            s = column_scales(log_s.exp(), channel_map)
+            candidates = [
+                None if scheme is None else ste_fake_quantize(w.float() * s, scheme) / s
+                for w, scheme in zip(weights, schemes, strict=True)
+            ]
+            loss = objective.loss_tensor(candidates, (step - 1) % objective.batches)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        if step % check_every == 0 or step == steps:  # the steps are noisy: judge the iterates exactly now and then
+            scales = log_s.detach().exp()
+            if not bool(torch.isfinite(scales).all()):
+                break
+            with torch.no_grad():
+                exact = candidate_loss(weights, schemes, objective, column_scales(scales, channel_map), quantize)
+            if math.isfinite(exact) and exact < best.loss:
+                best = ScaleSearch(scales.clone(), found.ratio, exact, found.loss_rtn)
     return best
 
 
@@ -227,6 +365,11 @@ def temper_scales(
     return scales.float().pow(best_p), best_p, losses
 
 
+def clip_ratios(grid: int, min_ratio: float) -> list[float]:
+    """The clip search's shrink factors: 1, 1 - 1/grid, ... down to ``min_ratio``."""
+    return [1 - i / grid for i in range(int(grid * (1 - min_ratio) + 1e-6) + 1)]
+
+
 def group_range(w: torch.Tensor, group_size: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The min-max quantizer's range of each group, always holding 0: w [N, K] -> (lo, hi) fp32 [N, n_g]."""
     wg = _grouped(w.float(), group_size)  # [N, n_g, G]
@@ -257,7 +400,7 @@ def search_clip(
     gsize = scheme.group_of(k)
     xg = _grouped(x.float(), gsize).permute(1, 2, 0)  # x [T, K] -> [n_g, G, T]
     n_g, _, t = xg.shape
-    ratios = [1 - i / grid for i in range(int(grid * (1 - min_ratio) + 1e-6) + 1)]
+    ratios = clip_ratios(grid, min_ratio)
     rows = max(1, (1 << 24) // max(n_g * t, 1))  # keeps each [n_g, rows, T] product near 64 MB
     lo_out, hi_out = [], []
     for start in range(0, n, rows):

@@ -36,12 +36,16 @@ from torch import nn
 
 from quantkit.algorithms.awq import (
     BlockObjective,
+    ClippedRTNCandidate,
     GPTQCandidate,
     GroupScales,
     LayerSearch,
     LinearObjective,
+    clip_ratios,
     clip_weight,
     group_range,
+    refine_scales,
+    rtn_candidate,
     search_clip,
     search_scales,
     temper_scales,
@@ -102,6 +106,15 @@ class AWQStage:
         # in AutoAWQ: on SmolLM2-135M (3 value heads for 9 query heads) it was mixed -- AWQ + RTN worse in 4 of 6
         # cells (3-bit g128 108.6 -> 117.2), AWQ + GPTQ better in 4 of 6 (results/accuracy-h200-2026-12-02.md)
         scale_grouped_values: bool = False
+        # judge the scale candidates of clipped consumers with each group's range shrunk as the diagonal output
+        # error prefers (the clip search's grid), not with the full range the clip search will not keep
+        clip_aware_search: bool = False
+        # after the grid: Adam steps on each channel's log scale against the same block error, rounding passed
+        # straight through; kept only when the exact error is lower (0: the paper's grid search alone). On
+        # SmolLM2-135M, 4-bit, mean of three calibration draws: perplexity increase over RTN's 0.72x -> 0.63x at
+        # g128, 0.61x -> 0.59x at g64 (results/accuracy-h200-2026-12-02b.md); ~3x the search time on a CPU
+        refine_steps: int = 50
+        refine_lr: float = 0.01
         save_search: str | None = None  # directory for the search results, one file per layer
         load_search: str | None = None  # directory written by save_search: replay it instead of searching
 
@@ -110,11 +123,24 @@ class AWQStage:
                 v = getattr(self, name)
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                     raise QuantkitError(f"awq {name} must be a positive integer, got {v!r}")
+            v = self.refine_steps
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise QuantkitError(f"awq refine_steps must be a non-negative integer, got {v!r}")
+            v = self.refine_lr
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise QuantkitError(f"awq refine_lr must be a positive number, got {v!r}")
             for name in ("search_samples", "search_tokens"):
                 v = getattr(self, name)
                 if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                     raise QuantkitError(f"awq {name} must be a positive integer or null, got {v!r}")
-            for name in ("duo_scaling", "clip", "clip_separate_ends", "scale_grouped_values", "temper_holdout"):
+            for name in (
+                "duo_scaling",
+                "clip",
+                "clip_separate_ends",
+                "scale_grouped_values",
+                "temper_holdout",
+                "clip_aware_search",
+            ):
                 if not isinstance(getattr(self, name), bool):
                     raise QuantkitError(f"awq {name} must be true or false, got {getattr(self, name)!r}")
             v = self.temper_margin
@@ -216,7 +242,7 @@ class AWQStage:
         gram = consumers == [block] and width < _tokens(calls)  # a lone linear: the Gram matrix is cheaper
         tempered = self.params.quantizer == "gptq"
         # the in-sample Gram matrix: the lone linear's objective, and GPTQ's Hessian unless held-out batches fit it
-        x_mean, xtx, n_tokens = _input_stats(
+        x_mean, x_sq, xtx, n_tokens = _input_stats(
             calls, width, ctx.device, gram or (tempered and not self.params.temper_holdout)
         )
         if n_tokens == 0:  # no calibration token reached the block (an expert nobody was routed to)
@@ -224,6 +250,13 @@ class AWQStage:
                 ctx.record(n, awq_skipped="no calibration tokens")
             return None
         objective = LinearObjective(block.weight, xtx, n_tokens) if gram else BlockObjective(block, calls, consumers)
+        quantize = rtn_candidate
+        if self.params.clip_aware_search and self.params.clip and not tempered:
+            clipped = ClippedRTNCandidate(x_sq, clip_ratios(self.params.clip_grid, self.params.clip_min))
+            quantize = [
+                rtn_candidate if any(_pattern_matches(p, n) for p in self.params.clip_skip) else clipped
+                for n in group.consumers
+            ]
         found = search_scales(
             [m.weight for m in consumers],
             schemes,
@@ -233,7 +266,19 @@ class AWQStage:
             duo_scaling=self.params.duo_scaling,
             group_size=self.stage.scheme.group_size,
             channel_map=group.channel_map,
+            quantize=quantize,
         )
+        if self.params.refine_steps:
+            found = refine_scales(
+                [m.weight for m in consumers],
+                schemes,
+                objective,
+                found,
+                self.params.refine_steps,
+                self.params.refine_lr,
+                group.channel_map,
+                quantize,
+            )
         power = None
         if tempered:
             judge, hessian = objective, xtx
@@ -244,7 +289,7 @@ class AWQStage:
                     for n in group.consumers:
                         ctx.record(n, awq_temper_in_sample=why)
                     if hessian is None:
-                        hessian = _input_stats(calls, width, ctx.device, True)[1]
+                        hessian = _input_stats(calls, width, ctx.device, True)[2]
                 else:
                     judge, hessian = held
             scales, power, losses = temper_scales(
@@ -295,7 +340,7 @@ class AWQStage:
         if used == 0:
             return None
         rest = replace(ctx, hidden=ctx.hidden[used:], kwargs=ctx.kwargs[used:])
-        _, hessian, n_fit = _input_stats(rest.capture_calls(block), width, ctx.device, True)
+        _, _, hessian, n_fit = _input_stats(rest.capture_calls(block), width, ctx.device, True)
         if n_fit == 0:  # an expert that tokens reached in one part only
             return None
         if reuse:
@@ -306,7 +351,7 @@ class AWQStage:
         if _tokens(calls) == 0:
             return None
         if consumers == [block] and width < _tokens(calls):
-            _, gram, n = _input_stats(calls, width, ctx.device, True)
+            _, _, gram, n = _input_stats(calls, width, ctx.device, True)
             return LinearObjective(block.weight, gram, n), hessian
         return BlockObjective(block, calls, consumers), hessian
 
@@ -435,9 +480,10 @@ def _tokens(calls) -> int:
 
 
 def _input_stats(calls, width: int, device, gram: bool):
-    """Over every call of the block: mean |x| per input channel [width], the Gram matrix sum x^T x [width, width]
-    (fp32, only when ``gram``) and the number of tokens."""
+    """Over every call of the block: mean |x| and mean x^2 per input channel [width], the Gram matrix sum x^T x
+    [width, width] (fp32, only when ``gram``) and the number of tokens."""
     total = torch.zeros(width, dtype=torch.float64, device=device)
+    squares = torch.zeros(width, dtype=torch.float64, device=device)
     xtx = torch.zeros(width, width, dtype=torch.float32, device=device) if gram else None
     count = 0
     for args, kwargs in calls:
@@ -446,10 +492,11 @@ def _input_stats(calls, width: int, device, gram: bool):
             raise QuantkitError(f"awq: the block's input has {x.shape[-1]} channels, the consumers take {width}")
         x = x.reshape(-1, width).float()
         total += x.abs().sum(dim=0).double()
+        squares += x.pow(2).sum(dim=0).double()
         if xtx is not None:
             xtx.addmm_(x.t(), x)
         count += x.shape[0]
-    return (total / max(count, 1)).float(), xtx, count
+    return (total / max(count, 1)).float(), (squares / max(count, 1)).float(), xtx, count
 
 
 def _sample_inputs(ctx: LayerContext, modules: dict[str, nn.Linear], n_tokens: int) -> dict[str, torch.Tensor]:
