@@ -21,7 +21,7 @@ PRESETS: dict[str, tuple[list, dict]] = {  # stages: a method name, or (name, it
     "rtn": (["rtn"], W4A16),
     "gptq": (["gptq"], W4A16),
     "awq": (["awq", "rtn"], W4A16),
-    "awq+gptq": ([("awq", {"clip": False, "quantizer": "gptq"}), "gptq"], W4A16),
+    "awq+gptq": ([("awq", {"clip": False, "quantizer": "gptq", "refine_steps": 0}), "gptq"], W4A16),
     "w8a8": (["rtn"], W8A8),
     "smoothquant": (["smoothquant", "rtn"], W8A8),
     "smoothquant+gptq": (["smoothquant", "gptq"], W8A8),

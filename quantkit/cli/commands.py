@@ -68,6 +68,7 @@ FLAG_MAP = {
     "alpha": ("params", "alpha"),
     "alpha_search": ("params", "alpha_search"),
     "grid": ("params", "grid"),
+    "refine_steps": ("params", "refine_steps"),
     "clip": ("params", "clip"),
     "clip_qk": ("params", "clip_skip"),
     "clip_separate_ends": ("params", "clip_separate_ends"),
@@ -144,6 +145,12 @@ def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out:
 @click.option("--alpha-search/--no-alpha-search", default=None, help="SmoothQuant: search alpha per layer.")
 @click.option("--act-static", is_flag=True, default=None, help="W8A8: static per-tensor activation scales.")
 @click.option("--grid", type=int, default=None, help="AWQ: scale-search grid size.")
+@click.option(
+    "--refine-steps",
+    type=int,
+    default=None,
+    help="AWQ: Adam steps refining each channel's scale after the grid (default 50; 0: the grid alone).",
+)
 @click.option("--clip/--no-clip", default=None, help="AWQ: clipping search.")
 @click.option("--clip-qk", is_flag=True, default=None, help="AWQ: clip q_proj and k_proj too (skipped by default).")
 @click.option(

@@ -218,13 +218,17 @@ def test_awq_clip_flags_land_in_the_recipe(tiny_dir, tmp_path):
     out = tmp_path / "a"
     r = run(
         "quantize", "--model", tiny_dir, "--out", out, "--method", "awq", "--group-size", "32", "--asym",
-        "--clip-qk", "--clip-separate-ends", "--scale-grouped-values", "--nsamples", "4", "--seqlen", "32",
+        "--clip-qk", "--clip-separate-ends", "--scale-grouped-values", "--refine-steps", "7", "--nsamples", "4",
+        "--seqlen", "32",
     )  # fmt: skip
     assert r.exit_code == 0, r.output
     awq = json.loads((out / "config.json").read_text())["quantization_config"]["recipe"]["stages"][0]
     assert awq["method"] == "awq"
     assert awq["params"]["clip_skip"] == [] and awq["params"]["clip_separate_ends"] is True
-    assert awq["params"]["scale_grouped_values"] is True
+    assert awq["params"]["scale_grouped_values"] is True and awq["params"]["refine_steps"] == 7
+    r = run("quantize", "--model", tiny_dir, "--out", tmp_path / "b", "--method", "awq", "--refine-steps", "-1")
+    assert r.exit_code != 0 and "refine_steps must be a non-negative integer" in r.output
+    assert not (tmp_path / "b").exists()
 
 
 def test_gptq_command_with_its_flags(tiny_dir, tmp_path):
