@@ -98,13 +98,15 @@ def _output(out) -> torch.Tensor:
 
 @dataclass
 class ScaleSearch:
-    """The best scales of one smoothing group. ``ratio`` is None when no candidate beat plain quantization
-    (s = 1). Losses are mean squared block-output errors against the float block."""
+    """The best scales of one smoothing group. ``ratio`` is None when no grid candidate beat plain quantization
+    (s = 1); ``refined`` when :func:`refine_scales` then moved them. Losses are mean squared block-output errors
+    against the float block."""
 
     scales: torch.Tensor  # fp32 [K]
     ratio: float | None
     loss: float
     loss_rtn: float
+    refined: bool = False
 
 
 class BlockObjective:
@@ -326,7 +328,7 @@ def refine_scales(
             with torch.no_grad():
                 exact = candidate_loss(weights, schemes, objective, column_scales(scales, channel_map), quantize)
             if math.isfinite(exact) and exact < best.loss:
-                best = ScaleSearch(scales.clone(), found.ratio, exact, found.loss_rtn)
+                best = ScaleSearch(scales.clone(), found.ratio, exact, found.loss_rtn, refined=True)
     return best
 
 

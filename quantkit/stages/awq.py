@@ -310,6 +310,7 @@ class AWQStage:
             ctx.record(
                 n,
                 awq_ratio=found.ratio,
+                **({"awq_refined": found.refined} if self.params.refine_steps else {}),
                 awq_loss=found.loss,
                 awq_loss_rtn=found.loss_rtn,
                 awq_seconds=round(time.perf_counter() - t0, 3),

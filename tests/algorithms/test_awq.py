@@ -163,7 +163,7 @@ def test_refined_scales_beat_the_grid_and_never_lose_to_it():
     refined = refine_scales([w], [scheme], objective, grid, steps=100, lr=0.01)
     assert refined.loss < 0.95 * grid.loss
     assert refined.loss == pytest.approx(objective([rtn_candidate(w, scheme, refined.scales)]))
-    assert refined.ratio == grid.ratio and refined.loss_rtn == grid.loss_rtn
+    assert refined.ratio == grid.ratio and refined.loss_rtn == grid.loss_rtn and refined.refined
     assert refine_scales([w], [scheme], objective, grid, steps=0) is grid
 
 
@@ -372,6 +372,7 @@ def test_refined_and_clip_aware_searches_run_through_the_stage(arch):
         found[label] = {n: r for n, r in result.layers.items() if r.get("awq_loss") is not None}
         assert found[label] and all(r["awq_loss"] <= r["awq_loss_rtn"] for r in found[label].values())
     grid, refined = found["grid"], found["refined"]
+    assert all("awq_refined" not in r for r in grid.values()) and any(r["awq_refined"] for r in refined.values())
     first = next(iter(grid))  # later groups see inputs that depend on earlier choices: compare the first group
     assert refined[first]["awq_loss"] <= grid[first]["awq_loss"]
 
