@@ -212,16 +212,13 @@ class ClippedRTNCandidate:
     def __call__(self, w: torch.Tensor, scheme: QuantScheme, s: torch.Tensor) -> torch.Tensor:
         k = w.shape[1]
         g = scheme.group_of(k)
-        wg = _grouped(w.float() * s, g)  # [N, n_g, G]
+        ws = w.float() * s
+        wg = _grouped(ws, g)  # [N, n_g, G]
         h = _grouped((self.x_sq / (s * s))[None], g)[0]  # the scaled input's mean square, [n_g, G]
-        lo0, hi0 = group_range(w.float() * s, g, scheme.sym)
+        lo0, hi0 = group_range(ws, g, scheme.sym)
         best, best_err = None, None
         for r in self.ratios:
-            wc = torch.maximum(torch.minimum(wg, (hi0 * r)[..., None]), (lo0 * r)[..., None])
-            scale, zero = compute_qparams(wc, scheme.bits, scheme.sym)
-            wq = (quantize_with_qparams(wc, scale[..., None], zero[..., None], scheme.maxq) - zero[..., None]) * scale[
-                ..., None
-            ]
+            wq = _clipped_fake_quantize(wg, lo0 * r, hi0 * r, scheme)
             err = ((wq - wg).pow(2) * h).sum(dim=-1)  # [N, n_g]
             if best is None:
                 best, best_err = wq, err
@@ -269,7 +266,7 @@ def search_scales(
     (the fold can only divide a producer channel once), and every column takes its channel's scale.
 
     ``quantize`` makes a consumer's candidate (:func:`rtn_candidate`, :class:`ClippedRTNCandidate`; a list: one
-    per consumer).
+    per consumer); ``loss_rtn`` is the identity's loss under that same candidate maker.
     """
     w_mean = weight_magnitude(torch.cat([w.float() for w in weights]), group_size) if duo_scaling else None
     n_channels = x_mean.numel() if channel_map is None else int(channel_map.max()) + 1
@@ -307,6 +304,7 @@ def refine_scales(
     iterate is lower, so the result is never worse than the grid search.
     """
     best = found
+    weights = [w.float() for w in weights]
     log_s = found.scales.float().log().clone().requires_grad_(True)
     opt = torch.optim.Adam([log_s], lr=lr)
     check_every = max(1, steps // checks)
@@ -314,7 +312,7 @@ def refine_scales(
         with torch.enable_grad():
             s = column_scales(log_s.exp(), channel_map)
             candidates = [
-                None if scheme is None else ste_fake_quantize(w.float() * s, scheme) / s
+                None if scheme is None else ste_fake_quantize(w * s, scheme) / s
                 for w, scheme in zip(weights, schemes, strict=True)
             ]
             loss = objective.loss_tensor(candidates, (step - 1) % objective.batches)
@@ -414,6 +412,15 @@ def search_clip(
     return torch.cat(lo_out), torch.cat(hi_out)
 
 
+def _clipped_fake_quantize(wg: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """Groups wg [..., n_g, G] clamped to [lo, hi] [..., n_g], then RTN on the min-max grid of the clamped values,
+    dequantized (fp32, same shape)."""
+    wc = torch.maximum(torch.minimum(wg, hi[..., None]), lo[..., None])
+    scale, zero = compute_qparams(wc, scheme.bits, scheme.sym)
+    scale, zero = scale[..., None], zero[..., None]
+    return (quantize_with_qparams(wc, scale, zero, scheme.maxq) - zero) * scale
+
+
 def _clip_rows(wb, xg, lo0, hi0, scheme: QuantScheme, ratios: list[float], separate_ends: bool):
     """search_clip on a chunk of rows: wb [r, n_g, G], xg [n_g, G, T], full ranges lo0 / hi0 [r, n_g]."""
     ref = torch.matmul(wb.transpose(0, 1), xg)  # [n_g, r, G] @ [n_g, G, T] -> [n_g, r, T]
@@ -421,11 +428,7 @@ def _clip_rows(wb, xg, lo0, hi0, scheme: QuantScheme, ratios: list[float], separ
     best_lo, best_hi = lo0.clone(), hi0.clone()
 
     def consider(lo: torch.Tensor, hi: torch.Tensor) -> None:
-        wc = torch.maximum(torch.minimum(wb, hi[..., None]), lo[..., None])
-        scale, zero = compute_qparams(wc, scheme.bits, scheme.sym)  # [r, n_g]
-        wq = (quantize_with_qparams(wc, scale[..., None], zero[..., None], scheme.maxq) - zero[..., None]) * scale[
-            ..., None
-        ]
+        wq = _clipped_fake_quantize(wb, lo, hi, scheme)
         err = (torch.matmul(wq.transpose(0, 1), xg) - ref).pow(2).mean(dim=-1).t()  # [n_g, r, T] -> [r, n_g]
         better = err < best_err
         best_err.copy_(torch.where(better, err, best_err))

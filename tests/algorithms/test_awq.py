@@ -154,7 +154,7 @@ def test_block_objective_gives_the_same_error_as_a_tensor():
 
 def test_refined_scales_beat_the_grid_and_never_lose_to_it():
     """Per-channel refinement lowers the grid's best error on salient-channel inputs (measured 15% here) and
-    keeps the grid's scales when no step helps (zero steps)."""
+    keeps the grid's scales when no iterate is strictly better (a weight already on the grid: zero error)."""
     x = outlier_inputs()
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
     scheme = QuantScheme(bits=4, group_size=32, sym=False)
@@ -164,7 +164,10 @@ def test_refined_scales_beat_the_grid_and_never_lose_to_it():
     assert refined.loss < 0.95 * grid.loss
     assert refined.loss == pytest.approx(objective([rtn_candidate(w, scheme, refined.scales)]))
     assert refined.ratio == grid.ratio and refined.loss_rtn == grid.loss_rtn and refined.refined
-    assert refine_scales([w], [scheme], objective, grid, steps=0) is grid
+    on_grid = fake_quantize(w, scheme)
+    exact = LinearObjective(on_grid, x.t() @ x, x.shape[0])
+    identity = search_scales([on_grid], [scheme], x.abs().mean(0), exact, group_size=32)
+    assert identity.loss < 1e-10 and refine_scales([on_grid], [scheme], exact, identity, steps=20) is identity
 
 
 def test_clip_aware_candidates_trade_range_for_the_weighted_error():
