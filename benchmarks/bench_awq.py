@@ -78,6 +78,12 @@ def main() -> None:
     ap.add_argument("--no-clip", dest="clip", action="store_false")
     ap.add_argument("--search-samples", type=int, default=None, help="windows the scale objective runs on (all)")
     ap.add_argument(
+        "--refine-steps",
+        type=int,
+        default=None,
+        help="scale refinement steps (default: the stage's 50; with --then-gptq 0, as the awq+gptq preset)",
+    )
+    ap.add_argument(
         "--then-gptq",
         action="store_true",
         help="time the awq+gptq composition: AWQ (no clip) with its scales re-judged under GPTQ, then GPTQ",
@@ -89,6 +95,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.refine_steps is None and args.then_gptq:
+        args.refine_steps = 0  # the awq+gptq preset: scales from the grid, re-judged under GPTQ
 
     import transformers
 
@@ -118,6 +126,7 @@ def main() -> None:
                         "clip": args.clip and not args.then_gptq,
                         "search_samples": args.search_samples,
                         "quantizer": "gptq" if args.then_gptq else "rtn",
+                        **({} if args.refine_steps is None else {"refine_steps": args.refine_steps}),
                     },
                 },
                 *([{"method": "gptq"}] if args.then_gptq else []),
@@ -170,6 +179,7 @@ def main() -> None:
         "scheme": scheme,
         "grid": args.grid,
         "clip": args.clip and not args.then_gptq,
+        "refine_steps": recipe.stages[0].params.refine_steps,
         "stages": "awq (scales re-judged under GPTQ) + gptq" if args.then_gptq else "awq",
         "build_seconds": round(build_seconds, 2),
         "search_seconds": round(wall, 2),

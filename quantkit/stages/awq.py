@@ -80,6 +80,7 @@ class AWQStage:
         clip_tokens: int = 512  # calibration tokens per linear for the clip objective
         # asymmetric schemes: after the common shrink of both ends, shrink each end alone (3x the clip search);
         # with clip_skip [] the best AWQ measured on SmolLM2 (recipe awq-w4g128-clipqk), mixed at 4 bits without
+        # (with refinement, 4-bit g128: better in 2 of 3 calibration draws, mean 54.82 against 54.98)
         clip_separate_ends: bool = False
         search_samples: int | None = None  # calibration windows the scale objective runs on (None: all)
         # token-wise blocks (MLPs, MoE blocks: called with nothing but their input) are judged on this many tokens
@@ -99,7 +100,9 @@ class AWQStage:
         temper_holdout: bool = True
         # not clipped: q and k (their error is amplified through the attention scores, which the clip objective
         # does not see), and Phi-3's fused qkv_proj, which holds q and k rows; names or "re:<regex>" in the layer.
-        # AutoAWQ's default; on SmolLM2-135M clipping them too (clip_skip: []) was better in every cell measured
+        # AutoAWQ's default; on SmolLM2-135M clipping them too (clip_skip: []) was better in every cell measured:
+        # with separate ends and refinement 0.58x RTN's perplexity increase at 4-bit g128 over three calibration
+        # draws, against 0.63x with these defaults (results/accuracy-h200-2026-12-02c.md)
         clip_skip: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "qkv_proj"])
         # v_proj -> o_proj under grouped-query heads (fewer value channels than o_proj columns): search one scale
         # per value channel, shared by the o_proj columns that read it (the fold stays exact). Off by default, as
