@@ -200,9 +200,11 @@ class ModelRunner:
         need = -(-self.max_model_len // self.block_size)
         if blocks < need:
             raise QuantkitError(
-                f"only {max(blocks, 0)} KV blocks fit in memory (base {base / 2**30:.1f} GiB, activations "
-                f"{activations / 2**30:.1f} GiB) but one {self.max_model_len}-token sequence needs {need}; raise "
-                "gpu_memory_utilization or lower max_model_len / max_num_batched_tokens"
+                f"only {max(blocks, 0)} KV blocks fit in gpu_memory_utilization {self.config.gpu_memory_utilization}"
+                f" of {total / 2**30:.1f} GiB ({(total - free) / 2**30:.1f} GiB already in use on the device by all"
+                f" processes, this model {base / 2**30:.1f} GiB, activations {activations / 2**30:.1f} GiB) but one"
+                f" {self.max_model_len}-token sequence needs {need}; raise gpu_memory_utilization or lower "
+                "max_model_len / max_num_batched_tokens"
             )
         return blocks
 
