@@ -46,7 +46,7 @@ def launch(x, q, s, block_k: int, num_warps: int, fmt: str) -> None:
     W._quantize_rows_kernel[(x.shape[0],)](
         x, q, s, x.shape[1], x.stride(0), x.stride(1), q.stride(0), q.stride(1),
         QMAX=W.QMAX_OF_FORMAT[fmt], IS_FP8=fmt == "fp8", DYNAMIC=True, ONE_PASS=block_k >= x.shape[1],
-        BLOCK_K=block_k, num_warps=num_warps,
+        BLOCK_K=block_k, PDL=False, num_warps=num_warps,
     )  # fmt: skip
 
 

@@ -201,6 +201,19 @@ def test_launcher_rejects_bad_operands():
         K.quantize_activations(sa.reshape(2, 2), "int4")
 
 
+def test_pdl_options_checked():
+    qa = torch.zeros(4, 32, dtype=torch.int8, device=DEVICE)
+    qw = torch.zeros(8, 32, dtype=torch.int8, device=DEVICE)
+    sa, sw = torch.ones(4, device=DEVICE), torch.ones(8, device=DEVICE)
+    with pytest.raises(ValueError, match="prefetch_k must be"):
+        K.w8a8_matmul(qa, sa, qw, sw, pdl=True, prefetch_k=384)
+    with pytest.raises(ValueError, match="prefetch_k must be"):
+        K.w8a8_matmul(qa, sa, qw, sw, prefetch_k=1024)  # a prefetch only happens before the PDL wait
+    if not qa.is_cuda or K._interpreting():
+        with pytest.raises(ValueError, match="pdl needs a CUDA device"):
+            K.w8a8_matmul(qa, sa, qw, sw, pdl=True)
+
+
 def test_m_regimes_cover_every_m():
     assert [K.m_regime(m) for m in (1, 16, 17, 64, 65, 256, 257, 16384)] == [
         "m16",
@@ -264,3 +277,34 @@ def test_gpu_fp8_agrees_with_scaled_mm():
 def test_quantizer_launch_rule(k, fmt, m, want):
     assert K._quantize_launch_params(k, None, fmt, m) == want
     assert K._quantize_launch_params(k, 64, fmt, m)[:2] == (64, False)  # an explicit block is kept
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs sm_90")
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("m", [1, 16, 64, 300])
+@pytest.mark.parametrize("prefetch_k", [0, 1024])
+def test_gpu_pdl_launch_is_bit_identical(fmt, m, prefetch_k):
+    """Quantizer then GEMM under programmatic dependent launch: the GEMM may start early but must wait for the
+    codes; the output is bit for bit that of plain launches, also inside a CUDA graph (how decode runs)."""
+    n, k = 1000, 4096 + 64
+    x, qw, w_scale, bias = make_layer(m, n, k, fmt, seed=m)
+    x = x.to(DEVICE, torch.bfloat16)
+    want = K.w8a8_linear(x, qw, w_scale, bias)
+
+    def pdl():
+        qa, a_scale = K.quantize_activations(x, fmt, pdl=True)
+        return K.w8a8_matmul(qa, a_scale, qw, w_scale, bias, out_dtype=x.dtype, pdl=True, prefetch_k=prefetch_k)
+
+    assert torch.equal(pdl(), want)
+    pdl()  # compiled and warm outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = pdl()
+    for _ in range(3):
+        x.copy_(x.flip(0))
+        want = K.w8a8_linear(x, qw, w_scale, bias)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
