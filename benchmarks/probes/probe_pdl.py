@@ -6,7 +6,8 @@ Each point times, in one run and under bench_w8a8.py's method (CUDA graphs over 
 bf16 cuBLAS (``F.linear``), the committed ``w8a8_linear`` (quantize, then GEMM), and the same two kernels with the
 GEMM launched under PDL -- it may start while the quantizer runs and waits (griddepcontrol.wait) before reading the
 codes -- without and with an L2 prefetch of the first ``prefetch_k`` bytes of each program's weight rows issued before
-the wait. Every PDL output is compared bit for bit with the committed one.
+the wait. Every PDL output is compared bit for bit with the committed one. ``--reverse`` times the plain launch
+last (the first H200 runs timed it first: an order effect would favour whatever runs later).
 """
 
 from __future__ import annotations
@@ -36,14 +37,18 @@ def pdl_call(p: Problem, fmt: str, i: int, prefetch_k: int):
     return call
 
 
-def measure(p: Problem, fmt: str, timer: Timer, bf16: float) -> dict:
+def measure(p: Problem, fmt: str, timer: Timer, bf16: float, reverse: bool) -> dict:
     base_calls = [(lambda i=i: W.w8a8_linear(p.x[i], p.wq[fmt][i], p.w_scale[fmt][i], pdl=False)) for i in range(p.r)]
     want = base_calls[0]()
-    row = {"n": p.n, "k": p.k, "m": p.m, "fmt": fmt, "bf16_us": bf16, "committed_us": timer.per_call(base_calls) * 1e6}
+    row = {"n": p.n, "k": p.k, "m": p.m, "fmt": fmt, "bf16_us": bf16}
+    if not reverse:
+        row["committed_us"] = timer.per_call(base_calls) * 1e6
     for pk in PREFETCH:
         calls = [pdl_call(p, fmt, i, pk) for i in range(p.r)]
         row[f"pdl{pk}_exact"] = torch.equal(calls[0](), want)
         row[f"pdl{pk}_us"] = timer.per_call(calls) * 1e6
+    if reverse:
+        row["committed_us"] = timer.per_call(base_calls) * 1e6
     return row
 
 
@@ -52,6 +57,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--formats", default="int8,fp8")
     ap.add_argument("--ms", default="1,16,64,256,1024")
+    ap.add_argument("--reverse", action="store_true", help="time the plain launch last instead of first (order check)")
     args = ap.parse_args()
     timer, rows = Timer(False, 10, 40), []
     for n, k in SHAPES:
@@ -59,7 +65,7 @@ def main() -> None:
             p = Problem(n, k, m, "cuda", seed=0)
             bf16 = timer.per_call([(lambda i=i, p=p: F.linear(p.x[i], p.w16[i])) for i in range(p.r)]) * 1e6
             for fmt in args.formats.split(","):
-                row = measure(p, fmt, timer, bf16)
+                row = measure(p, fmt, timer, bf16, args.reverse)
                 rows.append(row)
                 best = min(PREFETCH, key=lambda pk, row=row: row[f"pdl{pk}_us"])
                 pdl = " ".join(
