@@ -21,6 +21,9 @@ in two kernels:
    whole K loop in the tensor core (Triton's sm_90 default, like cuBLAS ``use_fast_accum=True``). The epilogue
    converts the accumulator to fp32, applies both scales and the bias in registers and stores fp16/bf16/fp32 once:
    the int32 accumulator never goes to memory.
+3. Programmatic dependent launch (``w8a8_linear``, M <= 64 on sm_90+, ``use_pdl``): the quantizer lets the GEMM start
+   at once; the GEMM asks L2 for the first ``PDL_PREFETCH_K`` bytes of its weight rows, then waits
+   (griddepcontrol.wait) for the codes, so the quantizer's launch and run overlap the GEMM's start (+3% at M 16-64).
 
 Weight layout: ``qw`` [N, K] row-major, K contiguous (``Layout.INT8_ROWMAJOR`` / ``Layout.FP8_ROWMAJOR`` v1). That is
 the K-major B operand Hopper's int8/fp8 wgmma needs (only 16-bit types may read a transposed shared-memory operand)
@@ -44,8 +47,7 @@ E4M3_MAX = 448.0
 MIN_AMAX = 1e-30  # keeps QMAX / amax finite in fp32 for all-zero (or subnormal) rows
 ONE_PASS_MAX_K = 32768  # rows up to this length may be quantized from registers after a single read
 SWEEP_BLOCK_K = 8192  # the block of the two-sweep path (abs-max sweep, then quantizing sweep) for longer rows
-PDL_MAX_M = 64  # w8a8_linear launches the GEMM with programmatic dependent launch up to this many rows ...
-PDL_INT8_MIN_M = 1024  # ... and, for int8, from this many rows on (use_pdl)
+PDL_MAX_M = 64  # w8a8_linear launches the GEMM with programmatic dependent launch up to this many rows (use_pdl)
 PDL_PREFETCH_K = 1024  # bytes of each weight row asked from L2 before the GEMM waits for the quantizer
 INT32_SAFE_K = (2**31 - 1) // (128 * 128)  # 131_071: the int8 accumulator cannot overflow up to this K
 _MAX_NUMEL = 2**31 - 1
@@ -638,35 +640,34 @@ def w8a8_linear(
 ) -> torch.Tensor:
     """x [..., K] fp16/bf16/fp32 -> y [..., N] in x's dtype: quantize the activations (format of ``qw``), then GEMM.
 
-    ``pdl`` (None: ``use_pdl``'s rule): launch the GEMM with programmatic dependent launch after the quantizer; up to
-    PDL_MAX_M rows with an L2 prefetch of ``PDL_PREFETCH_K`` bytes of each program's weight rows before it waits.
+    ``pdl`` (None: ``use_pdl``'s rule): launch the GEMM with programmatic dependent launch after the quantizer, with
+    an L2 prefetch of ``PDL_PREFETCH_K`` bytes of each program's weight rows before it waits for the codes.
     """
     _check(qw.dtype in FORMAT_OF_DTYPE, f"qw must be int8 or float8_e4m3fn, got {qw.dtype}")
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    pdl = use_pdl(x2, FORMAT_OF_DTYPE[qw.dtype]) if pdl is None else pdl
+    pdl = use_pdl(x2) if pdl is None else pdl
     qa, a_scale = quantize_activations(x2, FORMAT_OF_DTYPE[qw.dtype], input_scale, pdl=pdl)
     y = w8a8_matmul(
         qa, a_scale, qw, w_scale, bias, out_dtype=x.dtype, config=config, fp8_fast_accum=fp8_fast_accum, pdl=pdl,
-        prefetch_k=PDL_PREFETCH_K if pdl and x2.shape[0] <= PDL_MAX_M else 0,
+        prefetch_k=PDL_PREFETCH_K if pdl else 0,
     )  # fmt: skip
     return y.reshape(*x.shape[:-1], qw.shape[0])
 
 
-def use_pdl(x: torch.Tensor, fmt: str) -> bool:
-    """Programmatic dependent launch on CUDA sm_90+ (never in the interpreter) for M <= PDL_MAX_M, and for int8
-    from PDL_INT8_MIN_M rows.
+def use_pdl(x: torch.Tensor) -> bool:
+    """Programmatic dependent launch on CUDA sm_90+ (never in the interpreter) for M <= PDL_MAX_M rows.
 
-    H200 probes (results/w8a8-pdl-h200-2026-12-02.md, two runs): for M <= 64 the quantizer's launch and run overlap
-    the GEMM's start and its first weight lines, +2-5% geomean end to end over the six shapes (per cell -12% to
-    +9%); int8 at M = 1024 +2-15% in every shape of both runs; fp8 at M = 1024 neutral to -6%; M = 256 8-15% slower
-    (the GEMM's programs then hold the SMs while they wait).
+    H200 probes (results/w8a8-pdl-h200-2026-12-02.md, three runs, the plain launch timed first in two and last in
+    one): for M <= 64 the quantizer's launch and run overlap the GEMM's start and its first weight lines, +3-4%
+    geomean end to end over the six shapes in every run (per cell -11% to +12%). At M = 256 it was 8-15% slower (the
+    GEMM's programs then hold the SMs while they wait); the gains first seen at M >= 1024 came from the timing
+    order and reversed with it.
     """
-    m = x.shape[0]
     return (
         x.is_cuda
-        and (m <= PDL_MAX_M or (fmt == "int8" and m >= PDL_INT8_MIN_M))
+        and x.shape[0] <= PDL_MAX_M
         and not _interpreting()
         and torch.cuda.get_device_capability(x.device) >= (9, 0)
     )

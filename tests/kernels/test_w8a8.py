@@ -291,20 +291,21 @@ def test_gpu_pdl_launch_is_bit_identical(fmt, m, prefetch_k):
     n, k = 1000, 4096 + 64
     x, qw, w_scale, bias = make_layer(m, n, k, fmt, seed=m)
     x = x.to(DEVICE, torch.bfloat16)
-    want = K.w8a8_linear(x, qw, w_scale, bias)
+    want = K.w8a8_linear(x, qw, w_scale, bias, pdl=False)
 
     def pdl():
         qa, a_scale = K.quantize_activations(x, fmt, pdl=True)
         return K.w8a8_matmul(qa, a_scale, qw, w_scale, bias, out_dtype=x.dtype, pdl=True, prefetch_k=prefetch_k)
 
     assert torch.equal(pdl(), want)
+    assert torch.equal(K.w8a8_linear(x, qw, w_scale, bias), want)  # the default rule (PDL up to 64 rows)
     pdl()  # compiled and warm outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = pdl()
     for _ in range(3):
         x.copy_(x.flip(0))
-        want = K.w8a8_linear(x, qw, w_scale, bias)
+        want = K.w8a8_linear(x, qw, w_scale, bias, pdl=False)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
