@@ -94,11 +94,22 @@ def convert_gguf(gguf: Path) -> Path:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "SOURCE").write_text(f"converted from {gguf} (dequantized GGUF weights)\n")
-        tmp.rename(target)
+        _publish(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Move a finished conversion into place. Another process (a parallel test worker, a second CLI run) may have
+    finished the same conversion first: its folder is complete (the move is atomic), so keep it and drop ours."""
+    try:
+        tmp.rename(target)
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def check_supported(folder: Path) -> None:
