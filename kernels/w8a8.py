@@ -35,11 +35,10 @@ Tile configs: ``CONFIGS`` below, per (format, M regime); see its header for what
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+from quantkit.kernels.w4a16_weight import interpreting
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 INT8_MAX = 127.0
@@ -578,10 +577,10 @@ def w8a8_matmul(
         f"out must be {out_dtype} {(m, n)}, got {out.dtype} {tuple(out.shape)}",
     )
     _check(
-        prefetch_k == 0 or (prefetch_k % 128 == 0 and _pow2(prefetch_k // 128) and pdl),
+        prefetch_k == 0 or (prefetch_k >= 128 and triton.next_power_of_2(prefetch_k) == prefetch_k and pdl),
         f"prefetch_k must be 0 or 128 x a power of two, with pdl; got {prefetch_k}",
     )
-    _check(not pdl or (qa.is_cuda and not _interpreting()), "pdl needs a CUDA device (not Triton's interpreter)")
+    _check(not pdl or (qa.is_cuda and not interpreting()), "pdl needs a CUDA device (not Triton's interpreter)")
     if m == 0 or n == 0:
         return out
     cfg = dict(config) if config is not None else dict(pick_config(m, fmt))
@@ -613,14 +612,6 @@ def w8a8_matmul(
             out.stride(0), out.stride(1), EVEN_K=k % cfg["BLOCK_K"] == 0, **meta, **cfg, **launch,
         )  # fmt: skip
     return out
-
-
-def _pow2(v: int) -> bool:
-    return v > 0 and v & (v - 1) == 0
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def tma_compatible(qa: torch.Tensor, qw: torch.Tensor) -> bool:
@@ -668,6 +659,6 @@ def use_pdl(x: torch.Tensor) -> bool:
     return (
         x.is_cuda
         and x.shape[0] <= PDL_MAX_M
-        and not _interpreting()
+        and not interpreting()
         and torch.cuda.get_device_capability(x.device) >= (9, 0)
     )

@@ -3,10 +3,11 @@
     python benchmarks/probes/probe_pdl.py [--out DIR] [--formats int8,fp8] [--ms 1,16,64,256,1024]
 
 Each point times, in one run and under bench_w8a8.py's method (CUDA graphs over rotated operands, medians):
-bf16 cuBLAS (``F.linear``), the committed ``w8a8_linear`` (quantize, then GEMM), and the same two kernels with the
+bf16 cuBLAS (``F.linear``), the plain launch (``w8a8_linear(pdl=False)``: quantize, then GEMM; the JSON calls it
+"committed", the path before PDL), and the same two kernels with the
 GEMM launched under PDL -- it may start while the quantizer runs and waits (griddepcontrol.wait) before reading the
 codes -- without and with an L2 prefetch of the first ``prefetch_k`` bytes of each program's weight rows issued before
-the wait. Every PDL output is compared bit for bit with the committed one. ``--reverse`` times the plain launch
+the wait. Every PDL output is compared bit for bit with the plain one. ``--reverse`` times the plain launch
 last (the first H200 runs timed it first: an order effect would favour whatever runs later).
 """
 
@@ -72,7 +73,7 @@ def main() -> None:
                     f"pdl{pk} {row[f'pdl{pk}_us']:.1f}{'' if row[f'pdl{pk}_exact'] else ' WRONG'}" for pk in PREFETCH
                 )
                 print(
-                    f"{fmt} {n}x{k} M={m}: bf16 {bf16:.1f} committed {row['committed_us']:.1f} "
+                    f"{fmt} {n}x{k} M={m}: bf16 {bf16:.1f} plain {row['committed_us']:.1f} "
                     f"({bf16 / row['committed_us']:.2f}x) {pdl} | best pdl{best} {bf16 / row[f'pdl{best}_us']:.2f}x",
                     flush=True,
                 )

@@ -209,7 +209,7 @@ def test_pdl_options_checked():
         K.w8a8_matmul(qa, sa, qw, sw, pdl=True, prefetch_k=384)
     with pytest.raises(ValueError, match="prefetch_k must be"):
         K.w8a8_matmul(qa, sa, qw, sw, prefetch_k=1024)  # a prefetch only happens before the PDL wait
-    if not qa.is_cuda or K._interpreting():
+    if not qa.is_cuda or K.interpreting():
         with pytest.raises(ValueError, match="pdl needs a CUDA device"):
             K.w8a8_matmul(qa, sa, qw, sw, pdl=True)
 
