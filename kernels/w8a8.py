@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from quantkit.kernels.w4a16_weight import interpreting
+from quantkit.kernels.w4a16_weight import interpreting, num_sms
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 INT8_MAX = 127.0
@@ -245,9 +245,8 @@ def _await_activations(w_ptr, stride_wn, stride_wk, pid_n, N, K,
 
 
 @triton.jit
-def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """program id -> (pid_m, pid_n), GROUP_M row-tiles at a time so that their weight tiles are reused from L2."""
-    pid = tl.program_id(0)
+def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """tile number -> (pid_m, pid_n), GROUP_M row-tiles at a time so that their weight tiles are reused from L2."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pids_per_group = GROUP_M * num_pid_n
@@ -320,7 +319,7 @@ def _w8a8_matmul_kernel(
     PDL: tl.constexpr,
     PREFETCH_K: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     _await_activations(w_ptr, stride_wn, stride_wk, pid_n, N, K, PDL, PREFETCH_K, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -379,7 +378,7 @@ def _w8a8_matmul_tma_kernel(
 ):
     """The same product with operand tiles fetched by the TMA unit (bulk async copies; out-of-bounds reads are
     zero-filled, so ragged M/N/K need no masks)."""
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     _await_activations(w_ptr, stride_wn, 1, pid_n, N, K, PDL, PREFETCH_K, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32 if IS_FP8 else tl.int32)
     for k0 in range(0, K, BLOCK_K):
@@ -394,12 +393,64 @@ def _w8a8_matmul_tma_kernel(
     )  # fmt: skip
 
 
+@triton.jit
+def _w8a8_matmul_persistent_kernel(
+    # tensor descriptors (TMA), as in _w8a8_matmul_tma_kernel
+    a_desc,
+    w_desc,
+    # pointers
+    c_ptr,
+    a_scale_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    # sizes
+    M,
+    N,
+    K,
+    # strides
+    stride_cm,
+    stride_cn,
+    # meta-parameters
+    A_SCALE_PER_ROW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    FP8_FAST_ACCUM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    """The TMA product with one program per SM walking output tiles NUM_PROGRAMS apart (persistent): the loads of a
+    program's next tile overlap the epilogue of its current one. WARP_SPECIALIZE hands the TMA loads to a producer
+    warp and the MMAs and epilogue to consumer warp groups (Triton's automatic warp specialization)."""
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=False, warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32 if IS_FP8 else tl.int32)
+        for kt in range(k_tiles):
+            a = a_desc.load([pid_m * BLOCK_M, kt * BLOCK_K])
+            w = w_desc.load([pid_n * BLOCK_N, kt * BLOCK_K])
+            acc = _mma(a, w.T, acc, IS_FP8, FP8_FAST_ACCUM, BLOCK_K)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        _scale_bias_store(
+            acc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, stride_cm, stride_cn, offs_m, offs_n,
+            A_SCALE_PER_ROW, HAS_BIAS,
+        )  # fmt: skip
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Tile configs per (format, M regime)
 # ----------------------------------------------------------------------------------------------------------------
 
 M_REGIMES = (("m16", 16), ("m64", 64), ("m256", 256), ("large", None))  # regime = first whose bound >= M
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "USE_TMA", "num_warps", "num_stages")
+# USE_TMA: 0 pointer loads, 1 TMA, 2 TMA with one persistent program per SM, 3 the same warp-specialized; TMA modes
+# fall back to pointer loads where the operands are not TMA-compatible (``tma_compatible``)
+TMA_MODES = (0, 1, 2, 3)
 
 # BEGIN TUNED CONFIGS (rewritten by `python benchmarks/bench_w8a8.py --apply-sweep SWEEP.json`)
 CONFIGS_TUNED_ON = "NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, 2026-11-29 12:23 UTC"
@@ -586,7 +637,10 @@ def w8a8_matmul(
     cfg = dict(config) if config is not None else dict(pick_config(m, fmt))
     _check(set(cfg) == set(CONFIG_KEYS), f"config keys must be {CONFIG_KEYS}, got {sorted(cfg)}")
     launch = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
-    use_tma = cfg.pop("USE_TMA") and tma_compatible(qa, qw)
+    tma_mode = cfg.pop("USE_TMA")
+    _check(tma_mode in TMA_MODES, f"USE_TMA must be one of {sorted(TMA_MODES)}, got {tma_mode}")
+    use_tma = tma_mode > 0 and tma_compatible(qa, qw)
+    _check(not (pdl and tma_mode >= 2), "pdl is not supported with the persistent kernel (USE_TMA 2 or 3)")
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     epilogue = (out, a_scale, w_scale, bias if bias is not None else w_scale)  # bias never read without HAS_BIAS
     meta = {
@@ -602,6 +656,14 @@ def w8a8_matmul(
     if use_tma:
         a_desc = TensorDescriptor.from_tensor(qa, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
         w_desc = TensorDescriptor.from_tensor(qw, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+        if tma_mode >= 2:
+            del meta["PDL"], meta["PREFETCH_K"]
+            programs = min(grid[0], num_sms(qa.device))
+            _w8a8_matmul_persistent_kernel[(programs,)](
+                a_desc, w_desc, *epilogue, m, n, k, out.stride(0), out.stride(1), **meta, **cfg,
+                NUM_PROGRAMS=programs, WARP_SPECIALIZE=tma_mode == 3, **launch,
+            )  # fmt: skip
+            return out
         _w8a8_matmul_tma_kernel[grid](
             a_desc, w_desc, *epilogue, qw, m, n, k, out.stride(0), out.stride(1), qw.stride(0), **meta, **cfg,
             **launch,

@@ -1,0 +1,110 @@
+"""Probe: W8A8 GEMM with one persistent program per SM, plain and warp-specialized (``USE_TMA`` 2 and 3).
+
+    python benchmarks/probes/probe_persistent.py [--out DIR] [--ms 256,1024,4096,16384] [--shapes all|big]
+
+Each point times, in one run and under bench_w8a8.py's method (CUDA graphs over rotated operands, medians), end to
+end (activation quantizer + GEMM): bf16 cuBLAS (``F.linear``), the committed config, and the candidates below, for
+int8, fp8 with promoted accumulation (the default) and fp8 with fast accumulation. Every candidate's output is
+compared with the committed config's: int8 must match bit for bit, fp8 is reported as the largest difference
+relative to the output's largest magnitude.
+
+Triton's automatic warp specialization on sm_90 (3.6) needs num_warps = 4 (it adds a producer warp group and
+splits the tile between two consumer groups: 12 warps run) and a non-flattened persistent loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w8a8
+from bench_w8a8 import SHAPES, Problem, Timer
+from quantkit.kernels import w8a8 as W
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, num_warps, num_stages)
+CANDIDATES = {
+    "p128x256w8s3": (128, 256, 128, 8, 2, 8, 3),
+    "p256x128w8s3": (256, 128, 128, 8, 2, 8, 3),
+    "ws128x256s3": (128, 256, 128, 8, 3, 4, 3),
+    "ws128x256s4": (128, 256, 128, 8, 3, 4, 4),
+    "ws256x128s3": (256, 128, 128, 8, 3, 4, 3),
+    "ws256x128s4": (256, 128, 128, 8, 3, 4, 4),
+    "ws128x128s4": (128, 128, 128, 8, 3, 4, 4),
+    "ws128x128s6": (128, 128, 128, 8, 3, 4, 6),
+}
+VARIANTS = (("int8", False), ("fp8", False), ("fp8", True))
+
+
+def as_config(values: tuple) -> dict[str, int]:
+    return dict(zip(W.CONFIG_KEYS, values, strict=True))
+
+
+def measure(p: Problem, fmt: str, fast: bool, timer: Timer, bf16: float) -> dict:
+    def calls(cfg):
+        return [
+            (lambda i=i: W.w8a8_linear(p.x[i], p.wq[fmt][i], p.w_scale[fmt][i], config=cfg, fp8_fast_accum=fast))
+            for i in range(p.r)
+        ]
+
+    base = calls(None)
+    want = base[0]().float()
+    row = {"n": p.n, "k": p.k, "m": p.m, "fmt": fmt + ("_fast" if fast else ""), "bf16_us": bf16}
+    row["committed"] = W.pick_config(p.m, fmt)
+    row["committed_us"] = timer.per_call(base) * 1e6
+    for name, values in CANDIDATES.items():
+        try:
+            cand = calls(as_config(values))
+            got = cand[0]().float()
+            diff = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+            row[f"{name}_diff"] = diff
+            row[f"{name}_us"] = timer.per_call(cand) * 1e6
+        except Exception as exc:  # a candidate that does not compile or fit is reported, not fatal
+            row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--ms", default="256,1024,4096,16384")
+    ap.add_argument("--shapes", default="all", choices=["all", "big"])
+    args = ap.parse_args()
+    timer, rows = Timer(False, 10, 40), []
+    shapes = SHAPES if args.shapes == "all" else SHAPES[-2:]
+    for n, k in shapes:
+        for m in [int(v) for v in args.ms.split(",")]:
+            p = Problem(n, k, m, "cuda", seed=0)
+            bf16 = timer.per_call([(lambda i=i, p=p: F.linear(p.x[i], p.w16[i])) for i in range(p.r)]) * 1e6
+            for fmt, fast in VARIANTS:
+                row = measure(p, fmt, fast, timer, bf16)
+                rows.append(row)
+                timed = {name: row[f"{name}_us"] for name in CANDIDATES if f"{name}_us" in row}
+                best = min(timed, key=timed.get) if timed else None
+                cells = " ".join(
+                    f"{name} {bf16 / us:.2f}x" + ("" if row[f"{name}_diff"] <= (0 if fmt == "int8" else 1e-2) else "!")
+                    for name, us in timed.items()
+                )
+                errors = [name for name in CANDIDATES if f"{name}_error" in row]
+                print(
+                    f"{row['fmt']} {n}x{k} M={m}: bf16 {bf16:.1f} committed {bf16 / row['committed_us']:.2f}x | "
+                    f"{cells} | best {best}" + (f" | errors {errors}" if errors else ""),
+                    flush=True,
+                )
+            del p
+            torch.cuda.empty_cache()
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "probe_persistent.json").write_text(json.dumps(rows, indent=1))
+        for row in rows:
+            for name in CANDIDATES:
+                if f"{name}_error" in row:
+                    print(f"{row['fmt']} {row['n']}x{row['k']} M={row['m']} {name}: {row[f'{name}_error']}")
+
+
+if __name__ == "__main__":
+    main()
