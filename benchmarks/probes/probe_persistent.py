@@ -1,6 +1,6 @@
 """Probe: W8A8 GEMM with one persistent program per SM, plain and warp-specialized (``USE_TMA`` 2 and 3).
 
-    python benchmarks/probes/probe_persistent.py [--out DIR] [--ms 256,1024,4096,16384] [--shapes all|big]
+    python benchmarks/probes/probe_persistent.py [--out DIR] [--ms 16,64,256,1024,4096,16384] [--shapes all|big]
 
 Each point times, in one run and under bench_w8a8.py's method (CUDA graphs over rotated operands, medians), end to
 end (activation quantizer + GEMM): bf16 cuBLAS (``F.linear``), the committed config, and the candidates below, for
@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w8a8
 from bench_w8a8 import SHAPES, Problem, Timer
 from quantkit.kernels import w8a8 as W
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, num_warps, num_stages)
-CANDIDATES = {
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, num_warps, num_stages); the skinny set runs for M <= 64, where
+# warp specialization needs 64-row tiles (with 16 rows Triton 3.6 drops the pipeline: 8 KB of shared memory)
+LARGE = {
     "p128x256w8s3": (128, 256, 128, 8, 2, 8, 3),
     "p256x128w8s3": (256, 128, 128, 8, 2, 8, 3),
     "ws128x256s3": (128, 256, 128, 8, 3, 4, 3),
@@ -37,6 +38,14 @@ CANDIDATES = {
     "ws128x128s4": (128, 128, 128, 8, 3, 4, 4),
     "ws128x128s6": (128, 128, 128, 8, 3, 4, 6),
 }
+SKINNY = {
+    "p16x32k256s6": (16, 32, 256, 1, 2, 4, 6),
+    "p64x64k256s4": (64, 64, 256, 1, 2, 4, 4),
+    "ws64x64k256s4": (64, 64, 256, 1, 3, 4, 4),
+    "ws64x128k128s6": (64, 128, 128, 1, 3, 4, 6),
+    "ws64x64k128s8": (64, 64, 128, 1, 3, 4, 8),
+}
+CANDIDATES = {**LARGE, **SKINNY}
 VARIANTS = (("int8", False), ("fp8", False), ("fp8", True))
 
 
@@ -46,8 +55,13 @@ def as_config(values: tuple) -> dict[str, int]:
 
 def measure(p: Problem, fmt: str, fast: bool, timer: Timer, bf16: float) -> dict:
     def calls(cfg):
+        pdl = False if cfg is not None and cfg["USE_TMA"] >= 2 else None  # the persistent kernel has no PDL launch
         return [
-            (lambda i=i: W.w8a8_linear(p.x[i], p.wq[fmt][i], p.w_scale[fmt][i], config=cfg, fp8_fast_accum=fast))
+            (
+                lambda i=i: W.w8a8_linear(
+                    p.x[i], p.wq[fmt][i], p.w_scale[fmt][i], config=cfg, fp8_fast_accum=fast, pdl=pdl
+                )
+            )
             for i in range(p.r)
         ]
 
@@ -56,7 +70,7 @@ def measure(p: Problem, fmt: str, fast: bool, timer: Timer, bf16: float) -> dict
     row = {"n": p.n, "k": p.k, "m": p.m, "fmt": fmt + ("_fast" if fast else ""), "bf16_us": bf16}
     row["committed"] = W.pick_config(p.m, fmt)
     row["committed_us"] = timer.per_call(base) * 1e6
-    for name, values in CANDIDATES.items():
+    for name, values in (SKINNY if p.m <= 64 else LARGE).items():
         try:
             cand = calls(as_config(values))
             got = cand[0]().float()
@@ -71,7 +85,7 @@ def measure(p: Problem, fmt: str, fast: bool, timer: Timer, bf16: float) -> dict
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--ms", default="256,1024,4096,16384")
+    ap.add_argument("--ms", default="16,64,256,1024,4096,16384")
     ap.add_argument("--shapes", default="all", choices=["all", "big"])
     args = ap.parse_args()
     timer, rows = Timer(False, 10, 40), []

@@ -142,7 +142,7 @@ def test_matmul_matches_float64(fmt, out_dtype, m, n, k):
 
 
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("use_tma", [0, 1])
+@pytest.mark.parametrize("use_tma", [0, 1, 2, 3])  # pointer loads, TMA, persistent, warp-specialized
 @pytest.mark.parametrize("k", [96, 112, 100])  # K % BLOCK_K == 0; a K tail (TMA zero-fills it); K % 16 != 0
 def test_matmul_small_tiles_grouped_order(fmt, use_tma, k):
     m, n = 40, 70  # 3 x 3 tiles of 16 x 32, GROUP_M=2 leaves a ragged last group
@@ -195,6 +195,8 @@ def test_launcher_rejects_bad_operands():
         K.w8a8_matmul(qa, sa, qw, sw.half())
     with pytest.raises(ValueError, match="config keys"):
         K.w8a8_matmul(qa, sa, qw, sw, config={"BLOCK_M": 16})
+    with pytest.raises(ValueError, match="USE_TMA must be one of"):
+        K.w8a8_matmul(qa, sa, qw, sw, config={**SMALL_TILES, "USE_TMA": 4})
     with pytest.raises(ValueError, match="fp16, bf16 or fp32"):
         K.quantize_activations(qa, "int8")
     with pytest.raises(ValueError, match="fmt must be"):
@@ -212,6 +214,9 @@ def test_pdl_options_checked():
     if not qa.is_cuda or K.interpreting():
         with pytest.raises(ValueError, match="pdl needs a CUDA device"):
             K.w8a8_matmul(qa, sa, qw, sw, pdl=True)
+    else:
+        with pytest.raises(ValueError, match="not supported with the persistent kernel"):
+            K.w8a8_matmul(qa, sa, qw, sw, pdl=True, config={**SMALL_TILES, "USE_TMA": 3})
 
 
 def test_m_regimes_cover_every_m():
