@@ -314,3 +314,36 @@ def test_gpu_pdl_launch_is_bit_identical(fmt, m, prefetch_k):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs sm_90")
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("tiles", [(128, 256, 8, 3), (256, 128, 4, 3), (64, 64, 4, 4)])
+def test_gpu_persistent_kernels_match_the_tma_kernel(fmt, tiles):
+    """One persistent program per SM (USE_TMA 2) and its warp-specialized form (3: a producer warp group and two
+    consumer groups, which need num_warps 4) sum the same tiles in the same order as the one-tile-per-program
+    TMA kernel: the outputs agree bit for bit, on ragged M and N and with more tiles than SMs."""
+    block_m, block_n, warps, stages = tiles
+    m, n, k = 1000, 3000 + 8, 1024 + 128
+    x, qw, w_scale, bias = make_layer(m, n, k, fmt, seed=5)
+    qa, a_scale = K.quantize_activations(x.to(DEVICE, torch.bfloat16), fmt)
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 128, "GROUP_M": 8, "num_stages": stages}
+    want = K.w8a8_matmul(
+        qa, a_scale, qw, w_scale, bias, torch.bfloat16, config={**cfg, "USE_TMA": 1, "num_warps": warps}
+    )
+    check_gemm(want, qa, a_scale, qw, w_scale, bias, torch.bfloat16)
+    for mode in (2, 3):
+        out = poisoned((m, n), torch.bfloat16)
+        got = K.w8a8_matmul(
+            qa,
+            a_scale,
+            qw,
+            w_scale,
+            bias,
+            torch.bfloat16,
+            out=out,
+            config={**cfg, "USE_TMA": mode, "num_warps": 4 if mode == 3 else warps},
+        )
+        assert torch.equal(got, want), mode
