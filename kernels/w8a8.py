@@ -14,7 +14,11 @@ in two kernels:
 2. ``w8a8_matmul``: qa [M, K] x qw [N, K]^T. Tiles of BLOCK_M x BLOCK_N, grouped along M (GROUP_M) for L2 reuse,
    and a K loop of BLOCK_K. Two kernels share the accumulate and epilogue code: operand tiles fetched by the TMA
    unit through host-built tensor descriptors (config ``USE_TMA``; needs K % 16 == 0), or by pointer loads with
-   an unmasked EVEN_K fast path (any K). int8 accumulates in int32 (exact while
+   an unmasked EVEN_K fast path (any K). ``USE_TMA`` 2 runs the TMA product persistently (one program per SM
+   walking the output tiles, so a program's next loads overlap its epilogue), and 3 the same loop warp-specialized
+   by Triton (sm_90, num_warps 4: a producer warp group issues the TMA loads, two consumer groups split each tile;
+   Triton 3.6 needs the tile loop not flattened and host descriptors then work; with 16-row tiles it silently
+   compiles without the split or a pipeline). int8 accumulates in int32 (exact while
    128 * 128 * K < 2**31, i.e. K <= 131_071; weights from GPTQ may use the code -128). fp8 accumulates in fp32;
    Hopper's fp8 tensor cores add with reduced precision, so by default each BLOCK_K-long partial sum is promoted
    into a full fp32 accumulator (DeepSeek-V3's fix, promotion interval 128); ``fp8_fast_accum=True`` keeps the
