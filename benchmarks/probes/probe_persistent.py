@@ -53,7 +53,7 @@ def as_config(values: tuple) -> dict[str, int]:
     return dict(zip(W.CONFIG_KEYS, values, strict=True))
 
 
-def measure(p: Problem, fmt: str, fast: bool, timer: Timer, bf16: float) -> dict:
+def measure(p: Problem, fmt: str, fast: bool, timer: Timer, bf16: float, only: set | None = None) -> dict:
     def calls(cfg):
         pdl = False if cfg is not None and cfg["USE_TMA"] >= 2 else None  # the persistent kernel has no PDL launch
         return [
@@ -71,12 +71,16 @@ def measure(p: Problem, fmt: str, fast: bool, timer: Timer, bf16: float) -> dict
     row["committed"] = W.pick_config(p.m, fmt)
     row["committed_us"] = timer.per_call(base) * 1e6
     for name, values in (SKINNY if p.m <= 64 else LARGE).items():
+        if only and name not in only:
+            continue
+        print(f"  {fmt}{'_fast' if fast else ''} M={p.m} {name} ...", end="", flush=True)
         try:
             cand = calls(as_config(values))
             got = cand[0]().float()
             diff = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
             row[f"{name}_diff"] = diff
             row[f"{name}_us"] = timer.per_call(cand) * 1e6
+            print(f" {row[f'{name}_us']:.1f} us", flush=True)
         except Exception as exc:  # a candidate that does not compile or fit is reported, not fatal
             row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     return row
@@ -86,16 +90,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path)
     ap.add_argument("--ms", default="16,64,256,1024,4096,16384")
-    ap.add_argument("--shapes", default="all", choices=["all", "big"])
+    ap.add_argument("--shapes", default="all", choices=["all", "big", "one"])
+    ap.add_argument("--variants", default="int8,fp8,fp8_fast")
+    ap.add_argument("--only", default="", help="comma-separated candidate names (default: all)")
     args = ap.parse_args()
     timer, rows = Timer(False, 10, 40), []
-    shapes = SHAPES if args.shapes == "all" else SHAPES[-2:]
+    shapes = {"all": SHAPES, "big": SHAPES[-2:], "one": [(8192, 8192)]}[args.shapes]
+    only = set(filter(None, args.only.split(",")))
+    variants = [(f, fast) for f, fast in VARIANTS if f + ("_fast" if fast else "") in args.variants.split(",")]
     for n, k in shapes:
         for m in [int(v) for v in args.ms.split(",")]:
             p = Problem(n, k, m, "cuda", seed=0)
             bf16 = timer.per_call([(lambda i=i, p=p: F.linear(p.x[i], p.w16[i])) for i in range(p.r)]) * 1e6
-            for fmt, fast in VARIANTS:
-                row = measure(p, fmt, fast, timer, bf16)
+            for fmt, fast in variants:
+                row = measure(p, fmt, fast, timer, bf16, only)
                 rows.append(row)
                 timed = {name: row[f"{name}_us"] for name in CANDIDATES if f"{name}_us" in row}
                 best = min(timed, key=timed.get) if timed else None
@@ -109,11 +117,12 @@ def main() -> None:
                     f"{cells} | best {best}" + (f" | errors {errors}" if errors else ""),
                     flush=True,
                 )
+                if args.out:  # after every row: a run cut short keeps what it measured
+                    args.out.mkdir(parents=True, exist_ok=True)
+                    (args.out / "probe_persistent.json").write_text(json.dumps(rows, indent=1))
             del p
             torch.cuda.empty_cache()
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "probe_persistent.json").write_text(json.dumps(rows, indent=1))
         for row in rows:
             for name in CANDIDATES:
                 if f"{name}_error" in row:
