@@ -15,14 +15,13 @@ in two kernels:
    and a K loop of BLOCK_K. Two kernels share the accumulate and epilogue code: operand tiles fetched by the TMA
    unit through host-built tensor descriptors (config ``USE_TMA``; needs K % 16 == 0), or by pointer loads with
    an unmasked EVEN_K fast path (any K). ``USE_TMA`` 2 runs the TMA product persistently (one program per SM
-   walking the output tiles, so a program's next loads overlap its epilogue), and 3 the same loop warp-specialized
-   by Triton (sm_90, num_warps 4: a producer warp group issues the TMA loads, two consumer groups split each tile;
-   Triton 3.6 needs the tile loop not flattened and host descriptors then work; with 16-row tiles it silently
-   compiles without the split or a pipeline). int8 accumulates in int32 (exact while
-   128 * 128 * K < 2**31, i.e. K <= 131_071; weights from GPTQ may use the code -128). fp8 accumulates in fp32;
-   Hopper's fp8 tensor cores add with reduced precision, so by default each BLOCK_K-long partial sum is promoted
-   into a full fp32 accumulator (DeepSeek-V3's fix, promotion interval 128); ``fp8_fast_accum=True`` keeps the
-   whole K loop in the tensor core (Triton's sm_90 default, like cuBLAS ``use_fast_accum=True``). The epilogue
+   walking the output tiles, so a program's next loads overlap its epilogue). Triton 3.6's automatic warp
+   specialization of that loop (``tl.range(..., warp_specialize=True)``, num_warps 4, loop not flattened) compiles
+   for sm_90 but hung on the H200 (2026-12-02, 128 x 256 tiles, int8): not offered. int8 accumulates in int32
+   (exact while 128 * 128 * K < 2**31, i.e. K <= 131_071; weights from GPTQ may use the code -128). fp8 accumulates
+   in fp32; Hopper's fp8 tensor cores add with reduced precision, so by default each BLOCK_K-long partial sum is
+   promoted into a full fp32 accumulator (DeepSeek-V3's fix, promotion interval 128); ``fp8_fast_accum=True`` keeps
+   the whole K loop in the tensor core (Triton's sm_90 default, like cuBLAS ``use_fast_accum=True``). The epilogue
    converts the accumulator to fp32, applies both scales and the bias in registers and stores fp16/bf16/fp32 once:
    the int32 accumulator never goes to memory.
 3. Programmatic dependent launch (``w8a8_linear``, M <= 64 on sm_90+, ``use_pdl``): the quantizer lets the GEMM start
@@ -424,14 +423,12 @@ def _w8a8_matmul_persistent_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     NUM_PROGRAMS,
-    WARP_SPECIALIZE: tl.constexpr,
 ):
     """The TMA product with one program per SM walking output tiles NUM_PROGRAMS apart (persistent): the loads of a
-    program's next tile overlap the epilogue of its current one. WARP_SPECIALIZE hands the TMA loads to a producer
-    warp and the MMAs and epilogue to consumer warp groups (Triton's automatic warp specialization)."""
+    program's next tile overlap the epilogue of its current one."""
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=False, warp_specialize=WARP_SPECIALIZE):
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
         pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32 if IS_FP8 else tl.int32)
         for kt in range(k_tiles):
@@ -452,9 +449,9 @@ def _w8a8_matmul_persistent_kernel(
 
 M_REGIMES = (("m16", 16), ("m64", 64), ("m256", 256), ("large", None))  # regime = first whose bound >= M
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "USE_TMA", "num_warps", "num_stages")
-# USE_TMA: 0 pointer loads, 1 TMA, 2 TMA with one persistent program per SM, 3 the same warp-specialized; TMA modes
-# fall back to pointer loads where the operands are not TMA-compatible (``tma_compatible``)
-TMA_MODES = (0, 1, 2, 3)
+# USE_TMA: 0 pointer loads, 1 TMA, 2 TMA with one persistent program per SM; TMA modes fall back to pointer loads
+# where the operands are not TMA-compatible (``tma_compatible``)
+TMA_MODES = (0, 1, 2)
 
 # BEGIN TUNED CONFIGS (rewritten by `python benchmarks/bench_w8a8.py --apply-sweep SWEEP.json`)
 CONFIGS_TUNED_ON = "NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, 2026-11-29 12:23 UTC"
@@ -644,7 +641,7 @@ def w8a8_matmul(
     tma_mode = cfg.pop("USE_TMA")
     _check(tma_mode in TMA_MODES, f"USE_TMA must be one of {sorted(TMA_MODES)}, got {tma_mode}")
     use_tma = tma_mode > 0 and tma_compatible(qa, qw)
-    _check(not (pdl and tma_mode >= 2), "pdl is not supported with the persistent kernel (USE_TMA 2 or 3)")
+    _check(not (pdl and tma_mode == 2), "pdl is not supported with the persistent kernel (USE_TMA 2)")
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     epilogue = (out, a_scale, w_scale, bias if bias is not None else w_scale)  # bias never read without HAS_BIAS
     meta = {
@@ -660,12 +657,12 @@ def w8a8_matmul(
     if use_tma:
         a_desc = TensorDescriptor.from_tensor(qa, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
         w_desc = TensorDescriptor.from_tensor(qw, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
-        if tma_mode >= 2:
+        if tma_mode == 2:
             del meta["PDL"], meta["PREFETCH_K"]
             programs = min(grid[0], num_sms(qa.device))
             _w8a8_matmul_persistent_kernel[(programs,)](
                 a_desc, w_desc, *epilogue, m, n, k, out.stride(0), out.stride(1), **meta, **cfg,
-                NUM_PROGRAMS=programs, WARP_SPECIALIZE=tma_mode == 3, **launch,
+                NUM_PROGRAMS=programs, **launch,
             )  # fmt: skip
             return out
         _w8a8_matmul_tma_kernel[grid](

@@ -1,4 +1,4 @@
-"""Probe: W8A8 GEMM with one persistent program per SM, plain and warp-specialized (``USE_TMA`` 2 and 3).
+"""Probe: W8A8 GEMM with one persistent program per SM (``USE_TMA`` 2) against the committed configs.
 
     python benchmarks/probes/probe_persistent.py [--out DIR] [--ms 16,64,256,1024,4096,16384] [--shapes all|big]
 
@@ -8,8 +8,9 @@ int8, fp8 with promoted accumulation (the default) and fp8 with fast accumulatio
 compared with the committed config's: int8 must match bit for bit, fp8 is reported as the largest difference
 relative to the output's largest magnitude.
 
-Triton's automatic warp specialization on sm_90 (3.6) needs num_warps = 4 (it adds a producer warp group and
-splits the tile between two consumer groups: 12 warps run) and a non-flattened persistent loop.
+The first H200 run (2026-12-02) also timed the loop warp-specialized by Triton 3.6 (``warp_specialize=True``,
+num_warps 4, not flattened: a producer warp group and two consumers, 12 warps): 4096 x 4096 at M 16/64 ran 5-45%
+slower than the committed configs, and 128 x 256 tiles at M >= 1024 hung; that option was removed.
 """
 
 from __future__ import annotations
@@ -26,24 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w8a8
 from bench_w8a8 import SHAPES, Problem, Timer
 from quantkit.kernels import w8a8 as W
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, num_warps, num_stages); the skinny set runs for M <= 64, where
-# warp specialization needs 64-row tiles (with 16 rows Triton 3.6 drops the pipeline: 8 KB of shared memory)
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, num_warps, num_stages); the skinny set runs for M <= 64
 LARGE = {
     "p128x256w8s3": (128, 256, 128, 8, 2, 8, 3),
     "p256x128w8s3": (256, 128, 128, 8, 2, 8, 3),
-    "ws128x256s3": (128, 256, 128, 8, 3, 4, 3),
-    "ws128x256s4": (128, 256, 128, 8, 3, 4, 4),
-    "ws256x128s3": (256, 128, 128, 8, 3, 4, 3),
-    "ws256x128s4": (256, 128, 128, 8, 3, 4, 4),
-    "ws128x128s4": (128, 128, 128, 8, 3, 4, 4),
-    "ws128x128s6": (128, 128, 128, 8, 3, 4, 6),
 }
 SKINNY = {
     "p16x32k256s6": (16, 32, 256, 1, 2, 4, 6),
     "p64x64k256s4": (64, 64, 256, 1, 2, 4, 4),
-    "ws64x64k256s4": (64, 64, 256, 1, 3, 4, 4),
-    "ws64x128k128s6": (64, 128, 128, 1, 3, 4, 6),
-    "ws64x64k128s8": (64, 64, 128, 1, 3, 4, 8),
 }
 CANDIDATES = {**LARGE, **SKINNY}
 VARIANTS = (("int8", False), ("fp8", False), ("fp8", True))

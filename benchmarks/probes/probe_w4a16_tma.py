@@ -4,8 +4,9 @@
 
 The committed W4A16 path above M = 64 dequantizes the weight to [N, K] and calls cuBLAS (0.5-0.9x cuBLAS fp16,
 results/w4a16-h200-2026-12-02b.md); its fused kernel loads tiles with cp.async and ran at ~0.45x for M = 128.
-This prototype keeps every operand load on the TMA unit (x [BM, BK], packed words [BK/8, BN], one row of
-scales and of packed zeros per tile), one program per SM walking the output tiles, the dequantization of
+This prototype loads x [BM, BK] and the packed words [BK/8, BN] through the TMA unit (scales and packed zeros
+with pointer loads: through TMA, as [1, BN] and [1, BN/8] boxes, every launch failed on the H200 with a misaligned
+address), one program per SM walking the output tiles, the dequantization of
 ``w4a16._dequant_tile`` (fp16 magic-number unpacking, W = (q - z) s rounded once to fp16) and tl.dot, optionally
 swapped (y.T = W.T x.T, the weight tile on the MMA's M side). fp16, group 128, K and N multiples of the tiles.
 Triton 3.6's automatic warp specialization does not compile this loop (NVGPUWarpSpecialization fails on it, with
@@ -28,7 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w4a16
 from bench_w4a16 import Layer, Timer, fp16_calls
 from quantkit.kernels import w4a16 as K
-from quantkit.kernels.w4a16 import _dequant_tile
+from quantkit.kernels.w4a16 import _dequant_tile, _load_group
 from quantkit.kernels.w4a16_weight import num_sms
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]
@@ -51,8 +52,8 @@ SKINNY = [  # M <= 32: swapped only (the weight tile on the MMA's 64-row side); 
 
 
 @triton.jit
-def _tma_gemm_kernel(x_desc, w_desc, z_desc, s_desc, out_ptr, M, N, K, group_size, magic_pair, stride_om,
-                     NUM_PROGRAMS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _tma_gemm_kernel(x_desc, w_desc, qz_ptr, s_ptr, out_ptr, M, N, K, group_size, magic_pair, stride_om, stride_qzg,
+                     stride_sg, NUM_PROGRAMS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, SWAP: tl.constexpr):  # fmt: skip
     BLOCK_KW: tl.constexpr = BLOCK_K // 8
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -68,13 +69,12 @@ def _tma_gemm_kernel(x_desc, w_desc, z_desc, s_desc, out_ptr, M, N, K, group_siz
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         for t in range(k_tiles):
             x = x_desc.load([pid_m * BLOCK_M, t * BLOCK_K])
             words = w_desc.load([t * BLOCK_KW, pid_n * BLOCK_N])
-            g = (t * BLOCK_K) // group_size
-            zw = z_desc.load([g, pid_n * (BLOCK_N // 8)])  # [1, BN/8] packed zeros
-            scales = s_desc.load([g, pid_n * BLOCK_N])  # [1, BN]
-            zeros = tl.reshape((zw[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 15, (1, BLOCK_N))
+            zeros, scales = _load_group(qz_ptr, s_ptr, (t * BLOCK_K) // group_size, offs_n[None, :],
+                                        (offs_n < N)[None, :], stride_qzg, 1, stride_sg, 1, 4)  # fmt: skip
             w = _dequant_tile(words, zeros, scales, magic_pair, tl.float16, tl.float16, 4, 0x6400, True, True, False)
             if SWAP:
                 acc = tl.dot(tl.trans(w), tl.trans(x), acc)
@@ -83,7 +83,6 @@ def _tma_gemm_kernel(x_desc, w_desc, z_desc, s_desc, out_ptr, M, N, K, group_siz
         if SWAP:
             acc = tl.trans(acc)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(tl.float16), mask=mask)
 
@@ -96,12 +95,11 @@ def tma_linear(x: torch.Tensor, w: K.W4A16Weight, variant: tuple, out: torch.Ten
     descs = (
         TensorDescriptor.from_tensor(x, [bm, bk]),
         TensorDescriptor.from_tensor(w.qweight, [bk // 8, bn]),
-        TensorDescriptor.from_tensor(w.qzeros, [1, bn // 8]),
-        TensorDescriptor.from_tensor(w.scales, [1, bn]),
     )
     programs = min(triton.cdiv(m, bm) * (n // bn), num_sms(x.device))
     _tma_gemm_kernel[(programs,)](
-        *descs, out, m, n, k, w.group_size, 0x64006400, out.stride(0), programs,
+        *descs, w.qzeros, w.scales, out, m, n, k, w.group_size, 0x64006400, out.stride(0), w.qzeros.stride(0),
+        w.scales.stride(0), programs,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SWAP=swap, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
