@@ -71,7 +71,7 @@ RATIO_VARIANTS = ["int8", "int_mm", "fp8", "fp8_fast", "scaled_mm", "scaled_mm_f
 # Sweep candidates per M regime, as K.CONFIG_KEYS tuples (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, num_warps,
 # num_stages), the same for int8 and fp8. Small M is weight-bandwidth bound: narrow N tiles give enough CTAs to fill
 # 132 SMs and deep K pipelines keep bytes in flight; large M is tensor-core bound: wide tiles for operand reuse.
-# Each regime tries pointer loads and TMA.
+# Each regime tries pointer loads and TMA; large M also the persistent TMA kernel.
 SWEEP_CANDIDATES = {
     "m16": [
         (16, 64, 256, 1, 0, 4, 4),
@@ -100,6 +100,8 @@ SWEEP_CANDIDATES = {
         (256, 128, 128, 8, 1, 8, 3),
         (128, 128, 128, 8, 1, 8, 4),
         (128, 256, 64, 8, 1, 8, 4),
+        (256, 128, 128, 8, 2, 8, 3),  # persistent (USE_TMA 2)
+        (128, 256, 128, 8, 2, 8, 3),
     ],
 }
 SWEEP_MS = {"m16": [1, 16], "m64": [64], "m256": [256], "large": [1024, 4096]}

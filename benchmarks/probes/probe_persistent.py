@@ -59,7 +59,7 @@ def measure(p: Problem, fmt: str, fast: bool, timer: Timer, bf16: float, only: s
     base = calls(None)
     want = base[0]().float()
     row = {"n": p.n, "k": p.k, "m": p.m, "fmt": fmt + ("_fast" if fast else ""), "bf16_us": bf16}
-    row["committed"] = W.pick_config(p.m, fmt)
+    row["committed"] = W.pick_config(p.m, fmt, fast)
     row["committed_us"] = timer.per_call(base) * 1e6
     for name, values in (SKINNY if p.m <= 64 else LARGE).items():
         if only and name not in only:

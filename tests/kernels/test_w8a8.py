@@ -219,6 +219,13 @@ def test_pdl_options_checked():
             K.w8a8_matmul(qa, sa, qw, sw, pdl=True, config={**SMALL_TILES, "USE_TMA": 2})
 
 
+def test_fp8_fast_accumulation_has_its_own_large_config():
+    assert K.pick_config(4096, "fp8", fp8_fast_accum=True) == dict(zip(K.CONFIG_KEYS, K.FP8_FAST_LARGE, strict=True))
+    assert K.pick_config(4096, "fp8") == dict(zip(K.CONFIG_KEYS, K.CONFIGS[("fp8", "large")], strict=True))
+    assert K.pick_config(64, "fp8", fp8_fast_accum=True) == K.pick_config(64, "fp8")
+    assert K.pick_config(4096, "int8", fp8_fast_accum=True) == K.pick_config(4096, "int8")
+
+
 def test_m_regimes_cover_every_m():
     assert [K.m_regime(m) for m in (1, 16, 17, 64, 65, 256, 257, 16384)] == [
         "m16",
