@@ -406,6 +406,7 @@ def _w8a8_matmul_persistent_kernel(
     a_scale_ptr,
     w_scale_ptr,
     bias_ptr,
+    w_ptr,  # qw itself: only the L2 prefetch under PDL reads through it
     # sizes
     M,
     N,
@@ -413,6 +414,7 @@ def _w8a8_matmul_persistent_kernel(
     # strides
     stride_cm,
     stride_cn,
+    stride_wn,
     # meta-parameters
     A_SCALE_PER_ROW: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -422,10 +424,15 @@ def _w8a8_matmul_persistent_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH_K: tl.constexpr,
     NUM_PROGRAMS,
 ):
     """The TMA product with one program per SM walking output tiles NUM_PROGRAMS apart (persistent): the loads of a
-    program's next tile overlap the epilogue of its current one."""
+    program's next tile overlap the epilogue of its current one. Under PDL the wait comes once, before the first
+    tile (the prefetch covers that tile's weight rows)."""
+    _, first_n = _tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    _await_activations(w_ptr, stride_wn, 1, first_n, N, K, PDL, PREFETCH_K, BLOCK_N)
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
@@ -651,7 +658,6 @@ def w8a8_matmul(
     tma_mode = cfg.pop("USE_TMA")
     _check(tma_mode in TMA_MODES, f"USE_TMA must be one of {sorted(TMA_MODES)}, got {tma_mode}")
     use_tma = tma_mode > 0 and tma_compatible(qa, qw)
-    _check(not (pdl and tma_mode == 2), "pdl is not supported with the persistent kernel (USE_TMA 2)")
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     epilogue = (out, a_scale, w_scale, bias if bias is not None else w_scale)  # bias never read without HAS_BIAS
     meta = {
@@ -668,10 +674,9 @@ def w8a8_matmul(
         a_desc = TensorDescriptor.from_tensor(qa, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
         w_desc = TensorDescriptor.from_tensor(qw, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
         if tma_mode == 2:
-            del meta["PDL"], meta["PREFETCH_K"]
             programs = min(grid[0], num_sms(qa.device))
             _w8a8_matmul_persistent_kernel[(programs,)](
-                a_desc, w_desc, *epilogue, m, n, k, out.stride(0), out.stride(1), **meta, **cfg,
+                a_desc, w_desc, *epilogue, qw, m, n, k, out.stride(0), out.stride(1), qw.stride(0), **meta, **cfg,
                 NUM_PROGRAMS=programs, **launch,
             )  # fmt: skip
             return out
