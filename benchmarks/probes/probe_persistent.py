@@ -9,7 +9,7 @@ compared with the committed config's: int8 must match bit for bit, fp8 is report
 relative to the output's largest magnitude.
 
 The first H200 run (2026-12-02) also timed the loop warp-specialized by Triton 3.6 (``warp_specialize=True``,
-num_warps 4, not flattened: a producer warp group and two consumers, 12 warps): 4096 x 4096 at M 16/64 ran 5-45%
+num_warps 4, not flattened: a producer warp group and two consumers, 12 warps): 4096 x 4096 at M 16/64 ran 10-46%
 slower than the committed configs, and 128 x 256 tiles at M >= 1024 hung; that option was removed.
 """
 
