@@ -383,6 +383,16 @@ def _w8a8_matmul_tma_kernel(
     zero-filled, so ragged M/N/K need no masks)."""
     pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     _await_activations(w_ptr, stride_wn, 1, pid_n, N, K, PDL, PREFETCH_K, BLOCK_N)
+    _tma_tile(a_desc, w_desc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm, stride_cn, pid_m, pid_n,
+              A_SCALE_PER_ROW, HAS_BIAS, IS_FP8, FP8_FAST_ACCUM, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+
+
+@triton.jit
+def _tma_tile(a_desc, w_desc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm, stride_cn, pid_m, pid_n,
+              A_SCALE_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, IS_FP8: tl.constexpr,
+              FP8_FAST_ACCUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):  # fmt: skip
+    """One output tile from TMA-fetched operand tiles: the K loop, then the scaled store."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32 if IS_FP8 else tl.int32)
     for k0 in range(0, K, BLOCK_K):
         a = a_desc.load([pid_m * BLOCK_M, k0])
@@ -434,20 +444,10 @@ def _w8a8_matmul_persistent_kernel(
     _, first_n = _tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     _await_activations(w_ptr, stride_wn, 1, first_n, N, K, PDL, PREFETCH_K, BLOCK_N)
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
         pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32 if IS_FP8 else tl.int32)
-        for kt in range(k_tiles):
-            a = a_desc.load([pid_m * BLOCK_M, kt * BLOCK_K])
-            w = w_desc.load([pid_n * BLOCK_N, kt * BLOCK_K])
-            acc = _mma(a, w.T, acc, IS_FP8, FP8_FAST_ACCUM, BLOCK_K)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        _scale_bias_store(
-            acc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, stride_cm, stride_cn, offs_m, offs_n,
-            A_SCALE_PER_ROW, HAS_BIAS,
-        )  # fmt: skip
+        _tma_tile(a_desc, w_desc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm, stride_cn, pid_m,
+                  pid_n, A_SCALE_PER_ROW, HAS_BIAS, IS_FP8, FP8_FAST_ACCUM, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------------
