@@ -56,6 +56,11 @@ def engine_options(f):
         click.option("--num-kv-blocks", type=int, default=None, help="Default: from free GPU memory; CPU: 1024."),
         click.option("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"], show_default=True),
         click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
+        click.option(
+            "--fp8-fast-accum",
+            is_flag=True,
+            help="fp8 W8A8 layers (CUDA) accumulate in the tensor cores' reduced precision: faster, less exact.",
+        ),
     ]
     for option in reversed(options):
         f = option(f)

@@ -87,7 +87,8 @@ class LLM:
         if device.type == "cuda":
             from quantkit.nn.w8a8 import set_execution
 
-            set_execution(self.model, "integer")  # W8A8 layers run the 8-bit kernels, not the fp32 simulation
+            # W8A8 layers run the 8-bit kernels, not the fp32 simulation
+            set_execution(self.model, "integer", fp8_fast_accum=self.config.fp8_fast_accum)
             fuse_projections(self.model)  # q/k/v and gate/up (float, W4A16 or W8A8): one GEMM each
         mcfg = self.model.config
         self.max_model_len = self.config.max_model_len or min(mcfg.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)

@@ -141,6 +141,17 @@ def test_matmul_matches_float64(fmt, out_dtype, m, n, k):
     check_gemm(y, qa, a_scale, qw, w_scale, bias, out_dtype)
 
 
+@pytest.mark.parametrize("m,n,k", [(3, 33, 100), (70, 40, 48), (300, 70, 272)])  # 300 rows: the large-M config
+def test_fp8_fast_accumulation_matches_float64(m, n, k):
+    """In the interpreter fast accumulation is plain fp32 accumulation; on sm_90 the GPU test below bounds it."""
+    x, qw, w_scale, bias = make_layer(m, n, k, "fp8", seed=m + k)
+    qa, a_scale = K.quantize_activations_reference(x.to(DEVICE), "fp8")
+    out = poisoned((m, n), torch.bfloat16)
+    y = K.w8a8_matmul(qa, a_scale, qw, w_scale, bias, torch.bfloat16, out=out, fp8_fast_accum=True)
+    if not qa.is_cuda:
+        check_gemm(y, qa, a_scale, qw, w_scale, bias, torch.bfloat16)
+
+
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("use_tma", [0, 1, 2])  # pointer loads, TMA, persistent
 @pytest.mark.parametrize("k", [96, 112, 100])  # K % BLOCK_K == 0; a K tail (TMA zero-fills it); K % 16 != 0
@@ -267,6 +278,25 @@ def test_gpu_fp8_agrees_with_scaled_mm():
     ref = torch._scaled_mm(
         qa, qw.t(), scale_a=a_scale.reshape(-1, 1), scale_b=w_scale.reshape(1, -1), out_dtype=torch.bfloat16
     )
+    exact = float64_reference(qa, a_scale, qw, w_scale, None)
+    ours, theirs = (y.double() - exact).abs().max().item(), (ref.double() - exact).abs().max().item()
+    assert ours <= 2 * theirs + 1e-6
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [64, 1000])
+def test_gpu_fp8_fast_accumulation_is_as_close_as_cublas_fast(m):
+    """Fast accumulation (the whole K loop in Hopper's reduced-precision adder) against cuBLAS doing the same
+    (``_scaled_mm(use_fast_accum=True)``): no worse than 2x its error from the float64 product."""
+    n, k = 512, 4096 + 128
+    x, qw, w_scale, _ = make_layer(m, n, k, "fp8", seed=13, with_bias=False)
+    qa, a_scale = K.quantize_activations(x.to(DEVICE, torch.bfloat16), "fp8")
+    y = K.w8a8_matmul(qa, a_scale, qw, w_scale, out_dtype=torch.bfloat16, fp8_fast_accum=True)
+    ref = torch._scaled_mm(
+        qa, qw.t(), scale_a=a_scale.reshape(-1, 1), scale_b=w_scale.reshape(1, -1), out_dtype=torch.bfloat16,
+        use_fast_accum=True,
+    )  # fmt: skip
     exact = float64_reference(qa, a_scale, qw, w_scale, None)
     ours, theirs = (y.double() - exact).abs().max().item(), (ref.double() - exact).abs().max().item()
     assert ours <= 2 * theirs + 1e-6

@@ -190,15 +190,28 @@ def test_configuration_errors_are_clear():
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+def test_fp8_fast_accumulation_setting():
+    model = nn.Sequential(build("fp8", True), build("fp8", True), nn.Linear(4, 4))
+    assert set_execution(model, "integer", fp8_fast_accum=True) == 2
+    assert all(m.fp8_fast_accum for m in model[:2]) and "fp8_fast_accum=True" in repr(model[0])
+    set_execution(model, "simulated")  # None leaves the setting alone
+    assert model[0].fp8_fast_accum and model[0].execution is Execution.SIMULATED
+    with pytest.raises(ValueError, match="one scheme, input width, dtype and execution"):
+        model[1].fp8_fast_accum = False
+        W8A8Linear.concat([model[0], model[1]])
+    model[1].fp8_fast_accum = True
+    assert W8A8Linear.concat([model[0], model[1]]).fp8_fast_accum
+
+
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("fmt", ["int", "fp8"])
+@pytest.mark.parametrize("fmt,fast", [("int", False), ("fp8", False), ("fp8", True)])
 @pytest.mark.parametrize("dynamic", [True, False])
-def test_gpu_triton_integer_path_agrees_with_simulated(fmt, dynamic):
+def test_gpu_triton_integer_path_agrees_with_simulated(fmt, fast, dynamic):
     mod = build(fmt, dynamic, k=4096 + 32, n=520, dtype=torch.bfloat16).cuda()
     x = torch.randn(3, 37, 4096 + 32, dtype=torch.bfloat16, device="cuda")
     y_sim = mod(x)
-    mod.execution = "integer"
+    set_execution(mod, "integer", fp8_fast_accum=fast)
     y_int = mod(x)
     x2 = x.reshape(-1, x.shape[-1])
     assert_within_contract(y_sim.reshape(x2.shape[0], -1), mod, x2)

@@ -23,6 +23,12 @@ def test_generate_prints_the_engine_tokens():
     assert got["completions"][0]["token_ids"] == expected[0].completions[0].token_ids
 
 
+def test_generate_accepts_fp8_fast_accumulation():
+    args = ["--model", "dummy:tiny-llama", "--device", "cpu", "--token-ids", "--max-tokens", "2", "--fp8-fast-accum"]
+    assert run("generate", *args, "5 6 7").exit_code == 0
+    assert LLM(DUMMY_MODELS["tiny-llama"], device="cpu", fp8_fast_accum=True).config.fp8_fast_accum
+
+
 def test_bad_prompt_is_a_one_line_error():
     result = run("generate", "--model", "dummy:tiny-llama", "--token-ids", "5 x")
     assert result.exit_code == 2 and "space-separated integers" in result.output
