@@ -378,13 +378,24 @@ def _w8a8_matmul_tma_kernel(
     GROUP_M: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH_K: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+    NUM_PROGRAMS,  # PERSISTENT: the grid size
 ):
     """The same product with operand tiles fetched by the TMA unit (bulk async copies; out-of-bounds reads are
-    zero-filled, so ragged M/N/K need no masks)."""
+    zero-filled, so ragged M/N/K need no masks). PERSISTENT: one program per SM walks the output tiles NUM_PROGRAMS
+    apart, so the loads of a program's next tile overlap the epilogue of its current one; under PDL it waits once,
+    before its first tile (the prefetch covers that tile's weight rows)."""
     pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     _await_activations(w_ptr, stride_wn, 1, pid_n, N, K, PDL, PREFETCH_K, BLOCK_N)
-    _tma_tile(a_desc, w_desc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm, stride_cn, pid_m, pid_n,
-              A_SCALE_PER_ROW, HAS_BIAS, IS_FP8, FP8_FAST_ACCUM, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+    if PERSISTENT:
+        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
+            pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            _tma_tile(a_desc, w_desc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm, stride_cn, pid_m,
+                      pid_n, A_SCALE_PER_ROW, HAS_BIAS, IS_FP8, FP8_FAST_ACCUM, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+    else:
+        _tma_tile(a_desc, w_desc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm, stride_cn, pid_m,
+                  pid_n, A_SCALE_PER_ROW, HAS_BIAS, IS_FP8, FP8_FAST_ACCUM, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
 
 
 @triton.jit
@@ -404,50 +415,6 @@ def _tma_tile(a_desc, w_desc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K
         acc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, stride_cm, stride_cn, offs_m, offs_n,
         A_SCALE_PER_ROW, HAS_BIAS,
     )  # fmt: skip
-
-
-@triton.jit
-def _w8a8_matmul_persistent_kernel(
-    # tensor descriptors (TMA), as in _w8a8_matmul_tma_kernel
-    a_desc,
-    w_desc,
-    # pointers
-    c_ptr,
-    a_scale_ptr,
-    w_scale_ptr,
-    bias_ptr,
-    w_ptr,  # qw itself: only the L2 prefetch under PDL reads through it
-    # sizes
-    M,
-    N,
-    K,
-    # strides
-    stride_cm,
-    stride_cn,
-    stride_wn,
-    # meta-parameters
-    A_SCALE_PER_ROW: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    IS_FP8: tl.constexpr,
-    FP8_FAST_ACCUM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    PDL: tl.constexpr,
-    PREFETCH_K: tl.constexpr,
-    NUM_PROGRAMS,
-):
-    """The TMA product with one program per SM walking output tiles NUM_PROGRAMS apart (persistent): the loads of a
-    program's next tile overlap the epilogue of its current one. Under PDL the wait comes once, before the first
-    tile (the prefetch covers that tile's weight rows)."""
-    _, first_n = _tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    _await_activations(w_ptr, stride_wn, 1, first_n, N, K, PDL, PREFETCH_K, BLOCK_N)
-    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
-        pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        _tma_tile(a_desc, w_desc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm, stride_cn, pid_m,
-                  pid_n, A_SCALE_PER_ROW, HAS_BIAS, IS_FP8, FP8_FAST_ACCUM, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -673,16 +640,12 @@ def w8a8_matmul(
     if use_tma:
         a_desc = TensorDescriptor.from_tensor(qa, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
         w_desc = TensorDescriptor.from_tensor(qw, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
-        if tma_mode == 2:
-            programs = min(grid[0], num_sms(qa.device))
-            _w8a8_matmul_persistent_kernel[(programs,)](
-                a_desc, w_desc, *epilogue, qw, m, n, k, out.stride(0), out.stride(1), qw.stride(0), **meta, **cfg,
-                NUM_PROGRAMS=programs, **launch,
-            )  # fmt: skip
-            return out
+        persistent = tma_mode == 2
+        if persistent:
+            grid = (min(grid[0], num_sms(qa.device)),)
         _w8a8_matmul_tma_kernel[grid](
             a_desc, w_desc, *epilogue, qw, m, n, k, out.stride(0), out.stride(1), qw.stride(0), **meta, **cfg,
-            **launch,
+            PERSISTENT=persistent, NUM_PROGRAMS=grid[0] if persistent else 1, **launch,
         )  # fmt: skip
     else:
         _w8a8_matmul_kernel[grid](
