@@ -5,11 +5,12 @@ One process, one set of random bf16 weights in Llama-3-8B shape (transformers' o
   1. Offline throughput: 256 requests, prompt lengths uniform in 128..1024, 256 new tokens each, EOS ignored, all
      submitted at once (seeded prompts). quantkit runtime in bf16, W4A16 (RTN, 4-bit, group 128, symmetric) and
      W8A8 (RTN int8 per channel, dynamic per-token activations), the quantized modules built in process from the
-     same float weights. Baselines on the same weights and prompts: transformers' ``generate_batch`` (continuous
-     batching, paged cache; timed after one tiny warm-up call, so each timed call still includes its own cache
-     set-up) and ``generate`` in static batches of 64 (left padding). The HF baselines run on the
-     first ``--hf-requests`` requests only (default 64: they are ~10x slower); the table says so, and quantkit
-     bf16 is also measured on that subset for a like-for-like ratio.
+     same float weights; optionally fp8 W8A8 (``--variants ...,w8a8fp8``, e4m3 per channel, with
+     ``--fp8-fast-accum`` for the tensor cores' fast accumulation). Baselines on the same weights and prompts:
+     transformers' ``generate_batch`` (continuous batching, paged cache; timed after one tiny warm-up call, so
+     each timed call still includes its own cache set-up) and ``generate`` in static batches of 64 (left
+     padding). The HF baselines run on the first ``--hf-requests`` requests only (default 64: they are ~10x
+     slower); the table says so, and quantkit bf16 is also measured on that subset for a like-for-like ratio.
   2. Batch-1 decode tokens/s (CUDA graphs; time between the first and last generated token) for each variant, as
      a fraction of the bandwidth roofline: copy bandwidth measured here (read + write bytes / s) / bytes of
      weights read per token (every linear incl. lm_head, quantized buffers as stored; the embedding is a gather).
@@ -47,7 +48,10 @@ from quantkit.runtime.bench import DUMMY_MODELS, offline_throughput, random_work
 SCHEMES = {
     "w4a16": QuantScheme(bits=4, group_size=128, sym=True),
     "w8a8": QuantScheme(bits=8, group_size=-1, sym=True, act_bits=8, act_dynamic=True),
+    "w8a8fp8": QuantScheme(bits=8, group_size=-1, sym=True, act_bits=8, act_dynamic=True, fmt="fp8"),
 }
+QUANTIZED = tuple(SCHEMES)
+VARIANTS = ("bf16", *QUANTIZED)
 TARGETS = {"bf16_tok_s": 5000.0, "bf16_vs_generate_batch": 10.0, "bf16_b1_roofline": 0.70, "w4a16_b1_vs_bf16": 2.5,
            "kv_waste": 0.04}  # fmt: skip
 MODES = {  # requests, min/max prompt, new tokens, HF requests, batch-1 new tokens, shape
@@ -120,12 +124,16 @@ def quantize_decoder_linears(hf, scheme: QuantScheme) -> dict[str, nn.Module]:
     """RTN-quantized copies of every decoder-layer linear (lm_head stays float), built on the weights' device."""
     from quantkit.algorithms.rtn import rtn
     from quantkit.nn.factory import make_quantized_linear
+    from quantkit.nn.w8a8 import W8A8Linear
 
     out = {}
     with torch.no_grad():
         for name, mod in hf.named_modules():
             if isinstance(mod, nn.Linear) and name.startswith("model.layers."):
-                out[name] = make_quantized_linear(rtn(mod.weight, scheme), mod.bias, mod.weight.dtype)
+                if scheme.fmt == "fp8":  # e4m3 codes per output channel
+                    out[name] = W8A8Linear.from_float(mod, scheme)
+                else:
+                    out[name] = make_quantized_linear(rtn(mod.weight, scheme), mod.bias, mod.weight.dtype)
     return out
 
 
@@ -197,6 +205,7 @@ def engine(hf, args) -> LLM:
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_blocks=args.num_kv_blocks,
         enforce_eager=args.enforce_eager,
+        fp8_fast_accum=args.fp8_fast_accum,
     )
 
 
@@ -300,7 +309,7 @@ def summary(report: Report) -> list[tuple[str, str, str]]:
     gb = get("hf_generate_batch", "output_tok_s")
     sub = get("bf16", "throughput_hf_subset", "output_tok_s")
     n_hf = get("hf_generate_batch", "requests") or get("hf_static64", "requests")
-    for name in ("bf16", "w4a16", "w8a8"):
+    for name in VARIANTS:
         tok_s = get(name, "throughput", "output_tok_s")
         if tok_s is None:
             continue
@@ -319,7 +328,7 @@ def summary(report: Report) -> list[tuple[str, str, str]]:
         ratio = sub / gb
         ok = "met" if ratio >= TARGETS["bf16_vs_generate_batch"] else "MISSED"
         rows.append((f"(1) bf16 / generate_batch, same {n_hf} req", f"{ratio:.1f}x", f">= 10x: {ok}"))
-    b1 = {n: get(n, "batch1") for n in ("bf16", "w4a16", "w8a8")}
+    b1 = {n: get(n, "batch1") for n in VARIANTS}
     for name, v in b1.items():
         if v:
             verdict = ""
@@ -332,7 +341,7 @@ def summary(report: Report) -> list[tuple[str, str, str]]:
             if "graph_ms" in v:
                 split = f"graph {v['graph_ms']:.2f} + lm_head {v['logits_ms']:.2f} + host {v['host_ms']:.2f}"
                 rows.append((f"(2) {name} batch-1 ms per step", f"{v['step_ms']:.2f}", split))
-    for name in ("bf16", "w4a16", "w8a8"):
+    for name in VARIANTS:
         waste = get(name, "throughput", "kv_waste")
         if waste is not None:
             ok = "met" if waste < TARGETS["kv_waste"] else "MISSED"
@@ -364,7 +373,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="GPU smoke test")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (tiny model)")
-    ap.add_argument("--variants", default="bf16,w4a16,w8a8", help="comma-separated subset of bf16,w4a16,w8a8")
+    ap.add_argument("--variants", default="bf16,w4a16,w8a8", help=f"comma-separated subset of {','.join(VARIANTS)}")
+    ap.add_argument("--fp8-fast-accum", action="store_true", help="fp8 layers accumulate in the tensor cores' adder")
     ap.add_argument("--hf-requests", type=int, default=None, help="requests for the HF baselines (0: skip them)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -413,7 +423,7 @@ def main() -> None:
                 report.results["agreement_bf16"] = agreement(llm, hf, prompts)
         llm = None
         free_memory()
-    for name in ("w4a16", "w8a8"):
+    for name in QUANTIZED:
         if name not in variants:
             continue
         with report.phase(name):
