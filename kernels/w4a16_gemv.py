@@ -42,6 +42,12 @@ of a tile to issue first (a CTA barrier after the prefetch, or a data dependency
 them to the top of the loop and raised registers (96 -> 128); the best such variant per cell ran 0.89-1.04x the
 committed config's speed, most variants slower: code dropped.
 
+2026-12-02, sixth session: ``half_accum`` (fp16 activations on the vector_x path, ``_tile_mac_half``) does the
+arithmetic on fp16 pairs -- two codes per LOP3, HSUB2 and HFMA2, each word's 8 products summed in fp16 -- for 3.01
+instructions per weight against 3.65 (sm_90 SASS, Triton 3.6, 80 registers against 96), at an error of ~1.2x
+cuBLAS fp16's on average and up to ~2.2x on random layers (interpreter), against ~0.6-1.0x for the fp32 path. Not yet
+timed on a GPU (``benchmarks/probes/probe_gemv.py --half``); not in the committed table.
+
 Limits: 4 or 8 bits; BLOCK_K must divide the group size (``w4a16_configs.plan_launch`` sees to it); int32 offsets.
 Hardware: written for the H200 (sm_90, 132 SMs); register and SASS counts from ``benchmarks/sass_w4a16.py``.
 """
@@ -203,6 +209,110 @@ def _folded_pair(w, i: tl.constexpr, magic, four, twelve):
 
 
 @triton.jit
+def _tile_mac_half(acc, words, scales, zeros, x_ptr, t, m0, M, stride_xm, magic_pair, sixteen,
+                   BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):  # fmt: skip
+    """``_tile_mac_folded`` for fp16 activations with packed half-precision arithmetic (``half_accum``).
+
+    Two codes per 32-bit register, as the tensor-core path unpacks them: (w >> 4i) & 0x000F000F | 0x64006400 holds
+    codes i and i + 4 as the fp16 pair (1024 + q_i, 1024 + q_i+4); one HSUB2 of (1024 + z, 1024 + z) leaves the
+    exact q - z (|q - z| <= 15); one HFMA2 multiplies the pair by (x_k+i, x_k+i+4) into a fp16 pair accumulator.
+    Each word's four HFMA2 (8 codes) are summed in fp16, then the two halves go to the fp32 tile sum: per 8 codes 3
+    shifts, 4 LOP3, 4 HSUB2, 4 HFMA2 and 4 conversions / adds, against 4 shifts, 8 LOP3 and 8 FFMA (+ x work) on
+    the fp32 path. Rounding: each HFMA2 rounds to fp16 (2**-11 of the running 4-term sum), bounded by a few units
+    of fp16's own rounding of W = s (q - z). EMULATE (Triton's interpreter, which has no inline PTX): the same
+    operations on the unpacked halves in fp32, rounded to fp16 after each one.
+    """
+    offs_bm = tl.minimum(m0 + tl.arange(0, acc.shape[0]), M - 1)
+    x_rows = (x_ptr + offs_bm * stride_xm).to(tl.pointer_type(tl.int64))
+    k0 = t * BLOCK_K
+    four = sixteen >> 2
+    zz = ((zeros << sixteen) | zeros | magic_pair)[None, :]  # (1024 + z, 1024 + z)
+    total = tl.zeros(acc.shape, tl.float32)
+    for r in tl.static_range(words.shape[0]):
+        w = _row(words, r)[None, :]
+        pair = tl.zeros(acc.shape, tl.int32)  # fp16 (0, 0)
+        q_lo = tl.load(x_rows + (k0 + r * 8) // 4)[:, None]  # x_k .. x_k+3
+        q_hi = tl.load(x_rows + (k0 + r * 8) // 4 + 1)[:, None]  # x_k+4 .. x_k+7
+        for i in tl.static_range(4):
+            v = ((w >> (four * i)) & 0x000F000F) | magic_pair
+            lo32 = (q_lo >> (32 * (i // 2))).to(tl.int32)  # a register of the pair: no instruction
+            hi32 = (q_hi >> (32 * (i // 2))).to(tl.int32)
+            x2 = _prmt(lo32, hi32, 0x5410 if i % 2 == 0 else 0x7632, EMULATE)  # (x_k+i, x_k+i+4)
+            pair = _hfma2(_hsub2(v, zz, EMULATE), x2, pair, EMULATE)
+        # one word's 8 products summed in fp16, then in fp32: over two words (16 products) the error reached 2.3x
+        # that of PyTorch's fp16 product on random layers in the interpreter, one word stays within ~1.3x
+        total += _sum_halves(pair, EMULATE)
+    return acc + scales.to(tl.float32)[None, :] * total
+
+
+@triton.jit
+def _halves(p):
+    """An int32 holding a fp16 pair -> (low, high) as fp32."""
+    lo = p.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _prmt(a, b, SELECT: tl.constexpr, EMULATE: tl.constexpr):
+    """The 16-bit halves of a and b picked by SELECT (prmt.b32): 0x5410 = (a.low, b.low), 0x7632 = (a.high, b.high)."""
+    if EMULATE:
+        if SELECT == 0x5410:
+            return (a & 0xFFFF) | (b << 16)
+        else:
+            return ((a >> 16) & 0xFFFF) | (b & -65536)
+    else:
+        return tl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {SELECT};", "=r,r,r", [a, b], dtype=tl.int32,
+                                         is_pure=True, pack=1)  # fmt: skip
+
+
+@triton.jit
+def _sum_halves(p, EMULATE: tl.constexpr):
+    """low + high of a fp16 pair held in an int32, in fp32 (two conversions and one FADD)."""
+    if EMULATE:
+        lo, hi = _halves(p)
+        return lo + hi
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .f16 l, h; .reg .f32 a, b; mov.b32 {l, h}, $1; cvt.f32.f16 a, l; cvt.f32.f16 b, h; "
+            "add.f32 $0, a, b; }", "=r,r", [p], dtype=tl.float32, is_pure=True, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
+def _pair(lo, hi):
+    """fp32 (low, high) -> an int32 holding them as a fp16 pair (each rounded to nearest)."""
+    lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi16 = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    return lo16 | (hi16 << 16)
+
+
+@triton.jit
+def _hsub2(a, b, EMULATE: tl.constexpr):
+    """a - b on fp16 pairs held in int32 registers (sub.rn.f16x2)."""
+    if EMULATE:
+        a_lo, a_hi = _halves(a)
+        b_lo, b_hi = _halves(b)
+        return _pair(a_lo - b_lo, a_hi - b_hi)
+    else:
+        return tl.inline_asm_elementwise("sub.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True,
+                                         pack=1)  # fmt: skip
+
+
+@triton.jit
+def _hfma2(a, b, c, EMULATE: tl.constexpr):
+    """a * b + c on fp16 pairs held in int32 registers, one rounding per half (fma.rn.f16x2)."""
+    if EMULATE:
+        a_lo, a_hi = _halves(a)
+        b_lo, b_hi = _halves(b)
+        c_lo, c_hi = _halves(c)
+        return _pair(a_lo * b_lo + c_lo, a_hi * b_hi + c_hi)  # a * b exact in fp32; rounded to fp32, then fp16
+    else:
+        return tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)  # fmt: skip
+
+
+@triton.jit
 def _x_at(x_rows, offs_bm, kk, K, stride_xk, EVEN_K: tl.constexpr):
     """x[rows, kk] as fp32 [BM]: the same address in every thread (one broadcast load per warp)."""
     if EVEN_K:
@@ -230,8 +340,15 @@ def _row(words, r: tl.constexpr):
 
 @triton.jit
 def _mac(acc, words, scales, zeros, x_ptr, t, m0, M, K, stride_xm, stride_xk, magic, sixteen, BITS: tl.constexpr,
-         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FOLD: tl.constexpr, X_VEC: tl.constexpr):  # fmt: skip
-    if FOLD:
+         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FOLD: tl.constexpr, X_VEC: tl.constexpr, HALF: tl.constexpr,
+         EMULATE_HALF: tl.constexpr):  # fmt: skip
+    if HALF:
+        # 0x64006400 built from the run-time 16, so that it stays in a register and each code pair's mask and OR
+        # fit one LOP3 (a compile-time pair is a second immediate: a second LOP3 per pair)
+        magic_pair = sixteen * 1600 * 65537
+        return _tile_mac_half(acc, words, scales, zeros, x_ptr, t, m0, M, stride_xm, magic_pair, sixteen, BLOCK_K,
+                              EMULATE_HALF)  # fmt: skip
+    elif FOLD:
         return _tile_mac_folded(acc, words, scales, zeros, x_ptr, t, m0, M, K, stride_xm, stride_xk, magic,
                                 sixteen, BLOCK_K, EVEN_K, X_VEC)  # fmt: skip
     else:
@@ -253,7 +370,8 @@ def _w4a16_gemv_kernel(
     # meta-parameters
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, STAGES: tl.constexpr, FOLD: tl.constexpr, PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, EMULATE_BF16: tl.constexpr, X_VEC: tl.constexpr,
+    EVEN_K: tl.constexpr, EMULATE_BF16: tl.constexpr, X_VEC: tl.constexpr, HALF: tl.constexpr,
+    EMULATE_HALF: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -277,7 +395,7 @@ def _w4a16_gemv_kernel(
                                                 group_size, stride_qwk, stride_qwn, stride_qzg, stride_qzn,
                                                 stride_sg, stride_sn, BITS, BLOCK_K, EVEN_K)  # fmt: skip
             acc = _mac(acc, words, scales, zeros, x_ptr, t, pid_m * BLOCK_M, M, K, stride_xm, stride_xk, magic,
-                       sixteen, BITS, BLOCK_K, EVEN_K, FOLD, X_VEC)  # fmt: skip
+                       sixteen, BITS, BLOCK_K, EVEN_K, FOLD, X_VEC, HALF, EMULATE_HALF)  # fmt: skip
             words, scales, zeros = w_next, s_next, z_next
     else:
         # STAGES >= 2: Triton pipelines the tile's loads through shared memory (cp.async, STAGES - 1 tiles ahead);
@@ -287,7 +405,7 @@ def _w4a16_gemv_kernel(
                                               stride_qwn, stride_qzg, stride_qzn, stride_sg, stride_sn, BITS,
                                               BLOCK_K, EVEN_K)  # fmt: skip
             acc = _mac(acc, words, scales, zeros, x_ptr, t, pid_m * BLOCK_M, M, K, stride_xm, stride_xk, magic,
-                       sixteen, BITS, BLOCK_K, EVEN_K, FOLD, X_VEC)  # fmt: skip
+                       sixteen, BITS, BLOCK_K, EVEN_K, FOLD, X_VEC, HALF, EMULATE_HALF)  # fmt: skip
     _finish_tile(acc, bias_ptr, out_ptr, part_ptr, lock_ptr, pid, offs_m, offs_n, M, N, stride_om, stride_on,
                  SPLIT, HAS_BIAS, EMULATE_BF16)  # fmt: skip
 
@@ -314,6 +432,7 @@ def w4a16_gemv(
     part = out
     if plan.split_k > 1:
         part = torch.empty(plan.split_k, m, n, device=x.device, dtype=torch.float32)
+    x_vec = _vector_x(config, w.bits, x, plan.block_k)
     handle = _w4a16_gemv_kernel[plan.grid](
         x, w.qweight, w.qzeros, w.scales, bias if bias is not None else out, out, part, w.locks,
         m, n, k, w.group_size or 2**30, plan.tiles_per_split, MAGIC_F32, 16,
@@ -323,7 +442,8 @@ def w4a16_gemv(
         SPLIT=plan.split_k > 1, STAGES=config.num_stages, FOLD=config.fold_zero and w.bits == 4,
         PREFETCH=config.prefetch,
         HAS_BIAS=bias is not None, EVEN_K=k % plan.block_k == 0,
-        EMULATE_BF16=interpreting() and x.dtype == torch.bfloat16, X_VEC=_vector_x(config, w.bits, x, plan.block_k),
+        EMULATE_BF16=interpreting() and x.dtype == torch.bfloat16, X_VEC=x_vec,
+        HALF=x_vec and config.half_accum and x.dtype == torch.float16, EMULATE_HALF=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out, handle
