@@ -62,7 +62,7 @@ def compile_kernel(cfg: C.KernelConfig, group: int, dtype: torch.dtype, split: b
     )  # fmt: skip
     if gemv:
         const.update(STAGES=cfg.num_stages, FOLD=cfg.fold_zero, PREFETCH=cfg.prefetch, X_VEC=cfg.vector_x,
-                     HALF=cfg.half_accum and act == "fp16", EMULATE_HALF=False)  # fmt: skip
+                     HALF=cfg.half_accum, EMULATE_HALF=False)  # fmt: skip
     else:
         const.update(
             GROUP_M=cfg.group_m, FUSE_SCALE=cfg.fuse_scale,

@@ -39,9 +39,9 @@ class KernelConfig:
     ``vector_x`` (gemv, with ``fold_zero``): read x four activations per 8-byte load (needs whole K tiles, unit
     column stride and 8-byte aligned rows; otherwise the kernel reads one activation per load).
     ``swap_ab`` (fused): compute y.T = W.T @ x.T so the weight tile is the MMA's M side (wgmma for M < 64).
-    ``half_accum`` (gemv, with ``vector_x``): for fp16 activations, packed fp16 arithmetic (two codes per HSUB2 and
-    HFMA2, each word's 8 products summed in fp16, ``w4a16_gemv._tile_mac_half``); bf16 activations, or rows that
-    ``vector_x`` cannot read, take the fp32 path.
+    ``half_accum`` (gemv, with ``vector_x``): packed 16-bit arithmetic in the activations' dtype (two codes per
+    HSUB2 and HFMA2, each word's 8 products summed in fp16 / bf16, ``w4a16_gemv._tile_mac_half``); rows that
+    ``vector_x`` cannot read take the fp32 path.
     """
 
     method: str = "fused"
