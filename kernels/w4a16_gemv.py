@@ -45,9 +45,10 @@ committed config's speed, most variants slower: code dropped.
 2026-12-02, sixth session: ``half_accum`` (the vector_x path, ``_tile_mac_half``) does the arithmetic on 16-bit
 pairs of the activations' dtype -- two codes per LOP3, HSUB2 and HFMA2, each word's 8 products summed in 16 bits --
 for 3.01 (fp16) / 3.00 (bf16) instructions per weight against 3.65 / 3.53 (sm_90 SASS, Triton 3.6, 80 registers
-against 96), at an error of ~1.4x / ~1.1x PyTorch's same-dtype product on average and up to ~2.2x / ~1.4x on random
-layers (interpreter), against ~0.6-1.0x for the fp32 path. Not yet timed on a GPU (``benchmarks/probes/probe_gemv.py
---half``); not in the committed table.
+against 96), at an error of 1.26-1.36x / 1.10-1.27x PyTorch's same-dtype product on average and at worst 1.97-2.93x
+/ 1.65-2.37x on random layers (``TRITON_INTERPRET=1 python benchmarks/probes/half_error.py --seed 0|1|2``), against
+~0.6-1.0x for the fp32 path: over the issue's ~2x rule in some draws. Not yet timed on a GPU
+(``benchmarks/probes/probe_gemv.py --half``); not in the committed table.
 
 Limits: 4 or 8 bits; BLOCK_K must divide the group size (``w4a16_configs.plan_launch`` sees to it); int32 offsets.
 Hardware: written for the H200 (sm_90, 132 SMs); register and SASS counts from ``benchmarks/sass_w4a16.py``.
@@ -241,8 +242,7 @@ def _tile_mac_half(acc, words, scales, zeros, x_ptr, t, m0, M, stride_xm, magic_
             hi32 = (q_hi >> (32 * (i // 2))).to(tl.int32)
             x2 = _prmt(lo32, hi32, 0x5410 if i % 2 == 0 else 0x7632, EMULATE)  # (x_k+i, x_k+i+4)
             pair = _hfma2(_hsub2(v, zz, BF16, EMULATE), x2, pair, BF16, EMULATE)
-        # one word's 8 products summed in 16 bits, then in fp32: over two words (16 products) the fp16 error reached
-        # 2.3x that of PyTorch's fp16 product on random layers in the interpreter, one word stays within ~2.2x
+        # one word's 8 products summed in 16 bits, then in fp32 (summing two words in fp16 was measured worse)
         total += _sum_halves(pair, BF16, EMULATE)
     return acc + scales.to(tl.float32)[None, :] * total
 

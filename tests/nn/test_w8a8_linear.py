@@ -196,8 +196,8 @@ def test_fp8_fast_accumulation_setting():
     assert all(m.fp8_fast_accum for m in model[:2]) and "fp8_fast_accum=True" in repr(model[0])
     set_execution(model, "simulated")  # None leaves the setting alone
     assert model[0].fp8_fast_accum and model[0].execution is Execution.SIMULATED
+    model[1].fp8_fast_accum = False
     with pytest.raises(ValueError, match="one scheme, input width, dtype and execution"):
-        model[1].fp8_fast_accum = False
         W8A8Linear.concat([model[0], model[1]])
     model[1].fp8_fast_accum = True
     assert W8A8Linear.concat([model[0], model[1]]).fp8_fast_accum
