@@ -97,9 +97,6 @@ SWEEP = {
         F_("gemv", 1, 2048, 64, 8, 1, split_waves=4, fold_zero=True),
         F_("gemv", 1, 512, 128, 4, 1, split_waves=4, fold_zero=True, vector_x=True),  # x 4 per 8-byte load
         F_("gemv", 1, 512, 128, 4, 1, split_waves=8, fold_zero=True, vector_x=True),
-        # fp16 pairs (HSUB2 + HFMA2, 3.01 instructions per weight against 3.65 at sm_90; not yet timed on a GPU)
-        F_("gemv", 1, 512, 128, 4, 1, split_waves=4, fold_zero=True, vector_x=True, half_accum=True),
-        F_("gemv", 1, 512, 128, 4, 1, split_waves=8, fold_zero=True, vector_x=True, half_accum=True),
     ]),
     "m2": (2, [2], [
         F_("gemv", 2, 512, 128, 4, 2, split_waves=8, fold_zero=True),
@@ -108,7 +105,6 @@ SWEEP = {
         F_("gemv", 2, 512, 64, 4, 1, split_waves=8, fold_zero=True, prefetch=True),
         F_("gemv", 2, 1024, 64, 4, 1, split_waves=8, fold_zero=True, prefetch=True),
         F_("gemv", 2, 1024, 32, 4, 1, split_waves=8, fold_zero=True, prefetch=True),
-        F_("gemv", 2, 512, 128, 4, 1, split_waves=8, fold_zero=True, vector_x=True, half_accum=True),
         SWAP16,
     ]),
     "m4": (4, [4], [
@@ -151,7 +147,7 @@ SMOKE_SWEEP = {
     for i, (name, (max_m, _, _)) in enumerate(SWEEP.items())
 }
 # written only where not the default
-KEYWORD_FIELDS = ("split_waves", "fuse_scale", "group_m", "swap_ab", "fold_zero", "prefetch", "vector_x", "half_accum")
+KEYWORD_FIELDS = ("split_waves", "fuse_scale", "group_m", "swap_ab", "fold_zero", "prefetch", "vector_x")
 TABLE_FILE = Path(__file__).resolve().parents[1] / "kernels" / "w4a16_configs.py"
 
 

@@ -61,8 +61,7 @@ def compile_kernel(cfg: C.KernelConfig, group: int, dtype: torch.dtype, split: b
         EVEN_K=True, EMULATE_BF16=False, **dict.fromkeys(UNIT_STRIDES, 1),
     )  # fmt: skip
     if gemv:
-        const.update(STAGES=cfg.num_stages, FOLD=cfg.fold_zero, PREFETCH=cfg.prefetch, X_VEC=cfg.vector_x,
-                     HALF=cfg.half_accum, EMULATE_HALF=False)  # fmt: skip
+        const.update(STAGES=cfg.num_stages, FOLD=cfg.fold_zero, PREFETCH=cfg.prefetch, X_VEC=cfg.vector_x)
     else:
         const.update(
             GROUP_M=cfg.group_m, FUSE_SCALE=cfg.fuse_scale,

@@ -39,9 +39,6 @@ class KernelConfig:
     ``vector_x`` (gemv, with ``fold_zero``): read x four activations per 8-byte load (needs whole K tiles, unit
     column stride and 8-byte aligned rows; otherwise the kernel reads one activation per load).
     ``swap_ab`` (fused): compute y.T = W.T @ x.T so the weight tile is the MMA's M side (wgmma for M < 64).
-    ``half_accum`` (gemv, with ``vector_x``): packed 16-bit arithmetic in the activations' dtype (two codes per
-    HSUB2 and HFMA2, each word's 8 products summed in fp16 / bf16, ``w4a16_gemv._tile_mac_half``); rows that
-    ``vector_x`` cannot read take the fp32 path.
     """
 
     method: str = "fused"
@@ -57,7 +54,6 @@ class KernelConfig:
     fold_zero: bool = False
     prefetch: bool = False
     vector_x: bool = False
-    half_accum: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -74,8 +70,6 @@ class KernelConfig:
             raise ValueError("split_waves must be in [0, 32] and num_stages >= 1")
         if self.vector_x and not (self.method == "gemv" and self.fold_zero):
             raise ValueError("vector_x is an option of the gemv's folded path: it needs fold_zero")
-        if self.half_accum and not self.vector_x:
-            raise ValueError("half_accum is an option of the gemv's vector_x path: it needs vector_x")
         if self.prefetch and (self.method != "gemv" or self.num_stages != 1):
             raise ValueError("prefetch is a gemv option and replaces pipelining: it needs num_stages 1")
 
@@ -85,7 +79,6 @@ class KernelConfig:
             return "dequant+cublas"
         if self.method == "gemv":
             fold = ("f" if self.fold_zero else "") + ("p" if self.prefetch else "") + ("v" if self.vector_x else "")
-            fold += "h" if self.half_accum else ""
             return (
                 f"gemv-m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
                 f"{fold}sw{self.split_waves}"

@@ -41,14 +41,13 @@ tile) for 0-7% (geomean ~2%), so x's L1 latency was not the limit either. ptxas 
 of a tile to issue first (a CTA barrier after the prefetch, or a data dependency on all the tile's words) moved
 them to the top of the loop and raised registers (96 -> 128); the best such variant per cell ran 0.89-1.04x the
 committed config's speed, most variants slower: code dropped.
-
-2026-12-02, sixth session: ``half_accum`` (the vector_x path, ``_tile_mac_half``) does the arithmetic on 16-bit
-pairs of the activations' dtype -- two codes per LOP3, HSUB2 and HFMA2, each word's 8 products summed in 16 bits --
-for 3.01 (fp16) / 3.00 (bf16) instructions per weight against 3.65 / 3.53 (sm_90 SASS, Triton 3.6, 80 registers
-against 96), at an error of 1.26-1.36x / 1.10-1.27x PyTorch's same-dtype product on average and at worst 1.97-2.93x
-/ 1.65-2.37x on random layers (``TRITON_INTERPRET=1 python benchmarks/probes/half_error.py --seed 0|1|2``), against
-~0.6-1.0x for the fp32 path: over the issue's ~2x rule in some draws. Not yet timed on a GPU
-(``benchmarks/probes/probe_gemv.py --half``); not in the committed table.
+2026-12-02, sixth and seventh sessions: 16-bit pair arithmetic (two codes per LOP3, HSUB2 and HFMA2, each word's
+8 products summed in fp16 / bf16 before fp32; inline PTX) cut the loop to 3.01 (fp16) / 3.00 (bf16) SASS
+instructions per weight against 3.65 / 3.53 and 96 -> 80 registers, at 1.1-1.4x PyTorch's same-dtype error on
+average and up to 2.9x in some draws. Timed on the H200 (results/w4a16-medium-h200-2026-12-02.md), four variants
+at M = 1 ran 0.71-1.02x the committed config's speed per cell (geomean 0.80-0.89x); the best at M = 2 1.01-1.08x
+(geomean 1.03x) -- the third instruction cut that bought nothing, so the loop is bound by load latency, not
+issue: code dropped (it is in commit 25d34b6).
 
 Limits: 4 or 8 bits; BLOCK_K must divide the group size (``w4a16_configs.plan_launch`` sees to it); int32 offsets.
 Hardware: written for the H200 (sm_90, 132 SMs); register and SASS counts from ``benchmarks/sass_w4a16.py``.
@@ -211,128 +210,6 @@ def _folded_pair(w, i: tl.constexpr, magic, four, twelve):
 
 
 @triton.jit
-def _tile_mac_half(acc, words, scales, zeros, x_ptr, t, m0, M, stride_xm, magic_pair, sixteen,
-                   BLOCK_K: tl.constexpr, BF16: tl.constexpr, EMULATE: tl.constexpr):  # fmt: skip
-    """``_tile_mac_folded`` with packed 16-bit arithmetic in the activations' dtype (``half_accum``).
-
-    Two codes per 32-bit register, as the tensor-core path unpacks them: (w >> 4i) & 0x000F000F | MAGIC:MAGIC holds
-    codes i and i + 4 as the pair (B + q_i, B + q_i+4) -- fp16 0x6400 = 1024, bf16 0x4300 = 128, exact either way
-    -- one HSUB2 of (B + z, B + z) leaves the exact q - z (|q - z| <= 15) and one HFMA2 multiplies the pair by
-    (x_k+i, x_k+i+4) into a pair accumulator. Each word's four HFMA2 (8 codes) are summed in the 16-bit type, then
-    the two halves go to the fp32 tile sum: per 8 codes 3 shifts, 4 LOP3, 4 HSUB2, 4 HFMA2 and 4 conversions /
-    adds, against 4 shifts, 8 LOP3 and 8 FFMA (+ x work) on the fp32 path. Rounding: each HFMA2 rounds to the
-    16-bit type (2**-11 of the running 4-term sum in fp16, 2**-8 in bf16), the order of that type's own rounding
-    of W = s (q - z). EMULATE (Triton's interpreter, which has no inline PTX): the same operations on the
-    unpacked halves in fp32, rounded to the 16-bit type (to nearest, even) after each one.
-    """
-    offs_bm = tl.minimum(m0 + tl.arange(0, acc.shape[0]), M - 1)
-    x_rows = (x_ptr + offs_bm * stride_xm).to(tl.pointer_type(tl.int64))
-    k0 = t * BLOCK_K
-    four = sixteen >> 2
-    zz = ((zeros << sixteen) | zeros | magic_pair)[None, :]  # (B + z, B + z)
-    total = tl.zeros(acc.shape, tl.float32)
-    for r in tl.static_range(words.shape[0]):
-        w = _row(words, r)[None, :]
-        pair = tl.zeros(acc.shape, tl.int32)  # (0, 0)
-        q_lo = tl.load(x_rows + (k0 + r * 8) // 4)[:, None]  # x_k .. x_k+3
-        q_hi = tl.load(x_rows + (k0 + r * 8) // 4 + 1)[:, None]  # x_k+4 .. x_k+7
-        for i in tl.static_range(4):
-            v = ((w >> (four * i)) & 0x000F000F) | magic_pair
-            lo32 = (q_lo >> (32 * (i // 2))).to(tl.int32)  # a register of the pair: no instruction
-            hi32 = (q_hi >> (32 * (i // 2))).to(tl.int32)
-            x2 = _prmt(lo32, hi32, 0x5410 if i % 2 == 0 else 0x7632, EMULATE)  # (x_k+i, x_k+i+4)
-            pair = _hfma2(_hsub2(v, zz, BF16, EMULATE), x2, pair, BF16, EMULATE)
-        # one word's 8 products summed in 16 bits, then in fp32 (summing two words in fp16 was measured worse)
-        total += _sum_halves(pair, BF16, EMULATE)
-    return acc + scales.to(tl.float32)[None, :] * total
-
-
-@triton.jit
-def _halves(p, BF16: tl.constexpr):
-    """An int32 holding a 16-bit pair -> (low, high) as fp32 (a bf16 is the high half of its fp32)."""
-    if BF16:
-        return (p << 16).to(tl.float32, bitcast=True), (p & -65536).to(tl.float32, bitcast=True)
-    else:
-        lo = p.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        return lo, hi
-
-
-@triton.jit
-def _prmt(a, b, SELECT: tl.constexpr, EMULATE: tl.constexpr):
-    """The 16-bit halves of a and b picked by SELECT (prmt.b32): 0x5410 = (a.low, b.low), 0x7632 = (a.high, b.high)."""
-    if EMULATE:
-        if SELECT == 0x5410:
-            return (a & 0xFFFF) | (b << 16)
-        else:
-            return ((a >> 16) & 0xFFFF) | (b & -65536)
-    else:
-        return tl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {SELECT};", "=r,r,r", [a, b], dtype=tl.int32,
-                                         is_pure=True, pack=1)  # fmt: skip
-
-
-@triton.jit
-def _sum_halves(p, BF16: tl.constexpr, EMULATE: tl.constexpr):
-    """low + high of a 16-bit pair held in an int32, in fp32 (fp16: two cvt and one FADD in PTX; unpacking through
-    Triton's casts cost a PRMT or LOP3 more per half)."""
-    if BF16 or EMULATE:
-        lo, hi = _halves(p, BF16)
-        return lo + hi
-    else:
-        return tl.inline_asm_elementwise(
-            "{ .reg .f16 l, h; .reg .f32 a, b; mov.b32 {l, h}, $1; cvt.f32.f16 a, l; cvt.f32.f16 b, h; "
-            "add.f32 $0, a, b; }", "=r,r", [p], dtype=tl.float32, is_pure=True, pack=1,
-        )  # fmt: skip
-
-
-@triton.jit
-def _pair(lo, hi, BF16: tl.constexpr):
-    """fp32 (low, high) -> an int32 holding them as a 16-bit pair, each rounded to nearest even (bf16 by hand:
-    the interpreter's fp32 -> bf16 cast truncates)."""
-    if BF16:
-        lo_b = lo.to(tl.int32, bitcast=True)
-        hi_b = hi.to(tl.int32, bitcast=True)
-        lo16 = ((lo_b + 0x7FFF + ((lo_b >> 16) & 1)) >> 16) & 0xFFFF
-        hi16 = (hi_b + 0x7FFF + ((hi_b >> 16) & 1)) & -65536
-        return lo16 | hi16
-    else:
-        lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        hi16 = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-        return lo16 | (hi16 << 16)
-
-
-@triton.jit
-def _hsub2(a, b, BF16: tl.constexpr, EMULATE: tl.constexpr):
-    """a - b on 16-bit pairs held in int32 registers (sub.rn.f16x2 / sub.rn.bf16x2)."""
-    if EMULATE:
-        a_lo, a_hi = _halves(a, BF16)
-        b_lo, b_hi = _halves(b, BF16)
-        return _pair(a_lo - b_lo, a_hi - b_hi, BF16)
-    elif BF16:
-        return tl.inline_asm_elementwise("sub.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
-                                         is_pure=True, pack=1)  # fmt: skip
-    else:
-        return tl.inline_asm_elementwise("sub.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True,
-                                         pack=1)  # fmt: skip
-
-
-@triton.jit
-def _hfma2(a, b, c, BF16: tl.constexpr, EMULATE: tl.constexpr):
-    """a * b + c on 16-bit pairs held in int32 registers, one rounding per half (fma.rn.f16x2 / .bf16x2)."""
-    if EMULATE:
-        a_lo, a_hi = _halves(a, BF16)
-        b_lo, b_hi = _halves(b, BF16)
-        c_lo, c_hi = _halves(c, BF16)
-        return _pair(a_lo * b_lo + c_lo, a_hi * b_hi + c_hi, BF16)  # a * b exact in fp32; rounded twice
-    elif BF16:
-        return tl.inline_asm_elementwise("fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
-                                         is_pure=True, pack=1)  # fmt: skip
-    else:
-        return tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
-                                         is_pure=True, pack=1)  # fmt: skip
-
-
-@triton.jit
 def _x_at(x_rows, offs_bm, kk, K, stride_xk, EVEN_K: tl.constexpr):
     """x[rows, kk] as fp32 [BM]: the same address in every thread (one broadcast load per warp)."""
     if EVEN_K:
@@ -360,16 +237,8 @@ def _row(words, r: tl.constexpr):
 
 @triton.jit
 def _mac(acc, words, scales, zeros, x_ptr, t, m0, M, K, stride_xm, stride_xk, magic, sixteen, BITS: tl.constexpr,
-         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FOLD: tl.constexpr, X_VEC: tl.constexpr, HALF: tl.constexpr,
-         EMULATE_HALF: tl.constexpr):  # fmt: skip
-    if HALF:
-        # MAGIC:MAGIC (fp16 0x6400, bf16 0x4300) built from the run-time 16, so that it stays in a register and each
-        # code pair's mask and OR fit one LOP3 (a compile-time pair is a second immediate: a second LOP3 per pair)
-        BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
-        magic_pair = sixteen * (1072 if BF16 else 1600) * 65537
-        return _tile_mac_half(acc, words, scales, zeros, x_ptr, t, m0, M, stride_xm, magic_pair, sixteen, BLOCK_K,
-                              BF16, EMULATE_HALF)  # fmt: skip
-    elif FOLD:
+         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FOLD: tl.constexpr, X_VEC: tl.constexpr):  # fmt: skip
+    if FOLD:
         return _tile_mac_folded(acc, words, scales, zeros, x_ptr, t, m0, M, K, stride_xm, stride_xk, magic,
                                 sixteen, BLOCK_K, EVEN_K, X_VEC)  # fmt: skip
     else:
@@ -391,8 +260,7 @@ def _w4a16_gemv_kernel(
     # meta-parameters
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, STAGES: tl.constexpr, FOLD: tl.constexpr, PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, EMULATE_BF16: tl.constexpr, X_VEC: tl.constexpr, HALF: tl.constexpr,
-    EMULATE_HALF: tl.constexpr,
+    EVEN_K: tl.constexpr, EMULATE_BF16: tl.constexpr, X_VEC: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -416,7 +284,7 @@ def _w4a16_gemv_kernel(
                                                 group_size, stride_qwk, stride_qwn, stride_qzg, stride_qzn,
                                                 stride_sg, stride_sn, BITS, BLOCK_K, EVEN_K)  # fmt: skip
             acc = _mac(acc, words, scales, zeros, x_ptr, t, pid_m * BLOCK_M, M, K, stride_xm, stride_xk, magic,
-                       sixteen, BITS, BLOCK_K, EVEN_K, FOLD, X_VEC, HALF, EMULATE_HALF)  # fmt: skip
+                       sixteen, BITS, BLOCK_K, EVEN_K, FOLD, X_VEC)  # fmt: skip
             words, scales, zeros = w_next, s_next, z_next
     else:
         # STAGES >= 2: Triton pipelines the tile's loads through shared memory (cp.async, STAGES - 1 tiles ahead);
@@ -426,7 +294,7 @@ def _w4a16_gemv_kernel(
                                               stride_qwn, stride_qzg, stride_qzn, stride_sg, stride_sn, BITS,
                                               BLOCK_K, EVEN_K)  # fmt: skip
             acc = _mac(acc, words, scales, zeros, x_ptr, t, pid_m * BLOCK_M, M, K, stride_xm, stride_xk, magic,
-                       sixteen, BITS, BLOCK_K, EVEN_K, FOLD, X_VEC, HALF, EMULATE_HALF)  # fmt: skip
+                       sixteen, BITS, BLOCK_K, EVEN_K, FOLD, X_VEC)  # fmt: skip
     _finish_tile(acc, bias_ptr, out_ptr, part_ptr, lock_ptr, pid, offs_m, offs_n, M, N, stride_om, stride_on,
                  SPLIT, HAS_BIAS, EMULATE_BF16)  # fmt: skip
 
@@ -453,7 +321,6 @@ def w4a16_gemv(
     part = out
     if plan.split_k > 1:
         part = torch.empty(plan.split_k, m, n, device=x.device, dtype=torch.float32)
-    x_vec = _vector_x(config, w.bits, x, plan.block_k)
     handle = _w4a16_gemv_kernel[plan.grid](
         x, w.qweight, w.qzeros, w.scales, bias if bias is not None else out, out, part, w.locks,
         m, n, k, w.group_size or 2**30, plan.tiles_per_split, MAGIC_F32, 16,
@@ -463,8 +330,7 @@ def w4a16_gemv(
         SPLIT=plan.split_k > 1, STAGES=config.num_stages, FOLD=config.fold_zero and w.bits == 4,
         PREFETCH=config.prefetch,
         HAS_BIAS=bias is not None, EVEN_K=k % plan.block_k == 0,
-        EMULATE_BF16=interpreting() and x.dtype == torch.bfloat16, X_VEC=x_vec,
-        HALF=x_vec and config.half_accum, EMULATE_HALF=interpreting(),
+        EMULATE_BF16=interpreting() and x.dtype == torch.bfloat16, X_VEC=_vector_x(config, w.bits, x, plan.block_k),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out, handle
