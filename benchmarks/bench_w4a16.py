@@ -123,15 +123,30 @@ SWEEP = {
         F_("fused", 16, 64, 64, 2, 3, split_waves=4, fuse_scale=True, swap_ab=True),  # 2 warps: mma.sync, not wgmma
         F_("fused", 16, 128, 64, 2, 3, split_waves=4, fuse_scale=True, swap_ab=True),
     ]),
-    "medium": (64, [32, 64], [
+    # 64-wide N tiles 128 deep with BLOCK_M = M won both halves in benchmarks/probes/probe_skinny_k128.py (2026-12-02)
+    "m32": (32, [32], [
+        F_("fused", 32, 64, 128, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True),
+        F_("fused", 64, 64, 128, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True),
         F_("fused", 32, 128, 64, 4, 2, split_waves=2, fuse_scale=True, swap_ab=True),  # first sweep's winner
-        F_("fused", 32, 128, 64, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True),
-        F_("fused", 64, 128, 64, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True),
-        F_("fused", 64, 64, 128, 4, 2, split_waves=2, fuse_scale=True),
-        F_("fused", 64, 128, 64, 4, 3, split_waves=2, fuse_scale=True),
+        F_("fused", 64, 128, 64, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True),  # 2026-12-01's winner
         F_("fused", 32, 64, 64, 2, 3, split_waves=2, fuse_scale=True, swap_ab=True),
     ]),
-    "large": (256, [128, 256], [
+    "medium": (64, [64], [
+        F_("fused", 64, 64, 128, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True),
+        F_("fused", 64, 64, 64, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True),
+        F_("fused", 64, 64, 128, 4, 3, split_waves=1, fuse_scale=True, swap_ab=True),
+        F_("fused", 64, 128, 64, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True),  # 2026-12-01's winner
+        F_("fused", 64, 64, 128, 4, 2, split_waves=2, fuse_scale=True),
+        F_("fused", 64, 128, 64, 4, 3, split_waves=2, fuse_scale=True),
+    ]),
+    "m128": (128, [128], [  # probe_skinny_k128.py --ms 128,256: swap-AB 128 x 64 tiles ahead of dequant + cuBLAS
+        F_("fused", 128, 64, 128, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True),
+        F_("fused", 64, 64, 128, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True),
+        F_("fused", 128, 128, 128, 8, 3, split_waves=1, fuse_scale=True, swap_ab=True),
+        F_("dequant"),
+    ]),
+    "large": (256, [256], [
+        F_("fused", 128, 64, 128, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True),
         F_("fused", 128, 128, 64, 8, 4, split_waves=1, fuse_scale=True),
         F_("dequant"),
     ]),
@@ -142,9 +157,9 @@ SWEEP = {
 }  # fmt: skip
 SWEEP_SHAPES = [(14336, 4096), (8192, 8192), (28672, 8192)]
 SWEEP_GROUPS = [128]
-SMOKE_SWEEP = {
-    name: (max_m, [SMOKE["ms"][i // 4]], [F_("gemv", 1, 32, 64, 1, 1, split_waves=4), F_("dequant")])
-    for i, (name, (max_m, _, _)) in enumerate(SWEEP.items())
+SMOKE_SWEEP = {  # decode regimes (M <= 16) timed at the first smoke M, the others at the second
+    name: (max_m, [SMOKE["ms"][max_m > 16]], [F_("gemv", 1, 32, 64, 1, 1, split_waves=4), F_("dequant")])
+    for name, (max_m, _, _) in SWEEP.items()
 }
 # written only where not the default
 KEYWORD_FIELDS = ("split_waves", "fuse_scale", "group_m", "swap_ab", "fold_zero", "prefetch", "vector_x")

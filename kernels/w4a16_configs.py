@@ -100,12 +100,18 @@ class KernelConfig:
 # m1 2.39x, m2 1.71x, m4 1.34x, skinny 1.35x, medium 0.89x, large 0.54x, huge 0.86x.
 # m1 with vector_x added by hand after benchmarks/probes/probe_gemv.py --vector (2026-12-02, H200): 0-7% faster on
 # 9 of 12 M = 1 cells, at most 1.3% slower on the rest (results/w4a16-h200-2026-12-02b.md).
+# m32 and medium set by hand after benchmarks/probes/probe_skinny_k128.py (two runs, 2026-12-02, H200): 64-wide N
+# tiles, 128 deep, with BLOCK_M matched to M; geomean over the six shapes x groups 128/64 at M = 32: 1.24x against
+# 0.86x; M = 64: 0.95x against 0.82x; and a fused regime up to M = 128 from its third run: 0.59x against 0.52x for
+# dequant + cuBLAS, which stays ahead from M = 256 (0.60x against 0.47x) (results/w4a16-medium-h200-2026-12-02.md).
 CONFIG_TABLE: tuple[tuple[int, KernelConfig], ...] = (
     (1, KernelConfig("gemv", 1, 512, 128, 4, 1, split_waves=4, fold_zero=True, vector_x=True)),
     (2, KernelConfig("gemv", 2, 512, 64, 4, 1, split_waves=8, fold_zero=True, prefetch=True)),
     (4, KernelConfig("fused", 16, 128, 64, 4, 3, split_waves=4, fuse_scale=True, swap_ab=True)),
     (16, KernelConfig("fused", 16, 64, 64, 4, 3, split_waves=4, fuse_scale=True, swap_ab=True)),
-    (64, KernelConfig("fused", 64, 128, 64, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True)),
+    (32, KernelConfig("fused", 32, 64, 128, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True)),
+    (64, KernelConfig("fused", 64, 64, 128, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True)),
+    (128, KernelConfig("fused", 128, 64, 128, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True)),
     (256, KernelConfig("dequant", 16, 128, 128, 4, 4)),
     (2**31, KernelConfig("dequant", 16, 128, 128, 4, 4)),
 )
