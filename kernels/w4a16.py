@@ -381,15 +381,21 @@ def w4a16_gemm(
     return out, handle
 
 
-def w4a16_dequantize(w: W4A16Weight, dtype: torch.dtype, block_k: int = 64, block_n: int = 128) -> torch.Tensor:
+def w4a16_dequantize(
+    w: W4A16Weight, dtype: torch.dtype, block_k: int = 64, block_n: int = 128, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """W as [N, K] in ``dtype`` (kernel channel order): s * (q - z) rounded once, as PyTorch's fp32 dequantize.
 
     [N, K] (the nn.Linear layout) so that ``F.linear(x, W)`` runs the same cuBLAS kernel as the fp16 baseline.
+    ``out``: an [N, K] buffer to write into (any strides), e.g. a scratch buffer reused so that it stays in L2.
     """
     if dtype not in ACT_DTYPES:
         raise ValueError(f"dtype must be float16 or bfloat16, got {dtype}")
     k, n = w.in_features, w.out_features
-    out = torch.empty(n, k, device=w.qweight.device, dtype=dtype)
+    if out is None:
+        out = torch.empty(n, k, device=w.qweight.device, dtype=dtype)
+    elif out.dtype != dtype or tuple(out.shape) != (n, k) or out.device != w.qweight.device:
+        raise ValueError(f"out must be {dtype} [{n}, {k}] on {w.qweight.device}, got {out.dtype} {tuple(out.shape)}")
     magic = _magic(w.bits, dtype)
     grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
     _w4a16_dequant_kernel[grid](
