@@ -81,10 +81,26 @@ def _sync(llm: LLM) -> None:
         torch.cuda.synchronize(llm.device)
 
 
+# Prompt lengths of the warm-up: one eager step per M range of the W4A16 / W8A8 config tables, lengths that are and
+# are not multiples of 16 (Triton compiles both), so that no kernel is compiled inside a timed run. A timed run whose
+# mixed prefill + decode steps first met a ragged M > 256 paid the compile there: one int8 W8A8 run measured 5,109
+# instead of ~11,000 tok/s (benchmarks/probes/probe_serve_w8a8.py, 2026-12-02).
+WARM_UP_LENGTHS = (3, 8, 17, 40, 100, 200, 300, 1000)
+
+
+def warm_up(llm: LLM, tokens: list[int]) -> None:
+    """Compile every kernel the runtime's eager steps may launch: one short generation per ``WARM_UP_LENGTHS``."""
+    longest = min(max(WARM_UP_LENGTHS), llm.max_model_len - 2)
+    reps = -(-longest // len(tokens))
+    source = (tokens * reps)[:longest]
+    for n in sorted({min(n, longest) for n in WARM_UP_LENGTHS}):
+        llm.generate([source[:n]], SamplingParams(max_tokens=2, ignore_eos=True))
+
+
 def offline_throughput(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[Throughput, list[list[int]]]:
     """Generate ``output_len`` tokens for every prompt (EOS ignored, greedy), all submitted at once; returns the
     measurement and the generated tokens. A short warm-up first compiles the kernels outside the timing."""
-    llm.generate([prompts[0][:32], prompts[-1][:8]], SamplingParams(max_tokens=4, ignore_eos=True))
+    warm_up(llm, prompts[0])
     preemptions, steps0, allocated0, used0 = (
         llm.scheduler.num_preemptions, llm.stats.steps, llm.stats.allocated_slots, llm.stats.used_slots
     )  # fmt: skip
