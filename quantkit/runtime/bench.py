@@ -89,8 +89,10 @@ WARM_UP_LENGTHS = (3, 8, 17, 40, 100, 200, 300, 1000)
 
 
 def warm_up(llm: LLM, tokens: list[int]) -> None:
-    """Compile every kernel the runtime's eager steps may launch: one short generation per ``WARM_UP_LENGTHS``."""
-    longest = min(max(WARM_UP_LENGTHS), llm.max_model_len - 2)
+    """Compile every kernel the runtime's eager steps may launch: one short generation per ``WARM_UP_LENGTHS``
+    (capped so that a prompt and its 2 new tokens fit the model length and the whole KV cache)."""
+    cache_tokens = llm.runner.num_blocks * llm.runner.block_size
+    longest = min(max(WARM_UP_LENGTHS), llm.max_model_len, cache_tokens) - 2
     reps = -(-longest // len(tokens))
     source = (tokens * reps)[:longest]
     for n in sorted({min(n, longest) for n in WARM_UP_LENGTHS}):

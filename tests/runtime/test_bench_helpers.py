@@ -6,15 +6,20 @@ from tests.runtime.helpers import random_prompts
 from tests.tiny_models import COMMON, tiny_model
 
 
-def test_warm_up_runs_one_prefill_per_length_capped_by_the_model_length():
+def test_warm_up_runs_one_prefill_per_length_capped_by_the_model_length_and_the_cache():
     model = tiny_model("llama")
-    llm = LLM(model, device="cpu", num_kv_blocks=128, max_model_len=128)
-    calls = []
-    generate = llm.generate
-    llm.generate = lambda prompts, params: calls.append([len(p) for p in prompts]) or generate(prompts, params)
-    warm_up(llm, random_prompts([50], COMMON["vocab_size"])[0])
-    expected = sorted({min(n, 126) for n in WARM_UP_LENGTHS})
-    assert calls == [[n] for n in expected]
+    tokens = random_prompts([50], COMMON["vocab_size"])[0]
+    for blocks, model_len, longest in [(128, 128, 126), (6, 2048, 94)]:  # 6 blocks of 16 hold 96 tokens
+        llm = LLM(model, device="cpu", num_kv_blocks=blocks, max_model_len=model_len)
+        calls = []
+
+        def generate(prompts, params, run=llm.generate, seen=calls):
+            seen.append([len(p) for p in prompts])
+            return run(prompts, params)
+
+        llm.generate = generate
+        warm_up(llm, tokens)
+        assert calls == [[n] for n in sorted({min(n, longest) for n in WARM_UP_LENGTHS})]
     assert any(n % 16 for n in WARM_UP_LENGTHS) and max(WARM_UP_LENGTHS) > 256  # ragged and large-M steps
 
 
