@@ -81,16 +81,19 @@ def _sync(llm: LLM) -> None:
         torch.cuda.synchronize(llm.device)
 
 
-# Prompt lengths of the warm-up: one eager step per M range of the W4A16 / W8A8 config tables, lengths that are and
-# are not multiples of 16 (Triton compiles both), so that no kernel is compiled inside a timed run. A timed run whose
-# mixed prefill + decode steps first met a ragged M > 256 paid the compile there: one int8 W8A8 run measured 5,109
-# instead of ~11,000 tok/s (benchmarks/probes/probe_serve_w8a8.py, 2026-12-02).
+# Prompt lengths of the warm-up: one eager step per M range of the W4A16 / W8A8 config tables, none a multiple of 16
+# (Triton compiles those and the others separately; the engine's start-up already ran a 16384-token step and every
+# CUDA-graph batch size), so that no kernel is compiled inside a timed run. A timed run whose mixed prefill + decode
+# steps first met a ragged M > 256 paid the compile there: one int8 W8A8 run measured 5,109 instead of ~11,000
+# tok/s (benchmarks/probes/probe_serve_w8a8.py, 2026-12-02).
 WARM_UP_LENGTHS = (3, 8, 17, 40, 100, 200, 300, 1000)
 
 
 def warm_up(llm: LLM, tokens: list[int]) -> None:
     """Compile every kernel the runtime's eager steps may launch: one short generation per ``WARM_UP_LENGTHS``
     (capped so that a prompt and its 2 new tokens fit the model length and the whole KV cache)."""
+    if not tokens:
+        raise ValueError("warm_up needs a non-empty prompt to build its warm-up prompts from")
     cache_tokens = llm.runner.num_blocks * llm.runner.block_size
     longest = min(max(WARM_UP_LENGTHS), llm.max_model_len, cache_tokens) - 2
     reps = -(-longest // len(tokens))
