@@ -82,30 +82,39 @@ def _sync(llm: LLM) -> None:
 
 
 # Prompt lengths of the warm-up: one eager step per M range of the W4A16 / W8A8 config tables, none a multiple of 16
-# (Triton compiles those and the others separately; the engine's start-up already ran a 16384-token step and every
+# (Triton compiles those and the others separately; the engine's start-up already ran a full-budget step and every
 # CUDA-graph batch size), so that no kernel is compiled inside a timed run. A timed run whose mixed prefill + decode
 # steps first met a ragged M > 256 paid the compile there: one int8 W8A8 run measured 5,109 instead of ~11,000
 # tok/s (benchmarks/probes/probe_serve_w8a8.py, 2026-12-02).
 WARM_UP_LENGTHS = (3, 8, 17, 40, 100, 200, 300, 1000)
+WARM_UP_BATCH = 17  # then this many prompts at once, more tokens than one step takes: several sequences per
+# kernel launch and steps that mix chunked prefills with decodes, like the timed run's
 
 
-def warm_up(llm: LLM, tokens: list[int]) -> None:
-    """Compile every kernel the runtime's eager steps may launch: one short generation per ``WARM_UP_LENGTHS``
-    (capped so that a prompt and its 2 new tokens fit the model length and the whole KV cache)."""
-    if not tokens:
-        raise ValueError("warm_up needs a non-empty prompt to build its warm-up prompts from")
+def warm_up(llm: LLM, seed: int = 12345) -> None:
+    """Compile every kernel the runtime's eager steps may launch before anything is timed: one short generation per
+    ``WARM_UP_LENGTHS``, then ``WARM_UP_BATCH`` prompts together. The prompts are random tokens of their own (no
+    timed prompt can then start with a block that the warm-up left in the prefix cache), each capped so that it and
+    its 2 new tokens fit the model length and the whole KV cache."""
     cache_tokens = llm.runner.num_blocks * llm.runner.block_size
     longest = min(max(WARM_UP_LENGTHS), llm.max_model_len, cache_tokens) - 2
-    reps = -(-longest // len(tokens))
-    source = (tokens * reps)[:longest]
+    gen = torch.Generator().manual_seed(seed)
+    vocab = llm.model.config.vocab_size
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(3, vocab, (n,), generator=gen).tolist()
+
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
     for n in sorted({min(n, longest) for n in WARM_UP_LENGTHS}):
-        llm.generate([source[:n]], SamplingParams(max_tokens=2, ignore_eos=True))
+        llm.generate([prompt(n)], params)
+    per_prompt = min(longest, -(-llm.config.max_num_batched_tokens // (WARM_UP_BATCH - 1)) | 1)  # odd: ragged
+    llm.generate([prompt(per_prompt) for _ in range(WARM_UP_BATCH)], params)
 
 
 def offline_throughput(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[Throughput, list[list[int]]]:
     """Generate ``output_len`` tokens for every prompt (EOS ignored, greedy), all submitted at once; returns the
     measurement and the generated tokens. A short warm-up first compiles the kernels outside the timing."""
-    warm_up(llm, prompts[0])
+    warm_up(llm)
     preemptions, steps0, allocated0, used0 = (
         llm.scheduler.num_preemptions, llm.stats.steps, llm.stats.allocated_slots, llm.stats.used_slots
     )  # fmt: skip

@@ -1,16 +1,15 @@
 """quantkit.runtime.bench: the warm-up that keeps kernel compiles out of timed runs, and the throughput measure."""
 
 from quantkit.runtime import LLM, SamplingParams
-from quantkit.runtime.bench import WARM_UP_LENGTHS, offline_throughput, warm_up
+from quantkit.runtime.bench import WARM_UP_BATCH, WARM_UP_LENGTHS, offline_throughput, warm_up
 from tests.runtime.helpers import random_prompts
 from tests.tiny_models import COMMON, tiny_model
 
 
-def test_warm_up_runs_one_prefill_per_length_capped_by_the_model_length_and_the_cache():
+def test_warm_up_covers_each_length_then_a_batch_capped_by_the_model_length_and_the_cache():
     model = tiny_model("llama")
-    tokens = random_prompts([50], COMMON["vocab_size"])[0]
     for blocks, model_len, longest in [(128, 128, 126), (6, 2048, 94)]:  # 6 blocks of 16 hold 96 tokens
-        llm = LLM(model, device="cpu", num_kv_blocks=blocks, max_model_len=model_len)
+        llm = LLM(model, device="cpu", num_kv_blocks=blocks, max_model_len=model_len, max_num_batched_tokens=1000)
         calls = []
 
         def generate(prompts, params, run=llm.generate, seen=calls):
@@ -18,9 +17,22 @@ def test_warm_up_runs_one_prefill_per_length_capped_by_the_model_length_and_the_
             return run(prompts, params)
 
         llm.generate = generate
-        warm_up(llm, tokens)
-        assert calls == [[n] for n in sorted({min(n, longest) for n in WARM_UP_LENGTHS})]
+        warm_up(llm)
+        singles = [[n] for n in sorted({min(n, longest) for n in WARM_UP_LENGTHS})]
+        assert calls == [*singles, [min(longest, 63)] * WARM_UP_BATCH]  # 1000 tokens over 16 prompts, odd: 63
     assert any(n % 16 for n in WARM_UP_LENGTHS) and max(WARM_UP_LENGTHS) > 256  # ragged and large-M steps
+
+
+def test_warm_up_batch_runs_several_sequences_and_mixed_steps():
+    """The batch is larger than one step's token budget: some steps run many sequences, some mix a chunk of
+    prefill with decodes (num_new 1), as the timed workload's steps do."""
+    llm = LLM(tiny_model("llama"), device="cpu", num_kv_blocks=256, max_num_batched_tokens=256)
+    steps = []
+    run = llm.runner.run
+    llm.runner.run = lambda batch: steps.append(list(batch.num_new)) or run(batch)
+    warm_up(llm)
+    assert max(len(s) for s in steps) >= 8
+    assert any(1 in s and max(s) > 1 for s in steps)  # decodes and a prefill chunk in one step
 
 
 def test_offline_throughput_counts_every_generated_token():
