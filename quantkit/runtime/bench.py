@@ -113,7 +113,7 @@ def warm_up(llm: LLM, seed: int = 12345) -> None:
 
 def offline_throughput(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[Throughput, list[list[int]]]:
     """Generate ``output_len`` tokens for every prompt (EOS ignored, greedy), all submitted at once; returns the
-    measurement and the generated tokens. A short warm-up first compiles the kernels outside the timing."""
+    measurement and the generated tokens. ``warm_up`` first compiles the kernels outside the timing."""
     warm_up(llm)
     preemptions, steps0, allocated0, used0 = (
         llm.scheduler.num_preemptions, llm.stats.steps, llm.stats.allocated_slots, llm.stats.used_slots

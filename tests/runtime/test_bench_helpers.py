@@ -20,7 +20,7 @@ def test_warm_up_covers_each_length_then_a_batch_capped_by_the_model_length_and_
         warm_up(llm)
         singles = [[n] for n in sorted({min(n, longest) for n in WARM_UP_LENGTHS})]
         assert calls == [*singles, [min(longest, 63)] * WARM_UP_BATCH]  # 1000 tokens over 16 prompts, odd: 63
-    assert any(n % 16 for n in WARM_UP_LENGTHS) and max(WARM_UP_LENGTHS) > 256  # ragged and large-M steps
+    assert all(n % 16 for n in WARM_UP_LENGTHS) and max(WARM_UP_LENGTHS) > 256  # ragged and large-M steps
 
 
 def test_warm_up_batch_runs_several_sequences_and_mixed_steps():
