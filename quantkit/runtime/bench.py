@@ -91,11 +91,13 @@ WARM_UP_BATCH = 17  # then this many prompts at once, more tokens than one step 
 # kernel launch and steps that mix chunked prefills with decodes, like the timed run's
 
 
-def warm_up(llm: LLM, seed: int = 12345) -> None:
+def warm_up(llm: LLM, seed: int = 12345, full: bool | None = None) -> None:
     """Compile every kernel the runtime's eager steps may launch before anything is timed: one short generation per
     ``WARM_UP_LENGTHS``, then ``WARM_UP_BATCH`` prompts together. The prompts are random tokens of their own (no
     timed prompt can then start with a block that the warm-up left in the prefix cache), each capped so that it and
-    its 2 new tokens fit the model length and the whole KV cache."""
+    its 2 new tokens fit the model length and the whole KV cache. ``full`` (default: on CUDA only): off CUDA nothing
+    is compiled (PyTorch kernels, or Triton's interpreter), so one short prompt warms up the rest there, without
+    the cost of the whole sequence on a CPU."""
     cache_tokens = llm.runner.num_blocks * llm.runner.block_size
     longest = min(max(WARM_UP_LENGTHS), llm.max_model_len, cache_tokens) - 2
     gen = torch.Generator().manual_seed(seed)
@@ -105,6 +107,9 @@ def warm_up(llm: LLM, seed: int = 12345) -> None:
         return torch.randint(3, vocab, (n,), generator=gen).tolist()
 
     params = SamplingParams(max_tokens=2, ignore_eos=True)
+    if not (llm.device.type == "cuda" if full is None else full):
+        llm.generate([prompt(min(WARM_UP_LENGTHS[1], longest))], params)
+        return
     for n in sorted({min(n, longest) for n in WARM_UP_LENGTHS}):
         llm.generate([prompt(n)], params)
     per_prompt = min(longest, -(-llm.config.max_num_batched_tokens // (WARM_UP_BATCH - 1)) | 1)  # odd: ragged

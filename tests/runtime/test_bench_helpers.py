@@ -17,7 +17,7 @@ def test_warm_up_covers_each_length_then_a_batch_capped_by_the_model_length_and_
             return run(prompts, params)
 
         llm.generate = generate
-        warm_up(llm)
+        warm_up(llm, full=True)
         singles = [[n] for n in sorted({min(n, longest) for n in WARM_UP_LENGTHS})]
         assert calls == [*singles, [min(longest, 63)] * WARM_UP_BATCH]  # 1000 tokens over 16 prompts, odd: 63
     assert all(n % 16 for n in WARM_UP_LENGTHS) and max(WARM_UP_LENGTHS) > 256  # ragged and large-M steps
@@ -30,9 +30,18 @@ def test_warm_up_batch_runs_several_sequences_and_mixed_steps():
     steps = []
     run = llm.runner.run
     llm.runner.run = lambda batch: steps.append(list(batch.num_new)) or run(batch)
-    warm_up(llm)
+    warm_up(llm, full=True)
     assert max(len(s) for s in steps) >= 8
     assert any(1 in s and max(s) > 1 for s in steps)  # decodes and a prefill chunk in one step
+
+
+def test_warm_up_off_cuda_is_one_short_prompt():
+    llm = LLM(tiny_model("llama"), device="cpu", num_kv_blocks=64)
+    calls = []
+    run = llm.generate
+    llm.generate = lambda prompts, params: calls.append([len(p) for p in prompts]) or run(prompts, params)
+    warm_up(llm)
+    assert calls == [[WARM_UP_LENGTHS[1]]]
 
 
 def test_offline_throughput_counts_every_generated_token():
