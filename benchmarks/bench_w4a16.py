@@ -268,6 +268,18 @@ def fp16_calls(n: int, k: int, m: int, device: str, gen: torch.Generator) -> lis
     return [(lambda x=x, w=w: F.linear(x, w)) for x, w in zip(xs, ws, strict=True)]
 
 
+def layer_walk(shapes, groups, ms, timer: Timer, device: str, gen: torch.Generator):
+    """The benchmarks' walk: per shape, cuBLAS fp16 timed once per M for all groups, then each group's rotated
+    weights; yields (n, k, group, layer, fp16 us by M), emptying CUDA's cache between layers (a layer is freed
+    once the caller's loop moves on, so at most two are held at a time)."""
+    for n, k in shapes:
+        base = {m: timer.per_call(fp16_calls(n, k, m, device, gen)) for m in ms}
+        for group in groups:
+            yield n, k, group, Layer(n, k, group, device, seed=n + k + group), base
+            if device == "cuda":
+                torch.cuda.empty_cache()
+
+
 def copy_bandwidth(timer: Timer, device: str) -> float:
     """Device-to-device copy, TB/s counting read + write bytes."""
     if timer.smoke:
@@ -360,30 +372,24 @@ def run_table(args, timer: Timer, device: str, table: list | None) -> dict:
     print(f"device copy bandwidth: {copy_bw:.2f} TB/s (read + write)")
     rows, checks, meta = [], [], {}
     gen = torch.Generator(device=device).manual_seed(1)
-    for n, k in spec["shapes"]:
-        base = {m: timer.per_call(fp16_calls(n, k, m, device, gen)) for m in spec["ms"]}
-        for group in spec["groups"]:
-            layer = Layer(n, k, group, device, seed=n + k + group)
-            for m in CHECK_MS if not args.smoke else spec["ms"]:
-                checks.append({"n": n, "k": k, "group": group, **layer.check(m, choose(m))})
-                if not checks[-1]["ok"]:
-                    print(f"  CORRECTNESS FAILURE {n}x{k} g{group}: {checks[-1]}")
-            for m in spec["ms"]:
-                cfg = choose(m)
-                us = timer.per_call(layer.calls(m, cfg))
-                row = {"n": n, "k": k, "group": group, "m": m, "config": cfg.name, "fp16_us": base[m], "w4a16_us": us}
-                row["speedup"] = base[m] / us
-                row["weight_tbps"] = layer.bytes / (us * 1e-6) / 1e12
-                row["pct_copy_bw"] = 100 * row["weight_tbps"] / copy_bw
-                if m >= DEQUANT_MIN_M and cfg.method != "dequant":
-                    row["dequant_us"] = timer.per_call(layer.calls(m, C.KernelConfig("dequant")))
-                rows.append(row)
-                key = (cfg.name, group)
-                if cfg.method != "dequant" and key not in meta:
-                    meta[key] = {"config": cfg.name, "group": group, "m": m, **kernel_metadata(layer, m, cfg)}
-            del layer
-            if device == "cuda":
-                torch.cuda.empty_cache()
+    for n, k, group, layer, base in layer_walk(spec["shapes"], spec["groups"], spec["ms"], timer, device, gen):
+        for m in CHECK_MS if not args.smoke else spec["ms"]:
+            checks.append({"n": n, "k": k, "group": group, **layer.check(m, choose(m))})
+            if not checks[-1]["ok"]:
+                print(f"  CORRECTNESS FAILURE {n}x{k} g{group}: {checks[-1]}")
+        for m in spec["ms"]:
+            cfg = choose(m)
+            us = timer.per_call(layer.calls(m, cfg))
+            row = {"n": n, "k": k, "group": group, "m": m, "config": cfg.name, "fp16_us": base[m], "w4a16_us": us}
+            row["speedup"] = base[m] / us
+            row["weight_tbps"] = layer.bytes / (us * 1e-6) / 1e12
+            row["pct_copy_bw"] = 100 * row["weight_tbps"] / copy_bw
+            if m >= DEQUANT_MIN_M and cfg.method != "dequant":
+                row["dequant_us"] = timer.per_call(layer.calls(m, C.KernelConfig("dequant")))
+            rows.append(row)
+            key = (cfg.name, group)
+            if cfg.method != "dequant" and key not in meta:
+                meta[key] = {"config": cfg.name, "group": group, "m": m, **kernel_metadata(layer, m, cfg)}
     source = "sweep winners" if table else "committed CONFIG_TABLE"
     return {"table": source, "copy_tbps": copy_bw, "rows": rows, "checks": checks, "metadata": list(meta.values())}
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w4a16
-from bench_w4a16 import SHAPES, Layer, Timer, fp16_calls
+from bench_w4a16 import SHAPES, Layer, Timer, layer_walk
 from quantkit.kernels import w4a16 as K
 from quantkit.kernels import w4a16_configs as C
 
@@ -107,34 +107,30 @@ def main() -> None:
     timer = Timer(smoke=False)
     gen = torch.Generator(device="cuda").manual_seed(3)
     rows = []
-    for n, k in SHAPES:
-        base = {m: timer.per_call(fp16_calls(n, k, m, "cuda", gen)) for m in ms}
-        for group in (int(g) for g in args.groups.split(",")):
-            layer = Layer(n, k, group, "cuda", seed=n + k + group)
-            r = len(layer.weights)
-            variants = {f"l2-{mb}": ChunkedLinear(layer.weights, chunk_rows(k, mb), 1, "cuda") for mb in BUDGETS_MB}
-            variants |= {f"l2x2-{mb}": ChunkedLinear(layer.weights, chunk_rows(k, mb), 2, "cuda") for mb in (8, 16)}
-            for m in ms:
-                row = {"n": n, "k": k, "group": group, "m": m, "fp16_us": base[m]}
-                row["dequant_us"] = timer.per_call(layer.calls(m, C.KernelConfig("dequant")))
-                xs = [torch.randn(m, k, device="cuda", generator=gen).half() for _ in range(r)]
-                outs = [torch.empty(m, n, device="cuda", dtype=torch.float16) for _ in range(r)]
-                line = f"{n}x{k} g{group} M={m}: fp16 {base[m]:.1f} us"
-                line += f", dequant+cuBLAS {base[m] / row['dequant_us']:.2f}x"
-                for name, fn in variants.items():
-                    c = check(layer, fn, m)
-                    calls = [
-                        (lambda i=i, fn=fn, x=x, o=o: fn(x, i, o))
-                        for i, (x, o) in enumerate(zip(xs, outs, strict=True))
-                    ]
-                    us = timer.per_call(calls) if c["ok"] else None
-                    row[name] = {"us": us, **c}
-                    line += f", {name} " + (f"{base[m] / us:.2f}x" if us else "WRONG")
-                print(line, flush=True)
-                rows.append(row)
-                (args.out / "probe_l2_dequant.json").write_text(json.dumps(rows, indent=1))
-            del layer, variants
-            torch.cuda.empty_cache()
+    groups = [int(g) for g in args.groups.split(",")]
+    for n, k, group, layer, base in layer_walk(SHAPES, groups, ms, timer, "cuda", gen):
+        r = len(layer.weights)
+        variants = {f"l2-{mb}": ChunkedLinear(layer.weights, chunk_rows(k, mb), 1, "cuda") for mb in BUDGETS_MB}
+        variants |= {f"l2x2-{mb}": ChunkedLinear(layer.weights, chunk_rows(k, mb), 2, "cuda") for mb in (8, 16)}
+        for m in ms:
+            row = {"n": n, "k": k, "group": group, "m": m, "fp16_us": base[m]}
+            row["dequant_us"] = timer.per_call(layer.calls(m, C.KernelConfig("dequant")))
+            xs = [torch.randn(m, k, device="cuda", generator=gen).half() for _ in range(r)]
+            outs = [torch.empty(m, n, device="cuda", dtype=torch.float16) for _ in range(r)]
+            line = f"{n}x{k} g{group} M={m}: fp16 {base[m]:.1f} us"
+            line += f", dequant+cuBLAS {base[m] / row['dequant_us']:.2f}x"
+            for name, fn in variants.items():
+                c = check(layer, fn, m)
+                calls = [
+                    (lambda i=i, fn=fn, x=x, o=o: fn(x, i, o)) for i, (x, o) in enumerate(zip(xs, outs, strict=True))
+                ]
+                us = timer.per_call(calls) if c["ok"] else None
+                row[name] = {"us": us, **c}
+                line += f", {name} " + (f"{base[m] / us:.2f}x" if us else "WRONG")
+            print(line, flush=True)
+            rows.append(row)
+            (args.out / "probe_l2_dequant.json").write_text(json.dumps(rows, indent=1))
+        del variants
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w4a16
-from bench_w4a16 import SHAPES, Layer, Timer, fp16_calls
+from bench_w4a16 import SHAPES, Timer, layer_walk
 from quantkit.kernels import w4a16_configs as C
 
 F_ = C.KernelConfig
@@ -78,30 +78,26 @@ def main() -> None:
     timer = Timer(smoke=False)
     gen = torch.Generator(device="cuda").manual_seed(4)
     rows = []
-    for n, k in SHAPES:
-        base = {m: timer.per_call(fp16_calls(n, k, m, "cuda", gen)) for m in ms}
-        for group in (int(g) for g in args.groups.split(",")):
-            layer = Layer(n, k, group, "cuda", seed=n + k + group)
-            for m in ms:
-                committed = C.config_for(m)
-                regime = "second" if args.second else "skinny" if m <= 16 else "medium" if m <= 64 else "large"
-                cands = [committed, *CANDIDATES[regime]]
-                row = {"n": n, "k": k, "group": group, "m": m, "fp16_us": base[m], "committed": committed.name}
-                line = f"{n}x{k} g{group} M={m}: fp16 {base[m]:.1f} us"
-                for cfg in cands:
-                    try:
-                        ok = layer.check(m, cfg)["ok"]
-                        us = timer.per_call(layer.calls(m, cfg)) if ok else None
-                    except Exception as e:  # reported, the others still run
-                        ok, us = False, None
-                        print(f"  {cfg.name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                    row[cfg.name] = {"us": us, "ok": ok}
-                    line += f" | {cfg.name} " + (f"{base[m] / us:.2f}x" if us else "FAILED")
-                print(line, flush=True)
-                rows.append(row)
-                (args.out / f"probe_skinny_k128{'-second' * args.second}.json").write_text(json.dumps(rows, indent=1))
-            del layer
-            torch.cuda.empty_cache()
+    groups = [int(g) for g in args.groups.split(",")]
+    for n, k, group, layer, base in layer_walk(SHAPES, groups, ms, timer, "cuda", gen):
+        for m in ms:
+            committed = C.config_for(m)
+            regime = "second" if args.second else "skinny" if m <= 16 else "medium" if m <= 64 else "large"
+            cands = [committed, *CANDIDATES[regime]]
+            row = {"n": n, "k": k, "group": group, "m": m, "fp16_us": base[m], "committed": committed.name}
+            line = f"{n}x{k} g{group} M={m}: fp16 {base[m]:.1f} us"
+            for cfg in cands:
+                try:
+                    ok = layer.check(m, cfg)["ok"]
+                    us = timer.per_call(layer.calls(m, cfg)) if ok else None
+                except Exception as e:  # reported, the others still run
+                    ok, us = False, None
+                    print(f"  {cfg.name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                row[cfg.name] = {"us": us, "ok": ok}
+                line += f" | {cfg.name} " + (f"{base[m] / us:.2f}x" if us else "FAILED")
+            print(line, flush=True)
+            rows.append(row)
+            (args.out / f"probe_skinny_k128{'-second' * args.second}.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
