@@ -97,6 +97,8 @@ SWEEP = {
         F_("gemv", 1, 2048, 64, 8, 1, split_waves=4, fold_zero=True),
         F_("gemv", 1, 512, 128, 4, 1, split_waves=4, fold_zero=True, vector_x=True),  # x 4 per 8-byte load
         F_("gemv", 1, 512, 128, 4, 1, split_waves=8, fold_zero=True, vector_x=True),
+        # the split-K fix-up loading 32 partials per round (benchmarks/probes/probe_fixup.py, 2026-12-02)
+        F_("gemv", 1, 512, 128, 4, 1, split_waves=4, fold_zero=True, vector_x=True, fixup_unroll=32),
     ]),
     "m2": (2, [2], [
         F_("gemv", 2, 512, 128, 4, 2, split_waves=8, fold_zero=True),
@@ -105,6 +107,7 @@ SWEEP = {
         F_("gemv", 2, 512, 64, 4, 1, split_waves=8, fold_zero=True, prefetch=True),
         F_("gemv", 2, 1024, 64, 4, 1, split_waves=8, fold_zero=True, prefetch=True),
         F_("gemv", 2, 1024, 32, 4, 1, split_waves=8, fold_zero=True, prefetch=True),
+        F_("gemv", 2, 512, 64, 4, 1, split_waves=8, fold_zero=True, prefetch=True, fixup_unroll=8),
         SWAP16,
     ]),
     "m4": (4, [4], [
@@ -162,7 +165,16 @@ SMOKE_SWEEP = {  # decode regimes (M <= 16) timed at the first smoke M, the othe
     for name, (max_m, _, _) in SWEEP.items()
 }
 # written only where not the default
-KEYWORD_FIELDS = ("split_waves", "fuse_scale", "group_m", "swap_ab", "fold_zero", "prefetch", "vector_x")
+KEYWORD_FIELDS = (
+    "split_waves",
+    "fuse_scale",
+    "group_m",
+    "swap_ab",
+    "fold_zero",
+    "prefetch",
+    "vector_x",
+    "fixup_unroll",
+)
 TABLE_FILE = Path(__file__).resolve().parents[1] / "kernels" / "w4a16_configs.py"
 
 

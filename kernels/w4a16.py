@@ -56,7 +56,14 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from quantkit.kernels.w4a16_configs import CONFIG_TABLE, KernelConfig, LaunchPlan, config_for, plan_launch
+from quantkit.kernels.w4a16_configs import (
+    CONFIG_TABLE,
+    KernelConfig,
+    LaunchPlan,
+    config_for,
+    fixup_unroll,
+    plan_launch,
+)
 from quantkit.kernels.w4a16_epilogue import _finish_tile, _to_act
 from quantkit.kernels.w4a16_gemv import w4a16_gemv, w4a16_gemv_reference
 from quantkit.kernels.w4a16_weight import (
@@ -228,7 +235,7 @@ def _w4a16_gemm_kernel(
     SPLIT: tl.constexpr, FUSE_SCALE: tl.constexpr, SWAP_AB: tl.constexpr,
     MAGIC: tl.constexpr,
     COMPUTE: tl.constexpr, HALF_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
+    EMULATE_BF16: tl.constexpr, FIXUP: tl.constexpr,
 ):  # fmt: skip
     PF: tl.constexpr = 32 // BITS
     BLOCK_KW: tl.constexpr = BLOCK_K // PF
@@ -293,7 +300,7 @@ def _w4a16_gemm_kernel(
         acc = tl.trans(acc)
 
     _finish_tile(acc, bias_ptr, out_ptr, part_ptr, lock_ptr, pid_m * num_pid_n + pid_n, offs_m, offs_n, M, N,
-                 stride_om, stride_on, SPLIT, HAS_BIAS, EMULATE_BF16)  # fmt: skip
+                 stride_om, stride_on, SPLIT, HAS_BIAS, EMULATE_BF16, FIXUP)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["magic_pair"])
@@ -376,7 +383,7 @@ def w4a16_gemm(
         MAGIC=magic, COMPUTE=compute,
         HALF_SCALE=x.dtype == torch.float16,
         HAS_BIAS=bias is not None, EVEN_K=k % plan.block_k == 0, EMULATE_BF16=emulate_bf16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FIXUP=fixup_unroll(cfg), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, handle
 

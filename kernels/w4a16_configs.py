@@ -39,6 +39,8 @@ class KernelConfig:
     ``vector_x`` (gemv, with ``fold_zero``): read x four activations per 8-byte load (needs whole K tiles, unit
     column stride and 8-byte aligned rows; otherwise the kernel reads one activation per load).
     ``swap_ab`` (fused): compute y.T = W.T @ x.T so the weight tile is the MMA's M side (wgmma for M < 64).
+    ``fixup_unroll``: partial tiles the split-K fix-up loads per round (``w4a16_epilogue._finish_tile``); 0 picks
+    ``fixup_rounds``'s default from the tile's size.
     """
 
     method: str = "fused"
@@ -54,6 +56,7 @@ class KernelConfig:
     fold_zero: bool = False
     prefetch: bool = False
     vector_x: bool = False
+    fixup_unroll: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -66,6 +69,8 @@ class KernelConfig:
             raise ValueError(
                 f"tiles must be at least {min_m} (M), 16 (N) and 32 (K) wide: tl.dot's minimum, whole packed words"
             )
+        if self.fixup_unroll and not (_pow2(self.fixup_unroll) and self.fixup_unroll <= 32):
+            raise ValueError(f"fixup_unroll must be 0 (default) or a power of two <= 32, got {self.fixup_unroll}")
         if not 0 <= self.split_waves <= 32 or self.num_stages < 1:
             raise ValueError("split_waves must be in [0, 32] and num_stages >= 1")
         if self.vector_x and not (self.method == "gemv" and self.fold_zero):
@@ -77,17 +82,18 @@ class KernelConfig:
     def name(self) -> str:
         if self.method == "dequant":
             return "dequant+cublas"
+        unroll = f"u{self.fixup_unroll}" if self.fixup_unroll else ""
         if self.method == "gemv":
             fold = ("f" if self.fold_zero else "") + ("p" if self.prefetch else "") + ("v" if self.vector_x else "")
             return (
                 f"gemv-m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
-                f"{fold}sw{self.split_waves}"
+                f"{fold}sw{self.split_waves}{unroll}"
             )
         scale = "fs" if self.fuse_scale else "ts"
         swap = "t" if self.swap_ab else ""
         return (
             f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
-            f"sw{self.split_waves}{scale}{swap}"
+            f"sw{self.split_waves}{scale}{swap}{unroll}"
         )
 
     def to_dict(self) -> dict:
@@ -104,9 +110,13 @@ class KernelConfig:
 # tiles, 128 deep, with BLOCK_M matched to M; geomean over the six shapes x groups 128/64 at M = 32: 1.24x against
 # 0.86x; M = 64: 0.95x against 0.82x; and a fused regime up to M = 128 from its third run: 0.59x against 0.52x for
 # dequant + cuBLAS, which stays ahead from M = 256 (0.60x against 0.47x) (results/w4a16-medium-h200-2026-12-02.md).
+# m1 and m2 fix-up rounds set by hand after benchmarks/probes/probe_fixup.py (2026-12-02, H200): the last CTA of a
+# split output tile loads 32 (M = 1) / 8 (M = 2) partials per round instead of 4; geomean over 8 shapes x groups
+# 128/64: M = 1 2.16x against 1.99x (small layers +10-20%: a 4096 x 4096 layer runs 32 splits), M = 2 1.52x
+# against 1.45x; the same registers at M = 1 (results/w4a16-fixup-h200-2026-12-02.md).
 CONFIG_TABLE: tuple[tuple[int, KernelConfig], ...] = (
-    (1, KernelConfig("gemv", 1, 512, 128, 4, 1, split_waves=4, fold_zero=True, vector_x=True)),
-    (2, KernelConfig("gemv", 2, 512, 64, 4, 1, split_waves=8, fold_zero=True, prefetch=True)),
+    (1, KernelConfig("gemv", 1, 512, 128, 4, 1, split_waves=4, fold_zero=True, vector_x=True, fixup_unroll=32)),
+    (2, KernelConfig("gemv", 2, 512, 64, 4, 1, split_waves=8, fold_zero=True, prefetch=True, fixup_unroll=8)),
     (4, KernelConfig("fused", 16, 128, 64, 4, 3, split_waves=4, fuse_scale=True, swap_ab=True)),
     (16, KernelConfig("fused", 16, 64, 64, 4, 3, split_waves=4, fuse_scale=True, swap_ab=True)),
     (32, KernelConfig("fused", 32, 64, 128, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True)),
@@ -124,6 +134,14 @@ def config_for(m: int) -> KernelConfig:
         if m <= max_m:
             return cfg
     return CONFIG_TABLE[-1][1]
+
+
+def fixup_unroll(cfg: KernelConfig) -> int:
+    """Partial tiles the split-K fix-up loads per round: the config's ``fixup_unroll``, else 4 for tiles of at
+    most 2048 values (16 per thread at 4 warps: the extra registers cost no occupancy there), else 1."""
+    if cfg.fixup_unroll:
+        return cfg.fixup_unroll
+    return 4 if cfg.block_m * cfg.block_n <= 2048 else 1
 
 
 @dataclass(frozen=True)

@@ -47,10 +47,13 @@ def _store_tile(acc, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_
 
 @triton.jit
 def _finish_tile(acc, bias_ptr, out_ptr, part_ptr, lock_ptr, tile_id, offs_m, offs_n, M, N, stride_om, stride_on,
-                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EMULATE_BF16: tl.constexpr):  # fmt: skip
+                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EMULATE_BF16: tl.constexpr,
+                 UNROLL: tl.constexpr = 4):  # fmt: skip
     """Store acc [BLOCK_M, BLOCK_N], or (SPLIT) add it to the other K splits' partials with the serial fix-up.
 
     ``tile_id`` indexes the output tile's semaphore in ``lock_ptr``; ``part_ptr`` holds [split, M, N] fp32.
+    The last arrival loads ``UNROLL`` partials per round (all in flight at once: each round costs one L2 round
+    trip) and adds them in split order, so the sum does not depend on ``UNROLL``.
     """
     if not SPLIT:
         _store_tile(acc, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS, EMULATE_BF16)
@@ -65,9 +68,6 @@ def _finish_tile(acc, bias_ptr, out_ptr, part_ptr, lock_ptr, tile_id, offs_m, of
         split_k = tl.num_programs(1)  # a runtime value: one compiled kernel serves every split factor
         if arrived == split_k - 1:
             total = tl.zeros(acc.shape, dtype=tl.float32)
-            # several partials in flight per step (a plain loop waited on each one); small tiles only, where the
-            # extra registers cost no occupancy
-            UNROLL: tl.constexpr = 4 if acc.shape[0] * acc.shape[1] <= 2048 else 1
             for s0 in range(0, split_k, UNROLL):
                 for j in tl.static_range(UNROLL):
                     mask = part_mask & (part_offs * 0 + s0 + j < split_k)

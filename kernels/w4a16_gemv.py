@@ -48,6 +48,11 @@ average and up to 2.9x in some draws. Timed on the H200 (results/w4a16-medium-h2
 at M = 1 ran 0.71-1.02x the committed config's speed per cell (geomean 0.80-0.89x); the best at M = 2 1.01-1.08x
 (geomean 1.03x) -- the third instruction cut that bought nothing, so the loop is bound by load latency, not
 issue: code dropped (it is in commit 25d34b6).
+2026-12-02, eighth session: part of the small layers' fixed cost was the split-K fix-up. The M = 1 plan splits K
+until ~4 x 132 CTAs exist (a 4096 x 4096 layer: 8 output tiles x 32 splits of one 128-deep tile), and the last
+CTA of each tile summed the 32 partials four per round, eight dependent L2 round trips after the weights were
+read. Loading all 32 at once (``fixup_unroll``, the same 96 registers) made the small layers 10-20% faster
+(geomean over 8 shapes 1.99x -> 2.16x cuBLAS fp16; results/w4a16-fixup-h200-2026-12-02.md).
 
 Limits: 4 or 8 bits; BLOCK_K must divide the group size (``w4a16_configs.plan_launch`` sees to it); int32 offsets.
 Hardware: written for the H200 (sm_90, 132 SMs); register and SASS counts from ``benchmarks/sass_w4a16.py``.
@@ -58,7 +63,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from quantkit.kernels.w4a16_configs import KernelConfig, plan_launch
+from quantkit.kernels.w4a16_configs import KernelConfig, fixup_unroll, plan_launch
 from quantkit.kernels.w4a16_epilogue import _finish_tile
 from quantkit.kernels.w4a16_weight import W4A16Weight, check_operands, interpreting, num_sms, unpack_gptq_codes
 
@@ -260,7 +265,7 @@ def _w4a16_gemv_kernel(
     # meta-parameters
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, STAGES: tl.constexpr, FOLD: tl.constexpr, PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, EMULATE_BF16: tl.constexpr, X_VEC: tl.constexpr,
+    EVEN_K: tl.constexpr, EMULATE_BF16: tl.constexpr, X_VEC: tl.constexpr, FIXUP: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -296,7 +301,7 @@ def _w4a16_gemv_kernel(
             acc = _mac(acc, words, scales, zeros, x_ptr, t, pid_m * BLOCK_M, M, K, stride_xm, stride_xk, magic,
                        sixteen, BITS, BLOCK_K, EVEN_K, FOLD, X_VEC)  # fmt: skip
     _finish_tile(acc, bias_ptr, out_ptr, part_ptr, lock_ptr, pid, offs_m, offs_n, M, N, stride_om, stride_on,
-                 SPLIT, HAS_BIAS, EMULATE_BF16)  # fmt: skip
+                 SPLIT, HAS_BIAS, EMULATE_BF16, FIXUP)  # fmt: skip
 
 
 def w4a16_gemv(
@@ -331,6 +336,7 @@ def w4a16_gemv(
         PREFETCH=config.prefetch,
         HAS_BIAS=bias is not None, EVEN_K=k % plan.block_k == 0,
         EMULATE_BF16=interpreting() and x.dtype == torch.bfloat16, X_VEC=_vector_x(config, w.bits, x, plan.block_k),
+        FIXUP=fixup_unroll(config),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out, handle

@@ -10,6 +10,8 @@ Every output buffer is poisoned with NaN first; inputs are fresh random tensors 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -178,6 +180,21 @@ def test_split_k_is_deterministic_and_resets_its_semaphores(config):
     assert int(w.locks.abs().sum()) == 0
     y2 = K.w4a16_linear(x, w, config=config)
     assert torch.equal(y1, y2)
+
+
+@pytest.mark.parametrize("config", [SPLIT, GEMV])
+def test_split_k_fixup_unroll_leaves_the_sum_alone(config):
+    """The fix-up adds the partials in split order whatever it loads per round: 3 (gemv) or 6 (fused) splits
+    summed 1, 4 or 8 at a time (a ragged last round, or more than exist: the rest masked) give the same tensor."""
+    _, buffers = make_layer(64, 384, seed=5)
+    w = prepared(buffers, 4, 128)
+    x = torch.randn(1, 384, device=DEVICE).half()
+    assert K.plan_launch(config, 1, 64, 384, 128, 4).split_k in (3, 6)
+    ys = [K.w4a16_linear(x, w, config=replace(config, fixup_unroll=u)) for u in (1, 4, 8)]
+    assert all(torch.equal(ys[0], y) for y in ys[1:])
+    assert int(w.locks.abs().sum()) == 0
+    with pytest.raises(ValueError, match="fixup_unroll"):
+        replace(config, fixup_unroll=3)
 
 
 @pytest.mark.parametrize(

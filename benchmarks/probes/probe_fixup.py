@@ -1,0 +1,77 @@
+"""Probe: the split-K fix-up's rounds against the committed W4A16 skinny configs (M = 1-32).
+
+    python benchmarks/probes/probe_fixup.py [--out DIR] [--ms 1,2,16,32] [--groups 128,64]
+
+Why: at M = 1 the committed gemv splits K until ~4 x 132 CTAs exist, so a 4096 x 4096 layer runs 32 splits of one
+128-deep K tile each, and the last CTA of each output tile sums 32 partials four per round: eight dependent L2
+round trips after the weights have been read. The small layers take 9.9 us for 8.4 MB of weights (0.9 TB/s,
+results/w4a16-medium-h200-2026-12-02.md) and the runtime's batch-1 decode spends most of its time in such layers.
+Candidates: the committed config of each M with ``fixup_unroll`` 8, 16 and 32 partials per round, and with other
+split factors. Shapes: issue 6's six plus the runtime's fused projections of Llama-3-8B (qkv 6144 x 4096,
+gate_up 28672 x 4096).
+
+Each cell: cuBLAS fp16 and every candidate in the same run (bench_w4a16.py's method: CUDA graphs over rotated
+operands, L2 flushed, medians), every candidate checked against float64 first (within 2x cuBLAS's own error).
+Registers and spills of each candidate's compiled kernel (first shape) are recorded. Rows are printed and the
+JSON rewritten as they come.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w4a16
+from bench_w4a16 import SHAPES, Timer, kernel_metadata, layer_walk
+from quantkit.kernels import w4a16_configs as C
+
+RUNTIME_SHAPES = [(6144, 4096), (28672, 4096)]  # Llama-3-8B's fused qkv and gate_up projections
+
+
+def candidates(m: int) -> list[C.KernelConfig]:
+    base = C.config_for(m)
+    cands = [base] + [replace(base, fixup_unroll=u) for u in (8, 16, 32)]
+    waves = (base.split_waves // 2, base.split_waves * 2)
+    return cands + [replace(base, split_waves=w, fixup_unroll=16) for w in waves]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("bench_out"))
+    ap.add_argument("--ms", default="1,2,16,32")
+    ap.add_argument("--groups", default="128,64")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    ms = [int(v) for v in args.ms.split(",")]
+    groups = [int(g) for g in args.groups.split(",")]
+    timer = Timer(smoke=False)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    rows, meta = [], {}
+    out = args.out / "probe_fixup.json"
+    for n, k, group, layer, base in layer_walk(SHAPES + RUNTIME_SHAPES, groups, ms, timer, "cuda", gen):
+        for m in ms:
+            row = {"n": n, "k": k, "group": group, "m": m, "fp16_us": base[m], "committed": C.config_for(m).name}
+            line = f"{n}x{k} g{group} M={m}: fp16 {base[m]:.1f} us"
+            for cfg in candidates(m):
+                try:
+                    ok = layer.check(m, cfg)["ok"]
+                    us = timer.per_call(layer.calls(m, cfg)) if ok else None
+                    if cfg.name not in meta:
+                        meta[cfg.name] = kernel_metadata(layer, m, cfg)
+                except Exception as e:  # reported, the others still run
+                    ok, us = False, None
+                    print(f"  {cfg.name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                row[cfg.name] = {"us": us, "ok": ok}
+                line += f" | {cfg.name} " + (f"{base[m] / us:.2f}x" if us else "FAILED")
+            print(line, flush=True)
+            rows.append(row)
+            out.write_text(json.dumps({"rows": rows, "kernels": meta}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
