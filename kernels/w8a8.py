@@ -15,7 +15,8 @@ in two kernels:
    and a K loop of BLOCK_K. Two kernels share the accumulate and epilogue code: operand tiles fetched by the TMA
    unit through host-built tensor descriptors (config ``USE_TMA``; needs K % 16 == 0), or by pointer loads with
    an unmasked EVEN_K fast path (any K). ``USE_TMA`` 2 runs the TMA product persistently (one program per SM
-   walking the output tiles, so a program's next loads overlap its epilogue). Triton 3.6's automatic warp
+   walking the output tiles, so a program's next loads overlap its epilogue; 3 and 4: two and three programs per
+   SM). Triton 3.6's automatic warp
    specialization of that loop (``tl.range(..., warp_specialize=True)``, num_warps 4, loop not flattened) compiles
    for sm_90 but hung on the H200 (2026-12-02, 128 x 256 tiles, int8): not offered. int8 accumulates in int32
    (exact while 128 * 128 * K < 2**31, i.e. K <= 131_071; weights from GPTQ may use the code -128). fp8 accumulates
@@ -382,9 +383,9 @@ def _w8a8_matmul_tma_kernel(
     NUM_PROGRAMS,  # PERSISTENT: the grid size
 ):
     """The same product with operand tiles fetched by the TMA unit (bulk async copies; out-of-bounds reads are
-    zero-filled, so ragged M/N/K need no masks). PERSISTENT: one program per SM walks the output tiles NUM_PROGRAMS
-    apart, so the loads of a program's next tile overlap the epilogue of its current one; under PDL it waits once,
-    before its first tile (the prefetch covers that tile's weight rows)."""
+    zero-filled, so ragged M/N/K need no masks). PERSISTENT: one to three programs per SM walk the output tiles
+    NUM_PROGRAMS apart, so the loads of a program's next tile overlap the epilogue of its current one; under PDL
+    it waits once, before its first tile (the prefetch covers that tile's weight rows)."""
     pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     _await_activations(w_ptr, stride_wn, 1, pid_n, N, K, PDL, PREFETCH_K, BLOCK_N)
     if PERSISTENT:
@@ -423,9 +424,9 @@ def _tma_tile(a_desc, w_desc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K
 
 M_REGIMES = (("m16", 16), ("m64", 64), ("m256", 256), ("large", None))  # regime = first whose bound >= M
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "USE_TMA", "num_warps", "num_stages")
-# USE_TMA: 0 pointer loads, 1 TMA, 2 TMA with one persistent program per SM; TMA modes fall back to pointer loads
-# where the operands are not TMA-compatible (``tma_compatible``)
-TMA_MODES = (0, 1, 2)
+# USE_TMA: 0 pointer loads, 1 TMA, 2 / 3 / 4 TMA with one / two / three persistent programs per SM; TMA modes fall
+# back to pointer loads where the operands are not TMA-compatible (``tma_compatible``)
+TMA_MODES = (0, 1, 2, 3, 4)
 
 # int8 "large" set by hand after benchmarks/probes/probe_persistent.py (H200, 2026-12-02): the persistent kernel with
 # 256 x 128 tiles ran M >= 1024 at 1.50x bf16 (geomean of 18 cells, end to end) against 1.39x for the sweep's
@@ -640,9 +641,9 @@ def w8a8_matmul(
     if use_tma:
         a_desc = TensorDescriptor.from_tensor(qa, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
         w_desc = TensorDescriptor.from_tensor(qw, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
-        persistent = tma_mode == 2
+        persistent = tma_mode >= 2
         if persistent:
-            grid = (min(grid[0], num_sms(qa.device)),)
+            grid = (min(grid[0], num_sms(qa.device) * (tma_mode - 1)),)
         _w8a8_matmul_tma_kernel[grid](
             a_desc, w_desc, *epilogue, qw, m, n, k, out.stride(0), out.stride(1), qw.stride(0), **meta, **cfg,
             PERSISTENT=persistent, NUM_PROGRAMS=grid[0] if persistent else 1, **launch,

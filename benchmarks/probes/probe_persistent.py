@@ -11,6 +11,11 @@ relative to the output's largest magnitude.
 The first H200 run (2026-12-02) also timed the loop warp-specialized by Triton 3.6 (``warp_specialize=True``,
 num_warps 4, not flattened: a producer warp group and two consumers, 12 warps): 4096 x 4096 at M 16/64 ran 10-46%
 slower than the committed configs, and 128 x 256 tiles at M >= 1024 hung; that option was removed.
+
+Eighth session (2026-12-02): the skinny candidates had only run on 4096 x 4096, whose 128 output tiles of 16 x 32
+fit in one wave. The larger shapes have 448-896 such tiles for 3 resident CTAs per SM (72 KB of shared memory
+each), so the last wave runs a fraction of the SMs' slots; persistent programs, one to three per SM, spread the
+tiles evenly: `--ms 16,64 --variants int8` on every shape.
 """
 
 from __future__ import annotations
@@ -32,9 +37,14 @@ LARGE = {
     "p128x256w8s3": (128, 256, 128, 8, 2, 8, 3),
     "p256x128w8s3": (256, 128, 128, 8, 2, 8, 3),
 }
-SKINNY = {
+SKINNY = {  # "pp2" / "pp3": two / three persistent programs per SM (USE_TMA 3 / 4)
     "p16x32k256s6": (16, 32, 256, 1, 2, 4, 6),
+    "pp2-16x32k256s6": (16, 32, 256, 1, 3, 4, 6),
+    "pp3-16x32k256s6": (16, 32, 256, 1, 4, 4, 6),
+    "pp2-16x64k256s4": (16, 64, 256, 1, 3, 4, 4),
     "p64x64k256s4": (64, 64, 256, 1, 2, 4, 4),
+    "pp2-64x64k256s4": (64, 64, 256, 1, 3, 4, 4),
+    "pp2-32x64k256s4": (32, 64, 256, 1, 3, 4, 4),
 }
 CANDIDATES = {**LARGE, **SKINNY}
 VARIANTS = (("int8", False), ("fp8", False), ("fp8", True))

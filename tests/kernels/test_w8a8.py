@@ -155,7 +155,7 @@ def test_fp8_fast_accumulation_matches_float64(m, n, k):
 
 
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("use_tma", [0, 1, 2])  # pointer loads, TMA, persistent
+@pytest.mark.parametrize("use_tma", [0, 1, 2, 3])  # pointer loads, TMA, persistent (one / two programs per SM)
 @pytest.mark.parametrize("k", [96, 112, 100])  # K % BLOCK_K == 0; a K tail (TMA zero-fills it); K % 16 != 0
 def test_matmul_small_tiles_grouped_order(fmt, use_tma, k):
     m, n = 40, 70  # 3 x 3 tiles of 16 x 32, GROUP_M=2 leaves a ragged last group
@@ -209,7 +209,7 @@ def test_launcher_rejects_bad_operands():
     with pytest.raises(ValueError, match="config keys"):
         K.w8a8_matmul(qa, sa, qw, sw, config={"BLOCK_M": 16})
     with pytest.raises(ValueError, match="USE_TMA must be one of"):
-        K.w8a8_matmul(qa, sa, qw, sw, config={**SMALL_TILES, "USE_TMA": 3})
+        K.w8a8_matmul(qa, sa, qw, sw, config={**SMALL_TILES, "USE_TMA": 5})
     with pytest.raises(ValueError, match="fp16, bf16 or fp32"):
         K.quantize_activations(qa, "int8")
     with pytest.raises(ValueError, match="fmt must be"):
@@ -356,10 +356,12 @@ def test_gpu_pdl_launch_is_bit_identical(fmt, m, prefetch_k):
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs sm_90")
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("tiles", [(128, 256, 8, 3), (256, 128, 8, 3), (64, 64, 4, 4)])
-def test_gpu_persistent_kernel_matches_the_tma_kernel(fmt, tiles):
-    """One persistent program per SM (USE_TMA 2) sums the same tiles in the same order as the one-tile-per-program
-    TMA kernel: the outputs agree bit for bit, on ragged M and N and with more tiles than SMs."""
+@pytest.mark.parametrize("tiles", [(128, 256, 8, 3), (256, 128, 8, 3), (64, 64, 4, 4), (16, 32, 4, 6)])
+@pytest.mark.parametrize("mode", [2, 3])
+def test_gpu_persistent_kernel_matches_the_tma_kernel(fmt, tiles, mode):
+    """Persistent programs (USE_TMA 2: one per SM, 3: two) sum the same tiles in the same order as the
+    one-tile-per-program TMA kernel: the outputs agree bit for bit, on ragged M and N and with more tiles than
+    programs."""
     block_m, block_n, warps, stages = tiles
     m, n, k = 1000, 3000 + 8, 1024 + 128
     x, qw, w_scale, bias = make_layer(m, n, k, fmt, seed=5)
@@ -375,5 +377,5 @@ def test_gpu_persistent_kernel_matches_the_tma_kernel(fmt, tiles):
     want = K.w8a8_matmul(qa, a_scale, qw, w_scale, bias, torch.bfloat16, config={**cfg, "USE_TMA": 1})
     check_gemm(want, qa, a_scale, qw, w_scale, bias, torch.bfloat16)
     out = poisoned((m, n), torch.bfloat16)
-    got = K.w8a8_matmul(qa, a_scale, qw, w_scale, bias, torch.bfloat16, out=out, config={**cfg, "USE_TMA": 2})
+    got = K.w8a8_matmul(qa, a_scale, qw, w_scale, bias, torch.bfloat16, out=out, config={**cfg, "USE_TMA": mode})
     assert torch.equal(got, want)
