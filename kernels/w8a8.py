@@ -458,9 +458,22 @@ def m_regime(m: int) -> str:
 FP8_FAST_LARGE = (128, 256, 128, 8, 2, 8, 3)
 
 
-def pick_config(m: int, fmt: str, fp8_fast_accum: bool = False) -> dict[str, int]:
+# int8 with M <= 16 on wide layers: the committed 16 x 32 tiles fit 3 CTAs per SM (72 KB of shared memory each), so
+# more than 2 x 132 tiles leave a last wave on part of the SMs; two persistent programs per SM over 16 x 64 tiles
+# spread them evenly. benchmarks/probes/probe_persistent.py --ms 16,64 --variants int8 (H200, 2026-12-02; end to
+# end, bf16 = 1): 14336 x 4096 1.27x -> 1.47x, 28672 x 8192 1.58x -> 1.67x, 8192 x 28672 1.68x -> 1.66x; at or
+# below 264 tiles the committed config stayed ahead (results/w8a8-skinny-persistent-h200-2026-12-02.md)
+INT8_WIDE_SKINNY = (16, 64, 256, 1, 3, 4, 4)
+WIDE_TILES_PER_SM = 2  # of the committed m16 config's BLOCK_N
+
+
+def pick_config(m: int, fmt: str, fp8_fast_accum: bool = False, n: int | None = None, sms: int = 132) -> dict[str, int]:
+    """The tile config for M rows (``CONFIGS`` by regime); ``n`` (output features) and ``sms`` pick the wide-layer
+    int8 config for M <= 16 (``INT8_WIDE_SKINNY``)."""
     regime = m_regime(m)
     values = FP8_FAST_LARGE if fmt == "fp8" and fp8_fast_accum and regime == "large" else CONFIGS[(fmt, regime)]
+    if fmt == "int8" and regime == "m16" and n is not None and -(-n // values[1]) > WIDE_TILES_PER_SM * sms:
+        values = INT8_WIDE_SKINNY
     return dict(zip(CONFIG_KEYS, values, strict=True))
 
 
@@ -620,7 +633,7 @@ def w8a8_matmul(
     _check(not pdl or (qa.is_cuda and not interpreting()), "pdl needs a CUDA device (not Triton's interpreter)")
     if m == 0 or n == 0:
         return out
-    cfg = dict(config) if config is not None else pick_config(m, fmt, fp8_fast_accum)
+    cfg = dict(config) if config is not None else pick_config(m, fmt, fp8_fast_accum, n, num_sms(qa.device))
     _check(set(cfg) == set(CONFIG_KEYS), f"config keys must be {CONFIG_KEYS}, got {sorted(cfg)}")
     launch = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
     tma_mode = cfg.pop("USE_TMA")

@@ -234,6 +234,13 @@ def test_fp8_fast_accumulation_has_its_own_large_config():
     assert K.pick_config(4096, "fp8") == dict(zip(K.CONFIG_KEYS, K.CONFIGS[("fp8", "large")], strict=True))
     assert K.pick_config(64, "fp8", fp8_fast_accum=True) == K.pick_config(64, "fp8")
     assert K.pick_config(4096, "int8", fp8_fast_accum=True) == K.pick_config(4096, "int8")
+    # int8, M <= 16: wide layers (more than 2 x 132 tiles of the m16 config) take two persistent programs per SM
+    narrow = dict(zip(K.CONFIG_KEYS, K.CONFIGS[("int8", "m16")], strict=True))
+    wide = dict(zip(K.CONFIG_KEYS, K.INT8_WIDE_SKINNY, strict=True))
+    assert K.pick_config(16, "int8", n=8192) == narrow
+    assert K.pick_config(1, "int8", n=14336) == K.pick_config(16, "int8", n=28672) == wide
+    assert K.pick_config(17, "int8", n=28672) == dict(zip(K.CONFIG_KEYS, K.CONFIGS[("int8", "m64")], strict=True))
+    assert K.pick_config(16, "fp8", n=28672) == K.pick_config(16, "fp8")
 
 
 def test_m_regimes_cover_every_m():
@@ -326,13 +333,17 @@ def test_quantizer_launch_rule(k, fmt, m, want):
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("m", [1, 16, 64, 300])  # 300: int8 runs the persistent kernel there
 @pytest.mark.parametrize("prefetch_k", [0, 1024])
-def test_gpu_pdl_launch_is_bit_identical(fmt, m, prefetch_k):
+@pytest.mark.parametrize("n", [1000, 9000])  # 9000: int8 M <= 16 takes INT8_WIDE_SKINNY (persistent, 2 per SM)
+def test_gpu_pdl_launch_is_bit_identical(fmt, m, prefetch_k, n):
     """Quantizer then GEMM under programmatic dependent launch: the GEMM may start early but must wait for the
     codes; the output is bit for bit that of plain launches, also inside a CUDA graph (how decode runs)."""
-    n, k = 1000, 4096 + 64
+    k = 4096 + 64
     x, qw, w_scale, bias = make_layer(m, n, k, fmt, seed=m)
     x = x.to(DEVICE, torch.bfloat16)
     want = K.w8a8_linear(x, qw, w_scale, bias, pdl=False)
+    if fmt == "int8":  # integer sums: every tile config gives the same bits, the narrow one-tile-per-program too
+        narrow = dict(zip(K.CONFIG_KEYS, K.CONFIGS[("int8", K.m_regime(m))], strict=True))
+        assert torch.equal(K.w8a8_linear(x, qw, w_scale, bias, config=narrow, pdl=False), want)
 
     def pdl():
         qa, a_scale = K.quantize_activations(x, fmt, pdl=True)
