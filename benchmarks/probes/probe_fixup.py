@@ -1,6 +1,6 @@
 """Probe: the split-K fix-up's rounds against the committed W4A16 skinny configs (M = 1-32).
 
-    python benchmarks/probes/probe_fixup.py [--out DIR] [--ms 1,2,16,32] [--groups 128,64]
+    python benchmarks/probes/probe_fixup.py [--out DIR] [--ms 1,2,16,32] [--groups 128,64] [--set m1]
 
 Why: at M = 1 the committed gemv splits K until ~4 x 132 CTAs exist, so a 4096 x 4096 layer runs 32 splits of one
 128-deep K tile each, and the last CTA of each output tile sums 32 partials four per round: eight dependent L2
@@ -33,7 +33,16 @@ from quantkit.kernels import w4a16_configs as C
 RUNTIME_SHAPES = [(6144, 4096), (28672, 4096)]  # Llama-3-8B's fused qkv and gate_up projections
 
 
-def candidates(m: int) -> list[C.KernelConfig]:
+def m1_candidates() -> list[C.KernelConfig]:
+    """``--set m1``: the M = 1 gemv with 64-deep K tiles (64 registers: 8 CTAs of 4 warps per SM instead of 5) at
+    group 128 too, and with more splits on the wide layers, all with the one-round fix-up."""
+    base = C.config_for(1)
+    return [base] + [replace(base, block_k=bk, split_waves=w) for bk, w in ((64, 4), (64, 8), (64, 16), (128, 8))]
+
+
+def candidates(m: int, which: str = "fixup") -> list[C.KernelConfig]:
+    if which == "m1":
+        return m1_candidates()
     base = C.config_for(m)
     cands = [base] + [replace(base, fixup_unroll=u) for u in (8, 16, 32)]
     waves = (base.split_waves // 2, base.split_waves * 2)
@@ -45,19 +54,22 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench_out"))
     ap.add_argument("--ms", default="1,2,16,32")
     ap.add_argument("--groups", default="128,64")
+    ap.add_argument("--set", default="fixup", choices=["fixup", "m1"], help="m1: the M = 1 occupancy candidates")
     args = ap.parse_args()
+    if args.set == "m1":
+        args.ms = "1"
     args.out.mkdir(parents=True, exist_ok=True)
     ms = [int(v) for v in args.ms.split(",")]
     groups = [int(g) for g in args.groups.split(",")]
     timer = Timer(smoke=False)
     gen = torch.Generator(device="cuda").manual_seed(4)
     rows, meta = [], {}
-    out = args.out / "probe_fixup.json"
+    out = args.out / f"probe_fixup{'-m1' * (args.set == 'm1')}.json"
     for n, k, group, layer, base in layer_walk(SHAPES + RUNTIME_SHAPES, groups, ms, timer, "cuda", gen):
         for m in ms:
             row = {"n": n, "k": k, "group": group, "m": m, "fp16_us": base[m], "committed": C.config_for(m).name}
             line = f"{n}x{k} g{group} M={m}: fp16 {base[m]:.1f} us"
-            for cfg in candidates(m):
+            for cfg in candidates(m, args.set):
                 try:
                     ok = layer.check(m, cfg)["ok"]
                     us = timer.per_call(layer.calls(m, cfg)) if ok else None
