@@ -374,11 +374,11 @@ def precompile(cases: list[tuple], workers: int) -> None:
 
 def run_table(args, timer: Timer, device: str, table: list | None) -> dict:
     spec = SMOKE if args.smoke else QUICK if args.quick else {"shapes": SHAPES, "ms": MS, "groups": GROUPS}
-    choose = (lambda m: table_config(table, m)) if table else C.config_for
+    choose = (lambda m, n: table_config(table, m)) if table else C.config_for
     if not args.smoke and not args.no_precompile:
         ms = sorted(set(spec["ms"]) | set(CHECK_MS))
         precompile(
-            [(choose(m), n, k, m, g) for n, k in spec["shapes"] for g in spec["groups"] for m in ms], args.workers
+            [(choose(m, n), n, k, m, g) for n, k in spec["shapes"] for g in spec["groups"] for m in ms], args.workers
         )
     copy_bw = copy_bandwidth(timer, device)
     print(f"device copy bandwidth: {copy_bw:.2f} TB/s (read + write)")
@@ -386,11 +386,11 @@ def run_table(args, timer: Timer, device: str, table: list | None) -> dict:
     gen = torch.Generator(device=device).manual_seed(1)
     for n, k, group, layer, base in layer_walk(spec["shapes"], spec["groups"], spec["ms"], timer, device, gen):
         for m in CHECK_MS if not args.smoke else spec["ms"]:
-            checks.append({"n": n, "k": k, "group": group, **layer.check(m, choose(m))})
+            checks.append({"n": n, "k": k, "group": group, **layer.check(m, choose(m, n))})
             if not checks[-1]["ok"]:
                 print(f"  CORRECTNESS FAILURE {n}x{k} g{group}: {checks[-1]}")
         for m in spec["ms"]:
-            cfg = choose(m)
+            cfg = choose(m, n)
             us = timer.per_call(layer.calls(m, cfg))
             row = {"n": n, "k": k, "group": group, "m": m, "config": cfg.name, "fp16_us": base[m], "w4a16_us": us}
             row["speedup"] = base[m] / us

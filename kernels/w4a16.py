@@ -361,7 +361,7 @@ def w4a16_gemm(
     check_operands(x, w, bias, out)
     m, k = x.shape
     n = w.out_features
-    cfg = config or config_for(m)
+    cfg = config or config_for(m, n)
     if cfg.method != "fused":
         raise ValueError(f"w4a16_gemm runs the fused kernel; config {cfg.name} asks for {cfg.method!r}")
     plan = plan_launch(cfg, m, n, k, w.group_size, num_sms(x.device))
@@ -428,7 +428,7 @@ def w4a16_linear(
     x2 = x.reshape(-1, x.shape[-1])
     if w.perm is not None:
         x2 = x2.index_select(1, w.perm)
-    cfg = config or config_for(x2.shape[0])
+    cfg = config or config_for(x2.shape[0], w.out_features)
     if cfg.method == "dequant":
         check_operands(x2, w, bias, out)
         wt = w4a16_dequantize(w, x.dtype)  # [N, K]

@@ -128,8 +128,20 @@ CONFIG_TABLE: tuple[tuple[int, KernelConfig], ...] = (
 # END CONFIG_TABLE
 
 
-def config_for(m: int) -> KernelConfig:
-    """The committed configuration of the regime that ``m`` rows fall in."""
+# M = 1 on wide layers (N >= WIDE_N): 64-deep K tiles (64 registers: 8 CTAs of 4 warps per SM instead of 5) and
+# twice the splits. benchmarks/probes/probe_fixup.py --set m1 (H200, 2026-12-02), speedup over cuBLAS fp16 at groups
+# 128 / 64: 14336 x 4096 2.02 / 2.14x -> 2.16 / 2.15x, 28672 x 4096 2.30 / 2.44x -> 2.50 / 2.45x, 28672 x 8192
+# 2.49 / 2.41x -> 2.54 / 2.41x; on N <= 8192 the table's config stayed ahead by 0-6%
+# (results/w4a16-fixup-h200-2026-12-02.md)
+WIDE_N = 14336
+WIDE_M1 = KernelConfig("gemv", 1, 512, 64, 4, 1, split_waves=8, fold_zero=True, vector_x=True, fixup_unroll=32)
+
+
+def config_for(m: int, n: int | None = None) -> KernelConfig:
+    """The committed configuration of the regime that ``m`` rows fall in; ``n`` (output features) picks
+    ``WIDE_M1`` for one row of a wide layer."""
+    if m == 1 and n is not None and n >= WIDE_N:
+        return WIDE_M1
     for max_m, cfg in CONFIG_TABLE:
         if m <= max_m:
             return cfg

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from quantkit.kernels import w4a16 as K
+from quantkit.kernels import w4a16_configs as C
 from quantkit.kernels.w4a16_weight import num_sms
 
 from quantkit.nn.dispatch import cuda_weight_only_linear
@@ -302,6 +303,10 @@ def test_config_table_covers_every_m():
     assert maxima == sorted(maxima) and maxima[-1] >= 2**31 - 1
     assert K.config_for(1) is K.CONFIG_TABLE[0][1]
     assert K.config_for(10**6) is K.CONFIG_TABLE[-1][1]
+    # one row of a wide layer: 64-deep tiles, twice the splits
+    assert C.config_for(1, 14336) is C.config_for(1, 28672) is C.WIDE_M1
+    assert C.config_for(1, 8192) is C.config_for(1) is K.CONFIG_TABLE[0][1]
+    assert C.config_for(2, 28672) is C.config_for(2)
 
 
 def _quant_linear(bits=4, group=128, act_order=False, bias=True, n=48, k=256, seed=9):
