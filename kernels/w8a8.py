@@ -34,7 +34,8 @@ the K-major B operand Hopper's int8/fp8 wgmma needs (only 16-bit types may read 
 and the layout cuBLAS's fast int8 path wants (``torch._int_mm(a, w.t())``), so no re-layout is needed.
 
 Limits: 2-D operands, K-contiguous ``qa`` and ``qw``, every tensor under 2**31 elements (32-bit offsets).
-Tile configs: ``CONFIGS`` below, per (format, M regime); see its header for what they were tuned on.
+Tile configs: ``CONFIGS`` below, per (format, M regime); see its header for what they were tuned on. int8 with
+M <= 16 on layers of more than 2 x 132 such tiles takes ``INT8_WIDE_SKINNY`` (``pick_config``'s ``n``).
 """
 
 from __future__ import annotations
