@@ -292,6 +292,17 @@ def layer_walk(shapes, groups, ms, timer: Timer, device: str, gen: torch.Generat
                 torch.cuda.empty_cache()
 
 
+def checked_time(layer: Layer, m: int, config: C.KernelConfig, timer: Timer) -> tuple[bool, float | None]:
+    """(ok, us): ``config`` checked against float64 at M rows, then timed if right. A config that fails to compile
+    or launch is reported and counted as failed, so that a probe's other candidates still run."""
+    try:
+        ok = layer.check(m, config)["ok"]
+        return ok, timer.per_call(layer.calls(m, config)) if ok else None
+    except Exception as e:
+        print(f"  {config.name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return False, None
+
+
 def copy_bandwidth(timer: Timer, device: str) -> float:
     """Device-to-device copy, TB/s counting read + write bytes."""
     if timer.smoke:

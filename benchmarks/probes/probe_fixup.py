@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w4a16
-from bench_w4a16 import SHAPES, Timer, kernel_metadata, layer_walk
+from bench_w4a16 import SHAPES, Timer, checked_time, kernel_metadata, layer_walk
 from quantkit.kernels import w4a16_configs as C
 
 RUNTIME_SHAPES = [(6144, 4096), (28672, 4096)]  # Llama-3-8B's fused qkv and gate_up projections
@@ -70,14 +70,9 @@ def main() -> None:
             row = {"n": n, "k": k, "group": group, "m": m, "fp16_us": base[m], "committed": C.config_for(m).name}
             line = f"{n}x{k} g{group} M={m}: fp16 {base[m]:.1f} us"
             for cfg in candidates(m, args.set):
-                try:
-                    ok = layer.check(m, cfg)["ok"]
-                    us = timer.per_call(layer.calls(m, cfg)) if ok else None
-                    if cfg.name not in meta:
-                        meta[cfg.name] = kernel_metadata(layer, m, cfg)
-                except Exception as e:  # reported, the others still run
-                    ok, us = False, None
-                    print(f"  {cfg.name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                ok, us = checked_time(layer, m, cfg, timer)
+                if ok and cfg.name not in meta:
+                    meta[cfg.name] = kernel_metadata(layer, m, cfg)
                 row[cfg.name] = {"us": us, "ok": ok}
                 line += f" | {cfg.name} " + (f"{base[m] / us:.2f}x" if us else "FAILED")
             print(line, flush=True)

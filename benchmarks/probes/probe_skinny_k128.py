@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w4a16
-from bench_w4a16 import SHAPES, Timer, layer_walk
+from bench_w4a16 import SHAPES, Timer, checked_time, layer_walk
 from quantkit.kernels import w4a16_configs as C
 
 F_ = C.KernelConfig
@@ -87,12 +87,7 @@ def main() -> None:
             row = {"n": n, "k": k, "group": group, "m": m, "fp16_us": base[m], "committed": committed.name}
             line = f"{n}x{k} g{group} M={m}: fp16 {base[m]:.1f} us"
             for cfg in cands:
-                try:
-                    ok = layer.check(m, cfg)["ok"]
-                    us = timer.per_call(layer.calls(m, cfg)) if ok else None
-                except Exception as e:  # reported, the others still run
-                    ok, us = False, None
-                    print(f"  {cfg.name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                ok, us = checked_time(layer, m, cfg, timer)
                 row[cfg.name] = {"us": us, "ok": ok}
                 line += f" | {cfg.name} " + (f"{base[m] / us:.2f}x" if us else "FAILED")
             print(line, flush=True)
