@@ -40,7 +40,7 @@ class KernelConfig:
     column stride and 8-byte aligned rows; otherwise the kernel reads one activation per load).
     ``swap_ab`` (fused): compute y.T = W.T @ x.T so the weight tile is the MMA's M side (wgmma for M < 64).
     ``fixup_unroll``: partial tiles the split-K fix-up loads per round (``w4a16_epilogue._finish_tile``); 0 picks
-    ``fixup_rounds``'s default from the tile's size.
+    the module function ``fixup_unroll``'s default from the tile's size.
     """
 
     method: str = "fused"
