@@ -11,20 +11,19 @@ in two kernels:
    zeros, not NaN. Rounding is half-to-even, to the integers (int8) or to the e4m3 grid (fp8), computed explicitly in
    fp32 so the GPU and Triton's interpreter agree with ``torch.round`` / ``Tensor.to(torch.float8_e4m3fn)`` bit for bit
    (the interpreter's own fp32 -> fp8 cast does not round to nearest even).
-2. ``w8a8_matmul``: qa [M, K] x qw [N, K]^T. Tiles of BLOCK_M x BLOCK_N, grouped along M (GROUP_M) for L2 reuse,
-   and a K loop of BLOCK_K. Two kernels share the accumulate and epilogue code: operand tiles fetched by the TMA
-   unit through host-built tensor descriptors (config ``USE_TMA``; needs K % 16 == 0), or by pointer loads with
-   an unmasked EVEN_K fast path (any K). ``USE_TMA`` 2 runs the TMA product persistently (one program per SM
-   walking the output tiles, so a program's next loads overlap its epilogue; 3 and 4: two and three programs per
-   SM). Triton 3.6's automatic warp
-   specialization of that loop (``tl.range(..., warp_specialize=True)``, num_warps 4, loop not flattened) compiles
-   for sm_90 but hung on the H200 (2026-12-02, 128 x 256 tiles, int8): not offered. int8 accumulates in int32
-   (exact while 128 * 128 * K < 2**31, i.e. K <= 131_071; weights from GPTQ may use the code -128). fp8 accumulates
-   in fp32; Hopper's fp8 tensor cores add with reduced precision, so by default each BLOCK_K-long partial sum is
-   promoted into a full fp32 accumulator (DeepSeek-V3's fix, promotion interval 128); ``fp8_fast_accum=True`` keeps
-   the whole K loop in the tensor core (Triton's sm_90 default, like cuBLAS ``use_fast_accum=True``). The epilogue
-   converts the accumulator to fp32, applies both scales and the bias in registers and stores fp16/bf16/fp32 once:
-   the int32 accumulator never goes to memory.
+2. ``w8a8_matmul``: qa [M, K] x qw [N, K]^T. Tiles of BLOCK_M x BLOCK_N, grouped along M (GROUP_M) for L2 reuse, and
+   a K loop of BLOCK_K. Two kernels share the accumulate and epilogue code: operand tiles fetched by the TMA unit
+   through host-built tensor descriptors (config ``USE_TMA``; needs K % 16 == 0), or by pointer loads with an
+   unmasked EVEN_K fast path (any K). ``USE_TMA`` 2 runs the TMA product persistently (one program per SM walking the
+   output tiles, so a program's next loads overlap its epilogue; 3 and 4: two and three programs per SM). Triton
+   3.6's automatic warp specialization of that loop (``tl.range(..., warp_specialize=True)``, num_warps 4, loop not
+   flattened) compiles for sm_90 but hung on the H200 (2026-12-02, 128 x 256 tiles, int8): not offered. int8
+   accumulates in int32 (exact while 128 * 128 * K < 2**31, i.e. K <= 131_071; weights from GPTQ may use the code
+   -128). fp8 accumulates in fp32; Hopper's fp8 tensor cores add with reduced precision, so by default each
+   BLOCK_K-long partial sum is promoted into a full fp32 accumulator (DeepSeek-V3's fix, promotion interval 128);
+   ``fp8_fast_accum=True`` keeps the whole K loop in the tensor core (Triton's sm_90 default, like cuBLAS
+   ``use_fast_accum=True``). The epilogue converts the accumulator to fp32, applies both scales and the bias in
+   registers and stores fp16/bf16/fp32 once: the int32 accumulator never goes to memory.
 3. Programmatic dependent launch (``w8a8_linear``, M <= 64 on sm_90+, ``use_pdl``): the quantizer lets the GEMM start
    at once; the GEMM asks L2 for the first ``PDL_PREFETCH_K`` bytes of its weight rows, then waits
    (griddepcontrol.wait) for the codes, so the quantizer's launch and run overlap the GEMM's start (+3% at M 16-64).
@@ -463,7 +462,9 @@ FP8_FAST_LARGE = (128, 256, 128, 8, 2, 8, 3)
 # more than 2 x 132 tiles leave a last wave on part of the SMs; two persistent programs per SM over 16 x 64 tiles
 # spread them evenly. benchmarks/probes/probe_persistent.py --ms 16,64 --variants int8 (H200, 2026-12-02; end to
 # end, bf16 = 1): 14336 x 4096 1.27x -> 1.47x, 28672 x 8192 1.58x -> 1.67x, 8192 x 28672 1.68x -> 1.66x; at or
-# below 264 tiles the committed config stayed ahead (results/w8a8-skinny-persistent-h200-2026-12-02.md)
+# below 264 tiles the committed config stayed ahead (results/w8a8-skinny-persistent-h200-2026-12-02.md). M = 1 was
+# not probed; the full tables before and after it (results/w8a8-h200-2026-12-02b.md, -02e.md; two runs, so within
+# their spread of a few %) read 14336 x 4096 1.29x -> 1.57x and 28672 x 8192 1.54x -> 1.84x at M = 1
 INT8_WIDE_SKINNY = (16, 64, 256, 1, 3, 4, 4)
 WIDE_TILES_PER_SM = 2  # of the committed m16 config's BLOCK_N
 
