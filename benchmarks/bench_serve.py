@@ -319,6 +319,9 @@ def summary(report: Report) -> list[tuple[str, str, str]]:
         elif bf16:
             verdict = f"> bf16: {'met' if tok_s > bf16 else 'MISSED'} ({tok_s / bf16:.2f}x)"
         n = get(name, "throughput", "requests")
+        compiles = get(name, "throughput", "compiles")
+        if compiles:
+            verdict += f" [{compiles} Triton compiles inside the timing: figure too low]"
         rows.append((f"(1) {name} offline tok/s ({n} req)", f"{tok_s:.0f}", verdict))
     for key, label in (("hf_generate_batch", "HF generate_batch"), ("hf_static64", "HF generate static 64")):
         tok_s = get(key, "output_tok_s")

@@ -59,7 +59,13 @@ def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scal
     return out
 
 
-@triton.jit
+# The step's metadata (slot mapping, context lengths, block-table rows; also in flash_prefill.py) are slices of one
+# packed buffer whose offsets move with the step's row count: not specializing on their 16-byte alignment keeps one
+# compiled kernel for every step instead of one per alignment pattern, so a timed run never meets a new pattern and
+# compiles inside it.
+
+
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _store_kv_kernel(
     k_ptr,
     v_ptr,
@@ -104,7 +110,7 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     )
 
 
-@triton.jit(do_not_specialize=["window"])
+@triton.jit(do_not_specialize=["window"], do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,

@@ -6,10 +6,12 @@ benchmarks are named here, so a GPU with no real model can still measure real-si
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass
 
 import torch
+from triton.runtime.jit import JITFunction
 
 from quantkit.runtime.engine import LLM
 from quantkit.runtime.sampling_params import SamplingParams
@@ -56,6 +58,7 @@ class Throughput:
     steps: int
     preemptions: int
     kv_waste: float  # fraction of allocated KV slots holding nothing, averaged over steps
+    compiles: int = 0  # Triton kernels compiled inside the timed run (its time includes them: should be 0)
 
     @property
     def output_tok_s(self) -> float:
@@ -74,6 +77,18 @@ def random_workload(num_requests: int, min_len: int, max_len: int, vocab: int, s
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(min_len, max_len + 1, (num_requests,), generator=gen).tolist()
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lens]
+
+
+def compiled_kernels() -> int:
+    """Triton kernels compiled so far in this process by quantkit's kernel modules (every device and
+    specialization): the difference across a timed run tells whether a compile landed inside it."""
+    total = 0
+    for name, module in list(sys.modules.items()):
+        if name.startswith("quantkit.kernels.") and module is not None:
+            for obj in vars(module).values():
+                if isinstance(obj, JITFunction):
+                    total += sum(len(cache[0]) for cache in obj.device_caches.values())
+    return total
 
 
 def _sync(llm: LLM) -> None:
@@ -124,10 +139,12 @@ def offline_throughput(llm: LLM, prompts: list[list[int]], output_len: int) -> t
         llm.scheduler.num_preemptions, llm.stats.steps, llm.stats.allocated_slots, llm.stats.used_slots
     )  # fmt: skip
     _sync(llm)
+    compiled = compiled_kernels()
     start = time.perf_counter()
     outputs = llm.generate(prompts, SamplingParams(max_tokens=output_len, ignore_eos=True))
     _sync(llm)
     seconds = time.perf_counter() - start
+    compiles = compiled_kernels() - compiled
     allocated = llm.stats.allocated_slots - allocated0
     used = llm.stats.used_slots - used0
     tokens = [o.completions[0].token_ids for o in outputs]
@@ -139,5 +156,6 @@ def offline_throughput(llm: LLM, prompts: list[list[int]], output_len: int) -> t
         steps=llm.stats.steps - steps0,
         preemptions=llm.scheduler.num_preemptions - preemptions,
         kv_waste=1.0 - used / allocated if allocated else 0.0,
+        compiles=compiles,
     )
     return result, tokens
