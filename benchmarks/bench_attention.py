@@ -42,7 +42,7 @@ HQ, HKV, D, PAGE = 32, 8, 128, 16
 DECODE_TARGET = (64, 4096, 0.70)  # batch, context, fraction of copy bandwidth
 PREFILL_TARGET = 0.80  # fraction of SDPA's TFLOP/s
 DECODE_CASES = [(64, 4096), (256, 1024), (8, 8192), (1, 32768)]
-PREFILL_CASES = [(1024, 16), (4096, 4)]  # (sequence length, sequences): 16k tokens each
+PREFILL_CASES = [(1024, 16), (2048, 8), (4096, 4)]  # (sequence length, sequences): 16k tokens each
 DECODE_SWEEP = [  # (block_n, num_warps, num_stages, splits or None = default)
     (64, 4, 2, None),
     (32, 4, 2, None),
@@ -54,20 +54,29 @@ DECODE_SWEEP = [  # (block_n, num_warps, num_stages, splits or None = default)
     (64, 4, 2, 2),
     (64, 4, 2, 6),
 ]
-PREFILL_SWEEP = [  # (block_m, block_n, num_warps, num_stages, TMA for q and the chunk's K/V, lazy rescaling)
-    (128, 32, 4, 4, True, False),  # the committed default up to 2048 queries a chunk (flash_prefill.PREFILL_CONFIGS)
-    (128, 128, 8, 3, True, False),  # ... and for longer chunks
-    (128, 32, 4, 4, True, True),  # the same with lazy rescaling (slower on the H200, 2026-12-02)
-    (128, 128, 8, 3, True, True),
-    (128, 32, 4, 4, False, False),  # ... without TMA
-    (128, 128, 8, 3, False, False),
-    (128, 64, 8, 3, True, False),
-    (64, 64, 4, 3, True, False),
-    (128, 32, 4, 3, True, False),
-    (128, 64, 4, 4, True, False),
-    (64, 32, 4, 4, True, False),
-    (128, 128, 8, 4, True, False),
-    (256, 64, 8, 3, True, False),
+PREFILL_SWEEP = [  # (block_m, block_n, num_warps, num_stages, TMA for q and the chunk's K/V, lazy rescaling,
+    # the cached-prefix loops compiled in): first prefills, so the runtime launches them without (has_prefix=False)
+    (64, 64, 4, 3, True, False, False),  # the committed default up to 1024 queries a chunk (PREFILL_CONFIGS)
+    (128, 128, 8, 3, True, False, False),  # ... and for longer chunks
+    (64, 64, 4, 3, True, False, True),  # the same with the prefix loops (every launch before the ninth session)
+    (128, 128, 8, 3, True, False, True),
+    (128, 32, 4, 4, True, False, False),  # the default up to 2048 queries before the ninth session
+    (128, 32, 4, 4, True, False, True),
+    (128, 64, 8, 2, True, False, False),  # 162 registers without the prefix loops (Triton 3.6, sm_90)
+    (64, 64, 4, 2, True, False, False),  # 158
+    (64, 32, 4, 3, True, False, False),  # 133
+    (128, 64, 8, 3, True, False, False),
+    (128, 128, 8, 2, True, False, False),  # 216
+    (64, 128, 4, 2, True, False, False),  # 210
+    (128, 32, 4, 3, True, False, False),
+    (64, 64, 4, 3, True, True, False),  # lazy rescaling (slower on the H200, 2026-12-02)
+    (128, 128, 8, 3, True, True, False),
+    (64, 64, 4, 3, False, False, False),  # without TMA
+    (128, 128, 8, 3, False, False, False),
+    (128, 64, 4, 4, True, False, False),
+    (64, 32, 4, 4, True, False, False),
+    (128, 128, 8, 4, True, False, False),
+    (256, 64, 8, 3, True, False, False),
 ]
 PREFILL_QUICK = 6  # configurations of the sweep that --quick runs
 SMOKE = {"decode": [(3, 40)], "prefill": [(48, 2)], "hq": 4, "hkv": 2, "d": 32}
@@ -174,12 +183,8 @@ def run_prefill(cases, hq, hkv, d, sweep, smoke, device, gen, dtype) -> list[dic
         pos = torch.arange(length, device=device)
         kp = torch.cat([k[tables[s, pos // PAGE].long(), pos % PAGE] for s in range(n_seq)])
         vp = torch.cat([v[tables[s, pos // PAGE].long(), pos % PAGE] for s in range(n_seq)])
-        out = flash_prefill(q, kp, vp, k, v, tables, cu, ctx, length, scale)
         check = slice(0, min(length, 256))  # first rows of sequence 0 against the reference
         ref = flash_prefill_reference(q[:length], kp[:length], vp[:length], k, v, tables[:1], cu[:2], ctx[:1], scale)
-        err = float((out[check].float() - ref[check].float()).abs().max())
-        if err > 3e-2:
-            raise AssertionError(f"prefill L={length}: max error {err:.3e} against the reference")
         # the same K/V for SDPA: [n_seq, H, L, D]
         kc = kp.view(n_seq, length, hkv, d).transpose(1, 2)
         vc = vp.view(n_seq, length, hkv, d).transpose(1, 2)
@@ -188,16 +193,22 @@ def run_prefill(cases, hq, hkv, d, sweep, smoke, device, gen, dtype) -> list[dic
         base, base_name = sdpa_seconds(qs, kc.contiguous(), vc.contiguous(), smoke)
         rows.append({"kernel": "prefill", "case": f"L={length} x{n_seq}", "config": base_name, "default": False,
                      "us": base * 1e6, "TFLOP/s": flops / base / 1e12, "vs_sdpa": 1.0, "max_err": 0.0})  # fmt: skip
-        for bm, bn, warps, stages, tma, lazy in sweep:
+        for bm, bn, warps, stages, tma, lazy, prefix_loops in sweep:
             fn = partial(flash_prefill, q, kp, vp, k, v, tables, cu, ctx, length, scale, block_m=bm, block_n=bn,
-                         num_warps=warps, num_stages=stages, use_tma=tma, lazy_rescale=lazy)  # fmt: skip
+                         num_warps=warps, num_stages=stages, use_tma=tma, lazy_rescale=lazy,
+                         has_prefix=prefix_loops)  # fmt: skip
+            name = f"m{bm} n{bn} w{warps} s{stages}" + (" tma" if tma else "") + (" lazy" if lazy else "")
+            name += " prefix-loops" if prefix_loops else ""
             sec = bench_config(fn, graph=False, smoke=smoke)
             if sec is None:
                 continue
-            name = f"m{bm} n{bn} w{warps} s{stages}" + (" tma" if tma else "") + (" lazy" if lazy else "")
+            err = float((fn()[check].float() - ref[check].float()).abs().max())
+            if err > 3e-2:
+                raise AssertionError(f"prefill L={length} {name}: max error {err:.3e} against the reference")
             rows.append({
                 "kernel": "prefill", "case": f"L={length} x{n_seq}", "config": name,
-                "default": (bm, bn, warps, stages, tma, lazy) == (*prefill_config(length, smoke), True, LAZY_RESCALE),
+                "default": (bm, bn, warps, stages, tma, lazy, prefix_loops)
+                == (*prefill_config(length, smoke), True, LAZY_RESCALE, False),
                 "us": sec * 1e6,
                 "TFLOP/s": flops / sec / 1e12, "vs_sdpa": base / sec, "max_err": err,
             })  # fmt: skip
@@ -257,7 +268,7 @@ def main() -> None:
     decode_sweep = DECODE_SWEEP[:1] if args.quick or args.smoke else DECODE_SWEEP
     prefill_sweep = PREFILL_SWEEP[:PREFILL_QUICK] if args.quick else PREFILL_SWEEP
     if args.smoke:
-        prefill_sweep = [(*prefill_config(0, on_cpu=True), True, LAZY_RESCALE)]
+        prefill_sweep = [(*prefill_config(0, on_cpu=True), True, LAZY_RESCALE, flag) for flag in (False, True)]
 
     start = time.perf_counter()
     copy_bw = copy_bandwidth(device, args.smoke)

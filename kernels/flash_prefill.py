@@ -22,9 +22,12 @@ tiles are masked. Scores stay in log2 units (exp2, the scale folded into the exp
 Where ``tma_compatible`` (power-of-two D, heads contiguous in a row, 16-byte aligned rows: the usual slices of a
 fused qkv output), q and the chunk's K/V tiles come through TMA descriptors over the [T, H * D] rows; the prefix
 always takes pointer loads through the block table (Hopper's TMA cannot gather rows).
-Limits: D <= 256. Launch configuration by the longest chunk (``PREFILL_CONFIGS``). Measured on the H200, bf16,
-D = 128, GQA 4 (bench_attention.py, 2026-12-02, results/attention-h200-2026-12-02.md): 68-74% of SDPA's TFLOP/s
-at L = 1k x 16 and 83-87% at L = 4k x 4 (2026-11-29, before TMA and the per-length configs: 45-55% / 51-65%).
+Limits: D <= 256. Launch configuration by the longest chunk (``PREFILL_CONFIGS``); launches whose chunks all start
+at position 0 (``has_prefix=False``, which the runtime knows on the host) compile without the block-table loops.
+Measured on the H200, bf16, D = 128, GQA 4 (bench_attention.py, 2026-12-02, ninth session,
+results/attention-h200-2026-12-02-prefixless.md): 74-81% of SDPA's TFLOP/s at L = 1k x 16 and 80-89% at 4k x 4
+over three runs, 78-82% at 2k x 8 over two (SDPA's own rate moved 437-465 / 487-515 / 522-580 TFLOP/s between
+them; 68-74% / 83-87% at 1k / 4k with the kernel and defaults before).
 """
 
 from __future__ import annotations
@@ -136,7 +139,10 @@ def _paged_tile(cache, table, pos, offs_d, stride_b, stride_s, n_mask, d_mask, P
     return x
 
 
-@triton.jit(do_not_specialize=["window"])
+@triton.jit(
+    do_not_specialize=["window"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "cu_seqlens_ptr", "context_lens_ptr"],  # step metadata
+)
 def _prefill_kernel(
     q_ptr,
     k_ptr,
@@ -178,6 +184,7 @@ def _prefill_kernel(
     USE_TMA: tl.constexpr,  # q and the chunk's K/V tiles through the TMA unit (BLOCK_D == HEAD_DIM)
     HAS_WINDOW: tl.constexpr,  # window > 0: a sliding window (its length stays a run-time value)
     LAZY: tl.constexpr,  # rescale acc only when a row maximum grows by more than RESCALE_MARGIN (_softmax_step)
+    HAS_PREFIX: tl.constexpr,  # some chunk has cached context before it (else the block-table loops are not compiled)
 ):
     h = tl.program_id(0)
     seq = tl.program_id(1)
@@ -211,26 +218,29 @@ def _prefill_kernel(
     # has negative ones). Tiles that no query of this tile sees are skipped; wholly visible tiles are not masked.
     lo = tl.where(window > 0, tl.maximum(m_lo - window + 1, -prefix), -prefix)  # first visible key
 
-    # 1. the cached prefix, through the block table (every prefix key precedes every query of the chunk)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    k_base = k_cache_ptr + kvh * stride_kch
-    v_base = v_cache_ptr + kvh * stride_vch
-    p_lo = (lo + prefix) // BLOCK_N * BLOCK_N  # context positions from here on
-    p_full = tl.where(window > 0, p_lo, prefix // BLOCK_N * BLOCK_N)
-    for n in range(p_lo, p_full, BLOCK_N):
-        pos = n + offs_n
-        k = _paged_tile(k_base, table, pos, offs_d, stride_kb, stride_ks, pos < prefix, d_mask, PAGE, False, MASK_D)
-        v = _paged_tile(v_base, table, pos, offs_d, stride_vb, stride_vs, pos < prefix, d_mask, PAGE, False, MASK_D)
-        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, None, False, PRECISION, LAZY)
-    for n in range(p_full, prefix, BLOCK_N):
-        pos = n + offs_n
-        n_mask = pos < prefix
-        k = _paged_tile(k_base, table, pos, offs_d, stride_kb, stride_ks, n_mask, d_mask, PAGE, True, MASK_D)
-        v = _paged_tile(v_base, table, pos, offs_d, stride_vb, stride_vs, n_mask, d_mask, PAGE, True, MASK_D)
-        allowed = n_mask[None, :]
-        if HAS_WINDOW:
-            allowed &= pos[None, :] - prefix > offs_m[:, None] - window
-        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, allowed, True, PRECISION, LAZY)
+    # 1. the cached prefix, through the block table (every prefix key precedes every query of the chunk); not
+    # compiled for launches whose chunks all start at position 0 (first prefills)
+    if HAS_PREFIX:
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        k_base = k_cache_ptr + kvh * stride_kch
+        v_base = v_cache_ptr + kvh * stride_vch
+        p_lo = (lo + prefix) // BLOCK_N * BLOCK_N  # context positions from here on
+        p_full = tl.where(window > 0, p_lo, prefix // BLOCK_N * BLOCK_N)
+        for n in range(p_lo, p_full, BLOCK_N):
+            pos = n + offs_n
+            n_mask = pos < prefix
+            k = _paged_tile(k_base, table, pos, offs_d, stride_kb, stride_ks, n_mask, d_mask, PAGE, False, MASK_D)
+            v = _paged_tile(v_base, table, pos, offs_d, stride_vb, stride_vs, n_mask, d_mask, PAGE, False, MASK_D)
+            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, None, False, PRECISION, LAZY)
+        for n in range(p_full, prefix, BLOCK_N):
+            pos = n + offs_n
+            n_mask = pos < prefix
+            k = _paged_tile(k_base, table, pos, offs_d, stride_kb, stride_ks, n_mask, d_mask, PAGE, True, MASK_D)
+            v = _paged_tile(v_base, table, pos, offs_d, stride_vb, stride_vs, n_mask, d_mask, PAGE, True, MASK_D)
+            allowed = n_mask[None, :]
+            if HAS_WINDOW:
+                allowed &= pos[None, :] - prefix > offs_m[:, None] - window
+            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, allowed, True, PRECISION, LAZY)
 
     # 2. the chunk itself, from the packed k / v: full tiles left of the diagonal, then the masked diagonal ones
     k_rows = k_ptr + kvh * stride_kh + offs_d[None, :]
@@ -291,11 +301,16 @@ def flash_prefill(
     num_stages: int | None = None,
     use_tma: bool | None = None,
     lazy_rescale: bool | None = None,
+    has_prefix: bool = True,
 ) -> torch.Tensor:
     """Causal attention of packed query chunks against their cached prefix and themselves (see the module
     docstring for layouts). ``max_q_len`` is a host-side upper bound on the chunk lengths (it sizes the grid).
     ``use_tma``: read q and the chunk's K/V through TMA descriptors; None = whenever ``tma_compatible``.
-    ``lazy_rescale``: see ``_softmax_step``; None = ``LAZY_RESCALE``."""
+    ``lazy_rescale``: see ``_softmax_step``; None = ``LAZY_RESCALE``.
+    ``has_prefix=False`` promises that every chunk starts at position 0 (each context length equals its chunk's
+    length, as in first prefills): the kernel is then compiled without the block-table loops over cached context
+    (216 instead of 255 registers at 128 x 128 x 8 warps, Triton 3.6 sm_90). A chunk with a cached prefix under
+    that promise would attend to its own tokens only, so callers pass it only when they know it from the host."""
     t, hq, d = q.shape
     _, page, hkv, d_cache = k_cache.shape
     n_seq = context_lens.shape[0]
@@ -366,6 +381,7 @@ def flash_prefill(
         USE_TMA=use_tma,
         HAS_WINDOW=window > 0,
         LAZY=LAZY_RESCALE if lazy_rescale is None else lazy_rescale,
+        HAS_PREFIX=has_prefix,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -373,9 +389,11 @@ def flash_prefill(
 
 
 # (block_m, block_n, num_warps, num_stages) by the longest chunk of the launch, from benchmarks/bench_attention.py's
-# sweeps on the H200 (bf16, D = 128, GQA 4, TMA on; results/attention-h200-2026-12-02.md): short chunks want
-# narrow key tiles (more CTAs finish early on the causal diagonal), long ones the widest MMA tiles
-PREFILL_CONFIGS = ((2048, (128, 32, 4, 4)), (2**31, (128, 128, 8, 3)))
+# sweeps on the H200 (bf16, D = 128, GQA 4, TMA on; results/attention-h200-2026-12-02-prefixless.md): chunks of
+# up to 1024 queries want small tiles (64 x 64: one masked tile on the diagonal, two CTAs per SM at 158 registers
+# and 113 KB of shared memory without the prefix loops), longer ones the widest MMA tiles (2k x 8: 78-82% of SDPA
+# against 76-81% for 64 x 64)
+PREFILL_CONFIGS = ((1024, (64, 64, 4, 3)), (2**31, (128, 128, 8, 3)))
 INTERPRETER_CONFIG = (16, 16, 4, 1)  # Triton's interpreter: small tiles run much faster there
 
 

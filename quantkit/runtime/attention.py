@@ -23,7 +23,8 @@ class AttentionMetadata:
     - decodes: ``num_decodes`` rows, ``decode_block_tables`` [D, pages], ``decode_context_lens`` [D] (int32),
       ``decode_num_splits`` (fixed for CUDA graphs, else chosen from ``max_decode_context``).
     - prefills: ``prefill_block_tables`` [N, pages], ``prefill_cu_seqlens`` [N + 1], ``prefill_context_lens`` [N]
-      (int32), ``max_prefill_len`` (host int).
+      (int32), ``max_prefill_len`` (host int), ``prefill_has_prefix`` (host bool: some chunk starts after cached
+      context; False lets the prefill kernel drop its block-table loops).
     """
 
     slot_mapping: torch.Tensor
@@ -36,6 +37,7 @@ class AttentionMetadata:
     prefill_cu_seqlens: torch.Tensor | None = None
     prefill_context_lens: torch.Tensor | None = None
     max_prefill_len: int = 0
+    prefill_has_prefix: bool = True
     backend: str = "torch"
 
     @property
@@ -64,7 +66,11 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
         bt, cu, ctx = meta.prefill_block_tables, meta.prefill_cu_seqlens, meta.prefill_context_lens
         args = (q[nd:], k[nd:], v[nd:], k_cache, v_cache, bt, cu, ctx)
         if triton:
-            parts.append(prefill_kernels.flash_prefill(*args, meta.max_prefill_len, scale, window))
+            parts.append(
+                prefill_kernels.flash_prefill(
+                    *args, meta.max_prefill_len, scale, window, has_prefix=meta.prefill_has_prefix
+                )
+            )
         else:
             parts.append(prefill_kernels.flash_prefill_reference(*args, scale, window))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

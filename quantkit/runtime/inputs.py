@@ -81,6 +81,7 @@ class StepLayout:
     sample_rows: list[int] | None  # packed row of each sampled sequence; None: every row, in order
     max_decode_context: int
     max_prefill_len: int
+    prefill_has_prefix: bool  # some chunk starts after cached context (else a first prefill of every chunk)
 
 
 class StepInputs:
@@ -123,7 +124,7 @@ class StepInputs:
             ids[nd:], pos[nd:], slots[nd:], ctx[nd:] = 0, 0, -1, 0
         # prefill chunks: num_new tokens each, from num_computed_tokens
         cu = flat[offsets["cu"][0] : offsets["cu"][1]]
-        at, max_prefill = nd, 0
+        at, max_prefill, has_prefix = nd, 0, False
         if n_cu:
             cu[0] = 0
         for j, (seq, n) in enumerate(zip(seqs[nd:], num_new[nd:], strict=True)):
@@ -136,6 +137,7 @@ class StepInputs:
             cu[j + 1] = cu[j] + n
             at += n
             max_prefill = max(max_prefill, n)
+            has_prefix |= start > 0
 
         last_row, row = {}, 0
         for seq, n in zip(seqs, num_new, strict=True):
@@ -156,4 +158,5 @@ class StepInputs:
             sample_rows=sample_rows,
             max_decode_context=max(dec_pos) + 1 if nd else 0,
             max_prefill_len=max_prefill,
+            prefill_has_prefix=has_prefix,
         )

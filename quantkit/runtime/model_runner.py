@@ -111,6 +111,7 @@ class ModelRunner:
             meta.prefill_context_lens = ctx[nd:n]
             meta.prefill_cu_seqlens = part("cu")
             meta.max_prefill_len = layout.max_prefill_len
+            meta.prefill_has_prefix = layout.prefill_has_prefix
         return meta
 
     # -- running ---------------------------------------------------------------------------------------------------

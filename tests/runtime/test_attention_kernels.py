@@ -140,6 +140,12 @@ def test_flash_prefill_chunks_against_paged_context(page, hkv, group, d, window,
                   use_tma=use_tma)  # fmt: skip
 
 
+@pytest.mark.parametrize("page,hkv,group,d,window", PREFILL_CASES[::3])
+def test_flash_prefill_first_prefills_without_prefix_loops(page, hkv, group, d, window):
+    """has_prefix=False (chunks all at position 0): the kernel compiled without its block-table loops."""
+    check_prefill([1, 37, 20], [0, 0, 0], page, hkv, group, d, window, seed=d + window, has_prefix=False)
+
+
 def test_flash_prefill_tma_descriptor_rows():
     """TMA tiles [T, H * D] rows: a slice of a fused qkv row qualifies, a head dim of 48 or heads apart do not."""
     assert tma_compatible(torch.randn(4, 2, 64), torch.randn(4, 6, 64)[:, 2:4])

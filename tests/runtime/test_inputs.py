@@ -69,8 +69,15 @@ def test_eager_layout_packs_decodes_first():
     assert part["sample"] == [2 + 3, 0, 8, 1]  # batch.sampled order: seq 0, 1, 2, 3
     assert layout.sample_rows == part["sample"]
     assert (layout.max_decode_context, layout.max_prefill_len) == (9, 4)
+    assert layout.prefill_has_prefix  # the first chunk starts at position 2
     tables = inputs.tables.buf.array
     assert tables[2, :2].tolist() == [50, 51] and tables[0, :3].tolist() == [57, 58, 59]
+
+
+def test_layout_tells_first_prefills_from_chunks_after_cached_context():
+    inputs = StepInputs(block_size=4, width=8, pin=False)
+    assert not inputs.write(decode_batch([(6, 0), (9, 8), (3, 0)])).prefill_has_prefix  # decodes do not count
+    assert inputs.write(decode_batch([(6, 0), (3, 1)])).prefill_has_prefix
 
 
 def test_graph_layout_pads_rows_that_write_nothing():
