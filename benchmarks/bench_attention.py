@@ -53,6 +53,11 @@ DECODE_SWEEP = [  # (block_n, num_warps, num_stages, splits or None = default)
     (64, 4, 2, 1),
     (64, 4, 2, 2),
     (64, 4, 2, 6),
+    (64, 4, 2, 64),  # the default's cap on splits since the ninth session (32 before: batch 1 at 32k context)
+    (64, 4, 2, 128),
+    (128, 4, 2, 32),
+    (128, 4, 2, 64),
+    (64, 4, 3, 64),
 ]
 PREFILL_SWEEP = [  # (block_m, block_n, num_warps, num_stages, TMA for q and the chunk's K/V, lazy rescaling,
     # the cached-prefix loops compiled in): first prefills, so the runtime launches them without (has_prefix=False)

@@ -25,9 +25,9 @@ always takes pointer loads through the block table (Hopper's TMA cannot gather r
 Limits: D <= 256. Launch configuration by the longest chunk (``PREFILL_CONFIGS``); launches whose chunks all start
 at position 0 (``has_prefix=False``, which the runtime knows on the host) compile without the block-table loops.
 Measured on the H200, bf16, D = 128, GQA 4 (bench_attention.py, 2026-12-02, ninth session,
-results/attention-h200-2026-12-02-prefixless.md): 74-81% of SDPA's TFLOP/s at L = 1k x 16 and 80-89% at 4k x 4
-over three runs, 78-82% at 2k x 8 over two (SDPA's own rate moved 437-465 / 487-515 / 522-580 TFLOP/s between
-them; 68-74% / 83-87% at 1k / 4k with the kernel and defaults before).
+results/attention-h200-2026-12-02-prefixless.md): 74-81% of SDPA's TFLOP/s at L = 1k x 16, 78-82% at 2k x 8 and
+80-89% at 4k x 4 over five runs (SDPA's own rate moved 437-465 / 487-515 / 522-580 TFLOP/s between them; 68-74% /
+83-87% at 1k / 4k with the kernel and defaults before).
 """
 
 from __future__ import annotations

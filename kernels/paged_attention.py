@@ -236,12 +236,19 @@ def _decode_merge_kernel(
     tl.store(out_ptr + b * stride_outb + h * stride_outh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+# Only long contexts at batch <= 4 (8 kv heads) reach the cap. H200, bf16, 8 kv heads, batch 1 at 32k context:
+# 64 splits of 512 keys ran at 78% of copy bandwidth against 63% for 32 splits (256 programs: too few loads in
+# flight); batch 8 at 8k stays at its 17 splits (86%; 64 splits: 79%) (bench_attention.py, 2026-12-02, ninth
+# session, results/attention-h200-2026-12-02-prefixless.md)
+MAX_SPLITS = 64
+
+
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int = 132, block_n: int = 64) -> int:
     """Enough splits for ~8 programs per SM, so that the last, partial wave of programs costs little (at batch 64
     x 8 kv heads one split gives 512 programs: 1.3 waves of ~3 resident per SM, i.e. a 35% idle tail), but no
-    split shorter than 4 tiles; at most 32."""
+    split shorter than 4 tiles; at most ``MAX_SPLITS``."""
     want = triton.cdiv(8 * num_sms, max(1, batch * num_kv_heads))
-    return max(1, min(32, want, triton.cdiv(max_context, 4 * block_n)))
+    return max(1, min(MAX_SPLITS, want, triton.cdiv(max_context, 4 * block_n)))
 
 
 def paged_decode(

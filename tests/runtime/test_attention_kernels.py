@@ -8,7 +8,14 @@ that no sequence owns holds NaN, so reading one (or a padded block-table entry) 
 import pytest
 import torch
 from quantkit.kernels.flash_prefill import flash_prefill, flash_prefill_reference, tma_compatible
-from quantkit.kernels.paged_attention import gather_context, paged_decode, paged_decode_reference, store_kv
+from quantkit.kernels.paged_attention import (
+    MAX_SPLITS,
+    default_num_splits,
+    gather_context,
+    paged_decode,
+    paged_decode_reference,
+    store_kv,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.float16
@@ -95,6 +102,13 @@ def test_paged_decode(page, hkv, group, d, splits, window):
         check_close(out[b : b + 1], q[b : b + 1], k, v, torch.tensor([n - 1]), n, scale, window)
     ref = paged_decode_reference(q, k_cache, v_cache, tables, ctx, scale, window)
     torch.testing.assert_close(out, ref, atol=2e-3, rtol=0)
+
+
+def test_default_num_splits_fills_the_gpu_without_short_splits():
+    assert default_num_splits(64, 8, 4096) == 3  # 1056 programs wanted over 512 (batch, kv head) pairs
+    assert default_num_splits(8, 8, 8192) == 17
+    assert default_num_splits(1, 8, 32768) == MAX_SPLITS == 64  # capped
+    assert default_num_splits(1, 8, 1000) == 4  # no split shorter than 4 tiles of 64
 
 
 PREFILL_CASES = [  # (page, kv heads, group, head dim, window): chunks with and without a cached prefix
