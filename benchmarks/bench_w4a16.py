@@ -303,6 +303,30 @@ def checked_time(layer: Layer, m: int, config: C.KernelConfig, timer: Timer) -> 
         return False, None
 
 
+def run_probe(shapes, groups, ms, out: Path, seed: int, candidates) -> None:
+    """A probe over ``shapes`` x ``groups`` x ``ms``: per cell, cuBLAS fp16 and ``candidates(m, n)`` (a list of
+    configs, the committed one first) each checked then timed (``checked_time``); prints a line of speedups per cell
+    and rewrites ``out`` (JSON: one row per cell, and the compiled metadata of every config that passed) as cells
+    come, so that a late failure keeps the earlier figures."""
+    timer = Timer(smoke=False)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows, meta = [], {}
+    for n, k, group, layer, base in layer_walk(shapes, groups, ms, timer, "cuda", gen):
+        for m in ms:
+            configs = candidates(m, n)
+            row = {"n": n, "k": k, "group": group, "m": m, "fp16_us": base[m], "committed": configs[0].name}
+            line = f"{n}x{k} g{group} M={m}: fp16 {base[m]:.1f} us"
+            for cfg in configs:
+                ok, us = checked_time(layer, m, cfg, timer)
+                if ok and cfg.method != "dequant" and cfg.name not in meta:
+                    meta[cfg.name] = kernel_metadata(layer, m, cfg)
+                row[cfg.name] = {"us": us, "ok": ok}
+                line += f" | {cfg.name} " + (f"{base[m] / us:.2f}x" if us else "FAILED")
+            print(line, flush=True)
+            rows.append(row)
+            out.write_text(json.dumps({"rows": rows, "kernels": meta}, indent=1))
+
+
 def copy_bandwidth(timer: Timer, device: str) -> float:
     """Device-to-device copy, TB/s counting read + write bytes."""
     if timer.smoke:

@@ -19,15 +19,12 @@ JSON rewritten as they come.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w4a16
-from bench_w4a16 import SHAPES, Timer, checked_time, kernel_metadata, layer_walk
+from bench_w4a16 import SHAPES, run_probe
 from quantkit.kernels import w4a16_configs as C
 
 RUNTIME_SHAPES = [(6144, 4096), (28672, 4096)]  # Llama-3-8B's fused qkv and gate_up projections
@@ -61,23 +58,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     ms = [int(v) for v in args.ms.split(",")]
     groups = [int(g) for g in args.groups.split(",")]
-    timer = Timer(smoke=False)
-    gen = torch.Generator(device="cuda").manual_seed(4)
-    rows, meta = [], {}
     out = args.out / f"probe_fixup{'-m1' * (args.set == 'm1')}.json"
-    for n, k, group, layer, base in layer_walk(SHAPES + RUNTIME_SHAPES, groups, ms, timer, "cuda", gen):
-        for m in ms:
-            row = {"n": n, "k": k, "group": group, "m": m, "fp16_us": base[m], "committed": C.config_for(m).name}
-            line = f"{n}x{k} g{group} M={m}: fp16 {base[m]:.1f} us"
-            for cfg in candidates(m, args.set):
-                ok, us = checked_time(layer, m, cfg, timer)
-                if ok and cfg.name not in meta:
-                    meta[cfg.name] = kernel_metadata(layer, m, cfg)
-                row[cfg.name] = {"us": us, "ok": ok}
-                line += f" | {cfg.name} " + (f"{base[m] / us:.2f}x" if us else "FAILED")
-            print(line, flush=True)
-            rows.append(row)
-            out.write_text(json.dumps({"rows": rows, "kernels": meta}, indent=1))
+    run_probe(SHAPES + RUNTIME_SHAPES, groups, ms, out, 4, lambda m, n: candidates(m, args.set))
 
 
 if __name__ == "__main__":

@@ -20,14 +20,11 @@ against float64 first (within 2x cuBLAS's own error). Rows are printed and the J
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w4a16
-from bench_w4a16 import SHAPES, Timer, checked_time, kernel_metadata, layer_walk
+from bench_w4a16 import SHAPES, run_probe
 from quantkit.kernels import w4a16_configs as C
 
 F_ = C.KernelConfig
@@ -52,25 +49,12 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     ms = [int(v) for v in args.ms.split(",")]
     groups = [int(g) for g in args.groups.split(",")]
-    timer = Timer(smoke=False)
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    rows, meta = [], {}
-    out = args.out / "probe_large.json"
-    for n, k, group, layer, base in layer_walk(SHAPES, groups, ms, timer, "cuda", gen):
-        for m in ms:
-            committed = C.config_for(m, n)
-            row = {"n": n, "k": k, "group": group, "m": m, "fp16_us": base[m], "committed": committed.name}
-            line = f"{n}x{k} g{group} M={m}: fp16 {base[m]:.1f} us"
-            cands = [committed] + [c for c in CANDIDATES if c != committed]
-            for cfg in cands:
-                ok, us = checked_time(layer, m, cfg, timer)
-                if ok and cfg.method == "fused" and cfg.name not in meta:
-                    meta[cfg.name] = kernel_metadata(layer, m, cfg)
-                row[cfg.name] = {"us": us, "ok": ok}
-                line += f" | {cfg.name} " + (f"{base[m] / us:.2f}x" if us else "FAILED")
-            print(line, flush=True)
-            rows.append(row)
-            out.write_text(json.dumps({"rows": rows, "kernels": meta}, indent=1))
+
+    def candidates(m: int, n: int) -> list[C.KernelConfig]:
+        committed = C.config_for(m, n)
+        return [committed] + [c for c in CANDIDATES if c != committed]
+
+    run_probe(SHAPES, groups, ms, args.out / "probe_large.json", 5, candidates)
 
 
 if __name__ == "__main__":
