@@ -63,8 +63,6 @@ def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scal
 # packed buffer whose offsets move with the step's row count: not specializing on their 16-byte alignment keeps one
 # compiled kernel for every step instead of one per alignment pattern, so a timed run never meets a new pattern and
 # compiles inside it.
-
-
 @triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _store_kv_kernel(
     k_ptr,

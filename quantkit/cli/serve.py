@@ -125,5 +125,7 @@ def bench_serve_command(num_requests, min_input_len, max_input_len, output_len, 
         f"{result.seconds:.2f} s: {result.output_tok_s:.1f} output tok/s, {result.total_tok_s:.1f} total tok/s, "
         f"KV waste {100 * result.kv_waste:.2f}%, {result.preemptions} preemptions"
     )
+    if result.compiles:
+        click.echo(f"warning: {result.compiles} Triton kernels compiled inside the timed run; the figure is too low")
     if out_path is not None:
         out_path.write_text(json.dumps(row, indent=2))

@@ -42,3 +42,13 @@ def test_bench_serve_writes_json(tmp_path):
     assert result.exit_code == 0, result.output
     row = json.loads(out.read_text())
     assert row["requests"] == 6 and row["output_tokens"] == 30 and 0 <= row["kv_waste"] < 1
+    assert row["compiles"] == 0 and "compiled inside" not in result.output
+
+
+def test_bench_serve_warns_when_a_compile_lands_in_the_timed_run(monkeypatch):
+    counts = iter(range(0, 100, 2))  # every call finds two more compiled kernels: the warm-up's and the run's
+    monkeypatch.setattr("quantkit.runtime.bench.compiled_kernels", lambda: next(counts))
+    args = ["--model", "dummy:tiny-llama", "--device", "cpu", "--num-requests", "2", "--min-input-len", "4"]
+    result = run("bench-serve", *args, "--max-input-len", "8", "--output-len", "2", "--num-kv-blocks", "16")
+    assert result.exit_code == 0, result.output
+    assert "warning: 2 Triton kernels compiled inside the timed run" in result.output
