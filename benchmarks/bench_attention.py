@@ -10,11 +10,12 @@ a shuffled block pool:
   prefill  quantkit.kernels.flash_prefill.flash_prefill: causal attention of packed sequences (first prefills: the
            chunk's K/V packed, no cached prefix), against torch SDPA (is_causal, GQA via enable_gqa and via repeated
            K/V; the faster is the baseline) on the same tensors. FLOPs = 4 * L^2 / 2 * Hq * D per sequence.
-           Target: >= 80% of SDPA. 16k tokens per case (L = 1k and 4k). Timed with do_bench (median, L2 flushed).
+           Target: >= 80% of SDPA. 16k tokens per case (L = 1k, 2k and 4k). Timed with do_bench (median, L2
+           flushed); every configuration's output is checked against the reference before it is recorded.
 
 A small sweep of launch configurations runs for each case; the table reports the default configuration (what the
-runtime uses: ``flash_prefill.prefill_config`` of the case's length, TMA on) and the best one found, so a better
-default can be committed from one run.
+runtime uses for first prefills: ``flash_prefill.prefill_config`` of the case's length, TMA on, no prefix loops)
+and the best one found, so a better default can be committed from one run.
 
   python benchmarks/bench_attention.py            full: ~1-2 minutes on an H200 (mostly Triton compiles)
   python benchmarks/bench_attention.py --quick    target cases only; decode default config, small prefill sweep

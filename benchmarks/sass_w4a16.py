@@ -87,14 +87,19 @@ def loop_body(sass: str) -> list[str]:
     return best
 
 
-def report(cfg: C.KernelConfig, group: int, dtype: torch.dtype, split: bool) -> str:
-    kernel, plan = compile_kernel(cfg, group, dtype, split)
+def machine_code(kernel) -> tuple[int, int, str]:
+    """(registers, stack bytes (non-zero: spills), SASS listing) of a kernel compiled by ``triton.compile``."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
         usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
         sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    regs, stack = re.search(r"REG:(\d+)", usage).group(1), re.search(r"STACK:(\d+)", usage).group(1)
+    return int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1)), sass
+
+
+def report(cfg: C.KernelConfig, group: int, dtype: torch.dtype, split: bool) -> str:
+    kernel, plan = compile_kernel(cfg, group, dtype, split)
+    regs, stack, sass = machine_code(kernel)
     body = loop_body(sass)
     per_weight = len(body) * cfg.num_warps * 32 / (plan.block_k * cfg.block_n)
     ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)

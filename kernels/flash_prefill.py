@@ -309,8 +309,9 @@ def flash_prefill(
     ``lazy_rescale``: see ``_softmax_step``; None = ``LAZY_RESCALE``.
     ``has_prefix=False`` promises that every chunk starts at position 0 (each context length equals its chunk's
     length, as in first prefills): the kernel is then compiled without the block-table loops over cached context
-    (216 instead of 255 registers at 128 x 128 x 8 warps, Triton 3.6 sm_90). A chunk with a cached prefix under
-    that promise would attend to its own tokens only, so callers pass it only when they know it from the host."""
+    (216 instead of 255 registers at 128 x 128 x 8 warps, Triton 3.6 sm_90: benchmarks/sass_prefill.py). A chunk
+    with a cached prefix under that promise would attend to its own tokens only, so callers pass it only when they
+    know it from the host."""
     t, hq, d = q.shape
     _, page, hkv, d_cache = k_cache.shape
     n_seq = context_lens.shape[0]

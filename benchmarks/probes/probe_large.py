@@ -8,9 +8,9 @@ weight) before cuBLAS: 0.59x cuBLAS fp16 at M = 256, 0.82x at 1024 (results/w4a1
 fused tiles tried so far put at most 128 rows of x on one dequantized tile (m128n64k128 swap-AB: 0.47x at M = 256;
 m128n128k64 with 8 warps: 0.35-0.65x), so the dequantization and its trip through shared memory were paid once
 per 128 rows. Candidates here give one weight tile 256 rows of x: swap-AB with the 256 rows as wgmma's N side
-(64 x 256 or 128 x 256 per warpgroup pair), and the plain orientation with 256-wide tiles either way. All compile
-for sm_90 with Triton 3.6 at 221-254 registers (benchmarks/sass_w4a16.py-style report; split-K variants spill
-8 bytes in the fix-up only).
+(64 x 256 or 128 x 256 per warpgroup pair), and the plain orientation with 256-wide tiles either way. The JSON
+records each candidate's compiled registers and spills (the H200 run: 201-255 registers, 2 spilled words in the
+m256n128k64 8-warp tiles).
 
 Each cell: cuBLAS fp16, the committed config, dequantize + cuBLAS and every candidate in the same run
 (bench_w4a16.py's method: CUDA graphs over rotated operands, L2 flushed, medians), every candidate checked
