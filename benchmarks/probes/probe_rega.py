@@ -96,11 +96,11 @@ def _frag_tile(words):
     a1 = ((words >> 4) & 0x000F000F) | 0x64006400  # a = 0, b = 1
     a2 = ((words >> 8) & 0x000F000F) | 0x64006400  # a = 1, b = 0
     a3 = ((words >> 12) & 0x000F000F) | 0x64006400  # a = 1, b = 1
-    lo = tl.join(tl.join(a0, a1), tl.join(a2, a3))  # [BN, t, J, b, a]
-    hi = tl.join(tl.join(a0 >> 16, a1 >> 16), tl.join(a2 >> 16, a3 >> 16))
-    # the zero/scale arithmetic on this tile still costs one PRMT per pair in SASS (re-pairing the fp16 halves),
-    # whichever of p or (a, b) is joined last (both orders compiled, same 64 PRMTs per 64 x 128 tile)
-    v = tl.permute(tl.join(lo, hi), (0, 2, 4, 3, 1, 5))  # [BN, t, J, b, a, p] -> [BN, J, a, b, t, p]
+    v = tl.join(tl.join(tl.join(a0, a0 >> 16), tl.join(a1, a1 >> 16)),
+                tl.join(tl.join(a2, a2 >> 16), tl.join(a3, a3 >> 16)))  # fmt: skip
+    # the zero/scale arithmetic on this tile costs one PRMT per pair in SASS (re-pairing the fp16 halves); joining
+    # p last instead of first compiles to the same 64 PRMTs per 64 x 128 tile (static check)
+    v = tl.permute(v, (0, 2, 5, 4, 1, 3))  # [BN, t, J, p, b, a] -> [BN, J, a, b, t, p]
     v = tl.reshape(v, (words.shape[0], words.shape[1] * words.shape[2] * 8))
     return v.to(tl.int16).to(tl.float16, bitcast=True)
 
