@@ -37,12 +37,15 @@ Kernels (this file: the tensor-core GEMM and the dequantize kernel; ``w4a16_gemv
 Regimes (``CONFIG_TABLE`` in ``w4a16_configs.py``, chosen by ``benchmarks/bench_w4a16.py --sweep`` on the H200;
 ``config_for(m, n)`` also looks at the layer's width): M <= 2 the gemv kernel (64-deep K tiles for one row of a
 layer with N >= 14336, ``WIDE_M1``), 4 <= M <= 128 this kernel with SWAP_AB (BLOCK_M 16-128, 3 stages, split-K to
-fill the 132 SMs), larger M dequantize + cuBLAS. The first H200 run (results/w4a16-h200-2026-11-29-first.md) showed
-16 x 128 x 128 tiles with 4 stages latency bound at ~0.45 TB/s (162 registers and 71 KB of shared memory: 3 CTAs of
-4 warps per SM, a synchronous scale load per tile); small BLOCK_K = 64 tiles with the scale fused into the tile and
-3 stages run at 0.7-1.3 TB/s of weight bytes for M <= 16 (72-96 registers). Still far from the memory roofline: the
-dequantized tile makes a round trip through shared memory for the wgmma A operand (STS + LDSM), and Triton 3.6 waits
-on each wgmma before the next tile's dequantization.
+fill the 132 SMs; twice the split for 3-4 rows of N >= 28672, ``WIDE_M4``), larger M dequantize + cuBLAS.
+The first H200 run (results/w4a16-h200-2026-11-29-first.md) showed 16 x 128 x 128 tiles with 4 stages latency bound
+at ~0.45 TB/s (162 registers and 71 KB of shared memory: 3 CTAs of 4 warps per SM, a synchronous scale load per
+tile); small BLOCK_K = 64 tiles with the scale fused into the tile and 3 stages run at 0.7-1.3 TB/s of weight bytes
+for M <= 16 (72-96 registers). Still far from the memory roofline: the dequantized tile makes a round trip through
+shared memory for the wgmma A operand (STS + LDSM), and Triton 3.6 waits on each wgmma before the next tile's
+dequantization. Keeping the tile in registers as the wgmma's A operand (a fragment-ordered weight layout,
+``benchmarks/probes/probe_rega.py``) removed the round trip but gained only 5-7% at M = 4-16 and lost elsewhere
+(results/w4a16-rega-h200-2026-12-03.md).
 
 Limits: 4 or 8 bits; G a multiple of 32, or one group per column; int32 offsets (tensors < 2**31 elements);
 interpreter mode (TRITON_INTERPRET=1) computes bf16 tiles in fp32 and rounds to bf16 by hand, because the

@@ -135,13 +135,22 @@ CONFIG_TABLE: tuple[tuple[int, KernelConfig], ...] = (
 # (results/w4a16-fixup-h200-2026-12-02.md)
 WIDE_N = 14336
 WIDE_M1 = KernelConfig("gemv", 1, 512, 64, 4, 1, split_waves=8, fold_zero=True, vector_x=True, fixup_unroll=32)
+# 3-4 rows of the widest layers (N >= WIDE_M4_N): the m4 regime's tiles split twice as far (the same compiled kernel:
+# the split only changes the grid). benchmarks/probes/probe_fixup.py --set m4 (H200, 2026-12-03), speedup over
+# cuBLAS fp16 at groups 128 / 64: 28672 x 8192 1.14 / 1.00x -> 1.48 / 1.32x, 28672 x 4096 1.19 / 1.06x ->
+# 1.48 / 1.36x; on 14336 x 4096 it lost (1.29 / 1.24x -> 1.24 / 1.14x), so N = 14336 keeps the table's config
+# (results/w4a16-rega-h200-2026-12-03.md)
+WIDE_M4_N = 28672
+WIDE_M4 = KernelConfig("fused", 16, 128, 64, 4, 3, split_waves=8, fuse_scale=True, swap_ab=True)
 
 
 def config_for(m: int, n: int | None = None) -> KernelConfig:
     """The committed configuration of the regime that ``m`` rows fall in; ``n`` (output features) picks
-    ``WIDE_M1`` for one row of a wide layer."""
+    ``WIDE_M1`` for one row of a wide layer and ``WIDE_M4`` for 3-4 rows of the widest."""
     if m == 1 and n is not None and n >= WIDE_N:
         return WIDE_M1
+    if 2 < m <= 4 and n is not None and n >= WIDE_M4_N:
+        return WIDE_M4
     for max_m, cfg in CONFIG_TABLE:
         if m <= max_m:
             return cfg

@@ -1,6 +1,6 @@
 """Probe: the split-K fix-up's rounds against the committed W4A16 skinny configs (M = 1-32).
 
-    python benchmarks/probes/probe_fixup.py [--out DIR] [--ms 1,2,16,32] [--groups 128,64] [--set m1]
+    python benchmarks/probes/probe_fixup.py [--out DIR] [--ms 1,2,16,32] [--groups 128,64] [--set m1|m4]
 
 Why: at M = 1 the committed gemv splits K until ~4 x 132 CTAs exist, so a 4096 x 4096 layer runs 32 splits of one
 128-deep K tile each, and the last CTA of each output tile sums 32 partials four per round: eight dependent L2
@@ -37,9 +37,20 @@ def m1_candidates() -> list[C.KernelConfig]:
     return [base] + [replace(base, block_k=bk, split_waves=w) for bk, w in ((64, 4), (64, 8), (64, 16), (128, 8))]
 
 
+def m4_candidates() -> list[C.KernelConfig]:
+    """``--set m4``: the M = 4 swap kernel with the M = 16 regime's 64-wide N tiles and more splits (on 28672 x 8192
+    the committed 128-wide tiles ran 1.10-1.14x where a 64-wide register-A probe ran 1.54x,
+    results/w4a16-rega-h200-2026-12-03.md)."""
+    base = C.config_for(4)
+    narrow = replace(base, block_n=64)
+    return [base, narrow, replace(narrow, split_waves=8), replace(narrow, block_k=128), replace(base, split_waves=8)]
+
+
 def candidates(m: int, which: str = "fixup") -> list[C.KernelConfig]:
     if which == "m1":
         return m1_candidates()
+    if which == "m4":
+        return m4_candidates()
     base = C.config_for(m)
     cands = [base] + [replace(base, fixup_unroll=u) for u in (8, 16, 32)]
     waves = (base.split_waves // 2, base.split_waves * 2)
@@ -51,14 +62,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench_out"))
     ap.add_argument("--ms", default="1,2,16,32")
     ap.add_argument("--groups", default="128,64")
-    ap.add_argument("--set", default="fixup", choices=["fixup", "m1"], help="m1: the M = 1 occupancy candidates")
+    ap.add_argument("--set", default="fixup", choices=["fixup", "m1", "m4"],
+                    help="m1: the M = 1 occupancy candidates; m4: the M = 4 tile widths")  # fmt: skip
     args = ap.parse_args()
-    if args.set == "m1":
-        args.ms = "1"
+    if args.set in ("m1", "m4"):
+        args.ms = args.set[1:]
     args.out.mkdir(parents=True, exist_ok=True)
     ms = [int(v) for v in args.ms.split(",")]
     groups = [int(g) for g in args.groups.split(",")]
-    out = args.out / f"probe_fixup{'-m1' * (args.set == 'm1')}.json"
+    out = args.out / f"probe_fixup{'' if args.set == 'fixup' else '-' + args.set}.json"
     run_probe(SHAPES + RUNTIME_SHAPES, groups, ms, out, 4, lambda m, n: candidates(m, args.set))
 
 

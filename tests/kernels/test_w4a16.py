@@ -307,6 +307,10 @@ def test_config_table_covers_every_m():
     assert C.config_for(1, 14336) is C.config_for(1, 28672) is C.WIDE_M1
     assert C.config_for(1, 8192) is C.config_for(1) is K.CONFIG_TABLE[0][1]
     assert C.config_for(2, 28672) is C.config_for(2)
+    # 3-4 rows of the widest layers: the m4 regime's kernel, split twice as far (the same compiled variant)
+    assert C.config_for(3, 28672) is C.config_for(4, 28672) is C.WIDE_M4
+    assert replace(C.config_for(4), split_waves=2 * C.config_for(4).split_waves) == C.WIDE_M4
+    assert C.config_for(4, 14336) is C.config_for(4) and C.config_for(5, 28672) is C.config_for(5)
 
 
 def _quant_linear(bits=4, group=128, act_order=False, bias=True, n=48, k=256, seed=9):
