@@ -1,7 +1,7 @@
 """Probe: a W4A16 tensor-core kernel whose dequantized weight tile never leaves the registers (wgmma with A in
 registers), fed by a fragment-ordered weight layout.
 
-    python benchmarks/probes/probe_rega.py [--out DIR] [--ms 1,2,4,8,16,32,64,128,256] [--groups 128]
+    python benchmarks/probes/probe_rega.py [--out DIR] [--ms 1,2,4,8,16,32,64,128,256] [--groups 128] [--set asm]
 
 Why: the committed swapped kernel (``w4a16.py``, SWAP_AB) dequantizes a [BLOCK_K, BLOCK_N] tile in a blocked layout,
 stores it to shared memory and reads it back for the wgmma's A operand (STS + LDS/LDSM and a CTA barrier per tile;
@@ -64,6 +64,16 @@ LARGE = [
 ]
 
 
+# --set asm: the zero and scale applied per 32-bit pair in PTX (``_pair_asm``), next to the best tl config
+ASM = {
+    "skinny": [(16, 64, 128, 4, 4, 4), (16, 64, 128, 4, 4, 4, "asm"), (16, 128, 128, 4, 4, 4, "asm"),
+               (16, 128, 128, 8, 4, 4, "asm"), (16, 128, 128, 4, 4, 8, "asm"), (16, 64, 128, 4, 4, 8, "asm")],
+    "medium": [(32, 128, 128, 4, 4, 2), (32, 128, 128, 4, 4, 2, "asm"), (64, 128, 128, 8, 4, 2, "asm"),
+               (64, 64, 128, 4, 4, 2, "asm"), (32, 64, 128, 4, 4, 4, "asm")],
+    "large": [(128, 128, 128, 8, 3, 1), (128, 128, 128, 8, 3, 1, "asm"), (128, 128, 64, 4, 4, 1, "asm")],
+}  # fmt: skip
+
+
 def frag_pack(qweight: torch.Tensor, k: int, block_k: int) -> torch.Tensor:
     """GPTQ-v2 4-bit qweight [K/8, N] -> the "frag" layout int32 [N, K/8] for tiles of ``block_k`` codes."""
     j = block_k // 32
@@ -105,11 +115,49 @@ def _frag_tile(words):
     return v.to(tl.int16).to(tl.float16, bitcast=True)
 
 
+@triton.jit
+def _pair_asm(shifted, sz):
+    """One fp16 pair (q0 - z) * s, (q1 - z) * s from ``shifted`` (codes at bits 0-3 and 16-19, higher bits ignored)
+    and ``sz`` (scale | (1024 + z) << 16), as an int32: LOP3 + HSUB2 + HMUL2 (the PRMTs of z and s depend on the row
+    only). Explicit .rn keeps ptxas from contracting the two into an FMA: the product is rounded once, of an exact
+    difference, like the tl path."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 q, z, s;
+        lop3.b32 q, $1, 0x000F000F, 0x64006400, 0xEA;
+        prmt.b32 z, $2, 0, 0x3232;
+        prmt.b32 s, $2, 0, 0x1010;
+        sub.rn.f16x2 q, q, z;
+        mul.rn.f16x2 $0, q, s;
+        }""",
+        constraints="=r,r,r",
+        args=[shifted, sz],
+        dtype=tl.int32,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _frag_tile_asm(words, sz):
+    """``_frag_tile`` with the zero and scale applied to each 32-bit pair in PTX (``_pair_asm``): the arithmetic then
+    never splits a pair, which is where the tl path's PRMTs came from. sz [BN, 1, 1]. GPU only (inline PTX)."""
+    a0 = _pair_asm(words, sz)
+    a1 = _pair_asm(words >> 4, sz)
+    a2 = _pair_asm(words >> 8, sz)
+    a3 = _pair_asm(words >> 12, sz)
+    v = tl.join(tl.join(tl.join(a0, a0 >> 16), tl.join(a1, a1 >> 16)),
+                tl.join(tl.join(a2, a2 >> 16), tl.join(a3, a3 >> 16)))  # fmt: skip
+    v = tl.permute(v, (0, 2, 5, 4, 1, 3))  # [BN, t, J, p, b, a] -> [BN, J, a, b, t, p]
+    v = tl.reshape(v, (words.shape[0], words.shape[1] * words.shape[2] * 8))
+    return v.to(tl.int16).to(tl.float16, bitcast=True)
+
+
 @triton.jit(do_not_specialize=["M", "group_size", "tiles_per_split"])
 def _rega_kernel(x_ptr, wf_ptr, sz_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, group_size, tiles_per_split,
                  stride_xm, stride_wn, stride_szg, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                 FIXUP: tl.constexpr):  # fmt: skip
+                 FIXUP: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
     J: tl.constexpr = BLOCK_K // 32
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -131,9 +179,14 @@ def _rega_kernel(x_ptr, wf_ptr, sz_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, gr
         words = tl.load(w_ptrs + t * (BLOCK_K // 8))
         xt = tl.load(xt_ptrs + t * BLOCK_K, mask=m_mask[None, :], other=0.0)
         sz = tl.load(sz_ptr + (t * BLOCK_K) // group_size * stride_szg + offs_n[:, None])
-        scales = sz.to(tl.int16).to(tl.float16, bitcast=True)
-        z = (sz >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-        w = (_frag_tile(words) - z) * scales
+        if MODE == "asm":
+            w = _frag_tile_asm(words, tl.expand_dims(sz, 2))
+        elif MODE == "nodq":  # ablation: codes read as 1024 + q, no zero or scale (wrong values, same bytes)
+            w = _frag_tile(words) + sz.to(tl.int16).to(tl.float16, bitcast=True) * 0
+        else:
+            scales = sz.to(tl.int16).to(tl.float16, bitcast=True)
+            z = (sz >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+            w = (_frag_tile(words) - z) * scales
         acc = tl.dot(w, xt, acc)
     acc = tl.trans(acc)
     _finish_tile(acc, out_ptr, out_ptr, part_ptr, lock_ptr, pid, offs_m, offs_n, M, N, stride_om, 1, SPLIT,
@@ -142,7 +195,7 @@ def _rega_kernel(x_ptr, wf_ptr, sz_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, gr
 
 def rega_linear(x: torch.Tensor, w: W4A16Weight, wf: tuple, variant: tuple, out: torch.Tensor):
     """``wf``: (frag_pack's words, sz_pack's scale-zero words)."""
-    bm, bn, bk, warps, stages, waves = variant
+    bm, bn, bk, warps, stages, waves, *mode = variant
     m, k = x.shape
     n = w.out_features
     assert w.bits == 4 and w.group_size % bk == 0 and k % bk == 0 and n % bn == 0 and x.dtype == torch.float16
@@ -155,17 +208,19 @@ def rega_linear(x: torch.Tensor, w: W4A16Weight, wf: tuple, variant: tuple, out:
         x, wf[0], wf[1], out, part, w.locks, m, n, k, w.group_size, plan.tiles_per_split,
         x.stride(0), wf[0].stride(0), wf[1].stride(0), out.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=plan.split_k > 1, FIXUP=C.fixup_unroll(cfg),
-        num_warps=warps, num_stages=stages,
+        MODE=mode[0] if mode else "tl", num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
 
 def name(v: tuple) -> str:
-    bm, bn, bk, warps, stages, waves = v
-    return f"rega-m{bm}n{bn}k{bk}w{warps}s{stages}sw{waves}"
+    bm, bn, bk, warps, stages, waves, *mode = v
+    return f"rega-m{bm}n{bn}k{bk}w{warps}s{stages}sw{waves}" + (f"-{mode[0]}" if mode and mode[0] != "tl" else "")
 
 
-def variants_for(m: int) -> list[tuple]:
+def variants_for(m: int, which: str = "tl") -> list[tuple]:
+    if which == "asm":
+        return ASM["skinny" if m <= 16 else "medium" if m <= 64 else "large"]
     if m <= 16:
         return SKINNY
     if m <= 64:
@@ -185,6 +240,7 @@ def main() -> None:
     ap.add_argument("--ms", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--groups", default="128")
     ap.add_argument("--shapes", default="", help="N:K,... (default: the six issue shapes)")
+    ap.add_argument("--set", default="tl", choices=["tl", "asm"], help="asm: the PTX pair arithmetic (``ASM``)")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     ms = [int(v) for v in args.ms.split(",")]
@@ -202,7 +258,7 @@ def main() -> None:
                 x = torch.randn(m, k, device="cuda", generator=layer.gen).half()
                 ref = x.double() @ layer.w64()
                 torch_err = ((x @ layer.w64().half()).double() - ref).abs().max().item()
-                for v in variants_for(m):
+                for v in variants_for(m, args.set):
                     try:
                         bk = v[2]
                         if bk not in packed:
@@ -221,13 +277,13 @@ def main() -> None:
                 cells = " ".join(
                     f"{name(v)} {fp16 / row[f'{name(v)}_us']:.2f}x{'' if row[f'{name(v)}_ok'] else ' WRONG'}"
                     if f"{name(v)}_us" in row else f"{name(v)} ERROR"
-                    for v in variants_for(m)
+                    for v in variants_for(m, args.set)
                 )  # fmt: skip
                 print(f"{n}x{k} g{group} M={m}: fp16 {fp16:.1f} us, committed {fp16 / committed:.2f}x | {cells}",
                       flush=True)  # fmt: skip
                 if args.out:  # after every row: a run cut short keeps what it measured
                     args.out.mkdir(parents=True, exist_ok=True)
-                    (args.out / "probe_rega.json").write_text(json.dumps(rows, indent=1))
+                    (args.out / f"probe_rega{'-asm' * (args.set == 'asm')}.json").write_text(json.dumps(rows, indent=1))
             del layer, packed
             torch.cuda.empty_cache()
     for row in rows:
