@@ -68,7 +68,6 @@ def flash_prefill_reference(
 
 
 LAZY_RESCALE = False  # measured slower on the H200 (see _softmax_step)
-ONE_LOOP = False  # the chunk's keys in one masked loop: slower on the H200 (2026-12-03, results/attention-h200-2026-12-03-oneloop.md)
 RESCALE_MARGIN = tl.constexpr(8.0)  # log2 units: p <= 256 between rescales
 
 
@@ -186,7 +185,6 @@ def _prefill_kernel(
     HAS_WINDOW: tl.constexpr,  # window > 0: a sliding window (its length stays a run-time value)
     LAZY: tl.constexpr,  # rescale acc only when a row maximum grows by more than RESCALE_MARGIN (_softmax_step)
     HAS_PREFIX: tl.constexpr,  # some chunk has cached context before it (else the block-table loops are not compiled)
-    ONE_LOOP: tl.constexpr,  # the chunk's key tiles in one masked loop instead of a full loop and a diagonal one
 ):
     h = tl.program_id(0)
     seq = tl.program_id(1)
@@ -250,48 +248,32 @@ def _prefill_kernel(
     c_lo = tl.maximum(lo, 0) // BLOCK_N * BLOCK_N
     c_full = tl.where(window > 0, c_lo, (m_lo + 1) // BLOCK_N * BLOCK_N)  # last key of a full tile <= m_lo
     c_hi = tl.minimum(m_lo + BLOCK_M, q_len)
-    if ONE_LOOP:  # one pipelined loop (one prologue and drain per program), every tile masked
-        for j in range(c_lo, c_hi, BLOCK_N):
-            idx = j + offs_n
-            if USE_TMA:
-                k = k_desc.load([q_start + j, kvh * HEAD_DIM])
-                v = v_desc.load([q_start + j, kvh * HEAD_DIM])
-            else:
-                t = (q_start + idx).to(tl.int64)[:, None]
-                kv_mask = (idx < q_len)[:, None] & d_mask[None, :]
-                k = tl.load(k_rows + t * stride_kt, mask=kv_mask, other=0.0)
-                v = tl.load(v_rows + t * stride_vt, mask=kv_mask, other=0.0)
-            allowed = idx[None, :] <= offs_m[:, None]
-            if HAS_WINDOW:
-                allowed &= idx[None, :] > offs_m[:, None] - window
-            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, allowed, True, PRECISION, LAZY)
-    else:
-        for j in range(c_lo, c_full, BLOCK_N):
-            if USE_TMA:
-                k = k_desc.load([q_start + j, kvh * HEAD_DIM])
-                v = v_desc.load([q_start + j, kvh * HEAD_DIM])
-            else:
-                t = (q_start + j + offs_n).to(tl.int64)[:, None]
-                k = _load(k_rows + t * stride_kt, d_mask[None, :], MASK_D)
-                v = _load(v_rows + t * stride_vt, d_mask[None, :], MASK_D)
-            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, None, False, PRECISION, LAZY)
-        for j in range(c_full, c_hi, BLOCK_N):
-            idx = j + offs_n
-            n_mask = idx < q_len
-            if USE_TMA:  # key rows past the chunk get no weight (causal), and hold finite values (no 0 * inf)
-                k = k_desc.load([q_start + j, kvh * HEAD_DIM])
-                v = v_desc.load([q_start + j, kvh * HEAD_DIM])
-            else:
-                t = (q_start + idx).to(tl.int64)[:, None]
-                kv_mask = n_mask[:, None] & d_mask[None, :]
-                k = tl.load(k_rows + t * stride_kt, mask=kv_mask, other=0.0)
-                v = tl.load(v_rows + t * stride_vt, mask=kv_mask, other=0.0)
-            # causality alone also hides the keys past the chunk from every query of it (idx <= query < q_len); the
-            # tile's rows past the chunk compute garbage that is never stored
-            allowed = idx[None, :] <= offs_m[:, None]
-            if HAS_WINDOW:
-                allowed &= idx[None, :] > offs_m[:, None] - window
-            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, allowed, True, PRECISION, LAZY)
+    for j in range(c_lo, c_full, BLOCK_N):
+        if USE_TMA:
+            k = k_desc.load([q_start + j, kvh * HEAD_DIM])
+            v = v_desc.load([q_start + j, kvh * HEAD_DIM])
+        else:
+            t = (q_start + j + offs_n).to(tl.int64)[:, None]
+            k = _load(k_rows + t * stride_kt, d_mask[None, :], MASK_D)
+            v = _load(v_rows + t * stride_vt, d_mask[None, :], MASK_D)
+        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, None, False, PRECISION, LAZY)
+    for j in range(c_full, c_hi, BLOCK_N):
+        idx = j + offs_n
+        n_mask = idx < q_len
+        if USE_TMA:  # key rows past the chunk get no weight (causal), and hold finite values (no 0 * inf)
+            k = k_desc.load([q_start + j, kvh * HEAD_DIM])
+            v = v_desc.load([q_start + j, kvh * HEAD_DIM])
+        else:
+            t = (q_start + idx).to(tl.int64)[:, None]
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_rows + t * stride_kt, mask=kv_mask, other=0.0)
+            v = tl.load(v_rows + t * stride_vt, mask=kv_mask, other=0.0)
+        # causality alone also hides the keys past the chunk from every query of it (idx <= query < q_len); the
+        # tile's rows past the chunk compute garbage that is never stored
+        allowed = idx[None, :] <= offs_m[:, None]
+        if HAS_WINDOW:
+            allowed &= idx[None, :] > offs_m[:, None] - window
+        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, allowed, True, PRECISION, LAZY)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -320,14 +302,11 @@ def flash_prefill(
     use_tma: bool | None = None,
     lazy_rescale: bool | None = None,
     has_prefix: bool = True,
-    one_loop: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed query chunks against their cached prefix and themselves (see the module
     docstring for layouts). ``max_q_len`` is a host-side upper bound on the chunk lengths (it sizes the grid).
     ``use_tma``: read q and the chunk's K/V through TMA descriptors; None = whenever ``tma_compatible``.
     ``lazy_rescale``: see ``_softmax_step``; None = ``LAZY_RESCALE``.
-    ``one_loop``: the chunk's key tiles in one loop, every tile masked (one pipeline fill per program instead of
-    two), instead of unmasked full tiles then the diagonal; None = ``ONE_LOOP``.
     ``has_prefix=False`` promises that every chunk starts at position 0 (each context length equals its chunk's
     length, as in first prefills): the kernel is then compiled without the block-table loops over cached context
     (216 instead of 255 registers at 128 x 128 x 8 warps, Triton 3.6 sm_90: benchmarks/sass_prefill.py). A chunk
@@ -404,7 +383,6 @@ def flash_prefill(
         HAS_WINDOW=window > 0,
         LAZY=LAZY_RESCALE if lazy_rescale is None else lazy_rescale,
         HAS_PREFIX=has_prefix,
-        ONE_LOOP=ONE_LOOP if one_loop is None else one_loop,
         num_warps=num_warps,
         num_stages=num_stages,
     )

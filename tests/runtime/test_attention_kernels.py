@@ -160,17 +160,6 @@ def test_flash_prefill_first_prefills_without_prefix_loops(page, hkv, group, d, 
     check_prefill([1, 37, 20], [0, 0, 0], page, hkv, group, d, window, seed=d + window, has_prefix=False)
 
 
-@pytest.mark.parametrize("use_tma", [False, None])
-@pytest.mark.parametrize("page,hkv,group,d,window", PREFILL_CASES[::3])
-def test_flash_prefill_one_loop(page, hkv, group, d, window, use_tma):
-    """one_loop: the chunk's key tiles in a single masked loop, with and without cached prefixes and windows, tiles
-    taller and wider than the diagonal step."""
-    check_prefill([1, 37, 20, 5], [0, 30, 0, 3], page, hkv, group, d, window, seed=7 + d, use_tma=use_tma,
-                  one_loop=True)  # fmt: skip
-    check_prefill([70, 9], [0, 0], page, hkv, group, d, window, seed=8 + d, has_prefix=False, one_loop=True,
-                  block_m=32, block_n=16)  # fmt: skip
-
-
 def test_flash_prefill_tma_descriptor_rows():
     """TMA tiles [T, H * D] rows: a slice of a fused qkv row qualifies, a head dim of 48 or heads apart do not."""
     assert tma_compatible(torch.randn(4, 2, 64), torch.randn(4, 6, 64)[:, 2:4])
