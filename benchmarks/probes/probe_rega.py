@@ -72,6 +72,10 @@ ASM = {
                (64, 64, 128, 4, 4, 2, "asm"), (32, 64, 128, 4, 4, 4, "asm")],
     "large": [(128, 128, 128, 8, 3, 1), (128, 128, 128, 8, 3, 1, "asm"), (128, 128, 64, 4, 4, 1, "asm")],
 }  # fmt: skip
+# --set stages: the PTX pairs with the words loaded straight into registers (num_stages 1: no cp.async, no shared
+# memory for them; what the CUDA-core gemv does) or 2 stages, against the 4-stage config
+STAGES = [(16, 64, 128, 4, 4, 4, "asm"), (16, 64, 128, 4, 1, 4, "asm"), (16, 64, 128, 4, 1, 8, "asm"),
+          (16, 64, 128, 4, 2, 4, "asm"), (16, 128, 128, 4, 1, 4, "asm"), (16, 64, 64, 4, 1, 8, "asm")]  # fmt: skip
 
 
 def frag_pack(qweight: torch.Tensor, k: int, block_k: int) -> torch.Tensor:
@@ -221,6 +225,8 @@ def name(v: tuple) -> str:
 def variants_for(m: int, which: str = "tl") -> list[tuple]:
     if which == "asm":
         return ASM["skinny" if m <= 16 else "medium" if m <= 64 else "large"]
+    if which == "stages":
+        return STAGES
     if m <= 16:
         return SKINNY
     if m <= 64:
@@ -240,7 +246,8 @@ def main() -> None:
     ap.add_argument("--ms", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--groups", default="128")
     ap.add_argument("--shapes", default="", help="N:K,... (default: the six issue shapes)")
-    ap.add_argument("--set", default="tl", choices=["tl", "asm"], help="asm: the PTX pair arithmetic (``ASM``)")
+    ap.add_argument("--set", default="tl", choices=["tl", "asm", "stages"],
+                    help="asm: PTX pair arithmetic (ASM); stages: the same, words straight to registers")  # fmt: skip
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     ms = [int(v) for v in args.ms.split(",")]
@@ -283,7 +290,8 @@ def main() -> None:
                       flush=True)  # fmt: skip
                 if args.out:  # after every row: a run cut short keeps what it measured
                     args.out.mkdir(parents=True, exist_ok=True)
-                    (args.out / f"probe_rega{'-asm' * (args.set == 'asm')}.json").write_text(json.dumps(rows, indent=1))
+                    name_json = f"probe_rega{'' if args.set == 'tl' else '-' + args.set}.json"
+                    (args.out / name_json).write_text(json.dumps(rows, indent=1))
             del layer, packed
             torch.cuda.empty_cache()
     for row in rows:
