@@ -44,8 +44,9 @@ tile); small BLOCK_K = 64 tiles with the scale fused into the tile and 3 stages 
 for M <= 16 (72-96 registers). Still far from the memory roofline: the dequantized tile makes a round trip through
 shared memory for the wgmma A operand (STS + LDSM), and Triton 3.6 waits on each wgmma before the next tile's
 dequantization. Keeping the tile in registers as the wgmma's A operand (a fragment-ordered weight layout,
-``benchmarks/probes/probe_rega.py``) removed the round trip but gained only 5-7% at M = 4-16 and lost elsewhere
-(results/w4a16-rega-h200-2026-12-03.md).
+``benchmarks/probes/probe_rega.py``) removed the round trip: with zero and scale applied in PTX it ran 11-18% faster
+at M = 4-128 but 31% slower than the gemv at M = 1, whose layout it cannot share; not adopted, as a second copy of
+every weight would double W4A16's weight memory (results/w4a16-rega-h200-2026-12-03.md).
 
 Limits: 4 or 8 bits; G a multiple of 32, or one group per column; int32 offsets (tensors < 2**31 elements);
 interpreter mode (TRITON_INTERPRET=1) computes bf16 tiles in fp32 and rounds to bf16 by hand, because the

@@ -1,21 +1,22 @@
 """Probe: a W4A16 tensor-core kernel whose dequantized weight tile never leaves the registers (wgmma with A in
 registers), fed by a fragment-ordered weight layout.
 
-    python benchmarks/probes/probe_rega.py [--out DIR] [--ms 1,2,4,8,16,32,64,128,256] [--groups 128] [--set asm]
+    python benchmarks/probes/probe_rega.py [--out DIR] [--ms 1,2,4,8,16,32,64,128,256] [--groups 128] [--set asm|stages]
 
 Why: the committed swapped kernel (``w4a16.py``, SWAP_AB) dequantizes a [BLOCK_K, BLOCK_N] tile in a blocked layout,
 stores it to shared memory and reads it back for the wgmma's A operand (STS + LDS/LDSM and a CTA barrier per tile;
 ``benchmarks/sass_w4a16.py``). Hopper's wgmma can take A from registers, and Triton 3.6 keeps it there when the
 tile's layout can be reached from the loaded one without moving data between threads: a static compile for sm_90
-(this session) showed that a tile built from packed words by bit operations, ``tl.join``, ``tl.permute`` and
+(2026-12-03) showed that a tile built from packed words by bit operations, ``tl.join``, ``tl.permute`` and
 ``tl.reshape`` reaches the wgmma's register operand directly, with only the packed words pipelined through shared
 memory (cp.async), if each thread's words hold exactly the codes of its fragment. For the m64nNk16 A fragment
 (fp16) a thread owns, in each 16-deep K step, the pairs k = 2t, 2t + 1 and 8 + 2t, 9 + 2t (t = lane % 4) of two
 rows. The layout here ("frag", [N, K/8] int32, row n's K tiles of BLOCK_K codes one after the other): word
 (t, j) of a tile (stored at t * J + j, J = BLOCK_K / 32, so a thread's J words are one 16-byte load at J = 4) holds
 the codes k = 32 j + 16 a + 8 b + 2 t + p at nibble 4 p + 2 a + b, so (w >> 4 s) & 0x000F000F | 0x64006400 is the
-fp16 pair (1024 + code(a, b, 0), 1024 + code(a, b, 1)) for s = 2 a + b: one LOP3 per two codes, as Marlin's
-layout does for mma.sync on Ampere.
+fp16 pair (1024 + code(a, b, 0), 1024 + code(a, b, 1)) for s = 2 a + b: one AND/OR per two codes (one LOP3 with
+``--set asm``, where zero and scale are applied per 32-bit pair in PTX; two in the tl mode), the idea of Marlin's
+layout for mma.sync on Ampere. ``--set stages`` varies how the words travel (cp.async stages or straight loads).
 
 The probe's kernel serves fp16, 4-bit, asymmetric groups that are multiples of BLOCK_K, N and K multiples of the
 tiles (the benchmark shapes); split-K with ``w4a16_epilogue._finish_tile``. Timing as bench_w4a16.py (CUDA graphs
