@@ -68,6 +68,7 @@ def flash_prefill_reference(
 
 
 LAZY_RESCALE = False  # measured slower on the H200 (see _softmax_step)
+GQA_PACK = False  # flash_prefill's gqa_pack default
 RESCALE_MARGIN = tl.constexpr(8.0)  # log2 units: p <= 256 between rescales
 
 
@@ -185,32 +186,41 @@ def _prefill_kernel(
     HAS_WINDOW: tl.constexpr,  # window > 0: a sliding window (its length stays a run-time value)
     LAZY: tl.constexpr,  # rescale acc only when a row maximum grows by more than RESCALE_MARGIN (_softmax_step)
     HAS_PREFIX: tl.constexpr,  # some chunk has cached context before it (else the block-table loops are not compiled)
+    PACK: tl.constexpr,  # 1, or GROUP: a tile holds BLOCK_M // GROUP positions x the GROUP query heads of a kv head
 ):
-    h = tl.program_id(0)
+    BLOCK_Q: tl.constexpr = BLOCK_M // PACK  # query positions per tile
+    h = tl.program_id(0)  # query head (PACK 1) or kv head
     seq = tl.program_id(1)
     m_block = tl.num_programs(2) - 1 - tl.program_id(2)  # the longest (last) query tiles start first
     q_start = tl.load(cu_seqlens_ptr + seq)
     q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
-    if m_block * BLOCK_M >= q_len:
+    if m_block * BLOCK_Q >= q_len:
         return
     prefix = tl.load(context_lens_ptr + seq) - q_len  # context tokens before the chunk (in the cache only)
-    m_lo = m_block * BLOCK_M  # chunk index of this tile's first query
+    m_lo = m_block * BLOCK_Q  # chunk index of this tile's first query
 
-    offs_m = m_lo + tl.arange(0, BLOCK_M)  # query index within the chunk
+    offs_m = m_lo + tl.arange(0, BLOCK_M) // PACK  # query index within the chunk, per row
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     m_mask = offs_m < q_len
     d_mask = offs_d < HEAD_DIM
     rows = (q_start + offs_m).to(tl.int64)
-    if USE_TMA:  # rows past the chunk are another sequence's (or TMA's zero fill): their outputs are not stored
+    if PACK == 1:
+        kvh = h // GROUP
+        q_head = h * stride_qh
+        o_head = h * stride_oh
+    else:  # row r: position m_lo + r // PACK, query head h * PACK + r % PACK (adjacent heads share the kv head)
+        kvh = h
+        q_head = ((h * PACK + tl.arange(0, BLOCK_M) % PACK) * stride_qh)[:, None]
+        o_head = ((h * PACK + tl.arange(0, BLOCK_M) % PACK) * stride_oh)[:, None]
+    if USE_TMA and PACK == 1:  # rows past the chunk are another sequence's (or TMA's zero fill): never stored
         q = q_desc.load([q_start + m_lo, h * HEAD_DIM])
     else:
         q = tl.load(
-            q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+            q_ptr + rows[:, None] * stride_qt + q_head + offs_d[None, :],
             mask=m_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
-    kvh = h // GROUP
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -247,7 +257,7 @@ def _prefill_kernel(
     v_rows = v_ptr + kvh * stride_vh + offs_d[None, :]
     c_lo = tl.maximum(lo, 0) // BLOCK_N * BLOCK_N
     c_full = tl.where(window > 0, c_lo, (m_lo + 1) // BLOCK_N * BLOCK_N)  # last key of a full tile <= m_lo
-    c_hi = tl.minimum(m_lo + BLOCK_M, q_len)
+    c_hi = tl.minimum(m_lo + BLOCK_Q, q_len)
     for j in range(c_lo, c_full, BLOCK_N):
         if USE_TMA:
             k = k_desc.load([q_start + j, kvh * HEAD_DIM])
@@ -277,7 +287,7 @@ def _prefill_kernel(
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
-        out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out_ptr + rows[:, None] * stride_ot + o_head + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=m_mask[:, None] & d_mask[None, :],
     )
@@ -302,11 +312,14 @@ def flash_prefill(
     use_tma: bool | None = None,
     lazy_rescale: bool | None = None,
     has_prefix: bool = True,
+    gqa_pack: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed query chunks against their cached prefix and themselves (see the module
     docstring for layouts). ``max_q_len`` is a host-side upper bound on the chunk lengths (it sizes the grid).
     ``use_tma``: read q and the chunk's K/V through TMA descriptors; None = whenever ``tma_compatible``.
     ``lazy_rescale``: see ``_softmax_step``; None = ``LAZY_RESCALE``.
+    ``gqa_pack``: one program per kv head, its tile BLOCK_M // G positions x the G query heads that share the kv
+    head (G = Hq / Hkv, a power of two dividing BLOCK_M), so each K/V tile read serves G heads; None = ``GQA_PACK``.
     ``has_prefix=False`` promises that every chunk starts at position 0 (each context length equals its chunk's
     length, as in first prefills): the kernel is then compiled without the block-table loops over cached context
     (216 instead of 255 registers at 128 x 128 x 8 warps, Triton 3.6 sm_90: benchmarks/sass_prefill.py). A chunk
@@ -338,7 +351,11 @@ def flash_prefill(
     num_warps = num_warps or (default[2] if (block_m, block_n) == default[:2] else 4 if block_m <= 64 else 8)
     num_stages = num_stages or default[3]
     block_d = triton.next_power_of_2(d)
-    grid = (hq, n_seq, triton.cdiv(max_q_len, block_m))
+    group = hq // hkv
+    pack = group if (GQA_PACK if gqa_pack is None else gqa_pack) and _packable(group, block_m) else 1
+    if gqa_pack and pack == 1 and group > 1:
+        raise ValueError(f"flash_prefill: gqa_pack needs a power-of-two group dividing block_m ({group}, {block_m})")
+    grid = (hq // pack, n_seq, triton.cdiv(max_q_len, block_m // pack))
     compatible = tma_compatible(q, k, v)
     if use_tma and not compatible:
         raise ValueError("flash_prefill: use_tma needs a power-of-two head dim, heads contiguous in each row and "
@@ -383,6 +400,7 @@ def flash_prefill(
         HAS_WINDOW=window > 0,
         LAZY=LAZY_RESCALE if lazy_rescale is None else lazy_rescale,
         HAS_PREFIX=has_prefix,
+        PACK=pack,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -418,6 +436,11 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
         and (t.stride(0) * size) % 16 == 0
         for t in tensors
     )
+
+
+def _packable(group: int, block_m: int) -> bool:
+    """GQA packing fits: a power-of-two group that leaves at least one position per tile."""
+    return group > 1 and group & (group - 1) == 0 and block_m % group == 0
 
 
 def _rows_descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:

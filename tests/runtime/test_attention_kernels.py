@@ -160,6 +160,24 @@ def test_flash_prefill_first_prefills_without_prefix_loops(page, hkv, group, d, 
     check_prefill([1, 37, 20], [0, 0, 0], page, hkv, group, d, window, seed=d + window, has_prefix=False)
 
 
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("group", [2, 4])
+def test_flash_prefill_gqa_pack(group, block_m):
+    """gqa_pack: one program per kv head holding its query heads' rows, with and without cached prefixes and a
+    window, tiles of BLOCK_M // group positions (some below the page and the key tile)."""
+    check_prefill([1, 37, 20, 5], [0, 30, 0, 3], 16, 2, group, 32, 0, seed=group + block_m, gqa_pack=True,
+                  block_m=block_m, block_n=16)  # fmt: skip
+    check_prefill([70, 9], [21, 0], 8, 1, group, 32, 11, seed=3 * group, gqa_pack=True, block_m=block_m,
+                  block_n=16)  # fmt: skip
+    check_prefill([33, 64], [0, 0], 16, 2, group, 32, 0, seed=block_m, gqa_pack=True, block_m=block_m,
+                  block_n=32, has_prefix=False)  # fmt: skip
+
+
+def test_flash_prefill_gqa_pack_needs_a_power_of_two_group():
+    with pytest.raises(ValueError, match="gqa_pack"):
+        check_prefill([5], [0], 16, 1, 3, 32, 0, seed=1, gqa_pack=True, block_m=16, block_n=16)
+
+
 def test_flash_prefill_tma_descriptor_rows():
     """TMA tiles [T, H * D] rows: a slice of a fused qkv row qualifies, a head dim of 48 or heads apart do not."""
     assert tma_compatible(torch.randn(4, 2, 64), torch.randn(4, 6, 64)[:, 2:4])
