@@ -69,7 +69,7 @@ PREFILL_SWEEP = [  # (block_m, block_n, num_warps, num_stages, TMA for q and the
     (128, 64, 8, 3, True, False, False, True),  # 32 positions x 4 heads
     (128, 128, 8, 3, True, False, False, True),
     (256, 64, 8, 3, True, False, False, True),  # 64 positions x 4 heads
-    (64, 64, 4, 3, True, False, True),  # the same with the prefix loops (every launch before the ninth session)
+    (64, 64, 4, 3, True, False, True),  # the defaults with the prefix loops (every launch before the ninth session)
     (128, 128, 8, 3, True, False, True),
     (128, 32, 4, 4, True, False, False),  # the default up to 2048 queries before the ninth session
     (128, 32, 4, 4, True, False, True),
