@@ -68,7 +68,6 @@ def flash_prefill_reference(
 
 
 LAZY_RESCALE = False  # measured slower on the H200 (see _softmax_step)
-GQA_PACK = False  # flash_prefill's gqa_pack default
 RESCALE_MARGIN = tl.constexpr(8.0)  # log2 units: p <= 256 between rescales
 
 
@@ -319,7 +318,8 @@ def flash_prefill(
     ``use_tma``: read q and the chunk's K/V through TMA descriptors; None = whenever ``tma_compatible``.
     ``lazy_rescale``: see ``_softmax_step``; None = ``LAZY_RESCALE``.
     ``gqa_pack``: one program per kv head, its tile BLOCK_M // G positions x the G query heads that share the kv
-    head (G = Hq / Hkv, a power of two dividing BLOCK_M), so each K/V tile read serves G heads; None = ``GQA_PACK``.
+    head (G = Hq / Hkv, a power of two dividing BLOCK_M), so each K/V tile read serves G heads; None = the default
+    configuration's choice when the tiles are its own (``PREFILL_CONFIGS``), else off.
     ``has_prefix=False`` promises that every chunk starts at position 0 (each context length equals its chunk's
     length, as in first prefills): the kernel is then compiled without the block-table loops over cached context
     (216 instead of 255 registers at 128 x 128 x 8 warps, Triton 3.6 sm_90: benchmarks/sass_prefill.py). A chunk
@@ -350,9 +350,11 @@ def flash_prefill(
     block_m, block_n = block_m or default[0], block_n or default[1]
     num_warps = num_warps or (default[2] if (block_m, block_n) == default[:2] else 4 if block_m <= 64 else 8)
     num_stages = num_stages or default[3]
+    if gqa_pack is None:
+        gqa_pack = default[4] and (block_m, block_n) == default[:2]
     block_d = triton.next_power_of_2(d)
     group = hq // hkv
-    pack = group if (GQA_PACK if gqa_pack is None else gqa_pack) and _packable(group, block_m) else 1
+    pack = group if gqa_pack and _packable(group, block_m) else 1
     if gqa_pack and pack == 1 and group > 1:
         raise ValueError(f"flash_prefill: gqa_pack needs a power-of-two group dividing block_m ({group}, {block_m})")
     grid = (hq // pack, n_seq, triton.cdiv(max_q_len, block_m // pack))
@@ -407,16 +409,16 @@ def flash_prefill(
     return out
 
 
-# (block_m, block_n, num_warps, num_stages) by the longest chunk of the launch, from benchmarks/bench_attention.py's
-# sweeps on the H200 (bf16, D = 128, GQA 4, TMA on; results/attention-h200-2026-12-02-prefixless.md): chunks of
-# up to 1024 queries want small tiles (64 x 64: one masked tile on the diagonal, two CTAs per SM at 158 registers
-# and 113 KB of shared memory without the prefix loops), longer ones the widest MMA tiles (2k x 8: 78-82% of SDPA
-# against 76-81% for 64 x 64)
-PREFILL_CONFIGS = ((1024, (64, 64, 4, 3)), (2**31, (128, 128, 8, 3)))
-INTERPRETER_CONFIG = (16, 16, 4, 1)  # Triton's interpreter: small tiles run much faster there
+# (block_m, block_n, num_warps, num_stages, GQA packing where the group allows it) by the longest chunk of the launch,
+# from benchmarks/bench_attention.py's sweeps on the H200 (bf16, D = 128, GQA 4, TMA on;
+# results/attention-h200-2026-12-02-prefixless.md): chunks of up to 1024 queries want small tiles (64 x 64: one masked
+# tile on the diagonal, two CTAs per SM at 158 registers and 113 KB of shared memory without the prefix loops), longer
+# ones the widest MMA tiles (2k x 8: 78-82% of SDPA against 76-81% for 64 x 64)
+PREFILL_CONFIGS = ((1024, (64, 64, 4, 3, False)), (2**31, (128, 128, 8, 3, False)))
+INTERPRETER_CONFIG = (16, 16, 4, 1, False)  # Triton's interpreter: small tiles run much faster there
 
 
-def prefill_config(max_q_len: int, on_cpu: bool = False) -> tuple[int, int, int, int]:
+def prefill_config(max_q_len: int, on_cpu: bool = False) -> tuple[int, int, int, int, bool]:
     """The committed launch configuration for chunks of at most ``max_q_len`` queries."""
     if on_cpu:
         return INTERPRETER_CONFIG
