@@ -15,7 +15,11 @@ Layouts (T packed query tokens, N sequences, Hq / Hkv heads, GQA group G = Hq / 
 - ``context_lens`` int32 [N]: prefix + chunk tokens of sequence n, so the chunk's queries sit at positions
   ``context_len - chunk_len .. context_len - 1`` and the prefix is ``0 .. context_len - chunk_len - 1``.
 
-One program per (query head, sequence, BLOCK_M query rows), the last query tiles (the most keys) launched first.
+One program per (query head, sequence, BLOCK_M query rows), the last query tiles (the most keys) launched first;
+with GQA packing (``gqa_pack``) one program per (kv head, sequence, BLOCK_M / G positions), its rows the G query
+heads of each position, so one K/V tile read serves G heads (at L = 1k x 16 with 64-row tiles the unpacked kernel
+reads ~2.2 GB of K/V tiles, ~5.6 TB/s from L2 by that estimate; packing with 128 rows halves it). Packing is
+tested in the interpreter but was not timed on the H200 yet (2026-12-03: no GPU time left), so no default uses it.
 Key tiles that no query of the tile sees are skipped; wholly visible tiles load and compute without any mask, and
 only the (at most BLOCK_M / BLOCK_N + 1) tiles on the diagonal, the prefix's last partial tile and sliding-window
 tiles are masked. Scores stay in log2 units (exp2, the scale folded into the exponent's FMA); fp32 accumulation.
