@@ -354,11 +354,12 @@ def flash_prefill(
     block_m, block_n = block_m or default[0], block_n or default[1]
     num_warps = num_warps or (default[2] if (block_m, block_n) == default[:2] else 4 if block_m <= 64 else 8)
     num_stages = num_stages or default[3]
-    if gqa_pack is None:
-        gqa_pack = default[4] and (block_m, block_n) == default[:2]
     block_d = triton.next_power_of_2(d)
     group = hq // hkv
-    pack = group if gqa_pack and _packable(group, block_m) else 1
+    if gqa_pack is None:  # the default's choice, where the group allows it (a group of 3 runs unpacked)
+        pack = group if default[4] and (block_m, block_n) == default[:2] and _packable(group, block_m) else 1
+    else:
+        pack = group if gqa_pack and _packable(group, block_m) else 1
     if gqa_pack and pack == 1 and group > 1:
         raise ValueError(f"flash_prefill: gqa_pack needs a power-of-two group dividing block_m ({group}, {block_m})")
     grid = (hq // pack, n_seq, triton.cdiv(max_q_len, block_m // pack))
