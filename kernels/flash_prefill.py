@@ -18,8 +18,9 @@ Layouts (T packed query tokens, N sequences, Hq / Hkv heads, GQA group G = Hq / 
 One program per (query head, sequence, BLOCK_M query rows), the last query tiles (the most keys) launched first;
 with GQA packing (``gqa_pack``) one program per (kv head, sequence, BLOCK_M / G positions), its rows the G query
 heads of each position, so one K/V tile read serves G heads (at L = 1k x 16 with 64-row tiles the unpacked kernel
-reads ~2.2 GB of K/V tiles, ~5.6 TB/s from L2 by that estimate; packing with 128 rows halves it). Packing is
-tested in the interpreter but was not timed on the H200 yet (2026-12-03: no GPU time left), so no default uses it.
+reads ~2.2 GB of K/V tiles -- tiles seen per program x 32 KB -- i.e. ~5.6 TB/s from L2 over its measured ~400 us;
+packing with 128 rows halves it). Packing is tested in the interpreter but was not timed on the H200 yet
+(2026-12-03: no GPU time left), so no default uses it.
 Key tiles that no query of the tile sees are skipped; wholly visible tiles load and compute without any mask, and
 only the (at most BLOCK_M / BLOCK_N + 1) tiles on the diagonal, the prefix's last partial tile and sliding-window
 tiles are masked. Scores stay in log2 units (exp2, the scale folded into the exponent's FMA); fp32 accumulation.
@@ -214,8 +215,9 @@ def _prefill_kernel(
         o_head = h * stride_oh
     else:  # row r: position m_lo + r // PACK, query head h * PACK + r % PACK (adjacent heads share the kv head)
         kvh = h
-        q_head = ((h * PACK + tl.arange(0, BLOCK_M) % PACK) * stride_qh)[:, None]
-        o_head = ((h * PACK + tl.arange(0, BLOCK_M) % PACK) * stride_oh)[:, None]
+        heads = (h * PACK + tl.arange(0, BLOCK_M) % PACK)[:, None]
+        q_head = heads * stride_qh
+        o_head = heads * stride_oh
     if USE_TMA and PACK == 1:  # rows past the chunk are another sequence's (or TMA's zero fill): never stored
         q = q_desc.load([q_start + m_lo, h * HEAD_DIM])
     else:
@@ -326,7 +328,7 @@ def flash_prefill(
     configuration's choice when the tiles are its own (``PREFILL_CONFIGS``), else off.
     ``has_prefix=False`` promises that every chunk starts at position 0 (each context length equals its chunk's
     length, as in first prefills): the kernel is then compiled without the block-table loops over cached context
-    (216 instead of 255 registers at 128 x 128 x 8 warps, Triton 3.6 sm_90: benchmarks/sass_prefill.py). A chunk
+    (217 instead of 255 registers at 128 x 128 x 8 warps, Triton 3.6 sm_90: benchmarks/sass_prefill.py). A chunk
     with a cached prefix under that promise would attend to its own tokens only, so callers pass it only when they
     know it from the host."""
     t, hq, d = q.shape
@@ -355,13 +357,7 @@ def flash_prefill(
     num_warps = num_warps or (default[2] if (block_m, block_n) == default[:2] else 4 if block_m <= 64 else 8)
     num_stages = num_stages or default[3]
     block_d = triton.next_power_of_2(d)
-    group = hq // hkv
-    if gqa_pack is None:  # the default's choice, where the group allows it (a group of 3 runs unpacked)
-        pack = group if default[4] and (block_m, block_n) == default[:2] and _packable(group, block_m) else 1
-    else:
-        pack = group if gqa_pack and _packable(group, block_m) else 1
-    if gqa_pack and pack == 1 and group > 1:
-        raise ValueError(f"flash_prefill: gqa_pack needs a power-of-two group dividing block_m ({group}, {block_m})")
+    pack = _pack_factor(gqa_pack, default, block_m, block_n, hq // hkv)
     grid = (hq // pack, n_seq, triton.cdiv(max_q_len, block_m // pack))
     compatible = tma_compatible(q, k, v)
     if use_tma and not compatible:
@@ -417,7 +413,7 @@ def flash_prefill(
 # (block_m, block_n, num_warps, num_stages, GQA packing where the group allows it) by the longest chunk of the launch,
 # from benchmarks/bench_attention.py's sweeps on the H200 (bf16, D = 128, GQA 4, TMA on;
 # results/attention-h200-2026-12-02-prefixless.md): chunks of up to 1024 queries want small tiles (64 x 64: one masked
-# tile on the diagonal, two CTAs per SM at 158 registers and 113 KB of shared memory without the prefix loops), longer
+# tile on the diagonal, two CTAs per SM at 159 registers and 113 KB of shared memory without the prefix loops), longer
 # ones the widest MMA tiles (2k x 8: 78-82% of SDPA against 76-81% for 64 x 64)
 PREFILL_CONFIGS = ((1024, (64, 64, 4, 3, False)), (2**31, (128, 128, 8, 3, False)))
 INTERPRETER_CONFIG = (16, 16, 4, 1, False)  # Triton's interpreter: small tiles run much faster there
@@ -445,9 +441,15 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
     )
 
 
-def _packable(group: int, block_m: int) -> bool:
-    """GQA packing fits: a power-of-two group that leaves at least one position per tile."""
-    return group > 1 and group & (group - 1) == 0 and block_m % group == 0
+def _pack_factor(gqa_pack: bool | None, default: tuple, block_m: int, block_n: int, group: int) -> int:
+    """Query heads per tile: ``group`` when packing is asked for (None: the default configuration's choice, for its
+    own tiles) and fits -- a power-of-two group dividing ``block_m`` -- else 1. A group that does not fit raises
+    only when packing was asked for explicitly; under a packing default it runs unpacked."""
+    want = gqa_pack if gqa_pack is not None else default[4] and (block_m, block_n) == default[:2]
+    fits = group > 1 and group & (group - 1) == 0 and block_m % group == 0
+    if gqa_pack and group > 1 and not fits:
+        raise ValueError(f"flash_prefill: gqa_pack needs a power-of-two group dividing block_m ({group}, {block_m})")
+    return group if want and fits else 1
 
 
 def _rows_descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:

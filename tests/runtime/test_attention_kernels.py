@@ -7,8 +7,7 @@ that no sequence owns holds NaN, so reading one (or a padded block-table entry) 
 
 import pytest
 import torch
-from quantkit.kernels import flash_prefill as flash_prefill_module
-from quantkit.kernels.flash_prefill import flash_prefill, flash_prefill_reference, tma_compatible
+from quantkit.kernels.flash_prefill import _pack_factor, flash_prefill, flash_prefill_reference, tma_compatible
 from quantkit.kernels.paged_attention import (
     MAX_SPLITS,
     default_num_splits,
@@ -174,13 +173,16 @@ def test_flash_prefill_gqa_pack(group, block_m):
                   block_n=32, has_prefix=False)  # fmt: skip
 
 
-def test_flash_prefill_gqa_pack_needs_a_power_of_two_group(monkeypatch):
+def test_flash_prefill_gqa_pack_needs_a_power_of_two_group():
     with pytest.raises(ValueError, match="gqa_pack"):
         check_prefill([5], [0], 16, 1, 3, 32, 0, seed=1, gqa_pack=True, block_m=16, block_n=16)
-    # a default that packs leaves a group of 3 unpacked instead of failing
-    monkeypatch.setattr(flash_prefill_module, "prefill_config", lambda *args, **kwargs: (16, 16, 4, 1, True))
-    check_prefill([5, 20], [0, 7], 16, 1, 3, 32, 0, seed=2)
-    check_prefill([5, 20], [0, 7], 16, 2, 2, 32, 0, seed=3)  # ... and packs a group of 2
+    packing_default, plain_default = (16, 16, 4, 1, True), (16, 16, 4, 1, False)
+    assert _pack_factor(None, packing_default, 16, 16, 4) == 4  # the default's choice for its own tiles
+    assert _pack_factor(None, packing_default, 16, 16, 3) == 1  # a group of 3 runs unpacked, no error
+    assert _pack_factor(None, packing_default, 32, 16, 4) == 1  # other tiles than the default's: off
+    assert _pack_factor(None, plain_default, 16, 16, 4) == 1
+    assert _pack_factor(True, plain_default, 32, 16, 2) == 2 and _pack_factor(False, packing_default, 16, 16, 4) == 1
+    assert _pack_factor(True, plain_default, 16, 16, 1) == 1  # one query head per kv head: nothing to pack
 
 
 def test_flash_prefill_tma_descriptor_rows():
