@@ -101,23 +101,27 @@ def sz_pack(w: W4A16Weight) -> torch.Tensor:
 
 
 @triton.jit
+def _frag_order(a0, a1, a2, a3):
+    """Four int32 pair words [BN, 4, J] (pair s = 2 a + b: code p = 0 in the low half, p = 1 in the high half) ->
+    the tile [BN, 32 J] in natural k order (k = 32 j + 16 a + 8 b + 2 t + p), each half read as fp16."""
+    v = tl.join(tl.join(tl.join(a0, a0 >> 16), tl.join(a1, a1 >> 16)),
+                tl.join(tl.join(a2, a2 >> 16), tl.join(a3, a3 >> 16)))  # fmt: skip
+    v = tl.permute(v, (0, 2, 5, 4, 1, 3))  # [BN, t, J, p, b, a] -> [BN, J, a, b, t, p]
+    v = tl.reshape(v, (a0.shape[0], a0.shape[1] * a0.shape[2] * 8))
+    return v.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _frag_tile(words):
     """words [BN, 4, J] int32 (frag layout) -> [BN, 32 J] fp16 values 1024 + code in natural tile k order.
 
     The magic constant is a compile-time one: as a run-time scalar (the committed kernels' way to get one LOP3 per
     pair) Triton 3.6 no longer carries the wgmma operand's layout back to the load and converts the tile through
-    shared memory instead (static check, sm_90)."""
-    a0 = (words & 0x000F000F) | 0x64006400  # s = 0: a = 0, b = 0; low half p = 0, high half p = 1
-    a1 = ((words >> 4) & 0x000F000F) | 0x64006400  # a = 0, b = 1
-    a2 = ((words >> 8) & 0x000F000F) | 0x64006400  # a = 1, b = 0
-    a3 = ((words >> 12) & 0x000F000F) | 0x64006400  # a = 1, b = 1
-    v = tl.join(tl.join(tl.join(a0, a0 >> 16), tl.join(a1, a1 >> 16)),
-                tl.join(tl.join(a2, a2 >> 16), tl.join(a3, a3 >> 16)))  # fmt: skip
-    # the zero/scale arithmetic on this tile costs one PRMT per pair in SASS (re-pairing the fp16 halves); joining
-    # p last instead of first compiles to the same 64 PRMTs per 64 x 128 tile (static check)
-    v = tl.permute(v, (0, 2, 5, 4, 1, 3))  # [BN, t, J, p, b, a] -> [BN, J, a, b, t, p]
-    v = tl.reshape(v, (words.shape[0], words.shape[1] * words.shape[2] * 8))
-    return v.to(tl.int16).to(tl.float16, bitcast=True)
+    shared memory instead (static check, sm_90). The zero/scale arithmetic on this tile costs one PRMT per pair in
+    SASS (re-pairing the fp16 halves); joining p last instead of first compiles to the same 64 PRMTs per 64 x 128
+    tile (static check)."""
+    return _frag_order((words & 0x000F000F) | 0x64006400, ((words >> 4) & 0x000F000F) | 0x64006400,
+                       ((words >> 8) & 0x000F000F) | 0x64006400, ((words >> 12) & 0x000F000F) | 0x64006400)  # fmt: skip
 
 
 @triton.jit
@@ -147,15 +151,8 @@ def _pair_asm(shifted, sz):
 def _frag_tile_asm(words, sz):
     """``_frag_tile`` with the zero and scale applied to each 32-bit pair in PTX (``_pair_asm``): the arithmetic then
     never splits a pair, which is where the tl path's PRMTs came from. sz [BN, 1, 1]. GPU only (inline PTX)."""
-    a0 = _pair_asm(words, sz)
-    a1 = _pair_asm(words >> 4, sz)
-    a2 = _pair_asm(words >> 8, sz)
-    a3 = _pair_asm(words >> 12, sz)
-    v = tl.join(tl.join(tl.join(a0, a0 >> 16), tl.join(a1, a1 >> 16)),
-                tl.join(tl.join(a2, a2 >> 16), tl.join(a3, a3 >> 16)))  # fmt: skip
-    v = tl.permute(v, (0, 2, 5, 4, 1, 3))  # [BN, t, J, p, b, a] -> [BN, J, a, b, t, p]
-    v = tl.reshape(v, (words.shape[0], words.shape[1] * words.shape[2] * 8))
-    return v.to(tl.int16).to(tl.float16, bitcast=True)
+    return _frag_order(_pair_asm(words, sz), _pair_asm(words >> 4, sz), _pair_asm(words >> 8, sz),
+                       _pair_asm(words >> 12, sz))  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M", "group_size", "tiles_per_split"])
