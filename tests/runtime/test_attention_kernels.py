@@ -173,6 +173,15 @@ def test_flash_prefill_gqa_pack(group, block_m):
                   block_n=32, has_prefix=False)  # fmt: skip
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the benchmark's tiles: minutes in Triton's interpreter")
+@pytest.mark.parametrize("block_m,block_n,warps", [(64, 64, 4), (128, 64, 8), (128, 128, 8), (256, 64, 8)])
+def test_flash_prefill_gqa_pack_full_size_tiles(block_m, block_n, warps):
+    """The packed tiles bench_attention.py times (and a default may use), at the Llama-3 group of 4 and D = 128."""
+    launch = dict(gqa_pack=True, block_m=block_m, block_n=block_n, num_warps=warps, num_stages=3)
+    check_prefill([300, 1, 77, 129], [0, 40, 0, 200], 16, 2, 4, 128, 0, seed=block_m + block_n, **launch)
+    check_prefill([513, 64], [0, 0], 16, 2, 4, 128, 0, seed=warps, has_prefix=False, **launch)
+
+
 def test_flash_prefill_gqa_pack_needs_a_power_of_two_group():
     with pytest.raises(ValueError, match="gqa_pack"):
         check_prefill([5], [0], 16, 1, 3, 32, 0, seed=1, gqa_pack=True, block_m=16, block_n=16)
