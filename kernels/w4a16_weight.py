@@ -109,7 +109,13 @@ def _pack_gptq_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     padded[:k] = codes.long()
     shifts = torch.arange(0, 32, bits, device=codes.device, dtype=torch.int64).view(1, pf, 1)
     words = (padded.view(-1, pf, n) << shifts).sum(dim=1)  # disjoint bit fields: the sum is an OR
-    return (words - ((words >> 31) << 32)).to(torch.int32)  # low 32 bits as signed
+    return as_int32_words(words)
+
+
+def as_int32_words(words: torch.Tensor) -> torch.Tensor:
+    """int64 tensor of 32-bit patterns (0 <= w < 2**32) -> int32 holding the same bits (the high half read as
+    the sign)."""
+    return (words - ((words >> 31) << 32)).to(torch.int32)
 
 
 def interpreting() -> bool:

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w4a16
 from bench_w4a16 import SHAPES, Layer, Timer, fp16_calls
 from quantkit.kernels import w4a16_configs as C
 from quantkit.kernels.w4a16_epilogue import _finish_tile
-from quantkit.kernels.w4a16_weight import W4A16Weight, interpreting, num_sms, unpack_gptq_codes
+from quantkit.kernels.w4a16_weight import W4A16Weight, as_int32_words, interpreting, num_sms, unpack_gptq_codes
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, split_waves)
 SKINNY = [
@@ -88,7 +88,7 @@ def frag_pack(qweight: torch.Tensor, k: int, block_k: int) -> torch.Tensor:
     c = c.permute(0, 1, 5, 2, 6, 3, 4)  # [N, T, t, j, p, a, b]: word t * J + j, nibble 4 p + 2 a + b
     c = c.reshape(n, k // 8, 8)
     words = (c << (4 * torch.arange(8, device=c.device))).sum(-1)
-    return (words - ((words >> 31) << 32)).to(torch.int32)
+    return as_int32_words(words)
 
 
 def sz_pack(w: W4A16Weight) -> torch.Tensor:
@@ -97,7 +97,7 @@ def sz_pack(w: W4A16Weight) -> torch.Tensor:
     n = w.out_features
     z = unpack_gptq_codes(w.qzeros.t().contiguous(), 4, n).t().long()  # [n_g, N]
     words = (w.scales.view(torch.int16).long() & 0xFFFF) | ((0x6400 + z) << 16)
-    return (words - ((words >> 31) << 32)).to(torch.int32)
+    return as_int32_words(words)
 
 
 @triton.jit
