@@ -61,15 +61,10 @@ DECODE_SWEEP = [  # (block_n, num_warps, num_stages, splits or None = default)
     (64, 4, 3, 64),
 ]
 PREFILL_SWEEP = [  # (block_m, block_n, num_warps, num_stages, TMA for q and the chunk's K/V, lazy rescaling,
-    # the cached-prefix loops compiled in[, GQA packing]): first prefills, so the runtime launches them without
-    # (has_prefix=False)
+    # the cached-prefix loops compiled in): first prefills, so the runtime launches them without (has_prefix=False)
     (64, 64, 4, 3, True, False, False),  # the committed default up to 1024 queries a chunk (PREFILL_CONFIGS)
     (128, 128, 8, 3, True, False, False),  # ... and for longer chunks
-    (64, 64, 4, 3, True, False, False, True),  # GQA-packed: 16 positions x 4 query heads per tile
-    (128, 64, 8, 3, True, False, False, True),  # 32 positions x 4 heads
-    (128, 128, 8, 3, True, False, False, True),
-    (256, 64, 8, 3, True, False, False, True),  # 64 positions x 4 heads
-    (64, 64, 4, 3, True, False, True),  # the defaults with the prefix loops (every launch before the ninth session)
+    (64, 64, 4, 3, True, False, True),  # the same with the prefix loops (every launch before the ninth session)
     (128, 128, 8, 3, True, False, True),
     (128, 32, 4, 4, True, False, False),  # the default up to 2048 queries before the ninth session
     (128, 32, 4, 4, True, False, True),
@@ -88,10 +83,8 @@ PREFILL_SWEEP = [  # (block_m, block_n, num_warps, num_stages, TMA for q and the
     (64, 32, 4, 4, True, False, False),
     (128, 128, 8, 4, True, False, False),
     (256, 64, 8, 3, True, False, False),
-    (64, 32, 4, 3, True, False, False, True),
-    (128, 32, 4, 4, True, False, False, True),
 ]
-PREFILL_QUICK = 10  # configurations of the sweep that --quick runs
+PREFILL_QUICK = 6  # configurations of the sweep that --quick runs
 SMOKE = {"decode": [(3, 40)], "prefill": [(48, 2)], "hq": 4, "hkv": 2, "d": 32}
 DTYPE = torch.bfloat16  # fp16 under --smoke: Triton 3.9's interpreter computes bf16 tl.dot wrongly
 
@@ -206,13 +199,12 @@ def run_prefill(cases, hq, hkv, d, sweep, smoke, device, gen, dtype) -> list[dic
         base, base_name = sdpa_seconds(qs, kc.contiguous(), vc.contiguous(), smoke)
         rows.append({"kernel": "prefill", "case": f"L={length} x{n_seq}", "config": base_name, "default": False,
                      "us": base * 1e6, "TFLOP/s": flops / base / 1e12, "vs_sdpa": 1.0, "max_err": 0.0})  # fmt: skip
-        for bm, bn, warps, stages, tma, lazy, prefix_loops, *pack in sweep:
-            gqa_pack = bool(pack and pack[0])
+        for bm, bn, warps, stages, tma, lazy, prefix_loops in sweep:
             fn = partial(flash_prefill, q, kp, vp, k, v, tables, cu, ctx, length, scale, block_m=bm, block_n=bn,
                          num_warps=warps, num_stages=stages, use_tma=tma, lazy_rescale=lazy,
-                         has_prefix=prefix_loops, gqa_pack=gqa_pack)  # fmt: skip
+                         has_prefix=prefix_loops)  # fmt: skip
             name = f"m{bm} n{bn} w{warps} s{stages}" + (" tma" if tma else "") + (" lazy" if lazy else "")
-            name += (" prefix-loops" if prefix_loops else "") + (" gqa-pack" if gqa_pack else "")
+            name += " prefix-loops" if prefix_loops else ""
             sec = bench_config(fn, graph=False, smoke=smoke)
             if sec is None:
                 continue
@@ -221,7 +213,7 @@ def run_prefill(cases, hq, hkv, d, sweep, smoke, device, gen, dtype) -> list[dic
                 raise AssertionError(f"prefill L={length} {name}: max error {err:.3e} against the reference")
             rows.append({
                 "kernel": "prefill", "case": f"L={length} x{n_seq}", "config": name,
-                "default": (bm, bn, warps, stages, gqa_pack, tma, lazy, prefix_loops)
+                "default": (bm, bn, warps, stages, tma, lazy, prefix_loops)
                 == (*prefill_config(length, smoke), True, LAZY_RESCALE, False),
                 "us": sec * 1e6,
                 "TFLOP/s": flops / sec / 1e12, "vs_sdpa": base / sec, "max_err": err,
@@ -282,9 +274,7 @@ def main() -> None:
     decode_sweep = DECODE_SWEEP[:1] if args.quick or args.smoke else DECODE_SWEEP
     prefill_sweep = PREFILL_SWEEP[:PREFILL_QUICK] if args.quick else PREFILL_SWEEP
     if args.smoke:
-        tiles = prefill_config(0, on_cpu=True)[:4]
-        prefill_sweep = [(*tiles, True, LAZY_RESCALE, flag) for flag in (False, True)]
-        prefill_sweep.append((*tiles, True, LAZY_RESCALE, False, True))  # GQA-packed
+        prefill_sweep = [(*prefill_config(0, on_cpu=True), True, LAZY_RESCALE, flag) for flag in (False, True)]
 
     start = time.perf_counter()
     copy_bw = copy_bandwidth(device, args.smoke)

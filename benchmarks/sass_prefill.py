@@ -1,6 +1,5 @@
 """Static look at the prefill attention kernel for the H200 without a GPU: registers, spills and shared memory of
-each launch configuration, with and without the cached-prefix loops (``flash_prefill(..., has_prefix=)``), and
-GQA-packed (``gqa_pack``: 4 query heads per tile) without them.
+each launch configuration, with and without the cached-prefix loops (``flash_prefill(..., has_prefix=)``).
 
     PYTHONPATH=<dir with triton==3.6.0> python benchmarks/sass_prefill.py   (pip install --target; no GPU needed)
 
@@ -32,7 +31,7 @@ CONFIGS = [  # (block_m, block_n, num_warps, num_stages): the committed ones fir
 ]  # fmt: skip
 
 
-def compile_prefill(block_m: int, block_n: int, num_warps: int, num_stages: int, has_prefix: bool, pack: int = 1):
+def compile_prefill(block_m: int, block_n: int, num_warps: int, num_stages: int, has_prefix: bool):
     fn = P._prefill_kernel
     sig = dict.fromkeys(fn.arg_names, "i32")
     sig.update(dict.fromkeys(["q_ptr", "k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"], "*bf16"))
@@ -42,7 +41,6 @@ def compile_prefill(block_m: int, block_n: int, num_warps: int, num_stages: int,
     const = dict(
         HEAD_DIM=128, BLOCK_D=128, MASK_D=False, GROUP=4, PAGE=16, BLOCK_M=block_m, BLOCK_N=block_n,
         PRECISION="tf32", USE_TMA=True, HAS_WINDOW=False, LAZY=False, HAS_PREFIX=has_prefix,
-        PACK=pack,
     )  # fmt: skip
     sig.update(dict.fromkeys(const, "constexpr"))
     hints = [a for a in fn.arg_names if a.endswith("_ptr") or (a.startswith("stride") and a != "stride_bt")]
@@ -55,11 +53,10 @@ def main() -> None:
     print(f"triton {triton.__version__}, target sm_90, bf16, D = 128, GQA 4, TMA")
     for cfg in CONFIGS:
         cells = []
-        for has_prefix, pack in ((True, 1), (False, 1), (False, 4)):
-            kernel = compile_prefill(*cfg, has_prefix=has_prefix, pack=pack)
+        for has_prefix in (True, False):
+            kernel = compile_prefill(*cfg, has_prefix=has_prefix)
             regs, stack, _ = machine_code(kernel)
-            what = f"{'with' if has_prefix else 'without'} prefix loops" + (", GQA-packed" if pack > 1 else "")
-            cells.append(f"{what}: regs {regs:>3} stack {stack:>4}")
+            cells.append(f"{'with' if has_prefix else 'without'} prefix loops: regs {regs:>3} stack {stack:>4}")
         name = "m{} n{} w{} s{}".format(*cfg)
         print(f"{name:<16} smem {kernel.metadata.shared:>6} | " + " | ".join(cells), flush=True)
 

@@ -15,12 +15,7 @@ Layouts (T packed query tokens, N sequences, Hq / Hkv heads, GQA group G = Hq / 
 - ``context_lens`` int32 [N]: prefix + chunk tokens of sequence n, so the chunk's queries sit at positions
   ``context_len - chunk_len .. context_len - 1`` and the prefix is ``0 .. context_len - chunk_len - 1``.
 
-One program per (query head, sequence, BLOCK_M query rows), the last query tiles (the most keys) launched first;
-with GQA packing (``gqa_pack``) one program per (kv head, sequence, BLOCK_M / G positions), its rows the G query
-heads of each position, so one K/V tile read serves G heads (at L = 1k x 16 with 64-row tiles the unpacked kernel
-reads ~2.2 GB of K/V tiles -- tiles seen per program x 32 KB -- i.e. ~5.6 TB/s from L2 over its measured ~400 us;
-packing with 128 rows halves it). Packing is tested in the interpreter but was not timed on the H200 yet
-(2026-12-03: no GPU time left), so no default uses it.
+One program per (query head, sequence, BLOCK_M query rows), the last query tiles (the most keys) launched first.
 Key tiles that no query of the tile sees are skipped; wholly visible tiles load and compute without any mask, and
 only the (at most BLOCK_M / BLOCK_N + 1) tiles on the diagonal, the prefix's last partial tile and sliding-window
 tiles are masked. Scores stay in log2 units (exp2, the scale folded into the exponent's FMA); fp32 accumulation.
@@ -190,42 +185,32 @@ def _prefill_kernel(
     HAS_WINDOW: tl.constexpr,  # window > 0: a sliding window (its length stays a run-time value)
     LAZY: tl.constexpr,  # rescale acc only when a row maximum grows by more than RESCALE_MARGIN (_softmax_step)
     HAS_PREFIX: tl.constexpr,  # some chunk has cached context before it (else the block-table loops are not compiled)
-    PACK: tl.constexpr,  # 1, or GROUP: a tile holds BLOCK_M // GROUP positions x the GROUP query heads of a kv head
 ):
-    BLOCK_Q: tl.constexpr = BLOCK_M // PACK  # query positions per tile
-    h = tl.program_id(0)  # query head (PACK 1) or kv head
+    h = tl.program_id(0)
     seq = tl.program_id(1)
     m_block = tl.num_programs(2) - 1 - tl.program_id(2)  # the longest (last) query tiles start first
     q_start = tl.load(cu_seqlens_ptr + seq)
     q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
-    if m_block * BLOCK_Q >= q_len:
+    if m_block * BLOCK_M >= q_len:
         return
     prefix = tl.load(context_lens_ptr + seq) - q_len  # context tokens before the chunk (in the cache only)
-    m_lo = m_block * BLOCK_Q  # chunk index of this tile's first query
+    m_lo = m_block * BLOCK_M  # chunk index of this tile's first query
 
-    offs_m = m_lo + tl.arange(0, BLOCK_M) // PACK  # query index within the chunk, per row
+    offs_m = m_lo + tl.arange(0, BLOCK_M)  # query index within the chunk
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     m_mask = offs_m < q_len
     d_mask = offs_d < HEAD_DIM
     rows = (q_start + offs_m).to(tl.int64)
-    if PACK == 1:
-        kvh = h // GROUP
-        q_head = h * stride_qh
-        o_head = h * stride_oh
-    else:  # row r: position m_lo + r // PACK, query head h * PACK + r % PACK (adjacent heads share the kv head)
-        kvh = h
-        heads = (h * PACK + tl.arange(0, BLOCK_M) % PACK)[:, None]
-        q_head = heads * stride_qh
-        o_head = heads * stride_oh
-    if USE_TMA and PACK == 1:  # rows past the chunk are another sequence's (or TMA's zero fill): never stored
+    if USE_TMA:  # rows past the chunk are another sequence's (or TMA's zero fill): their outputs are not stored
         q = q_desc.load([q_start + m_lo, h * HEAD_DIM])
     else:
         q = tl.load(
-            q_ptr + rows[:, None] * stride_qt + q_head + offs_d[None, :],
+            q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
             mask=m_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
+    kvh = h // GROUP
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -262,7 +247,7 @@ def _prefill_kernel(
     v_rows = v_ptr + kvh * stride_vh + offs_d[None, :]
     c_lo = tl.maximum(lo, 0) // BLOCK_N * BLOCK_N
     c_full = tl.where(window > 0, c_lo, (m_lo + 1) // BLOCK_N * BLOCK_N)  # last key of a full tile <= m_lo
-    c_hi = tl.minimum(m_lo + BLOCK_Q, q_len)
+    c_hi = tl.minimum(m_lo + BLOCK_M, q_len)
     for j in range(c_lo, c_full, BLOCK_N):
         if USE_TMA:
             k = k_desc.load([q_start + j, kvh * HEAD_DIM])
@@ -292,7 +277,7 @@ def _prefill_kernel(
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
-        out_ptr + rows[:, None] * stride_ot + o_head + offs_d[None, :],
+        out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=m_mask[:, None] & d_mask[None, :],
     )
@@ -317,18 +302,14 @@ def flash_prefill(
     use_tma: bool | None = None,
     lazy_rescale: bool | None = None,
     has_prefix: bool = True,
-    gqa_pack: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed query chunks against their cached prefix and themselves (see the module
     docstring for layouts). ``max_q_len`` is a host-side upper bound on the chunk lengths (it sizes the grid).
     ``use_tma``: read q and the chunk's K/V through TMA descriptors; None = whenever ``tma_compatible``.
     ``lazy_rescale``: see ``_softmax_step``; None = ``LAZY_RESCALE``.
-    ``gqa_pack``: one program per kv head, its tile BLOCK_M // G positions x the G query heads that share the kv
-    head (G = Hq / Hkv, a power of two dividing BLOCK_M), so each K/V tile read serves G heads; None = the default
-    configuration's choice when the tiles are its own (``PREFILL_CONFIGS``), else off.
     ``has_prefix=False`` promises that every chunk starts at position 0 (each context length equals its chunk's
     length, as in first prefills): the kernel is then compiled without the block-table loops over cached context
-    (217 instead of 255 registers at 128 x 128 x 8 warps, Triton 3.6 sm_90: benchmarks/sass_prefill.py). A chunk
+    (216 instead of 255 registers at 128 x 128 x 8 warps, Triton 3.6 sm_90: benchmarks/sass_prefill.py). A chunk
     with a cached prefix under that promise would attend to its own tokens only, so callers pass it only when they
     know it from the host."""
     t, hq, d = q.shape
@@ -357,8 +338,7 @@ def flash_prefill(
     num_warps = num_warps or (default[2] if (block_m, block_n) == default[:2] else 4 if block_m <= 64 else 8)
     num_stages = num_stages or default[3]
     block_d = triton.next_power_of_2(d)
-    pack = _pack_factor(gqa_pack, default, block_m, block_n, hq // hkv)
-    grid = (hq // pack, n_seq, triton.cdiv(max_q_len, block_m // pack))
+    grid = (hq, n_seq, triton.cdiv(max_q_len, block_m))
     compatible = tma_compatible(q, k, v)
     if use_tma and not compatible:
         raise ValueError("flash_prefill: use_tma needs a power-of-two head dim, heads contiguous in each row and "
@@ -403,23 +383,22 @@ def flash_prefill(
         HAS_WINDOW=window > 0,
         LAZY=LAZY_RESCALE if lazy_rescale is None else lazy_rescale,
         HAS_PREFIX=has_prefix,
-        PACK=pack,
         num_warps=num_warps,
         num_stages=num_stages,
     )
     return out
 
 
-# (block_m, block_n, num_warps, num_stages, GQA packing where the group allows it) by the longest chunk of the launch,
-# from benchmarks/bench_attention.py's sweeps on the H200 (bf16, D = 128, GQA 4, TMA on;
-# results/attention-h200-2026-12-02-prefixless.md): chunks of up to 1024 queries want small tiles (64 x 64: one masked
-# tile on the diagonal, two CTAs per SM at 159 registers and 113 KB of shared memory without the prefix loops), longer
-# ones the widest MMA tiles (2k x 8: 78-82% of SDPA against 76-81% for 64 x 64)
-PREFILL_CONFIGS = ((1024, (64, 64, 4, 3, False)), (2**31, (128, 128, 8, 3, False)))
-INTERPRETER_CONFIG = (16, 16, 4, 1, False)  # Triton's interpreter: small tiles run much faster there
+# (block_m, block_n, num_warps, num_stages) by the longest chunk of the launch, from benchmarks/bench_attention.py's
+# sweeps on the H200 (bf16, D = 128, GQA 4, TMA on; results/attention-h200-2026-12-02-prefixless.md): chunks of
+# up to 1024 queries want small tiles (64 x 64: one masked tile on the diagonal, two CTAs per SM at 158 registers
+# and 113 KB of shared memory without the prefix loops), longer ones the widest MMA tiles (2k x 8: 78-82% of SDPA
+# against 76-81% for 64 x 64)
+PREFILL_CONFIGS = ((1024, (64, 64, 4, 3)), (2**31, (128, 128, 8, 3)))
+INTERPRETER_CONFIG = (16, 16, 4, 1)  # Triton's interpreter: small tiles run much faster there
 
 
-def prefill_config(max_q_len: int, on_cpu: bool = False) -> tuple[int, int, int, int, bool]:
+def prefill_config(max_q_len: int, on_cpu: bool = False) -> tuple[int, int, int, int]:
     """The committed launch configuration for chunks of at most ``max_q_len`` queries."""
     if on_cpu:
         return INTERPRETER_CONFIG
@@ -439,17 +418,6 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
         and (t.stride(0) * size) % 16 == 0
         for t in tensors
     )
-
-
-def _pack_factor(gqa_pack: bool | None, default: tuple, block_m: int, block_n: int, group: int) -> int:
-    """Query heads per tile: ``group`` when packing is asked for (None: the default configuration's choice, for its
-    own tiles) and fits -- a power-of-two group dividing ``block_m`` -- else 1. A group that does not fit raises
-    only when packing was asked for explicitly; under a packing default it runs unpacked."""
-    want = gqa_pack if gqa_pack is not None else default[4] and (block_m, block_n) == default[:2]
-    fits = group > 1 and group & (group - 1) == 0 and block_m % group == 0
-    if gqa_pack and group > 1 and not fits:
-        raise ValueError(f"flash_prefill: gqa_pack needs a power-of-two group dividing block_m ({group}, {block_m})")
-    return group if want and fits else 1
 
 
 def _rows_descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:

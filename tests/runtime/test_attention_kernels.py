@@ -7,7 +7,7 @@ that no sequence owns holds NaN, so reading one (or a padded block-table entry) 
 
 import pytest
 import torch
-from quantkit.kernels.flash_prefill import _pack_factor, flash_prefill, flash_prefill_reference, tma_compatible
+from quantkit.kernels.flash_prefill import flash_prefill, flash_prefill_reference, tma_compatible
 from quantkit.kernels.paged_attention import (
     MAX_SPLITS,
     default_num_splits,
@@ -158,40 +158,6 @@ def test_flash_prefill_chunks_against_paged_context(page, hkv, group, d, window,
 def test_flash_prefill_first_prefills_without_prefix_loops(page, hkv, group, d, window):
     """has_prefix=False (chunks all at position 0): the kernel compiled without its block-table loops."""
     check_prefill([1, 37, 20], [0, 0, 0], page, hkv, group, d, window, seed=d + window, has_prefix=False)
-
-
-@pytest.mark.parametrize("block_m", [16, 32])
-@pytest.mark.parametrize("group", [2, 4])
-def test_flash_prefill_gqa_pack(group, block_m):
-    """gqa_pack: one program per kv head holding its query heads' rows, with and without cached prefixes and a
-    window, tiles of BLOCK_M // group positions (some below the page and the key tile)."""
-    check_prefill([1, 37, 20, 5], [0, 30, 0, 3], 16, 2, group, 32, 0, seed=group + block_m, gqa_pack=True,
-                  block_m=block_m, block_n=16)  # fmt: skip
-    check_prefill([70, 9], [21, 0], 8, 1, group, 32, 11, seed=3 * group, gqa_pack=True, block_m=block_m,
-                  block_n=16)  # fmt: skip
-    check_prefill([33, 64], [0, 0], 16, 2, group, 32, 0, seed=block_m, gqa_pack=True, block_m=block_m,
-                  block_n=32, has_prefix=False)  # fmt: skip
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="the benchmark's tiles: minutes in Triton's interpreter")
-@pytest.mark.parametrize("block_m,block_n,warps", [(64, 64, 4), (128, 64, 8), (128, 128, 8), (256, 64, 8)])
-def test_flash_prefill_gqa_pack_full_size_tiles(block_m, block_n, warps):
-    """The packed tiles bench_attention.py times (and a default may use), at the Llama-3 group of 4 and D = 128."""
-    launch = dict(gqa_pack=True, block_m=block_m, block_n=block_n, num_warps=warps, num_stages=3)
-    check_prefill([300, 1, 77, 129], [0, 40, 0, 200], 16, 2, 4, 128, 0, seed=block_m + block_n, **launch)
-    check_prefill([513, 64], [0, 0], 16, 2, 4, 128, 0, seed=warps, has_prefix=False, **launch)
-
-
-def test_flash_prefill_gqa_pack_needs_a_power_of_two_group():
-    with pytest.raises(ValueError, match="gqa_pack"):
-        check_prefill([5], [0], 16, 1, 3, 32, 0, seed=1, gqa_pack=True, block_m=16, block_n=16)
-    packing_default, plain_default = (16, 16, 4, 1, True), (16, 16, 4, 1, False)
-    assert _pack_factor(None, packing_default, 16, 16, 4) == 4  # the default's choice for its own tiles
-    assert _pack_factor(None, packing_default, 16, 16, 3) == 1  # a group of 3 runs unpacked, no error
-    assert _pack_factor(None, packing_default, 32, 16, 4) == 1  # other tiles than the default's: off
-    assert _pack_factor(None, plain_default, 16, 16, 4) == 1
-    assert _pack_factor(True, plain_default, 32, 16, 2) == 2 and _pack_factor(False, packing_default, 16, 16, 4) == 1
-    assert _pack_factor(True, plain_default, 16, 16, 1) == 1  # one query head per kv head: nothing to pack
 
 
 def test_flash_prefill_tma_descriptor_rows():
