@@ -185,10 +185,15 @@ def _prefill_kernel(
     HAS_WINDOW: tl.constexpr,  # window > 0: a sliding window (its length stays a run-time value)
     LAZY: tl.constexpr,  # rescale acc only when a row maximum grows by more than RESCALE_MARGIN (_softmax_step)
     HAS_PREFIX: tl.constexpr,  # some chunk has cached context before it (else the block-table loops are not compiled)
+    SEQ_MAJOR: tl.constexpr,  # grid (heads, query tiles, sequences) instead of (heads, sequences, query tiles)
 ):
     h = tl.program_id(0)
-    seq = tl.program_id(1)
-    m_block = tl.num_programs(2) - 1 - tl.program_id(2)  # the longest (last) query tiles start first
+    if SEQ_MAJOR:  # one sequence's tiles run together, so its K/V stay in L2
+        seq = tl.program_id(2)
+        m_block = tl.num_programs(1) - 1 - tl.program_id(1)
+    else:
+        seq = tl.program_id(1)
+        m_block = tl.num_programs(2) - 1 - tl.program_id(2)  # the longest (last) query tiles start first
     q_start = tl.load(cu_seqlens_ptr + seq)
     q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
     if m_block * BLOCK_M >= q_len:
@@ -302,6 +307,7 @@ def flash_prefill(
     use_tma: bool | None = None,
     lazy_rescale: bool | None = None,
     has_prefix: bool = True,
+    seq_major: bool = False,
 ) -> torch.Tensor:
     """Causal attention of packed query chunks against their cached prefix and themselves (see the module
     docstring for layouts). ``max_q_len`` is a host-side upper bound on the chunk lengths (it sizes the grid).
@@ -338,7 +344,8 @@ def flash_prefill(
     num_warps = num_warps or (default[2] if (block_m, block_n) == default[:2] else 4 if block_m <= 64 else 8)
     num_stages = num_stages or default[3]
     block_d = triton.next_power_of_2(d)
-    grid = (hq, n_seq, triton.cdiv(max_q_len, block_m))
+    m_blocks = triton.cdiv(max_q_len, block_m)
+    grid = (hq, m_blocks, n_seq) if seq_major else (hq, n_seq, m_blocks)
     compatible = tma_compatible(q, k, v)
     if use_tma and not compatible:
         raise ValueError("flash_prefill: use_tma needs a power-of-two head dim, heads contiguous in each row and "
@@ -383,6 +390,7 @@ def flash_prefill(
         HAS_WINDOW=window > 0,
         LAZY=LAZY_RESCALE if lazy_rescale is None else lazy_rescale,
         HAS_PREFIX=has_prefix,
+        SEQ_MAJOR=seq_major,
         num_warps=num_warps,
         num_stages=num_stages,
     )
