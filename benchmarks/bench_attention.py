@@ -61,12 +61,9 @@ DECODE_SWEEP = [  # (block_n, num_warps, num_stages, splits or None = default)
     (64, 4, 3, 64),
 ]
 PREFILL_SWEEP = [  # (block_m, block_n, num_warps, num_stages, TMA for q and the chunk's K/V, lazy rescaling,
-    # the cached-prefix loops compiled in[, sequence-major grid]): first prefills, so the runtime launches them
-    # without the prefix loops (has_prefix=False)
+    # the cached-prefix loops compiled in): first prefills, so the runtime launches them without (has_prefix=False)
     (64, 64, 4, 3, True, False, False),  # the committed default up to 1024 queries a chunk (PREFILL_CONFIGS)
     (128, 128, 8, 3, True, False, False),  # ... and for longer chunks
-    (64, 64, 4, 3, True, False, False, True),  # grid sequence-major: a sequence's tiles together (K/V in L2)
-    (128, 128, 8, 3, True, False, False, True),
     (64, 64, 4, 3, True, False, True),  # the same with the prefix loops (every launch before the ninth session)
     (128, 128, 8, 3, True, False, True),
     (128, 32, 4, 4, True, False, False),  # the default up to 2048 queries before the ninth session
@@ -87,7 +84,7 @@ PREFILL_SWEEP = [  # (block_m, block_n, num_warps, num_stages, TMA for q and the
     (128, 128, 8, 4, True, False, False),
     (256, 64, 8, 3, True, False, False),
 ]
-PREFILL_QUICK = 8  # configurations of the sweep that --quick runs
+PREFILL_QUICK = 6  # configurations of the sweep that --quick runs
 SMOKE = {"decode": [(3, 40)], "prefill": [(48, 2)], "hq": 4, "hkv": 2, "d": 32}
 DTYPE = torch.bfloat16  # fp16 under --smoke: Triton 3.9's interpreter computes bf16 tl.dot wrongly
 
@@ -202,13 +199,12 @@ def run_prefill(cases, hq, hkv, d, sweep, smoke, device, gen, dtype) -> list[dic
         base, base_name = sdpa_seconds(qs, kc.contiguous(), vc.contiguous(), smoke)
         rows.append({"kernel": "prefill", "case": f"L={length} x{n_seq}", "config": base_name, "default": False,
                      "us": base * 1e6, "TFLOP/s": flops / base / 1e12, "vs_sdpa": 1.0, "max_err": 0.0})  # fmt: skip
-        for bm, bn, warps, stages, tma, lazy, prefix_loops, *order in sweep:
-            seq_major = bool(order and order[0])
+        for bm, bn, warps, stages, tma, lazy, prefix_loops in sweep:
             fn = partial(flash_prefill, q, kp, vp, k, v, tables, cu, ctx, length, scale, block_m=bm, block_n=bn,
                          num_warps=warps, num_stages=stages, use_tma=tma, lazy_rescale=lazy,
-                         has_prefix=prefix_loops, seq_major=seq_major)  # fmt: skip
+                         has_prefix=prefix_loops)  # fmt: skip
             name = f"m{bm} n{bn} w{warps} s{stages}" + (" tma" if tma else "") + (" lazy" if lazy else "")
-            name += (" prefix-loops" if prefix_loops else "") + (" seq-major" if seq_major else "")
+            name += " prefix-loops" if prefix_loops else ""
             sec = bench_config(fn, graph=False, smoke=smoke)
             if sec is None:
                 continue
@@ -217,8 +213,8 @@ def run_prefill(cases, hq, hkv, d, sweep, smoke, device, gen, dtype) -> list[dic
                 raise AssertionError(f"prefill L={length} {name}: max error {err:.3e} against the reference")
             rows.append({
                 "kernel": "prefill", "case": f"L={length} x{n_seq}", "config": name,
-                "default": (bm, bn, warps, stages, tma, lazy, prefix_loops, seq_major)
-                == (*prefill_config(length, smoke), True, LAZY_RESCALE, False, False),
+                "default": (bm, bn, warps, stages, tma, lazy, prefix_loops)
+                == (*prefill_config(length, smoke), True, LAZY_RESCALE, False),
                 "us": sec * 1e6,
                 "TFLOP/s": flops / sec / 1e12, "vs_sdpa": base / sec, "max_err": err,
             })  # fmt: skip
@@ -279,7 +275,6 @@ def main() -> None:
     prefill_sweep = PREFILL_SWEEP[:PREFILL_QUICK] if args.quick else PREFILL_SWEEP
     if args.smoke:
         prefill_sweep = [(*prefill_config(0, on_cpu=True), True, LAZY_RESCALE, flag) for flag in (False, True)]
-        prefill_sweep.append((*prefill_config(0, on_cpu=True), True, LAZY_RESCALE, False, True))  # sequence-major
 
     start = time.perf_counter()
     copy_bw = copy_bandwidth(device, args.smoke)

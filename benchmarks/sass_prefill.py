@@ -41,7 +41,6 @@ def compile_prefill(block_m: int, block_n: int, num_warps: int, num_stages: int,
     const = dict(
         HEAD_DIM=128, BLOCK_D=128, MASK_D=False, GROUP=4, PAGE=16, BLOCK_M=block_m, BLOCK_N=block_n,
         PRECISION="tf32", USE_TMA=True, HAS_WINDOW=False, LAZY=False, HAS_PREFIX=has_prefix,
-        SEQ_MAJOR=False,
     )  # fmt: skip
     sig.update(dict.fromkeys(const, "constexpr"))
     hints = [a for a in fn.arg_names if a.endswith("_ptr") or (a.startswith("stride") and a != "stride_bt")]

@@ -15,7 +15,10 @@ Layouts (T packed query tokens, N sequences, Hq / Hkv heads, GQA group G = Hq / 
 - ``context_lens`` int32 [N]: prefix + chunk tokens of sequence n, so the chunk's queries sit at positions
   ``context_len - chunk_len .. context_len - 1`` and the prefix is ``0 .. context_len - chunk_len - 1``.
 
-One program per (query head, sequence, BLOCK_M query rows), the last query tiles (the most keys) launched first.
+One program per (query head, BLOCK_M query rows, sequence), launched sequence by sequence (grid z), and within a
+sequence the last query tiles (the most keys) first: the programs in flight at any time share one or two
+sequences' K/V, which then stay in L2 (Nsight Compute at 1k x 16: 87% L2 hits against 57% when every sequence's
+tiles ran together, ~9% faster).
 Key tiles that no query of the tile sees are skipped; wholly visible tiles load and compute without any mask, and
 only the (at most BLOCK_M / BLOCK_N + 1) tiles on the diagonal, the prefix's last partial tile and sliding-window
 tiles are masked. Scores stay in log2 units (exp2, the scale folded into the exponent's FMA); fp32 accumulation.
@@ -24,10 +27,10 @@ fused qkv output), q and the chunk's K/V tiles come through TMA descriptors over
 always takes pointer loads through the block table (Hopper's TMA cannot gather rows).
 Limits: D <= 256. Launch configuration by the longest chunk (``PREFILL_CONFIGS``); launches whose chunks all start
 at position 0 (``has_prefix=False``, which the runtime knows on the host) compile without the block-table loops.
-Measured on the H200, bf16, D = 128, GQA 4 (bench_attention.py, 2026-12-02, ninth session,
-results/attention-h200-2026-12-02-prefixless.md): 74-81% of SDPA's TFLOP/s at L = 1k x 16, 78-82% at 2k x 8 and
-80-89% at 4k x 4 over five runs (SDPA's own rate moved 437-465 / 487-515 / 522-580 TFLOP/s between them; 68-74% /
-83-87% at 1k / 4k with the kernel and defaults before).
+Measured on the H200, bf16, D = 128, GQA 4 (bench_attention.py --quick, 2026-12-03, two runs,
+results/attention-h200-2026-12-03-seqmajor.md): 83.1-83.7% of SDPA's TFLOP/s at L = 1k x 16, 84.5-88.2% at 2k x 8
+and 87.0-91.8% at 4k x 4 (SDPA's own rate 440-468 / 496-513 / 536-568 TFLOP/s); the same tiles in the earlier grid
+order ran 73.6-78.5% / 79.0-81.7% / 81.9-86.8% in those runs (74-81% / 78-82% / 80-89% over five runs before).
 """
 
 from __future__ import annotations
@@ -185,15 +188,10 @@ def _prefill_kernel(
     HAS_WINDOW: tl.constexpr,  # window > 0: a sliding window (its length stays a run-time value)
     LAZY: tl.constexpr,  # rescale acc only when a row maximum grows by more than RESCALE_MARGIN (_softmax_step)
     HAS_PREFIX: tl.constexpr,  # some chunk has cached context before it (else the block-table loops are not compiled)
-    SEQ_MAJOR: tl.constexpr,  # grid (heads, query tiles, sequences) instead of (heads, sequences, query tiles)
 ):
     h = tl.program_id(0)
-    if SEQ_MAJOR:  # one sequence's tiles run together, so its K/V stay in L2
-        seq = tl.program_id(2)
-        m_block = tl.num_programs(1) - 1 - tl.program_id(1)
-    else:
-        seq = tl.program_id(1)
-        m_block = tl.num_programs(2) - 1 - tl.program_id(2)  # the longest (last) query tiles start first
+    m_block = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest (last) query tiles start first
+    seq = tl.program_id(2)  # slowest: one sequence's programs run together, its K/V in L2
     q_start = tl.load(cu_seqlens_ptr + seq)
     q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
     if m_block * BLOCK_M >= q_len:
@@ -307,7 +305,6 @@ def flash_prefill(
     use_tma: bool | None = None,
     lazy_rescale: bool | None = None,
     has_prefix: bool = True,
-    seq_major: bool = False,
 ) -> torch.Tensor:
     """Causal attention of packed query chunks against their cached prefix and themselves (see the module
     docstring for layouts). ``max_q_len`` is a host-side upper bound on the chunk lengths (it sizes the grid).
@@ -344,8 +341,7 @@ def flash_prefill(
     num_warps = num_warps or (default[2] if (block_m, block_n) == default[:2] else 4 if block_m <= 64 else 8)
     num_stages = num_stages or default[3]
     block_d = triton.next_power_of_2(d)
-    m_blocks = triton.cdiv(max_q_len, block_m)
-    grid = (hq, m_blocks, n_seq) if seq_major else (hq, n_seq, m_blocks)
+    grid = (hq, triton.cdiv(max_q_len, block_m), n_seq)
     compatible = tma_compatible(q, k, v)
     if use_tma and not compatible:
         raise ValueError("flash_prefill: use_tma needs a power-of-two head dim, heads contiguous in each row and "
@@ -390,7 +386,6 @@ def flash_prefill(
         HAS_WINDOW=window > 0,
         LAZY=LAZY_RESCALE if lazy_rescale is None else lazy_rescale,
         HAS_PREFIX=has_prefix,
-        SEQ_MAJOR=seq_major,
         num_warps=num_warps,
         num_stages=num_stages,
     )

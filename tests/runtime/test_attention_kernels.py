@@ -160,13 +160,6 @@ def test_flash_prefill_first_prefills_without_prefix_loops(page, hkv, group, d, 
     check_prefill([1, 37, 20], [0, 0, 0], page, hkv, group, d, window, seed=d + window, has_prefix=False)
 
 
-@pytest.mark.parametrize("has_prefix", [False, True])
-def test_flash_prefill_sequence_major_grid(has_prefix):
-    """seq_major: the grid walks one sequence's query tiles before the next sequence's (same results)."""
-    prefix = [0, 30, 0, 3] if has_prefix else [0, 0, 0, 0]
-    check_prefill([1, 37, 20, 5], prefix, 16, 2, 2, 32, 0, seed=7, has_prefix=has_prefix, seq_major=True)
-
-
 def test_flash_prefill_tma_descriptor_rows():
     """TMA tiles [T, H * D] rows: a slice of a fused qkv row qualifies, a head dim of 48 or heads apart do not."""
     assert tma_compatible(torch.randn(4, 2, 64), torch.randn(4, 6, 64)[:, 2:4])
