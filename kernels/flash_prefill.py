@@ -30,7 +30,7 @@ at position 0 (``has_prefix=False``, which the runtime knows on the host) compil
 Measured on the H200, bf16, D = 128, GQA 4 (bench_attention.py --quick, 2026-12-03, two runs,
 results/attention-h200-2026-12-03-seqmajor.md): 83.1-83.7% of SDPA's TFLOP/s at L = 1k x 16, 84.5-88.2% at 2k x 8
 and 87.0-91.8% at 4k x 4 (SDPA's own rate 440-468 / 496-513 / 536-568 TFLOP/s); the same tiles in the earlier grid
-order ran 73.6-78.5% / 79.0-81.7% / 81.9-86.8% in those runs (74-81% / 78-82% / 80-89% over five runs before).
+order ran 73.6-78.5% / 79.0-81.7% / 81.9-86.8% in those runs (74-81% / 76-83% / 80-89% over ten runs before).
 """
 
 from __future__ import annotations
@@ -396,7 +396,8 @@ def flash_prefill(
 # sweeps on the H200 (bf16, D = 128, GQA 4, TMA on; results/attention-h200-2026-12-02-prefixless.md): chunks of
 # up to 1024 queries want small tiles (64 x 64: one masked tile on the diagonal, two CTAs per SM at 158 registers
 # and 113 KB of shared memory without the prefix loops), longer ones the widest MMA tiles (2k x 8: 78-82% of SDPA
-# against 76-81% for 64 x 64)
+# against 76-81% for 64 x 64; with the sequence-major grid, 2026-12-03: 433-438 against 426-429 TFLOP/s, and at
+# 1k x 16 64 x 64 368-388 against 344-345 for 128 x 128)
 PREFILL_CONFIGS = ((1024, (64, 64, 4, 3)), (2**31, (128, 128, 8, 3)))
 INTERPRETER_CONFIG = (16, 16, 4, 1)  # Triton's interpreter: small tiles run much faster there
 
