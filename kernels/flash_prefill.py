@@ -27,10 +27,11 @@ fused qkv output), q and the chunk's K/V tiles come through TMA descriptors over
 always takes pointer loads through the block table (Hopper's TMA cannot gather rows).
 Limits: D <= 256. Launch configuration by the longest chunk (``PREFILL_CONFIGS``); launches whose chunks all start
 at position 0 (``has_prefix=False``, which the runtime knows on the host) compile without the block-table loops.
-Measured on the H200, bf16, D = 128, GQA 4 (bench_attention.py --quick, 2026-12-03, two runs,
-results/attention-h200-2026-12-03-seqmajor.md): 83.1-83.7% of SDPA's TFLOP/s at L = 1k x 16, 84.5-88.2% at 2k x 8
-and 87.0-91.8% at 4k x 4 (SDPA's own rate 440-468 / 496-513 / 536-568 TFLOP/s); the same tiles in the earlier grid
-order ran 73.6-78.5% / 79.0-81.7% / 81.9-86.8% in those runs (74-81% / 76-83% / 80-89% over ten runs before).
+Measured on the H200, bf16, D = 128, GQA 4 (bench_attention.py, 2026-12-03, five runs,
+results/attention-h200-2026-12-03-seqmajor.md): 82.1-84.6% of SDPA's TFLOP/s at L = 1k x 16, 84.1-88.2% at
+2k x 8 and 87.0-93.4% at 4k x 4 (SDPA's own rate 436-468 / 491-513 / 528-568 TFLOP/s); the same tiles in the
+earlier grid order ran 73.6-78.5% / 79.0-81.7% / 81.9-86.8% in two of those runs (74-81% / 76-83% / 80-89% over
+ten runs before).
 """
 
 from __future__ import annotations
