@@ -177,18 +177,25 @@ def sdpa_seconds(q, k, v, smoke: bool) -> tuple[float, str]:
     return (gqa, "sdpa enable_gqa") if gqa <= mha else (mha, "sdpa repeated kv")
 
 
+def first_prefills(length: int, n_seq: int, hq: int, hkv: int, d: int, dtype, device, gen):
+    """``n_seq`` whole prompts of ``length`` tokens: (q, packed k, packed v, k cache, v cache, block tables,
+    cu_seqlens, context lens), the chunk's K/V packed [n_seq * L, Hkv, D] as the runtime passes them (and holds
+    them in the cache)."""
+    k, v, tables = paged_kv([length] * n_seq, hkv, d, dtype, device, gen)
+    q = torch.randn(n_seq * length, hq, d, device=device, dtype=dtype)
+    cu = torch.arange(0, (n_seq + 1) * length, length, dtype=torch.int32, device=device)
+    ctx = torch.full((n_seq,), length, dtype=torch.int32, device=device)
+    pos = torch.arange(length, device=device)
+    kp = torch.cat([k[tables[s, pos // PAGE].long(), pos % PAGE] for s in range(n_seq)])
+    vp = torch.cat([v[tables[s, pos // PAGE].long(), pos % PAGE] for s in range(n_seq)])
+    return q, kp, vp, k, v, tables, cu, ctx
+
+
 def run_prefill(cases, hq, hkv, d, sweep, smoke, device, gen, dtype) -> list[dict]:
     rows = []
     for length, n_seq in cases:
-        k, v, tables = paged_kv([length] * n_seq, hkv, d, dtype, device, gen)
-        q = torch.randn(n_seq * length, hq, d, device=device, dtype=dtype)
-        cu = torch.arange(0, (n_seq + 1) * length, length, dtype=torch.int32, device=device)
-        ctx = torch.full((n_seq,), length, dtype=torch.int32, device=device)
+        q, kp, vp, k, v, tables, cu, ctx = first_prefills(length, n_seq, hq, hkv, d, dtype, device, gen)
         scale = d**-0.5
-        # the chunk's K/V packed [n_seq * L, Hkv, D], as the runtime passes them (and stores them in the cache)
-        pos = torch.arange(length, device=device)
-        kp = torch.cat([k[tables[s, pos // PAGE].long(), pos % PAGE] for s in range(n_seq)])
-        vp = torch.cat([v[tables[s, pos // PAGE].long(), pos % PAGE] for s in range(n_seq)])
         check = slice(0, min(length, 256))  # first rows of sequence 0 against the reference
         ref = flash_prefill_reference(q[:length], kp[:length], vp[:length], k, v, tables[:1], cu[:2], ctx[:1], scale)
         # the same K/V for SDPA: [n_seq, H, L, D]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_attention
-from bench_attention import HKV, HQ, PAGE, D, paged_kv
+from bench_attention import HKV, HQ, D, first_prefills
 from quantkit.kernels.flash_prefill import flash_prefill
 
 WHAT = sys.argv[1] if len(sys.argv) > 1 else "both"
@@ -24,13 +24,7 @@ CONFIGS = [tuple(int(v) for v in a.split(",")) for a in sys.argv[2:]] or [(64, 6
 LENGTH, N_SEQ = 1024, 16
 
 gen = torch.Generator().manual_seed(0)
-k, v, tables = paged_kv([LENGTH] * N_SEQ, HKV, D, torch.bfloat16, "cuda", gen)
-q = torch.randn(N_SEQ * LENGTH, HQ, D, device="cuda", dtype=torch.bfloat16)
-cu = torch.arange(0, (N_SEQ + 1) * LENGTH, LENGTH, dtype=torch.int32, device="cuda")
-ctx = torch.full((N_SEQ,), LENGTH, dtype=torch.int32, device="cuda")
-pos = torch.arange(LENGTH, device="cuda")
-kp = torch.cat([k[tables[s, pos // PAGE].long(), pos % PAGE] for s in range(N_SEQ)])
-vp = torch.cat([v[tables[s, pos // PAGE].long(), pos % PAGE] for s in range(N_SEQ)])
+q, kp, vp, k, v, tables, cu, ctx = first_prefills(LENGTH, N_SEQ, HQ, HKV, D, torch.bfloat16, "cuda", gen)
 qs = q.view(N_SEQ, LENGTH, HQ, D).transpose(1, 2)
 kc = kp.view(N_SEQ, LENGTH, HKV, D).transpose(1, 2).contiguous()
 vc = vp.view(N_SEQ, LENGTH, HKV, D).transpose(1, 2).contiguous()
