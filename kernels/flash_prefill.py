@@ -18,7 +18,7 @@ Layouts (T packed query tokens, N sequences, Hq / Hkv heads, GQA group G = Hq / 
 One program per (query head, BLOCK_M query rows, sequence), launched sequence by sequence (grid z), and within a
 sequence the last query tiles (the most keys) first: the programs in flight at any time share one or two
 sequences' K/V, which then stay in L2 (Nsight Compute at 1k x 16: 87% L2 hits against 57% when every sequence's
-tiles ran together, ~9% faster).
+tiles ran together; 5% faster under the profiler, 7-13% in bench_attention.py's two side-by-side runs).
 Key tiles that no query of the tile sees are skipped; wholly visible tiles load and compute without any mask, and
 only the (at most BLOCK_M / BLOCK_N + 1) tiles on the diagonal, the prefix's last partial tile and sliding-window
 tiles are masked. Scores stay in log2 units (exp2, the scale folded into the exponent's FMA); fp32 accumulation.
@@ -397,8 +397,8 @@ def flash_prefill(
 # sweeps on the H200 (bf16, D = 128, GQA 4, TMA on; results/attention-h200-2026-12-02-prefixless.md): chunks of
 # up to 1024 queries want small tiles (64 x 64: one masked tile on the diagonal, two CTAs per SM at 158 registers
 # and 113 KB of shared memory without the prefix loops), longer ones the widest MMA tiles (2k x 8: 78-82% of SDPA
-# against 76-81% for 64 x 64; with the sequence-major grid, 2026-12-03: 433-438 against 426-429 TFLOP/s, and at
-# 1k x 16 64 x 64 368-388 against 344-345 for 128 x 128)
+# against 76-81% for 64 x 64; with the sequence-major grid, five runs on 2026-12-03: 428-438 against 426-433 TFLOP/s,
+# a tie, and at 1k x 16 64 x 64 366-388 against 342-346 for 128 x 128)
 PREFILL_CONFIGS = ((1024, (64, 64, 4, 3)), (2**31, (128, 128, 8, 3)))
 INTERPRETER_CONFIG = (16, 16, 4, 1)  # Triton's interpreter: small tiles run much faster there
 
