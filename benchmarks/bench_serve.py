@@ -206,7 +206,6 @@ def engine(hf, args) -> LLM:
         num_kv_blocks=args.num_kv_blocks,
         enforce_eager=args.enforce_eager,
         fp8_fast_accum=args.fp8_fast_accum,
-        decode_pdl=not args.no_decode_pdl,
     )
 
 
@@ -387,7 +386,6 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--num-kv-blocks", type=int, default=None, help="default: from free memory (CPU: 1024)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--no-decode-pdl", action="store_true", help="decode graphs without programmatic dependent launch")
     args = ap.parse_args()
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     n_req, min_len, max_len, out_len, hf_req, b1_tokens, shape = MODES[mode]

@@ -15,9 +15,6 @@ arithmetic as the PyTorch modules of ``quantkit.runtime.model``:
   in fp32 and rounded once (PyTorch rounds after each product and the sum: results can differ by an ulp).
 - ``silu_mul(g, u)``: ``silu(g) * u`` computed in fp32, rounded once.
 
-Inside ``quantkit.kernels.pdl.chain()`` (the runtime's decode graphs) each is launched with programmatic dependent
-launch and waits for the kernel before it on entry (``pdl._enter``).
-
 Tuned on: nothing (launch-bound sizes; one warp group per row).
 """
 
@@ -26,7 +23,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from quantkit.kernels.pdl import _enter, active, launch_options
 
 MAX_HIDDEN = 16384
 
@@ -54,10 +50,8 @@ def silu_mul_reference(g, u):
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, n, stride_x, stride_r, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    _enter(PDL)
+    x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, n, stride_x, stride_r, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -85,7 +79,6 @@ def add_rms_norm(x, weight, eps: float, residual=None):
     h = x if residual is None else torch.empty((t, n), dtype=x.dtype, device=x.device)
     if t:
         block = triton.next_power_of_2(n)
-        pdl = active(x)
         _add_rms_norm_kernel[(t,)](
             x,
             x if residual is None else residual,
@@ -98,19 +91,15 @@ def add_rms_norm(x, weight, eps: float, residual=None):
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
-            PDL=pdl,
             num_warps=max(1, min(8, block // 512)),
-            **launch_options(pdl),
         )
     return y, h
 
 
 @triton.jit
 def _rotary_kernel(
-    x_ptr, cos_ptr, sin_ptr, n_heads, stride_t, stride_h, stride_c,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    _enter(PDL)
+    x_ptr, cos_ptr, sin_ptr, n_heads, stride_t, stride_h, stride_c, HALF: tl.constexpr, BLOCK_H: tl.constexpr
+):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, HALF)
@@ -140,16 +129,13 @@ def rotary_(q, k, cos, sin) -> None:
         if t == 0:
             continue
         block_h = min(16, triton.next_power_of_2(heads))
-        pdl = active(x)
         _rotary_kernel[(t, triton.cdiv(heads, block_h))](
-            x, cos, sin, heads, x.stride(0), x.stride(1), cos.stride(0), HALF=d // 2, BLOCK_H=block_h, PDL=pdl,
-            **launch_options(pdl),
-        )  # fmt: skip
+            x, cos, sin, heads, x.stride(0), x.stride(1), cos.stride(0), HALF=d // 2, BLOCK_H=block_h
+        )
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    _enter(PDL)
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, stride_g, stride_u, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -167,8 +153,5 @@ def silu_mul(g, u):
     out = torch.empty((t, n), dtype=g.dtype, device=g.device)
     if t and n:
         block = min(2048, triton.next_power_of_2(n))
-        pdl = active(g)
-        _silu_mul_kernel[(t, triton.cdiv(n, block))](
-            g, u, out, n, g.stride(0), u.stride(0), BLOCK=block, PDL=pdl, **launch_options(pdl)
-        )
+        _silu_mul_kernel[(t, triton.cdiv(n, block))](g, u, out, n, g.stride(0), u.stride(0), BLOCK=block)
     return out

@@ -18,9 +18,6 @@ Why (measured, H200, M = 1, CUDA graphs, 2026-12-02; results/gemv-h200-2026-12-0
     from 4.50 to 4.14 ms. On the 128256-row lm_head cuBLAS is at the copy bandwidth already (0.99x), so
     ``use_gemv`` leaves weights of more than ``MAX_ROWS`` rows to it.
 
-Inside ``quantkit.kernels.pdl.chain()`` (the runtime's decode graphs) it is launched with programmatic dependent
-launch: each CTA asks L2 for its first weight tile, then waits for the kernel before it.
-
 Limits: one row of x (decode at batch 1); fp16/bf16 only; int32 offsets (W under 2**31 elements).
 Hardware: tuned on the H200 (sm_90); plain loads and FMAs, so any Triton GPU target runs it.
 """
@@ -30,7 +27,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from quantkit.kernels.pdl import _enter_after_prefetch, active, launch_options
 
 BLOCK_N = 4
 BLOCK_K = 1024
@@ -49,13 +45,11 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     N, K, stride_wn,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1)  # rows past N repeat the last one (their output is masked): no load masks
     offs_k = tl.arange(0, BLOCK_K)
-    # under PDL, the first K tile's rows (one address per 128-byte line of 16-bit weights) are asked of L2 first
-    _enter_after_prefetch(w_ptr + rows[:, None] * stride_wn + (tl.arange(0, BLOCK_K // 64) * 64 % K)[None, :], PDL)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -110,10 +104,9 @@ def gemv(
         raise ValueError(f"out must be contiguous {x.dtype} [1, {n}], got {out.dtype} {tuple(out.shape)}")
     if n == 0:
         return out
-    pdl = active(x)
     _gemv_kernel[(triton.cdiv(n, BLOCK_N),)](
         x, weight, bias if bias is not None else out, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % BLOCK_K == 0, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PDL=pdl,
-        num_warps=NUM_WARPS, num_stages=1, **launch_options(pdl),
+        HAS_BIAS=bias is not None, EVEN_K=k % BLOCK_K == 0, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        num_warps=NUM_WARPS, num_stages=1,
     )  # fmt: skip
     return out

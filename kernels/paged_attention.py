@@ -13,8 +13,6 @@ head (all G query heads that share it, so K/V are read once) and one split of th
 the splits with their log-sum-exps (flash-decoding, Dao et al. 2023). Splits keep the 132 SMs busy when
 batch x Hkv is small and contexts are long. Accumulation is fp32. Limits: D <= 256; G <= 64.
 Tuned on: nothing yet (defaults picked for H200, bf16, D = 128; benchmarks/bench_attention.py sweeps them).
-Inside ``quantkit.kernels.pdl.chain()`` (the runtime's decode graphs) the three kernels are launched with
-programmatic dependent launch and wait for the kernel before them on entry.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from quantkit.kernels.pdl import _enter, active, launch_options
 
 LOG2E = 1.4426950408889634
 
@@ -78,9 +75,7 @@ def _store_kv_kernel(
     stride_vt,
     stride_cache_slot,  # elements between consecutive slots of the cache (Hkv * D when contiguous)
     BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    _enter(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -108,11 +103,9 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     if t == 0:
         return
     n = hkv * d
-    pdl = active(k)
     _store_kv_kernel[(t,)](
-        k, v, k_cache, v_cache, slot_mapping, n, k.stride(0), v.stride(0), n,
-        BLOCK=min(1024, triton.next_power_of_2(n)), PDL=pdl, **launch_options(pdl),
-    )  # fmt: skip
+        k, v, k_cache, v_cache, slot_mapping, n, k.stride(0), v.stride(0), n, BLOCK=min(1024, triton.next_power_of_2(n))
+    )
 
 
 @triton.jit(do_not_specialize=["window"], do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr"])
@@ -148,9 +141,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32 rounding), "tf32" (ignored) for 16-bit ones
-    PDL: tl.constexpr,
 ):
-    _enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -222,9 +213,7 @@ def _decode_merge_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    _enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -304,7 +293,6 @@ def paged_decode(
     lse_part = torch.empty(bsz, hq, num_splits, device=q.device, dtype=torch.float32)
     group = hq // hkv
     block_d = triton.next_power_of_2(d)
-    pdl = active(q)
     _decode_split_kernel[(bsz, hkv, num_splits)](
         q,
         k_cache,
@@ -330,10 +318,8 @@ def paged_decode(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         PRECISION=dot_precision(q.dtype),
-        PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
-        **launch_options(pdl),
     )
     _decode_merge_kernel[(bsz, hq)](
         o_part,
@@ -347,7 +333,5 @@ def paged_decode(
         BLOCK_D=block_d,
         NUM_SPLITS=num_splits,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        PDL=pdl,
-        **launch_options(pdl),
     )
     return out

@@ -54,9 +54,6 @@ CTA of each tile summed the 32 partials four per round, eight dependent L2 round
 read. Loading all 32 at once (``fixup_unroll``, the same 96 registers) made the small layers 10-20% faster
 (geomean over 8 shapes 1.99x -> 2.16x cuBLAS fp16; results/w4a16-fixup-h200-2026-12-02.md).
 
-Inside ``quantkit.kernels.pdl.chain()`` (the runtime's decode graphs) it is launched with programmatic dependent
-launch: each CTA asks L2 for its first K tile's packed words, then waits for the kernel before it.
-
 Limits: 4 or 8 bits; BLOCK_K must divide the group size (``w4a16_configs.plan_launch`` sees to it); int32 offsets.
 Hardware: written for the H200 (sm_90, 132 SMs); register and SASS counts from ``benchmarks/sass_w4a16.py``.
 """
@@ -66,7 +63,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from quantkit.kernels.pdl import _enter_after_prefetch, active, launch_options
 from quantkit.kernels.w4a16_configs import KernelConfig, fixup_unroll, plan_launch
 from quantkit.kernels.w4a16_epilogue import _finish_tile
 from quantkit.kernels.w4a16_weight import W4A16Weight, check_operands, interpreting, num_sms, unpack_gptq_codes
@@ -269,7 +265,7 @@ def _w4a16_gemv_kernel(
     # meta-parameters
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, STAGES: tl.constexpr, FOLD: tl.constexpr, PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, EMULATE_BF16: tl.constexpr, X_VEC: tl.constexpr, FIXUP: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, EMULATE_BF16: tl.constexpr, X_VEC: tl.constexpr, FIXUP: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -281,10 +277,6 @@ def _w4a16_gemv_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     t_begin = tl.program_id(1) * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, k_tiles)
-    # under PDL, the first K tile's packed words (one address per 128-byte line) are asked of L2 first
-    pf_rows = tl.minimum(t_begin * (BLOCK_K * BITS // 32) + tl.arange(0, BLOCK_K * BITS // 32), (K - 1) * BITS // 32)
-    pf_cols = tl.minimum(pid_n * BLOCK_N + tl.arange(0, (BLOCK_N + 31) // 32) * 32, N - 1)
-    _enter_after_prefetch(qw_ptr + pf_rows[:, None] * stride_qwk + pf_cols[None, :] * stride_qwn, PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PREFETCH:  # software pipelining in registers: tile t + 1's loads are in flight during tile t's arithmetic
         t_last = tl.minimum(t_end, k_tiles) - 1
@@ -334,7 +326,6 @@ def w4a16_gemv(
     part = out
     if plan.split_k > 1:
         part = torch.empty(plan.split_k, m, n, device=x.device, dtype=torch.float32)
-    pdl = active(x)
     handle = _w4a16_gemv_kernel[plan.grid](
         x, w.qweight, w.qzeros, w.scales, bias if bias is not None else out, out, part, w.locks,
         m, n, k, w.group_size or 2**30, plan.tiles_per_split, MAGIC_F32, 16,
@@ -345,8 +336,8 @@ def w4a16_gemv(
         PREFETCH=config.prefetch,
         HAS_BIAS=bias is not None, EVEN_K=k % plan.block_k == 0,
         EMULATE_BF16=interpreting() and x.dtype == torch.bfloat16, X_VEC=_vector_x(config, w.bits, x, plan.block_k),
-        FIXUP=fixup_unroll(config), PDL=pdl,
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
+        FIXUP=fixup_unroll(config),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out, handle
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from quantkit.kernels.pdl import _prefetch_l2
 from quantkit.kernels.w4a16_weight import interpreting, num_sms
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -225,6 +224,14 @@ def _quantize_rows_kernel(
             mask = k0 + offs < K
             x = tl.load(x_row + (k0 + offs) * stride_xk, mask=mask, other=0.0).to(tl.float32)
             _store_codes(q_row + (k0 + offs) * stride_qk, x * inv, mask, QMAX, IS_FP8)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 to fetch the lines of ``ptrs`` (no registers written, nothing waited for)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
 
 
 @triton.jit

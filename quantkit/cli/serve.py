@@ -61,12 +61,6 @@ def engine_options(f):
             is_flag=True,
             help="fp8 W8A8 layers (CUDA) accumulate in the tensor cores' reduced precision: faster, less exact.",
         ),
-        click.option(
-            "--decode-pdl/--no-decode-pdl",
-            default=d["decode_pdl"],
-            show_default=True,
-            help="Chain the decode graphs' kernels with programmatic dependent launch (CUDA sm_90+).",
-        ),
     ]
     for option in reversed(options):
         f = option(f)

@@ -28,9 +28,6 @@ class EngineConfig:
     - ``fp8_fast_accum``: fp8 W8A8 layers on CUDA accumulate in the tensor cores' reduced precision instead of
       promoting to fp32 every 128 products (``quantkit.nn.w8a8``): faster at large batches, less exact. No effect on
       int8, W4A16 or float layers, nor on CPU (where W8A8 layers run the fp32 simulation).
-    - ``decode_pdl``: the decode steps' CUDA graphs launch the kernels that support it with programmatic dependent
-      launch (``quantkit.kernels.pdl``; CUDA sm_90+, else no effect), so each kernel's start overlaps the end of
-      the one before it.
     """
 
     version: ClassVar[int] = 1
@@ -50,7 +47,6 @@ class EngineConfig:
     device: str | None = None
     seed: int = 0
     fp8_fast_accum: bool = False
-    decode_pdl: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "cpu_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs"):

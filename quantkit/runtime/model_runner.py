@@ -3,8 +3,7 @@
 KV cache: one tensor [layers, 2, num_blocks, block_size, Hkv, D]; on CUDA the number of blocks is what fits in
 ``gpu_memory_utilization`` of the device after the weights and the activations of a profiling step of
 ``max_num_batched_tokens`` tokens. Pure-decode steps of up to ``cuda_graph_max_bs`` sequences replay a CUDA graph
-captured for the next batch-size bucket (1, 2, 4, 8, then multiples of 16), padded rows writing nowhere; with
-``decode_pdl`` the graphs' kernels are chained by programmatic dependent launch (``quantkit.kernels.pdl``). A step's
+captured for the next batch-size bucket (1, 2, 4, 8, then multiples of 16), padded rows writing nowhere. A step's
 integer inputs reach the device in two host-to-device copies (``runtime.inputs``); the only device-to-host copy of
 a step is the engine's read of the sampled tokens.
 """
@@ -16,7 +15,6 @@ import os
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.kernels import pdl
 from quantkit.kernels.paged_attention import default_num_splits
 from quantkit.runtime.attention import AttentionMetadata
 from quantkit.runtime.config import EngineConfig
@@ -176,7 +174,7 @@ class ModelRunner:
         sizes = self.graph_sizes()
         self.alloc_static(sizes[-1])
         pool = None
-        with torch.inference_mode(), pdl.chain(self.config.decode_pdl):
+        with torch.inference_mode():
             for b in reversed(sizes):  # largest first, so the smaller graphs reuse its memory pool
                 forward = self.static_forward(b)
                 forward()  # warm-up: compiles kernels, fills lazy kernel state outside the capture

@@ -74,40 +74,6 @@ def test_batch1_decode_through_the_gemv_matches_cublas_bf16():
     torch.testing.assert_close(la[:, : same + 1], lb[:, : same + 1], atol=0.05, rtol=0)
 
 
-@pytest.mark.parametrize("scheme", [None, {"bits": 4, "group_size": 32, "sym": False},
-                                    {"bits": 8, "group_size": -1, "sym": True, "act_bits": 8}])  # fmt: skip
-def test_decode_pdl_changes_no_bit(scheme):
-    """Decode graphs whose kernels are chained by programmatic dependent launch (``decode_pdl``) give exactly the
-    logits and tokens of the same graphs launched plainly: bf16 float (gemv), W4A16 (its gemv) and W8A8 layers, one
-    sequence (every graph of batch 1) and four of different lengths together."""
-    from quantkit.kernels import pdl
-
-    import quantkit
-    from quantkit.recipe import Recipe
-
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("programmatic dependent launch needs sm_90+")
-    with pdl.chain():
-        assert pdl.active(torch.empty(1, device="cuda"))
-    model = sharpen(tiny_model("llama", dtype=torch.bfloat16))
-    if scheme is not None:
-        quantkit.quantize(model, Recipe.from_dict({"scheme": scheme, "stages": [{"method": "rtn"}]}))
-    model = model.cuda()
-    params = SamplingParams(max_tokens=20, ignore_eos=True)
-    results = {}
-    for on in (False, True):
-        llm = LLM(model, num_kv_blocks=64, decode_pdl=on)
-        rows = record_logits(llm)
-        tokens = [
-            [o.completions[0].token_ids for o in llm.generate(prompts, params)]
-            for prompts in (random_prompts([9], VOCAB, seed=4), random_prompts([3, 17, 40, 8], VOCAB, seed=5))
-        ]
-        results[on] = (tokens, [torch.stack(rows[r]) for r in sorted(rows)])
-    assert results[True][0] == results[False][0]
-    for a, b in zip(results[True][1], results[False][1], strict=True):
-        assert torch.equal(a, b)
-
-
 def test_cache_sized_from_free_memory():
     config = dict(model_type="llama", vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)  # fmt: skip
