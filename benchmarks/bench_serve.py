@@ -321,7 +321,8 @@ def summary(report: Report) -> list[tuple[str, str, str]]:
         n = get(name, "throughput", "requests")
         compiles = get(name, "throughput", "compiles")
         if compiles:
-            verdict += f" [{compiles} Triton compiles inside the timing: figure too low]"
+            names = ", ".join(sorted({c.split(":")[0] for c in get(name, "throughput", "compiled") or []}))
+            verdict += f" [{compiles} Triton compiles inside the timing ({names}): figure too low]"
         rows.append((f"(1) {name} offline tok/s ({n} req)", f"{tok_s:.0f}", verdict))
     for key, label in (("hf_generate_batch", "HF generate_batch"), ("hf_static64", "HF generate static 64")):
         tok_s = get(key, "output_tok_s")

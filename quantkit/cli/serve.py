@@ -126,6 +126,9 @@ def bench_serve_command(num_requests, min_input_len, max_input_len, output_len, 
         f"KV waste {100 * result.kv_waste:.2f}%, {result.preemptions} preemptions"
     )
     if result.compiles:
-        click.echo(f"warning: {result.compiles} Triton kernels compiled inside the timed run; the figure is too low")
+        names = ", ".join(sorted({c.split(":")[0] for c in result.compiled}))
+        click.echo(
+            f"warning: {result.compiles} Triton kernels compiled inside the timed run ({names}); the figure is too low"
+        )
     if out_path is not None:
         out_path.write_text(json.dumps(row, indent=2))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from triton.runtime.jit import JITFunction
@@ -59,6 +59,7 @@ class Throughput:
     preemptions: int
     kv_waste: float  # fraction of allocated KV slots holding nothing, averaged over steps
     compiles: int = 0  # Triton kernels compiled inside the timed run (its time includes them: should be 0)
+    compiled: list[str] = field(default_factory=list)  # which: kernel name and specialization key of each
 
     @property
     def output_tok_s(self) -> float:
@@ -79,16 +80,17 @@ def random_workload(num_requests: int, min_len: int, max_len: int, vocab: int, s
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lens]
 
 
-def compiled_kernels() -> int:
+def compiled_kernels() -> set[str]:
     """Triton kernels compiled so far in this process by quantkit's kernel modules (every device and
-    specialization): the difference across a timed run tells whether a compile landed inside it."""
-    total = 0
+    specialization), as "name: specialization key": the difference across a timed run tells whether a compile
+    landed inside it, and which."""
+    found = set()
     for name, module in list(sys.modules.items()):
         if name.startswith("quantkit.kernels.") and module is not None:
             for obj in vars(module).values():
                 if isinstance(obj, JITFunction):
-                    total += sum(len(cache[0]) for cache in obj.device_caches.values())
-    return total
+                    found.update(f"{obj.__name__}: {key}" for cache in obj.device_caches.values() for key in cache[0])
+    return found
 
 
 def _sync(llm: LLM) -> None:
@@ -144,7 +146,7 @@ def offline_throughput(llm: LLM, prompts: list[list[int]], output_len: int) -> t
     outputs = llm.generate(prompts, SamplingParams(max_tokens=output_len, ignore_eos=True))
     _sync(llm)
     seconds = time.perf_counter() - start
-    compiles = compiled_kernels() - compiled
+    compiles = sorted(compiled_kernels() - compiled)
     allocated = llm.stats.allocated_slots - allocated0
     used = llm.stats.used_slots - used0
     tokens = [o.completions[0].token_ids for o in outputs]
@@ -156,6 +158,7 @@ def offline_throughput(llm: LLM, prompts: list[list[int]], output_len: int) -> t
         steps=llm.stats.steps - steps0,
         preemptions=llm.scheduler.num_preemptions - preemptions,
         kv_waste=1.0 - used / allocated if allocated else 0.0,
-        compiles=compiles,
+        compiles=len(compiles),
+        compiled=compiles,
     )
     return result, tokens

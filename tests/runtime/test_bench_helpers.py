@@ -60,20 +60,20 @@ def test_offline_throughput_counts_every_generated_token():
         o.completions[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
     ]
     assert tokens == expected
-    assert result.compiles == 0  # the interpreter compiles nothing
+    assert result.compiles == 0 and result.compiled == []  # the interpreter compiles nothing
 
 
 def _kernel(x):
     pass
 
 
-def test_compiled_kernels_counts_every_specialization_of_quantkit_kernels(monkeypatch):
-    """What the throughput measure uses to flag a compile inside a timed run: compiled entries of the JIT
-    functions in quantkit.kernels modules, over devices; other packages' kernels do not count."""
+def test_compiled_kernels_names_every_specialization_of_quantkit_kernels(monkeypatch):
+    """What the throughput measure uses to flag (and name) a compile inside a timed run: compiled entries of the
+    JIT functions in quantkit.kernels modules, over devices; other packages' kernels do not count."""
     before = compiled_kernels()
     mine, other = JITFunction(_kernel), JITFunction(_kernel)
     mine.device_caches = {0: ({"a": 1, "b": 2}, {}), 1: ({"c": 3}, {})}  # (kernel cache, key cache, ...) per device
     other.device_caches = {0: ({"d": 4}, {})}
     monkeypatch.setitem(sys.modules, "quantkit.kernels._count_probe", types.SimpleNamespace(k=mine))
     monkeypatch.setitem(sys.modules, "elsewhere._count_probe", types.SimpleNamespace(k=other))
-    assert compiled_kernels() == before + 3
+    assert compiled_kernels() - before == {"_kernel: a", "_kernel: b", "_kernel: c"}
