@@ -12,7 +12,9 @@ arithmetic as the PyTorch modules of ``quantkit.runtime.model``:
   One program per row; rows up to ``MAX_HIDDEN`` elements are held in registers.
 - ``rotary_(q, k, cos, sin)``: in place, ``x * cos + rotate_half(x) * sin`` with rotate_half(x) = [-x2, x1] (the
   NeoX / Llama convention) for every head of q [T, Hq, D] and k [T, Hkv, D]; cos, sin [T, D] in x's dtype. Computed
-  in fp32 and rounded once (PyTorch rounds after each product and the sum: results can differ by an ulp).
+  in fp32 and rounded once (PyTorch rounds after each product and the sum: results can differ by an ulp). One
+  launch for both when k's heads follow q's in memory (the fused q/k/v projection's output), else one each: a
+  batch-1 decode step of an 8B model spent 68 us in 64 rotary launches (results/decode-pdl-h200-2026-12-03.md).
 - ``silu_mul(g, u)``: ``silu(g) * u`` computed in fp32, rounded once.
 
 Tuned on: nothing (launch-bound sizes; one warp group per row).
@@ -124,7 +126,7 @@ def rotary_(q, k, cos, sin) -> None:
             raise ValueError(f"rotary_: x {tuple(x.shape)}, cos {tuple(cos.shape)} (D a power of two, last dim dense)")
     if cos.stride() != sin.stride() or cos.stride(1) != 1:
         raise ValueError("rotary_: cos and sin must share strides with a dense last dim")
-    for x in (q, k):
+    for x in _rotary_operands(q, k):
         t, heads, d = x.shape
         if t == 0:
             continue
@@ -132,6 +134,16 @@ def rotary_(q, k, cos, sin) -> None:
         _rotary_kernel[(t, triton.cdiv(heads, block_h))](
             x, cos, sin, heads, x.stride(0), x.stride(1), cos.stride(0), HALF=d // 2, BLOCK_H=block_h
         )
+
+
+def _rotary_operands(q, k) -> tuple:
+    """(q, k), or one [T, Hq + Hkv, D] view of both when k's heads follow q's in memory with the same strides (the
+    fused q/k/v projection's output): one launch instead of two."""
+    follows = k.data_ptr() == q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size()
+    same_rows = q.shape[0] == k.shape[0] and (q.shape[0] == 1 or q.stride(0) == k.stride(0))  # one row: any stride
+    if q.dtype == k.dtype and q.stride()[1:] == k.stride()[1:] and same_rows and follows:
+        return (q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride()),)
+    return q, k
 
 
 @triton.jit

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 from quantkit.kernels import fused_norm_rope as K
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,6 +50,31 @@ def test_rotary(dtype, t, hq, hkv, d):
     K.rotary_reference_(q_ref, k_ref, cos, sin)
     K.rotary_(q, k, cos, sin)
     assert close(q, q_ref, dtype) and close(k, k_ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("t", "hq", "hkv", "d"), [(1, 4, 2, 16), (5, 32, 8, 128)])
+def test_rotary_of_fused_qkv_views_is_one_launch(dtype, t, hq, hkv, d, monkeypatch):
+    """q and k as the fused q/k/v projection's split views (k's heads right after q's): rotated in one launch, v
+    untouched; q and k of separate tensors (or in another order) still take one launch each."""
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=DEVICE).to(dtype)
+    q, k, v = (p.view(t, -1, d) for p in qkv.split((hq * d, hkv * d, hkv * d), dim=-1))
+    angle = torch.rand(t, d // 2, device=DEVICE) * 6
+    cos = torch.cat((angle.cos(), angle.cos()), -1).to(dtype)
+    sin = torch.cat((angle.sin(), angle.sin()), -1).to(dtype)
+    q_ref, k_ref, v_ref = q.clone(), k.clone(), v.clone()
+    K.rotary_reference_(q_ref, k_ref, cos, sin)
+    launches = []
+    kernel = K._rotary_kernel
+    monkeypatch.setattr(
+        K, "_rotary_kernel", type("Spy", (), {"__getitem__": lambda _, g: launches.append(g) or kernel[g]})()
+    )
+    K.rotary_(q, k, cos, sin)
+    assert len(launches) == 1 and launches[0][1] == triton.cdiv(hq + hkv, min(16, triton.next_power_of_2(hq + hkv)))
+    assert close(q, q_ref, dtype) and close(k, k_ref, dtype) and torch.equal(v, v_ref)
+    K.rotary_(k.clone(), q.clone(), cos, sin)  # separate tensors: one launch each
+    K.rotary_(q.clone(), k.clone(), cos, sin)
+    assert len(launches) == 5
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
