@@ -182,7 +182,20 @@ def batch1_decode(llm: LLM, prompt: list[int], new_tokens: int) -> dict:
         with torch.inference_mode():
             out["logits_ms"] = timed_ms(lambda: llm.model.logits(hidden[:1]).float())
         out["host_ms"] = out["step_ms"] - out["graph_ms"] - out["logits_ms"]
+        out["launch_ms"] = launch_ms(graph.replay)  # the part of host_ms that is the CPU's graph launch
     return out
+
+
+def launch_ms(fn, reps: int = 20) -> float:
+    """Mean milliseconds the CPU spends inside ``fn`` (a launch), each call starting on an idle GPU."""
+    total = 0.0
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        total += time.perf_counter() - t0
+    sync()
+    return total * 1e3 / reps
 
 
 def timed_ms(fn, reps: int = 50) -> float:
@@ -344,6 +357,8 @@ def summary(report: Report) -> list[tuple[str, str, str]]:
             rows.append((f"(2) {name} batch-1 tok/s", f"{v['tok_s']:.0f} ({v['of_roofline']:.0%} roofline)", verdict))
             if "graph_ms" in v:
                 split = f"graph {v['graph_ms']:.2f} + lm_head {v['logits_ms']:.2f} + host {v['host_ms']:.2f}"
+                if "launch_ms" in v:
+                    split += f" (graph launch {v['launch_ms']:.2f})"
                 rows.append((f"(2) {name} batch-1 ms per step", f"{v['step_ms']:.2f}", split))
     for name in VARIANTS:
         waste = get(name, "throughput", "kv_waste")
