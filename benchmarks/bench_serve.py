@@ -219,6 +219,7 @@ def engine(hf, args) -> LLM:
         num_kv_blocks=args.num_kv_blocks,
         enforce_eager=args.enforce_eager,
         fp8_fast_accum=args.fp8_fast_accum,
+        async_scheduling=not args.no_async_scheduling,
     )
 
 
@@ -402,6 +403,7 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--num-kv-blocks", type=int, default=None, help="default: from free memory (CPU: 1024)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--no-async-scheduling", action="store_true", help="read each step's tokens before the next")
     args = ap.parse_args()
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     n_req, min_len, max_len, out_len, hf_req, b1_tokens, shape = MODES[mode]

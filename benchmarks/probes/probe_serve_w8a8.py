@@ -33,7 +33,7 @@ def main() -> None:
     n_req, min_len, max_len, out_len, _, _, shape = B.MODES["full"]
     settings = argparse.Namespace(max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=16384,
                                   gpu_memory_utilization=0.9, num_kv_blocks=None, enforce_eager=False,
-                                  fp8_fast_accum=False)  # fmt: skip
+                                  fp8_fast_accum=False, no_async_scheduling=False)  # fmt: skip
     hf = B.build_hf_model(shape, torch.device("cuda"), torch.bfloat16, 0)
     prompts = B.random_workload(n_req, min_len, max_len, hf.config.vocab_size, 0)
     B.swap_modules(hf, B.quantize_decoder_linears(hf, B.SCHEMES["w8a8"]))

@@ -61,6 +61,12 @@ def engine_options(f):
             is_flag=True,
             help="fp8 W8A8 layers (CUDA) accumulate in the tensor cores' reduced precision: faster, less exact.",
         ),
+        click.option(
+            "--async-scheduling/--no-async-scheduling",
+            default=d["async_scheduling"],
+            show_default=True,
+            help="Launch each step before the previous step's tokens reach the host (same outputs).",
+        ),
     ]
     for option in reversed(options):
         f = option(f)

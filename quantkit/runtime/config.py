@@ -28,6 +28,9 @@ class EngineConfig:
     - ``fp8_fast_accum``: fp8 W8A8 layers on CUDA accumulate in the tensor cores' reduced precision instead of
       promoting to fp32 every 128 products (``quantkit.nn.w8a8``): faster at large batches, less exact. No effect on
       int8, W4A16 or float layers, nor on CPU (where W8A8 layers run the fp32 simulation).
+    - ``async_scheduling``: schedule and launch each step before the previous step's tokens reach the host, so the
+      device does not wait for the host's work between steps (``quantkit.runtime.engine``); the outputs are the
+      same either way.
     """
 
     version: ClassVar[int] = 1
@@ -47,6 +50,7 @@ class EngineConfig:
     device: str | None = None
     seed: int = 0
     fp8_fast_accum: bool = False
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "cpu_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs"):

@@ -79,6 +79,7 @@ class StepLayout:
     offsets: dict[str, tuple[int, int]]  # part -> (start, end) in the flat buffer
     size: int  # entries of the flat buffer to copy
     sample_rows: list[int] | None  # packed row of each sampled sequence; None: every row, in order
+    last_rows: dict[int, int]  # seq_id -> packed row of the sequence's last token this step
     max_decode_context: int
     max_prefill_len: int
     prefill_has_prefix: bool  # some chunk starts after cached context (else a first prefill of every chunk)
@@ -156,6 +157,7 @@ class StepInputs:
             offsets=offsets,
             size=offsets["sample"][1],
             sample_rows=sample_rows,
+            last_rows=last_row,
             max_decode_context=max(dec_pos) + 1 if nd else 0,
             max_prefill_len=max_prefill,
             prefill_has_prefix=has_prefix,

@@ -116,9 +116,29 @@ class ModelRunner:
 
     # -- running ---------------------------------------------------------------------------------------------------
 
+    def _patch_ids(self, layout: StepLayout, flat: torch.Tensor, source: dict[int, int], tokens: torch.Tensor):
+        """Write on the device the input ids the host does not know yet: the decode row of every sequence in
+        ``source`` (seq_id -> index into ``tokens``, the previous step's sampled tokens, still on the device)."""
+        pairs = sorted(
+            (row, source[sid]) for sid, row in layout.last_rows.items() if sid in source and row < layout.num_decodes
+        )
+        if not pairs:
+            return
+        ids = flat[layout.offsets["ids"][0] :]
+        rows, src = zip(*pairs, strict=True)
+        if rows == src == tuple(range(len(rows))):  # the same sequences in the same order: one copy
+            ids[: len(rows)].copy_(tokens[: len(rows)])
+            return
+        pin = self.device.type == "cuda"
+        index = torch.tensor([rows, src], dtype=torch.int64, pin_memory=pin).to(self.device, non_blocking=True)
+        ids[index[0]] = tokens[index[1]]
+
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Execute one step; returns fp32 logits [len(batch.sampled), vocab]."""
+    def run(self, batch: ScheduledBatch, ids_from: tuple[dict[int, int], torch.Tensor] | None = None) -> torch.Tensor:
+        """Execute one step; returns fp32 logits [len(batch.sampled), vocab]. ``ids_from`` (seq_id -> index, tokens
+        int32 on the device): the input ids of those sequences' decode rows come from ``tokens`` instead of their
+        ``token_ids``, whose last entry is then a placeholder (the engine runs a step before the previous one's
+        tokens reached the host)."""
         if batch.copies:
             src, dst = (torch.tensor(x, device=self.device) for x in zip(*batch.copies, strict=True))
             self.kv[:, :, dst] = self.kv[:, :, src]
@@ -129,11 +149,15 @@ class ModelRunner:
         layout = self._write(batch, graph_rows=bucket)
         if bucket is not None:
             flat, _ = self._to_device(layout, self.static["flat"], self.static["tables"])
+            if ids_from is not None:
+                self._patch_ids(layout, flat, *ids_from)
             graph, out = self.graphs[bucket]
             graph.replay()
             hidden = out[:n]
         else:
             flat, tables = self._to_device(layout, None, None)
+            if ids_from is not None:
+                self._patch_ids(layout, flat, *ids_from)
             ids, pos = (flat[a:b] for a, b in (layout.offsets["ids"], layout.offsets["pos"]))
             hidden = self.model(ids, pos, self.metadata(layout, flat, tables), self.kv_caches)
         if layout.sample_rows is not None:

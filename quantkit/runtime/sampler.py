@@ -26,8 +26,10 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """logits [B, V] -> one token per row."""
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """logits [B, V] -> one token per row [B] on logits' device (no device-to-host copy)."""
     tokens = logits.argmax(-1)
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if p.greedy:
@@ -35,4 +37,4 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         probs = filter_logits(logits[row].float(), p).softmax(-1)
         noise = torch.empty_like(probs).exponential_(generator=gen)
         tokens[row] = (probs / noise).argmax()
-    return tokens.tolist()
+    return tokens

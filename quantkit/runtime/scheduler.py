@@ -113,7 +113,11 @@ class Scheduler:
             self.bm.commit(seq, start)
 
     def drop_finished(self) -> None:
+        """Free the finished sequences' blocks and forget them. A finished one can also be waiting: preempted by
+        a step scheduled before its last token was read (the engine's async scheduling); its blocks are freed."""
         for seq in self.running:
             if seq.is_finished:
                 self.bm.free_seq(seq)
         self.running = [s for s in self.running if not s.is_finished]
+        if any(s.is_finished for s in self.waiting):
+            self.waiting = deque(s for s in self.waiting if not s.is_finished)

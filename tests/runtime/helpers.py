@@ -34,15 +34,24 @@ def sharpen(model, factor: float = 10.0):
     return model
 
 
-def record_logits(llm) -> dict[int, list[torch.Tensor]]:
+class RecordedRows(dict):
+    """request_id -> the logits rows of its sampled steps, in order. A row that predicts past a sequence's last
+    token (the engine launched the step before it knew the sequence had finished) is left out when read."""
+
+    def __getitem__(self, request_id):
+        return [row for seq, at, row in super().__getitem__(request_id) if at < seq.num_tokens]
+
+
+def record_logits(llm) -> RecordedRows:
     """Wrap the runner so every sampled row is kept, per request, in generation order."""
-    rows: dict[int, list[torch.Tensor]] = {}
+    rows = RecordedRows()
     run = llm.runner.run
 
-    def recording(batch):
-        logits = run(batch)
+    def recording(batch, *args):
+        logits = run(batch, *args)
         for seq, row in zip(batch.sampled, logits, strict=True):
-            rows.setdefault(seq.request_id, []).append(row)
+            at = seq.num_computed_tokens + batch.num_new[batch.seqs.index(seq)]  # the token index it predicts
+            dict.setdefault(rows, seq.request_id, []).append((seq, at, row))
         return logits
 
     llm.runner.run = recording

@@ -34,7 +34,7 @@ def test_warm_up_batch_runs_several_sequences_and_mixed_steps():
     llm = LLM(tiny_model("llama"), device="cpu", num_kv_blocks=256, max_num_batched_tokens=256)
     steps = []
     run = llm.runner.run
-    llm.runner.run = lambda batch: steps.append(list(batch.num_new)) or run(batch)
+    llm.runner.run = lambda batch, *a: steps.append(list(batch.num_new)) or run(batch, *a)
     warm_up(llm, full=True)
     assert max(len(s) for s in steps) >= 8
     assert any(1 in s and max(s) > 1 for s in steps)  # decodes and a prefill chunk in one step

@@ -29,6 +29,21 @@ def test_generate_accepts_fp8_fast_accumulation():
     assert LLM(DUMMY_MODELS["tiny-llama"], device="cpu", fp8_fast_accum=True).config.fp8_fast_accum
 
 
+def test_generate_takes_the_async_scheduling_switch(monkeypatch):
+    import quantkit.runtime
+
+    seen = []
+    monkeypatch.setattr(
+        quantkit.runtime,
+        "LLM",
+        lambda model, **settings: seen.append(settings["async_scheduling"]) or LLM(model, **settings),
+    )
+    args = ["--model", "dummy:tiny-llama", "--device", "cpu", "--token-ids", "--max-tokens", "2"]
+    assert run("generate", *args, "5 6 7").exit_code == 0
+    assert run("generate", *args, "--no-async-scheduling", "5 6 7").exit_code == 0
+    assert seen == [True, False]
+
+
 def test_bad_prompt_is_a_one_line_error():
     result = run("generate", "--model", "dummy:tiny-llama", "--token-ids", "5 x")
     assert result.exit_code == 2 and "space-separated integers" in result.output

@@ -71,6 +71,29 @@ def test_sampling_follows_the_distribution(model):
     assert abs(firsts.count(int(top.indices[0])) - n * q) <= 4 * (n * q * (1 - q)) ** 0.5 + 1
 
 
+def test_async_scheduling_gives_the_same_outputs(model):
+    """Launching each step before the previous one's tokens are read changes no output: greedy and seeded
+    sampling, n > 1, stop tokens, EOS, chunked prefill and preemption (a cache of 12 blocks for 7 requests)."""
+    prompts = random_prompts([5, 23, 1, 40, 16, 9, 70], VOCAB, seed=21)
+    params = [
+        SamplingParams(max_tokens=12),
+        SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, top_p=0.9, seed=5),
+        SamplingParams(max_tokens=6, n=3, temperature=1.0, top_k=5, seed=1),
+        SamplingParams(max_tokens=16, ignore_eos=True),
+        SamplingParams(max_tokens=16, stop_token_ids=(7, 11, 19)),
+        SamplingParams(max_tokens=3, n=2),
+        SamplingParams(max_tokens=25, ignore_eos=True, temperature=1.0, seed=9),
+    ]
+    runs = {}
+    for on in (False, True):
+        llm = LLM(model, device="cpu", num_kv_blocks=12, max_num_batched_tokens=32, async_scheduling=on)
+        out = llm.generate(prompts, params)
+        runs[on] = ([[(c.token_ids, c.finish_reason) for c in o.completions] for o in out], llm.stats.output_tokens)
+        assert llm.scheduler.num_preemptions > 0 and llm._pending is None
+        assert llm.block_manager.num_free == llm.block_manager.num_blocks
+    assert runs[True] == runs[False]
+
+
 def test_bad_settings_are_user_errors(model):
     with pytest.raises(QuantkitError, match="block_size"):
         EngineConfig(block_size=0)
@@ -127,7 +150,7 @@ def test_graph_replay_path_matches_eager(model):
                 runner.graphs[b] = (EagerGraph(forward, out), out)
         steps = logits[name] = []
         run = runner.run
-        runner.run = lambda batch, run=run, steps=steps: (steps.append(run(batch)), steps[-1])[1]
+        runner.run = lambda batch, *a, run=run, steps=steps: (steps.append(run(batch, *a)), steps[-1])[1]
         llm.generate(prompts, params)
     assert len(logits["eager"]) == len(logits["replayed"])
     replayed_steps = 0

@@ -49,14 +49,17 @@ def test_greedy_matches_hf(arch_and_reference, setting):
     assert llm.block_manager.num_free == llm.block_manager.num_blocks
 
 
-def test_parallel_sampling_shares_prompt_blocks(arch_and_reference):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_parallel_sampling_shares_prompt_blocks(arch_and_reference, async_scheduling):
     """n = 3 greedy completions equal HF's greedy output; they fork from one prefill and copy the shared
     partly filled last block on their first write."""
     model, prompts, reference = arch_and_reference
-    llm = LLM(model, device="cpu", num_kv_blocks=64)
+    llm = LLM(model, device="cpu", num_kv_blocks=64, async_scheduling=async_scheduling)
     copies, computed = [], []
     run = llm.runner.run
-    llm.runner.run = lambda batch: (copies.extend(batch.copies), computed.append(batch.num_tokens), run(batch))[2]
+    llm.runner.run = lambda batch, *a: (copies.extend(batch.copies), computed.append(batch.num_tokens), run(batch, *a))[
+        2
+    ]
     outputs = llm.generate(prompts, SamplingParams(n=3, max_tokens=NEW))
     for out, ref in zip(outputs, reference, strict=True):
         assert [c.index for c in out.completions] == [0, 1, 2]
@@ -65,7 +68,11 @@ def test_parallel_sampling_shares_prompt_blocks(arch_and_reference):
     assert len(copies) == 2 * partial_prompts  # two of the three completions copy; the last owner writes in place
     # each prompt is prefilled once; each completion then computes every sampled token but its last
     decoded = sum(len(c.token_ids) - 1 for o in outputs for c in o.completions)
-    assert sum(computed) == sum(map(len, prompts)) + decoded
+    exact = sum(map(len, prompts)) + decoded
+    if async_scheduling:  # at most one more row per completion: a step launched before its last token was read
+        assert exact <= sum(computed) <= exact + sum(len(o.completions) for o in outputs)
+    else:
+        assert sum(computed) == exact
 
 
 def test_common_prefix_is_computed_once():
@@ -77,7 +84,7 @@ def test_common_prefix_is_computed_once():
     first = llm.generate(prompts[:1], SamplingParams(max_tokens=8))
     computed = []
     run = llm.runner.run
-    llm.runner.run = lambda batch: (computed.append(batch.num_tokens), run(batch))[1]
+    llm.runner.run = lambda batch, *a: (computed.append(batch.num_tokens), run(batch, *a))[1]
     rest = llm.generate(prompts[1:], SamplingParams(max_tokens=8))
     assert [o.completions[0].token_ids for o in first + rest] == reference
     # the 32 tokens of the two full prefix blocks come from the cache: only tails are prefilled

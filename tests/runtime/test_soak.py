@@ -8,6 +8,7 @@ prefix hit fails here. At the end every request must have completed and every bl
 """
 
 import numpy as np
+import pytest
 import torch
 
 from quantkit.runtime import LLM, SamplingParams
@@ -35,9 +36,13 @@ class ShadowRunner:
         self.gen = torch.Generator().manual_seed(seed)
         self.copies = 0
         self.steps = 0
+        self.ahead = 0  # steps run with inputs from a previous step's tokens still on the device
 
-    def run(self, batch):
+    def run(self, batch, ids_from=None):
+        """``ids_from`` (seq_id -> index, tokens): those sequences' last token is a placeholder on the host and
+        comes from ``tokens``, as the engine's device patch does (async scheduling)."""
         self.steps += 1
+        self.ahead += ids_from is not None
         for src, dst in batch.copies:
             self.slots[dst * P : (dst + 1) * P] = self.slots[src * P : (src + 1) * P]
         self.copies += len(batch.copies)
@@ -49,10 +54,15 @@ class ShadowRunner:
                 block = seq.block_table[i]
                 assert self.bm.ref_counts[block] == 1, f"{seq} writes block {block} shared by others"
                 assert self.bm.block_keys[block] is None, f"{seq} writes cached block {block}"
+            tokens = list(seq.token_ids[:end])
+            if ids_from is not None and seq.seq_id in ids_from[0]:
+                assert tokens[-1] == -1, f"{seq}: a patched input that is not a placeholder"
+                tokens[-1] = int(ids_from[1][ids_from[0][seq.seq_id]])
+            assert -1 not in tokens, f"{seq} computes a placeholder"
             pos = np.arange(end)
             where = table[pos // P] * P + pos % P
-            self.slots[where[start:]] = seq.token_ids[start:end]
-            np.testing.assert_array_equal(self.slots[where], seq.token_ids[:end], err_msg=f"{seq} context")
+            self.slots[where[start:]] = tokens[start:end]
+            np.testing.assert_array_equal(self.slots[where], tokens, err_msg=f"{seq} context")
         return torch.randn(len(batch.sampled), VOCAB, generator=self.gen)
 
 
@@ -75,9 +85,11 @@ def random_request(rng: np.random.Generator, prefixes):
     return prompt, params
 
 
-def test_soak_1000_requests_with_preemption():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_soak_1000_requests_with_preemption(async_scheduling):
     rng = np.random.default_rng(0)
-    llm = LLM(TINY, device="cpu", num_kv_blocks=24, block_size=P, max_num_seqs=16, max_num_batched_tokens=128)
+    llm = LLM(TINY, device="cpu", num_kv_blocks=24, block_size=P, max_num_seqs=16, max_num_batched_tokens=128,
+              async_scheduling=async_scheduling)  # fmt: skip
     bm = llm.block_manager
     runner = llm.runner = ShadowRunner(bm, seed=1)
     hits = []
@@ -110,3 +122,4 @@ def test_soak_1000_requests_with_preemption():
                 assert s.finish_reason == "eos" and out[-1] == EOS and not params.ignore_eos
     assert bm.num_free == bm.num_blocks and not any(bm.ref_counts) and bm.used_slots == 0
     assert llm.scheduler.num_preemptions > 50 and runner.copies > 50 and sum(h > 0 for h in hits) > 50
+    assert (runner.ahead > runner.steps // 2) if async_scheduling else runner.ahead == 0
