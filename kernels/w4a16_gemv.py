@@ -251,6 +251,17 @@ def _mac(acc, words, scales, zeros, x_ptr, t, m0, M, K, stride_xm, stride_xk, ma
                          BITS, BLOCK_K, EVEN_K)  # fmt: skip
 
 
+@triton.jit
+def _program_tile(N, K, tiles_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's output tile and K slice: (tile id, first row, columns, K tiles in all, first and end K tile)."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    offs_n = (pid % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    t_begin = tl.program_id(1) * tiles_per_split
+    return pid, (pid // num_pid_n) * BLOCK_M, offs_n, k_tiles, t_begin, tl.minimum(t_begin + tiles_per_split, k_tiles)
+
+
 @triton.jit(do_not_specialize=["M", "group_size", "tiles_per_split", "magic", "sixteen"])
 def _w4a16_gemv_kernel(
     # pointers
@@ -267,16 +278,8 @@ def _w4a16_gemv_kernel(
     SPLIT: tl.constexpr, STAGES: tl.constexpr, FOLD: tl.constexpr, PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, EMULATE_BF16: tl.constexpr, X_VEC: tl.constexpr, FIXUP: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_pid_n
-    pid_n = pid % num_pid_n
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    t_begin = tl.program_id(1) * tiles_per_split
-    t_end = tl.minimum(t_begin + tiles_per_split, k_tiles)
+    pid, m0, offs_n, k_tiles, t_begin, t_end = _program_tile(N, K, tiles_per_split, BLOCK_M, BLOCK_N, BLOCK_K)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PREFETCH:  # software pipelining in registers: tile t + 1's loads are in flight during tile t's arithmetic
         t_last = tl.minimum(t_end, k_tiles) - 1
@@ -288,7 +291,7 @@ def _w4a16_gemv_kernel(
             w_next, s_next, z_next = _load_tile(qw_ptr, qz_ptr, s_ptr, tl.minimum(t + 1, t_last), offs_n, N, K,
                                                 group_size, stride_qwk, stride_qwn, stride_qzg, stride_qzn,
                                                 stride_sg, stride_sn, BITS, BLOCK_K, EVEN_K)  # fmt: skip
-            acc = _mac(acc, words, scales, zeros, x_ptr, t, pid_m * BLOCK_M, M, K, stride_xm, stride_xk, magic,
+            acc = _mac(acc, words, scales, zeros, x_ptr, t, m0, M, K, stride_xm, stride_xk, magic,
                        sixteen, BITS, BLOCK_K, EVEN_K, FOLD, X_VEC)  # fmt: skip
             words, scales, zeros = w_next, s_next, z_next
     else:
@@ -298,7 +301,7 @@ def _w4a16_gemv_kernel(
             words, scales, zeros = _load_tile(qw_ptr, qz_ptr, s_ptr, t, offs_n, N, K, group_size, stride_qwk,
                                               stride_qwn, stride_qzg, stride_qzn, stride_sg, stride_sn, BITS,
                                               BLOCK_K, EVEN_K)  # fmt: skip
-            acc = _mac(acc, words, scales, zeros, x_ptr, t, pid_m * BLOCK_M, M, K, stride_xm, stride_xk, magic,
+            acc = _mac(acc, words, scales, zeros, x_ptr, t, m0, M, K, stride_xm, stride_xk, magic,
                        sixteen, BITS, BLOCK_K, EVEN_K, FOLD, X_VEC)  # fmt: skip
     _finish_tile(acc, bias_ptr, out_ptr, part_ptr, lock_ptr, pid, offs_m, offs_n, M, N, stride_om, stride_on,
                  SPLIT, HAS_BIAS, EMULATE_BF16, FIXUP)  # fmt: skip

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w4a16
 from bench_w4a16 import Layer, Timer, fp16_calls
 from quantkit.kernels import w4a16_configs as C
 from quantkit.kernels.w4a16_epilogue import _finish_tile
-from quantkit.kernels.w4a16_gemv import MAGIC_F32, _mac
+from quantkit.kernels.w4a16_gemv import MAGIC_F32, _mac, _program_tile
 from quantkit.kernels.w4a16_weight import num_sms
 
 # the four largest issue shapes, the decode step's fused q/k/v and gate/up, and the small ones
@@ -59,24 +59,17 @@ def _gemv_tma_kernel(
     SPLIT: tl.constexpr, X_VEC: tl.constexpr, FIXUP: tl.constexpr,
 ):  # fmt: skip
     BKW: tl.constexpr = BLOCK_K // 8
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_pid_n
-    pid_n = pid % num_pid_n
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid, m0, offs_n, _, t_begin, t_end = _program_tile(N, K, tiles_per_split, BLOCK_M, BLOCK_N, BLOCK_K)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    t_begin = tl.program_id(1) * tiles_per_split
-    t_end = tl.minimum(t_begin + tiles_per_split, k_tiles)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in tl.range(t_begin, t_end, num_stages=STAGES):
-        words = w_desc.load([t * BKW, pid_n * BLOCK_N])
+        words = w_desc.load([t * BKW, (pid % tl.cdiv(N, BLOCK_N)) * BLOCK_N])
         grp = (t * BLOCK_K) // group_size
         scales = tl.load(s_ptr + grp * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0)
         zw = tl.load(qz_ptr + grp * stride_qzg + (offs_n // 8) * stride_qzn, mask=n_mask, other=0)
         zeros = (zw >> ((offs_n % 8) * 4)) & 15
-        acc = _mac(acc, words, scales, zeros, x_ptr, t, pid_m * BLOCK_M, M, K, stride_xm, stride_xk, magic, sixteen,
+        acc = _mac(acc, words, scales, zeros, x_ptr, t, m0, M, K, stride_xm, stride_xk, magic, sixteen,
                    4, BLOCK_K, True, True, X_VEC)  # fmt: skip
     _finish_tile(acc, out_ptr, out_ptr, part_ptr, lock_ptr, pid, offs_m, offs_n, M, N, stride_om, stride_on,
                  SPLIT, False, False, FIXUP)  # fmt: skip
