@@ -161,7 +161,9 @@ class LLM:
     # -- the step --------------------------------------------------------------------------------------------------
 
     def step(self) -> list[tuple[Sequence, int]]:
-        """Run one iteration; returns (sequence, new token) for every sequence that got one."""
+        """Run one iteration; returns (sequence, new token) for every sequence that got one. With async scheduling
+        the iteration whose tokens it returns may have been launched by the previous call, and it launches the
+        next one before reading them."""
         launched, self._pending = self._pending, None
         if launched is None:
             launched = self._launch(self.scheduler.schedule())
