@@ -43,7 +43,7 @@ from torch import nn
 
 from quantkit.quant.scheme import QuantScheme
 from quantkit.runtime import LLM, SamplingParams
-from quantkit.runtime.bench import DUMMY_MODELS, offline_throughput, random_workload
+from quantkit.runtime.bench import DUMMY_MODELS, kernel_names, offline_throughput, random_workload
 
 SCHEMES = {
     "w4a16": QuantScheme(bits=4, group_size=128, sym=True),
@@ -335,7 +335,7 @@ def summary(report: Report) -> list[tuple[str, str, str]]:
         n = get(name, "throughput", "requests")
         compiles = get(name, "throughput", "compiles")
         if compiles:
-            names = ", ".join(sorted({c.split(":")[0] for c in get(name, "throughput", "compiled") or []}))
+            names = kernel_names(get(name, "throughput", "compiled") or [])
             verdict += f" [{compiles} Triton compiles inside the timing ({names}): figure too low]"
         rows.append((f"(1) {name} offline tok/s ({n} req)", f"{tok_s:.0f}", verdict))
     for key, label in (("hf_generate_batch", "HF generate_batch"), ("hf_static64", "HF generate static 64")):

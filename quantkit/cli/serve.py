@@ -120,7 +120,7 @@ def generate_command(prompts, model, max_tokens, temperature, top_k, top_p, seed
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="JSON results.")
 def bench_serve_command(num_requests, min_input_len, max_input_len, output_len, seed, out_path, model, **settings):
     """Offline throughput of the paged runtime: random prompts, all submitted at once, EOS ignored."""
-    from quantkit.runtime.bench import offline_throughput, random_workload
+    from quantkit.runtime.bench import kernel_names, offline_throughput, random_workload
 
     llm = _engine(model, **settings)
     prompts = random_workload(num_requests, min_input_len, max_input_len, llm.model.config.vocab_size, seed)
@@ -132,7 +132,7 @@ def bench_serve_command(num_requests, min_input_len, max_input_len, output_len, 
         f"KV waste {100 * result.kv_waste:.2f}%, {result.preemptions} preemptions"
     )
     if result.compiles:
-        names = ", ".join(sorted({c.split(":")[0] for c in result.compiled}))
+        names = kernel_names(result.compiled)
         click.echo(
             f"warning: {result.compiles} Triton kernels compiled inside the timed run ({names}); the figure is too low"
         )

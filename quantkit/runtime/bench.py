@@ -58,8 +58,12 @@ class Throughput:
     steps: int
     preemptions: int
     kv_waste: float  # fraction of allocated KV slots holding nothing, averaged over steps
-    compiles: int = 0  # Triton kernels compiled inside the timed run (its time includes them: should be 0)
-    compiled: list[str] = field(default_factory=list)  # which: kernel name and specialization key of each
+    compiled: list[str] = field(default_factory=list)  # Triton kernels compiled inside the timed run, as
+    # "name: specialization key" (its time includes them: should be none)
+
+    @property
+    def compiles(self) -> int:
+        return len(self.compiled)
 
     @property
     def output_tok_s(self) -> float:
@@ -70,7 +74,8 @@ class Throughput:
         return (self.prompt_tokens + self.output_tokens) / self.seconds
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "output_tok_s": self.output_tok_s, "total_tok_s": self.total_tok_s}
+        return {**asdict(self), "compiles": self.compiles, "output_tok_s": self.output_tok_s,
+                "total_tok_s": self.total_tok_s}  # fmt: skip
 
 
 def random_workload(num_requests: int, min_len: int, max_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -91,6 +96,11 @@ def compiled_kernels() -> set[str]:
                 if isinstance(obj, JITFunction):
                     found.update(f"{obj.__name__}: {key}" for cache in obj.device_caches.values() for key in cache[0])
     return found
+
+
+def kernel_names(compiled: list[str]) -> str:
+    """The kernel names of ``Throughput.compiled`` entries, each once, comma-separated."""
+    return ", ".join(sorted({c.split(":")[0] for c in compiled}))
 
 
 def _sync(llm: LLM) -> None:
@@ -158,7 +168,6 @@ def offline_throughput(llm: LLM, prompts: list[list[int]], output_len: int) -> t
         steps=llm.stats.steps - steps0,
         preemptions=llm.scheduler.num_preemptions - preemptions,
         kv_waste=1.0 - used / allocated if allocated else 0.0,
-        compiles=len(compiles),
         compiled=compiles,
     )
     return result, tokens

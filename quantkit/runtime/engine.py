@@ -177,7 +177,7 @@ class LLM:
             launched.placeholders = True
             batch = self.scheduler.schedule()
             if batch.seqs:
-                ahead = self._launch(batch, {s.seq_id: i for i, s in enumerate(launched.seqs)}, launched.tokens)
+                ahead = self._launch(batch, ({s.seq_id: i for i, s in enumerate(launched.seqs)}, launched.tokens))
         results = self._finish_step(launched, usage)
         if ahead is not None:
             self.scheduler.commit(ahead.batch)  # its input tokens are all known now
@@ -187,11 +187,12 @@ class LLM:
             self.scheduler.drop_finished()
         return results
 
-    def _launch(self, batch: ScheduledBatch, ids_from: dict[int, int] | None = None, tokens=None) -> Launched:
-        """Run ``batch`` and sample on the device; the host copy of the tokens starts at once, unwaited."""
+    def _launch(self, batch: ScheduledBatch, ids_from: tuple[dict[int, int], torch.Tensor] | None = None) -> Launched:
+        """Run ``batch`` (``ids_from``: see ``ModelRunner.run``) and sample on the device; the host copy of the
+        tokens starts at once, unwaited."""
         if not batch.seqs:
             raise RuntimeError("scheduler produced an empty step with requests pending")  # a bug, not bad input
-        logits = self.runner.run(batch, None if ids_from is None else (ids_from, tokens))
+        logits = self.runner.run(batch, ids_from)
         seqs, rows = self._split_forks(batch.sampled)
         if rows is not None:
             logits = logits[rows]

@@ -147,17 +147,15 @@ class ModelRunner:
         if len(batch.seqs) == n:  # one token per sequence: every one is a decode
             bucket = next((b for b in self.graphs if b >= n), None)
         layout = self._write(batch, graph_rows=bucket)
+        graph_buffers = (self.static["flat"], self.static["tables"]) if bucket is not None else (None, None)
+        flat, tables = self._to_device(layout, *graph_buffers)
+        if ids_from is not None:
+            self._patch_ids(layout, flat, *ids_from)
         if bucket is not None:
-            flat, _ = self._to_device(layout, self.static["flat"], self.static["tables"])
-            if ids_from is not None:
-                self._patch_ids(layout, flat, *ids_from)
             graph, out = self.graphs[bucket]
             graph.replay()
             hidden = out[:n]
         else:
-            flat, tables = self._to_device(layout, None, None)
-            if ids_from is not None:
-                self._patch_ids(layout, flat, *ids_from)
             ids, pos = (flat[a:b] for a, b in (layout.offsets["ids"], layout.offsets["pos"]))
             hidden = self.model(ids, pos, self.metadata(layout, flat, tables), self.kv_caches)
         if layout.sample_rows is not None:

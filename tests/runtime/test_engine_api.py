@@ -87,7 +87,12 @@ def test_async_scheduling_gives_the_same_outputs(model):
     runs = {}
     for on in (False, True):
         llm = LLM(model, device="cpu", num_kv_blocks=12, max_num_batched_tokens=32, async_scheduling=on)
+        ahead, run = [], llm.runner.run
+        llm.runner.run = lambda batch, ids_from=None, ahead=ahead, run=run: (
+            ahead.append(ids_from is not None) or run(batch, ids_from)
+        )
         out = llm.generate(prompts, params)
+        assert sum(ahead) > len(ahead) // 2 if on else not any(ahead)  # steps launched before the last was read
         runs[on] = ([[(c.token_ids, c.finish_reason) for c in o.completions] for o in out], llm.stats.output_tokens)
         assert llm.scheduler.num_preemptions > 0 and llm._pending is None
         assert llm.block_manager.num_free == llm.block_manager.num_blocks
