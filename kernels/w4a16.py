@@ -42,11 +42,12 @@ The first H200 run (results/w4a16-h200-2026-11-29-first.md) showed 16 x 128 x 12
 at ~0.45 TB/s (162 registers and 71 KB of shared memory: 3 CTAs of 4 warps per SM, a synchronous scale load per
 tile); small BLOCK_K = 64 tiles with the scale fused into the tile and 3 stages run at 0.7-1.3 TB/s of weight bytes
 for M <= 16 (72-96 registers). Still far from the memory roofline: the dequantized tile makes a round trip through
-shared memory for the wgmma A operand (STS + LDSM), and Triton 3.6 waits on each wgmma before the next tile's
-dequantization. Keeping the tile in registers as the wgmma's A operand (a fragment-ordered weight layout,
-``benchmarks/probes/probe_rega.py``) removed the round trip: with zero and scale applied in PTX it ran 11-18% faster
-at M = 4-128 but 31% slower than the gemv at M = 1, whose layout it cannot share; not adopted, as a second copy of
-every weight would double W4A16's weight memory (results/w4a16-rega-h200-2026-12-03.md).
+shared memory for the wgmma A operand (STS + LDSM). Up to 2026-12-03 ptxas also serialized the wgmma of the 64- and
+128-row tiles (C7515, from the K loop's possible zero-trip path; ``tl.assume`` in the kernel removes it, +6% at
+M = 64 and +8% at M = 128, geomean). Keeping the tile in registers as the wgmma's A operand (a fragment-ordered
+weight layout, ``benchmarks/probes/probe_rega.py``) removed the round trip: with zero and scale applied in PTX it ran
+11-18% faster at M = 4-128 but 31% slower than the gemv at M = 1, whose layout it cannot share; not adopted, as a
+second copy of every weight would double W4A16's weight memory (results/w4a16-rega-h200-2026-12-03.md).
 
 Limits: 4 or 8 bits; G a multiple of 32, or one group per column; int32 offsets (tensors < 2**31 elements);
 interpreter mode (TRITON_INTERPRET=1) computes bf16 tiles in fp32 and rounds to bf16 by hand, because the
@@ -270,6 +271,14 @@ def _w4a16_gemm_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     t_begin = pid_k * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, k_tiles)
+    if BLOCK_M >= 64:
+        # No split is empty (plan_launch), but without this the loop may run zero times as far as ptxas knows, and
+        # the zero accumulator of that path makes it serialize the wgmma (C7515: each wgmma waited for right after
+        # issue). Saying so pipelines them: +3-12% at M = 64 and +5-10% at M = 128 on the H200
+        # (results/w4a16-wgmma-serial-h200-2026-12-03.md). Not for 16-row tiles: the pipelined loop takes 103
+        # registers instead of 96 there, one CTA fewer per SM, and M = 4 ran up to 15% slower with it; the 32-row
+        # tile has no serialized wgmma to begin with.
+        tl.assume(t_end > t_begin)
     if SWAP_AB:  # y.T = W.T @ x.T: the weight tile is the MMA's M side (>= 64 rows: wgmma even for a few rows of x)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
