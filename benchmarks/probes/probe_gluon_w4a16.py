@@ -1,0 +1,426 @@
+"""Probe: a W4A16 GEMM for M = 64-4096 written in Gluon, with the dequantization of weight tile t + 1 overlapping
+the wgmma of tile t.
+
+    python benchmarks/probes/probe_gluon_w4a16.py [--out DIR] [--ms 128,256,1024,4096] [--groups 128]
+    PYTHONPATH=<triton 3.6> python benchmarks/probes/probe_gluon_w4a16.py --compile   (no GPU: sm_90 code only)
+
+Why: from M = 256 the committed path dequantizes the whole weight to fp16 and calls cuBLAS (0.59x cuBLAS fp16 at
+M = 256: 2 bytes per weight written and read back); every fused Triton tile timed so far (swap-AB, register-A,
+256-row tiles: results/w4a16-large-h200-2026-12-02.md, w4a16-rega-h200-2026-12-03.md) ran the tensor cores at
+250-450 TFLOP/s because Triton 3.6 waits on each wgmma before dequantizing the next tile, so dequantization and
+MMA add up. Gluon (Triton's lower-level dialect, in 3.6 on the GPU machine) lets the kernel say the schedule:
+
+- TMA brings x tiles [BLOCK_M, BLOCK_K] and packed-word tiles [BLOCK_K / 8, BLOCK_N] into a ring of STAGES
+  slots, STAGES - 2 tiles ahead, one mbarrier per slot.
+- Every thread unpacks its words in inline PTX (per word: 4 x LOP3 with the fp16 magic 1024 + code, 4 x
+  sub.f16x2 of the zero, 4 x mul.f16x2 of the scale -- the product of exact operands rounded once, as PyTorch's
+  dequantize -- and 4 PRMTs that put k-adjacent values into one register; bf16: the difference in bf16, the
+  scale product in fp32, one cvt per pair), and stores the [BLOCK_N, BLOCK_K] tile K-major into one of three
+  swizzled shared buffers (16-byte stores), then fence + CTA barrier.
+- wgmma (x from shared memory as A, the dequantized tile as B) is issued asynchronously and only the wgmma of the
+  previous tile is waited for, so tile t + 1's unpacking runs while tile t's MMA does.
+- Buffer reuse is safe by the barrier: once a warp is past tile t's barrier every warp has retired wgmma t - 2, so
+  the TMA refill goes to tile t - 2's slot and the dequantized buffer of tile t - 3 is rewritten (three buffers).
+
+Zeros and scales of the next tile's group are loaded one tile ahead. Result (H200, 2026-12-03): 0.56-0.67x cuBLAS
+fp16 at M = 128-256 for the best single config, behind dequantize + cuBLAS from M = 256 and not adopted
+(results/w4a16-gluon-h200-2026-12-03.md).
+
+Each cell: cuBLAS fp16 (F.linear), the committed path and the Gluon variants in the same run (bench_w4a16.py's
+method: CUDA graphs over rotated operands, L2 flushed, medians); every variant checked against float64 first
+(within 2x cuBLAS fp16's own error). GPU only: Gluon has no interpreter mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w4a16
+from bench_w4a16 import SHAPES, Layer, Timer, layer_walk
+from quantkit.kernels import w4a16 as K
+from quantkit.kernels import w4a16_configs as C
+
+_F16_ASM = gl.constexpr("""
+{
+.reg .b32 t0, t1, t2, t3, u;
+lop3.b32 t0, $4, 0x000F000F, 0x64006400, 0xea;
+shr.u32 u, $4, 4;
+lop3.b32 t1, u, 0x000F000F, 0x64006400, 0xea;
+shr.u32 u, $4, 8;
+lop3.b32 t2, u, 0x000F000F, 0x64006400, 0xea;
+shr.u32 u, $4, 12;
+lop3.b32 t3, u, 0x000F000F, 0x64006400, 0xea;
+sub.rn.f16x2 t0, t0, $5;
+sub.rn.f16x2 t1, t1, $5;
+sub.rn.f16x2 t2, t2, $5;
+sub.rn.f16x2 t3, t3, $5;
+mul.rn.f16x2 t0, t0, $6;
+mul.rn.f16x2 t1, t1, $6;
+mul.rn.f16x2 t2, t2, $6;
+mul.rn.f16x2 t3, t3, $6;
+prmt.b32 $0, t0, t1, 0x5410;
+prmt.b32 $1, t2, t3, 0x5410;
+prmt.b32 $2, t0, t1, 0x7632;
+prmt.b32 $3, t2, t3, 0x7632;
+}
+""")
+
+# t_j holds codes (j, j + 4) as bf16 128 + code; the exact difference q - z in bf16, then each value widened to fp32
+# (low half: shift, high half: mask), multiplied by the fp32 scale (exact: 4-bit integer x 11-bit scale) and
+# rounded once per pair by cvt (high operand first).
+_BF16_ASM = gl.constexpr("""
+{
+.reg .b32 t0, t1, t2, t3, u, l0, l1, l2, l3, h0, h1, h2, h3;
+lop3.b32 t0, $4, 0x000F000F, 0x43004300, 0xea;
+shr.u32 u, $4, 4;
+lop3.b32 t1, u, 0x000F000F, 0x43004300, 0xea;
+shr.u32 u, $4, 8;
+lop3.b32 t2, u, 0x000F000F, 0x43004300, 0xea;
+shr.u32 u, $4, 12;
+lop3.b32 t3, u, 0x000F000F, 0x43004300, 0xea;
+sub.rn.bf16x2 t0, t0, $5;
+sub.rn.bf16x2 t1, t1, $5;
+sub.rn.bf16x2 t2, t2, $5;
+sub.rn.bf16x2 t3, t3, $5;
+shl.b32 l0, t0, 16;
+shl.b32 l1, t1, 16;
+shl.b32 l2, t2, 16;
+shl.b32 l3, t3, 16;
+and.b32 h0, t0, 0xFFFF0000;
+and.b32 h1, t1, 0xFFFF0000;
+and.b32 h2, t2, 0xFFFF0000;
+and.b32 h3, t3, 0xFFFF0000;
+mul.rn.f32 l0, l0, $6;
+mul.rn.f32 l1, l1, $6;
+mul.rn.f32 l2, l2, $6;
+mul.rn.f32 l3, l3, $6;
+mul.rn.f32 h0, h0, $6;
+mul.rn.f32 h1, h1, $6;
+mul.rn.f32 h2, h2, $6;
+mul.rn.f32 h3, h3, $6;
+cvt.rn.bf16x2.f32 $0, l1, l0;
+cvt.rn.bf16x2.f32 $1, l3, l2;
+cvt.rn.bf16x2.f32 $2, h1, h0;
+cvt.rn.bf16x2.f32 $3, h3, h2;
+}
+""")
+
+
+@gluon.jit
+def _dequant_words(words, zz, ss, BF16: gl.constexpr):
+    """int32 words [R, BN] (8 codes along K each), zero pairs and scales -> four int32 [R, BN]: dequantized
+    (k0, k1), (k2, k3), (k4, k5), (k6, k7) of each word, two 16-bit values per register, low half first."""
+    if BF16:
+        return gl.inline_asm_elementwise(_BF16_ASM, "=r,=r,=r,=r,r,r,f", [words, zz, ss],
+                                         (gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)  # fmt: skip
+    else:
+        return gl.inline_asm_elementwise(_F16_ASM, "=r,=r,=r,=r,r,r,r", [words, zz, ss],
+                                         (gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _group_params(qz_ptr, s_ptr, g, cols, col_mask, stride_qzg, stride_sg, BF16: gl.constexpr):
+    """Packed zero words and scales (fp32 for bf16, the fp16 bits as int32 otherwise) of group g for ``cols``."""
+    zw = gl.load(qz_ptr + g * stride_qzg + cols // 8, mask=col_mask, other=0)
+    if BF16:
+        sv = gl.load(s_ptr + g * stride_sg + cols, mask=col_mask, other=0.0).to(gl.float32)
+    else:
+        sv = gl.load(s_ptr + g * stride_sg + cols, mask=col_mask, other=0).to(gl.int32) & 0xFFFF
+    return zw, sv
+
+
+@gluon.jit
+def _w4a16_wgmma_kernel(
+    x_desc, qw_desc, qz_ptr, s_ptr, bias_ptr, out_ptr,
+    M, N, K, group_size, stride_qzg, stride_sg, stride_om,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+    BF16: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    BKW: gl.constexpr = BLOCK_K // 8
+    act: gl.constexpr = x_desc.dtype
+    MAGIC: gl.constexpr = 0x4300 if BF16 else 0x6400
+
+    pid = gl.program_id(0)
+    num_m = gl.cdiv(M, BLOCK_M)
+    off_m = (pid % num_m) * BLOCK_M  # M fastest: the CTAs that share a weight tile run together
+    off_n = (pid // num_m) * BLOCK_N
+
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    w_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [num_warps, 1], [1, 0])
+    d_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], act)
+    d32_layout: gl.constexpr = gl.NVMMASharedLayout(
+        swizzle_byte_width=d_layout.swizzle_byte_width, element_bitwidth=32, rank=2
+    )
+
+    x_smem = gl.allocate_shared_memory(act, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BKW, BLOCK_N], qw_desc.layout)
+    d_smem = gl.allocate_shared_memory(act, [3, BLOCK_N, BLOCK_K], d_layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+
+    k_tiles = K // BLOCK_K
+    gl.assume(k_tiles > 0)  # no zero-trip path: ptxas serializes the wgmma when one defines the accumulator
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + qw_desc.block_type.nbytes
+    for i in gl.static_range(STAGES - 2):
+        pred = i < k_tiles
+        mbarrier.expect(bars.index(i), nbytes, pred=pred)
+        tma.async_copy_global_to_shared(x_desc, [off_m, i * BLOCK_K], bars.index(i), x_smem.index(i), pred=pred)
+        tma.async_copy_global_to_shared(qw_desc, [i * BKW, off_n], bars.index(i), w_smem.index(i), pred=pred)
+
+    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, w_layout))
+    col_mask = cols < N
+    z_shift = (cols % 8) * 4
+    # zeros and scales of tile t + 1's group are loaded during tile t (a load's latency is not waited for in line)
+    zw, sv = _group_params(qz_ptr, s_ptr, 0, cols, col_mask, stride_qzg, stride_sg, BF16)
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=acc_layout)
+    for t in range(k_tiles):
+        slot = t % STAGES
+        g_next = (gl.minimum(t + 1, k_tiles - 1) * BLOCK_K) // group_size
+        zw_next, sv_next = _group_params(qz_ptr, s_ptr, g_next, cols, col_mask, stride_qzg, stride_sg, BF16)
+        zv = ((zw >> z_shift) & 0xF) | MAGIC
+        zz = gl.expand_dims(zv | (zv << 16), 0)
+        if BF16:
+            ss = gl.expand_dims(sv, 0)
+        else:
+            ss = gl.expand_dims(sv | (sv << 16), 0)
+        zw, sv = zw_next, sv_next
+
+        mbarrier.wait(bars.index(slot), (t // STAGES) & 1)
+        words = w_smem.index(slot).load(w_layout)
+        zz, _ = gl.broadcast(zz, words)
+        ss, _ = gl.broadcast(ss, words)
+        p0, p1, p2, p3 = _dequant_words(words, zz, ss, BF16)
+        # [BKW, BN] x 4 -> [BN, BKW, 4] -> [BN, BLOCK_K / 2]: a word's four pairs stay in its thread (16 bytes)
+        pairs = gl.reshape(gl.join(gl.join(p0, p2), gl.join(p1, p3)), [BKW, BLOCK_N, 4])
+        pairs = gl.reshape(gl.permute(pairs, (1, 0, 2)), [BLOCK_N, BLOCK_K // 2])
+        d = d_smem.index(t % 3)
+        d._reinterpret(gl.int32, [BLOCK_N, BLOCK_K // 2], d32_layout).store(pairs)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        # every warp is past this barrier, so wgmma t - 2 has retired everywhere: refill its slot
+        nt = t + STAGES - 2
+        ns = nt % STAGES
+        pred = nt < k_tiles
+        mbarrier.expect(bars.index(ns), nbytes, pred=pred)
+        tma.async_copy_global_to_shared(x_desc, [off_m, nt * BLOCK_K], bars.index(ns), x_smem.index(ns), pred=pred)
+        tma.async_copy_global_to_shared(qw_desc, [nt * BKW, off_n], bars.index(ns), w_smem.index(ns), pred=pred)
+
+        acc = warpgroup_mma(x_smem.index(slot), d.permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+    rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    ocols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+    if HAS_BIAS:
+        acc = acc + gl.expand_dims(gl.load(bias_ptr + ocols, mask=ocols < N, other=0.0).to(gl.float32), 0)
+    mask = gl.expand_dims(rows < M, 1) & gl.expand_dims(ocols < N, 0)
+    ptrs = out_ptr + gl.expand_dims(rows, 1) * stride_om + gl.expand_dims(ocols, 0)
+    gl.store(ptrs, acc.to(act), mask=mask)
+
+
+@dataclass(frozen=True)
+class GluonConfig:
+    block_m: int
+    block_n: int
+    block_k: int = 64
+    stages: int = 4
+    num_warps: int = 4
+
+    @property
+    def name(self) -> str:
+        return f"gluon-m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.stages}"
+
+
+def _gl_dtype(dtype: torch.dtype):
+    return gl.float16 if dtype == torch.float16 else gl.bfloat16
+
+
+def descriptors(x: torch.Tensor, w: K.W4A16Weight, cfg: GluonConfig):
+    x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, cfg.block_k], _gl_dtype(x.dtype))
+    w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    x_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k], x_layout)
+    qw_desc = TensorDescriptor.from_tensor(w.qweight, [cfg.block_k // 8, cfg.block_n], w_layout)
+    return x_desc, qw_desc
+
+
+def gluon_w4a16(x: torch.Tensor, w: K.W4A16Weight, cfg: GluonConfig, bias=None, out=None) -> torch.Tensor:
+    m, k = x.shape
+    n = w.out_features
+    group = w.group_size or k
+    if w.bits != 4 or k % cfg.block_k or group % cfg.block_k or w.perm is not None:
+        raise ValueError(f"{cfg.name}: 4-bit, K and the group a multiple of {cfg.block_k}, no act-order")
+    if out is None:
+        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    x_desc, qw_desc = descriptors(x, w, cfg)
+    scales = w.scales if x.dtype == torch.bfloat16 else w.scales.view(torch.int16)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _w4a16_wgmma_kernel[grid](
+        x_desc, qw_desc, w.qzeros, scales, bias if bias is not None else out, out,
+        m, n, k, group, w.qzeros.stride(0), w.scales.stride(0), out.stride(0),
+        cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages, x.dtype == torch.bfloat16, bias is not None,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return out
+
+
+CANDIDATES = [
+    GluonConfig(128, 64, 64, 6, 8),
+    GluonConfig(64, 64, 64, 6, 4),
+    GluonConfig(128, 128, 64, 5, 8),
+    GluonConfig(64, 128, 64, 6, 4),
+    GluonConfig(128, 256, 64, 4, 8),
+    GluonConfig(256, 64, 64, 4, 8),
+    GluonConfig(128, 64, 128, 4, 8),
+    GluonConfig(128, 128, 128, 3, 8),
+    GluonConfig(64, 128, 128, 4, 4),
+]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Offline compile for sm_90 (Triton 3.6 on PYTHONPATH, no GPU)
+# ---------------------------------------------------------------------------------------------------------------
+def compile_offline(cfg: GluonConfig, dtype: torch.dtype):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    x = torch.empty(256, 4096, dtype=dtype)
+    qw = torch.empty(512, 4096, dtype=torch.int32)
+    w = K.W4A16Weight(qw, torch.empty(32, 512, dtype=torch.int32), torch.empty(32, 4096, dtype=torch.float16),
+                      4, 128, 4096, 4096)  # fmt: skip
+    x_desc, qw_desc = descriptors(x, w, cfg)
+    fn = _w4a16_wgmma_kernel
+    act = "fp16" if dtype == torch.float16 else "bf16"
+    sig = dict.fromkeys(fn.arg_names, "i32")
+    sig.update(x_desc=mangle_type(x_desc), qw_desc=mangle_type(qw_desc), qz_ptr="*i32", bias_ptr=f"*{act}",
+               out_ptr=f"*{act}", s_ptr="*bf16" if dtype == torch.bfloat16 else "*i16")  # fmt: skip
+    const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
+                 BF16=dtype == torch.bfloat16, HAS_BIAS=False, num_warps=cfg.num_warps)  # fmt: skip
+    sig.update(dict.fromkeys(const, "constexpr"))
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in
+             ["qz_ptr", "s_ptr", "bias_ptr", "out_ptr", "N", "K", "stride_qzg", "stride_sg", "stride_om"]}  # fmt: skip
+    src = GluonASTSource(fn, sig, const, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+
+
+def report_compile() -> None:
+    from collections import Counter
+
+    from sass_w4a16 import loop_body, machine_code
+
+    for dtype in (torch.float16, torch.bfloat16):
+        for cfg in CANDIDATES:
+            try:
+                ck = compile_offline(cfg, dtype)
+            except Exception as e:  # report every candidate
+                print(f"{cfg.name} {dtype}: {type(e).__name__}: {str(e)[:2000]}")
+                continue
+            regs, stack, sass = machine_code(ck)
+            body = loop_body(sass)
+            ops = Counter(i.split()[0].split(".")[0] for i in body)
+            top = " ".join(f"{op}:{c}" for op, c in ops.most_common(14))
+            print(f"{cfg.name} {str(dtype)[6:]}: regs {regs} stack {stack} smem {ck.metadata.shared} "
+                  f"loop {len(body)} instructions ({len(body) * cfg.num_warps * 32 / (cfg.block_n * cfg.block_k):.2f} "
+                  f"thread-instructions per weight): {top}")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU probe
+# ---------------------------------------------------------------------------------------------------------------
+def check(layer: Layer, m: int, cfg: GluonConfig) -> bool:
+    x = torch.randn(m, layer.k, device="cuda", generator=layer.gen).half()
+    ref = x.double() @ layer.w64()
+    err = (gluon_w4a16(x, layer.weights[0], cfg).double() - ref).abs().max().item()
+    torch_err = ((x @ layer.w64().half()).double() - ref).abs().max().item()
+    ok = err <= 2 * torch_err + 2**-20 * ref.abs().max().item()
+    if not ok:
+        print(f"  {cfg.name} M={m}: err {err:.3g} vs cuBLAS {torch_err:.3g}", flush=True)
+    return ok
+
+
+def check_bf16(layer: Layer, m: int, cfg: GluonConfig) -> bool:
+    """bf16 activations: against the dequantize kernel's bf16 weight through F.linear (same rounding of W)."""
+    x = torch.randn(m, layer.k, device="cuda", generator=layer.gen).bfloat16()
+    w = layer.weights[0]
+    ref = x.double() @ layer.w64()
+    err = (gluon_w4a16(x, w, cfg).double() - ref).abs().max().item()
+    torch_err = ((x @ K.w4a16_dequantize(w, torch.bfloat16).t()).double() - ref).abs().max().item()
+    ok = err <= 2 * torch_err + 2**-20 * ref.abs().max().item()
+    if not ok:
+        print(f"  {cfg.name} bf16 M={m}: err {err:.3g} vs cuBLAS {torch_err:.3g}", flush=True)
+    return ok
+
+
+def gluon_calls(layer: Layer, m: int, cfg: GluonConfig) -> list:
+    r = len(layer.weights)
+    xs = [torch.randn(m, layer.k, device="cuda", generator=layer.gen).half() for _ in range(r)]
+    outs = [torch.empty(m, layer.n, device="cuda", dtype=torch.float16) for _ in range(r)]
+    return [
+        (lambda x=x, w=w, o=o: gluon_w4a16(x, w, cfg, out=o)) for x, w, o in zip(xs, layer.weights, outs, strict=True)
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("bench_out"))
+    ap.add_argument("--ms", default="128,256,1024,4096")
+    ap.add_argument("--groups", default="128")
+    ap.add_argument("--shapes", default="all", help="'all' or NxK,NxK")
+    ap.add_argument("--compile", action="store_true", help="compile every candidate for sm_90 and stop (no GPU)")
+    args = ap.parse_args()
+    if args.compile:
+        report_compile()
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    ms = [int(v) for v in args.ms.split(",")]
+    groups = [int(g) for g in args.groups.split(",")]
+    shapes = SHAPES if args.shapes == "all" else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    timer = Timer(smoke=False)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    rows = []
+    for n, k, group, layer, base in layer_walk(shapes, groups, ms, timer, "cuda", gen):
+        for m in ms:
+            committed = C.config_for(m, n)
+            row = {"n": n, "k": k, "group": group, "m": m, "fp16_us": base[m], "committed": committed.name}
+            us = timer.per_call(layer.calls(m, committed))
+            row[committed.name] = us
+            line = f"{n}x{k} g{group} M={m}: fp16 {base[m]:.1f} us | {committed.name} {base[m] / us:.2f}x"
+            for cfg in CANDIDATES:
+                try:
+                    ok = check(layer, m, cfg) and check_bf16(layer, m, cfg)
+                    us = timer.per_call(gluon_calls(layer, m, cfg)) if ok else None
+                except Exception as e:
+                    print(f"  {cfg.name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    ok, us = False, None
+                row[cfg.name] = {"us": us, "ok": ok}
+                line += f" | {cfg.name} " + (f"{base[m] / us:.2f}x" if us else "FAILED")
+            print(line, flush=True)
+            rows.append(row)
+            (args.out / "probe_gluon_w4a16.json").write_text(json.dumps({"rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
