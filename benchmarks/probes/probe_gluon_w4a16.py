@@ -57,70 +57,36 @@ from bench_w4a16 import SHAPES, Layer, Timer, layer_walk
 from quantkit.kernels import w4a16 as K
 from quantkit.kernels import w4a16_configs as C
 
-_F16_ASM = gl.constexpr("""
-{
-.reg .b32 t0, t1, t2, t3, u;
-lop3.b32 t0, $4, 0x000F000F, 0x64006400, 0xea;
-shr.u32 u, $4, 4;
-lop3.b32 t1, u, 0x000F000F, 0x64006400, 0xea;
-shr.u32 u, $4, 8;
-lop3.b32 t2, u, 0x000F000F, 0x64006400, 0xea;
-shr.u32 u, $4, 12;
-lop3.b32 t3, u, 0x000F000F, 0x64006400, 0xea;
-sub.rn.f16x2 t0, t0, $5;
-sub.rn.f16x2 t1, t1, $5;
-sub.rn.f16x2 t2, t2, $5;
-sub.rn.f16x2 t3, t3, $5;
-mul.rn.f16x2 t0, t0, $6;
-mul.rn.f16x2 t1, t1, $6;
-mul.rn.f16x2 t2, t2, $6;
-mul.rn.f16x2 t3, t3, $6;
-prmt.b32 $0, t0, t1, 0x5410;
-prmt.b32 $1, t2, t3, 0x5410;
-prmt.b32 $2, t0, t1, 0x7632;
-prmt.b32 $3, t2, t3, 0x7632;
-}
-""")
 
-# t_j holds codes (j, j + 4) as bf16 128 + code; the exact difference q - z in bf16, then each value widened to fp32
-# (low half: shift, high half: mask), multiplied by the fp32 scale (exact: 4-bit integer x 11-bit scale) and
-# rounded once per pair by cvt (high operand first).
-_BF16_ASM = gl.constexpr("""
-{
-.reg .b32 t0, t1, t2, t3, u, l0, l1, l2, l3, h0, h1, h2, h3;
-lop3.b32 t0, $4, 0x000F000F, 0x43004300, 0xea;
-shr.u32 u, $4, 4;
-lop3.b32 t1, u, 0x000F000F, 0x43004300, 0xea;
-shr.u32 u, $4, 8;
-lop3.b32 t2, u, 0x000F000F, 0x43004300, 0xea;
-shr.u32 u, $4, 12;
-lop3.b32 t3, u, 0x000F000F, 0x43004300, 0xea;
-sub.rn.bf16x2 t0, t0, $5;
-sub.rn.bf16x2 t1, t1, $5;
-sub.rn.bf16x2 t2, t2, $5;
-sub.rn.bf16x2 t3, t3, $5;
-shl.b32 l0, t0, 16;
-shl.b32 l1, t1, 16;
-shl.b32 l2, t2, 16;
-shl.b32 l3, t3, 16;
-and.b32 h0, t0, 0xFFFF0000;
-and.b32 h1, t1, 0xFFFF0000;
-and.b32 h2, t2, 0xFFFF0000;
-and.b32 h3, t3, 0xFFFF0000;
-mul.rn.f32 l0, l0, $6;
-mul.rn.f32 l1, l1, $6;
-mul.rn.f32 l2, l2, $6;
-mul.rn.f32 l3, l3, $6;
-mul.rn.f32 h0, h0, $6;
-mul.rn.f32 h1, h1, $6;
-mul.rn.f32 h2, h2, $6;
-mul.rn.f32 h3, h3, $6;
-cvt.rn.bf16x2.f32 $0, l1, l0;
-cvt.rn.bf16x2.f32 $1, l3, l2;
-cvt.rn.bf16x2.f32 $2, h1, h0;
-cvt.rn.bf16x2.f32 $3, h3, h2;
-}
-""")
+def _ptx_pairs(magic: int, kind: str) -> str:
+    """PTX lines: t_j = codes (j, j + 4) of word $4 as two 16-bit floats magic + code, minus the zero pair $5."""
+    lines = [f"lop3.b32 t0, $4, 0x000F000F, {magic:#010x}, 0xea;"]
+    for j in (1, 2, 3):
+        lines += [f"shr.u32 u, $4, {4 * j};", f"lop3.b32 t{j}, u, 0x000F000F, {magic:#010x}, 0xea;"]
+    lines += [f"sub.rn.{kind}x2 t{j}, t{j}, $5;" for j in range(4)]
+    return "\n".join(lines)
+
+
+# fp16: the product with the scale pair $6 rounded once, then PRMTs put k-adjacent values into one register.
+_F16_ASM = gl.constexpr(
+    "{\n.reg .b32 t0, t1, t2, t3, u;\n"
+    + _ptx_pairs(0x64006400, "f16")
+    + "".join(f"\nmul.rn.f16x2 t{j}, t{j}, $6;" for j in range(4))
+    + "\nprmt.b32 $0, t0, t1, 0x5410;\nprmt.b32 $1, t2, t3, 0x5410;"
+    + "\nprmt.b32 $2, t0, t1, 0x7632;\nprmt.b32 $3, t2, t3, 0x7632;\n}"
+)
+
+# bf16: the exact difference q - z in bf16, then each value widened to fp32 (low half: shift, high half: mask),
+# multiplied by the fp32 scale $6 (exact: 4-bit integer x 11-bit scale) and rounded once per pair by cvt (high
+# operand first).
+_BF16_ASM = gl.constexpr(
+    "{\n.reg .b32 t0, t1, t2, t3, u, l0, l1, l2, l3, h0, h1, h2, h3;\n"
+    + _ptx_pairs(0x43004300, "bf16")
+    + "".join(f"\nshl.b32 l{j}, t{j}, 16;\nand.b32 h{j}, t{j}, 0xFFFF0000;" for j in range(4))
+    + "".join(f"\nmul.rn.f32 l{j}, l{j}, $6;\nmul.rn.f32 h{j}, h{j}, $6;" for j in range(4))
+    + "\ncvt.rn.bf16x2.f32 $0, l1, l0;\ncvt.rn.bf16x2.f32 $1, l3, l2;"
+    + "\ncvt.rn.bf16x2.f32 $2, h1, h0;\ncvt.rn.bf16x2.f32 $3, h3, h2;\n}"
+)
 
 
 @gluon.jit
