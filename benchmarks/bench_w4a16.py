@@ -253,21 +253,22 @@ class Layer:
             self._w64 = dequant64(self.weights[0])
         return self._w64
 
-    def calls(self, m: int, config: C.KernelConfig | None) -> list:
-        """One zero-argument callable per rotation (x, out and weights rotate together)."""
+    def calls(self, m: int, config, linear=K.w4a16_linear) -> list:
+        """One zero-argument callable per rotation (x, out and weights rotate together). ``linear(x, w, config=,
+        out=)``: the product under test (probes pass other kernels with the same signature)."""
         r = len(self.weights)
         xs = [torch.randn(m, self.k, device=self.device, generator=self.gen).half() for _ in range(r)]
         outs = [torch.empty(m, self.n, device=self.device, dtype=torch.float16) for _ in range(r)]
         return [
-            (lambda x=x, w=w, o=o: K.w4a16_linear(x, w, config=config, out=o))
+            (lambda x=x, w=w, o=o: linear(x, w, config=config, out=o))
             for x, w, o in zip(xs, self.weights, outs, strict=True)
         ]
 
-    def check(self, m: int, config: C.KernelConfig | None) -> dict:
+    def check(self, m: int, config, linear=K.w4a16_linear) -> dict:
         """Kernel error vs float64 against cuBLAS fp16's error on the same inputs (flash-attn's rule)."""
         x = torch.randn(m, self.k, device=self.device, generator=self.gen).half()
         ref = x.double() @ self.w64()
-        err = (K.w4a16_linear(x, self.weights[0], config=config).double() - ref).abs().max().item()
+        err = (linear(x, self.weights[0], config=config).double() - ref).abs().max().item()
         torch_err = ((x @ self.w64().half()).double() - ref).abs().max().item()
         ok = err <= 2 * torch_err + 2**-20 * ref.abs().max().item()
         return {"m": m, "err": err, "torch_err": torch_err, "ok": ok}

@@ -232,22 +232,22 @@ def descriptors(x: torch.Tensor, w: K.W4A16Weight, cfg: GluonConfig):
     return x_desc, qw_desc
 
 
-def gluon_w4a16(x: torch.Tensor, w: K.W4A16Weight, cfg: GluonConfig, bias=None, out=None) -> torch.Tensor:
+def gluon_w4a16(x: torch.Tensor, w: K.W4A16Weight, config: GluonConfig, bias=None, out=None) -> torch.Tensor:
     m, k = x.shape
     n = w.out_features
     group = w.group_size or k
-    if w.bits != 4 or k % cfg.block_k or group % cfg.block_k or w.perm is not None:
-        raise ValueError(f"{cfg.name}: 4-bit, K and the group a multiple of {cfg.block_k}, no act-order")
+    if w.bits != 4 or k % config.block_k or group % config.block_k or w.perm is not None:
+        raise ValueError(f"{config.name}: 4-bit, K and the group a multiple of {config.block_k}, no act-order")
     if out is None:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    x_desc, qw_desc = descriptors(x, w, cfg)
+    x_desc, qw_desc = descriptors(x, w, config)
     scales = w.scales if x.dtype == torch.bfloat16 else w.scales.view(torch.int16)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     _w4a16_wgmma_kernel[grid](
         x_desc, qw_desc, w.qzeros, scales, bias if bias is not None else out, out,
         m, n, k, group, w.qzeros.stride(0), w.scales.stride(0), out.stride(0),
-        cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages, x.dtype == torch.bfloat16, bias is not None,
-        num_warps=cfg.num_warps,
+        config.block_m, config.block_n, config.block_k, config.stages, x.dtype == torch.bfloat16, bias is not None,
+        num_warps=config.num_warps,
     )  # fmt: skip
     return out
 
@@ -316,17 +316,6 @@ def report_compile() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # GPU probe
 # ---------------------------------------------------------------------------------------------------------------
-def check(layer: Layer, m: int, cfg: GluonConfig) -> bool:
-    x = torch.randn(m, layer.k, device="cuda", generator=layer.gen).half()
-    ref = x.double() @ layer.w64()
-    err = (gluon_w4a16(x, layer.weights[0], cfg).double() - ref).abs().max().item()
-    torch_err = ((x @ layer.w64().half()).double() - ref).abs().max().item()
-    ok = err <= 2 * torch_err + 2**-20 * ref.abs().max().item()
-    if not ok:
-        print(f"  {cfg.name} M={m}: err {err:.3g} vs cuBLAS {torch_err:.3g}", flush=True)
-    return ok
-
-
 def check_bf16(layer: Layer, m: int, cfg: GluonConfig) -> bool:
     """bf16 activations: against the dequantize kernel's bf16 weight through F.linear (same rounding of W)."""
     x = torch.randn(m, layer.k, device="cuda", generator=layer.gen).bfloat16()
@@ -338,15 +327,6 @@ def check_bf16(layer: Layer, m: int, cfg: GluonConfig) -> bool:
     if not ok:
         print(f"  {cfg.name} bf16 M={m}: err {err:.3g} vs cuBLAS {torch_err:.3g}", flush=True)
     return ok
-
-
-def gluon_calls(layer: Layer, m: int, cfg: GluonConfig) -> list:
-    r = len(layer.weights)
-    xs = [torch.randn(m, layer.k, device="cuda", generator=layer.gen).half() for _ in range(r)]
-    outs = [torch.empty(m, layer.n, device="cuda", dtype=torch.float16) for _ in range(r)]
-    return [
-        (lambda x=x, w=w, o=o: gluon_w4a16(x, w, cfg, out=o)) for x, w, o in zip(xs, layer.weights, outs, strict=True)
-    ]
 
 
 def main() -> None:
@@ -376,8 +356,12 @@ def main() -> None:
             line = f"{n}x{k} g{group} M={m}: fp16 {base[m]:.1f} us | {committed.name} {base[m] / us:.2f}x"
             for cfg in CANDIDATES:
                 try:
-                    ok = check(layer, m, cfg) and check_bf16(layer, m, cfg)
-                    us = timer.per_call(gluon_calls(layer, m, cfg)) if ok else None
+                    fp16 = layer.check(m, cfg, gluon_w4a16)
+                    if not fp16["ok"]:
+                        err, ref_err = fp16["err"], fp16["torch_err"]
+                        print(f"  {cfg.name} M={m}: err {err:.3g} vs cuBLAS {ref_err:.3g}", flush=True)
+                    ok = fp16["ok"] and check_bf16(layer, m, cfg)
+                    us = timer.per_call(layer.calls(m, cfg, gluon_w4a16)) if ok else None
                 except Exception as e:
                     print(f"  {cfg.name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                     ok, us = False, None

@@ -23,26 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w4a16
-from bench_w4a16 import SHAPES, Layer, Timer, layer_walk
+from bench_w4a16 import SHAPES, Timer, layer_walk
 from quantkit.kernels import w4a16 as K
 from quantkit.kernels import w4a16_configs as C
-
-
-def calls(layer: Layer, m: int, linear, cfg) -> list:
-    r = len(layer.weights)
-    xs = [torch.randn(m, layer.k, device="cuda", generator=layer.gen).half() for _ in range(r)]
-    outs = [torch.empty(m, layer.n, device="cuda", dtype=torch.float16) for _ in range(r)]
-    return [
-        (lambda x=x, w=w, o=o: linear(x, w, config=cfg, out=o)) for x, w, o in zip(xs, layer.weights, outs, strict=True)
-    ]
-
-
-def ok(layer: Layer, m: int, linear, cfg) -> bool:
-    x = torch.randn(m, layer.k, device="cuda", generator=layer.gen).half()
-    ref = x.double() @ layer.w64()
-    err = (linear(x, layer.weights[0], config=cfg).double() - ref).abs().max().item()
-    torch_err = ((x @ layer.w64().half()).double() - ref).abs().max().item()
-    return err <= 2 * torch_err + 2**-20 * ref.abs().max().item()
 
 
 def main() -> None:
@@ -64,8 +47,8 @@ def main() -> None:
             cfg = C.config_for(m, n)
             row = {"n": n, "k": k, "group": group, "m": m, "config": cfg.name, "fp16_us": base[m]}
             for tag, linear in (("old", OLD.w4a16_linear), ("new", K.w4a16_linear)):
-                good = ok(layer, m, linear, cfg)
-                row[tag] = timer.per_call(calls(layer, m, linear, cfg)) if good else None
+                good = layer.check(m, cfg, linear)["ok"]
+                row[tag] = timer.per_call(layer.calls(m, cfg, linear)) if good else None
                 row[tag + "_ok"] = good
             speed = {t: f"{base[m] / row[t]:.2f}x" if row[t] else "FAILED" for t in ("old", "new")}
             print(f"{n}x{k} g{group} M={m} {cfg.name}: fp16 {base[m]:.1f} us | old {speed['old']} | new {speed['new']}",
