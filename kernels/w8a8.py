@@ -42,6 +42,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from quantkit.kernels.l2_prefetch import prefetch_block_l2, prefetch_l2, threads
 from quantkit.kernels.w4a16_weight import interpreting, num_sms
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -227,14 +228,6 @@ def _quantize_rows_kernel(
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 to fetch the lines of ``ptrs`` (no registers written, nothing waited for)."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
 def _await_activations(w_ptr, stride_wn, stride_wk, pid_n, N, K,
                        PDL: tl.constexpr, PREFETCH_K: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """Under programmatic dependent launch this grid may start while the activation quantizer still runs: first
@@ -244,8 +237,27 @@ def _await_activations(w_ptr, stride_wn, stride_wk, pid_n, N, K,
         if PREFETCH_K > 0:
             rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
             cols = tl.arange(0, PREFETCH_K // 128) * 128  # one address per 128-byte line
-            _prefetch_l2(w_ptr + rows[:, None] * stride_wn + (cols % K)[None, :] * stride_wk)
+            ptrs = w_ptr + rows[:, None] * stride_wn + (cols % K)[None, :] * stride_wk
+            prefetch_l2(ptrs, tl.full(ptrs.shape, 1, tl.int32))
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _prefetch_ahead_start(w_ptr, stride_wn, pid_n, N, K, L2_AHEAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, THREADS: tl.constexpr):  # fmt: skip
+    """L2 prefetch (``l2_prefetch.py``) of this tile's weight K tiles 1 .. L2_AHEAD - 1, before the K loop."""
+    for d in tl.static_range(1, L2_AHEAD):
+        prefetch_block_l2(w_ptr, pid_n * BLOCK_N, N, stride_wn, d * BLOCK_K, K, d * BLOCK_K < K, BLOCK_N, BLOCK_K,
+                          THREADS)  # fmt: skip
+
+
+@triton.jit
+def _prefetch_ahead(w_ptr, stride_wn, pid_n, N, K, k0, L2_AHEAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, THREADS: tl.constexpr):  # fmt: skip
+    """Inside the K loop at column k0: prefetch the weight K tile L2_AHEAD steps ahead."""
+    if L2_AHEAD > 0:
+        ahead = k0 + L2_AHEAD * BLOCK_K
+        prefetch_block_l2(w_ptr, pid_n * BLOCK_N, N, stride_wn, ahead, K, ahead < K, BLOCK_N, BLOCK_K, THREADS)
 
 
 @triton.jit
@@ -322,6 +334,8 @@ def _w8a8_matmul_kernel(
     GROUP_M: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH_K: tl.constexpr,
+    L2_AHEAD: tl.constexpr,
+    THREADS: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     _await_activations(w_ptr, stride_wn, stride_wk, pid_n, N, K, PDL, PREFETCH_K, BLOCK_N)
@@ -333,7 +347,9 @@ def _w8a8_matmul_kernel(
     w_ptrs = w_ptr + offs_k[:, None] * stride_wk + (offs_n % N)[None, :] * stride_wn  # [BLOCK_K, BLOCK_N]
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32 if IS_FP8 else tl.int32)
+    _prefetch_ahead_start(w_ptr, stride_wn, pid_n, N, K, L2_AHEAD, BLOCK_N, BLOCK_K, THREADS)
     for k0 in range(0, K, BLOCK_K):
+        _prefetch_ahead(w_ptr, stride_wn, pid_n, N, K, k0, L2_AHEAD, BLOCK_N, BLOCK_K, THREADS)
         if EVEN_K:
             a = tl.load(a_ptrs)
             w = tl.load(w_ptrs)
@@ -381,6 +397,8 @@ def _w8a8_matmul_tma_kernel(
     PREFETCH_K: tl.constexpr,
     PERSISTENT: tl.constexpr,
     NUM_PROGRAMS,  # PERSISTENT: the grid size
+    L2_AHEAD: tl.constexpr,
+    THREADS: tl.constexpr,
 ):
     """The same product with operand tiles fetched by the TMA unit (bulk async copies; out-of-bounds reads are
     zero-filled, so ragged M/N/K need no masks). PERSISTENT: one to three programs per SM walk the output tiles
@@ -392,21 +410,25 @@ def _w8a8_matmul_tma_kernel(
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
             pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            _tma_tile(a_desc, w_desc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm, stride_cn, pid_m,
-                      pid_n, A_SCALE_PER_ROW, HAS_BIAS, IS_FP8, FP8_FAST_ACCUM, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+            _tma_tile(a_desc, w_desc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, w_ptr, M, N, K, stride_cm, stride_cn,
+                      stride_wn, pid_m, pid_n, A_SCALE_PER_ROW, HAS_BIAS, IS_FP8, FP8_FAST_ACCUM, BLOCK_M, BLOCK_N,
+                      BLOCK_K, L2_AHEAD, THREADS)  # fmt: skip
     else:
-        _tma_tile(a_desc, w_desc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm, stride_cn, pid_m,
-                  pid_n, A_SCALE_PER_ROW, HAS_BIAS, IS_FP8, FP8_FAST_ACCUM, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        _tma_tile(a_desc, w_desc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, w_ptr, M, N, K, stride_cm, stride_cn,
+                  stride_wn, pid_m, pid_n, A_SCALE_PER_ROW, HAS_BIAS, IS_FP8, FP8_FAST_ACCUM, BLOCK_M, BLOCK_N,
+                  BLOCK_K, L2_AHEAD, THREADS)  # fmt: skip
 
 
 @triton.jit
-def _tma_tile(a_desc, w_desc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm, stride_cn, pid_m, pid_n,
-              A_SCALE_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, IS_FP8: tl.constexpr,
-              FP8_FAST_ACCUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr):  # fmt: skip
+def _tma_tile(a_desc, w_desc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, w_ptr, M, N, K, stride_cm, stride_cn,
+              stride_wn, pid_m, pid_n, A_SCALE_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, IS_FP8: tl.constexpr,
+              FP8_FAST_ACCUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              L2_AHEAD: tl.constexpr, THREADS: tl.constexpr):  # fmt: skip
     """One output tile from TMA-fetched operand tiles: the K loop, then the scaled store."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32 if IS_FP8 else tl.int32)
+    _prefetch_ahead_start(w_ptr, stride_wn, pid_n, N, K, L2_AHEAD, BLOCK_N, BLOCK_K, THREADS)
     for k0 in range(0, K, BLOCK_K):
+        _prefetch_ahead(w_ptr, stride_wn, pid_n, N, K, k0, L2_AHEAD, BLOCK_N, BLOCK_K, THREADS)
         a = a_desc.load([pid_m * BLOCK_M, k0])
         w = w_desc.load([pid_n * BLOCK_N, k0])
         acc = _mma(a, w.T, acc, IS_FP8, FP8_FAST_ACCUM, BLOCK_K)
@@ -589,6 +611,7 @@ def w8a8_matmul(
     fp8_fast_accum: bool = False,
     pdl: bool = False,
     prefetch_k: int = 0,
+    l2_ahead: int = 0,
 ) -> torch.Tensor:
     """qa [M, K] x qw [N, K] (both int8 or both float8_e4m3fn, K contiguous) -> y [M, N] in ``out_dtype``.
 
@@ -597,7 +620,8 @@ def w8a8_matmul(
     the header (ignored for int8). ``pdl``: launch with programmatic dependent launch, so that the kernel may
     start while the one before it (the activation quantizer, ``quantize_activations(pdl=True)``) runs, and waits for
     it before reading ``qa``; meanwhile each program asks L2 for the first ``prefetch_k`` bytes (a multiple of 128,
-    a power of two times 128) of its weight rows. CUDA sm_90+ only.
+    a power of two times 128) of its weight rows. CUDA sm_90+ only. ``l2_ahead``: while on K tile t, each program
+    asks L2 for its weight's tile t + ``l2_ahead`` (``l2_prefetch.py``; 0: none; not in the interpreter).
     """
     _check(qa.dim() == 2 and qw.dim() == 2, f"qa and qw must be 2-D, got {tuple(qa.shape)} and {tuple(qw.shape)}")
     _check(qa.dtype in FORMAT_OF_DTYPE, f"qa must be int8 or float8_e4m3fn, got {qa.dtype}")
@@ -633,6 +657,7 @@ def w8a8_matmul(
         f"prefetch_k must be 0 or 128 x a power of two, with pdl; got {prefetch_k}",
     )
     _check(not pdl or (qa.is_cuda and not interpreting()), "pdl needs a CUDA device (not Triton's interpreter)")
+    _check(0 <= l2_ahead <= 8, f"l2_ahead must be in [0, 8], got {l2_ahead}")
     if m == 0 or n == 0:
         return out
     cfg = dict(config) if config is not None else pick_config(m, fmt, fp8_fast_accum, n, num_sms(qa.device))
@@ -650,6 +675,8 @@ def w8a8_matmul(
         "FP8_FAST_ACCUM": fp8_fast_accum and fmt == "fp8",
         "PDL": pdl,
         "PREFETCH_K": prefetch_k,
+        "L2_AHEAD": 0 if interpreting() else l2_ahead,
+        "THREADS": threads(launch["num_warps"]),
     }
     if pdl:
         launch["launch_pdl"] = True

@@ -224,6 +224,8 @@ def test_pdl_options_checked():
         K.w8a8_matmul(qa, sa, qw, sw, pdl=True, prefetch_k=384)
     with pytest.raises(ValueError, match="prefetch_k must be"):
         K.w8a8_matmul(qa, sa, qw, sw, prefetch_k=1024)  # a prefetch only happens before the PDL wait
+    with pytest.raises(ValueError, match="l2_ahead must be"):
+        K.w8a8_matmul(qa, sa, qw, sw, l2_ahead=9)
     if not qa.is_cuda or K.interpreting():
         with pytest.raises(ValueError, match="pdl needs a CUDA device"):
             K.w8a8_matmul(qa, sa, qw, sw, pdl=True)
@@ -361,6 +363,24 @@ def test_gpu_pdl_launch_is_bit_identical(fmt, m, prefetch_k, n):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs sm_90")
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("m", [1, 16, 64, 300])
+@pytest.mark.parametrize("ahead", [1, 2, 4])
+def test_gpu_l2_prefetch_is_bit_identical(fmt, m, ahead):
+    """Asking L2 for the weight tile a few K steps ahead changes no bit, on ragged N and K (addresses clamped at the
+    edges), for the pointer-load, TMA and persistent kernels."""
+    n, k = 1000 + 8, 4096 + 64
+    x, qw, w_scale, bias = make_layer(m, n, k, fmt, seed=m + ahead)
+    qa, a_scale = K.quantize_activations(x.to(DEVICE, torch.bfloat16), fmt)
+    for use_tma in (0, 1, 2):
+        cfg = dict(zip(K.CONFIG_KEYS, K.CONFIGS[(fmt, K.m_regime(m))], strict=True)) | {"USE_TMA": use_tma}
+        want = K.w8a8_matmul(qa, a_scale, qw, w_scale, bias, config=cfg)
+        assert torch.equal(K.w8a8_matmul(qa, a_scale, qw, w_scale, bias, config=cfg, l2_ahead=ahead), want)
 
 
 @pytest.mark.gpu
