@@ -58,8 +58,7 @@ def compile_kernel(cfg: C.KernelConfig, group: int, dtype: torch.dtype, split: b
     plan = C.plan_launch(cfg, 1, n, k, group, 132)
     const = dict(
         BITS=4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=plan.block_k, SPLIT=split, HAS_BIAS=False,
-        EVEN_K=True, EMULATE_BF16=False, FIXUP=C.fixup_unroll(cfg), L2_AHEAD=cfg.l2_ahead,
-        THREADS=cfg.num_warps * 32, **dict.fromkeys(UNIT_STRIDES, 1),
+        EVEN_K=True, EMULATE_BF16=False, FIXUP=C.fixup_unroll(cfg), **dict.fromkeys(UNIT_STRIDES, 1),
     )  # fmt: skip
     if gemv:
         const.update(STAGES=cfg.num_stages, FOLD=cfg.fold_zero, PREFETCH=cfg.prefetch, X_VEC=cfg.vector_x)

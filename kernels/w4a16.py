@@ -62,7 +62,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from quantkit.kernels.l2_prefetch import prefetch_gptq_tile_l2, threads
 from quantkit.kernels.w4a16_configs import (
     CONFIG_TABLE,
     KernelConfig,
@@ -242,7 +241,7 @@ def _w4a16_gemm_kernel(
     SPLIT: tl.constexpr, FUSE_SCALE: tl.constexpr, SWAP_AB: tl.constexpr,
     MAGIC: tl.constexpr,
     COMPUTE: tl.constexpr, HALF_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    EMULATE_BF16: tl.constexpr, FIXUP: tl.constexpr, L2_AHEAD: tl.constexpr, THREADS: tl.constexpr,
+    EMULATE_BF16: tl.constexpr, FIXUP: tl.constexpr,
 ):  # fmt: skip
     PF: tl.constexpr = 32 // BITS
     BLOCK_KW: tl.constexpr = BLOCK_K // PF
@@ -284,16 +283,8 @@ def _w4a16_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for d in tl.static_range(1, L2_AHEAD):  # L2 prefetch (l2_prefetch.py): tiles t_begin + 1 .. + L2_AHEAD - 1
-        prefetch_gptq_tile_l2(qw_ptr, qz_ptr, s_ptr, t_begin + d, t_begin + d < t_end, pid_n * BLOCK_N, N, K,
-                              group_size, stride_qwk, stride_qzg, stride_sg, BITS, BLOCK_N, BLOCK_K,
-                              THREADS)  # fmt: skip
     for t in range(t_begin, t_end):
         k0 = t * BLOCK_K
-        if L2_AHEAD > 0:  # and tile t + L2_AHEAD at each step
-            prefetch_gptq_tile_l2(qw_ptr, qz_ptr, s_ptr, t + L2_AHEAD, t + L2_AHEAD < t_end, pid_n * BLOCK_N, N, K,
-                                  group_size, stride_qwk, stride_qzg, stride_sg, BITS, BLOCK_N, BLOCK_K,
-                                  THREADS)  # fmt: skip
         kw = t * BLOCK_KW + offs_kw  # packed-word rows of this tile
         if EVEN_K:
             x = tl.load(x_ptrs + k0 * stride_xk, mask=m_mask[:, None], other=0.0)
@@ -406,8 +397,7 @@ def w4a16_gemm(
         MAGIC=magic, COMPUTE=compute,
         HALF_SCALE=x.dtype == torch.float16,
         HAS_BIAS=bias is not None, EVEN_K=k % plan.block_k == 0, EMULATE_BF16=emulate_bf16,
-        FIXUP=fixup_unroll(cfg), L2_AHEAD=0 if interpreting() else cfg.l2_ahead, THREADS=threads(cfg.num_warps),
-        **cfg.launch_options(interpreting()),
+        FIXUP=fixup_unroll(cfg), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, handle
 

@@ -41,10 +41,6 @@ class KernelConfig:
     ``swap_ab`` (fused): compute y.T = W.T @ x.T so the weight tile is the MMA's M side (wgmma for M < 64).
     ``fixup_unroll``: partial tiles the split-K fix-up loads per round (``w4a16_epilogue._finish_tile``); 0 picks
     the module function ``fixup_unroll``'s default from the tile's size.
-    ``l2_ahead`` (gemv, fused): while on K tile t, ask L2 for tile t + ``l2_ahead`` (``l2_prefetch.py``); 0: no
-    prefetch. CUDA only: the interpreter runs without it.
-    ``max_registers``: cap on registers per thread (Triton's ``maxnreg``; 0: the compiler's choice), so that an
-    option that costs a few registers does not cost a CTA per SM. CUDA only.
     """
 
     method: str = "fused"
@@ -61,8 +57,6 @@ class KernelConfig:
     prefetch: bool = False
     vector_x: bool = False
     fixup_unroll: int = 0
-    l2_ahead: int = 0
-    max_registers: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -81,10 +75,6 @@ class KernelConfig:
             raise ValueError("split_waves must be in [0, 32] and num_stages >= 1")
         if self.vector_x and not (self.method == "gemv" and self.fold_zero):
             raise ValueError("vector_x is an option of the gemv's folded path: it needs fold_zero")
-        if not 0 <= self.l2_ahead <= 8 or (self.l2_ahead and self.method == "dequant"):
-            raise ValueError(f"l2_ahead must be in [0, 8] and is a gemv / fused option, got {self.l2_ahead}")
-        if self.max_registers and not (self.max_registers % 8 == 0 and 24 <= self.max_registers <= 255):
-            raise ValueError(f"max_registers must be 0 or a multiple of 8 in [24, 255], got {self.max_registers}")
         if self.prefetch and (self.method != "gemv" or self.num_stages != 1):
             raise ValueError("prefetch is a gemv option and replaces pipelining: it needs num_stages 1")
 
@@ -92,8 +82,7 @@ class KernelConfig:
     def name(self) -> str:
         if self.method == "dequant":
             return "dequant+cublas"
-        unroll = (f"u{self.fixup_unroll}" if self.fixup_unroll else "") + (f"l{self.l2_ahead}" if self.l2_ahead else "")
-        unroll += f"r{self.max_registers}" if self.max_registers else ""
+        unroll = f"u{self.fixup_unroll}" if self.fixup_unroll else ""
         if self.method == "gemv":
             fold = ("f" if self.fold_zero else "") + ("p" if self.prefetch else "") + ("v" if self.vector_x else "")
             return (
@@ -109,13 +98,6 @@ class KernelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-    def launch_options(self, interpreting: bool) -> dict:
-        """Compiler options of the launch: warps, stages and, on a GPU, the register cap."""
-        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
-        if self.max_registers and not interpreting:
-            opts["maxnreg"] = self.max_registers
-        return opts
 
 
 # BEGIN CONFIG_TABLE -- rewritten by `python benchmarks/bench_w4a16.py --apply <sweep.json>`

@@ -63,7 +63,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from quantkit.kernels.l2_prefetch import prefetch_gptq_tile_l2, threads
 from quantkit.kernels.w4a16_configs import KernelConfig, fixup_unroll, plan_launch
 from quantkit.kernels.w4a16_epilogue import _finish_tile
 from quantkit.kernels.w4a16_weight import W4A16Weight, check_operands, interpreting, num_sms, unpack_gptq_codes
@@ -278,24 +277,16 @@ def _w4a16_gemv_kernel(
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, STAGES: tl.constexpr, FOLD: tl.constexpr, PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, EMULATE_BF16: tl.constexpr, X_VEC: tl.constexpr, FIXUP: tl.constexpr,
-    L2_AHEAD: tl.constexpr, THREADS: tl.constexpr,
 ):  # fmt: skip
     pid, m0, offs_n, k_tiles, t_begin, t_end = _program_tile(N, K, tiles_per_split, BLOCK_M, BLOCK_N, BLOCK_K)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    n0 = (pid % tl.cdiv(N, BLOCK_N)) * BLOCK_N
-    for d in tl.static_range(1, L2_AHEAD):  # L2 prefetch: tiles t_begin + 1 .. t_begin + L2_AHEAD - 1 now, ...
-        prefetch_gptq_tile_l2(qw_ptr, qz_ptr, s_ptr, t_begin + d, t_begin + d < t_end, n0, N, K, group_size,
-                              stride_qwk, stride_qzg, stride_sg, BITS, BLOCK_N, BLOCK_K, THREADS)  # fmt: skip
     if PREFETCH:  # software pipelining in registers: tile t + 1's loads are in flight during tile t's arithmetic
         t_last = tl.minimum(t_end, k_tiles) - 1
         words, scales, zeros = _load_tile(qw_ptr, qz_ptr, s_ptr, tl.minimum(t_begin, t_last), offs_n, N, K,
                                           group_size, stride_qwk, stride_qwn, stride_qzg, stride_qzn, stride_sg,
                                           stride_sn, BITS, BLOCK_K, EVEN_K)  # fmt: skip
         for t in tl.range(t_begin, t_end, num_stages=1):
-            if L2_AHEAD > 0:  # ... and tile t + L2_AHEAD at each step
-                prefetch_gptq_tile_l2(qw_ptr, qz_ptr, s_ptr, t + L2_AHEAD, t + L2_AHEAD < t_end, n0, N, K, group_size,
-                                      stride_qwk, stride_qzg, stride_sg, BITS, BLOCK_N, BLOCK_K, THREADS)  # fmt: skip
             # the last tile reloads itself (an L2 hit) rather than reading past the split
             w_next, s_next, z_next = _load_tile(qw_ptr, qz_ptr, s_ptr, tl.minimum(t + 1, t_last), offs_n, N, K,
                                                 group_size, stride_qwk, stride_qwn, stride_qzg, stride_qzn,
@@ -307,9 +298,6 @@ def _w4a16_gemv_kernel(
         # STAGES >= 2: Triton pipelines the tile's loads through shared memory (cp.async, STAGES - 1 tiles ahead);
         # STAGES = 1: plain loads, each issued by ptxas just before its use
         for t in tl.range(t_begin, t_end, num_stages=STAGES):
-            if L2_AHEAD > 0:
-                prefetch_gptq_tile_l2(qw_ptr, qz_ptr, s_ptr, t + L2_AHEAD, t + L2_AHEAD < t_end, n0, N, K, group_size,
-                                      stride_qwk, stride_qzg, stride_sg, BITS, BLOCK_N, BLOCK_K, THREADS)  # fmt: skip
             words, scales, zeros = _load_tile(qw_ptr, qz_ptr, s_ptr, t, offs_n, N, K, group_size, stride_qwk,
                                               stride_qwn, stride_qzg, stride_qzn, stride_sg, stride_sn, BITS,
                                               BLOCK_K, EVEN_K)  # fmt: skip
@@ -351,8 +339,8 @@ def w4a16_gemv(
         PREFETCH=config.prefetch,
         HAS_BIAS=bias is not None, EVEN_K=k % plan.block_k == 0,
         EMULATE_BF16=interpreting() and x.dtype == torch.bfloat16, X_VEC=_vector_x(config, w.bits, x, plan.block_k),
-        FIXUP=fixup_unroll(config), L2_AHEAD=0 if interpreting() else config.l2_ahead,
-        THREADS=threads(config.num_warps), **config.launch_options(interpreting()),
+        FIXUP=fixup_unroll(config),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out, handle
 

@@ -27,6 +27,8 @@ in two kernels:
 3. Programmatic dependent launch (``w8a8_linear``, M <= 64 on sm_90+, ``use_pdl``): the quantizer lets the GEMM start
    at once; the GEMM asks L2 for the first ``PDL_PREFETCH_K`` bytes of its weight rows, then waits
    (griddepcontrol.wait) for the codes, so the quantizer's launch and run overlap the GEMM's start (+3% at M 16-64).
+4. L2 prefetch ahead (M 17-64, ``l2_ahead_for``): inside the K loop each program asks L2 for its weight tile
+   ``L2_AHEAD_M64`` steps ahead (``l2_prefetch.py``), which pays where few programs stream long weight rows.
 
 Weight layout: ``qw`` [N, K] row-major, K contiguous (``Layout.INT8_ROWMAJOR`` / ``Layout.FP8_ROWMAJOR`` v1). That is
 the K-major B operand Hopper's int8/fp8 wgmma needs (only 16-bit types may read a transposed shared-memory operand)
@@ -491,6 +493,18 @@ INT8_WIDE_SKINNY = (16, 64, 256, 1, 3, 4, 4)
 WIDE_TILES_PER_SM = 2  # of the committed m16 config's BLOCK_N
 
 
+# M 17-64 (the m64 regime): each program asks L2 for its weight tile 4 K steps ahead. benchmarks/probes/
+# probe_l2_ahead.py (H200, 2026-12-03), end to end over bf16, int8 / fp8: 4096 x 14336 1.26 / 1.23x -> 1.43 / 1.38x,
+# 4096 x 4096 1.08 / 1.06x -> 1.16 / 1.13x, the other four shapes within -1% / +3%; at M = 1 and 16 it lost 0-7%
+# (results/l2-ahead-h200-2026-12-03.md)
+L2_AHEAD_M64 = 4
+
+
+def l2_ahead_for(m: int) -> int:
+    """K tiles ahead that the GEMM prefetches into L2 for M rows (``l2_prefetch.py``; 0: none)."""
+    return L2_AHEAD_M64 if m_regime(m) == "m64" else 0
+
+
 def pick_config(m: int, fmt: str, fp8_fast_accum: bool = False, n: int | None = None, sms: int = 132) -> dict[str, int]:
     """The tile config for M rows (``CONFIGS`` by regime); ``n`` (output features) and ``sms`` pick the wide-layer
     int8 config for M <= 16 (``INT8_WIDE_SKINNY``)."""
@@ -611,7 +625,7 @@ def w8a8_matmul(
     fp8_fast_accum: bool = False,
     pdl: bool = False,
     prefetch_k: int = 0,
-    l2_ahead: int = 0,
+    l2_ahead: int | None = None,
 ) -> torch.Tensor:
     """qa [M, K] x qw [N, K] (both int8 or both float8_e4m3fn, K contiguous) -> y [M, N] in ``out_dtype``.
 
@@ -621,7 +635,8 @@ def w8a8_matmul(
     start while the one before it (the activation quantizer, ``quantize_activations(pdl=True)``) runs, and waits for
     it before reading ``qa``; meanwhile each program asks L2 for the first ``prefetch_k`` bytes (a multiple of 128,
     a power of two times 128) of its weight rows. CUDA sm_90+ only. ``l2_ahead``: while on K tile t, each program
-    asks L2 for its weight's tile t + ``l2_ahead`` (``l2_prefetch.py``; 0: none; not in the interpreter).
+    asks L2 for its weight's tile t + ``l2_ahead`` (``l2_prefetch.py``; 0: none; None: ``l2_ahead_for(m)``; never in
+    the interpreter).
     """
     _check(qa.dim() == 2 and qw.dim() == 2, f"qa and qw must be 2-D, got {tuple(qa.shape)} and {tuple(qw.shape)}")
     _check(qa.dtype in FORMAT_OF_DTYPE, f"qa must be int8 or float8_e4m3fn, got {qa.dtype}")
@@ -657,6 +672,7 @@ def w8a8_matmul(
         f"prefetch_k must be 0 or 128 x a power of two, with pdl; got {prefetch_k}",
     )
     _check(not pdl or (qa.is_cuda and not interpreting()), "pdl needs a CUDA device (not Triton's interpreter)")
+    l2_ahead = l2_ahead_for(m) if l2_ahead is None else l2_ahead
     _check(0 <= l2_ahead <= 8, f"l2_ahead must be in [0, 8], got {l2_ahead}")
     if m == 0 or n == 0:
         return out

@@ -41,9 +41,6 @@ GEMV_PRE = K.KernelConfig("gemv", 2, 64, 128, 2, 3)  # loads pipelined 2 tiles a
 GEMV_FOLD = K.KernelConfig("gemv", 2, 64, 128, 2, 1, split_waves=8, fold_zero=True)  # 4-bit: no FADD per code
 GEMV_PREFETCH = K.KernelConfig("gemv", 1, 64, 64, 2, 1, split_waves=8, fold_zero=True, prefetch=True)  # registers
 GEMV_VEC = K.KernelConfig("gemv", 2, 64, 64, 2, 1, split_waves=8, fold_zero=True, vector_x=True)  # x 4 per load
-# L2 prefetch two K tiles ahead (GPU only: the interpreter runs these without it), with a register cap
-GEMV_L2 = K.KernelConfig("gemv", 1, 64, 64, 2, 1, split_waves=8, fold_zero=True, l2_ahead=2, max_registers=64)
-SWAP_L2 = K.KernelConfig("fused", 16, 64, 64, 4, 2, split_waves=8, fuse_scale=True, swap_ab=True, l2_ahead=2)
 
 
 def make_layer(n, k, bits=4, group_size=128, sym=False, act_order=False, seed=0):
@@ -121,10 +118,6 @@ CASES = [
     (2, 33, 256, 8, 32, False, torch.float16, False, True, GEMV_PREFETCH),  # 8-bit, small groups
     (1, 96, 1024, 4, 128, False, torch.float16, False, True, GEMV_VEC),  # x read 4 activations per load
     (3, 40, 512, 4, 64, True, torch.bfloat16, True, False, GEMV_VEC),  # bf16, two row blocks, act-order
-    (1, 77, 576, 4, 128, False, torch.float16, False, True, GEMV_L2),  # prefetch clamped at the N and K edges
-    (3, 40, 200, 8, 64, True, torch.bfloat16, False, False, GEMV_L2),  # 8-bit, masked K tail
-    (5, 50, 384, 4, 128, False, torch.float16, True, True, SWAP_L2),
-    (16, 33, 200, 4, 64, False, torch.bfloat16, False, True, SWAP_L2),  # K % 32 != 0: padded words
     (2, 40, 200, 4, -1, False, torch.float16, False, True, GEMV_VEC),  # K tail: falls back to one per load
     (16, 70, 320, 4, 64, False, torch.float16, True, True, SWAP),
     (3, 33, 200, 4, 128, True, torch.bfloat16, False, True, SWAP),  # bf16 fused scale through fp32
@@ -203,20 +196,6 @@ def test_split_k_fixup_unroll_leaves_the_sum_alone(config):
     assert int(w.locks.abs().sum()) == 0
     with pytest.raises(ValueError, match="fixup_unroll"):
         replace(config, fixup_unroll=3)
-
-
-def test_prefetch_options_checked_and_named():
-    assert GEMV_L2.name.endswith("l2r64") and GEMV_L2.launch_options(interpreting=True) == {
-        "num_warps": 2,
-        "num_stages": 1,
-    }
-    assert GEMV_L2.launch_options(interpreting=False)["maxnreg"] == 64
-    with pytest.raises(ValueError, match="l2_ahead"):
-        replace(GEMV_L2, l2_ahead=9)
-    with pytest.raises(ValueError, match="l2_ahead"):
-        K.KernelConfig("dequant", l2_ahead=1)
-    with pytest.raises(ValueError, match="max_registers"):
-        replace(GEMV_L2, max_registers=60)
 
 
 @pytest.mark.parametrize(

@@ -245,6 +245,10 @@ def test_fp8_fast_accumulation_has_its_own_large_config():
     assert K.pick_config(16, "fp8", n=28672) == K.pick_config(16, "fp8")
 
 
+def test_l2_prefetch_rule():
+    assert [K.l2_ahead_for(m) for m in (1, 16, 17, 64, 65, 4096)] == [0, 0, K.L2_AHEAD_M64, K.L2_AHEAD_M64, 0, 0]
+
+
 def test_m_regimes_cover_every_m():
     assert [K.m_regime(m) for m in (1, 16, 17, 64, 65, 256, 257, 16384)] == [
         "m16",
