@@ -46,7 +46,18 @@ def m4_candidates() -> list[C.KernelConfig]:
     return [base, narrow, replace(narrow, split_waves=8), replace(narrow, block_k=128), replace(base, split_waves=8)]
 
 
-def candidates(m: int, which: str = "fixup") -> list[C.KernelConfig]:
+def wave_candidates(n: int) -> list[C.KernelConfig]:
+    """``--set waves``: the M = 1 gemv split to fill the resident CTA slots without a second wave. The wide-layer
+    config (64 registers, 8 CTAs per SM, 1056 slots) splits 28672 x 8192 into 56 x 19 = 1064 CTAs, 8 of them in a
+    second wave; the table's config (96 registers, 5 per SM, 660 slots) fills 512 of them on N = 8192 layers."""
+    base = C.config_for(1, n)
+    waves = (6, 7) if base.split_waves == 8 else (5, 6)
+    return [base] + [replace(base, split_waves=w) for w in waves]
+
+
+def candidates(m: int, which: str = "fixup", n: int = 0) -> list[C.KernelConfig]:
+    if which == "waves":
+        return wave_candidates(n)
     if which == "m1":
         return m1_candidates()
     if which == "m4":
@@ -62,16 +73,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench_out"))
     ap.add_argument("--ms", default="1,2,16,32")
     ap.add_argument("--groups", default="128,64")
-    ap.add_argument("--set", default="fixup", choices=["fixup", "m1", "m4"],
-                    help="m1: the M = 1 occupancy candidates; m4: the M = 4 tile widths")  # fmt: skip
+    ap.add_argument("--set", default="fixup", choices=["fixup", "m1", "m4", "waves"],
+                    help="m1: the M = 1 occupancy candidates; m4: the M = 4 tile widths; waves: M = 1 splits that "
+                         "fill one wave")  # fmt: skip
     args = ap.parse_args()
-    if args.set in ("m1", "m4"):
-        args.ms = args.set[1:]
+    if args.set in ("m1", "m4", "waves"):
+        args.ms = "1" if args.set == "waves" else args.set[1:]
     args.out.mkdir(parents=True, exist_ok=True)
     ms = [int(v) for v in args.ms.split(",")]
     groups = [int(g) for g in args.groups.split(",")]
     out = args.out / f"probe_fixup{'' if args.set == 'fixup' else '-' + args.set}.json"
-    run_probe(SHAPES + RUNTIME_SHAPES, groups, ms, out, 4, lambda m, n: candidates(m, args.set))
+    run_probe(SHAPES + RUNTIME_SHAPES, groups, ms, out, 4, lambda m, n: candidates(m, args.set, n))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,95 @@
+"""Probe: fp8 GEMM with accumulation promoted every 256 K elements instead of 128 (M >= 1024).
+
+    python benchmarks/probes/probe_fp8_promote.py [--out DIR] [--ms 1024,4096,16384]
+
+Why: the promoted fp8 path (``tl.dot(..., max_num_imprecise_acc=BLOCK_K)``: each BLOCK_K-long partial sum leaves
+Hopper's reduced-precision tensor-core adder and is added to an fp32 accumulator) runs 1.31-1.35x bf16 against
+1.53-1.67x for fast accumulation, because every promotion waits for the tile's MMAs (ptxas C7514). The committed
+tiles are 128 deep, DeepSeek-V3's interval. Tiles 256 deep promote half as often (half the waits) at twice the
+interval; the sweep never offered them (results/w8a8-h200-2026-12-02.md).
+
+Each point: bf16 cuBLAS, the committed promoted config, 256-deep promoted candidates and the committed fast
+accumulation config, end to end (quantizer + GEMM, ``w8a8_linear``), bench_w8a8.py's method (CUDA graphs over
+rotated operands, medians). Accuracy of every variant on the first rotation, fp32 output against the float64
+product of the same quantized operands (up to 1024 rows): max |error| / max |exact| and RMS error / RMS exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w8a8
+import bench_w8a8 as B8
+from quantkit.kernels import w8a8 as W
+
+# name -> (CONFIG_KEYS values, fast accumulation); None: the committed config of that mode
+VARIANTS = {
+    "promoted": (None, False),
+    "p256_128x128": ((128, 128, 256, 8, 1, 8, 3), False),
+    "p256_256x128": ((256, 128, 256, 8, 1, 8, 2), False),
+    "p256_128x256": ((128, 256, 256, 8, 1, 8, 2), False),
+    "p256_128x128_persistent": ((128, 128, 256, 8, 2, 8, 3), False),
+    "p256_256x128_persistent": ((256, 128, 256, 8, 2, 8, 2), False),
+    "fast": (None, True),
+}
+
+
+def config(m: int, n: int, values, fast: bool) -> dict:
+    if values is None:
+        return W.pick_config(m, "fp8", fast, n)
+    return dict(zip(W.CONFIG_KEYS, values, strict=True))
+
+
+def linear_call(p: B8.Problem, i: int, cfg: dict, fast: bool):
+    x, wq, ws = p.x[i], p.wq["fp8"][i], p.w_scale["fp8"][i]
+    return lambda: W.w8a8_linear(x, wq, ws, config=cfg, fp8_fast_accum=fast)
+
+
+def errors(p: B8.Problem, cfg: dict, fast: bool) -> tuple[float, float]:
+    rows = min(p.m, 1024)
+    qa, sa = p.qa["fp8"][0][:rows], p.a_scale["fp8"][0][:rows].contiguous()
+    wq, ws = p.wq["fp8"][0], p.w_scale["fp8"][0]
+    y = W.w8a8_matmul(qa, sa, wq, ws, out_dtype=torch.float32, config=cfg, fp8_fast_accum=fast).double()
+    exact = (qa.double() @ wq.double().t()) * sa.double()[:, None] * ws.double()[None, :]
+    err = y - exact
+    return (err.abs().max() / exact.abs().max()).item(), (err.square().mean() / exact.square().mean()).sqrt().item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("bench_out"))
+    ap.add_argument("--ms", default="1024,4096,16384")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / "probe_fp8_promote.json"
+    timer, rows = B8.Timer(False, 10, 40), []
+    for n, k in B8.SHAPES:
+        for m in map(int, args.ms.split(",")):
+            p = B8.Problem(n, k, m, "cuda", seed=0)
+            bf16 = timer.per_call([(lambda i=i, p=p: F.linear(p.x[i], p.w16[i])) for i in range(p.r)]) * 1e6
+            row = {"n": n, "k": k, "m": m, "bf16_us": bf16}
+            line = f"fp8 {n}x{k} M={m}: bf16 {bf16:.1f}"
+            for name, (values, fast) in VARIANTS.items():
+                cfg = config(m, n, values, fast)
+                calls = [linear_call(p, i, cfg, fast) for i in range(p.r)]
+                try:
+                    max_err, rms_err = errors(p, cfg, fast)
+                    us = timer.per_call(calls) * 1e6
+                except Exception as e:  # a variant that fails to compile must not end the probe
+                    print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    max_err = rms_err = us = float("nan")
+                row[name] = {"us": us, "max_err": max_err, "rms_err": rms_err}
+                line += f" | {name} {bf16 / us:.2f}x err {max_err:.1e}/{rms_err:.1e}"
+            print(line, flush=True)
+            rows.append(row)
+            out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
