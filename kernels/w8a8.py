@@ -682,6 +682,8 @@ def w8a8_matmul(
     tma_mode = cfg.pop("USE_TMA")
     _check(tma_mode in TMA_MODES, f"USE_TMA must be one of {sorted(TMA_MODES)}, got {tma_mode}")
     use_tma = tma_mode > 0 and tma_compatible(qa, qw)
+    if tma_mode >= 2 and not _persistent_fits(cfg, launch["num_stages"], out.element_size(), qa.device):
+        tma_mode = 1  # one tile per program: its epilogue reuses the pipeline's shared memory
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     epilogue = (out, a_scale, w_scale, bias if bias is not None else w_scale)  # bias never read without HAS_BIAS
     meta = {
@@ -712,6 +714,17 @@ def w8a8_matmul(
             out.stride(0), out.stride(1), EVEN_K=k % cfg["BLOCK_K"] == 0, **meta, **cfg, **launch,
         )  # fmt: skip
     return out
+
+
+def _persistent_fits(cfg: dict, stages: int, out_bytes: int, device: torch.device) -> bool:
+    """Whether the persistent kernel's shared memory fits: its programs keep the next tile's pipeline stages (8-bit
+    operand tiles) while the epilogue converts the accumulator's layout through a buffer of the output tile, so an
+    fp32 output of 128 x 256 (128 KB beside 144 KB of stages; Triton asks for 278,552 bytes on the H200) does not."""
+    if device.type != "cuda":
+        return True
+    limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    operands = stages * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"]
+    return operands + cfg["BLOCK_M"] * cfg["BLOCK_N"] * out_bytes + 1024 <= limit
 
 
 def tma_compatible(qa: torch.Tensor, qw: torch.Tensor) -> bool:

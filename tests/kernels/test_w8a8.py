@@ -372,6 +372,24 @@ def test_gpu_pdl_launch_is_bit_identical(fmt, m, prefetch_k, n):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs sm_90")
+@pytest.mark.parametrize("fmt,fast", [("int8", False), ("fp8", False), ("fp8", True)])
+def test_gpu_fp32_output_of_the_large_configs(fmt, fast):
+    """fp32 output at M > 256: the persistent configs' shared memory does not fit an fp32 tile beside their stages,
+    so those launches run one tile per program; same sums in the same order, so rounding the fp32 result to bf16
+    gives the bf16 launch's bits."""
+    m, n, k = 1000, 3000, 4096
+    x, qw, w_scale, bias = make_layer(m, n, k, fmt, seed=3)
+    qa, a_scale = K.quantize_activations(x.to(DEVICE, torch.bfloat16), fmt)
+    y32 = K.w8a8_matmul(qa, a_scale, qw, w_scale, bias, torch.float32, fp8_fast_accum=fast)
+    y16 = K.w8a8_matmul(qa, a_scale, qw, w_scale, bias, torch.bfloat16, fp8_fast_accum=fast)
+    assert torch.equal(y32.to(torch.bfloat16), y16)
+    if fmt == "int8":  # exact integer sums: fp32's own rounding is the whole error
+        check_gemm(y32, qa, a_scale, qw, w_scale, bias, torch.float32)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs sm_90")
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("m", [1, 16, 64, 300])
 @pytest.mark.parametrize("ahead", [1, 2, 4])
