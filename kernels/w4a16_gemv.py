@@ -53,6 +53,11 @@ until ~4 x 132 CTAs exist (a 4096 x 4096 layer: 8 output tiles x 32 splits of on
 CTA of each tile summed the 32 partials four per round, eight dependent L2 round trips after the weights were
 read. Loading all 32 at once (``fixup_unroll``, the same 96 registers) made the small layers 10-20% faster
 (geomean over 8 shapes 1.99x -> 2.16x cuBLAS fp16; results/w4a16-fixup-h200-2026-12-02.md).
+2026-12-03, fourteenth session: asking L2 for the tile 1, 2 or 4 steps ahead (``prefetch.global.L2`` per line, no
+registers for the data) ran 7-23% slower at M = 1, the farther ahead the slower, with or without a register cap:
+with the whole grid resident, every CTA's look-ahead adds up to the size of the L2 (results/l2-ahead-h200-2026-12-03.md;
+code in commit da0e855). Splits that fill exactly one wave of resident CTAs gained nothing either
+(results/w4a16-waves-h200-2026-12-03.md).
 
 Limits: 4 or 8 bits; BLOCK_K must divide the group size (``w4a16_configs.plan_launch`` sees to it); int32 offsets.
 Hardware: written for the H200 (sm_90, 132 SMs); register and SASS counts from ``benchmarks/sass_w4a16.py``.
