@@ -63,7 +63,8 @@ INT_MM_ROWS = 32  # cuBLAS int8 (torch._int_mm) requires M > 16: smaller M is pa
 TARGETS = [  # (format variant, M range, minimum speedup over bf16) from issue 7
     ("int8", (1024, None), 1.3),
     ("int8", (16, 64), 1.6),
-    ("fp8", (1024, None), 1.6),
+    ("fp8", (1024, None), 1.6),  # the default: partial sums promoted to fp32 every BLOCK_K (DeepSeek-V3)
+    ("fp8_fast", (1024, None), 1.6),  # the option fp8_fast_accum=True (vLLM's choice for per-token scales)
 ]
 VARIANTS = ["bf16", "int8", "int8_gemm", "quant", "int_mm", "fp8", "fp8_fast", "scaled_mm", "scaled_mm_fast"]
 RATIO_VARIANTS = ["int8", "int_mm", "fp8", "fp8_fast", "scaled_mm", "scaled_mm_fast"]

@@ -59,7 +59,8 @@ def engine_options(f):
         click.option(
             "--fp8-fast-accum",
             is_flag=True,
-            help="fp8 W8A8 layers (CUDA) accumulate in the tensor cores' reduced precision: faster, less exact.",
+            help="fp8 W8A8 layers (CUDA) accumulate in the tensor cores' reduced precision instead of promoting every "
+            "128 products: ~1.25x faster at large batches, +0.06-0.65% error against the unquantized product.",
         ),
         click.option(
             "--async-scheduling/--no-async-scheduling",
