@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
+from graph_timing import seconds_per_call
 from quantkit.kernels import w4a16 as K
 from quantkit.kernels import w4a16_configs as C
 
@@ -217,24 +218,7 @@ class Timer:
         self.smoke, self.warmup_ms, self.rep_ms = smoke, warmup_ms, rep_ms
 
     def per_call(self, calls: list) -> float:
-        if self.smoke:
-            t0 = time.perf_counter()
-            for c in calls:
-                c()
-            return (time.perf_counter() - t0) * 1e6 / len(calls)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up (and compile) off the capture stream
-            for c in calls:
-                c()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for c in calls:
-                c()
-        ms = triton.testing.do_bench(graph.replay, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
-        del graph
-        return ms * 1e3 / len(calls)
+        return seconds_per_call(calls, self.smoke, self.warmup_ms, self.rep_ms) * 1e6
 
 
 class Layer:

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
+from graph_timing import seconds_per_call
 from quantkit.kernels import w8a8 as K
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
@@ -120,24 +121,7 @@ class Timer:
         self.smoke, self.warmup_ms, self.rep_ms = smoke, warmup_ms, rep_ms
 
     def per_call(self, calls: list) -> float:
-        if self.smoke:
-            t0 = time.perf_counter()
-            for c in calls:
-                c()
-            return (time.perf_counter() - t0) / len(calls)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up off the capture stream, as torch.cuda.graphs recommends
-            for c in calls:
-                c()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for c in calls:
-                c()
-        ms = triton.testing.do_bench(graph.replay, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
-        del graph
-        return ms * 1e-3 / len(calls)
+        return seconds_per_call(calls, self.smoke, self.warmup_ms, self.rep_ms)
 
 
 def rotations(m: int, n: int, k: int) -> int:
