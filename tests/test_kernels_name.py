@@ -13,9 +13,9 @@ def test_an_installed_kernels_package_wins_over_the_checkout_folder(tmp_path):
     installed.mkdir(parents=True)
     (installed / "__init__.py").write_text("CUDAProperties = 'the installed package'\n")
     code = "import kernels, quantkit.kernels; print(kernels.CUDAProperties, quantkit.kernels.__name__)"
-    env_path = f"{ROOT}:{tmp_path / 'site'}"  # the checkout first, as pytest puts it
+    first = [str(ROOT), str(tmp_path / "site")]  # the checkout first, as pytest puts it
     out = subprocess.run(
-        [sys.executable, "-c", f"import sys; sys.path[:0] = {env_path.split(':')!r}; {code}"],
+        [sys.executable, "-c", f"import sys; sys.path[:0] = {first!r}; {code}"],
         capture_output=True, text=True, cwd=tmp_path, check=True,
     )  # fmt: skip
     assert out.stdout.split() == ["the", "installed", "package", "quantkit.kernels"]
