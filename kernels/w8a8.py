@@ -64,7 +64,6 @@ QMAX_OF_FORMAT = {"int8": INT8_MAX, "fp8": E4M3_MAX}
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
-_RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: v + it - it rounds fp32 v to an integer, ties to even
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -172,23 +171,6 @@ def _store_codes(q_ptrs, v, mask, QMAX: tl.constexpr, IS_FP8: tl.constexpr):
         tl.store(q_ptrs, _round_to_e4m3_grid(v).to(q_ptrs.dtype.element_ty), mask=mask)
     else:
         tl.store(q_ptrs, _round_half_even(v).to(tl.int8), mask=mask)
-
-
-@triton.jit
-def _quantize_tile(x, inv, QMAX: tl.constexpr, IS_FP8: tl.constexpr, HW_CAST: tl.constexpr):
-    """A float tile of activations -> codes in registers with the static scale's reciprocal ``inv``: the numerics of
-    ``_store_codes`` (clamp, then half-to-even rounding). int8: adding 1.5 * 2**23 rounds v to an integer, ties to
-    even (fp32 addition rounds to nearest), and leaves it two's complement in the sum's low byte (exact for |v| <=
-    127), which the int8 cast keeps. fp8: the hardware's round-to-nearest-even cast (HW_CAST, sm_90) or, in the
-    interpreter, the explicit rounding."""
-    v = tl.minimum(tl.maximum(x.to(tl.float32) * inv, -QMAX), QMAX)
-    if IS_FP8:
-        if not HW_CAST:
-            v = _round_to_e4m3_grid(v)
-        q = v.to(tl.float8e4nv)
-    else:
-        q = (v + _RNE_MAGIC).to(tl.int32, bitcast=True).to(tl.int8)
-    return q
 
 
 @triton.jit
@@ -356,17 +338,9 @@ def _w8a8_matmul_kernel(
     PREFETCH_K: tl.constexpr,
     L2_AHEAD: tl.constexpr,
     THREADS: tl.constexpr,
-    A_QUANT: tl.constexpr,
-    QMAX: tl.constexpr,
-    HW_CAST: tl.constexpr,
 ):
-    """A_QUANT: ``a_ptr`` holds the float activations themselves and ``a_scale_ptr`` the static per-tensor scale;
-    each K tile of x is quantized in registers (``_quantize_tile``) on its way to the MMA, so no quantizer kernel
-    runs and no codes go through memory."""
     pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     _await_activations(w_ptr, stride_wn, stride_wk, pid_n, N, K, PDL, PREFETCH_K, BLOCK_N)
-    if A_QUANT:
-        inv = tl.math.div_rn(1.0, tl.load(a_scale_ptr))
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -384,8 +358,6 @@ def _w8a8_matmul_kernel(
         else:
             a = tl.load(a_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0.0)
             w = tl.load(w_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0)
-        if A_QUANT:
-            a = _quantize_tile(a, inv, QMAX, IS_FP8, HW_CAST)
         acc = _mma(a, w, acc, IS_FP8, FP8_FAST_ACCUM, BLOCK_K)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
@@ -531,23 +503,6 @@ L2_AHEAD_M64 = 4
 def l2_ahead_for(m: int) -> int:
     """K tiles ahead that the GEMM prefetches into L2 for M rows (``l2_prefetch.py``; 0: none)."""
     return L2_AHEAD_M64 if m_regime(m) == "m64" else 0
-
-
-# Static per-tensor activations with M <= FUSED_STATIC_MAX_M: one kernel quantizes x's tiles in registers on their way
-# to the MMA (``w8a8_static_matmul``); pointer-load configs per (format, M regime). First values: the pointer
-# configs of CONFIGS.
-FUSED_STATIC_MAX_M = 64
-FUSED_STATIC_CONFIGS = {
-    ("int8", "m16"): (16, 32, 256, 1, 0, 4, 6),
-    ("int8", "m64"): (64, 64, 256, 1, 0, 4, 4),
-    ("fp8", "m16"): (16, 32, 256, 1, 0, 4, 6),
-    ("fp8", "m64"): (64, 64, 256, 1, 0, 4, 4),
-}
-
-
-def pick_fused_static_config(m: int, fmt: str) -> dict[str, int]:
-    """The tile config of the fused static-activation GEMM for M rows (beyond FUSED_STATIC_MAX_M: its last one)."""
-    return dict(zip(CONFIG_KEYS, FUSED_STATIC_CONFIGS[(fmt, m_regime(min(m, FUSED_STATIC_MAX_M)))], strict=True))
 
 
 def pick_config(m: int, fmt: str, fp8_fast_accum: bool = False, n: int | None = None, sms: int = 132) -> dict[str, int]:
@@ -722,21 +677,12 @@ def w8a8_matmul(
     if m == 0 or n == 0:
         return out
     cfg = dict(config) if config is not None else pick_config(m, fmt, fp8_fast_accum, n, num_sms(qa.device))
-    return _launch(qa, a_scale, qw, w_scale, bias, out, cfg, fmt, fp8_fast_accum, pdl, prefetch_k, l2_ahead, False)
-
-
-def _launch(a, a_scale, qw, w_scale, bias, out, config, fmt, fp8_fast_accum, pdl, prefetch_k, l2_ahead, a_quant):
-    """Launch the GEMM on checked operands; ``a_quant``: ``a`` is float x, quantized in the kernel (static scale)."""
-    m, k = a.shape
-    n = qw.shape[0]
-    cfg = dict(config)
     _check(set(cfg) == set(CONFIG_KEYS), f"config keys must be {CONFIG_KEYS}, got {sorted(cfg)}")
     launch = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
     tma_mode = cfg.pop("USE_TMA")
     _check(tma_mode in TMA_MODES, f"USE_TMA must be one of {sorted(TMA_MODES)}, got {tma_mode}")
-    _check(not (a_quant and tma_mode), "the fused static-activation GEMM runs the pointer kernel: USE_TMA must be 0")
-    use_tma = tma_mode > 0 and tma_compatible(a, qw)
-    if tma_mode >= 2 and not _persistent_fits(cfg, launch["num_stages"], out.element_size(), a.device):
+    use_tma = tma_mode > 0 and tma_compatible(qa, qw)
+    if tma_mode >= 2 and not _persistent_fits(cfg, launch["num_stages"], out.element_size(), qa.device):
         tma_mode = 1  # one tile per program: its epilogue reuses the pipeline's shared memory
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     epilogue = (out, a_scale, w_scale, bias if bias is not None else w_scale)  # bias never read without HAS_BIAS
@@ -753,76 +699,21 @@ def _launch(a, a_scale, qw, w_scale, bias, out, config, fmt, fp8_fast_accum, pdl
     if pdl:
         launch["launch_pdl"] = True
     if use_tma:
-        a_desc = TensorDescriptor.from_tensor(a, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
+        a_desc = TensorDescriptor.from_tensor(qa, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
         w_desc = TensorDescriptor.from_tensor(qw, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
         persistent = tma_mode >= 2
         if persistent:
-            grid = (min(grid[0], num_sms(a.device) * (tma_mode - 1)),)
+            grid = (min(grid[0], num_sms(qa.device) * (tma_mode - 1)),)
         _w8a8_matmul_tma_kernel[grid](
             a_desc, w_desc, *epilogue, qw, m, n, k, out.stride(0), out.stride(1), qw.stride(0), **meta, **cfg,
             PERSISTENT=persistent, NUM_PROGRAMS=grid[0] if persistent else 1, **launch,
         )  # fmt: skip
     else:
         _w8a8_matmul_kernel[grid](
-            a, qw, *epilogue, m, n, k, a.stride(0), a.stride(1), qw.stride(0), qw.stride(1),
+            qa, qw, *epilogue, m, n, k, qa.stride(0), qa.stride(1), qw.stride(0), qw.stride(1),
             out.stride(0), out.stride(1), EVEN_K=k % cfg["BLOCK_K"] == 0, **meta, **cfg, **launch,
-            A_QUANT=a_quant, QMAX=QMAX_OF_FORMAT[fmt], HW_CAST=not interpreting(),
         )  # fmt: skip
     return out
-
-
-def w8a8_static_matmul(
-    x: torch.Tensor,
-    input_scale: torch.Tensor,
-    qw: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    config: dict[str, int] | None = None,
-    fp8_fast_accum: bool = False,
-    l2_ahead: int | None = None,
-) -> torch.Tensor:
-    """x [M, K] fp16/bf16/fp32 (K contiguous) x qw [N, K] -> y [M, N] in x's dtype, with static per-tensor
-    activations quantized inside the GEMM: one kernel, the same codes and result as ``quantize_activations(x, fmt,
-    input_scale)`` followed by ``w8a8_matmul``. Meant for few rows (``FUSED_STATIC_MAX_M``), where the GEMM is bound
-    by its weight reads and the quantizer's separate launch and pass were a fixed cost; every program re-quantizes
-    its x tiles, which larger M would pay for. ``config`` (pointer kernel only, USE_TMA 0) overrides
-    ``pick_fused_static_config``; the other options as in ``w8a8_matmul``."""
-    _check(x.dim() == 2 and qw.dim() == 2, f"x and qw must be 2-D, got {tuple(x.shape)} and {tuple(qw.shape)}")
-    _check(x.dtype in _OUT_DTYPES, f"x must be fp16, bf16 or fp32, got {x.dtype}")
-    _check(qw.dtype in FORMAT_OF_DTYPE, f"qw must be int8 or float8_e4m3fn, got {qw.dtype}")
-    m, k = x.shape
-    n = qw.shape[0]
-    _check(qw.shape[1] == k, f"qw must be [N, K={k}] (Layout int8/fp8_rowmajor), got {tuple(qw.shape)}")
-    _check(x.stride(1) == 1 and qw.stride(1) == 1, "x and qw must be contiguous along K (stride 1 in dim 1)")
-    _check(k > 0, "K must be positive")
-    fmt = FORMAT_OF_DTYPE[qw.dtype]
-    _check(fmt != "int8" or k <= INT32_SAFE_K, f"K={k} may overflow the int32 accumulator (limit {INT32_SAFE_K})")
-    _check(
-        input_scale.dtype == torch.float32 and input_scale.numel() == 1,
-        f"input_scale must be one fp32 value, got {input_scale.dtype} {tuple(input_scale.shape)}",
-    )
-    _check(
-        w_scale.dtype == torch.float32 and w_scale.is_contiguous() and w_scale.shape == (n,),
-        f"w_scale must be contiguous fp32 [{n}], got {w_scale.dtype} {tuple(w_scale.shape)}",
-    )
-    _check(bias is None or (bias.shape == (n,) and bias.is_contiguous()), f"bias must be contiguous [{n}]")
-    tensors = [x, qw, input_scale, w_scale] + ([bias] if bias is not None else [])
-    _check(all(t.device == x.device for t in tensors), "all operands must be on one device")
-    _check(max(x.numel(), qw.numel(), m * n) <= _MAX_NUMEL, f"operands exceed {_MAX_NUMEL} elements")
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _check(
-        out.shape == (m, n) and out.dtype == x.dtype and out.device == x.device,
-        f"out must be {x.dtype} {(m, n)}, got {out.dtype} {tuple(out.shape)}",
-    )
-    l2_ahead = l2_ahead_for(m) if l2_ahead is None else l2_ahead
-    _check(0 <= l2_ahead <= 8, f"l2_ahead must be in [0, 8], got {l2_ahead}")
-    if m == 0 or n == 0:
-        return out
-    cfg = config if config is not None else pick_fused_static_config(m, fmt)
-    return _launch(x, input_scale.reshape(1), qw, w_scale, bias, out, cfg, fmt, fp8_fast_accum, False, 0, l2_ahead,
-                   True)  # fmt: skip
 
 
 def _persistent_fits(cfg: dict, stages: int, out_bytes: int, device: torch.device) -> bool:
@@ -854,9 +745,6 @@ def w8a8_linear(
 ) -> torch.Tensor:
     """x [..., K] fp16/bf16/fp32 -> y [..., N] in x's dtype: quantize the activations (format of ``qw``), then GEMM.
 
-    Static activations (``input_scale``) with at most ``FUSED_STATIC_MAX_M`` rows run as one kernel that quantizes
-    x inside the GEMM (``w8a8_static_matmul``; not with ``pdl=True`` or a TMA ``config``), with the same result.
-
     ``pdl`` (None: ``use_pdl``'s rule): launch the GEMM with programmatic dependent launch after the quantizer, with
     an L2 prefetch of ``PDL_PREFETCH_K`` bytes of each program's weight rows before it waits for the codes.
     """
@@ -864,10 +752,6 @@ def w8a8_linear(
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    fused = input_scale is not None and x2.shape[0] <= FUSED_STATIC_MAX_M and not pdl
-    if fused and (config or {}).get("USE_TMA", 0) == 0:
-        y = w8a8_static_matmul(x2, input_scale, qw, w_scale, bias, config=config, fp8_fast_accum=fp8_fast_accum)
-        return y.reshape(*x.shape[:-1], qw.shape[0])
     pdl = use_pdl(x2) if pdl is None else pdl
     qa, a_scale = quantize_activations(x2, FORMAT_OF_DTYPE[qw.dtype], input_scale, pdl=pdl)
     y = w8a8_matmul(
