@@ -36,7 +36,8 @@ and the layout cuBLAS's fast int8 path wants (``torch._int_mm(a, w.t())``), so n
 
 Limits: 2-D operands, K-contiguous ``qa`` and ``qw``, every tensor under 2**31 elements (32-bit offsets).
 Tile configs: ``CONFIGS`` below, per (format, M regime); see its header for what they were tuned on. int8 with
-M <= 16 on layers of more than 2 x 132 such tiles takes ``INT8_WIDE_SKINNY`` (``pick_config``'s ``n``).
+M <= 16 on layers of more than 2 x 132 such tiles takes ``INT8_WIDE_SKINNY`` (``pick_config``'s ``n``); M 33-64 the
+persistent ``UPPER_M64``.
 """
 
 from __future__ import annotations
@@ -493,6 +494,15 @@ INT8_WIDE_SKINNY = (16, 64, 256, 1, 3, 4, 4)
 WIDE_TILES_PER_SM = 2  # of the committed m16 config's BLOCK_N
 
 
+# M 33-64 (the upper half of the m64 regime): the persistent TMA kernel, one program per SM walking 64 x 64 x 256
+# tiles, whose next tile's loads overlap the current one's epilogue. benchmarks/probes/probe_m64.py (H200,
+# 2026-12-03; end to end, bf16 = 1, geomean of six shapes): int8 M = 64 1.385x -> 1.469x, fp8 1.372x -> 1.442x, no
+# shape slower (4096 x 4096 1.02x -> 1.13x); at M = 32 it lost (int8 1.357x -> 1.281x), so M 17-32 keep CONFIGS'
+# m64 entry (results/w8a8-m64-h200-2026-12-03.md)
+UPPER_M64 = (64, 64, 256, 1, 2, 4, 4)
+UPPER_M64_FROM = 33
+
+
 # M 17-64 (the m64 regime): each program asks L2 for its weight tile 4 K steps ahead. benchmarks/probes/
 # probe_l2_ahead.py (H200, 2026-12-03), end to end over bf16, int8 / fp8: 4096 x 14336 1.26 / 1.23x -> 1.43 / 1.38x,
 # 4096 x 4096 1.08 / 1.06x -> 1.16 / 1.13x, the other four shapes within -1% / +3%; at M = 1 and 16 it lost 0-7%
@@ -507,11 +517,13 @@ def l2_ahead_for(m: int) -> int:
 
 def pick_config(m: int, fmt: str, fp8_fast_accum: bool = False, n: int | None = None, sms: int = 132) -> dict[str, int]:
     """The tile config for M rows (``CONFIGS`` by regime); ``n`` (output features) and ``sms`` pick the wide-layer
-    int8 config for M <= 16 (``INT8_WIDE_SKINNY``)."""
+    int8 config for M <= 16 (``INT8_WIDE_SKINNY``); M 33-64 takes ``UPPER_M64``."""
     regime = m_regime(m)
     values = FP8_FAST_LARGE if fmt == "fp8" and fp8_fast_accum and regime == "large" else CONFIGS[(fmt, regime)]
     if fmt == "int8" and regime == "m16" and n is not None and -(-n // values[1]) > WIDE_TILES_PER_SM * sms:
         values = INT8_WIDE_SKINNY
+    if regime == "m64" and m >= UPPER_M64_FROM:
+        values = UPPER_M64
     return dict(zip(CONFIG_KEYS, values, strict=True))
 
 

@@ -245,6 +245,14 @@ def test_fp8_fast_accumulation_has_its_own_large_config():
     assert K.pick_config(16, "fp8", n=28672) == K.pick_config(16, "fp8")
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+def test_upper_half_of_m64_runs_persistent(fmt):
+    upper = dict(zip(K.CONFIG_KEYS, K.UPPER_M64, strict=True))
+    assert K.pick_config(K.UPPER_M64_FROM, fmt) == K.pick_config(64, fmt, n=28672) == upper
+    assert upper["USE_TMA"] == 2 and upper["BLOCK_M"] == 64
+    assert K.pick_config(K.UPPER_M64_FROM - 1, fmt) == dict(zip(K.CONFIG_KEYS, K.CONFIGS[(fmt, "m64")], strict=True))
+
+
 def test_l2_prefetch_rule():
     assert [K.l2_ahead_for(m) for m in (1, 16, 17, 64, 65, 4096)] == [0, 0, K.L2_AHEAD_M64, K.L2_AHEAD_M64, 0, 0]
 
