@@ -357,28 +357,6 @@ def _scale_bias_store(
 
 
 @triton.jit
-def _split_fixup(acc, part_ptr, lock_ptr, tile, offs_m, offs_n, M, N):
-    """Split-K: store this program's partial tile to ``part`` [split, M, N], count in on the tile's semaphore; the
-    last arrival returns (sum of all partials in split order, True) and resets the semaphore for the next launch
-    (the others return (acc, False)). int32 sums are exact in any order; fp32 ones are deterministic this way.
-    The same serial fix-up as ``w4a16_epilogue._finish_tile``."""
-    pid_k = tl.program_id(1)
-    part_offs = offs_m[:, None] * N + offs_n[None, :]
-    part_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    tl.store(part_ptr + pid_k * M * N + part_offs, acc, mask=part_mask)
-    tl.debug_barrier()  # all partial stores of this program happen before its release below
-    arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    split_k = tl.num_programs(1)
-    last = arrived == split_k - 1
-    if last:
-        acc = tl.zeros(acc.shape, dtype=acc.dtype)
-        for s in range(0, split_k):
-            acc += tl.load(part_ptr + s * M * N + part_offs, mask=part_mask, other=0, cache_modifier=".cg")
-        tl.atomic_xchg(lock_ptr + tile, 0)
-    return acc, last
-
-
-@triton.jit
 def _w8a8_matmul_kernel(
     # pointers
     a_ptr,
@@ -387,13 +365,10 @@ def _w8a8_matmul_kernel(
     a_scale_ptr,
     w_scale_ptr,
     bias_ptr,
-    part_ptr,  # SPLIT: [split, M, N] partial accumulators
-    lock_ptr,  # SPLIT: one int32 semaphore per output tile, zero between launches
     # sizes
     M,
     N,
     K,
-    K_PER_SPLIT,  # SPLIT: columns of K per program along grid axis 1 (a multiple of BLOCK_K)
     # strides
     stride_am,
     stride_ak,
@@ -415,50 +390,33 @@ def _w8a8_matmul_kernel(
     PREFETCH_K: tl.constexpr,
     L2_AHEAD: tl.constexpr,
     THREADS: tl.constexpr,
-    SPLIT: tl.constexpr,
 ):
-    """SPLIT: grid axis 1 splits K, each program summing K_PER_SPLIT columns; the partial tiles are added in split
-    order by the last program to finish (``_split_fixup``), which applies the epilogue. The L2 prefetch ahead
-    (L2_AHEAD) assumes one program per tile walks all of K: launches with SPLIT pass 0."""
     pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     _await_activations(w_ptr, stride_wn, stride_wk, pid_n, N, K, PDL, PREFETCH_K, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_start = 0
-    k_end = K
-    if SPLIT:
-        k_start = tl.program_id(1) * K_PER_SPLIT
-        k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    offs_k = k_start + tl.arange(0, BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K)
     # rows past M / N wrap onto valid rows: loads need no M/N mask, the store drops them
     a_ptrs = a_ptr + (offs_m % M)[:, None] * stride_am + offs_k[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + offs_k[:, None] * stride_wk + (offs_n % N)[None, :] * stride_wn  # [BLOCK_K, BLOCK_N]
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32 if IS_FP8 else tl.int32)
     _prefetch_ahead_start(w_ptr, stride_wn, pid_n, N, K, L2_AHEAD, BLOCK_N, BLOCK_K, THREADS)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         _prefetch_ahead(w_ptr, stride_wn, pid_n, N, K, k0, L2_AHEAD, BLOCK_N, BLOCK_K, THREADS)
         if EVEN_K:
             a = tl.load(a_ptrs)
             w = tl.load(w_ptrs)
-        else:  # offs_k already includes k_start: only the last tile of K is ragged
-            a = tl.load(a_ptrs, mask=(k0 - k_start + offs_k)[None, :] < K, other=0.0)
-            w = tl.load(w_ptrs, mask=(k0 - k_start + offs_k)[:, None] < K, other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0.0)
+            w = tl.load(w_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0)
         acc = _mma(a, w, acc, IS_FP8, FP8_FAST_ACCUM, BLOCK_K)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
-    if SPLIT:
-        acc, last = _split_fixup(acc, part_ptr, lock_ptr, tl.program_id(0), offs_m, offs_n, M, N)
-        if last:
-            _scale_bias_store(
-                acc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, stride_cm, stride_cn, offs_m, offs_n,
-                A_SCALE_PER_ROW, HAS_BIAS,
-            )  # fmt: skip
-    else:
-        _scale_bias_store(
-            acc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, stride_cm, stride_cn, offs_m, offs_n,
-            A_SCALE_PER_ROW, HAS_BIAS,
-        )  # fmt: skip
+    _scale_bias_store(
+        acc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, stride_cm, stride_cn, offs_m, offs_n,
+        A_SCALE_PER_ROW, HAS_BIAS,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -758,7 +716,6 @@ def w8a8_matmul(
     pdl: bool = False,
     prefetch_k: int = 0,
     l2_ahead: int | None = None,
-    split_k: int | None = None,
 ) -> torch.Tensor:
     """qa [M, K] x qw [N, K] (both int8 or both float8_e4m3fn, K contiguous) -> y [M, N] in ``out_dtype``.
 
@@ -769,9 +726,7 @@ def w8a8_matmul(
     it before reading ``qa``; meanwhile each program asks L2 for the first ``prefetch_k`` bytes (a multiple of 128,
     a power of two times 128) of its weight rows. CUDA sm_90+ only. ``l2_ahead``: while on K tile t, each program
     asks L2 for its weight's tile t + ``l2_ahead`` (``l2_prefetch.py``; 0: none; None: ``l2_ahead_for(m)``; never in
-    the interpreter). ``split_k``: programs per output tile along K (pointer kernel only; None: ``split_k_for``;
-    above 1 the L2 prefetch ahead is off). Split launches share one set of tile semaphores per device
-    (``_split_locks``): two of them must not run on two streams at once.
+    the interpreter).
     """
     _check(qa.dim() == 2 and qw.dim() == 2, f"qa and qw must be 2-D, got {tuple(qa.shape)} and {tuple(qw.shape)}")
     _check(qa.dtype in FORMAT_OF_DTYPE, f"qa must be int8 or float8_e4m3fn, got {qa.dtype}")
@@ -820,17 +775,6 @@ def w8a8_matmul(
     if tma_mode >= 2 and not _persistent_fits(cfg, launch["num_stages"], out.element_size(), qa.device):
         tma_mode = 1  # one tile per program: its epilogue reuses the pipeline's shared memory
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    if split_k is None:
-        split_k = 1 if use_tma else split_k_for(m, k, grid[0], cfg["BLOCK_K"], num_sms(qa.device))
-    _check(split_k >= 1, f"split_k must be at least 1, got {split_k}")
-    _check(split_k == 1 or not use_tma, "split_k > 1 runs the pointer kernel: the config's USE_TMA must be 0")
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg["BLOCK_K"]), split_k) * cfg["BLOCK_K"]
-    split_k = triton.cdiv(k, k_per_split)  # no empty splits
-    part, locks = w_scale, w_scale  # never read without SPLIT
-    if split_k > 1:
-        l2_ahead = 0
-        part = torch.empty(split_k, m, n, dtype=torch.float32 if fmt == "fp8" else torch.int32, device=qa.device)
-        locks = _split_locks(qa.device, grid[0])
     epilogue = (out, a_scale, w_scale, bias if bias is not None else w_scale)  # bias never read without HAS_BIAS
     meta = {
         "A_SCALE_PER_ROW": a_scale.numel() == m,  # for M == 1 both readings are the same value
@@ -855,35 +799,11 @@ def w8a8_matmul(
             PERSISTENT=persistent, NUM_PROGRAMS=grid[0] if persistent else 1, **launch,
         )  # fmt: skip
     else:
-        _w8a8_matmul_kernel[(grid[0], split_k)](
-            qa, qw, *epilogue, part, locks, m, n, k, k_per_split, qa.stride(0), qa.stride(1), qw.stride(0),
-            qw.stride(1), out.stride(0), out.stride(1), EVEN_K=k % cfg["BLOCK_K"] == 0, **meta, **cfg, **launch,
-            SPLIT=split_k > 1,
+        _w8a8_matmul_kernel[grid](
+            qa, qw, *epilogue, m, n, k, qa.stride(0), qa.stride(1), qw.stride(0), qw.stride(1),
+            out.stride(0), out.stride(1), EVEN_K=k % cfg["BLOCK_K"] == 0, **meta, **cfg, **launch,
         )  # fmt: skip
     return out
-
-
-SPLIT_MAX_M = 64  # split_k_for splits K only for decode-sized products
-SPLIT_PROGRAMS_PER_SM = 2  # ... until about this many programs per SM run
-SPLIT_MIN_K_TILES = 4  # ... each with at least this many K tiles
-LOCK_SLOTS = 4096  # split-K semaphores per device: at most this many output tiles in a split launch
-_SPLIT_LOCKS: dict[torch.device, torch.Tensor] = {}
-
-
-def split_k_for(m: int, k: int, tiles: int, block_k: int, sms: int) -> int:
-    """Programs per output tile along K for the pointer kernel: 1 unless few output tiles (fewer than the SMs) of a
-    decode-sized product leave SMs idle or stream long K loops with little in flight."""
-    if m > SPLIT_MAX_M or tiles >= sms:
-        return 1
-    return max(1, min(triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, tiles), triton.cdiv(k, block_k) // SPLIT_MIN_K_TILES))
-
-
-def _split_locks(device: torch.device, tiles: int) -> torch.Tensor:
-    """The device's split-K semaphores (zeros; every split launch leaves them at zero)."""
-    _check(tiles <= LOCK_SLOTS, f"a split-K launch may have at most {LOCK_SLOTS} output tiles, got {tiles}")
-    if device not in _SPLIT_LOCKS:
-        _SPLIT_LOCKS[device] = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=device)
-    return _SPLIT_LOCKS[device]
 
 
 def _persistent_fits(cfg: dict, stages: int, out_bytes: int, device: torch.device) -> bool:

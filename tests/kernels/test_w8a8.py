@@ -217,47 +217,6 @@ def test_linear_static_scale_no_bias_3d_input(fmt):
     check_gemm(y.reshape(10, 24), qa, a_scale, qw, w_scale, None, torch.bfloat16)
 
 
-@pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("m", [1, 16, 40])
-@pytest.mark.parametrize("split_k", [2, 3, 10])
-def test_split_k_matches_float64_and_one_program(fmt, m, split_k):
-    """K over several programs per tile (the last K tile ragged, 10 K tiles of 32): int8 gives the one-program
-    bits exactly; fp8's partials are summed in split order, so a second launch repeats the bits; the semaphores
-    are back at zero after each launch."""
-    n, k = 70, 300
-    x, qw, w_scale, bias = make_layer(m, n, k, fmt, seed=split_k * 10 + m)
-    qa, a_scale = K.quantize_activations_reference(x.to(DEVICE), fmt)
-    config = {**SMALL_TILES, "USE_TMA": 0}
-
-    def run(s):
-        out = poisoned((m, n), torch.float16)
-        return K.w8a8_matmul(qa, a_scale, qw, w_scale, bias, torch.float16, out=out, config=config, split_k=s)
-
-    y = run(split_k)
-    check_gemm(y, qa, a_scale, qw, w_scale, bias, torch.float16)
-    if fmt == "int8":
-        assert same_bits(y, run(1))
-    assert same_bits(y, run(split_k))
-    assert not K._split_locks(y.device, 1).any()
-
-
-def test_split_k_rule_and_checks():
-    assert K.split_k_for(16, 4096, 128, 256, 132) == 3  # 128 tiles of a 4096-wide layer: 2 x 132 programs
-    assert K.split_k_for(16, 4096, 8, 256, 132) == 4  # capped by 4 K tiles per split
-    assert K.split_k_for(16, 4096, 140, 256, 132) == 1  # enough tiles
-    assert K.split_k_for(65, 4096, 8, 256, 132) == 1  # not a decode-sized product
-    qa = torch.zeros(4, 64, dtype=torch.int8, device=DEVICE)
-    qw = torch.zeros(32, 64, dtype=torch.int8, device=DEVICE)
-    sa, sw = torch.ones(4, device=DEVICE), torch.ones(32, device=DEVICE)
-    with pytest.raises(ValueError, match="pointer kernel"):
-        K.w8a8_matmul(qa, sa, qw, sw, config={**SMALL_TILES, "USE_TMA": 1}, split_k=2)
-    with pytest.raises(ValueError, match="split_k must be at least 1"):
-        K.w8a8_matmul(qa, sa, qw, sw, split_k=0)
-    # more splits than K tiles: empty splits are dropped
-    y = K.w8a8_matmul(qa, sa, qw, sw, config={**SMALL_TILES, "USE_TMA": 0}, split_k=8)
-    assert not y.float().any()
-
-
 def test_int8_extreme_codes_accumulate_exactly():
     # every product is (-128)(-127) or 127 * 127: large sums stay exact in the int32 accumulator
     m, n, k = 4, 20, 512
@@ -518,31 +477,3 @@ def test_gpu_persistent_kernel_matches_the_tma_kernel(fmt, tiles, mode):
     out = poisoned((m, n), torch.bfloat16)
     got = K.w8a8_matmul(qa, a_scale, qw, w_scale, bias, torch.bfloat16, out=out, config={**cfg, "USE_TMA": mode})
     assert torch.equal(got, want)
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("m", [1, 16, 40])
-def test_gpu_split_k_real_sizes(fmt, m):
-    """A 4096-wide layer at decode sizes, where ``split_k_for`` splits: int8 is bit-identical to one program per
-    tile, fp8 repeats its own bits; both within the float64 bound; inside a CUDA graph as decode runs it."""
-    n, k = 4096, 4096 + 256
-    x, qw, w_scale, bias = make_layer(m, n, k, fmt, seed=m + 5)
-    qa, a_scale = K.quantize_activations(x.to(DEVICE, torch.bfloat16), fmt)
-    cfg = K.pick_config(m, fmt, n=n)
-    cfg = cfg if cfg["USE_TMA"] == 0 else dict(zip(K.CONFIG_KEYS, K.CONFIGS[(fmt, K.m_regime(m))], strict=True))
-    tiles = -(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
-    split = K.split_k_for(m, k, tiles, cfg["BLOCK_K"], torch.cuda.get_device_properties(0).multi_processor_count)
-    assert split > 1
-    y = K.w8a8_matmul(qa, a_scale, qw, w_scale, bias, torch.bfloat16, config=cfg, split_k=split)
-    check_gemm(y, qa, a_scale, qw, w_scale, bias, torch.bfloat16)
-    if fmt == "int8":
-        assert same_bits(y, K.w8a8_matmul(qa, a_scale, qw, w_scale, bias, torch.bfloat16, config=cfg, split_k=1))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = K.w8a8_matmul(qa, a_scale, qw, w_scale, bias, torch.bfloat16, config=cfg, split_k=split)
-    for _ in range(3):
-        graph.replay()
-        assert same_bits(out, y)
-    assert not K._split_locks(y.device, 1).any()
