@@ -10,9 +10,7 @@ in two kernels:
    -128 unused) and 448 for e4m3fn (largest finite). ``amax`` is floored at ``MIN_AMAX`` so that all-zero rows give
    zeros, not NaN. Rounding is half-to-even, to the integers (int8) or to the e4m3 grid (fp8), computed explicitly in
    fp32 so the GPU and Triton's interpreter agree with ``torch.round`` / ``Tensor.to(torch.float8_e4m3fn)`` bit for bit
-   (the interpreter's own fp32 -> fp8 cast does not round to nearest even). Few rows are split across programs
-   (``_quantize_row_parts_kernel``, ``row_parts_chunk``): each program reads the whole row for its abs-max and
-   writes one chunk of codes, so M <= 64 rows use the whole GPU instead of M SMs.
+   (the interpreter's own fp32 -> fp8 cast does not round to nearest even).
 2. ``w8a8_matmul``: qa [M, K] x qw [N, K]^T. Tiles of BLOCK_M x BLOCK_N, grouped along M (GROUP_M) for L2 reuse, and
    a K loop of BLOCK_K. Two kernels share the accumulate and epilogue code: operand tiles fetched by the TMA unit
    through host-built tensor descriptors (config ``USE_TMA``; needs K % 16 == 0), or by pointer loads with an
@@ -56,9 +54,6 @@ E4M3_MAX = 448.0
 MIN_AMAX = 1e-30  # keeps QMAX / amax finite in fp32 for all-zero (or subnormal) rows
 ONE_PASS_MAX_K = 32768  # rows up to this length may be quantized from registers after a single read
 SWEEP_BLOCK_K = 8192  # the block of the two-sweep path (abs-max sweep, then quantizing sweep) for longer rows
-PARTS_MIN_CHUNK = 1024  # the row-parts quantizer gives each program at least this many columns of a row
-PARTS_PER_SM = 2  # ... and aims at this many programs per SM
-PARTS_ABS_BLOCK = 4096  # the block of its abs-max sweep over the whole row
 PDL_MAX_M = 64  # w8a8_linear launches the GEMM with programmatic dependent launch up to this many rows (use_pdl)
 PDL_PREFETCH_K = 1024  # bytes of each weight row asked from L2 before the GEMM waits for the quantizer
 INT32_SAFE_K = (2**31 - 1) // (128 * 128)  # 131_071: the int8 accumulator cannot overflow up to this K
@@ -233,52 +228,6 @@ def _quantize_rows_kernel(
             mask = k0 + offs < K
             x = tl.load(x_row + (k0 + offs) * stride_xk, mask=mask, other=0.0).to(tl.float32)
             _store_codes(q_row + (k0 + offs) * stride_qk, x * inv, mask, QMAX, IS_FP8)
-
-
-@triton.jit
-def _quantize_row_parts_kernel(
-    # pointers
-    x_ptr,
-    q_ptr,
-    scale_ptr,
-    # sizes
-    K,
-    # strides
-    stride_xm,
-    stride_xk,
-    stride_qm,
-    stride_qk,
-    # meta-parameters
-    QMAX: tl.constexpr,
-    IS_FP8: tl.constexpr,
-    DYNAMIC: tl.constexpr,
-    CHUNK: tl.constexpr,
-    ABS_BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Few rows: program (row, part) writes the codes of columns [part * CHUNK, (part + 1) * CHUNK) of its row, so a
-    row is quantized by K / CHUNK SMs instead of one. Dynamic: every part reads the whole row for its abs-max (the
-    max does not depend on the order, so all parts get the same scale; part 0 stores it)."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    row = tl.program_id(0).to(tl.int64)
-    part = tl.program_id(1)
-    x_row = x_ptr + row * stride_xm
-    if DYNAMIC:
-        offs = tl.arange(0, ABS_BLOCK)
-        running = tl.zeros([ABS_BLOCK], dtype=tl.float32)
-        for k0 in range(0, K, ABS_BLOCK):
-            x = tl.load(x_row + (k0 + offs) * stride_xk, mask=k0 + offs < K, other=0.0).to(tl.float32)
-            running = tl.maximum(running, tl.abs(x))
-        amax = tl.maximum(tl.max(running, axis=0), _MIN_AMAX)
-        tl.store(scale_ptr + row, tl.math.div_rn(amax, QMAX), mask=part == 0)
-        inv = tl.math.div_rn(QMAX, amax)
-    else:
-        inv = tl.math.div_rn(1.0, tl.load(scale_ptr))
-    cols = part * CHUNK + tl.arange(0, CHUNK)
-    mask = cols < K
-    x = tl.load(x_row + cols * stride_xk, mask=mask, other=0.0).to(tl.float32)
-    _store_codes(q_ptr + row * stride_qm + cols * stride_qk, x * inv, mask, QMAX, IS_FP8)
 
 
 @triton.jit
@@ -607,16 +556,6 @@ def _quantize_launch_params(k: int, block_k: int | None, fmt: str, m: int) -> tu
     return block_k, one_pass, num_warps
 
 
-def row_parts_chunk(m: int, k: int, sms: int) -> int:
-    """Columns per program of the row-parts quantizer (``_quantize_row_parts_kernel``) for M rows of K, or K itself
-    when a program per row already fills the GPU: a power of two of at least ``PARTS_MIN_CHUNK`` such that about
-    ``PARTS_PER_SM`` x ``sms`` programs run. With one program per row, a single row of K = 28672 took 5.8 us (int8) and
-    7.8 us (fp8) on one SM of the H200 (results/w8a8-quant-h200-2026-12-02.md), on the critical path of a decode
-    step's GEMM."""
-    chunk = max(PARTS_MIN_CHUNK, triton.next_power_of_2(-(-m * k // (PARTS_PER_SM * sms))))
-    return k if chunk >= k else chunk
-
-
 def quantize_activations(
     x: torch.Tensor,
     fmt: str,
@@ -625,13 +564,9 @@ def quantize_activations(
     out_scale: torch.Tensor | None = None,
     block_k: int | None = None,
     pdl: bool = False,
-    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] fp16/bf16/fp32 -> (qa [M, K] int8 | float8_e4m3fn, a_scale fp32 [M]); static when ``input_scale``
     (fp32 [1]) is given, and then the returned scale is ``input_scale`` itself.
-
-    Few rows are split across programs, ``chunk`` columns each (None: ``row_parts_chunk``; a power of two; K or
-    more: one program per row, the path ``block_k`` tunes).
 
     ``pdl``: let the next kernel, launched with programmatic dependent launch (``w8a8_matmul(pdl=True)``), start
     while this one runs (CUDA, sm_90+; not in the interpreter).
@@ -668,19 +603,6 @@ def quantize_activations(
         )
         scale = input_scale
     if m == 0:
-        return out, scale
-    if chunk is None:
-        chunk = k if block_k is not None else row_parts_chunk(m, k, num_sms(x.device))
-    _check(
-        chunk >= k or (chunk > 0 and triton.next_power_of_2(chunk) == chunk),
-        f"chunk must be a power of two or at least K={k}, got {chunk}",
-    )
-    if chunk < k:
-        _quantize_row_parts_kernel[(m, triton.cdiv(k, chunk))](
-            x, out, scale, k, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-            QMAX=QMAX_OF_FORMAT[fmt], IS_FP8=fmt == "fp8", DYNAMIC=dynamic, CHUNK=chunk,
-            ABS_BLOCK=min(PARTS_ABS_BLOCK, triton.next_power_of_2(k)), PDL=pdl, num_warps=4 if chunk <= 2048 else 8,
-        )  # fmt: skip
         return out, scale
     block_k, one_pass, num_warps = _quantize_launch_params(k, block_k, fmt, m)
     _quantize_rows_kernel[(m,)](

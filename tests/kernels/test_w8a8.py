@@ -110,43 +110,6 @@ def test_quantize_activations_static_saturates_like_reference(fmt, block_k):
     assert q_ref.float().abs().max().item() == K.QMAX_OF_FORMAT[fmt]
 
 
-@pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m,k,chunk", [(1, 100, 32), (3, 256, 64), (5, 129, 16), (2, 4100, 1024)])
-@pytest.mark.parametrize("static", [False, True])
-def test_quantize_row_parts_match_reference(fmt, dtype, m, k, chunk, static):
-    """A row split over ceil(K / chunk) programs (the last one ragged): every part computes the same abs-max, so the
-    codes and the scale are the one-program path's, bit for bit."""
-    g = torch.Generator().manual_seed(m * 100 + k)
-    x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 2, m).reshape(m, 1)).to(dtype)
-    x[0, -1] = 300.0  # the row's abs-max in the last, ragged part: the other parts must still see it
-    input_scale = torch.tensor([0.05], device=DEVICE) if static else None
-    out_scale = None if static else poisoned((m,), torch.float32)
-    q, scale = K.quantize_activations(
-        x.to(DEVICE), fmt, input_scale, out=poisoned((m, k), K.DTYPE_OF_FORMAT[fmt]), out_scale=out_scale, chunk=chunk
-    )
-    q_ref, scale_ref = K.quantize_activations_reference(x, fmt, None if input_scale is None else input_scale.cpu())
-    assert same_bits(q.cpu(), q_ref)
-    assert torch.equal(scale.cpu(), scale_ref)
-
-
-@pytest.mark.parametrize(
-    "m,k,want",
-    [(1, 4096, 1024), (1, 28672, 1024), (16, 14336, 1024), (16, 28672, 2048), (64, 28672, 8192), (64, 4096, 1024),
-     (256, 4096, 4096), (1024, 28672, 28672), (1, 1000, 1000)],
-)  # fmt: skip
-def test_row_parts_rule(m, k, want):
-    assert K.row_parts_chunk(m, k, 132) == want
-
-
-def test_row_parts_chunk_checked():
-    x = torch.zeros(2, 100, device=DEVICE)
-    with pytest.raises(ValueError, match="chunk must be a power of two"):
-        K.quantize_activations(x, "int8", chunk=48)
-    q, _ = K.quantize_activations(x, "int8", chunk=100)  # K itself: one program per row
-    assert not q.float().any()
-
-
 def test_int8_rounding_is_half_to_even():
     # row abs-max 127 makes QMAX / amax == 1, so x itself is rounded: ties go to the even integer
     x = torch.tensor([[0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, 127.0]], dtype=torch.float16)
