@@ -106,7 +106,7 @@ SWEEP_CANDIDATES = {
         (128, 256, 128, 8, 2, 8, 3),
     ],
 }
-SWEEP_MS = {"m16": [1, 16], "m64": [64], "m256": [256], "large": [1024, 4096]}
+SWEEP_MS = {"m16": [1, 16], "m64": [32], "m256": [256], "large": [1024, 4096]}  # m64's entry serves M 17-32
 SMOKE_SWEEP_CANDIDATES = {r: [(16, 32, 32, 1, 0, 4, 2), (16, 16, 64, 2, 1, 4, 2)] for r in SWEEP_CANDIDATES}
 SMOKE_SWEEP_MS = {"m16": [1], "m64": [20], "m256": [70], "large": [300]}
 

@@ -460,11 +460,11 @@ TMA_MODES = (0, 1, 2, 3, 4)
 CONFIGS_TUNED_ON = "NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, 2026-11-29 12:23 UTC"
 CONFIGS = {  # (format, M regime): CONFIG_KEYS values
     ("int8", "m16"): (16, 32, 256, 1, 1, 4, 6),
-    ("int8", "m64"): (64, 64, 256, 1, 1, 4, 4),
+    ("int8", "m64"): (64, 64, 256, 1, 0, 4, 4),  # by hand, M 17-32 (see UPPER_M64)
     ("int8", "m256"): (64, 128, 128, 8, 0, 4, 4),
     ("int8", "large"): (256, 128, 128, 8, 2, 8, 3),
     ("fp8", "m16"): (16, 64, 256, 1, 1, 4, 4),
-    ("fp8", "m64"): (64, 64, 256, 1, 1, 4, 4),
+    ("fp8", "m64"): (64, 64, 256, 1, 0, 4, 4),  # by hand, M 17-32 (see UPPER_M64)
     ("fp8", "m256"): (64, 128, 128, 8, 0, 4, 4),
     ("fp8", "large"): (256, 128, 128, 8, 1, 8, 3),
 }
@@ -494,11 +494,12 @@ INT8_WIDE_SKINNY = (16, 64, 256, 1, 3, 4, 4)
 WIDE_TILES_PER_SM = 2  # of the committed m16 config's BLOCK_N
 
 
-# M 33-64 (the upper half of the m64 regime): the persistent TMA kernel, one program per SM walking 64 x 64 x 256
-# tiles, whose next tile's loads overlap the current one's epilogue. benchmarks/probes/probe_m64.py (H200,
-# 2026-12-03; end to end, bf16 = 1, geomean of six shapes): int8 M = 64 1.385x -> 1.469x, fp8 1.372x -> 1.442x, no
-# shape slower (4096 x 4096 1.02x -> 1.13x); at M = 32 it lost (int8 1.357x -> 1.281x), so M 17-32 keep CONFIGS'
-# m64 entry (results/w8a8-m64-h200-2026-12-03.md)
+# The m64 regime in two halves, from benchmarks/probes/probe_m64.py (H200, 2026-12-03; end to end, bf16 = 1, geomean
+# of six shapes, results/w8a8-m64-h200-2026-12-03.md). M 33-64: the persistent TMA kernel (one program per SM
+# walking 64 x 64 x 256 tiles, so the next tile's loads overlap the current one's epilogue), int8 M = 64 1.453x ->
+# 1.469x against the swept TMA config (1.457 -> 1.471 and 1.459 -> 1.473 in two reruns), fp8 1.422x -> 1.442x.
+# M 17-32: CONFIGS' m64 entry, set by hand to pointer loads, which won at M = 32 (int8 1.272x -> 1.357x, fp8 1.262x
+# -> 1.346x against the TMA config the 2026-11-29 sweep had picked at M = 64).
 UPPER_M64 = (64, 64, 256, 1, 2, 4, 4)
 UPPER_M64_FROM = 33
 
