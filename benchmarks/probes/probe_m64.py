@@ -1,6 +1,6 @@
 """Probe: tile configs of the W8A8 m64 regime (M 17-64), end to end (quantizer + GEMM under PDL, L2 prefetch rule).
 
-    python benchmarks/probes/probe_m64.py [--out DIR] [--ms 32,64]
+    python benchmarks/probes/probe_m64.py [--out DIR] [--ms 32,64] [--fmts int8,fp8] [--cands "64,64,256,1,1,4,4;..."]
 
 Why: int8 at M = 64 runs its GEMM at ~1.53x bf16 (geomean, GEMM alone) against ~1.67x at M = 16, where the wide
 layers take two persistent TMA programs per SM (``INT8_WIDE_SKINNY``); the m64 config (64 x 64 x 256, pointer loads,
@@ -44,7 +44,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("bench_out"))
     ap.add_argument("--ms", default="32,64")
+    ap.add_argument("--fmts", default="int8,fp8")
+    ap.add_argument("--cands", default=None, help="';'-separated CONFIG_KEYS tuples instead of CANDIDATES")
     args = ap.parse_args()
+    cands = [tuple(map(int, c.split(","))) for c in args.cands.split(";")] if args.cands else CANDIDATES
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / "probe_m64.json"
     timer, rows = B8.Timer(False, 10, 40), []
@@ -52,10 +55,10 @@ def main() -> None:
         for m in map(int, args.ms.split(",")):
             p = B8.Problem(n, k, m, "cuda", seed=0)
             bf16 = timer.per_call([(lambda i=i, p=p: F.linear(p.x[i], p.w16[i])) for i in range(p.r)]) * 1e6
-            for fmt in ("int8", "fp8"):
+            for fmt in args.fmts.split(","):
                 row = {"n": n, "k": k, "m": m, "fmt": fmt, "bf16_us": bf16}
                 line, want = f"{fmt} {n}x{k} M={m}: bf16 {bf16:.1f}", None
-                for cand in CANDIDATES:
+                for cand in cands:
                     cfg = dict(zip(W.CONFIG_KEYS, cand, strict=True))
                     wq, ws = p.wq[fmt], p.w_scale[fmt]
                     calls = [partial(W.w8a8_linear, p.x[i], wq[i], ws[i], config=cfg) for i in range(p.r)]
