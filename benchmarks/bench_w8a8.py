@@ -124,6 +124,38 @@ class Timer:
         return seconds_per_call(calls, self.smoke, self.warmup_ms, self.rep_ms)
 
 
+def probe_point(timer: Timer, label: str, row: dict, variants: dict[str, list], rows: list, out: Path) -> None:
+    """The probes' step for one point: each variant (name -> one call per rotation) runs once, its output compared
+    bit for bit with the first variant's, then is timed into ``row[name]`` ({"us", "exact"}); the line is printed
+    (speedups over ``row["bf16_us"]``), the row appended to ``rows`` and all rows saved to ``out`` (JSON), so a probe
+    cut short keeps its points. A variant that fails to build or run is reported and gets NaN."""
+    line, want = f"{label}: bf16 {row['bf16_us']:.1f}", None
+    for name, calls in variants.items():
+        try:
+            y = calls[0]()
+            want = y if want is None else want
+            us, exact = timer.per_call(calls) * 1e6, torch.equal(y, want)
+        except Exception as e:  # reported, and the probe goes on
+            print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            us, exact = float("nan"), False
+        row[name] = {"us": us, "exact": exact}
+        line += f" | {name} {row['bf16_us'] / us:.2f}x" + ("" if exact else " WRONG")
+    print(line, flush=True)
+    rows.append(row)
+    out.write_text(json.dumps(rows, indent=1))
+
+
+def probe_points(ms: str, timer: Timer):
+    """The probes' loop: (N, K, M, Problem, bf16 cuBLAS us) over SHAPES x ``ms`` (comma-separated M values), the
+    baseline timed first; each point's operands are freed before the next is built."""
+    for n, k in SHAPES:
+        for m in map(int, ms.split(",")):
+            p = Problem(n, k, m, "cuda", seed=0)
+            yield n, k, m, p, timer.per_call([partial(F.linear, p.x[i], p.w16[i]) for i in range(p.r)]) * 1e6
+            del p
+            torch.cuda.empty_cache()
+
+
 def rotations(m: int, n: int, k: int) -> int:
     """How many operand copies make one pass over them span ROTATE_SPAN bytes (int8 weights, the smallest)."""
     per_call = n * k + 2 * m * k + 2 * m * n

@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w8a8
 import bench_w8a8 as B8
@@ -82,33 +81,30 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / "probe_fp8_promote.json"
     timer, rows = B8.Timer(False, 10, 40), []
-    for n, k in B8.SHAPES:
-        for m in map(int, args.ms.split(",")):
-            p = B8.Problem(n, k, m, "cuda", seed=0)
-            bf16 = timer.per_call([(lambda i=i, p=p: F.linear(p.x[i], p.w16[i])) for i in range(p.r)]) * 1e6
-            row = {"n": n, "k": k, "m": m, "bf16_us": bf16}
-            line = f"fp8 {n}x{k} M={m}: bf16 {bf16:.1f}"
-            for name in args.variants.split(","):
-                values, fast = VARIANTS[name]
-                cfg = config(m, n, values, fast)
-                calls = [linear_call(p, i, cfg, fast) for i in range(p.r)]
-                try:
-                    err = errors(p, cfg, fast)
-                    us = timer.per_call(calls) * 1e6
-                except Exception as e:  # a variant that fails to compile must not end the probe
-                    print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                    err, us = (
-                        dict.fromkeys(("max_err", "rms_err", "rms_err_vs_unquantized"), float("nan")),
-                        float("nan"),
-                    )
-                row[name] = {"us": us, **err}
-                line += (
-                    f" | {name} {bf16 / us:.2f}x acc {err['max_err']:.1e}/{err['rms_err']:.1e}"
-                    f" total {err['rms_err_vs_unquantized']:.4e}"
+    for n, k, m, p, bf16 in B8.probe_points(args.ms, timer):
+        row = {"n": n, "k": k, "m": m, "bf16_us": bf16}
+        line = f"fp8 {n}x{k} M={m}: bf16 {bf16:.1f}"
+        for name in args.variants.split(","):
+            values, fast = VARIANTS[name]
+            cfg = config(m, n, values, fast)
+            calls = [linear_call(p, i, cfg, fast) for i in range(p.r)]
+            try:
+                err = errors(p, cfg, fast)
+                us = timer.per_call(calls) * 1e6
+            except Exception as e:  # a variant that fails to compile must not end the probe
+                print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                err, us = (
+                    dict.fromkeys(("max_err", "rms_err", "rms_err_vs_unquantized"), float("nan")),
+                    float("nan"),
                 )
-            print(line, flush=True)
-            rows.append(row)
-            out.write_text(json.dumps(rows, indent=1))
+            row[name] = {"us": us, **err}
+            line += (
+                f" | {name} {bf16 / us:.2f}x acc {err['max_err']:.1e}/{err['rms_err']:.1e}"
+                f" total {err['rms_err_vs_unquantized']:.4e}"
+            )
+        print(line, flush=True)
+        rows.append(row)
+        out.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -18,12 +18,8 @@ cap): slower everywhere, dropped (results/l2-ahead-h200-2026-12-03.md).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
-
-import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w8a8
 import bench_w8a8 as B8
@@ -54,33 +50,17 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / "probe_l2_ahead.json"
-    variants = [(d, False) for d in map(int, args.ahead.split(","))]
-    variants += [(d, True) for d, _ in variants] if args.narrow else []
+    settings = [(d, False) for d in map(int, args.ahead.split(","))]
+    settings += [(d, True) for d, _ in settings] if args.narrow else []
     timer, rows = B8.Timer(False, 10, 40), []
-    for n, k in B8.SHAPES:
-        for m in map(int, args.ms.split(",")):
-            p = B8.Problem(n, k, m, "cuda", seed=0)
-            bf16 = timer.per_call([(lambda i=i, p=p: F.linear(p.x[i], p.w16[i])) for i in range(p.r)]) * 1e6
-            for fmt in ("int8", "fp8"):
-                row = {"n": n, "k": k, "m": m, "fmt": fmt, "bf16_us": bf16}
-                want = None
-                line = f"{fmt} {n}x{k} M={m}: bf16 {bf16:.1f}"
-                for d, narrow in variants:
-                    name = f"l2_{d}" + ("_n" if narrow else "")
-                    calls = [w8a8_call(p, fmt, i, d, narrow) for i in range(p.r)]
-                    try:
-                        y = calls[0]()
-                        want = y if want is None else want
-                        exact = torch.equal(y, want)
-                        us = timer.per_call(calls) * 1e6
-                    except Exception as e:  # a variant that fails to compile must not end the probe
-                        print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                        exact, us = False, float("nan")
-                    row[name] = {"us": us, "exact": exact}
-                    line += f" | {name} {bf16 / us:.2f}x" + ("" if exact else " WRONG")
-                print(line, flush=True)
-                rows.append(row)
-                out.write_text(json.dumps(rows, indent=1))
+    for n, k, m, p, bf16 in B8.probe_points(args.ms, timer):
+        for fmt in ("int8", "fp8"):
+            row = {"n": n, "k": k, "m": m, "fmt": fmt, "bf16_us": bf16}
+            variants = {
+                f"l2_{d}" + ("_n" if narrow else ""): [w8a8_call(p, fmt, i, d, narrow) for i in range(p.r)]
+                for d, narrow in settings
+            }
+            B8.probe_point(timer, f"{fmt} {n}x{k} M={m}", row, variants, rows, out)
 
 
 if __name__ == "__main__":

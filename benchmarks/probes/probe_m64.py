@@ -13,13 +13,9 @@ order may differ in the last bit, reported as such).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from functools import partial
 from pathlib import Path
-
-import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w8a8
 import bench_w8a8 as B8
@@ -51,33 +47,16 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / "probe_m64.json"
     timer, rows = B8.Timer(False, 10, 40), []
-    for n, k in B8.SHAPES:
-        for m in map(int, args.ms.split(",")):
-            p = B8.Problem(n, k, m, "cuda", seed=0)
-            bf16 = timer.per_call([(lambda i=i, p=p: F.linear(p.x[i], p.w16[i])) for i in range(p.r)]) * 1e6
-            for fmt in args.fmts.split(","):
-                row = {"n": n, "k": k, "m": m, "fmt": fmt, "bf16_us": bf16}
-                line, want = f"{fmt} {n}x{k} M={m}: bf16 {bf16:.1f}", None
-                for cand in cands:
-                    cfg = dict(zip(W.CONFIG_KEYS, cand, strict=True))
-                    wq, ws = p.wq[fmt], p.w_scale[fmt]
-                    calls = [partial(W.w8a8_linear, p.x[i], wq[i], ws[i], config=cfg) for i in range(p.r)]
-                    name = "_".join(map(str, cand))
-                    try:
-                        y = calls[0]()
-                        want = y if want is None else want
-                        exact = torch.equal(y, want)
-                        us = timer.per_call(calls) * 1e6
-                    except Exception as e:  # a candidate that fails to compile must not end the probe
-                        print(f"  {name}: {type(e).__name__}: {str(e)[:160]}", flush=True)
-                        exact, us = False, float("nan")
-                    row[name] = {"us": us, "exact": exact}
-                    line += f" | {name} {bf16 / us:.2f}" + ("" if exact else "*")
-                print(line, flush=True)
-                rows.append(row)
-                out.write_text(json.dumps(rows, indent=1))
-            del p
-            torch.cuda.empty_cache()
+    for n, k, m, p, bf16 in B8.probe_points(args.ms, timer):
+        for fmt in args.fmts.split(","):
+            row = {"n": n, "k": k, "m": m, "fmt": fmt, "bf16_us": bf16}
+            wq, ws = p.wq[fmt], p.w_scale[fmt]
+            configs = {"_".join(map(str, c)): dict(zip(W.CONFIG_KEYS, c, strict=True)) for c in cands}
+            variants = {
+                name: [partial(W.w8a8_linear, p.x[i], wq[i], ws[i], config=cfg) for i in range(p.r)]
+                for name, cfg in configs.items()
+            }
+            B8.probe_point(timer, f"{fmt} {n}x{k} M={m}", row, variants, rows, out)
 
 
 if __name__ == "__main__":
