@@ -2,12 +2,13 @@
 
     python benchmarks/probes/probe_m64.py [--out DIR] [--ms 32,64] [--fmts int8,fp8] [--cands "64,64,256,1,1,4,4;..."]
 
-Why: int8 at M = 64 runs its GEMM at ~1.53x bf16 (geomean, GEMM alone) against ~1.67x at M = 16, where the wide
-layers take two persistent TMA programs per SM (``INT8_WIDE_SKINNY``); the m64 config (64 x 64 x 256, pointer loads,
-4 stages, 128 KB of shared memory: one CTA per SM) was tuned on 2026-11-29, before the TMA, persistent and L2
-prefetch paths existed. Each candidate runs through ``w8a8_linear(config=...)`` so PDL and the prefetch rule apply as
-in production; outputs are compared bit for bit with the committed config's (int8 exactly; fp8 sums in another
-order may differ in the last bit, reported as such).
+Why: int8 at M = 64 ran its GEMM at ~1.53x bf16 (geomean, GEMM alone) against ~1.67x at M = 16, where the wide
+layers take two persistent TMA programs per SM (``INT8_WIDE_SKINNY``); the m64 config then in use (64 x 64 x 256,
+TMA, 4 stages: the second candidate below) was picked by the 2026-11-29 sweep at M = 64 only, before the persistent
+and L2 prefetch paths existed. Each candidate runs through ``w8a8_linear(config=...)`` so PDL and the prefetch rule
+apply as in production; outputs are compared bit for bit with the first candidate's and marked "WRONG" where they
+differ (int8 must agree exactly; fp8 tiles of another BLOCK_K promote at other points, so their last bits may
+differ). Outcome: results/w8a8-m64-h200-2026-12-03.md (M 17-32 now run the first candidate, M 33-64 the third).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import bench_w8a8 as B8
 from quantkit.kernels import w8a8 as W
 
 CANDIDATES = [  # CONFIG_KEYS: BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, num_warps, num_stages
-    (64, 64, 256, 1, 0, 4, 4),  # committed (int8 and fp8)
-    (64, 64, 256, 1, 1, 4, 4),
-    (64, 64, 256, 1, 2, 4, 4),
+    (64, 64, 256, 1, 0, 4, 4),  # pointer loads: committed for M 17-32 since this probe
+    (64, 64, 256, 1, 1, 4, 4),  # TMA: committed for M 17-64 before it
+    (64, 64, 256, 1, 2, 4, 4),  # persistent: UPPER_M64, M 33-64 since it
     (64, 64, 256, 1, 3, 4, 3),
     (64, 64, 128, 1, 3, 4, 6),
     (64, 128, 256, 1, 0, 4, 3),
