@@ -1,8 +1,14 @@
 """Probe: a W4A16 GEMM for M = 64-4096 written in Gluon, with the dequantization of weight tile t + 1 overlapping
 the wgmma of tile t.
 
-    python benchmarks/probes/probe_gluon_w4a16.py [--out DIR] [--ms 128,256,1024,4096] [--groups 128]
+    python benchmarks/probes/probe_gluon_w4a16.py [--out DIR] [--ms 128,256,1024,4096] [--groups 128] [--ws-only]
+    python benchmarks/probes/probe_gluon_w4a16.py --production [--ms ...] [--groups 128,64]
     PYTHONPATH=<triton 3.6> python benchmarks/probes/probe_gluon_w4a16.py --compile   (no GPU: sm_90 code only)
+
+Second part (2026-12-03, later): the warp-specialized kernel (``quantkit/kernels/w4a16_ws_kernel.py``: a TMA warp,
+dequantizing warps and an MMA warp group on mbarriers, split-K with a deterministic fix-up) as ``GluonConfig``s with
+``dq`` > 0 (``--ws-only`` times those alone), and ``--production``: the committed ``w4a16_ws`` configs with their
+automatic split, beside the Triton regime table's config (results/w4a16-ws-h200-2026-12-03.md).
 
 Why: from M = 256 the committed path dequantizes the whole weight to fp16 and calls cuBLAS (0.59x cuBLAS fp16 at
 M = 256: 2 bytes per weight written and read back); every fused Triton tile timed so far (swap-AB, register-A,
@@ -50,66 +56,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w4a16
 from bench_w4a16 import SHAPES, Layer, Timer, layer_walk
 from quantkit.kernels import w4a16 as K
 from quantkit.kernels import w4a16_configs as C
-
-
-def _ptx_pairs(magic: int, kind: str) -> str:
-    """PTX lines: t_j = codes (j, j + 4) of word $4 as two 16-bit floats magic + code, minus the zero pair $5."""
-    lines = [f"lop3.b32 t0, $4, 0x000F000F, {magic:#010x}, 0xea;"]
-    for j in (1, 2, 3):
-        lines += [f"shr.u32 u, $4, {4 * j};", f"lop3.b32 t{j}, u, 0x000F000F, {magic:#010x}, 0xea;"]
-    lines += [f"sub.rn.{kind}x2 t{j}, t{j}, $5;" for j in range(4)]
-    return "\n".join(lines)
-
-
-# fp16: the product with the scale pair $6 rounded once, then PRMTs put k-adjacent values into one register.
-_F16_ASM = gl.constexpr(
-    "{\n.reg .b32 t0, t1, t2, t3, u;\n"
-    + _ptx_pairs(0x64006400, "f16")
-    + "".join(f"\nmul.rn.f16x2 t{j}, t{j}, $6;" for j in range(4))
-    + "\nprmt.b32 $0, t0, t1, 0x5410;\nprmt.b32 $1, t2, t3, 0x5410;"
-    + "\nprmt.b32 $2, t0, t1, 0x7632;\nprmt.b32 $3, t2, t3, 0x7632;\n}"
-)
-
-# bf16: the exact difference q - z in bf16, then each value widened to fp32 (low half: shift, high half: mask),
-# multiplied by the fp32 scale $6 (exact: 4-bit integer x 11-bit scale) and rounded once per pair by cvt (high
-# operand first).
-_BF16_ASM = gl.constexpr(
-    "{\n.reg .b32 t0, t1, t2, t3, u, l0, l1, l2, l3, h0, h1, h2, h3;\n"
-    + _ptx_pairs(0x43004300, "bf16")
-    + "".join(f"\nshl.b32 l{j}, t{j}, 16;\nand.b32 h{j}, t{j}, 0xFFFF0000;" for j in range(4))
-    + "".join(f"\nmul.rn.f32 l{j}, l{j}, $6;\nmul.rn.f32 h{j}, h{j}, $6;" for j in range(4))
-    + "\ncvt.rn.bf16x2.f32 $0, l1, l0;\ncvt.rn.bf16x2.f32 $1, l3, l2;"
-    + "\ncvt.rn.bf16x2.f32 $2, h1, h0;\ncvt.rn.bf16x2.f32 $3, h3, h2;\n}"
-)
-
-
-@gluon.jit
-def _dequant_words(words, zz, ss, BF16: gl.constexpr):
-    """int32 words [R, BN] (8 codes along K each), zero pairs and scales -> four int32 [R, BN]: dequantized
-    (k0, k1), (k2, k3), (k4, k5), (k6, k7) of each word, two 16-bit values per register, low half first."""
-    if BF16:
-        return gl.inline_asm_elementwise(_BF16_ASM, "=r,=r,=r,=r,r,r,f", [words, zz, ss],
-                                         (gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)  # fmt: skip
-    else:
-        return gl.inline_asm_elementwise(_F16_ASM, "=r,=r,=r,=r,r,r,r", [words, zz, ss],
-                                         (gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)  # fmt: skip
-
-
-@gluon.jit
-def _group_params(qz_ptr, s_ptr, g, cols, col_mask, stride_qzg, stride_sg, BF16: gl.constexpr):
-    """Packed zero words and scales (fp32 for bf16, the fp16 bits as int32 otherwise) of group g for ``cols``."""
-    zw = gl.load(qz_ptr + g * stride_qzg + cols // 8, mask=col_mask, other=0)
-    if BF16:
-        sv = gl.load(s_ptr + g * stride_sg + cols, mask=col_mask, other=0.0).to(gl.float32)
-    else:
-        sv = gl.load(s_ptr + g * stride_sg + cols, mask=col_mask, other=0).to(gl.int32) & 0xFFFF
-    return zw, sv
+from quantkit.kernels import w4a16_ws as WS
+from quantkit.kernels.w4a16_ws_kernel import _dequant_words, _group_params, _w4a16_ws_kernel
+from quantkit.kernels.w4a16_ws_kernel import descriptors as ws_descriptors
 
 
 @gluon.jit
@@ -214,10 +168,26 @@ class GluonConfig:
     block_k: int = 64
     stages: int = 4
     num_warps: int = 4
+    dq: int = 0  # > 0: the warp-specialized kernel with this many dequantized-tile buffers
+    dq_regs: int = 160  # registers per thread of its dequantizing warps
+    dq_warps: int = 4  # warps that dequantize
+    split_k: int = 1  # CTAs per output tile along K, fixed up by the last one to finish (fp32 workspace)
 
     @property
     def name(self) -> str:
-        return f"gluon-m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.stages}"
+        base = f"gluon-m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.stages}"
+        if not self.dq:
+            return base
+        return (
+            base + f"-ws{self.dq}d{self.dq_warps}r{self.dq_regs}" + (f"-sk{self.split_k}" if self.split_k > 1 else "")
+        )
+
+    def kernel_args(self) -> tuple:
+        """The kernel and its trailing constexpr arguments after BF16, HAS_BIAS."""
+        if self.dq:
+            return _w4a16_ws_kernel, dict(DQ=self.dq, DQ_REGS=self.dq_regs, DQ_WARPS=self.dq_warps,
+                                          SPLIT_K=self.split_k)  # fmt: skip
+        return _w4a16_wgmma_kernel, {}
 
 
 def _gl_dtype(dtype: torch.dtype):
@@ -225,34 +195,65 @@ def _gl_dtype(dtype: torch.dtype):
 
 
 def descriptors(x: torch.Tensor, w: K.W4A16Weight, cfg: GluonConfig):
-    x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, cfg.block_k], _gl_dtype(x.dtype))
-    w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    x_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k], x_layout)
-    qw_desc = TensorDescriptor.from_tensor(w.qweight, [cfg.block_k // 8, cfg.block_n], w_layout)
-    return x_desc, qw_desc
+    return ws_descriptors(x, w.qweight, cfg.block_m, cfg.block_n, cfg.block_k)
+
+
+_WORKSPACE: dict = {}
+
+
+def _split_workspace(device, numel: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 workspace for the partial tiles and zeroed int32 tile counters, kept between calls (the kernel
+    leaves the counters zeroed)."""
+    ws, cnt = _WORKSPACE.get(device, (None, None))
+    if ws is None or ws.numel() < numel or cnt.numel() < tiles:
+        ws = torch.empty(max(numel, 1 << 20), device=device, dtype=torch.float32)
+        cnt = torch.zeros(max(tiles, 4096), device=device, dtype=torch.int32)
+        _WORKSPACE[device] = (ws, cnt)
+    return ws, cnt
 
 
 def gluon_w4a16(x: torch.Tensor, w: K.W4A16Weight, config: GluonConfig, bias=None, out=None) -> torch.Tensor:
     m, k = x.shape
     n = w.out_features
     group = w.group_size or k
-    if w.bits != 4 or k % config.block_k or group % config.block_k or w.perm is not None:
-        raise ValueError(f"{config.name}: 4-bit, K and the group a multiple of {config.block_k}, no act-order")
+    split = config.split_k
+    if w.bits != 4 or k % (group * split) or group % config.block_k or w.perm is not None:
+        raise ValueError(f"{config.name}: 4-bit, K a multiple of {split} groups, the group of {config.block_k}, "
+                         "no act-order")  # fmt: skip
     if out is None:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     x_desc, qw_desc = descriptors(x, w, config)
     scales = w.scales if x.dtype == torch.bfloat16 else w.scales.view(torch.int16)
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
-    _w4a16_wgmma_kernel[grid](
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    grid = (tiles, split)
+    fn, extra = config.kernel_args()
+    if config.dq:
+        ws, cnt = _split_workspace(x.device, split * m * n, tiles) if split > 1 else (out, out)
+        extra = dict(extra, GROUP=group)
+        sizes = (ws, cnt, m, n, k)
+    else:
+        sizes = (m, n, k, group)
+    fn[grid](
         x_desc, qw_desc, w.qzeros, scales, bias if bias is not None else out, out,
-        m, n, k, group, w.qzeros.stride(0), w.scales.stride(0), out.stride(0),
-        config.block_m, config.block_n, config.block_k, config.stages, x.dtype == torch.bfloat16, bias is not None,
-        num_warps=config.num_warps,
+        *sizes, w.qzeros.stride(0), w.scales.stride(0), out.stride(0),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.stages,
+        BF16=x.dtype == torch.bfloat16, HAS_BIAS=bias is not None, num_warps=config.num_warps, **extra,
     )  # fmt: skip
     return out
 
 
+WS_CANDIDATES = [
+    GluonConfig(128, 128, 64, 4, 4, dq=2, dq_warps=8, dq_regs=128),
+    GluonConfig(128, 128, 128, 3, 4, dq=2, dq_warps=8, dq_regs=128),
+    GluonConfig(256, 128, 64, 4, 8, dq=2),
+    GluonConfig(256, 128, 64, 5, 8, dq=2),
+    GluonConfig(256, 128, 128, 2, 8, dq=2),
+    GluonConfig(256, 128, 64, 4, 8, dq=2, split_k=2),
+    GluonConfig(256, 128, 64, 4, 8, dq=2, split_k=4),
+    GluonConfig(128, 128, 128, 3, 4, dq=2, dq_warps=8, dq_regs=128, split_k=2),
+]
 CANDIDATES = [
+    *WS_CANDIDATES,
     GluonConfig(128, 64, 64, 6, 8),
     GluonConfig(64, 64, 64, 6, 4),
     GluonConfig(128, 128, 64, 5, 8),
@@ -278,13 +279,15 @@ def compile_offline(cfg: GluonConfig, dtype: torch.dtype):
     w = K.W4A16Weight(qw, torch.empty(32, 512, dtype=torch.int32), torch.empty(32, 4096, dtype=torch.float16),
                       4, 128, 4096, 4096)  # fmt: skip
     x_desc, qw_desc = descriptors(x, w, cfg)
-    fn = _w4a16_wgmma_kernel
+    fn, extra = cfg.kernel_args()
     act = "fp16" if dtype == torch.float16 else "bf16"
     sig = dict.fromkeys(fn.arg_names, "i32")
     sig.update(x_desc=mangle_type(x_desc), qw_desc=mangle_type(qw_desc), qz_ptr="*i32", bias_ptr=f"*{act}",
                out_ptr=f"*{act}", s_ptr="*bf16" if dtype == torch.bfloat16 else "*i16")  # fmt: skip
+    sig.update({a: t for a, t in (("ws_ptr", "*fp32"), ("cnt_ptr", "*i32")) if a in fn.arg_names})
+    extra = dict(extra, GROUP=128) if "GROUP" in fn.arg_names else extra
     const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
-                 BF16=dtype == torch.bfloat16, HAS_BIAS=False, num_warps=cfg.num_warps)  # fmt: skip
+                 BF16=dtype == torch.bfloat16, HAS_BIAS=False, num_warps=cfg.num_warps, **extra)  # fmt: skip
     sig.update(dict.fromkeys(const, "constexpr"))
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in
              ["qz_ptr", "s_ptr", "bias_ptr", "out_ptr", "N", "K", "stride_qzg", "stride_sg", "stride_om"]}  # fmt: skip
@@ -316,17 +319,43 @@ def report_compile() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # GPU probe
 # ---------------------------------------------------------------------------------------------------------------
-def check_bf16(layer: Layer, m: int, cfg: GluonConfig) -> bool:
+def check_bf16(layer: Layer, m: int, cfg, linear=None) -> bool:
     """bf16 activations: against the dequantize kernel's bf16 weight through F.linear (same rounding of W)."""
     x = torch.randn(m, layer.k, device="cuda", generator=layer.gen).bfloat16()
     w = layer.weights[0]
     ref = x.double() @ layer.w64()
-    err = (gluon_w4a16(x, w, cfg).double() - ref).abs().max().item()
+    err = ((linear or gluon_w4a16)(x, w, config=cfg).double() - ref).abs().max().item()
     torch_err = ((x @ K.w4a16_dequantize(w, torch.bfloat16).t()).double() - ref).abs().max().item()
     ok = err <= 2 * torch_err + 2**-20 * ref.abs().max().item()
     if not ok:
         print(f"  {cfg.name} bf16 M={m}: err {err:.3g} vs cuBLAS {torch_err:.3g}", flush=True)
     return ok
+
+
+def production(out: Path, ms: list[int], groups: list[int]) -> None:
+    """Every WS_TABLE config at every M (fp16 checked against float64, bf16 against the dequantized weight) beside
+    the Triton regime table's config, through ``w4a16_ws_gemm``."""
+    out.mkdir(parents=True, exist_ok=True)
+    timer = Timer(smoke=False)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    rows = []
+    for n, k, group, layer, base in layer_walk(SHAPES, groups, ms, timer, "cuda", gen):
+        for m in ms:
+            committed = C.config_for(m, n)
+            us = timer.per_call(layer.calls(m, committed))
+            row = {"n": n, "k": k, "group": group, "m": m, "fp16_us": base[m], "committed": committed.name,
+                   committed.name: us}  # fmt: skip
+            line = f"{n}x{k} g{group} M={m}: fp16 {base[m]:.1f} us | {committed.name} {base[m] / us:.2f}x"
+            for cfg in dict.fromkeys(WS.fit_group(c, group) for _, c in WS.WS_TABLE):
+                split = WS.ws_split(cfg, m, n, k, group, 132)
+                fp16 = layer.check(m, cfg, WS.w4a16_ws_gemm)
+                ok = fp16["ok"] and check_bf16(layer, m, cfg, WS.w4a16_ws_gemm)
+                us = timer.per_call(layer.calls(m, cfg, WS.w4a16_ws_gemm)) if ok else None
+                row[cfg.name] = {"us": us, "ok": ok, "split": split, "err": fp16["err"], "torch_err": fp16["torch_err"]}
+                line += f" | {cfg.name} sk{split} " + (f"{base[m] / us:.2f}x" if us else "FAILED")
+            print(line, flush=True)
+            rows.append(row)
+            (out / "probe_gluon_w4a16_production.json").write_text(json.dumps({"rows": rows}, indent=1))
 
 
 def main() -> None:
@@ -336,7 +365,15 @@ def main() -> None:
     ap.add_argument("--groups", default="128")
     ap.add_argument("--shapes", default="all", help="'all' or NxK,NxK")
     ap.add_argument("--compile", action="store_true", help="compile every candidate for sm_90 and stop (no GPU)")
+    ap.add_argument("--ws-only", action="store_true", help="time the warp-specialized candidates only")
+    ap.add_argument("--production", action="store_true",
+                    help="time quantkit.kernels.w4a16_ws (WS_TABLE's configs, automatic split-K) only")  # fmt: skip
     args = ap.parse_args()
+    if args.production:
+        ms = [int(v) for v in args.ms.split(",")]
+        production(args.out, ms, [int(g) for g in args.groups.split(",")])
+        return
+    candidates = WS_CANDIDATES if args.ws_only else CANDIDATES
     if args.compile:
         report_compile()
         return
@@ -354,7 +391,7 @@ def main() -> None:
             us = timer.per_call(layer.calls(m, committed))
             row[committed.name] = us
             line = f"{n}x{k} g{group} M={m}: fp16 {base[m]:.1f} us | {committed.name} {base[m] / us:.2f}x"
-            for cfg in CANDIDATES:
+            for cfg in candidates:
                 try:
                     fp16 = layer.check(m, cfg, gluon_w4a16)
                     if not fp16["ok"]:

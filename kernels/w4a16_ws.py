@@ -1,0 +1,150 @@
+"""Launch side of the warp-specialized W4A16 GEMM (``w4a16_ws_kernel.py``, Gluon, sm_90 only): configs, the rule
+that picks one by M and layer shape, the split-K plan, what the kernel cannot take, and the launcher.
+
+``w4a16.w4a16_linear`` asks ``ws_config_for`` first; where it returns a config and ``ws_unsupported_reason`` is
+None, this kernel runs, otherwise the Triton regime table (``w4a16_configs.CONFIG_TABLE``) decides as before.
+Everything here but ``w4a16_ws_gemm`` runs without a GPU (the CPU tests check the rules); the Gluon kernel module is
+imported on the first launch only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from quantkit.kernels.w4a16_configs import LOCK_SLOTS
+from quantkit.kernels.w4a16_weight import W4A16Weight, check_operands
+
+
+@dataclass(frozen=True)
+class WSConfig:
+    """Tile [block_m, block_n] x block_k of K per pipeline step; ``stages`` slots of x and packed words;
+    ``dq_buffers`` dequantized tiles in shared memory; ``num_warps`` MMA warps (4 per 64 rows of wgmma);
+    ``dq_warps`` dequantizing warps with ``dq_regs`` registers each (setmaxnreg)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    stages: int
+    num_warps: int
+    dq_buffers: int = 2
+    dq_warps: int = 4
+    dq_regs: int = 160
+
+    @property
+    def name(self) -> str:
+        return (
+            f"ws-m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.stages}"
+            f"b{self.dq_buffers}d{self.dq_warps}r{self.dq_regs}"
+        )
+
+
+# M range -> config, from benchmarks/probes/probe_gluon_w4a16.py on the H200 (results/w4a16-ws-h200-2026-12-03.md):
+# 128-row tiles with 128-deep K steps and eight dequantizing warps up to M = 128, 256-row tiles above; from
+# WS_MAX_M on, dequantize + cuBLAS (the regime table) is faster.
+WS_TABLE: tuple[tuple[int, WSConfig], ...] = (
+    (128, WSConfig(128, 128, 128, 3, 4, dq_warps=8, dq_regs=128)),
+    (512, WSConfig(256, 128, 64, 4, 8)),
+)
+WS_MIN_M = 65  # below: the swap-AB Triton tiles, whose 16-64 rows waste no MMA work
+WS_GROUPS = (64, 128)
+WS_MAX_SPLIT = 8
+WS_FILL = 0.75  # split K until tiles x split reaches this fraction of the SMs
+
+
+def fit_group(cfg: WSConfig, group_size: int) -> WSConfig:
+    """``cfg`` with 64-deep steps (one more stage) where its steps are deeper than a group: a step never straddles
+    two groups."""
+    if group_size % cfg.block_k == 0:
+        return cfg
+    return replace(cfg, block_k=64, stages=cfg.stages + 1)
+
+
+def ws_config_for(m: int, group_size: int) -> WSConfig | None:
+    """The committed config for ``m`` rows, or None where the Triton path is the measured choice."""
+    if m < WS_MIN_M:
+        return None
+    for max_m, cfg in WS_TABLE:
+        if m <= max_m:
+            return fit_group(cfg, group_size)
+    return None
+
+
+def ws_split(cfg: WSConfig, m: int, n: int, k: int, group_size: int, num_sms: int) -> int:
+    """Split-K factor: doubled while the grid has fewer than WS_FILL x SMs CTAs and K still splits into whole
+    groups of at least two steps each."""
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    split = 1
+    while (
+        tiles * split < WS_FILL * num_sms
+        and split * 2 <= WS_MAX_SPLIT
+        and k % (group_size * split * 2) == 0
+        and k // (split * 2) >= 2 * cfg.block_k
+    ):
+        split *= 2
+    return split
+
+
+def ws_unsupported_reason(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None, cfg: WSConfig) -> str | None:
+    """Why this kernel cannot run the product (None: it can). Checks the device, the weight's format and the
+    alignment rules of the TMA copies; operand shapes and dtypes are ``check_operands``'s job."""
+    if w.bits != 4:
+        return f"4-bit weights only, got {w.bits}-bit"
+    if w.group_size not in WS_GROUPS or w.group_size % cfg.block_k:
+        return f"groups of {' or '.join(map(str, WS_GROUPS))} along K, got {w.group_size or 'one per column'}"
+    if w.in_features % w.group_size:
+        return f"K = {w.in_features} must be a whole number of groups"
+    if w.out_features % 4:
+        return f"N = {w.out_features} must be a multiple of 4 (16-byte rows of packed words for TMA)"
+    if x.stride(1) != 1 or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
+        return "x needs unit column stride and 16-byte aligned rows (TMA)"
+    if out is not None and out.stride(1) != 1:
+        return "out needs unit column stride"
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
+        return "needs a CUDA device of compute capability 9.0 (Hopper)"
+    return None
+
+
+def w4a16_ws_gemm(
+    x: torch.Tensor,
+    w: W4A16Weight,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    config: WSConfig | None = None,
+    split: int | None = None,
+) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W.T + bias with the warp-specialized kernel; x is already in kernel channel order.
+    ``split``: the split-K factor instead of ``ws_split``'s (tests); K / split must be whole groups."""
+    from quantkit.kernels.w4a16_ws_kernel import _w4a16_ws_kernel, descriptors  # Gluon: GPU machines only
+
+    check_operands(x, w, bias, out)
+    m, k = x.shape
+    n = w.out_features
+    cfg = config or ws_config_for(m, w.group_size)
+    if cfg is None:
+        raise ValueError(f"no warp-specialized config for M = {m} (WS_TABLE covers {WS_MIN_M}..{WS_TABLE[-1][0]})")
+    reason = ws_unsupported_reason(x, w, out, cfg)
+    if reason:
+        raise ValueError(f"w4a16_ws_gemm: {reason}")
+    if out is None:
+        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    if split is None:
+        split = ws_split(cfg, m, n, k, w.group_size, torch.cuda.get_device_properties(x.device).multi_processor_count)
+        if tiles > LOCK_SLOTS:
+            split = 1  # the tile counters live in the weight's LOCK_SLOTS semaphores
+    elif split < 1 or k % (w.group_size * split) or (split > 1 and tiles > LOCK_SLOTS):
+        raise ValueError(f"split {split}: K = {k} must split into whole groups of {w.group_size}, "
+                         f"tiles ({tiles}) at most {LOCK_SLOTS}")  # fmt: skip
+    part = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
+    x_desc, qw_desc = descriptors(x, w.qweight, cfg.block_m, cfg.block_n, cfg.block_k)
+    bf16 = x.dtype == torch.bfloat16
+    scales = w.scales if bf16 else w.scales.view(torch.int16)  # fp16 scales enter the PTX as raw 16-bit pairs
+    _w4a16_ws_kernel[(tiles, split)](
+        x_desc, qw_desc, w.qzeros, scales, bias if bias is not None else out, out, part, w.locks,
+        m, n, k, w.qzeros.stride(0), w.scales.stride(0), out.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages, DQ=cfg.dq_buffers,
+        BF16=bf16, HAS_BIAS=bias is not None, DQ_REGS=cfg.dq_regs, DQ_WARPS=cfg.dq_warps, SPLIT_K=split,
+        GROUP=w.group_size, num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return out

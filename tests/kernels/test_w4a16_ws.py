@@ -1,0 +1,139 @@
+"""Warp-specialized W4A16 kernel (Gluon, Hopper only): the dispatch rules everywhere, the kernel on an sm_90 GPU.
+
+Gluon has no interpreter mode, so on CPU these tests check which products the kernel is offered (``ws_config_for``,
+``ws_split``, ``ws_unsupported_reason``) and that ``w4a16_linear`` keeps serving the rest through Triton; on the H200
+they check the kernel against a float64 reference under test_w4a16.py's rule (at most twice PyTorch's own error),
+with NaN-poisoned outputs, ragged M and N, both dtypes, act-order, bias, group 64 and 128, and forced split-K.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from quantkit.kernels import w4a16 as K
+from quantkit.kernels import w4a16_ws as WS
+
+from tests.kernels.test_w4a16 import DEVICE, assert_close_to_float64, make_layer, prepared
+
+hopper = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="needs a Hopper (sm_90) GPU",
+)
+
+
+def test_config_rule_covers_the_measured_rows_only():
+    assert WS.ws_config_for(WS.WS_MIN_M - 1, 128) is None
+    assert WS.ws_config_for(WS.WS_MIN_M, 128) == WS.WS_TABLE[0][1]
+    for max_m, cfg in WS.WS_TABLE:
+        assert WS.ws_config_for(max_m, 128) == cfg
+    assert WS.ws_config_for(WS.WS_TABLE[-1][0] + 1, 128) is None
+
+
+def test_group_64_takes_64_deep_steps():
+    deep = next(cfg for _, cfg in WS.WS_TABLE if cfg.block_k == 128)
+    fitted = WS.fit_group(deep, 64)
+    assert fitted.block_k == 64 and fitted.stages == deep.stages + 1
+    assert WS.fit_group(deep, 128) is deep
+
+
+@pytest.mark.parametrize("m,n,k,group", [(256, 4096, 4096, 128), (256, 8192, 28672, 128), (128, 4096, 14336, 64),
+                                         (512, 28672, 8192, 128), (100, 256, 512, 128)])  # fmt: skip
+def test_split_fills_the_gpu_with_whole_groups(m, n, k, group):
+    cfg = WS.ws_config_for(m, group)
+    split = WS.ws_split(cfg, m, n, k, group, 132)
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    assert 1 <= split <= WS.WS_MAX_SPLIT and split & (split - 1) == 0
+    assert k % (group * split) == 0 and k // split >= 2 * cfg.block_k
+    doubled = split * 2
+    can_double = doubled <= WS.WS_MAX_SPLIT and k % (group * doubled) == 0 and k // doubled >= 2 * cfg.block_k
+    assert tiles * split >= WS.WS_FILL * 132 or not can_double  # it stops only when full or unable to split
+
+
+def weight(n, k, bits=4, group=128, act_order=False, seed=0):
+    qw, buffers = make_layer(n, k, bits, group, act_order=act_order, seed=seed)
+    return qw, prepared(buffers, bits, group)
+
+
+@pytest.mark.parametrize(
+    "bits,group,n,x_offset,reason",
+    [(8, 128, 64, 0, "4-bit"), (4, 32, 64, 0, "groups of 64 or 128"), (4, -1, 64, 0, "groups of 64 or 128"),
+     (4, 128, 66, 0, "multiple of 4"), (4, 128, 64, 1, "16-byte aligned")],
+)  # fmt: skip
+def test_unsupported_products_are_named(bits, group, n, x_offset, reason):
+    _, w = weight(n, 256, bits, group)
+    x = torch.randn(100, 256 + x_offset, device=DEVICE).half()[:, x_offset:]
+    cfg = WS.ws_config_for(100, 128)
+    assert reason in WS.ws_unsupported_reason(x, w, None, cfg)
+
+
+def test_cpu_products_in_its_rows_run_the_triton_path():
+    qw, w = weight(64, 256)
+    x = torch.randn(100, 256, device=DEVICE).half()
+    if not x.is_cuda:
+        assert "compute capability 9.0" in WS.ws_unsupported_reason(x, w, None, WS.ws_config_for(100, 128))
+    out = torch.full((100, 64), float("nan"), device=DEVICE, dtype=torch.float16)
+    assert_close_to_float64(K.w4a16_linear(x, w, out=out), x, qw, None)
+
+
+# (M, N, K, group, dtype, act_order, bias, split): ragged M and N, both configs of WS_TABLE, forced splits
+GPU_CASES = [
+    (65, 260, 1024, 128, torch.float16, False, True, None),
+    (128, 4096, 4096, 128, torch.bfloat16, False, False, None),
+    (100, 132, 512, 64, torch.float16, True, True, 2),
+    (200, 1000, 2048, 128, torch.bfloat16, True, True, None),
+    (300, 516, 1024, 64, torch.float16, False, False, 4),
+    (512, 2048, 4096, 128, torch.float16, False, True, 8),
+    (257, 4096, 8192, 128, torch.bfloat16, False, True, None),
+]
+
+
+@hopper
+@pytest.mark.parametrize("m,n,k,group,dtype,act_order,with_bias,split", GPU_CASES)
+def test_kernel_matches_float64_reference(m, n, k, group, dtype, act_order, with_bias, split):
+    qw, w = weight(n, k, 4, group, act_order, seed=m + n)
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    bias = torch.randn(n, device="cuda").to(dtype) if with_bias else None
+    x_kernel = x.index_select(1, w.perm) if w.perm is not None else x
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+    y = WS.w4a16_ws_gemm(x_kernel, w, bias, out, split=split)
+    assert y.data_ptr() == out.data_ptr()
+    assert_close_to_float64(y, x, qw, bias)
+    assert not w.locks.any()  # the last CTA of each split tile reset its counter
+    via_linear = K.w4a16_linear(x, w, bias)  # the default dispatch runs the same kernel for these rows
+    if split is None:
+        assert torch.equal(via_linear, y)
+    else:
+        assert_close_to_float64(via_linear, x, qw, bias)
+
+
+@hopper
+def test_split_k_is_deterministic_and_replays_in_a_cuda_graph():
+    _, w = weight(1024, 4096, seed=3)
+    x = torch.randn(256, 4096, device="cuda").half()
+    first = WS.w4a16_ws_gemm(x, w, split=4)
+    out = torch.full_like(first, float("nan"))
+    WS.w4a16_ws_gemm(x, w, out=out, split=4)  # compile and warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        WS.w4a16_ws_gemm(x, w, out=out, split=4)
+    out.fill_(float("nan"))
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, first) and not w.locks.any()
+
+
+@hopper
+def test_unaligned_rows_are_served_by_the_triton_path():
+    qw, w = weight(256, 512, seed=5)
+    x = torch.randn(130, 513, device="cuda").half()[:, 1:]  # 2-byte offset: no TMA
+    assert WS.ws_unsupported_reason(x, w, None, WS.ws_config_for(130, 128)) is not None
+    assert_close_to_float64(K.w4a16_linear(x, w), x, qw, None)
+
+
+@hopper
+def test_launcher_rejects_a_split_that_breaks_groups():
+    _, w = weight(256, 384, seed=6)  # three groups of 128
+    x = torch.randn(128, 384, device="cuda").half()
+    with pytest.raises(ValueError, match="whole groups"):
+        WS.w4a16_ws_gemm(x, w, split=2)
