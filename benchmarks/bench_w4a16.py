@@ -3,7 +3,9 @@
 Every figure maps fp16 activations x [M, K] to an fp16 output [M, N] and is timed in the same run as cuBLAS:
 
   fp16     F.linear(x, W_fp16): cuBLAS, the baseline of every ratio
-  w4a16    quantkit.kernels.w4a16.w4a16_linear with the committed table: what QuantLinear runs on CUDA
+  w4a16    quantkit.kernels.w4a16.w4a16_linear with the committed table: what QuantLinear runs on CUDA (for M
+           in the warp-specialized kernel's rows, w4a16_ws.WS_TABLE, that kernel; "triton" then times the
+           regime table's Triton config in the same run)
   dequant  Triton dequantize to [K, N] + cuBLAS (M >= 128 only, to show where it crosses the fused kernel)
 
 Weights are 4-bit GPTQ-v2 (random codes and zeros, fp16 scales), groups 128 and 64. "weight TB/s" counts the bytes
@@ -47,6 +49,8 @@ import triton.testing
 from graph_timing import seconds_per_call
 from quantkit.kernels import w4a16 as K
 from quantkit.kernels import w4a16_configs as C
+from quantkit.kernels import w4a16_ws as WS
+from quantkit.kernels.w4a16_weight import num_sms
 
 L2_BYTES = 60 * 2**20
 ROTATE_SPAN = 2 * L2_BYTES
@@ -54,7 +58,7 @@ MAX_ROTATIONS = 32
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]  # (N, K)
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 GROUPS = [128, 64]
-CHECK_MS = [1, 33, 300]
+CHECK_MS = [1, 33, 130, 300]  # 130 and 300: the warp-specialized kernel's two configs on a GPU that has it
 DEQUANT_MIN_M = 128
 QUICK = {"shapes": [(4096, 4096), (28672, 8192)], "ms": [1, 16, 64, 1024], "groups": [128]}
 SMOKE = {"shapes": [(64, 320)], "ms": [1, 20], "groups": [64]}
@@ -406,16 +410,21 @@ def run_table(args, timer: Timer, device: str, table: list | None) -> dict:
     gen = torch.Generator(device=device).manual_seed(1)
     for n, k, group, layer, base in layer_walk(spec["shapes"], spec["groups"], spec["ms"], timer, device, gen):
         for m in CHECK_MS if not args.smoke else spec["ms"]:
-            checks.append({"n": n, "k": k, "group": group, **layer.check(m, choose(m, n))})
+            ws = None if table else warp_specialized(layer, m)
+            checks.append({"n": n, "k": k, "group": group, **layer.check(m, None if ws else choose(m, n))})
             if not checks[-1]["ok"]:
                 print(f"  CORRECTNESS FAILURE {n}x{k} g{group}: {checks[-1]}")
         for m in spec["ms"]:
             cfg = choose(m, n)
-            us = timer.per_call(layer.calls(m, cfg))
-            row = {"n": n, "k": k, "group": group, "m": m, "config": cfg.name, "fp16_us": base[m], "w4a16_us": us}
+            ws = None if table else warp_specialized(layer, m)
+            us = timer.per_call(layer.calls(m, None if ws else cfg))  # None: w4a16_linear's own dispatch
+            name = f"{ws.name}-sk{WS.ws_split(ws, m, n, k, group, num_sms(torch.device(device)))}" if ws else cfg.name
+            row = {"n": n, "k": k, "group": group, "m": m, "config": name, "fp16_us": base[m], "w4a16_us": us}
             row["speedup"] = base[m] / us
             row["weight_tbps"] = layer.bytes / (us * 1e-6) / 1e12
             row["pct_copy_bw"] = 100 * row["weight_tbps"] / copy_bw
+            if ws:  # the Triton regime table's config in the same run, for comparison
+                row["triton_config"], row["triton_us"] = cfg.name, timer.per_call(layer.calls(m, cfg))
             if m >= DEQUANT_MIN_M and cfg.method != "dequant":
                 row["dequant_us"] = timer.per_call(layer.calls(m, C.KernelConfig("dequant")))
             rows.append(row)
@@ -424,6 +433,15 @@ def run_table(args, timer: Timer, device: str, table: list | None) -> dict:
                 meta[key] = {"config": cfg.name, "group": group, "m": m, **kernel_metadata(layer, m, cfg)}
     source = "sweep winners" if table else "committed CONFIG_TABLE"
     return {"table": source, "copy_tbps": copy_bw, "rows": rows, "checks": checks, "metadata": list(meta.values())}
+
+
+def warp_specialized(layer: Layer, m: int) -> WS.WSConfig | None:
+    """The warp-specialized config ``w4a16_linear`` runs for ``m`` rows of this layer without a config, if any."""
+    ws = WS.ws_config_for(m, layer.group)
+    if not WS.ws_offered(ws, m, layer.n, layer.k, layer.group, num_sms(torch.device(layer.device))):
+        return None
+    x = torch.empty(m, layer.k, device=layer.device, dtype=torch.float16)
+    return ws if WS.ws_unsupported_reason(x, layer.weights[0], None, ws) is None else None
 
 
 def table_config(table: list, m: int) -> C.KernelConfig:
@@ -435,14 +453,17 @@ def table_config(table: list, m: int) -> C.KernelConfig:
 
 def markdown_table(result: dict) -> str:
     lines = [
-        "| N x K | G | M | config | fp16 us | w4a16 us | speedup | weight TB/s | % copy BW | dequant+cuBLAS us |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| N x K | G | M | config | fp16 us | w4a16 us | speedup | weight TB/s | % copy BW | dequant+cuBLAS us "
+        "| Triton table us |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         deq = f"{r['dequant_us']:.1f}" if "dequant_us" in r else ""
+        tri = f"{r['triton_us']:.1f} ({r['triton_config']})" if "triton_us" in r else ""
         lines.append(
             f"| {r['n']}x{r['k']} | {r['group']} | {r['m']} | {r['config']} | {r['fp16_us']:.1f} | "
-            f"{r['w4a16_us']:.1f} | {r['speedup']:.2f} | {r['weight_tbps']:.2f} | {r['pct_copy_bw']:.0f} | {deq} |"
+            f"{r['w4a16_us']:.1f} | {r['speedup']:.2f} | {r['weight_tbps']:.2f} | {r['pct_copy_bw']:.0f} | {deq} "
+            f"| {tri} |"
         )
     lines += ["", "| config | G | regs | spills | shared bytes | warps |", "|---|---|---|---|---|---|"]
     for md in result["metadata"]:

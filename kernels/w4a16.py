@@ -38,6 +38,9 @@ Regimes (``CONFIG_TABLE`` in ``w4a16_configs.py``, chosen by ``benchmarks/bench_
 ``config_for(m, n)`` also looks at the layer's width): M <= 2 the gemv kernel (64-deep K tiles for one row of a
 layer with N >= 14336, ``WIDE_M1``), 4 <= M <= 128 this kernel with SWAP_AB (BLOCK_M 16-128, 3 stages, split-K to
 fill the 132 SMs; twice the split for 3-4 rows of N >= 28672, ``WIDE_M4``), larger M dequantize + cuBLAS.
+On Hopper, ``w4a16_linear`` without an explicit config runs M 65-512 on the warp-specialized Gluon kernel
+(``w4a16_ws.py``, ``w4a16_ws_kernel.py``: 0.85x cuBLAS fp16 at M = 256 against 0.60x for the table's path,
+results/w4a16-ws-h200-2026-12-03.md) where its rule offers it and the operands suit it.
 The first H200 run (results/w4a16-h200-2026-11-29-first.md) showed 16 x 128 x 128 tiles with 4 stages latency bound
 at ~0.45 TB/s (162 registers and 71 KB of shared memory: 3 CTAs of 4 warps per SM, a synchronous scale load per
 tile); small BLOCK_K = 64 tiles with the scale fused into the tile and 3 stages run at 0.7-1.3 TB/s of weight bytes
@@ -84,6 +87,7 @@ from quantkit.kernels.w4a16_weight import (
     unpack_gptq_codes,
     unsupported_reason,
 )
+from quantkit.kernels.w4a16_ws import w4a16_ws_gemm, ws_config_for, ws_offered, ws_unsupported_reason
 
 __all__ = [
     "CONFIG_TABLE",
@@ -437,11 +441,21 @@ def w4a16_linear(
     config: KernelConfig | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ W.T + bias: permutes x for act-order, runs the regime's config for M rows."""
+    """y [..., N] = x [..., K] @ W.T + bias: permutes x for act-order, runs the regime's config for M rows.
+
+    Without ``config``, M rows that ``w4a16_ws.ws_config_for`` covers run the warp-specialized Gluon kernel where
+    the measured rule offers it (``ws_offered``) and it can (Hopper, 4-bit, groups of 64 or 128, TMA-aligned
+    operands: ``ws_unsupported_reason``); the rest, and any explicit ``config``, the Triton regime table."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if w.perm is not None:
         x2 = x2.index_select(1, w.perm)
+    m, k, n = x2.shape[0], w.in_features, w.out_features
+    ws = None if config is not None or not x2.is_cuda else ws_config_for(m, w.group_size)
+    if ws is not None and ws_offered(ws, m, n, k, w.group_size, num_sms(x2.device)):
+        check_operands(x2, w, bias, out)
+        if ws_unsupported_reason(x2, w, out, ws) is None:
+            return w4a16_ws_gemm(x2, w, bias, out, ws).view(*lead, w.out_features)
     cfg = config or config_for(x2.shape[0], w.out_features)
     if cfg.method == "dequant":
         check_operands(x2, w, bias, out)

@@ -20,7 +20,8 @@ from quantkit.kernels.w4a16_weight import W4A16Weight, check_operands
 class WSConfig:
     """Tile [block_m, block_n] x block_k of K per pipeline step; ``stages`` slots of x and packed words;
     ``dq_buffers`` dequantized tiles in shared memory; ``num_warps`` MMA warps (4 per 64 rows of wgmma);
-    ``dq_warps`` dequantizing warps with ``dq_regs`` registers each (setmaxnreg)."""
+    ``dq_warps`` dequantizing warps with ``dq_regs`` registers each (setmaxnreg); ``min_slice``: see
+    ``ws_offered``."""
 
     block_m: int
     block_n: int
@@ -30,6 +31,7 @@ class WSConfig:
     dq_buffers: int = 2
     dq_warps: int = 4
     dq_regs: int = 160
+    min_slice: int = 0  # the dispatcher declines a product whose split leaves K slices shorter than this
 
     @property
     def name(self) -> str:
@@ -41,10 +43,12 @@ class WSConfig:
 
 # M range -> config, from benchmarks/probes/probe_gluon_w4a16.py on the H200 (results/w4a16-ws-h200-2026-12-03.md):
 # 128-row tiles with 128-deep K steps and eight dequantizing warps up to M = 128, 256-row tiles above; from
-# WS_MAX_M on, dequantize + cuBLAS (the regime table) is faster.
+# 512 rows on, dequantize + cuBLAS (the regime table) is faster. With 256-row tiles, a layer split into K slices
+# shorter than 2048 (4096 x 4096 at M = 256: 32 tiles x 4 slices of 1024) ran 0.65x cuBLAS fp16 against 0.72x for
+# dequantize + cuBLAS in the same run, so those go to the table.
 WS_TABLE: tuple[tuple[int, WSConfig], ...] = (
     (128, WSConfig(128, 128, 128, 3, 4, dq_warps=8, dq_regs=128)),
-    (512, WSConfig(256, 128, 64, 4, 8)),
+    (512, WSConfig(256, 128, 64, 4, 8, min_slice=2048)),
 )
 WS_MIN_M = 65  # below: the swap-AB Triton tiles, whose 16-64 rows waste no MMA work
 WS_GROUPS = (64, 128)
@@ -83,6 +87,12 @@ def ws_split(cfg: WSConfig, m: int, n: int, k: int, group_size: int, num_sms: in
     ):
         split *= 2
     return split
+
+
+def ws_offered(cfg: WSConfig | None, m: int, n: int, k: int, group_size: int, num_sms: int) -> bool:
+    """Whether the dispatcher runs ``cfg`` (from ``ws_config_for``) for this product: its split-K leaves K slices
+    of at least ``cfg.min_slice``."""
+    return cfg is not None and k // ws_split(cfg, m, n, k, group_size, num_sms) >= cfg.min_slice
 
 
 def ws_unsupported_reason(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None, cfg: WSConfig) -> str | None:

@@ -49,6 +49,15 @@ def test_split_fills_the_gpu_with_whole_groups(m, n, k, group):
     assert tiles * split >= WS.WS_FILL * 132 or not can_double  # it stops only when full or unable to split
 
 
+def test_short_k_slices_of_256_row_tiles_go_to_the_table():
+    wide = WS.ws_config_for(256, 128)
+    assert not WS.ws_offered(wide, 256, 4096, 4096, 128, 132)  # 32 tiles x 4 slices of 1024: measured slower
+    assert WS.ws_offered(wide, 256, 8192, 8192, 128, 132)  # 64 tiles x 2 slices of 4096
+    narrow = WS.ws_config_for(128, 128)
+    assert WS.ws_offered(narrow, 128, 4096, 4096, 128, 132)  # the Triton tile is slower at any slice there
+    assert not WS.ws_offered(None, 256, 8192, 8192, 128, 132)
+
+
 def weight(n, k, bits=4, group=128, act_order=False, seed=0):
     qw, buffers = make_layer(n, k, bits, group, act_order=act_order, seed=seed)
     return qw, prepared(buffers, bits, group)
@@ -99,8 +108,9 @@ def test_kernel_matches_float64_reference(m, n, k, group, dtype, act_order, with
     assert y.data_ptr() == out.data_ptr()
     assert_close_to_float64(y, x, qw, bias)
     assert not w.locks.any()  # the last CTA of each split tile reset its counter
-    via_linear = K.w4a16_linear(x, w, bias)  # the default dispatch runs the same kernel for these rows
-    if split is None:
+    via_linear = K.w4a16_linear(x, w, bias)  # the default dispatch: this kernel where the rule offers it
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if split is None and WS.ws_offered(WS.ws_config_for(m, group), m, n, k, group, sms):
         assert torch.equal(via_linear, y)
     else:
         assert_close_to_float64(via_linear, x, qw, bias)
