@@ -92,6 +92,30 @@ def _dequant_words(words, zz, ss, BF16: gl.constexpr):
 
 
 @gluon.jit
+def operand_pairs(zw, sv, z_shift, BF16: gl.constexpr):
+    """A group's packed zero words and scales for BLOCK_N columns -> the [1, BLOCK_N] zero pairs (two 16-bit
+    magic + zero values) and scale operands (a 16-bit pair for fp16, fp32 for bf16) of ``unpack_tile``."""
+    MAGIC: gl.constexpr = 0x4300 if BF16 else 0x6400
+    zv = ((zw >> z_shift) & 0xF) | MAGIC
+    zz = gl.expand_dims(zv | (zv << 16), 0)
+    if BF16:
+        return zz, gl.expand_dims(sv, 0)
+    return zz, gl.expand_dims(sv | (sv << 16), 0)
+
+
+@gluon.jit
+def unpack_tile(words, zz, ss, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, BF16: gl.constexpr):
+    """Packed words [BLOCK_K / 8, BLOCK_N] with their zero pairs and scales ([1, BLOCK_N]) -> int32
+    [BLOCK_N, BLOCK_K / 2], two k-adjacent 16-bit weights per element: the tile K-major, each word's four pairs
+    in its own thread (one 16-byte store)."""
+    zb, _ = gl.broadcast(zz, words)
+    sb, _ = gl.broadcast(ss, words)
+    p0, p1, p2, p3 = _dequant_words(words, zb, sb, BF16)
+    pairs = gl.reshape(gl.join(gl.join(p0, p2), gl.join(p1, p3)), [BLOCK_K // 8, BLOCK_N, 4])
+    return gl.reshape(gl.permute(pairs, (1, 0, 2)), [BLOCK_N, BLOCK_K // 2])
+
+
+@gluon.jit
 def _group_params(qz_ptr, s_ptr, g, cols, col_mask, stride_qzg, stride_sg, BF16: gl.constexpr):
     """Packed zero words and scales (fp32 for bf16, the fp16 bits as int32 otherwise) of group g for ``cols``."""
     zw = gl.load(qz_ptr + g * stride_qzg + cols // 8, mask=col_mask, other=0)
@@ -122,19 +146,13 @@ def _ws_dequant_tile(w_smem, d_smem, ready, empty, d_ready, d_empty, t, zz, ss, 
                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, DQ: gl.constexpr,
                      BF16: gl.constexpr):  # fmt: skip
     """Tile t: wait for its words, unpack them, wait for its dequantized buffer, store, signal both barriers."""
-    BKW: gl.constexpr = BLOCK_K // 8
     d32_layout: gl.constexpr = gl.NVMMASharedLayout(
         swizzle_byte_width=d_smem.type.layout.swizzle_byte_width, element_bitwidth=32, rank=2
     )
     s = t % STAGES
     d = t % DQ
     mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-    words = w_smem.index(s).load(w_layout)
-    zb, _ = gl.broadcast(zz, words)
-    sb, _ = gl.broadcast(ss, words)
-    p0, p1, p2, p3 = _dequant_words(words, zb, sb, BF16)
-    pairs = gl.reshape(gl.join(gl.join(p0, p2), gl.join(p1, p3)), [BKW, BLOCK_N, 4])
-    pairs = gl.reshape(gl.permute(pairs, (1, 0, 2)), [BLOCK_N, BLOCK_K // 2])
+    pairs = unpack_tile(w_smem.index(s).load(w_layout), zz, ss, BLOCK_N, BLOCK_K, BF16)
     mbarrier.wait(d_empty.index(d), ((t // DQ) & 1) ^ 1)
     d_smem.index(d)._reinterpret(gl.int32, [BLOCK_N, BLOCK_K // 2], d32_layout).store(pairs)
     fence_async_shared()
@@ -150,7 +168,6 @@ def _ws_dequant(w_smem, d_smem, ready, empty, d_ready, d_empty, qz_ptr, s_ptr, o
     K-major) once the MMA has released that buffer; then release the words' slot and signal the tile. Walks K a
     group at a time (GROUP // BLOCK_K tiles, unrolled): zeros and scales are loaded once per group, a group ahead."""
     TPG: gl.constexpr = GROUP // BLOCK_K
-    MAGIC: gl.constexpr = 0x4300 if BF16 else 0x6400
     w_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [DQ_WARPS, 1], [1, 0])
     cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, w_layout))
     col_mask = cols < N
@@ -161,12 +178,7 @@ def _ws_dequant(w_smem, d_smem, ready, empty, d_ready, d_empty, qz_ptr, s_ptr, o
     for gi in range(n_groups):
         g_next = g0 + gl.minimum(gi + 1, n_groups - 1)
         zw_next, sv_next = _group_params(qz_ptr, s_ptr, g_next, cols, col_mask, stride_qzg, stride_sg, BF16)
-        zv = ((zw >> z_shift) & 0xF) | MAGIC
-        zz = gl.expand_dims(zv | (zv << 16), 0)
-        if BF16:
-            ss = gl.expand_dims(sv, 0)
-        else:
-            ss = gl.expand_dims(sv | (sv << 16), 0)
+        zz, ss = operand_pairs(zw, sv, z_shift, BF16)
         for j in gl.static_range(TPG):
             _ws_dequant_tile(w_smem, d_smem, ready, empty, d_ready, d_empty, gi * TPG + j, zz, ss, w_layout,
                              BLOCK_N, BLOCK_K, STAGES, DQ, BF16)  # fmt: skip

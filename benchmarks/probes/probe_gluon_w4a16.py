@@ -62,7 +62,7 @@ from bench_w4a16 import SHAPES, Layer, Timer, layer_walk
 from quantkit.kernels import w4a16 as K
 from quantkit.kernels import w4a16_configs as C
 from quantkit.kernels import w4a16_ws as WS
-from quantkit.kernels.w4a16_ws_kernel import _dequant_words, _group_params, _w4a16_ws_kernel
+from quantkit.kernels.w4a16_ws_kernel import _group_params, _w4a16_ws_kernel, operand_pairs, unpack_tile
 from quantkit.kernels.w4a16_ws_kernel import descriptors as ws_descriptors
 
 
@@ -75,7 +75,6 @@ def _w4a16_wgmma_kernel(
 ):  # fmt: skip
     BKW: gl.constexpr = BLOCK_K // 8
     act: gl.constexpr = x_desc.dtype
-    MAGIC: gl.constexpr = 0x4300 if BF16 else 0x6400
 
     pid = gl.program_id(0)
     num_m = gl.cdiv(M, BLOCK_M)
@@ -117,22 +116,11 @@ def _w4a16_wgmma_kernel(
         slot = t % STAGES
         g_next = (gl.minimum(t + 1, k_tiles - 1) * BLOCK_K) // group_size
         zw_next, sv_next = _group_params(qz_ptr, s_ptr, g_next, cols, col_mask, stride_qzg, stride_sg, BF16)
-        zv = ((zw >> z_shift) & 0xF) | MAGIC
-        zz = gl.expand_dims(zv | (zv << 16), 0)
-        if BF16:
-            ss = gl.expand_dims(sv, 0)
-        else:
-            ss = gl.expand_dims(sv | (sv << 16), 0)
+        zz, ss = operand_pairs(zw, sv, z_shift, BF16)
         zw, sv = zw_next, sv_next
 
         mbarrier.wait(bars.index(slot), (t // STAGES) & 1)
-        words = w_smem.index(slot).load(w_layout)
-        zz, _ = gl.broadcast(zz, words)
-        ss, _ = gl.broadcast(ss, words)
-        p0, p1, p2, p3 = _dequant_words(words, zz, ss, BF16)
-        # [BKW, BN] x 4 -> [BN, BKW, 4] -> [BN, BLOCK_K / 2]: a word's four pairs stay in its thread (16 bytes)
-        pairs = gl.reshape(gl.join(gl.join(p0, p2), gl.join(p1, p3)), [BKW, BLOCK_N, 4])
-        pairs = gl.reshape(gl.permute(pairs, (1, 0, 2)), [BLOCK_N, BLOCK_K // 2])
+        pairs = unpack_tile(w_smem.index(slot).load(w_layout), zz, ss, BLOCK_N, BLOCK_K, BF16)
         d = d_smem.index(t % 3)
         d._reinterpret(gl.int32, [BLOCK_N, BLOCK_K // 2], d32_layout).store(pairs)
         fence_async_shared()
@@ -332,30 +320,51 @@ def check_bf16(layer: Layer, m: int, cfg, linear=None) -> bool:
     return ok
 
 
-def production(out: Path, ms: list[int], groups: list[int]) -> None:
-    """Every WS_TABLE config at every M (fp16 checked against float64, bf16 against the dequantized weight) beside
-    the Triton regime table's config, through ``w4a16_ws_gemm``."""
-    out.mkdir(parents=True, exist_ok=True)
+def cells(shapes, groups, ms):
+    """The probes' walk: per (shape, group, M) cell, cuBLAS fp16 and the Triton regime table's config timed; yields
+    (timer, layer, row dict, printed line so far)."""
     timer = Timer(smoke=False)
     gen = torch.Generator(device="cuda").manual_seed(7)
-    rows = []
-    for n, k, group, layer, base in layer_walk(SHAPES, groups, ms, timer, "cuda", gen):
+    for n, k, group, layer, base in layer_walk(shapes, groups, ms, timer, "cuda", gen):
         for m in ms:
             committed = C.config_for(m, n)
             us = timer.per_call(layer.calls(m, committed))
             row = {"n": n, "k": k, "group": group, "m": m, "fp16_us": base[m], "committed": committed.name,
                    committed.name: us}  # fmt: skip
-            line = f"{n}x{k} g{group} M={m}: fp16 {base[m]:.1f} us | {committed.name} {base[m] / us:.2f}x"
-            for cfg in dict.fromkeys(WS.fit_group(c, group) for _, c in WS.WS_TABLE):
-                split = WS.ws_split(cfg, m, n, k, group, 132)
-                fp16 = layer.check(m, cfg, WS.w4a16_ws_gemm)
-                ok = fp16["ok"] and check_bf16(layer, m, cfg, WS.w4a16_ws_gemm)
-                us = timer.per_call(layer.calls(m, cfg, WS.w4a16_ws_gemm)) if ok else None
-                row[cfg.name] = {"us": us, "ok": ok, "split": split, "err": fp16["err"], "torch_err": fp16["torch_err"]}
-                line += f" | {cfg.name} sk{split} " + (f"{base[m] / us:.2f}x" if us else "FAILED")
-            print(line, flush=True)
-            rows.append(row)
-            (out / "probe_gluon_w4a16_production.json").write_text(json.dumps({"rows": rows}, indent=1))
+            yield (
+                timer,
+                layer,
+                row,
+                f"{n}x{k} g{group} M={m}: fp16 {base[m]:.1f} us | {committed.name} {base[m] / us:.2f}x",
+            )
+
+
+# configs beyond WS_TABLE for --production --extra: 64-row tiles, for M <= 64 (below WS_MIN_M)
+EXTRA_WS = [
+    WS.WSConfig(64, 128, 128, 3, 4, dq_warps=8, dq_regs=128),
+    WS.WSConfig(64, 128, 128, 4, 4, dq_warps=8, dq_regs=128),
+    WS.WSConfig(64, 64, 128, 4, 4, dq_regs=128),
+]
+
+
+def production(out: Path, ms: list[int], groups: list[int], extra: bool = False) -> None:
+    """Every WS_TABLE config (and EXTRA_WS with ``extra``) at every M (fp16 checked against float64, bf16 against
+    the dequantized weight) beside the Triton regime table's config, through ``w4a16_ws_gemm``."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for timer, layer, row, line in cells(SHAPES, groups, ms):
+        n, k, group, m, fp16_us = row["n"], row["k"], row["group"], row["m"], row["fp16_us"]
+        configs = [c for _, c in WS.WS_TABLE] + (EXTRA_WS if extra else [])
+        for cfg in dict.fromkeys(WS.fit_group(c, group) for c in configs):
+            split = WS.ws_split(cfg, m, n, k, group, 132)
+            fp16 = layer.check(m, cfg, WS.w4a16_ws_gemm)
+            ok = fp16["ok"] and check_bf16(layer, m, cfg, WS.w4a16_ws_gemm)
+            us = timer.per_call(layer.calls(m, cfg, WS.w4a16_ws_gemm)) if ok else None
+            row[cfg.name] = {"us": us, "ok": ok, "split": split, "err": fp16["err"], "torch_err": fp16["torch_err"]}
+            line += f" | {cfg.name} sk{split} " + (f"{fp16_us / us:.2f}x" if us else "FAILED")
+        print(line, flush=True)
+        rows.append(row)
+        (out / "probe_gluon_w4a16_production.json").write_text(json.dumps({"rows": rows}, indent=1))
 
 
 def main() -> None:
@@ -368,10 +377,11 @@ def main() -> None:
     ap.add_argument("--ws-only", action="store_true", help="time the warp-specialized candidates only")
     ap.add_argument("--production", action="store_true",
                     help="time quantkit.kernels.w4a16_ws (WS_TABLE's configs, automatic split-K) only")  # fmt: skip
+    ap.add_argument("--extra", action="store_true", help="with --production: also EXTRA_WS")
     args = ap.parse_args()
     if args.production:
         ms = [int(v) for v in args.ms.split(",")]
-        production(args.out, ms, [int(g) for g in args.groups.split(",")])
+        production(args.out, ms, [int(g) for g in args.groups.split(",")], args.extra)
         return
     candidates = WS_CANDIDATES if args.ws_only else CANDIDATES
     if args.compile:
@@ -381,32 +391,25 @@ def main() -> None:
     ms = [int(v) for v in args.ms.split(",")]
     groups = [int(g) for g in args.groups.split(",")]
     shapes = SHAPES if args.shapes == "all" else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    timer = Timer(smoke=False)
-    gen = torch.Generator(device="cuda").manual_seed(7)
     rows = []
-    for n, k, group, layer, base in layer_walk(shapes, groups, ms, timer, "cuda", gen):
-        for m in ms:
-            committed = C.config_for(m, n)
-            row = {"n": n, "k": k, "group": group, "m": m, "fp16_us": base[m], "committed": committed.name}
-            us = timer.per_call(layer.calls(m, committed))
-            row[committed.name] = us
-            line = f"{n}x{k} g{group} M={m}: fp16 {base[m]:.1f} us | {committed.name} {base[m] / us:.2f}x"
-            for cfg in candidates:
-                try:
-                    fp16 = layer.check(m, cfg, gluon_w4a16)
-                    if not fp16["ok"]:
-                        err, ref_err = fp16["err"], fp16["torch_err"]
-                        print(f"  {cfg.name} M={m}: err {err:.3g} vs cuBLAS {ref_err:.3g}", flush=True)
-                    ok = fp16["ok"] and check_bf16(layer, m, cfg)
-                    us = timer.per_call(layer.calls(m, cfg, gluon_w4a16)) if ok else None
-                except Exception as e:
-                    print(f"  {cfg.name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                    ok, us = False, None
-                row[cfg.name] = {"us": us, "ok": ok}
-                line += f" | {cfg.name} " + (f"{base[m] / us:.2f}x" if us else "FAILED")
-            print(line, flush=True)
-            rows.append(row)
-            (args.out / "probe_gluon_w4a16.json").write_text(json.dumps({"rows": rows}, indent=1))
+    for timer, layer, row, line in cells(shapes, groups, ms):
+        m, fp16_us = row["m"], row["fp16_us"]
+        for cfg in candidates:
+            try:
+                fp16 = layer.check(m, cfg, gluon_w4a16)
+                if not fp16["ok"]:
+                    err, ref_err = fp16["err"], fp16["torch_err"]
+                    print(f"  {cfg.name} M={m}: err {err:.3g} vs cuBLAS {ref_err:.3g}", flush=True)
+                ok = fp16["ok"] and check_bf16(layer, m, cfg)
+                us = timer.per_call(layer.calls(m, cfg, gluon_w4a16)) if ok else None
+            except Exception as e:
+                print(f"  {cfg.name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                ok, us = False, None
+            row[cfg.name] = {"us": us, "ok": ok}
+            line += f" | {cfg.name} " + (f"{fp16_us / us:.2f}x" if us else "FAILED")
+        print(line, flush=True)
+        rows.append(row)
+        (args.out / "probe_gluon_w4a16.json").write_text(json.dumps({"rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
