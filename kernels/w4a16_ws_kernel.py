@@ -99,8 +99,10 @@ def operand_pairs(zw, sv, z_shift, BF16: gl.constexpr):
     zv = ((zw >> z_shift) & 0xF) | MAGIC
     zz = gl.expand_dims(zv | (zv << 16), 0)
     if BF16:
-        return zz, gl.expand_dims(sv, 0)
-    return zz, gl.expand_dims(sv | (sv << 16), 0)
+        ss = gl.expand_dims(sv, 0)
+    else:
+        ss = gl.expand_dims(sv | (sv << 16), 0)
+    return zz, ss
 
 
 @gluon.jit
