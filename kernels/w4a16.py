@@ -444,8 +444,9 @@ def w4a16_linear(
     """y [..., N] = x [..., K] @ W.T + bias: permutes x for act-order, runs the regime's config for M rows.
 
     Without ``config``, M rows that ``w4a16_ws.ws_config_for`` covers run the warp-specialized Gluon kernel where
-    the measured rule offers it (``ws_offered``) and it can (Hopper, 4-bit, groups of 64 or 128, TMA-aligned
-    operands: ``ws_unsupported_reason``); the rest, and any explicit ``config``, the Triton regime table."""
+    the measured rule offers it (``ws_offered``) and it can (Hopper, Triton 3.6, 4-bit, groups of 64 or 128,
+    TMA-aligned operands: ``ws_unsupported_reason``); the rest, and any explicit ``config``, the Triton regime
+    table."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if w.perm is not None:

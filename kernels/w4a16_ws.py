@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import triton
 from quantkit.kernels.w4a16_configs import LOCK_SLOTS
 from quantkit.kernels.w4a16_weight import W4A16Weight, check_operands
 
@@ -52,6 +53,7 @@ WS_TABLE: tuple[tuple[int, WSConfig], ...] = (
 )
 WS_MIN_M = 65  # below: the swap-AB Triton tiles, whose 16-64 rows waste no MMA work
 WS_GROUPS = (64, 128)
+WS_TRITON = "3.6."  # the Gluon API the kernel is written for (3.7+ renamed its TMA load and shared-memory views)
 WS_MAX_SPLIT = 8
 WS_FILL = 0.75  # split K until tiles x split reaches this fraction of the SMs
 
@@ -110,6 +112,8 @@ def ws_unsupported_reason(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | N
         return "x needs unit column stride and 16-byte aligned rows (TMA)"
     if out is not None and out.stride(1) != 1:
         return "out needs unit column stride"
+    if not triton.__version__.startswith(WS_TRITON):
+        return f"written for Triton {WS_TRITON}x's Gluon, found Triton {triton.__version__}"
     if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
         return "needs a CUDA device of compute capability 9.0 (Hopper)"
     return None
