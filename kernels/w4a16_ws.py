@@ -43,8 +43,9 @@ class WSConfig:
 
 
 # M range -> config, from benchmarks/probes/probe_gluon_w4a16.py on the H200 (results/w4a16-ws-h200-2026-12-03.md):
-# 128-row tiles with 128-deep K steps and eight dequantizing warps up to M = 128, 256-row tiles above; from
-# 512 rows on, dequantize + cuBLAS (the regime table) is faster. With 256-row tiles, a layer split into K slices
+# 128-row tiles with 128-deep K steps and eight dequantizing warps up to M = 128, 256-row tiles above; above 512
+# rows, dequantize + cuBLAS (the regime table), which led at M = 1024 (0.83x against 0.80x; no M between 256 and
+# 1024 was timed, so the bound is a guess). With 256-row tiles, a layer split into K slices
 # shorter than 2048 (4096 x 4096 at M = 256: 32 tiles x 4 slices of 1024) ran 0.65x cuBLAS fp16 against 0.72x for
 # dequantize + cuBLAS in the same run, so those go to the table.
 WS_TABLE: tuple[tuple[int, WSConfig], ...] = (
