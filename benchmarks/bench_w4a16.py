@@ -50,7 +50,6 @@ from graph_timing import seconds_per_call
 from quantkit.kernels import w4a16 as K
 from quantkit.kernels import w4a16_configs as C
 from quantkit.kernels import w4a16_ws as WS
-from quantkit.kernels.w4a16_weight import num_sms
 
 L2_BYTES = 60 * 2**20
 ROTATE_SPAN = 2 * L2_BYTES
@@ -418,7 +417,7 @@ def run_table(args, timer: Timer, device: str, table: list | None) -> dict:
             cfg = choose(m, n)
             ws = None if table else warp_specialized(layer, m)
             us = timer.per_call(layer.calls(m, None if ws else cfg))  # None: w4a16_linear's own dispatch
-            name = f"{ws.name}-sk{WS.ws_split(ws, m, n, k, group, num_sms(torch.device(device)))}" if ws else cfg.name
+            name = f"{ws[0].name}-sk{ws[1]}" if ws else cfg.name
             row = {"n": n, "k": k, "group": group, "m": m, "config": name, "fp16_us": base[m], "w4a16_us": us}
             row["speedup"] = base[m] / us
             row["weight_tbps"] = layer.bytes / (us * 1e-6) / 1e12
@@ -435,13 +434,10 @@ def run_table(args, timer: Timer, device: str, table: list | None) -> dict:
     return {"table": source, "copy_tbps": copy_bw, "rows": rows, "checks": checks, "metadata": list(meta.values())}
 
 
-def warp_specialized(layer: Layer, m: int) -> WS.WSConfig | None:
-    """The warp-specialized config ``w4a16_linear`` runs for ``m`` rows of this layer without a config, if any."""
-    ws = WS.ws_config_for(m, layer.group)
-    if not WS.ws_offered(ws, m, layer.n, layer.k, layer.group, num_sms(torch.device(layer.device))):
-        return None
-    x = torch.empty(m, layer.k, device=layer.device, dtype=torch.float16)
-    return ws if WS.ws_unsupported_reason(x, layer.weights[0], None, ws) is None else None
+def warp_specialized(layer: Layer, m: int) -> tuple[WS.WSConfig, int] | None:
+    """(config, split) of the warp-specialized kernel ``w4a16_linear`` runs for ``m`` rows of this layer without a
+    config, if any (``ws_plan``, the dispatcher's own decision)."""
+    return WS.ws_plan(torch.empty(m, layer.k, device=layer.device, dtype=torch.float16), layer.weights[0])
 
 
 def table_config(table: list, m: int) -> C.KernelConfig:

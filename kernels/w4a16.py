@@ -87,7 +87,8 @@ from quantkit.kernels.w4a16_weight import (
     unpack_gptq_codes,
     unsupported_reason,
 )
-from quantkit.kernels.w4a16_ws import w4a16_ws_gemm, ws_config_for, ws_offered, ws_unsupported_reason
+from quantkit.kernels.w4a16_ws import launch as ws_launch
+from quantkit.kernels.w4a16_ws import ws_plan
 
 __all__ = [
     "CONFIG_TABLE",
@@ -443,20 +444,17 @@ def w4a16_linear(
 ) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W.T + bias: permutes x for act-order, runs the regime's config for M rows.
 
-    Without ``config``, M rows that ``w4a16_ws.ws_config_for`` covers run the warp-specialized Gluon kernel where
-    the measured rule offers it (``ws_offered``) and it can (Hopper, Triton 3.6, 4-bit, groups of 64 or 128,
-    TMA-aligned operands: ``ws_unsupported_reason``); the rest, and any explicit ``config``, the Triton regime
-    table."""
+    Without ``config``, the products ``w4a16_ws.ws_plan`` accepts run the warp-specialized Gluon kernel (M rows of
+    its table, where the measured rule offers it and the operands suit it: Hopper, Triton 3.6, 4-bit, groups of 64
+    or 128, TMA-aligned); the rest, and any explicit ``config``, the Triton regime table."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if w.perm is not None:
         x2 = x2.index_select(1, w.perm)
-    m, k, n = x2.shape[0], w.in_features, w.out_features
-    ws = None if config is not None or not x2.is_cuda else ws_config_for(m, w.group_size)
-    if ws is not None and ws_offered(ws, m, n, k, w.group_size, num_sms(x2.device)):
+    plan = None if config is not None else ws_plan(x2, w, out)
+    if plan is not None:
         check_operands(x2, w, bias, out)
-        if ws_unsupported_reason(x2, w, out, ws) is None:
-            return w4a16_ws_gemm(x2, w, bias, out, ws).view(*lead, w.out_features)
+        return ws_launch(x2, w, bias, out, *plan).view(*lead, w.out_features)
     cfg = config or config_for(x2.shape[0], w.out_features)
     if cfg.method == "dequant":
         check_operands(x2, w, bias, out)

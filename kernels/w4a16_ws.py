@@ -1,9 +1,9 @@
 """Launch side of the warp-specialized W4A16 GEMM (``w4a16_ws_kernel.py``, Gluon, sm_90 only): configs, the rule
 that picks one by M and layer shape, the split-K plan, what the kernel cannot take, and the launcher.
 
-``w4a16.w4a16_linear`` asks ``ws_config_for`` first; where it returns a config and ``ws_unsupported_reason`` is
-None, this kernel runs, otherwise the Triton regime table (``w4a16_configs.CONFIG_TABLE``) decides as before.
-Everything here but ``w4a16_ws_gemm`` runs without a GPU (the CPU tests check the rules); the Gluon kernel module is
+``w4a16.w4a16_linear`` asks ``ws_plan`` first; where it returns a plan, this kernel runs, otherwise the Triton
+regime table (``w4a16_configs.CONFIG_TABLE``) decides as before.
+Everything here but the launch runs without a GPU (the CPU tests check the rules); the Gluon kernel module is
 imported on the first launch only.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 from quantkit.kernels.w4a16_configs import LOCK_SLOTS
-from quantkit.kernels.w4a16_weight import W4A16Weight, check_operands
+from quantkit.kernels.w4a16_weight import W4A16Weight, check_operands, num_sms
 
 
 @dataclass(frozen=True)
@@ -77,13 +77,13 @@ def ws_config_for(m: int, group_size: int) -> WSConfig | None:
     return None
 
 
-def ws_split(cfg: WSConfig, m: int, n: int, k: int, group_size: int, num_sms: int) -> int:
+def ws_split(cfg: WSConfig, m: int, n: int, k: int, group_size: int, sms: int) -> int:
     """Split-K factor: doubled while the grid has fewer than WS_FILL x SMs CTAs and K still splits into whole
     groups of at least two steps each."""
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
     split = 1
     while (
-        tiles * split < WS_FILL * num_sms
+        tiles * split < WS_FILL * sms
         and split * 2 <= WS_MAX_SPLIT
         and k % (group_size * split * 2) == 0
         and k // (split * 2) >= 2 * cfg.block_k
@@ -92,10 +92,10 @@ def ws_split(cfg: WSConfig, m: int, n: int, k: int, group_size: int, num_sms: in
     return split
 
 
-def ws_offered(cfg: WSConfig | None, m: int, n: int, k: int, group_size: int, num_sms: int) -> bool:
+def ws_offered(cfg: WSConfig | None, m: int, n: int, k: int, group_size: int, sms: int) -> bool:
     """Whether the dispatcher runs ``cfg`` (from ``ws_config_for``) for this product: its split-K leaves K slices
     of at least ``cfg.min_slice``."""
-    return cfg is not None and k // ws_split(cfg, m, n, k, group_size, num_sms) >= cfg.min_slice
+    return cfg is not None and k // ws_split(cfg, m, n, k, group_size, sms) >= cfg.min_slice
 
 
 def ws_unsupported_reason(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None, cfg: WSConfig) -> str | None:
@@ -120,6 +120,19 @@ def ws_unsupported_reason(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | N
     return None
 
 
+def ws_plan(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None = None) -> tuple[WSConfig, int] | None:
+    """(config, split-K) when ``w4a16_linear`` runs this kernel for x [M, K] (kernel channel order), else None:
+    M in WS_TABLE's rows, the rule offers it (``ws_offered``) and the operands suit it (``ws_unsupported_reason``)."""
+    if not x.is_cuda:
+        return None
+    m, k, n, group = x.shape[0], w.in_features, w.out_features, w.group_size
+    cfg = ws_config_for(m, group)
+    if cfg is None or ws_unsupported_reason(x, w, out, cfg) is not None:
+        return None
+    sms = num_sms(x.device)
+    return (cfg, ws_split(cfg, m, n, k, group, sms)) if ws_offered(cfg, m, n, k, group, sms) else None
+
+
 def w4a16_ws_gemm(
     x: torch.Tensor,
     w: W4A16Weight,
@@ -130,27 +143,34 @@ def w4a16_ws_gemm(
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W.T + bias with the warp-specialized kernel; x is already in kernel channel order.
     ``split``: the split-K factor instead of ``ws_split``'s (tests); K / split must be whole groups."""
-    from quantkit.kernels.w4a16_ws_kernel import _w4a16_ws_kernel, descriptors  # Gluon: GPU machines only
-
     check_operands(x, w, bias, out)
     m, k = x.shape
-    n = w.out_features
     cfg = config or ws_config_for(m, w.group_size)
     if cfg is None:
         raise ValueError(f"no warp-specialized config for M = {m} (WS_TABLE covers {WS_MIN_M}..{WS_TABLE[-1][0]})")
     reason = ws_unsupported_reason(x, w, out, cfg)
     if reason:
         raise ValueError(f"w4a16_ws_gemm: {reason}")
-    if out is None:
-        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    tiles = -(-m // cfg.block_m) * -(-w.out_features // cfg.block_n)
     if split is None:
-        split = ws_split(cfg, m, n, k, w.group_size, torch.cuda.get_device_properties(x.device).multi_processor_count)
-        if tiles > LOCK_SLOTS:
-            split = 1  # the tile counters live in the weight's LOCK_SLOTS semaphores
+        split = ws_split(cfg, m, w.out_features, k, w.group_size, num_sms(x.device))
     elif split < 1 or k % (w.group_size * split) or (split > 1 and tiles > LOCK_SLOTS):
         raise ValueError(f"split {split}: K = {k} must split into whole groups of {w.group_size}, "
                          f"tiles ({tiles}) at most {LOCK_SLOTS}")  # fmt: skip
+    return launch(x, w, bias, out, cfg, split)
+
+
+def launch(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, out: torch.Tensor | None, cfg: WSConfig,
+           split: int) -> torch.Tensor:  # fmt: skip
+    """The launch itself, for operands already checked (``w4a16_ws_gemm``, or ``ws_plan`` + ``check_operands``).
+    ``ws_split`` leaves a split only below WS_FILL x SMs tiles, far under the LOCK_SLOTS tile counters."""
+    from quantkit.kernels.w4a16_ws_kernel import _w4a16_ws_kernel, descriptors  # Gluon: GPU machines only
+
+    m, k = x.shape
+    n = w.out_features
+    if out is None:
+        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
     part = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
     x_desc, qw_desc = descriptors(x, w.qweight, cfg.block_m, cfg.block_n, cfg.block_k)
     bf16 = x.dtype == torch.bfloat16

@@ -90,6 +90,7 @@ def test_cpu_products_in_its_rows_run_the_triton_path():
     if not x.is_cuda:
         reason = WS.ws_unsupported_reason(x, w, None, WS.ws_config_for(100, 128))
         assert "compute capability 9.0" in reason or "Triton" in reason
+        assert WS.ws_plan(x, w) is None
     out = torch.full((100, 64), float("nan"), device=DEVICE, dtype=torch.float16)
     assert_close_to_float64(K.w4a16_linear(x, w, out=out), x, qw, None)
 
