@@ -1,0 +1,90 @@
+"""Probe: the mma.sync W4A16 gemv (``kernels/w4a16_mma_gemv.py``) against the committed skinny-M path and cuBLAS fp16.
+
+    python benchmarks/probes/probe_mma_gemv.py [--out DIR] [--ms 1,2,4,8,16] [--groups 128] [--shapes all|big]
+
+Timing as bench_w4a16.py (CUDA graphs over rotated weights larger than L2, medians), cuBLAS fp16 and the committed
+path (``w4a16_linear``'s choice) in the same run; every variant checked against float64 first (within 2x cuBLAS
+fp16's own error, fp16 and bf16 activations), and a wrong variant is reported, not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w4a16
+from bench_w4a16 import Layer, Timer, fp16_calls
+from quantkit.kernels import w4a16_configs as C
+from quantkit.kernels.w4a16_mma_gemv import MmaGemvConfig, w4a16_mma_gemv
+
+# the six issue shapes, then the runtime's fused q/k/v and gate/up of Llama-3-8B
+SHAPES = [(28672, 8192), (8192, 28672), (8192, 8192), (14336, 4096), (4096, 14336), (4096, 4096), (6144, 4096),
+          (28672, 4096)]  # fmt: skip
+VARIANTS = [
+    MmaGemvConfig(4, 4, 4.0),
+    MmaGemvConfig(2, 4, 8.0),
+    MmaGemvConfig(4, 4, 4.0, stages=3),
+    MmaGemvConfig(4, 4, 4.0, stages=4),
+    MmaGemvConfig(4, 4, 8.0, stages=3),
+    MmaGemvConfig(2, 4, 8.0, stages=4),
+    MmaGemvConfig(8, 4, 4.0, stages=3),
+]
+
+
+def check_bf16(layer: Layer, m: int, cfg: MmaGemvConfig) -> bool:
+    x = torch.randn(m, layer.k, device=layer.device, generator=layer.gen).bfloat16()
+    ref = x.double() @ layer.w64()
+    err = (w4a16_mma_gemv(x, layer.weights[0], config=cfg).double() - ref).abs().max().item()
+    torch_err = ((x @ layer.w64().bfloat16()).double() - ref).abs().max().item()
+    return err <= 2 * torch_err + 2**-20 * ref.abs().max().item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--ms", default="1,2,4,8,16")
+    ap.add_argument("--groups", default="128")
+    ap.add_argument("--shapes", default="all")
+    args = ap.parse_args()
+    timer, dev = Timer(False), "cuda"
+    gen = torch.Generator(device=dev).manual_seed(1)
+    shapes = SHAPES if args.shapes == "all" else SHAPES[:4]
+    rows = []
+    for n, k in shapes:
+        for m in map(int, args.ms.split(",")):
+            fp16 = timer.per_call(fp16_calls(n, k, m, dev, gen))
+            for group in map(int, args.groups.split(",")):
+                layer = Layer(n, k, group, dev, seed=n + k)
+                table = C.config_for(m, n)
+                row = {"n": n, "k": k, "m": m, "group": group, "fp16_us": fp16, "bytes": layer.bytes,
+                       "committed": table.name, "committed_us": timer.per_call(layer.calls(m, table))}  # fmt: skip
+                cu = row["committed_us"]
+                line = [f"{n}x{k} g{group} M={m}: fp16 {fp16:.1f} us, committed {table.name} {cu:.1f} us "
+                        f"({fp16 / cu:.2f}x, {layer.bytes / cu / 1e6:.2f} TB/s)"]  # fmt: skip
+                for cfg in VARIANTS:
+                    try:
+                        ok = layer.check(m, cfg, linear=w4a16_mma_gemv)["ok"] and check_bf16(layer, m, cfg)
+                        us = timer.per_call(layer.calls(m, cfg, linear=w4a16_mma_gemv)) if ok else None
+                    except Exception as exc:  # a variant that fails to compile or launch: the others still run
+                        row[cfg.name + "_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                        line.append(f"{cfg.name}: FAILED {row[cfg.name + '_error'][:200]}")
+                        continue
+                    row[cfg.name + "_ok"], row[cfg.name + "_us"] = ok, us
+                    tbs = layer.bytes / us / 1e6 if ok else 0.0
+                    line.append(f"{cfg.name:<16} {us:7.1f} us {fp16 / us:5.2f}x {tbs:5.2f} TB/s" if ok else
+                                f"{cfg.name:<16} WRONG")  # fmt: skip
+                rows.append(row)
+                print("\n    ".join(line), flush=True)
+                if args.out:  # after every cell: a run cut short keeps what it measured
+                    args.out.mkdir(parents=True, exist_ok=True)
+                    (args.out / "probe_mma_gemv.json").write_text(json.dumps(rows, indent=1))
+                del layer
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,458 @@
+"""Skinny-M W4A16 product on the tensor cores of one warp at a time (mma.sync), written in Gluon: y = x @ W.T + bias
+for M = 1-16 rows (decode), reading the GPTQ buffers in place.
+
+What it computes
+    y[m, n] = sum_k x[m, k] * s[g(k), n] * (q[k, n] - z[g(k), n]) + bias[n], fp32 accumulation, y in x's dtype.
+    Same buffers as ``w4a16_gemv.py`` (``W4A16Weight``: qweight int32 [K / 8, N] packed along K lowest bits first,
+    qzeros int32 [n_g, N / 8], scales fp16 [n_g, N], groups contiguous along K). The difference q - z is exact in
+    fp16 / bf16, the tensor cores add the products x (q - z) in fp32, and each group's partial sum is multiplied by
+    its fp32 scale: no rounding of the weight at all (PyTorch's dequantize rounds (q - z) s to 16 bits first).
+
+Why
+    The CUDA-core gemv spends ~3.7 instructions per weight (unpack, FFMA per row of x) and keeps few loads in flight
+    (results/w4a16-h200-2026-12-03b.md: 1.0-1.9 TB/s of the 4.25 TB/s copy bandwidth at M = 1). Here a weight costs
+    ~1.4 instructions (per packed word of eight codes: 3 shifts, 4 LOP3 with the magic exponent, 4 subtractions of
+    the zero pair; one mma per 32 codes of a thread) and each thread issues all the loads of a K step at once.
+    This is Marlin's idea (Frantar et al., 2024: dequantize in registers straight into mma fragments) without its
+    re-laid-out weight: the product over K does not care in which order the K positions meet, so each thread takes
+    whole packed words of the ordinary GPTQ layout and feeds x to the mma in the same permuted K order.
+
+How (one warp = 32 output columns; a CTA = num_warps warps side by side along N; split-K over grid axis 1)
+    Thread (g, c) = (lane // 4, lane % 4) owns the four adjacent columns 4g .. 4g+3 of its warp's 32 and, at K step
+    s (32 deep), the packed word row 4s + c: one 16-byte load of four words. Columns (4g, 4g+1) and (4g+2, 4g+3) are
+    rows (g, g + 8) of two m16n8k16 A operands (weights as A: "swap AB", so M = 1-8 rows of x fill the n8 side and
+    9-16 take a second mma); the word's codes (j, j + 4) become one fp16 / bf16 pair (LOP3 with 1024 (fp16) or 128
+    (bf16) as exponent, minus the pair 1024 + z), codes (0, 4) and (1, 5) one k16 step, (2, 6) and (3, 7) the next.
+    The B operand is row g of x at the same eight K positions of word 4s + c (one 16-byte load, permuted by two
+    PRMTs per pair of registers). The accumulator fragment leaves thread (g, c) with y[2c + e, 4g + i]: its own
+    columns, so the per-group scales are its own loads. Everything per thread is explicit, so the unpacking and
+    the mma are one inline-PTX block per K step (``pack=4``: each thread's four elements of each operand).
+    split-K: partial tiles in an fp32 workspace [split, M, N]; the last CTA of a column tile (a counter in
+    ``W4A16Weight.locks``) adds them in split order (deterministic).
+
+Limits: 4-bit codes; K a multiple of 32 x ``steps``; group size a multiple of 32 (or one group); N a multiple of 4;
+x with unit column stride and 16-byte aligned rows; M <= 16. CUDA sm_80+ (mma.sync; bf16 subtraction needs sm_90);
+Gluon has no interpreter mode, so CPU tests cover the launcher's rules and the reference, the GPU tests the kernel.
+Written for Triton 3.6's Gluon. Tuned on the H200 (sm_90, 132 SMs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from quantkit.kernels.w4a16_configs import LOCK_SLOTS
+from quantkit.kernels.w4a16_gemv import w4a16_gemv_reference
+from quantkit.kernels.w4a16_weight import W4A16Weight, check_operands, num_sms
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+w4a16_mma_gemv_reference = w4a16_gemv_reference  # the same product
+
+
+def mma_step_asm(bf16: bool, mb: int) -> str:
+    """PTX for one K step of one thread: 4 packed words (columns 4g .. 4g+3, word row 4s + c), their 4 zero pairs
+    (magic + z) and 4 high zero pairs (-(magic / 16 + z)), mb x 4 int32 of x (eight 16-bit activations of one row, as
+    pairs) and 2 mb accumulators of 4 fp32 in; the 2 mb accumulators out. Operand numbering follows Triton's
+    pack=4: 4 registers per operand, outputs first, in argument order.
+
+    Codes (j, j + 4) of a word become one pair: (w >> 4j) & 0x000F000F | magic reads as magic + code in each half,
+    minus the zero pair leaves q - z exactly. fp16 saves two of the three shifts (Marlin's trick, Frantar et al.
+    2024): (w >> s) & 0x00F000F0 | magic reads as 1024 + 16 code, and one FMA by 1/16 minus (64 + z) leaves q - z
+    (exact: powers of two and small integers); bf16's 7 mantissa bits leave no room for a code at bit 4."""
+    kind = "bf16" if bf16 else "f16"
+    magic = 0x43004300 if bf16 else 0x64006400
+    sixteenth = 0x2C002C00  # fp16 1/16 in both halves
+    n_acc = 2 * mb
+    out = [[f"${4 * t + i}" for i in range(4)] for t in range(n_acc)]
+    base = 4 * n_acc
+    words = [f"${base + i}" for i in range(4)]
+    zeros = [f"${base + 4 + i}" for i in range(4)]
+    zeros_hi = [f"${base + 8 + i}" for i in range(4)]
+    xs = [[f"${base + 12 + 4 * b + i}" for i in range(4)] for b in range(mb)]
+    acc_in = [[f"${base + 12 + 4 * mb + 4 * t + i}" for i in range(4)] for t in range(n_acc)]
+    lines = ["{", ".reg .b32 u, " + ", ".join(f"p{i}_{j}" for i in range(4) for j in range(4)) + ";",
+             ".reg .b32 " + ", ".join(f"x{b}_{j}" for b in range(mb) for j in range(4)) + ";",
+             ".reg .f32 d0, d1, d2, d3;", ".reg .b32 sx;", f"mov.b32 sx, {sixteenth:#010x};"]  # fmt: skip
+    for i in range(4):  # word i -> pairs p{i}_j = codes (j, j + 4) minus the zero, as two 16-bit floats
+        w = words[i]
+        if bf16:
+            lines.append(f"lop3.b32 p{i}_0, {w}, 0x000F000F, {magic:#010x}, 0xea;")
+            for j in (1, 2, 3):
+                lines += [f"shr.u32 u, {w}, {4 * j};", f"lop3.b32 p{i}_{j}, u, 0x000F000F, {magic:#010x}, 0xea;"]
+            lines += [f"sub.rn.bf16x2 p{i}_{j}, p{i}_{j}, {zeros[i]};" for j in range(4)]
+            continue
+        lines += [f"lop3.b32 p{i}_0, {w}, 0x000F000F, {magic:#010x}, 0xea;",
+                  f"lop3.b32 p{i}_1, {w}, 0x00F000F0, {magic:#010x}, 0xea;",
+                  f"shr.u32 u, {w}, 8;",
+                  f"lop3.b32 p{i}_2, u, 0x000F000F, {magic:#010x}, 0xea;",
+                  f"lop3.b32 p{i}_3, u, 0x00F000F0, {magic:#010x}, 0xea;"]  # fmt: skip
+        for j in (0, 2):
+            lines.append(f"sub.rn.f16x2 p{i}_{j}, p{i}_{j}, {zeros[i]};")
+            lines.append(f"fma.rn.f16x2 p{i}_{j + 1}, p{i}_{j + 1}, sx, {zeros_hi[i]};")
+    for b in range(mb):  # x pairs (j, j+1) -> (j, j + 4) as the codes
+        x0, x1, x2, x3 = xs[b]
+        lines += [f"prmt.b32 x{b}_0, {x0}, {x2}, 0x5410;", f"prmt.b32 x{b}_1, {x0}, {x2}, 0x7632;",
+                  f"prmt.b32 x{b}_2, {x1}, {x3}, 0x5410;", f"prmt.b32 x{b}_3, {x1}, {x3}, 0x7632;"]  # fmt: skip
+    op = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32"
+    for b in range(mb):
+        for p in range(2):  # A rows g / g + 8 = columns 2p / 2p + 1; accumulator (e, column) = tensor 2b + e, elem
+            c_idx = [(2 * b, 2 * p), (2 * b + 1, 2 * p), (2 * b, 2 * p + 1), (2 * b + 1, 2 * p + 1)]
+            for h in range(2):
+                a = f"p{2 * p}_{2 * h}, p{2 * p + 1}_{2 * h}, p{2 * p}_{2 * h + 1}, p{2 * p + 1}_{2 * h + 1}"
+                bb = f"x{b}_{2 * h}, x{b}_{2 * h + 1}"
+                src = ", ".join(acc_in[t][i] for t, i in c_idx) if h == 0 else "d0, d1, d2, d3"
+                dst = "d0, d1, d2, d3" if h == 0 else ", ".join(out[t][i] for t, i in c_idx)
+                lines.append(f"{op} {{{dst}}}, {{{a}}}, {{{bb}}}, {{{src}}};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def mma_step_constraints(mb: int) -> str:
+    n_acc = 2 * mb
+    return ",".join(["=f"] * (4 * n_acc) + ["r"] * (4 * (3 + mb)) + ["f"] * (4 * n_acc))
+
+
+_F16_MB1 = gl.constexpr(mma_step_asm(False, 1))
+_F16_MB2 = gl.constexpr(mma_step_asm(False, 2))
+_BF16_MB1 = gl.constexpr(mma_step_asm(True, 1))
+_BF16_MB2 = gl.constexpr(mma_step_asm(True, 2))
+_CONS_MB1 = gl.constexpr(mma_step_constraints(1))
+_CONS_MB2 = gl.constexpr(mma_step_constraints(2))
+
+
+@gluon.jit
+def _mma_step(words, zp, zh, x0, x1, a0, a1, a2, a3, BF16: gl.constexpr, MB: gl.constexpr):
+    """One K step through the inline PTX: the accumulators (a0, a1) for rows 2c, 2c+1 (and a2, a3 for rows
+    8 + 2c, 9 + 2c when MB == 2) of x, each [T, 4] over the thread's four columns."""
+    if MB == 1:
+        a0, a1 = gl.inline_asm_elementwise(_BF16_MB1 if BF16 else _F16_MB1, _CONS_MB1, [words, zp, zh, x0, a0, a1],
+                                           (gl.float32, gl.float32), is_pure=True, pack=4)  # fmt: skip
+    else:
+        a0, a1, a2, a3 = gl.inline_asm_elementwise(_BF16_MB2 if BF16 else _F16_MB2, _CONS_MB2,
+                                                   [words, zp, zh, x0, x1, a0, a1, a2, a3], (gl.float32,) * 4,
+                                                   is_pure=True, pack=4)  # fmt: skip
+    return a0, a1, a2, a3
+
+
+@gluon.jit
+def _zero_pairs(zw, cols, BF16: gl.constexpr):
+    """Packed zero words of the thread's columns -> zero pairs (magic + z in both 16-bit halves) and high zero
+    pairs (fp16: -(64 + z); unused for bf16)."""
+    z = (zw >> ((cols % 8) * 4)) & 0xF
+    zv = z | (0x4300 if BF16 else 0x6400)
+    zh = (z * 16 + 0x5400) | 0x8000
+    return zv | (zv << 16), zh | (zh << 16)
+
+
+@gluon.jit
+def _k_loop_registers(qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, it0, n_iters, stride_qwk,
+                      stride_qzg, stride_sg, L: gl.constexpr, GROUP: gl.constexpr, STEPS: gl.constexpr,
+                      SPG: gl.constexpr, MB: gl.constexpr, BF16: gl.constexpr, EVEN_N: gl.constexpr):  # fmt: skip
+    """The K slice with plain loads (ptxas places them; about two steps in flight): accumulators (rows 2c, 2c + 1,
+    8 + 2c, 9 + 2c of x) over the thread's columns."""
+    zero = gl.zeros(cols.shape, gl.float32, layout=L)
+    acc0 = zero
+    acc1 = zero
+    acc2 = zero
+    acc3 = zero
+    for it in range(it0, it0 + n_iters):
+        for st in gl.static_range(STEPS):
+            kw = (it * STEPS + st) * 4  # first packed word row of the step
+            if st % SPG == 0:
+                grp = (kw * 8) // GROUP
+                zp, zh = _zero_pairs(gl.load(qz_ptr + grp * stride_qzg + cols // 8, mask=nmask, other=0), cols, BF16)
+                sc = gl.load(s_ptr + grp * stride_sg + cols, mask=nmask, other=0.0).to(gl.float32)
+                p0 = zero
+                p1 = zero
+                p2 = zero
+                p3 = zero
+            if EVEN_N:
+                words = gl.load(w_ptrs + kw * stride_qwk)
+            else:
+                words = gl.load(w_ptrs + kw * stride_qwk, mask=nmask, other=0)
+            x0 = gl.load(x0_ptrs + 4 * kw)
+            x1 = x0
+            if MB == 2:
+                x1 = gl.load(x1_ptrs + 4 * kw)
+            p0, p1, p2, p3 = _mma_step(words, zp, zh, x0, x1, p0, p1, p2, p3, BF16, MB)
+            if st % SPG == SPG - 1:
+                acc0 += sc * p0
+                acc1 += sc * p1
+                if MB == 2:
+                    acc2 += sc * p2
+                    acc3 += sc * p3
+    return acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _issue_iteration(w_smem, x0_smem, x1_smem, z_smem, s_smem, slot, it, valid, w_ptrs, x0_ptrs, x1_ptrs, z_ptrs,
+                     s_ptrs, nmask, stride_qwk, stride_qzg, stride_sg, GROUP: gl.constexpr, STEPS: gl.constexpr,
+                     SPG: gl.constexpr, MB: gl.constexpr):  # fmt: skip
+    """cp.async of iteration ``it``'s words, x and group parameters into ring slot ``slot`` (each thread copies,
+    and later reads, only its own elements: no barrier); nothing is copied where ``valid`` is false."""
+    NGI: gl.constexpr = STEPS // SPG
+    vmask = nmask & valid
+    for st in gl.static_range(STEPS):
+        kw = (it * STEPS + st) * 4
+        async_copy.async_copy_global_to_shared(w_smem.index(slot * STEPS + st), w_ptrs + kw * stride_qwk, mask=vmask)
+        async_copy.async_copy_global_to_shared(x0_smem.index(slot * STEPS + st), x0_ptrs + 4 * kw, mask=vmask)
+        if MB == 2:
+            async_copy.async_copy_global_to_shared(x1_smem.index(slot * STEPS + st), x1_ptrs + 4 * kw, mask=vmask)
+        if st % SPG == 0:
+            grp = (kw * 8) // GROUP
+            async_copy.async_copy_global_to_shared(z_smem.index(slot * NGI + st // SPG), z_ptrs + grp * stride_qzg,
+                                                   mask=vmask)  # fmt: skip
+            async_copy.async_copy_global_to_shared(s_smem.index(slot * NGI + st // SPG), s_ptrs + grp * stride_sg,
+                                                   mask=vmask)  # fmt: skip
+
+
+@gluon.jit
+def _k_loop_async(qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, it0, n_iters, stride_qwk, stride_qzg,
+                  stride_sg, L: gl.constexpr, GROUP: gl.constexpr, STEPS: gl.constexpr, SPG: gl.constexpr,
+                  MB: gl.constexpr, BF16: gl.constexpr, EVEN_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """The K slice through a per-thread ring of STAGES iterations in shared memory (cp.async, STAGES - 1
+    iterations in flight whatever ptxas does with registers): same accumulators as ``_k_loop_registers``."""
+    NGI: gl.constexpr = STEPS // SPG
+    T: gl.constexpr = cols.shape[0]
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * STEPS, T, 4], flat)
+    x0_smem = gl.allocate_shared_memory(gl.int32, [STAGES * STEPS, T, 4], flat)
+    x1_smem = x0_smem
+    if MB == 2:
+        x1_smem = gl.allocate_shared_memory(gl.int32, [STAGES * STEPS, T, 4], flat)
+    z_smem = gl.allocate_shared_memory(gl.int32, [STAGES * NGI, T, 4], flat)
+    s_smem = gl.allocate_shared_memory(gl.float16, [STAGES * NGI, T, 4], flat)
+    z_ptrs = qz_ptr + cols // 8
+    s_ptrs = s_ptr + cols
+    for i in gl.static_range(STAGES - 1):
+        _issue_iteration(w_smem, x0_smem, x1_smem, z_smem, s_smem, i, it0 + i, i < n_iters, w_ptrs, x0_ptrs,
+                         x1_ptrs, z_ptrs, s_ptrs, nmask, stride_qwk, stride_qzg, stride_sg, GROUP, STEPS, SPG,
+                         MB)  # fmt: skip
+        async_copy.commit_group()
+    zero = gl.zeros(cols.shape, gl.float32, layout=L)
+    acc0 = zero
+    acc1 = zero
+    acc2 = zero
+    acc3 = zero
+    for j in range(n_iters):
+        ahead = j + STAGES - 1
+        _issue_iteration(w_smem, x0_smem, x1_smem, z_smem, s_smem, ahead % STAGES, it0 + ahead, ahead < n_iters,
+                         w_ptrs, x0_ptrs, x1_ptrs, z_ptrs, s_ptrs, nmask, stride_qwk, stride_qzg, stride_sg, GROUP,
+                         STEPS, SPG, MB)  # fmt: skip
+        async_copy.commit_group()
+        async_copy.wait_group(STAGES - 1)  # this thread's copies of iteration j have landed
+        slot = j % STAGES
+        for st in gl.static_range(STEPS):
+            if st % SPG == 0:
+                zp, zh = _zero_pairs(z_smem.index(slot * NGI + st // SPG).load(L), cols, BF16)
+                sc = s_smem.index(slot * NGI + st // SPG).load(L).to(gl.float32)
+                p0 = zero
+                p1 = zero
+                p2 = zero
+                p3 = zero
+            words = w_smem.index(slot * STEPS + st).load(L)
+            x0 = x0_smem.index(slot * STEPS + st).load(L)
+            x1 = x0
+            if MB == 2:
+                x1 = x1_smem.index(slot * STEPS + st).load(L)
+            p0, p1, p2, p3 = _mma_step(words, zp, zh, x0, x1, p0, p1, p2, p3, BF16, MB)
+            if st % SPG == SPG - 1:
+                acc0 += sc * p0
+                acc1 += sc * p1
+                if MB == 2:
+                    acc2 += sc * p2
+                    acc3 += sc * p3
+    async_copy.wait_group(0)
+    return acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _store_rows(out_ptr, ws_ptr, bias_ptr, acc, m, cols, nmask, M, N, stride_om, split, cnt_ptr, done,
+                SPLIT_K: gl.constexpr, HAS_BIAS: gl.constexpr, FINAL: gl.constexpr):  # fmt: skip
+    """Rows ``m`` ([T]) of the thread's columns: the fp32 partial into the workspace (not FINAL) or, when FINAL,
+    the sum of the SPLIT_K partials in split order (+ bias) into y."""
+    mask = gl.expand_dims(m < M, 1) & nmask
+    idx = gl.expand_dims(m, 1) * N + cols
+    if FINAL:
+        total = acc
+        if SPLIT_K > 1:
+            total = gl.load(ws_ptr + idx, mask=mask, other=0.0, cache_modifier=".cg")
+            for i in gl.static_range(1, SPLIT_K):
+                total += gl.load(ws_ptr + i * M * N + idx, mask=mask, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            total += gl.load(bias_ptr + cols, mask=nmask, other=0.0).to(gl.float32)
+        gl.store(out_ptr + gl.expand_dims(m, 1) * stride_om + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        gl.store(ws_ptr + split * M * N + idx, acc, mask=mask)
+
+
+@gluon.jit
+def _w4a16_mma_gemv_kernel(
+    x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, iters_per_split, stride_xm, stride_qwk, stride_qzg, stride_sg, stride_om,
+    GROUP: gl.constexpr, STEPS: gl.constexpr, MB: gl.constexpr, BF16: gl.constexpr, HAS_BIAS: gl.constexpr,
+    SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    L: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [num_warps, 1], [1, 0])
+    BLOCK_N: gl.constexpr = 32 * num_warps
+    SPG: gl.constexpr = GROUP // 32 if GROUP // 32 < STEPS else STEPS  # K steps per scale application
+
+    pid_n = gl.program_id(0)
+    split = gl.program_id(1)
+    t = gl.arange(0, 32 * num_warps, layout=gl.SliceLayout(1, L))
+    lane = t % 32
+    g = lane // 4
+    c = lane % 4
+    cols = gl.expand_dims(pid_n * BLOCK_N + (t // 32) * 32 + 4 * g, 1) + gl.expand_dims(
+        gl.arange(0, 4, layout=gl.SliceLayout(0, L)), 0
+    )  # [T, 4]: the thread's four columns
+    nmask = cols < N
+    w_ptrs = qw_ptr + gl.expand_dims(c, 1) * stride_qwk + cols  # word row c of each step, + 4 rows per step
+    quad = gl.expand_dims(4 * c, 1) + gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, L)), 0)
+    # x as int32 pairs (word row r -> pairs 4r .. 4r+3); rows past M read row M - 1 (their outputs are not stored)
+    x0_ptrs = x_ptr + gl.expand_dims(gl.minimum(g, M - 1) * stride_xm, 1) + quad
+    x1_ptrs = x_ptr + gl.expand_dims(gl.minimum(g + 8, M - 1) * stride_xm, 1) + quad
+
+    if STAGES == 1:
+        acc0, acc1, acc2, acc3 = _k_loop_registers(
+            qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, split * iters_per_split, iters_per_split,
+            stride_qwk, stride_qzg, stride_sg, L, GROUP, STEPS, SPG, MB, BF16, EVEN_N,
+        )  # fmt: skip
+    else:
+        acc0, acc1, acc2, acc3 = _k_loop_async(
+            qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, split * iters_per_split, iters_per_split,
+            stride_qwk, stride_qzg, stride_sg, L, GROUP, STEPS, SPG, MB, BF16, EVEN_N, STAGES,
+        )  # fmt: skip
+
+    m0 = 2 * c  # accumulator rows of x: acc0 -> 2c, acc1 -> 2c + 1, acc2 -> 8 + 2c, acc3 -> 9 + 2c
+    if SPLIT_K > 1:
+        _store_rows(out_ptr, ws_ptr, bias_ptr, acc0, m0, cols, nmask, M, N, stride_om, split, cnt_ptr, 0,
+                    SPLIT_K, HAS_BIAS, False)  # fmt: skip
+        _store_rows(out_ptr, ws_ptr, bias_ptr, acc1, m0 + 1, cols, nmask, M, N, stride_om, split, cnt_ptr, 0,
+                    SPLIT_K, HAS_BIAS, False)  # fmt: skip
+        if MB == 2:
+            _store_rows(out_ptr, ws_ptr, bias_ptr, acc2, m0 + 8, cols, nmask, M, N, stride_om, split, cnt_ptr, 0,
+                        SPLIT_K, HAS_BIAS, False)  # fmt: skip
+            _store_rows(out_ptr, ws_ptr, bias_ptr, acc3, m0 + 9, cols, nmask, M, N, stride_om, split, cnt_ptr, 0,
+                        SPLIT_K, HAS_BIAS, False)  # fmt: skip
+        gl.thread_barrier()
+        done = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        gl.thread_barrier()
+        if done == SPLIT_K - 1:  # each thread adds up the partials of its own elements
+            _store_rows(out_ptr, ws_ptr, bias_ptr, acc0, m0, cols, nmask, M, N, stride_om, split, cnt_ptr, done,
+                        SPLIT_K, HAS_BIAS, True)  # fmt: skip
+            _store_rows(out_ptr, ws_ptr, bias_ptr, acc1, m0 + 1, cols, nmask, M, N, stride_om, split, cnt_ptr, done,
+                        SPLIT_K, HAS_BIAS, True)  # fmt: skip
+            if MB == 2:
+                _store_rows(out_ptr, ws_ptr, bias_ptr, acc2, m0 + 8, cols, nmask, M, N, stride_om, split, cnt_ptr,
+                            done, SPLIT_K, HAS_BIAS, True)  # fmt: skip
+                _store_rows(out_ptr, ws_ptr, bias_ptr, acc3, m0 + 9, cols, nmask, M, N, stride_om, split, cnt_ptr,
+                            done, SPLIT_K, HAS_BIAS, True)  # fmt: skip
+            gl.store(cnt_ptr + pid_n, 0)
+    else:
+        _store_rows(out_ptr, ws_ptr, bias_ptr, acc0, m0, cols, nmask, M, N, stride_om, split, cnt_ptr, 0,
+                    SPLIT_K, HAS_BIAS, True)  # fmt: skip
+        _store_rows(out_ptr, ws_ptr, bias_ptr, acc1, m0 + 1, cols, nmask, M, N, stride_om, split, cnt_ptr, 0,
+                    SPLIT_K, HAS_BIAS, True)  # fmt: skip
+        if MB == 2:
+            _store_rows(out_ptr, ws_ptr, bias_ptr, acc2, m0 + 8, cols, nmask, M, N, stride_om, split, cnt_ptr, 0,
+                        SPLIT_K, HAS_BIAS, True)  # fmt: skip
+            _store_rows(out_ptr, ws_ptr, bias_ptr, acc3, m0 + 9, cols, nmask, M, N, stride_om, split, cnt_ptr, 0,
+                        SPLIT_K, HAS_BIAS, True)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MmaGemvConfig:
+    """``num_warps`` warps of 32 columns per CTA; ``steps`` K steps of 32 per loop iteration (all their loads
+    issued together); K is split until the grid has ``fill`` x SMs CTAs (at most ``max_split`` slices)."""
+
+    num_warps: int = 4
+    steps: int = 4
+    fill: float = 4.0
+    max_split: int = 16
+    stages: int = 1  # > 1: a per-thread cp.async ring of this many iterations in shared memory
+
+    @property
+    def name(self) -> str:
+        ring = f"r{self.stages}" if self.stages > 1 else ""
+        return f"mma-w{self.num_warps}s{self.steps}f{self.fill:g}{ring}"
+
+
+MMA_MAX_M = 16
+MMA_TRITON = "3.6."  # the Gluon API the kernel is written for
+
+
+def mma_gemv_split(cfg: MmaGemvConfig, n: int, k: int, sms: int) -> int:
+    """Split-K factor: doubled while the grid has fewer than cfg.fill x SMs CTAs and K still splits into whole
+    loop iterations."""
+    ctas = -(-n // (32 * cfg.num_warps))
+    iters = k // (32 * cfg.steps)
+    split = 1
+    while ctas * split < cfg.fill * sms and split * 2 <= cfg.max_split and iters % (split * 2) == 0:
+        split *= 2
+    return split
+
+
+def mma_gemv_unsupported_reason(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None,
+                                cfg: MmaGemvConfig) -> str | None:  # fmt: skip
+    """Why this kernel cannot run the product (None: it can); operand shapes and dtypes are ``check_operands``'s."""
+    depth = 32 * cfg.steps
+    group = w.group_size
+    if w.bits != 4:
+        return f"4-bit weights only, got {w.bits}-bit"
+    if x.shape[0] > MMA_MAX_M:
+        return f"M = {x.shape[0]} rows; this kernel takes at most {MMA_MAX_M}"
+    if w.in_features % depth:
+        return f"K = {w.in_features} must be a multiple of {depth}"
+    if group and (group % 32 or (group % depth if group >= depth else cfg.steps % (group // 32))):
+        return f"group size {group} must be a multiple of {depth} or divide it in multiples of 32"
+    if w.out_features % 4:
+        return f"N = {w.out_features} must be a multiple of 4"
+    if x.stride(1) != 1 or x.stride(0) % 2:
+        return "x needs unit column stride and an even row stride (read as 32-bit pairs)"
+    if out is not None and out.stride(1) != 1:
+        return "out needs unit column stride"
+    if not triton.__version__.startswith(MMA_TRITON):
+        return f"written for Triton {MMA_TRITON}x's Gluon, found Triton {triton.__version__}"
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device) < (9, 0):
+        return "needs a CUDA device of compute capability 9.0 or newer"
+    return None
+
+
+def w4a16_mma_gemv(
+    x: torch.Tensor,
+    w: W4A16Weight,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    config: MmaGemvConfig | None = None,
+    split: int | None = None,
+) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W.T + bias for M <= 16; x is already in kernel channel order. ``split``: the split-K
+    factor instead of ``mma_gemv_split``'s (tests); K / split must be whole loop iterations."""
+    check_operands(x, w, bias, out)
+    cfg = config or MmaGemvConfig()
+    reason = mma_gemv_unsupported_reason(x, w, out, cfg)
+    if reason:
+        raise ValueError(f"w4a16_mma_gemv: {reason}")
+    m, k = x.shape
+    n = w.out_features
+    ctas = -(-n // (32 * cfg.num_warps))
+    if split is None:
+        split = mma_gemv_split(cfg, n, k, num_sms(x.device))
+    elif split < 1 or (k // (32 * cfg.steps)) % split or (split > 1 and ctas > LOCK_SLOTS):
+        raise ValueError(f"split {split}: K = {k} must split into whole {32 * cfg.steps}-deep iterations")
+    if out is None:
+        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    part = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
+    _w4a16_mma_gemv_kernel[(ctas, split)](
+        x.view(torch.int32), w.qweight, w.qzeros, w.scales, bias if bias is not None else out, out, part, w.locks,
+        m, n, k // (32 * cfg.steps * split), x.stride(0) // 2, w.qweight.stride(0), w.qzeros.stride(0),
+        w.scales.stride(0), out.stride(0),
+        GROUP=w.group_size or 2**30, STEPS=cfg.steps, MB=1 if m <= 8 else 2, BF16=x.dtype == torch.bfloat16,
+        HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_N=n % (32 * cfg.num_warps) == 0, STAGES=cfg.stages,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,139 @@
+"""mma.sync W4A16 gemv (Gluon, GPU only): its launch rules everywhere, the kernel on a CUDA sm_90 GPU.
+
+Gluon has no interpreter mode, so on CPU these tests check what the kernel declines (``mma_gemv_unsupported_reason``),
+the split-K rule and the PTX it is built from; on the H200 they check the kernel against a float64 reference under
+test_w4a16.py's rule (at most twice PyTorch's own error), with NaN-poisoned outputs, M from 1 to 16 (one and two
+mma row blocks), N off the CTA width, both dtypes, act-order, bias, groups 32 / 64 / 128 / one per column, and
+forced split-K (deterministic, replayable in a CUDA graph).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import triton
+from quantkit.kernels import w4a16_mma_gemv as MG
+
+from tests.kernels.test_w4a16 import DEVICE, assert_close_to_float64, make_layer, prepared
+
+sm90 = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0))
+    or not triton.__version__.startswith(MG.MMA_TRITON),
+    reason="needs a CUDA sm_90+ GPU and the Triton the Gluon kernel is written for",
+)
+
+
+def weight(n, k, group=128, act_order=False, seed=0, bits=4):
+    qw, buffers = make_layer(n, k, bits, group, act_order=act_order, seed=seed)
+    return qw, prepared(buffers, bits, group)
+
+
+@pytest.mark.parametrize(
+    "bits,group,n,k,m,reason",
+    [(8, 128, 64, 256, 1, "4-bit"), (4, 128, 64, 256, 17, "at most 16"), (4, 128, 64, 200, 1, "multiple of 128"),
+     (4, 96, 64, 384, 1, "group size 96"), (4, 128, 66, 256, 1, "multiple of 4")],
+)  # fmt: skip
+def test_unsupported_products_are_named(bits, group, n, k, m, reason):
+    _, w = weight(n, k, group, bits=bits)
+    x = torch.randn(m, k, device=DEVICE).half()
+    assert reason in MG.mma_gemv_unsupported_reason(x, w, None, MG.MmaGemvConfig())
+
+
+def test_other_tritons_and_devices_are_named(monkeypatch):
+    _, w = weight(64, 256)
+    x = torch.randn(1, 256, device=DEVICE).half()
+    if not x.is_cuda:
+        assert "compute capability" in MG.mma_gemv_unsupported_reason(x, w, None, MG.MmaGemvConfig()) or (
+            "Triton" in MG.mma_gemv_unsupported_reason(x, w, None, MG.MmaGemvConfig())
+        )
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    assert "found Triton 3.9.0" in MG.mma_gemv_unsupported_reason(x, w, None, MG.MmaGemvConfig())
+
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (28672, 8192), (8192, 28672), (256, 512)])
+def test_split_fills_the_gpu_with_whole_iterations(n, k):
+    cfg = MG.MmaGemvConfig()
+    split = MG.mma_gemv_split(cfg, n, k, 132)
+    ctas = -(-n // (32 * cfg.num_warps))
+    iters = k // (32 * cfg.steps)
+    assert 1 <= split <= cfg.max_split and split & (split - 1) == 0 and iters % split == 0
+    doubled = split * 2
+    assert ctas * split >= cfg.fill * 132 or doubled > cfg.max_split or iters % doubled
+
+
+@pytest.mark.parametrize("bf16,mb", [(False, 1), (True, 1), (False, 2), (True, 2)])
+def test_ptx_feeds_each_word_to_two_mma_per_row_block(bf16, mb):
+    asm = MG.mma_step_asm(bf16, mb)
+    kind = "bf16" if bf16 else "f16"
+    assert asm.count(f"m16n8k16.row.col.f32.{kind}.{kind}.f32") == 4 * mb  # 2 row blocks x 2 k16 steps
+    assert asm.count("lop3.b32") == 16  # four per word
+    assert asm.count("shr.u32") == (12 if bf16 else 4)  # fp16 reads odd codes at bit 4 (one FMA by 1/16)
+    operands = MG.mma_step_constraints(mb).split(",")
+    assert max(int(i) for i in re.findall(r"\$(\d+)", asm)) == len(operands) - 1  # pack=4: 4 registers each
+
+
+# (M, N, K, group, dtype, act_order, bias, split): one and two mma row blocks, N off the CTA width, forced splits
+GPU_CASES = [
+    (1, 4096, 4096, 128, torch.float16, False, False, None),
+    (1, 260, 1024, 128, torch.bfloat16, False, True, None),
+    (2, 1000, 2048, 64, torch.float16, True, True, 2),
+    (5, 516, 512, 32, torch.bfloat16, False, False, 4),
+    (8, 2048, 4096, -1, torch.float16, False, True, None),
+    (9, 132, 1024, 128, torch.float16, True, False, None),
+    (13, 4100, 2048, 64, torch.bfloat16, False, True, 8),
+    (16, 8192, 8192, 128, torch.bfloat16, False, False, None),
+]
+
+
+@sm90
+@pytest.mark.parametrize("m,n,k,group,dtype,act_order,with_bias,split", GPU_CASES)
+def test_kernel_matches_float64_reference(m, n, k, group, dtype, act_order, with_bias, split):
+    qw, w = weight(n, k, group, act_order, seed=m + n)
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    bias = torch.randn(n, device="cuda").to(dtype) if with_bias else None
+    x_kernel = x.index_select(1, w.perm) if w.perm is not None else x
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+    y = MG.w4a16_mma_gemv(x_kernel, w, bias, out, split=split)
+    assert y.data_ptr() == out.data_ptr()
+    assert_close_to_float64(y, x, qw, bias)
+    assert not w.locks.any()  # the last CTA of each split tile reset its counter
+
+
+@sm90
+@pytest.mark.parametrize("m,n,k,group,dtype,act_order,with_bias,split", GPU_CASES[1:6:2] + GPU_CASES[6:])
+def test_shared_memory_ring_matches_float64_reference(m, n, k, group, dtype, act_order, with_bias, split):
+    qw, w = weight(n, k, group, act_order, seed=m + n + 1)
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    bias = torch.randn(n, device="cuda").to(dtype) if with_bias else None
+    x_kernel = x.index_select(1, w.perm) if w.perm is not None else x
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+    y = MG.w4a16_mma_gemv(x_kernel, w, bias, out, config=MG.MmaGemvConfig(stages=3), split=split)
+    assert_close_to_float64(y, x, qw, bias)
+    assert not w.locks.any()
+
+
+@sm90
+def test_split_k_is_deterministic_and_replays_in_a_cuda_graph():
+    _, w = weight(1024, 4096, seed=3)
+    x = torch.randn(3, 4096, device="cuda").half()
+    first = MG.w4a16_mma_gemv(x, w, split=8)
+    out = torch.full_like(first, float("nan"))
+    MG.w4a16_mma_gemv(x, w, out=out, split=8)  # compile and warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        MG.w4a16_mma_gemv(x, w, out=out, split=8)
+    out.fill_(float("nan"))
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, first) and not w.locks.any()
+
+
+@sm90
+def test_launcher_rejects_a_split_that_breaks_iterations():
+    _, w = weight(256, 384, seed=6)  # three 128-deep iterations
+    x = torch.randn(1, 384, device="cuda").half()
+    with pytest.raises(ValueError, match="whole 128-deep iterations"):
+        MG.w4a16_mma_gemv(x, w, split=2)
