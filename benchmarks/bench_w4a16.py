@@ -49,6 +49,7 @@ import triton.testing
 from graph_timing import seconds_per_call
 from quantkit.kernels import w4a16 as K
 from quantkit.kernels import w4a16_configs as C
+from quantkit.kernels import w4a16_mma_gemv as MG
 from quantkit.kernels import w4a16_ws as WS
 
 L2_BYTES = 60 * 2**20
@@ -409,15 +410,15 @@ def run_table(args, timer: Timer, device: str, table: list | None) -> dict:
     gen = torch.Generator(device=device).manual_seed(1)
     for n, k, group, layer, base in layer_walk(spec["shapes"], spec["groups"], spec["ms"], timer, device, gen):
         for m in CHECK_MS if not args.smoke else spec["ms"]:
-            ws = None if table else warp_specialized(layer, m)
+            ws = None if table else gluon_choice(layer, m)
             checks.append({"n": n, "k": k, "group": group, **layer.check(m, None if ws else choose(m, n))})
             if not checks[-1]["ok"]:
                 print(f"  CORRECTNESS FAILURE {n}x{k} g{group}: {checks[-1]}")
         for m in spec["ms"]:
             cfg = choose(m, n)
-            ws = None if table else warp_specialized(layer, m)
+            ws = None if table else gluon_choice(layer, m)
             us = timer.per_call(layer.calls(m, None if ws else cfg))  # None: w4a16_linear's own dispatch
-            name = f"{ws[0].name}-sk{ws[1]}" if ws else cfg.name
+            name = ws or cfg.name
             row = {"n": n, "k": k, "group": group, "m": m, "config": name, "fp16_us": base[m], "w4a16_us": us}
             row["speedup"] = base[m] / us
             row["weight_tbps"] = layer.bytes / (us * 1e-6) / 1e12
@@ -434,10 +435,19 @@ def run_table(args, timer: Timer, device: str, table: list | None) -> dict:
     return {"table": source, "copy_tbps": copy_bw, "rows": rows, "checks": checks, "metadata": list(meta.values())}
 
 
-def warp_specialized(layer: Layer, m: int) -> tuple[WS.WSConfig, int] | None:
-    """(config, split) of the warp-specialized kernel ``w4a16_linear`` runs for ``m`` rows of this layer without a
-    config, if any (``ws_plan``, the dispatcher's own decision)."""
-    return WS.ws_plan(torch.empty(m, layer.k, device=layer.device, dtype=torch.float16), layer.weights[0])
+def gluon_choice(layer: Layer, m: int) -> str | None:
+    """Name and split-K of the Gluon kernel ``w4a16_linear`` runs for ``m`` rows of this layer without a config
+    (the dispatcher's own decisions: ``ws_plan``, then ``mma_plan``), or None where the Triton table decides."""
+    x = torch.empty(m, layer.k, device=layer.device, dtype=torch.float16)
+    w = layer.weights[0]
+    ws = WS.ws_plan(x, w)
+    if ws:
+        return f"{ws[0].name}-sk{ws[1]}"
+    mma = MG.mma_plan(x, w)
+    if mma:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        return f"{mma.name}-sk{MG.mma_gemv_split(mma, layer.n, layer.k, sms)}"
+    return None
 
 
 def table_config(table: list, m: int) -> C.KernelConfig:

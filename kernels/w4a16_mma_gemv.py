@@ -30,6 +30,15 @@ How (one warp = 32 output columns; a CTA = num_warps warps side by side along N;
     split-K: partial tiles in an fp32 workspace [split, M, N]; the last CTA of a column tile (a counter in
     ``W4A16Weight.locks``) adds them in split order (deterministic).
 
+Measured (H200, Triton 3.6, results/w4a16-mma-gemv-h200-2026-12-04.md): 2.2 SASS instructions per weight (fp16;
+bf16 2.4: three shifts per word), 58 registers. Against the previous choices over eight layer shapes, geomean of
+speedups over cuBLAS fp16 at M = 1 / 2 / 4 / 8: 2.43x / 2.18x / 2.15x / 2.01x where the CUDA-core gemv and the
+Triton m16 tiles gave 2.31x / 1.56x / 1.42x / 1.36x; at M = 16 (two mma row blocks, 86 registers) 1.16x against
+1.32x, so the dispatcher keeps this kernel to M <= 8. The weights still stream at only 1.1-2.8 TB/s: ptxas keeps
+about two K steps of loads in flight per thread. A per-thread cp.async ring in shared memory (3-4 iterations
+ahead, no registers held) ran at about half the speed: Triton's barrier analysis puts CTA barriers around the
+ring although each thread reads only what it copied (code in commit 21b3bd4).
+
 Limits: 4-bit codes; K a multiple of 32 x ``steps``; group size a multiple of 32 (or one group); N a multiple of 4;
 x with unit column stride and 16-byte aligned rows; M <= 16. CUDA sm_80+ (mma.sync; bf16 subtraction needs sm_90);
 Gluon has no interpreter mode, so CPU tests cover the launcher's rules and the reference, the GPU tests the kernel.
@@ -47,7 +56,6 @@ from quantkit.kernels.w4a16_gemv import w4a16_gemv_reference
 from quantkit.kernels.w4a16_weight import W4A16Weight, check_operands, num_sms
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 w4a16_mma_gemv_reference = w4a16_gemv_reference  # the same product
 
@@ -148,11 +156,11 @@ def _zero_pairs(zw, cols, BF16: gl.constexpr):
 
 
 @gluon.jit
-def _k_loop_registers(qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, it0, n_iters, stride_qwk,
+def _k_loop(qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, it0, n_iters, stride_qwk,
                       stride_qzg, stride_sg, L: gl.constexpr, GROUP: gl.constexpr, STEPS: gl.constexpr,
                       SPG: gl.constexpr, MB: gl.constexpr, BF16: gl.constexpr, EVEN_N: gl.constexpr):  # fmt: skip
-    """The K slice with plain loads (ptxas places them; about two steps in flight): accumulators (rows 2c, 2c + 1,
-    8 + 2c, 9 + 2c of x) over the thread's columns."""
+    """The K slice: accumulators (rows 2c, 2c + 1, 8 + 2c, 9 + 2c of x) over the thread's four columns. The loads
+    are plain; ptxas keeps about two steps of them in flight."""
     zero = gl.zeros(cols.shape, gl.float32, layout=L)
     acc0 = zero
     acc1 = zero
@@ -188,88 +196,6 @@ def _k_loop_registers(qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, it0,
 
 
 @gluon.jit
-def _issue_iteration(w_smem, x0_smem, x1_smem, z_smem, s_smem, slot, it, valid, w_ptrs, x0_ptrs, x1_ptrs, z_ptrs,
-                     s_ptrs, nmask, stride_qwk, stride_qzg, stride_sg, GROUP: gl.constexpr, STEPS: gl.constexpr,
-                     SPG: gl.constexpr, MB: gl.constexpr):  # fmt: skip
-    """cp.async of iteration ``it``'s words, x and group parameters into ring slot ``slot`` (each thread copies,
-    and later reads, only its own elements: no barrier); nothing is copied where ``valid`` is false."""
-    NGI: gl.constexpr = STEPS // SPG
-    vmask = nmask & valid
-    for st in gl.static_range(STEPS):
-        kw = (it * STEPS + st) * 4
-        async_copy.async_copy_global_to_shared(w_smem.index(slot * STEPS + st), w_ptrs + kw * stride_qwk, mask=vmask)
-        async_copy.async_copy_global_to_shared(x0_smem.index(slot * STEPS + st), x0_ptrs + 4 * kw, mask=vmask)
-        if MB == 2:
-            async_copy.async_copy_global_to_shared(x1_smem.index(slot * STEPS + st), x1_ptrs + 4 * kw, mask=vmask)
-        if st % SPG == 0:
-            grp = (kw * 8) // GROUP
-            async_copy.async_copy_global_to_shared(z_smem.index(slot * NGI + st // SPG), z_ptrs + grp * stride_qzg,
-                                                   mask=vmask)  # fmt: skip
-            async_copy.async_copy_global_to_shared(s_smem.index(slot * NGI + st // SPG), s_ptrs + grp * stride_sg,
-                                                   mask=vmask)  # fmt: skip
-
-
-@gluon.jit
-def _k_loop_async(qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, it0, n_iters, stride_qwk, stride_qzg,
-                  stride_sg, L: gl.constexpr, GROUP: gl.constexpr, STEPS: gl.constexpr, SPG: gl.constexpr,
-                  MB: gl.constexpr, BF16: gl.constexpr, EVEN_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """The K slice through a per-thread ring of STAGES iterations in shared memory (cp.async, STAGES - 1
-    iterations in flight whatever ptxas does with registers): same accumulators as ``_k_loop_registers``."""
-    NGI: gl.constexpr = STEPS // SPG
-    T: gl.constexpr = cols.shape[0]
-    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * STEPS, T, 4], flat)
-    x0_smem = gl.allocate_shared_memory(gl.int32, [STAGES * STEPS, T, 4], flat)
-    x1_smem = x0_smem
-    if MB == 2:
-        x1_smem = gl.allocate_shared_memory(gl.int32, [STAGES * STEPS, T, 4], flat)
-    z_smem = gl.allocate_shared_memory(gl.int32, [STAGES * NGI, T, 4], flat)
-    s_smem = gl.allocate_shared_memory(gl.float16, [STAGES * NGI, T, 4], flat)
-    z_ptrs = qz_ptr + cols // 8
-    s_ptrs = s_ptr + cols
-    for i in gl.static_range(STAGES - 1):
-        _issue_iteration(w_smem, x0_smem, x1_smem, z_smem, s_smem, i, it0 + i, i < n_iters, w_ptrs, x0_ptrs,
-                         x1_ptrs, z_ptrs, s_ptrs, nmask, stride_qwk, stride_qzg, stride_sg, GROUP, STEPS, SPG,
-                         MB)  # fmt: skip
-        async_copy.commit_group()
-    zero = gl.zeros(cols.shape, gl.float32, layout=L)
-    acc0 = zero
-    acc1 = zero
-    acc2 = zero
-    acc3 = zero
-    for j in range(n_iters):
-        ahead = j + STAGES - 1
-        _issue_iteration(w_smem, x0_smem, x1_smem, z_smem, s_smem, ahead % STAGES, it0 + ahead, ahead < n_iters,
-                         w_ptrs, x0_ptrs, x1_ptrs, z_ptrs, s_ptrs, nmask, stride_qwk, stride_qzg, stride_sg, GROUP,
-                         STEPS, SPG, MB)  # fmt: skip
-        async_copy.commit_group()
-        async_copy.wait_group(STAGES - 1)  # this thread's copies of iteration j have landed
-        slot = j % STAGES
-        for st in gl.static_range(STEPS):
-            if st % SPG == 0:
-                zp, zh = _zero_pairs(z_smem.index(slot * NGI + st // SPG).load(L), cols, BF16)
-                sc = s_smem.index(slot * NGI + st // SPG).load(L).to(gl.float32)
-                p0 = zero
-                p1 = zero
-                p2 = zero
-                p3 = zero
-            words = w_smem.index(slot * STEPS + st).load(L)
-            x0 = x0_smem.index(slot * STEPS + st).load(L)
-            x1 = x0
-            if MB == 2:
-                x1 = x1_smem.index(slot * STEPS + st).load(L)
-            p0, p1, p2, p3 = _mma_step(words, zp, zh, x0, x1, p0, p1, p2, p3, BF16, MB)
-            if st % SPG == SPG - 1:
-                acc0 += sc * p0
-                acc1 += sc * p1
-                if MB == 2:
-                    acc2 += sc * p2
-                    acc3 += sc * p3
-    async_copy.wait_group(0)
-    return acc0, acc1, acc2, acc3
-
-
-@gluon.jit
 def _store_rows(out_ptr, ws_ptr, bias_ptr, acc, m, cols, nmask, M, N, stride_om, split, cnt_ptr, done,
                 SPLIT_K: gl.constexpr, HAS_BIAS: gl.constexpr, FINAL: gl.constexpr):  # fmt: skip
     """Rows ``m`` ([T]) of the thread's columns: the fp32 partial into the workspace (not FINAL) or, when FINAL,
@@ -294,7 +220,7 @@ def _w4a16_mma_gemv_kernel(
     x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, iters_per_split, stride_xm, stride_qwk, stride_qzg, stride_sg, stride_om,
     GROUP: gl.constexpr, STEPS: gl.constexpr, MB: gl.constexpr, BF16: gl.constexpr, HAS_BIAS: gl.constexpr,
-    SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     L: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [num_warps, 1], [1, 0])
     BLOCK_N: gl.constexpr = 32 * num_warps
@@ -316,16 +242,10 @@ def _w4a16_mma_gemv_kernel(
     x0_ptrs = x_ptr + gl.expand_dims(gl.minimum(g, M - 1) * stride_xm, 1) + quad
     x1_ptrs = x_ptr + gl.expand_dims(gl.minimum(g + 8, M - 1) * stride_xm, 1) + quad
 
-    if STAGES == 1:
-        acc0, acc1, acc2, acc3 = _k_loop_registers(
-            qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, split * iters_per_split, iters_per_split,
-            stride_qwk, stride_qzg, stride_sg, L, GROUP, STEPS, SPG, MB, BF16, EVEN_N,
-        )  # fmt: skip
-    else:
-        acc0, acc1, acc2, acc3 = _k_loop_async(
-            qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, split * iters_per_split, iters_per_split,
-            stride_qwk, stride_qzg, stride_sg, L, GROUP, STEPS, SPG, MB, BF16, EVEN_N, STAGES,
-        )  # fmt: skip
+    acc0, acc1, acc2, acc3 = _k_loop(
+        qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, split * iters_per_split, iters_per_split,
+        stride_qwk, stride_qzg, stride_sg, L, GROUP, STEPS, SPG, MB, BF16, EVEN_N,
+    )  # fmt: skip
 
     m0 = 2 * c  # accumulator rows of x: acc0 -> 2c, acc1 -> 2c + 1, acc2 -> 8 + 2c, acc3 -> 9 + 2c
     if SPLIT_K > 1:
@@ -373,16 +293,19 @@ class MmaGemvConfig:
     steps: int = 4
     fill: float = 4.0
     max_split: int = 16
-    stages: int = 1  # > 1: a per-thread cp.async ring of this many iterations in shared memory
 
     @property
     def name(self) -> str:
-        ring = f"r{self.stages}" if self.stages > 1 else ""
-        return f"mma-w{self.num_warps}s{self.steps}f{self.fill:g}{ring}"
+        return f"mma-w{self.num_warps}s{self.steps}f{self.fill:g}"
 
 
 MMA_MAX_M = 16
 MMA_TRITON = "3.6."  # the Gluon API the kernel is written for
+# ``w4a16_linear`` runs this config up to MMA_DISPATCH_M rows (H200, results/w4a16-mma-gemv-h200-2026-12-04.md, eight
+# layer shapes): against the previous choice 0.95-1.12x at M = 1 (the CUDA-core gemv; 7 of 8 shapes faster),
+# 1.12-1.95x at M = 2-8; at M = 16 the Triton m16 tiles still win on 3 of 8 shapes, so they keep those rows.
+MMA_DISPATCH_M = 8
+MMA_DEFAULT = MmaGemvConfig()
 
 
 def mma_gemv_split(cfg: MmaGemvConfig, n: int, k: int, sms: int) -> int:
@@ -422,6 +345,14 @@ def mma_gemv_unsupported_reason(x: torch.Tensor, w: W4A16Weight, out: torch.Tens
     return None
 
 
+def mma_plan(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None = None) -> MmaGemvConfig | None:
+    """The config ``w4a16_linear`` runs this kernel with for x [M, K] (kernel channel order), or None: CUDA, M up
+    to MMA_DISPATCH_M, and operands it takes (``mma_gemv_unsupported_reason``)."""
+    if not x.is_cuda or x.shape[0] > MMA_DISPATCH_M:
+        return None
+    return MMA_DEFAULT if mma_gemv_unsupported_reason(x, w, out, MMA_DEFAULT) is None else None
+
+
 def w4a16_mma_gemv(
     x: torch.Tensor,
     w: W4A16Weight,
@@ -452,7 +383,6 @@ def w4a16_mma_gemv(
         m, n, k // (32 * cfg.steps * split), x.stride(0) // 2, w.qweight.stride(0), w.qzeros.stride(0),
         w.scales.stride(0), out.stride(0),
         GROUP=w.group_size or 2**30, STEPS=cfg.steps, MB=1 if m <= 8 else 2, BF16=x.dtype == torch.bfloat16,
-        HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_N=n % (32 * cfg.num_warps) == 0, STAGES=cfg.stages,
-        num_warps=cfg.num_warps,
+        HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_N=n % (32 * cfg.num_warps) == 0, num_warps=cfg.num_warps,
     )  # fmt: skip
     return out

@@ -27,11 +27,9 @@ SHAPES = [(28672, 8192), (8192, 28672), (8192, 8192), (14336, 4096), (4096, 1433
 VARIANTS = [
     MmaGemvConfig(4, 4, 4.0),
     MmaGemvConfig(2, 4, 8.0),
-    MmaGemvConfig(4, 4, 4.0, stages=3),
-    MmaGemvConfig(4, 4, 4.0, stages=4),
-    MmaGemvConfig(4, 4, 8.0, stages=3),
-    MmaGemvConfig(2, 4, 8.0, stages=4),
-    MmaGemvConfig(8, 4, 4.0, stages=3),
+    MmaGemvConfig(4, 4, 8.0),
+    MmaGemvConfig(4, 8, 4.0),
+    MmaGemvConfig(8, 4, 4.0),
 ]
 
 

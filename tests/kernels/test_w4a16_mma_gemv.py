@@ -14,6 +14,7 @@ import re
 import pytest
 import torch
 import triton
+from quantkit.kernels import w4a16 as K
 from quantkit.kernels import w4a16_mma_gemv as MG
 
 from tests.kernels.test_w4a16 import DEVICE, assert_close_to_float64, make_layer, prepared
@@ -102,19 +103,6 @@ def test_kernel_matches_float64_reference(m, n, k, group, dtype, act_order, with
 
 
 @sm90
-@pytest.mark.parametrize("m,n,k,group,dtype,act_order,with_bias,split", GPU_CASES[1:6:2] + GPU_CASES[6:])
-def test_shared_memory_ring_matches_float64_reference(m, n, k, group, dtype, act_order, with_bias, split):
-    qw, w = weight(n, k, group, act_order, seed=m + n + 1)
-    x = torch.randn(m, k, device="cuda").to(dtype)
-    bias = torch.randn(n, device="cuda").to(dtype) if with_bias else None
-    x_kernel = x.index_select(1, w.perm) if w.perm is not None else x
-    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-    y = MG.w4a16_mma_gemv(x_kernel, w, bias, out, config=MG.MmaGemvConfig(stages=3), split=split)
-    assert_close_to_float64(y, x, qw, bias)
-    assert not w.locks.any()
-
-
-@sm90
 def test_split_k_is_deterministic_and_replays_in_a_cuda_graph():
     _, w = weight(1024, 4096, seed=3)
     x = torch.randn(3, 4096, device="cuda").half()
@@ -137,3 +125,25 @@ def test_launcher_rejects_a_split_that_breaks_iterations():
     x = torch.randn(1, 384, device="cuda").half()
     with pytest.raises(ValueError, match="whole 128-deep iterations"):
         MG.w4a16_mma_gemv(x, w, split=2)
+
+
+def test_dispatch_rule_takes_only_cuda_products_of_up_to_8_rows():
+    _, w = weight(256, 512)
+    for m in (1, 8, 9):
+        x = torch.randn(m, 512, device=DEVICE).half()
+        plan = MG.mma_plan(x, w)
+        if x.is_cuda and m <= MG.MMA_DISPATCH_M and MG.mma_gemv_unsupported_reason(x, w, None, MG.MMA_DEFAULT) is None:
+            assert plan == MG.MMA_DEFAULT
+        else:
+            assert plan is None
+
+
+@sm90
+@pytest.mark.parametrize("m,dtype", [(1, torch.float16), (3, torch.bfloat16), (8, torch.float16)])
+def test_w4a16_linear_runs_this_kernel_up_to_8_rows(m, dtype):
+    qw, w = weight(4096, 4096, seed=m)
+    x = torch.randn(2, m, 4096, device="cuda").to(dtype)[0]  # a batch of one: the dispatcher's 2-D view
+    bias = torch.randn(4096, device="cuda").to(dtype)
+    y = K.w4a16_linear(x, w, bias)
+    assert torch.equal(y, MG.w4a16_mma_gemv(x, w, bias))
+    assert_close_to_float64(y, x, qw, bias)
