@@ -35,9 +35,11 @@ bf16 2.4: three shifts per word), 58 registers. Against the previous choices ove
 speedups over cuBLAS fp16 at M = 1 / 2 / 4 / 8: 2.43x / 2.18x / 2.15x / 2.01x where the CUDA-core gemv and the
 Triton m16 tiles gave 2.31x / 1.56x / 1.42x / 1.36x; at M = 16 (two mma row blocks, 86 registers) 1.16x against
 1.32x, so the dispatcher keeps this kernel to M <= 8. The weights still stream at only 1.1-2.8 TB/s: ptxas keeps
-about two K steps of loads in flight per thread. A per-thread cp.async ring in shared memory (3-4 iterations
-ahead, no registers held) ran at about half the speed: Triton's barrier analysis puts CTA barriers around the
-ring although each thread reads only what it copied (code in commit 21b3bd4).
+about two K steps of loads in flight per thread. ``prefetch`` (the next iteration's words loaded before this one's
+math, 72 registers) raises that where the grid keeps its warps (``mma_config_for``; 28672 x 8192 at M = 1: 3.0x).
+A per-thread cp.async ring in shared memory (3-4 iterations ahead, no registers held) ran at about half the speed:
+Triton's barrier analysis puts CTA barriers around the ring although each thread reads only what it copied (code in
+commit 21b3bd4); two column blocks per thread (98 registers) lost to occupancy.
 
 Limits: 4-bit codes; K a multiple of 32 x ``steps``; group size a multiple of 32 (or one group); N a multiple of 4;
 x with unit column stride and 16-byte aligned rows; M <= 16. CUDA sm_80+ (mma.sync; bf16 subtraction needs sm_90);
@@ -156,11 +158,11 @@ def _zero_pairs(zw, cols, BF16: gl.constexpr):
 
 
 @gluon.jit
-def _k_loop(qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, it0, n_iters, stride_qwk,
-                      stride_qzg, stride_sg, L: gl.constexpr, GROUP: gl.constexpr, STEPS: gl.constexpr,
-                      SPG: gl.constexpr, MB: gl.constexpr, BF16: gl.constexpr, EVEN_N: gl.constexpr):  # fmt: skip
-    """The K slice: accumulators (rows 2c, 2c + 1, 8 + 2c, 9 + 2c of x) over the thread's four columns. The loads
-    are plain; ptxas keeps about two steps of them in flight."""
+def _k_loop(qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, it0, n_iters, stride_qwk, stride_qzg,
+            stride_sg, L: gl.constexpr, GROUP: gl.constexpr, STEPS: gl.constexpr, SPG: gl.constexpr, MB: gl.constexpr,
+            BF16: gl.constexpr, EVEN_N: gl.constexpr):  # fmt: skip
+    """The K slice: accumulators over the thread's four columns for rows (2c, 2c + 1) of x, then rows (8 + 2c,
+    9 + 2c) when MB == 2. The loads are plain; ptxas keeps about two steps of them in flight."""
     zero = gl.zeros(cols.shape, gl.float32, layout=L)
     acc0 = zero
     acc1 = zero
@@ -177,10 +179,7 @@ def _k_loop(qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, it0, n_iters, 
                 p1 = zero
                 p2 = zero
                 p3 = zero
-            if EVEN_N:
-                words = gl.load(w_ptrs + kw * stride_qwk)
-            else:
-                words = gl.load(w_ptrs + kw * stride_qwk, mask=nmask, other=0)
+            words = _words(w_ptrs, kw, stride_qwk, nmask, EVEN_N)
             x0 = gl.load(x0_ptrs + 4 * kw)
             x1 = x0
             if MB == 2:
@@ -196,10 +195,69 @@ def _k_loop(qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, it0, n_iters, 
 
 
 @gluon.jit
-def _store_rows(out_ptr, ws_ptr, bias_ptr, acc, m, cols, nmask, M, N, stride_om, split, cnt_ptr, done,
-                SPLIT_K: gl.constexpr, HAS_BIAS: gl.constexpr, FINAL: gl.constexpr):  # fmt: skip
+def _words(w_ptrs, kw, stride_qwk, nmask, EVEN_N: gl.constexpr):
+    if EVEN_N:
+        return gl.load(w_ptrs + kw * stride_qwk)
+    else:
+        return gl.load(w_ptrs + kw * stride_qwk, mask=nmask, other=0)
+
+
+@gluon.jit
+def _k_loop_prefetch(qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, it0, n_iters, stride_qwk, stride_qzg,
+                     stride_sg, L: gl.constexpr, GROUP: gl.constexpr, SPG: gl.constexpr, MB: gl.constexpr,
+                     BF16: gl.constexpr, EVEN_N: gl.constexpr):  # fmt: skip
+    """``_k_loop`` for 4 steps per iteration with the next iteration's words loaded before this one's math."""
+    zero = gl.zeros(cols.shape, gl.float32, layout=L)
+    acc0 = zero
+    acc1 = zero
+    acc2 = zero
+    acc3 = zero
+    n0 = _words(w_ptrs, it0 * 16, stride_qwk, nmask, EVEN_N)
+    n1 = _words(w_ptrs, it0 * 16 + 4, stride_qwk, nmask, EVEN_N)
+    n2 = _words(w_ptrs, it0 * 16 + 8, stride_qwk, nmask, EVEN_N)
+    n3 = _words(w_ptrs, it0 * 16 + 12, stride_qwk, nmask, EVEN_N)
+    last = it0 + n_iters - 1
+    for it in range(it0, it0 + n_iters):
+        c0 = n0
+        c1 = n1
+        c2 = n2
+        c3 = n3
+        nk = gl.minimum(it + 1, last) * 16
+        n0 = _words(w_ptrs, nk, stride_qwk, nmask, EVEN_N)
+        n1 = _words(w_ptrs, nk + 4, stride_qwk, nmask, EVEN_N)
+        n2 = _words(w_ptrs, nk + 8, stride_qwk, nmask, EVEN_N)
+        n3 = _words(w_ptrs, nk + 12, stride_qwk, nmask, EVEN_N)
+        for st in gl.static_range(4):
+            kw = (it * 4 + st) * 4
+            if st % SPG == 0:
+                grp = (kw * 8) // GROUP
+                zp, zh = _zero_pairs(gl.load(qz_ptr + grp * stride_qzg + cols // 8, mask=nmask, other=0), cols, BF16)
+                sc = gl.load(s_ptr + grp * stride_sg + cols, mask=nmask, other=0.0).to(gl.float32)
+                p0 = zero
+                p1 = zero
+                p2 = zero
+                p3 = zero
+            words = c0 if st == 0 else c1 if st == 1 else c2 if st == 2 else c3
+            x0 = gl.load(x0_ptrs + 4 * kw)
+            x1 = x0
+            if MB == 2:
+                x1 = gl.load(x1_ptrs + 4 * kw)
+            p0, p1, p2, p3 = _mma_step(words, zp, zh, x0, x1, p0, p1, p2, p3, BF16, MB)
+            if st % SPG == SPG - 1:
+                acc0 += sc * p0
+                acc1 += sc * p1
+                if MB == 2:
+                    acc2 += sc * p2
+                    acc3 += sc * p3
+    return acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _store_rows(out_ptr, ws_ptr, bias_ptr, acc, m, cols, M, N, stride_om, split, SPLIT_K: gl.constexpr,
+                HAS_BIAS: gl.constexpr, FINAL: gl.constexpr):  # fmt: skip
     """Rows ``m`` ([T]) of the thread's columns: the fp32 partial into the workspace (not FINAL) or, when FINAL,
     the sum of the SPLIT_K partials in split order (+ bias) into y."""
+    nmask = cols < N
     mask = gl.expand_dims(m < M, 1) & nmask
     idx = gl.expand_dims(m, 1) * N + cols
     if FINAL:
@@ -216,11 +274,24 @@ def _store_rows(out_ptr, ws_ptr, bias_ptr, acc, m, cols, nmask, M, N, stride_om,
 
 
 @gluon.jit
+def _store_all(out_ptr, ws_ptr, bias_ptr, acc0, acc1, acc2, acc3, m0, cols, M, N, stride_om, split,
+               SPLIT_K: gl.constexpr, HAS_BIAS: gl.constexpr, FINAL: gl.constexpr,
+               MB: gl.constexpr):  # fmt: skip
+    """``_store_rows`` of every accumulator ``_k_loop`` filled: rows m0 = 2c and 2c + 1 of the thread's columns,
+    then rows 8 + 2c and 9 + 2c when MB == 2."""
+    _store_rows(out_ptr, ws_ptr, bias_ptr, acc0, m0, cols, M, N, stride_om, split, SPLIT_K, HAS_BIAS, FINAL)
+    _store_rows(out_ptr, ws_ptr, bias_ptr, acc1, m0 + 1, cols, M, N, stride_om, split, SPLIT_K, HAS_BIAS, FINAL)
+    if MB == 2:
+        _store_rows(out_ptr, ws_ptr, bias_ptr, acc2, m0 + 8, cols, M, N, stride_om, split, SPLIT_K, HAS_BIAS, FINAL)
+        _store_rows(out_ptr, ws_ptr, bias_ptr, acc3, m0 + 9, cols, M, N, stride_om, split, SPLIT_K, HAS_BIAS, FINAL)
+
+
+@gluon.jit
 def _w4a16_mma_gemv_kernel(
     x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, iters_per_split, stride_xm, stride_qwk, stride_qzg, stride_sg, stride_om,
     GROUP: gl.constexpr, STEPS: gl.constexpr, MB: gl.constexpr, BF16: gl.constexpr, HAS_BIAS: gl.constexpr,
-    SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr, num_warps: gl.constexpr,
+    SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr, PREFETCH: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     L: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [num_warps, 1], [1, 0])
     BLOCK_N: gl.constexpr = 32 * num_warps
@@ -242,46 +313,31 @@ def _w4a16_mma_gemv_kernel(
     x0_ptrs = x_ptr + gl.expand_dims(gl.minimum(g, M - 1) * stride_xm, 1) + quad
     x1_ptrs = x_ptr + gl.expand_dims(gl.minimum(g + 8, M - 1) * stride_xm, 1) + quad
 
-    acc0, acc1, acc2, acc3 = _k_loop(
-        qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, split * iters_per_split, iters_per_split,
-        stride_qwk, stride_qzg, stride_sg, L, GROUP, STEPS, SPG, MB, BF16, EVEN_N,
-    )  # fmt: skip
+    if PREFETCH:
+        acc0, acc1, acc2, acc3 = _k_loop_prefetch(
+            qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, split * iters_per_split, iters_per_split,
+            stride_qwk, stride_qzg, stride_sg, L, GROUP, SPG, MB, BF16, EVEN_N,
+        )  # fmt: skip
+    else:
+        acc0, acc1, acc2, acc3 = _k_loop(
+            qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, split * iters_per_split, iters_per_split,
+            stride_qwk, stride_qzg, stride_sg, L, GROUP, STEPS, SPG, MB, BF16, EVEN_N,
+        )  # fmt: skip
 
-    m0 = 2 * c  # accumulator rows of x: acc0 -> 2c, acc1 -> 2c + 1, acc2 -> 8 + 2c, acc3 -> 9 + 2c
+    m0 = 2 * c
     if SPLIT_K > 1:
-        _store_rows(out_ptr, ws_ptr, bias_ptr, acc0, m0, cols, nmask, M, N, stride_om, split, cnt_ptr, 0,
-                    SPLIT_K, HAS_BIAS, False)  # fmt: skip
-        _store_rows(out_ptr, ws_ptr, bias_ptr, acc1, m0 + 1, cols, nmask, M, N, stride_om, split, cnt_ptr, 0,
-                    SPLIT_K, HAS_BIAS, False)  # fmt: skip
-        if MB == 2:
-            _store_rows(out_ptr, ws_ptr, bias_ptr, acc2, m0 + 8, cols, nmask, M, N, stride_om, split, cnt_ptr, 0,
-                        SPLIT_K, HAS_BIAS, False)  # fmt: skip
-            _store_rows(out_ptr, ws_ptr, bias_ptr, acc3, m0 + 9, cols, nmask, M, N, stride_om, split, cnt_ptr, 0,
-                        SPLIT_K, HAS_BIAS, False)  # fmt: skip
+        _store_all(out_ptr, ws_ptr, bias_ptr, acc0, acc1, acc2, acc3, m0, cols, M, N, stride_om, split, SPLIT_K,
+                   HAS_BIAS, False, MB)  # fmt: skip
         gl.thread_barrier()
         done = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
         gl.thread_barrier()
         if done == SPLIT_K - 1:  # each thread adds up the partials of its own elements
-            _store_rows(out_ptr, ws_ptr, bias_ptr, acc0, m0, cols, nmask, M, N, stride_om, split, cnt_ptr, done,
-                        SPLIT_K, HAS_BIAS, True)  # fmt: skip
-            _store_rows(out_ptr, ws_ptr, bias_ptr, acc1, m0 + 1, cols, nmask, M, N, stride_om, split, cnt_ptr, done,
-                        SPLIT_K, HAS_BIAS, True)  # fmt: skip
-            if MB == 2:
-                _store_rows(out_ptr, ws_ptr, bias_ptr, acc2, m0 + 8, cols, nmask, M, N, stride_om, split, cnt_ptr,
-                            done, SPLIT_K, HAS_BIAS, True)  # fmt: skip
-                _store_rows(out_ptr, ws_ptr, bias_ptr, acc3, m0 + 9, cols, nmask, M, N, stride_om, split, cnt_ptr,
-                            done, SPLIT_K, HAS_BIAS, True)  # fmt: skip
+            _store_all(out_ptr, ws_ptr, bias_ptr, acc0, acc1, acc2, acc3, m0, cols, M, N, stride_om, split, SPLIT_K,
+                       HAS_BIAS, True, MB)  # fmt: skip
             gl.store(cnt_ptr + pid_n, 0)
     else:
-        _store_rows(out_ptr, ws_ptr, bias_ptr, acc0, m0, cols, nmask, M, N, stride_om, split, cnt_ptr, 0,
-                    SPLIT_K, HAS_BIAS, True)  # fmt: skip
-        _store_rows(out_ptr, ws_ptr, bias_ptr, acc1, m0 + 1, cols, nmask, M, N, stride_om, split, cnt_ptr, 0,
-                    SPLIT_K, HAS_BIAS, True)  # fmt: skip
-        if MB == 2:
-            _store_rows(out_ptr, ws_ptr, bias_ptr, acc2, m0 + 8, cols, nmask, M, N, stride_om, split, cnt_ptr, 0,
-                        SPLIT_K, HAS_BIAS, True)  # fmt: skip
-            _store_rows(out_ptr, ws_ptr, bias_ptr, acc3, m0 + 9, cols, nmask, M, N, stride_om, split, cnt_ptr, 0,
-                        SPLIT_K, HAS_BIAS, True)  # fmt: skip
+        _store_all(out_ptr, ws_ptr, bias_ptr, acc0, acc1, acc2, acc3, m0, cols, M, N, stride_om, split, SPLIT_K,
+                   HAS_BIAS, True, MB)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -293,28 +349,47 @@ class MmaGemvConfig:
     steps: int = 4
     fill: float = 4.0
     max_split: int = 16
+    prefetch: bool = False  # steps == 4 only: the next iteration's words are loaded before this one's math
+    wave: int = 0  # > 0: the split never makes the grid exceed this many CTAs per SM (one wave of resident CTAs)
+
+    @property
+    def block_n(self) -> int:
+        return 32 * self.num_warps
 
     @property
     def name(self) -> str:
-        return f"mma-w{self.num_warps}s{self.steps}f{self.fill:g}"
+        extra = ("p" if self.prefetch else "") + (f"v{self.wave}" if self.wave else "")
+        return f"mma-w{self.num_warps}s{self.steps}f{self.fill:g}{extra}"
 
 
 MMA_MAX_M = 16
 MMA_TRITON = "3.6."  # the Gluon API the kernel is written for
-# ``w4a16_linear`` runs this config up to MMA_DISPATCH_M rows (H200, results/w4a16-mma-gemv-h200-2026-12-04.md, eight
+# ``w4a16_linear`` runs this kernel up to MMA_DISPATCH_M rows (H200, results/w4a16-mma-gemv-h200-2026-12-04.md, eight
 # layer shapes): against the previous choice 0.95-1.12x at M = 1 (the CUDA-core gemv; 7 of 8 shapes faster),
 # 1.12-1.95x at M = 2-8; at M = 16 the Triton m16 tiles still win on 3 of 8 shapes, so they keep those rows.
 MMA_DISPATCH_M = 8
 MMA_DEFAULT = MmaGemvConfig()
+# Loading the next iteration's words first holds 72 registers instead of 58 (7 CTAs of 4 warps per SM instead of
+# 8). It won where its one-wave split gives the grid as many warps as the default's (28672 x 8192 at M = 1: 2.93x
+# cuBLAS fp16 against 2.61x; 4096 x 14336 2.23x against 1.96x) and lost where the wave cap halves them (8192 x 8192
+# 2.65x against 3.00x), hence ``mma_config_for``. With groups of 64 the loop holds 76 registers, a wave holds fewer
+# CTAs than the cap assumes, and the full table (results/w4a16-h200-2026-12-04.md) lost up to a third at M = 2-8
+# (28672 x 8192 at M = 4: 1.30x against 2.08x): groups below 128 keep MMA_DEFAULT.
+MMA_PREFETCH = MmaGemvConfig(2, 4, 8.0, prefetch=True, wave=14)
 
 
 def mma_gemv_split(cfg: MmaGemvConfig, n: int, k: int, sms: int) -> int:
-    """Split-K factor: doubled while the grid has fewer than cfg.fill x SMs CTAs and K still splits into whole
-    loop iterations."""
-    ctas = -(-n // (32 * cfg.num_warps))
+    """Split-K factor: doubled while the grid has fewer than cfg.fill x SMs CTAs, K still splits into whole loop
+    iterations and (cfg.wave) the grid stays within one wave of resident CTAs."""
+    ctas = -(-n // cfg.block_n)
     iters = k // (32 * cfg.steps)
     split = 1
-    while ctas * split < cfg.fill * sms and split * 2 <= cfg.max_split and iters % (split * 2) == 0:
+    while (
+        ctas * split < cfg.fill * sms
+        and split * 2 <= cfg.max_split
+        and iters % (split * 2) == 0
+        and not (cfg.wave and ctas * split * 2 > cfg.wave * sms)
+    ):
         split *= 2
     return split
 
@@ -328,6 +403,8 @@ def mma_gemv_unsupported_reason(x: torch.Tensor, w: W4A16Weight, out: torch.Tens
         return f"4-bit weights only, got {w.bits}-bit"
     if x.shape[0] > MMA_MAX_M:
         return f"M = {x.shape[0]} rows; this kernel takes at most {MMA_MAX_M}"
+    if cfg.prefetch and cfg.steps != 4:
+        return f"prefetch is written for 4 steps per iteration, got {cfg.steps}"
     if w.in_features % depth:
         return f"K = {w.in_features} must be a multiple of {depth}"
     if group and (group % 32 or (group % depth if group >= depth else cfg.steps % (group // 32))):
@@ -345,12 +422,25 @@ def mma_gemv_unsupported_reason(x: torch.Tensor, w: W4A16Weight, out: torch.Tens
     return None
 
 
+def grid_warps(cfg: MmaGemvConfig, n: int, k: int, sms: int) -> int:
+    return -(-n // cfg.block_n) * mma_gemv_split(cfg, n, k, sms) * cfg.num_warps
+
+
+def mma_config_for(n: int, k: int, group: int, sms: int) -> MmaGemvConfig:
+    """MMA_PREFETCH for groups of a multiple of 128 (or one group) where its grid has at least as many warps as
+    MMA_DEFAULT's, else MMA_DEFAULT (measured rule, see MMA_PREFETCH)."""
+    if group % 128 == 0 and grid_warps(MMA_PREFETCH, n, k, sms) >= grid_warps(MMA_DEFAULT, n, k, sms):
+        return MMA_PREFETCH
+    return MMA_DEFAULT
+
+
 def mma_plan(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None = None) -> MmaGemvConfig | None:
     """The config ``w4a16_linear`` runs this kernel with for x [M, K] (kernel channel order), or None: CUDA, M up
     to MMA_DISPATCH_M, and operands it takes (``mma_gemv_unsupported_reason``)."""
     if not x.is_cuda or x.shape[0] > MMA_DISPATCH_M:
         return None
-    return MMA_DEFAULT if mma_gemv_unsupported_reason(x, w, out, MMA_DEFAULT) is None else None
+    cfg = mma_config_for(w.out_features, w.in_features, w.group_size, num_sms(x.device))
+    return cfg if mma_gemv_unsupported_reason(x, w, out, cfg) is None else None
 
 
 def w4a16_mma_gemv(
@@ -364,13 +454,13 @@ def w4a16_mma_gemv(
     """y [M, N] = x [M, K] @ W.T + bias for M <= 16; x is already in kernel channel order. ``split``: the split-K
     factor instead of ``mma_gemv_split``'s (tests); K / split must be whole loop iterations."""
     check_operands(x, w, bias, out)
-    cfg = config or MmaGemvConfig()
+    cfg = config or mma_config_for(w.out_features, w.in_features, w.group_size, num_sms(x.device))
     reason = mma_gemv_unsupported_reason(x, w, out, cfg)
     if reason:
         raise ValueError(f"w4a16_mma_gemv: {reason}")
     m, k = x.shape
     n = w.out_features
-    ctas = -(-n // (32 * cfg.num_warps))
+    ctas = -(-n // cfg.block_n)
     if split is None:
         split = mma_gemv_split(cfg, n, k, num_sms(x.device))
     elif split < 1 or (k // (32 * cfg.steps)) % split or (split > 1 and ctas > LOCK_SLOTS):
@@ -383,6 +473,7 @@ def w4a16_mma_gemv(
         m, n, k // (32 * cfg.steps * split), x.stride(0) // 2, w.qweight.stride(0), w.qzeros.stride(0),
         w.scales.stride(0), out.stride(0),
         GROUP=w.group_size or 2**30, STEPS=cfg.steps, MB=1 if m <= 8 else 2, BF16=x.dtype == torch.bfloat16,
-        HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_N=n % (32 * cfg.num_warps) == 0, num_warps=cfg.num_warps,
+        HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_N=n % cfg.block_n == 0,
+        PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
     )  # fmt: skip
     return out

@@ -26,10 +26,11 @@ SHAPES = [(28672, 8192), (8192, 28672), (8192, 8192), (14336, 4096), (4096, 1433
           (28672, 4096)]  # fmt: skip
 VARIANTS = [
     MmaGemvConfig(4, 4, 4.0),
-    MmaGemvConfig(2, 4, 8.0),
-    MmaGemvConfig(4, 4, 8.0),
-    MmaGemvConfig(4, 8, 4.0),
-    MmaGemvConfig(8, 4, 4.0),
+    MmaGemvConfig(4, 4, 4.0, prefetch=True),
+    MmaGemvConfig(4, 4, 4.0, prefetch=True, wave=7),
+    MmaGemvConfig(4, 4, 8.0, prefetch=True, wave=7),
+    MmaGemvConfig(2, 4, 8.0, prefetch=True, wave=14),
+    MmaGemvConfig(2, 4, 16.0, prefetch=True, wave=14),
 ]
 
 

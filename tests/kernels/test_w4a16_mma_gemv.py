@@ -16,6 +16,7 @@ import torch
 import triton
 from quantkit.kernels import w4a16 as K
 from quantkit.kernels import w4a16_mma_gemv as MG
+from quantkit.kernels.w4a16_weight import num_sms
 
 from tests.kernels.test_w4a16 import DEVICE, assert_close_to_float64, make_layer, prepared
 
@@ -54,14 +55,30 @@ def test_other_tritons_and_devices_are_named(monkeypatch):
 
 
 @pytest.mark.parametrize("n,k", [(4096, 4096), (28672, 8192), (8192, 28672), (256, 512)])
-def test_split_fills_the_gpu_with_whole_iterations(n, k):
-    cfg = MG.MmaGemvConfig()
+@pytest.mark.parametrize("cfg", [MG.MMA_DEFAULT, MG.MMA_PREFETCH], ids=lambda c: c.name)
+def test_split_fills_the_gpu_with_whole_iterations(n, k, cfg):
     split = MG.mma_gemv_split(cfg, n, k, 132)
-    ctas = -(-n // (32 * cfg.num_warps))
+    ctas = -(-n // cfg.block_n)
     iters = k // (32 * cfg.steps)
     assert 1 <= split <= cfg.max_split and split & (split - 1) == 0 and iters % split == 0
+    assert not cfg.wave or split == 1 or ctas * split <= cfg.wave * 132  # one wave of resident CTAs
     doubled = split * 2
-    assert ctas * split >= cfg.fill * 132 or doubled > cfg.max_split or iters % doubled
+    assert (
+        ctas * split >= cfg.fill * 132
+        or doubled > cfg.max_split
+        or iters % doubled
+        or (cfg.wave and ctas * doubled > cfg.wave * 132)
+    )
+
+
+@pytest.mark.parametrize("n,k,prefetch", [(28672, 8192, True), (4096, 14336, True), (8192, 8192, False),
+                                          (8192, 28672, False)])  # fmt: skip
+def test_prefetch_is_chosen_where_its_grid_keeps_the_warps(n, k, prefetch):
+    cfg = MG.mma_config_for(n, k, 128, 132)
+    assert (cfg == MG.MMA_PREFETCH) == prefetch
+    assert MG.mma_config_for(n, k, 64, 132) == MG.MMA_DEFAULT  # 76 registers with two groups per iteration
+    warps = MG.grid_warps(MG.MMA_PREFETCH, n, k, 132), MG.grid_warps(MG.MMA_DEFAULT, n, k, 132)
+    assert (warps[0] >= warps[1]) == prefetch
 
 
 @pytest.mark.parametrize("bf16,mb", [(False, 1), (True, 1), (False, 2), (True, 2)])
@@ -89,14 +106,15 @@ GPU_CASES = [
 
 
 @sm90
+@pytest.mark.parametrize("cfg", [MG.MMA_DEFAULT, MG.MMA_PREFETCH], ids=lambda c: c.name)
 @pytest.mark.parametrize("m,n,k,group,dtype,act_order,with_bias,split", GPU_CASES)
-def test_kernel_matches_float64_reference(m, n, k, group, dtype, act_order, with_bias, split):
+def test_kernel_matches_float64_reference(m, n, k, group, dtype, act_order, with_bias, split, cfg):
     qw, w = weight(n, k, group, act_order, seed=m + n)
     x = torch.randn(m, k, device="cuda").to(dtype)
     bias = torch.randn(n, device="cuda").to(dtype) if with_bias else None
     x_kernel = x.index_select(1, w.perm) if w.perm is not None else x
     out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-    y = MG.w4a16_mma_gemv(x_kernel, w, bias, out, split=split)
+    y = MG.w4a16_mma_gemv(x_kernel, w, bias, out, config=cfg, split=split)
     assert y.data_ptr() == out.data_ptr()
     assert_close_to_float64(y, x, qw, bias)
     assert not w.locks.any()  # the last CTA of each split tile reset its counter
@@ -132,8 +150,9 @@ def test_dispatch_rule_takes_only_cuda_products_of_up_to_8_rows():
     for m in (1, 8, 9):
         x = torch.randn(m, 512, device=DEVICE).half()
         plan = MG.mma_plan(x, w)
-        if x.is_cuda and m <= MG.MMA_DISPATCH_M and MG.mma_gemv_unsupported_reason(x, w, None, MG.MMA_DEFAULT) is None:
-            assert plan == MG.MMA_DEFAULT
+        cfg = MG.mma_config_for(256, 512, 128, num_sms(x.device)) if x.is_cuda else None
+        if x.is_cuda and m <= MG.MMA_DISPATCH_M and MG.mma_gemv_unsupported_reason(x, w, None, cfg) is None:
+            assert plan == cfg
         else:
             assert plan is None
 
