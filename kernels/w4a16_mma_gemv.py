@@ -158,17 +158,43 @@ def _zero_pairs(zw, cols, BF16: gl.constexpr):
 
 
 @gluon.jit
+def _words(w_ptrs, kw, stride_qwk, nmask, EVEN_N: gl.constexpr):
+    """The thread's four packed words of word row ``kw`` + c."""
+    if EVEN_N:
+        return gl.load(w_ptrs + kw * stride_qwk)
+    else:
+        return gl.load(w_ptrs + kw * stride_qwk, mask=nmask, other=0)
+
+
+@gluon.jit
 def _k_loop(qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, it0, n_iters, stride_qwk, stride_qzg,
             stride_sg, L: gl.constexpr, GROUP: gl.constexpr, STEPS: gl.constexpr, SPG: gl.constexpr, MB: gl.constexpr,
-            BF16: gl.constexpr, EVEN_N: gl.constexpr):  # fmt: skip
+            BF16: gl.constexpr, EVEN_N: gl.constexpr, PREFETCH: gl.constexpr):  # fmt: skip
     """The K slice: accumulators over the thread's four columns for rows (2c, 2c + 1) of x, then rows (8 + 2c,
-    9 + 2c) when MB == 2. The loads are plain; ptxas keeps about two steps of them in flight."""
+    9 + 2c) when MB == 2. The loads are plain; ptxas keeps about two steps of them in flight. PREFETCH (4 steps
+    per iteration): the next iteration's words are loaded before this one's math (the last iteration reloads its
+    own, an L2 hit)."""
     zero = gl.zeros(cols.shape, gl.float32, layout=L)
     acc0 = zero
     acc1 = zero
     acc2 = zero
     acc3 = zero
+    if PREFETCH:
+        n0 = _words(w_ptrs, it0 * 16, stride_qwk, nmask, EVEN_N)
+        n1 = _words(w_ptrs, it0 * 16 + 4, stride_qwk, nmask, EVEN_N)
+        n2 = _words(w_ptrs, it0 * 16 + 8, stride_qwk, nmask, EVEN_N)
+        n3 = _words(w_ptrs, it0 * 16 + 12, stride_qwk, nmask, EVEN_N)
     for it in range(it0, it0 + n_iters):
+        if PREFETCH:
+            c0 = n0
+            c1 = n1
+            c2 = n2
+            c3 = n3
+            nk = gl.minimum(it + 1, it0 + n_iters - 1) * 16
+            n0 = _words(w_ptrs, nk, stride_qwk, nmask, EVEN_N)
+            n1 = _words(w_ptrs, nk + 4, stride_qwk, nmask, EVEN_N)
+            n2 = _words(w_ptrs, nk + 8, stride_qwk, nmask, EVEN_N)
+            n3 = _words(w_ptrs, nk + 12, stride_qwk, nmask, EVEN_N)
         for st in gl.static_range(STEPS):
             kw = (it * STEPS + st) * 4  # first packed word row of the step
             if st % SPG == 0:
@@ -179,65 +205,10 @@ def _k_loop(qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, it0, n_iters, 
                 p1 = zero
                 p2 = zero
                 p3 = zero
-            words = _words(w_ptrs, kw, stride_qwk, nmask, EVEN_N)
-            x0 = gl.load(x0_ptrs + 4 * kw)
-            x1 = x0
-            if MB == 2:
-                x1 = gl.load(x1_ptrs + 4 * kw)
-            p0, p1, p2, p3 = _mma_step(words, zp, zh, x0, x1, p0, p1, p2, p3, BF16, MB)
-            if st % SPG == SPG - 1:
-                acc0 += sc * p0
-                acc1 += sc * p1
-                if MB == 2:
-                    acc2 += sc * p2
-                    acc3 += sc * p3
-    return acc0, acc1, acc2, acc3
-
-
-@gluon.jit
-def _words(w_ptrs, kw, stride_qwk, nmask, EVEN_N: gl.constexpr):
-    if EVEN_N:
-        return gl.load(w_ptrs + kw * stride_qwk)
-    else:
-        return gl.load(w_ptrs + kw * stride_qwk, mask=nmask, other=0)
-
-
-@gluon.jit
-def _k_loop_prefetch(qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, it0, n_iters, stride_qwk, stride_qzg,
-                     stride_sg, L: gl.constexpr, GROUP: gl.constexpr, SPG: gl.constexpr, MB: gl.constexpr,
-                     BF16: gl.constexpr, EVEN_N: gl.constexpr):  # fmt: skip
-    """``_k_loop`` for 4 steps per iteration with the next iteration's words loaded before this one's math."""
-    zero = gl.zeros(cols.shape, gl.float32, layout=L)
-    acc0 = zero
-    acc1 = zero
-    acc2 = zero
-    acc3 = zero
-    n0 = _words(w_ptrs, it0 * 16, stride_qwk, nmask, EVEN_N)
-    n1 = _words(w_ptrs, it0 * 16 + 4, stride_qwk, nmask, EVEN_N)
-    n2 = _words(w_ptrs, it0 * 16 + 8, stride_qwk, nmask, EVEN_N)
-    n3 = _words(w_ptrs, it0 * 16 + 12, stride_qwk, nmask, EVEN_N)
-    last = it0 + n_iters - 1
-    for it in range(it0, it0 + n_iters):
-        c0 = n0
-        c1 = n1
-        c2 = n2
-        c3 = n3
-        nk = gl.minimum(it + 1, last) * 16
-        n0 = _words(w_ptrs, nk, stride_qwk, nmask, EVEN_N)
-        n1 = _words(w_ptrs, nk + 4, stride_qwk, nmask, EVEN_N)
-        n2 = _words(w_ptrs, nk + 8, stride_qwk, nmask, EVEN_N)
-        n3 = _words(w_ptrs, nk + 12, stride_qwk, nmask, EVEN_N)
-        for st in gl.static_range(4):
-            kw = (it * 4 + st) * 4
-            if st % SPG == 0:
-                grp = (kw * 8) // GROUP
-                zp, zh = _zero_pairs(gl.load(qz_ptr + grp * stride_qzg + cols // 8, mask=nmask, other=0), cols, BF16)
-                sc = gl.load(s_ptr + grp * stride_sg + cols, mask=nmask, other=0.0).to(gl.float32)
-                p0 = zero
-                p1 = zero
-                p2 = zero
-                p3 = zero
-            words = c0 if st == 0 else c1 if st == 1 else c2 if st == 2 else c3
+            if PREFETCH:
+                words = c0 if st == 0 else c1 if st == 1 else c2 if st == 2 else c3
+            else:
+                words = _words(w_ptrs, kw, stride_qwk, nmask, EVEN_N)
             x0 = gl.load(x0_ptrs + 4 * kw)
             x1 = x0
             if MB == 2:
@@ -313,16 +284,10 @@ def _w4a16_mma_gemv_kernel(
     x0_ptrs = x_ptr + gl.expand_dims(gl.minimum(g, M - 1) * stride_xm, 1) + quad
     x1_ptrs = x_ptr + gl.expand_dims(gl.minimum(g + 8, M - 1) * stride_xm, 1) + quad
 
-    if PREFETCH:
-        acc0, acc1, acc2, acc3 = _k_loop_prefetch(
-            qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, split * iters_per_split, iters_per_split,
-            stride_qwk, stride_qzg, stride_sg, L, GROUP, SPG, MB, BF16, EVEN_N,
-        )  # fmt: skip
-    else:
-        acc0, acc1, acc2, acc3 = _k_loop(
-            qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, split * iters_per_split, iters_per_split,
-            stride_qwk, stride_qzg, stride_sg, L, GROUP, STEPS, SPG, MB, BF16, EVEN_N,
-        )  # fmt: skip
+    acc0, acc1, acc2, acc3 = _k_loop(
+        qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, split * iters_per_split, iters_per_split,
+        stride_qwk, stride_qzg, stride_sg, L, GROUP, STEPS, SPG, MB, BF16, EVEN_N, PREFETCH,
+    )  # fmt: skip
 
     m0 = 2 * c
     if SPLIT_K > 1:
