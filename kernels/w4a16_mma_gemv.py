@@ -10,9 +10,9 @@ What it computes
 
 Why
     The CUDA-core gemv spends ~3.7 instructions per weight (unpack, FFMA per row of x) and keeps few loads in flight
-    (results/w4a16-h200-2026-12-03b.md: 1.0-1.9 TB/s of the 4.25 TB/s copy bandwidth at M = 1). Here a weight costs
-    ~1.4 instructions (per packed word of eight codes: 3 shifts, 4 LOP3 with the magic exponent, 4 subtractions of
-    the zero pair; one mma per 32 codes of a thread) and each thread issues all the loads of a K step at once.
+    (results/w4a16-h200-2026-12-03b.md: 1.0-1.9 TB/s of the 4.25 TB/s copy bandwidth at M = 1). Here unpacking costs
+    ~1.1 instructions per weight (per packed word of eight fp16 codes: 1 shift, 4 LOP3 with the magic exponent, 2
+    subtractions and 2 FMAs of the zero pairs), plus one mma per 32 codes of a thread.
     This is Marlin's idea (Frantar et al., 2024: dequantize in registers straight into mma fragments) without its
     re-laid-out weight: the product over K does not care in which order the K positions meet, so each thread takes
     whole packed words of the ordinary GPTQ layout and feeds x to the mma in the same permuted K order.
@@ -42,7 +42,8 @@ Triton's barrier analysis puts CTA barriers around the ring although each thread
 commit 21b3bd4); two column blocks per thread (98 registers) lost to occupancy.
 
 Limits: 4-bit codes; K a multiple of 32 x ``steps``; group size a multiple of 32 (or one group); N a multiple of 4;
-x with unit column stride and 16-byte aligned rows; M <= 16. CUDA sm_80+ (mma.sync; bf16 subtraction needs sm_90);
+x with unit column stride and an even row stride (read as 32-bit pairs); M <= 16. CUDA compute capability 9.0+
+(mma.sync would run on sm_80, but the bf16 subtraction needs sm_90);
 Gluon has no interpreter mode, so CPU tests cover the launcher's rules and the reference, the GPU tests the kernel.
 Written for Triton 3.6's Gluon. Tuned on the H200 (sm_90, 132 SMs).
 """
@@ -334,12 +335,12 @@ MMA_TRITON = "3.6."  # the Gluon API the kernel is written for
 # 1.12-1.95x at M = 2-8; at M = 16 the Triton m16 tiles still win on 3 of 8 shapes, so they keep those rows.
 MMA_DISPATCH_M = 8
 MMA_DEFAULT = MmaGemvConfig()
-# Loading the next iteration's words first holds 72 registers instead of 58 (7 CTAs of 4 warps per SM instead of
-# 8). It won where its one-wave split gives the grid as many warps as the default's (28672 x 8192 at M = 1: 2.93x
+# Loading the next iteration's words first holds 72 registers instead of 58 (28 resident warps per SM instead of
+# 32). It won where its one-wave split gives the grid as many warps as the default's (28672 x 8192 at M = 1: 2.93x
 # cuBLAS fp16 against 2.61x; 4096 x 14336 2.23x against 1.96x) and lost where the wave cap halves them (8192 x 8192
 # 2.65x against 3.00x), hence ``mma_config_for``. With groups of 64 the loop holds 76 registers, a wave holds fewer
-# CTAs than the cap assumes, and the full table (results/w4a16-h200-2026-12-04.md) lost up to a third at M = 2-8
-# (28672 x 8192 at M = 4: 1.30x against 2.08x): groups below 128 keep MMA_DEFAULT.
+# CTAs than the cap assumes, and the full table lost up to a third at M = 2-8
+# (results/w4a16-h200-2026-12-04b.md; 28672 x 8192 at M = 4: 1.30x against 2.08x): groups below 128 keep MMA_DEFAULT.
 MMA_PREFETCH = MmaGemvConfig(2, 4, 8.0, prefetch=True, wave=14)
 
 
@@ -388,6 +389,7 @@ def mma_gemv_unsupported_reason(x: torch.Tensor, w: W4A16Weight, out: torch.Tens
 
 
 def grid_warps(cfg: MmaGemvConfig, n: int, k: int, sms: int) -> int:
+    """Warps the launch of ``cfg`` puts on the GPU for an N x K layer (CTAs x split x warps per CTA)."""
     return -(-n // cfg.block_n) * mma_gemv_split(cfg, n, k, sms) * cfg.num_warps
 
 
