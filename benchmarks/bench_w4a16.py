@@ -444,10 +444,7 @@ def gluon_choice(layer: Layer, m: int) -> str | None:
     if ws:
         return f"{ws[0].name}-sk{ws[1]}"
     mma = MG.mma_plan(x, w)
-    if mma:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        return f"{mma.name}-sk{MG.mma_gemv_split(mma, layer.n, layer.k, sms)}"
-    return None
+    return f"{mma[0].name}-sk{mma[1]}" if mma else None
 
 
 def table_config(table: list, m: int) -> C.KernelConfig:

@@ -77,7 +77,8 @@ from quantkit.kernels.w4a16_configs import (
 )
 from quantkit.kernels.w4a16_epilogue import _finish_tile, _to_act
 from quantkit.kernels.w4a16_gemv import w4a16_gemv, w4a16_gemv_reference
-from quantkit.kernels.w4a16_mma_gemv import mma_plan, w4a16_mma_gemv
+from quantkit.kernels.w4a16_mma_gemv import launch as mma_launch
+from quantkit.kernels.w4a16_mma_gemv import mma_plan
 from quantkit.kernels.w4a16_weight import (
     ACT_DTYPES,
     KERNEL_LAYOUT,
@@ -461,7 +462,8 @@ def w4a16_linear(
         return ws_launch(x2, w, bias, out, *plan).view(*lead, w.out_features)
     skinny = None if config is not None else mma_plan(x2, w, out)
     if skinny is not None:
-        return w4a16_mma_gemv(x2, w, bias, out, skinny).view(*lead, w.out_features)
+        check_operands(x2, w, bias, out)
+        return mma_launch(x2, w, bias, out, *skinny).view(*lead, w.out_features)
     cfg = config or config_for(x2.shape[0], w.out_features)
     if cfg.method == "dequant":
         check_operands(x2, w, bias, out)

@@ -50,6 +50,7 @@ Written for Triton 3.6's Gluon. Tuned on the H200 (sm_90, 132 SMs).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -393,6 +394,7 @@ def grid_warps(cfg: MmaGemvConfig, n: int, k: int, sms: int) -> int:
     return -(-n // cfg.block_n) * mma_gemv_split(cfg, n, k, sms) * cfg.num_warps
 
 
+@functools.lru_cache(maxsize=256)
 def mma_config_for(n: int, k: int, group: int, sms: int) -> MmaGemvConfig:
     """MMA_PREFETCH for groups of a multiple of 128 (or one group) where its grid has at least as many warps as
     MMA_DEFAULT's, else MMA_DEFAULT (measured rule, see MMA_PREFETCH)."""
@@ -401,13 +403,14 @@ def mma_config_for(n: int, k: int, group: int, sms: int) -> MmaGemvConfig:
     return MMA_DEFAULT
 
 
-def mma_plan(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None = None) -> MmaGemvConfig | None:
-    """The config ``w4a16_linear`` runs this kernel with for x [M, K] (kernel channel order), or None: CUDA, M up
-    to MMA_DISPATCH_M, and operands it takes (``mma_gemv_unsupported_reason``)."""
+def mma_plan(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None = None) -> tuple[MmaGemvConfig, int] | None:
+    """(config, split-K) when ``w4a16_linear`` runs this kernel for x [M, K] (kernel channel order), else None:
+    CUDA, M up to MMA_DISPATCH_M, and operands it takes (``mma_gemv_unsupported_reason``)."""
     if not x.is_cuda or x.shape[0] > MMA_DISPATCH_M:
         return None
-    cfg = mma_config_for(w.out_features, w.in_features, w.group_size, num_sms(x.device))
-    return cfg if mma_gemv_unsupported_reason(x, w, out, cfg) is None else None
+    n, k, sms = w.out_features, w.in_features, num_sms(x.device)
+    cfg = mma_config_for(n, k, w.group_size, sms)
+    return (cfg, mma_gemv_split(cfg, n, k, sms)) if mma_gemv_unsupported_reason(x, w, out, cfg) is None else None
 
 
 def w4a16_mma_gemv(
@@ -425,13 +428,21 @@ def w4a16_mma_gemv(
     reason = mma_gemv_unsupported_reason(x, w, out, cfg)
     if reason:
         raise ValueError(f"w4a16_mma_gemv: {reason}")
+    k, n = w.in_features, w.out_features
+    if split is None:
+        split = mma_gemv_split(cfg, n, k, num_sms(x.device))
+    elif split < 1 or (k // (32 * cfg.steps)) % split or (split > 1 and -(-n // cfg.block_n) > LOCK_SLOTS):
+        raise ValueError(f"split {split}: K = {k} must split into whole {32 * cfg.steps}-deep iterations")
+    return launch(x, w, bias, out, cfg, split)
+
+
+def launch(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, out: torch.Tensor | None, cfg: MmaGemvConfig,
+           split: int) -> torch.Tensor:  # fmt: skip
+    """The launch itself, for operands already checked (``w4a16_mma_gemv``, or ``mma_plan`` + ``check_operands``).
+    The automatic split leaves at most N / 64 column tiles to count, far under LOCK_SLOTS for any layer here."""
     m, k = x.shape
     n = w.out_features
     ctas = -(-n // cfg.block_n)
-    if split is None:
-        split = mma_gemv_split(cfg, n, k, num_sms(x.device))
-    elif split < 1 or (k // (32 * cfg.steps)) % split or (split > 1 and ctas > LOCK_SLOTS):
-        raise ValueError(f"split {split}: K = {k} must split into whole {32 * cfg.steps}-deep iterations")
     if out is None:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     part = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
