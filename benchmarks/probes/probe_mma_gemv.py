@@ -1,6 +1,7 @@
 """Probe: the mma.sync W4A16 gemv (``kernels/w4a16_mma_gemv.py``) against the committed skinny-M path and cuBLAS fp16.
 
     python benchmarks/probes/probe_mma_gemv.py [--out DIR] [--ms 1,2,4,8,16] [--groups 128] [--shapes all|big]
+        [--variants mma-w4s4f4,mma-w2s4f8pv14]
 
 Timing as bench_w4a16.py (CUDA graphs over rotated weights larger than L2, medians), cuBLAS fp16 and the committed
 path (``w4a16_linear``'s choice) in the same run; every variant checked against float64 first (within 2x cuBLAS
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -34,6 +36,15 @@ VARIANTS = [
 ]
 
 
+def parse_variant(name: str) -> MmaGemvConfig:
+    """``mma-w2s4f8pv14`` (the config's own name) -> MmaGemvConfig(2, 4, 8.0, prefetch=True, wave=14)."""
+    hit = re.fullmatch(r"(?:mma-)?w(\d+)s(\d+)f([\d.]+)(p?)(?:v(\d+))?", name)
+    if not hit:
+        raise SystemExit(f"--variants: cannot read {name!r} (expected e.g. mma-w4s4f4 or mma-w2s4f8pv14)")
+    w, s, f, p, v = hit.groups()
+    return MmaGemvConfig(int(w), int(s), float(f), prefetch=bool(p), wave=int(v or 0))
+
+
 def check_bf16(layer: Layer, m: int, cfg: MmaGemvConfig) -> bool:
     x = torch.randn(m, layer.k, device=layer.device, generator=layer.gen).bfloat16()
     ref = x.double() @ layer.w64()
@@ -48,7 +59,11 @@ def main() -> None:
     ap.add_argument("--ms", default="1,2,4,8,16")
     ap.add_argument("--groups", default="128")
     ap.add_argument("--shapes", default="all")
+    ap.add_argument(
+        "--variants", help="comma-separated config names instead of VARIANTS, e.g. mma-w4s2f4,mma-w2s4f8pv14"
+    )
     args = ap.parse_args()
+    variants = [parse_variant(v) for v in args.variants.split(",")] if args.variants else VARIANTS
     timer, dev = Timer(False), "cuda"
     gen = torch.Generator(device=dev).manual_seed(1)
     shapes = SHAPES if args.shapes == "all" else SHAPES[:4]
@@ -64,7 +79,7 @@ def main() -> None:
                 cu = row["committed_us"]
                 line = [f"{n}x{k} g{group} M={m}: fp16 {fp16:.1f} us, committed {table.name} {cu:.1f} us "
                         f"({fp16 / cu:.2f}x, {layer.bytes / cu / 1e6:.2f} TB/s)"]  # fmt: skip
-                for cfg in VARIANTS:
+                for cfg in variants:
                     try:
                         ok = layer.check(m, cfg, linear=w4a16_mma_gemv)["ok"] and check_bf16(layer, m, cfg)
                         us = timer.per_call(layer.calls(m, cfg, linear=w4a16_mma_gemv)) if ok else None
