@@ -40,9 +40,10 @@ layer with N >= 14336, ``WIDE_M1``), 4 <= M <= 128 this kernel with SWAP_AB (BLO
 fill the 132 SMs; twice the split for 3-4 rows of N >= 28672, ``WIDE_M4``), larger M dequantize + cuBLAS.
 On Hopper, ``w4a16_linear`` without an explicit config runs M 65-512 on the warp-specialized Gluon kernel
 (``w4a16_ws.py``, ``w4a16_ws_kernel.py``: 0.85x cuBLAS fp16 at M = 256 against 0.60x for the table's path,
-results/w4a16-ws-h200-2026-12-03.md) where its rule offers it and the operands suit it, and M <= 8 on the
+results/w4a16-ws-h200-2026-12-03.md) where its rule offers it and the operands suit it, and M <= 16 on the
 mma.sync gemv (``w4a16_mma_gemv.py``: each thread dequantizes whole GPTQ words into mma fragments, 1.12-1.95x the
-table's path at M = 2-8 and 0.95-1.12x the CUDA-core gemv at M = 1, results/w4a16-mma-gemv-h200-2026-12-04.md).
+table's path at M = 2-8 and 0.95-1.12x the CUDA-core gemv at M = 1, results/w4a16-mma-gemv-h200-2026-12-04.md;
+1.01-1.64x the m16 tiles at M = 16, results/w4a16-mma-split-probe-h200-2026-12-04.md).
 The first H200 run (results/w4a16-h200-2026-11-29-first.md) showed 16 x 128 x 128 tiles with 4 stages latency bound
 at ~0.45 TB/s (162 registers and 71 KB of shared memory: 3 CTAs of 4 warps per SM, a synchronous scale load per
 tile); small BLOCK_K = 64 tiles with the scale fused into the tile and 3 stages run at 0.7-1.3 TB/s of weight bytes
@@ -450,8 +451,9 @@ def w4a16_linear(
 
     Without ``config``, the products ``w4a16_ws.ws_plan`` accepts run the warp-specialized Gluon kernel (M rows of
     its table, where the measured rule offers it and the operands suit it: Hopper, Triton 3.6, 4-bit, groups of 64
-    or 128, TMA-aligned), those ``w4a16_mma_gemv.mma_plan`` accepts (M <= 8 on CUDA sm_90+, Triton 3.6, 4-bit, K a
-    multiple of 128) the mma.sync gemv; the rest, and any explicit ``config``, the Triton regime table."""
+    or 128, TMA-aligned), those ``w4a16_mma_gemv.mma_plan`` accepts (M <= 16 on CUDA sm_90+, Triton 3.6, 4-bit, K a
+    multiple of 128, M > 8 only for groups of 64, a multiple of 128 or one group) the mma.sync gemv; the rest, and
+    any explicit ``config``, the Triton regime table."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if w.perm is not None:

@@ -33,8 +33,9 @@ How (one warp = 32 output columns; a CTA = num_warps warps side by side along N;
 Measured (H200, Triton 3.6, results/w4a16-mma-gemv-h200-2026-12-04.md): 2.2 SASS instructions per weight (fp16;
 bf16 2.4: three shifts per word), 58 registers. Against the previous choices over eight layer shapes, geomean of
 speedups over cuBLAS fp16 at M = 1 / 2 / 4 / 8: 2.43x / 2.18x / 2.15x / 2.01x where the CUDA-core gemv and the
-Triton m16 tiles gave 2.31x / 1.56x / 1.42x / 1.36x; at M = 16 (two mma row blocks, 86 registers) 1.16x against
-1.32x, so the dispatcher keeps this kernel to M <= 8. The weights still stream at only 1.1-2.8 TB/s: ptxas keeps
+Triton m16 tiles gave 2.31x / 1.56x / 1.42x / 1.36x. At M = 16 (two mma row blocks) the first split rule lost to
+the Triton tiles (1.16x against 1.32x); with fewer CTAs per SM (``MMA_TWO_BLOCKS``) it wins on all eight shapes
+(1.78x against 1.29x), so the dispatcher runs M <= 16 here. The weights still stream at only 1.1-2.8 TB/s: ptxas keeps
 about two K steps of loads in flight per thread. ``prefetch`` (the next iteration's words loaded before this one's
 math, 72 registers) raises that where the grid keeps its warps (``mma_config_for``; 28672 x 8192 at M = 1: 3.0x).
 A per-thread cp.async ring in shared memory (3-4 iterations ahead, no registers held) ran at about half the speed:
@@ -318,6 +319,7 @@ class MmaGemvConfig:
     max_split: int = 16
     prefetch: bool = False  # steps == 4 only: the next iteration's words are loaded before this one's math
     wave: int = 0  # > 0: the split never makes the grid exceed this many CTAs per SM (one wave of resident CTAs)
+    min_depth: int = 0  # > 0: the split never leaves a CTA fewer than this many K rows
 
     @property
     def block_n(self) -> int:
@@ -326,28 +328,42 @@ class MmaGemvConfig:
     @property
     def name(self) -> str:
         extra = ("p" if self.prefetch else "") + (f"v{self.wave}" if self.wave else "")
+        extra += f"d{self.min_depth}" if self.min_depth else ""
         return f"mma-w{self.num_warps}s{self.steps}f{self.fill:g}{extra}"
 
 
 MMA_MAX_M = 16
 MMA_TRITON = "3.6."  # the Gluon API the kernel is written for
-# ``w4a16_linear`` runs this kernel up to MMA_DISPATCH_M rows (H200, results/w4a16-mma-gemv-h200-2026-12-04.md, eight
-# layer shapes): against the previous choice 0.95-1.12x at M = 1 (the CUDA-core gemv; 7 of 8 shapes faster),
-# 1.12-1.95x at M = 2-8; at M = 16 the Triton m16 tiles still win on 3 of 8 shapes, so they keep those rows.
-MMA_DISPATCH_M = 8
+# ``w4a16_linear`` runs this kernel up to MMA_DISPATCH_M rows (H200, eight layer shapes): against the previous choice
+# 0.95-1.12x at M = 1 (the CUDA-core gemv; 7 of 8 shapes faster), 1.12-1.95x at M = 2-8
+# (results/w4a16-mma-gemv-h200-2026-12-04.md); M = 9-16 see MMA_TWO_BLOCKS.
+MMA_DISPATCH_M = 16
 MMA_DEFAULT = MmaGemvConfig()
 # Loading the next iteration's words first holds 72 registers instead of 58 (28 resident warps per SM instead of
 # 32). It won where its one-wave split gives the grid as many warps as the default's (28672 x 8192 at M = 1: 2.93x
 # cuBLAS fp16 against 2.61x; 4096 x 14336 2.23x against 1.96x) and lost where the wave cap halves them (8192 x 8192
 # 2.65x against 3.00x), hence ``mma_config_for``. With groups of 64 the loop holds 76 registers, a wave holds fewer
 # CTAs than the cap assumes, and the full table lost up to a third at M = 2-8
-# (results/w4a16-h200-2026-12-04b.md; 28672 x 8192 at M = 4: 1.30x against 2.08x): groups below 128 keep MMA_DEFAULT.
+# (results/w4a16-h200-2026-12-04b.md; 28672 x 8192 at M = 4: 1.30x against 2.08x): groups of 64 take MMA_STEPS2.
 MMA_PREFETCH = MmaGemvConfig(2, 4, 8.0, prefetch=True, wave=14)
+# Groups of 64, M <= 8: two K steps per iteration (one group each), no prefetch. At M = 1 it beat MMA_DEFAULT on 7
+# of 8 shapes (1.06-1.19x; 14336 x 4096 0.88x); at M = 4 on the five whose split reaches max_split (1.03-1.50x) and
+# lost on the three of N >= 14336 split 4-8 ways (0.87-0.89x): ``mma_config_for`` keeps it to M = 1 and to the
+# layers it splits max_split ways (results/w4a16-mma-split-probe-h200-2026-12-04.md).
+MMA_STEPS2 = MmaGemvConfig(4, 2, 4.0)
+# M = 9-16 (two mma row blocks per warp): the prefetch loop with a split that keeps the grid within 8 CTAs per SM
+# and each CTA at 512 K rows or more. The two row blocks' accumulators leave fewer CTAs resident than MMA_PREFETCH's
+# wave of 14 assumes, and short K slices pay the fp32 partial sums of 16 rows. Every split timed at M = 16: this
+# rule picks the fastest on all 16 (shape, group 128 / 64) cells; against the Triton m16 tiles that served these rows
+# before, 1.01-1.64x (geomean over cuBLAS fp16 1.29x -> 1.78x at group 128, 1.27x -> 1.62x at group 64;
+# results/w4a16-mma-split-probe-h200-2026-12-04.md).
+MMA_TWO_BLOCKS = MmaGemvConfig(2, 4, 8.0, prefetch=True, wave=8, min_depth=512)
 
 
 def mma_gemv_split(cfg: MmaGemvConfig, n: int, k: int, sms: int) -> int:
     """Split-K factor: doubled while the grid has fewer than cfg.fill x SMs CTAs, K still splits into whole loop
-    iterations and (cfg.wave) the grid stays within one wave of resident CTAs."""
+    iterations, (cfg.wave) the grid stays within one wave of resident CTAs and (cfg.min_depth) each CTA keeps at
+    least that many K rows."""
     ctas = -(-n // cfg.block_n)
     iters = k // (32 * cfg.steps)
     split = 1
@@ -356,6 +372,7 @@ def mma_gemv_split(cfg: MmaGemvConfig, n: int, k: int, sms: int) -> int:
         and split * 2 <= cfg.max_split
         and iters % (split * 2) == 0
         and not (cfg.wave and ctas * split * 2 > cfg.wave * sms)
+        and not (cfg.min_depth and k // (split * 2) < cfg.min_depth)
     ):
         split *= 2
     return split
@@ -394,10 +411,16 @@ def grid_warps(cfg: MmaGemvConfig, n: int, k: int, sms: int) -> int:
     return -(-n // cfg.block_n) * mma_gemv_split(cfg, n, k, sms) * cfg.num_warps
 
 
-@functools.lru_cache(maxsize=256)
-def mma_config_for(n: int, k: int, group: int, sms: int) -> MmaGemvConfig:
-    """MMA_PREFETCH for groups of a multiple of 128 (or one group) where its grid has at least as many warps as
-    MMA_DEFAULT's, else MMA_DEFAULT (measured rule, see MMA_PREFETCH)."""
+@functools.lru_cache(maxsize=1024)
+def mma_config_for(n: int, k: int, group: int, sms: int, m: int = 1) -> MmaGemvConfig | None:
+    """The measured config for an N x K layer at M rows (see the configs above), None where none was measured:
+    M = 9-16 with groups other than 64, a multiple of 128 or one group (the Triton m16 tiles keep those).
+    M <= 8: MMA_STEPS2 for groups of 64 at M = 1 or where it splits K max_split ways; MMA_PREFETCH for groups of a
+    multiple of 128 (or one group) where its grid has at least as many warps as MMA_DEFAULT's; else MMA_DEFAULT."""
+    if m > 8:
+        return MMA_TWO_BLOCKS if group % 64 == 0 else None
+    if group == 64 and (m == 1 or mma_gemv_split(MMA_STEPS2, n, k, sms) == MMA_STEPS2.max_split):
+        return MMA_STEPS2
     if group % 128 == 0 and grid_warps(MMA_PREFETCH, n, k, sms) >= grid_warps(MMA_DEFAULT, n, k, sms):
         return MMA_PREFETCH
     return MMA_DEFAULT
@@ -405,12 +428,16 @@ def mma_config_for(n: int, k: int, group: int, sms: int) -> MmaGemvConfig:
 
 def mma_plan(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None = None) -> tuple[MmaGemvConfig, int] | None:
     """(config, split-K) when ``w4a16_linear`` runs this kernel for x [M, K] (kernel channel order), else None:
-    CUDA, M up to MMA_DISPATCH_M, and operands it takes (``mma_gemv_unsupported_reason``)."""
-    if not x.is_cuda or x.shape[0] > MMA_DISPATCH_M:
+    CUDA, M up to MMA_DISPATCH_M, a measured config (``mma_config_for``) and operands it takes
+    (``mma_gemv_unsupported_reason``)."""
+    m = x.shape[0]
+    if not x.is_cuda or m > MMA_DISPATCH_M:
         return None
     n, k, sms = w.out_features, w.in_features, num_sms(x.device)
-    cfg = mma_config_for(n, k, w.group_size, sms)
-    return (cfg, mma_gemv_split(cfg, n, k, sms)) if mma_gemv_unsupported_reason(x, w, out, cfg) is None else None
+    cfg = mma_config_for(n, k, w.group_size, sms, m)
+    if cfg is None or mma_gemv_unsupported_reason(x, w, out, cfg) is not None:
+        return None
+    return cfg, mma_gemv_split(cfg, n, k, sms)
 
 
 def w4a16_mma_gemv(
@@ -424,13 +451,14 @@ def w4a16_mma_gemv(
     """y [M, N] = x [M, K] @ W.T + bias for M <= 16; x is already in kernel channel order. ``split``: the split-K
     factor instead of ``mma_gemv_split``'s (tests); K / split must be whole loop iterations."""
     check_operands(x, w, bias, out)
-    cfg = config or mma_config_for(w.out_features, w.in_features, w.group_size, num_sms(x.device))
+    sms = num_sms(x.device)
+    cfg = config or mma_config_for(w.out_features, w.in_features, w.group_size, sms, x.shape[0]) or MMA_DEFAULT
     reason = mma_gemv_unsupported_reason(x, w, out, cfg)
     if reason:
         raise ValueError(f"w4a16_mma_gemv: {reason}")
     k, n = w.in_features, w.out_features
     if split is None:
-        split = mma_gemv_split(cfg, n, k, num_sms(x.device))
+        split = mma_gemv_split(cfg, n, k, sms)
     elif split < 1 or (k // (32 * cfg.steps)) % split or (split > 1 and -(-n // cfg.block_n) > LOCK_SLOTS):
         raise ValueError(f"split {split}: K = {k} must split into whole {32 * cfg.steps}-deep iterations")
     return launch(x, w, bias, out, cfg, split)

@@ -37,12 +37,13 @@ VARIANTS = [
 
 
 def parse_variant(name: str) -> MmaGemvConfig:
-    """``mma-w2s4f8pv14`` (the config's own name) -> MmaGemvConfig(2, 4, 8.0, prefetch=True, wave=14)."""
-    hit = re.fullmatch(r"(?:mma-)?w(\d+)s(\d+)f([\d.]+)(p?)(?:v(\d+))?", name)
+    """``mma-w2s4f8pv14`` (the config's own name) -> MmaGemvConfig(2, 4, 8.0, prefetch=True, wave=14); a trailing
+    ``d512`` sets min_depth."""
+    hit = re.fullmatch(r"(?:mma-)?w(\d+)s(\d+)f([\d.]+)(p?)(?:v(\d+))?(?:d(\d+))?", name)
     if not hit:
         raise SystemExit(f"--variants: cannot read {name!r} (expected e.g. mma-w4s4f4 or mma-w2s4f8pv14)")
-    w, s, f, p, v = hit.groups()
-    return MmaGemvConfig(int(w), int(s), float(f), prefetch=bool(p), wave=int(v or 0))
+    w, s, f, p, v, d = hit.groups()
+    return MmaGemvConfig(int(w), int(s), float(f), prefetch=bool(p), wave=int(v or 0), min_depth=int(d or 0))
 
 
 def check_bf16(layer: Layer, m: int, cfg: MmaGemvConfig) -> bool:

@@ -54,21 +54,37 @@ def test_other_tritons_and_devices_are_named(monkeypatch):
     assert "found Triton 3.9.0" in MG.mma_gemv_unsupported_reason(x, w, None, MG.MmaGemvConfig())
 
 
+CONFIGS = [MG.MMA_DEFAULT, MG.MMA_PREFETCH, MG.MMA_STEPS2, MG.MMA_TWO_BLOCKS]
+
+
 @pytest.mark.parametrize("n,k", [(4096, 4096), (28672, 8192), (8192, 28672), (256, 512)])
-@pytest.mark.parametrize("cfg", [MG.MMA_DEFAULT, MG.MMA_PREFETCH], ids=lambda c: c.name)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
 def test_split_fills_the_gpu_with_whole_iterations(n, k, cfg):
     split = MG.mma_gemv_split(cfg, n, k, 132)
     ctas = -(-n // cfg.block_n)
     iters = k // (32 * cfg.steps)
     assert 1 <= split <= cfg.max_split and split & (split - 1) == 0 and iters % split == 0
     assert not cfg.wave or split == 1 or ctas * split <= cfg.wave * 132  # one wave of resident CTAs
+    assert not cfg.min_depth or split == 1 or k // split >= cfg.min_depth
     doubled = split * 2
     assert (
         ctas * split >= cfg.fill * 132
         or doubled > cfg.max_split
         or iters % doubled
         or (cfg.wave and ctas * doubled > cfg.wave * 132)
+        or (cfg.min_depth and k // doubled < cfg.min_depth)
     )
+
+
+# the fastest split of every timed one at M = 16, groups of 128 (results/w4a16-mma-split-probe-h200-2026-12-04.md)
+TWO_BLOCK_BEST = {(28672, 8192): 2, (8192, 28672): 8, (8192, 8192): 8, (14336, 4096): 4, (4096, 14336): 16,
+                  (4096, 4096): 8, (6144, 4096): 8, (28672, 4096): 2}  # fmt: skip
+
+
+@pytest.mark.parametrize("n,k", list(TWO_BLOCK_BEST))
+def test_two_row_blocks_split_as_measured(n, k):
+    assert MG.mma_config_for(n, k, 128, 132, 16) == MG.MMA_TWO_BLOCKS
+    assert MG.mma_gemv_split(MG.MMA_TWO_BLOCKS, n, k, 132) == TWO_BLOCK_BEST[n, k]
 
 
 @pytest.mark.parametrize("n,k,prefetch", [(28672, 8192, True), (4096, 14336, True), (8192, 8192, False),
@@ -76,7 +92,8 @@ def test_split_fills_the_gpu_with_whole_iterations(n, k, cfg):
 def test_prefetch_is_chosen_where_its_grid_keeps_the_warps(n, k, prefetch):
     cfg = MG.mma_config_for(n, k, 128, 132)
     assert (cfg == MG.MMA_PREFETCH) == prefetch
-    assert MG.mma_config_for(n, k, 64, 132) == MG.MMA_DEFAULT  # 76 registers with two groups per iteration
+    assert MG.mma_config_for(n, k, 64, 132) == MG.MMA_STEPS2  # prefetch held 76 registers with groups of 64
+    assert MG.mma_config_for(n, k, 32, 132) == MG.MMA_DEFAULT
     warps = MG.grid_warps(MG.MMA_PREFETCH, n, k, 132), MG.grid_warps(MG.MMA_DEFAULT, n, k, 132)
     assert (warps[0] >= warps[1]) == prefetch
 
@@ -106,7 +123,7 @@ GPU_CASES = [
 
 
 @sm90
-@pytest.mark.parametrize("cfg", [MG.MMA_DEFAULT, MG.MMA_PREFETCH], ids=lambda c: c.name)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
 @pytest.mark.parametrize("m,n,k,group,dtype,act_order,with_bias,split", GPU_CASES)
 def test_kernel_matches_float64_reference(m, n, k, group, dtype, act_order, with_bias, split, cfg):
     qw, w = weight(n, k, group, act_order, seed=m + n)
@@ -145,22 +162,38 @@ def test_launcher_rejects_a_split_that_breaks_iterations():
         MG.w4a16_mma_gemv(x, w, split=2)
 
 
-def test_dispatch_rule_takes_only_cuda_products_of_up_to_8_rows():
+@pytest.mark.parametrize("n,k,steps2_at_4", [(28672, 8192, False), (14336, 4096, False), (8192, 28672, True),
+                                             (4096, 4096, True)])  # fmt: skip
+def test_groups_of_64_take_two_steps_at_one_row_or_the_deepest_split(n, k, steps2_at_4):
+    assert MG.mma_config_for(n, k, 64, 132, 1) == MG.MMA_STEPS2
+    assert (MG.mma_config_for(n, k, 64, 132, 4) == MG.MMA_STEPS2) == steps2_at_4
+    assert (MG.mma_gemv_split(MG.MMA_STEPS2, n, k, 132) == MG.MMA_STEPS2.max_split) == steps2_at_4
+
+
+@pytest.mark.parametrize("group,measured", [(128, True), (64, True), (-1, True), (32, False)])
+def test_rows_9_to_16_run_here_only_for_measured_groups(group, measured):
+    assert (MG.mma_config_for(4096, 4096, max(group, 0), 132, 9) is not None) == measured
+    assert MG.mma_config_for(4096, 4096, max(group, 0), 132, 8) is not None  # M <= 8: every group
+
+
+def test_dispatch_rule_takes_only_cuda_products_of_up_to_16_rows():
     _, w = weight(256, 512)
-    for m in (1, 8, 9):
+    for m in (1, 8, 9, 16, 17):
         x = torch.randn(m, 512, device=DEVICE).half()
         plan = MG.mma_plan(x, w)
-        cfg = MG.mma_config_for(256, 512, 128, num_sms(x.device)) if x.is_cuda else None
+        cfg = MG.mma_config_for(256, 512, 128, num_sms(x.device), m) if x.is_cuda else None
         if x.is_cuda and m <= MG.MMA_DISPATCH_M and MG.mma_gemv_unsupported_reason(x, w, None, cfg) is None:
             assert plan == (cfg, MG.mma_gemv_split(cfg, 256, 512, num_sms(x.device)))
+            assert cfg == (MG.MMA_TWO_BLOCKS if m > 8 else MG.mma_config_for(256, 512, 128, num_sms(x.device)))
         else:
             assert plan is None
 
 
 @sm90
-@pytest.mark.parametrize("m,dtype", [(1, torch.float16), (3, torch.bfloat16), (8, torch.float16)])
-def test_w4a16_linear_runs_this_kernel_up_to_8_rows(m, dtype):
-    qw, w = weight(4096, 4096, seed=m)
+@pytest.mark.parametrize("m,group,dtype", [(1, 128, torch.float16), (3, 64, torch.bfloat16), (8, 128, torch.float16),
+                                           (12, 64, torch.float16), (16, 128, torch.bfloat16)])  # fmt: skip
+def test_w4a16_linear_runs_this_kernel_up_to_16_rows(m, group, dtype):
+    qw, w = weight(4096, 4096, group, seed=m)
     x = torch.randn(m, 4096, device="cuda").to(dtype)
     bias = torch.randn(4096, device="cuda").to(dtype)
     y = K.w4a16_linear(x, w, bias)
