@@ -355,8 +355,8 @@ MMA_STEPS2 = MmaGemvConfig(4, 2, 4.0)
 # and each CTA at 512 K rows or more. The two row blocks' accumulators leave fewer CTAs resident than MMA_PREFETCH's
 # wave of 14 assumes, and short K slices pay the fp32 partial sums of 16 rows. Every split timed at M = 16: this
 # rule picks the fastest on all 16 (shape, group 128 / 64) cells; against the Triton m16 tiles that served these rows
-# before, 1.01-1.64x (geomean over cuBLAS fp16 1.29x -> 1.78x at group 128, 1.27x -> 1.62x at group 64;
-# results/w4a16-mma-split-probe-h200-2026-12-04.md).
+# before, 1.01-1.64x (geomean over cuBLAS fp16 1.29x -> 1.78x at group 128, 1.27x -> 1.62x at group 64, 1.29x ->
+# 1.79x with one group per column; results/w4a16-mma-split-probe-h200-2026-12-04.md).
 MMA_TWO_BLOCKS = MmaGemvConfig(2, 4, 8.0, prefetch=True, wave=8, min_depth=512)
 
 
@@ -413,8 +413,9 @@ def grid_warps(cfg: MmaGemvConfig, n: int, k: int, sms: int) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def mma_config_for(n: int, k: int, group: int, sms: int, m: int = 1) -> MmaGemvConfig | None:
-    """The measured config for an N x K layer at M rows (see the configs above), None where none was measured:
-    M = 9-16 with groups other than 64, a multiple of 128 or one group (the Triton m16 tiles keep those).
+    """The measured config for an N x K layer at M rows (see the configs above), None where this kernel is not the
+    choice: M = 9-16 with groups other than 64, a multiple of 128 or one group (groups of 32 ran at about cuBLAS
+    fp16's speed on every path; the Triton m16 tiles keep them).
     M <= 8: MMA_STEPS2 for groups of 64 at M = 1 or where it splits K max_split ways; MMA_PREFETCH for groups of a
     multiple of 128 (or one group) where its grid has at least as many warps as MMA_DEFAULT's; else MMA_DEFAULT."""
     if m > 8:
