@@ -352,8 +352,9 @@ MMA_PREFETCH = MmaGemvConfig(2, 4, 8.0, prefetch=True, wave=14)
 # layers it splits max_split ways (results/w4a16-mma-split-probe-h200-2026-12-04.md).
 MMA_STEPS2 = MmaGemvConfig(4, 2, 4.0)
 # M = 9-16 (two mma row blocks per warp): the prefetch loop with a split that keeps the grid within 8 CTAs per SM
-# and each CTA at 512 K rows or more. The two row blocks' accumulators leave fewer CTAs resident than MMA_PREFETCH's
-# wave of 14 assumes, and short K slices pay the fp32 partial sums of 16 rows. Every split timed at M = 16: this
+# and each CTA at 512 K rows or more. With two row blocks the prefetch loop holds 128 registers (sm_90, compiled
+# offline with Triton 3.6): 16 resident warps, i.e. 8 two-warp CTAs per SM, not MMA_PREFETCH's wave of 14; and short
+# K slices pay the fp32 partial sums of 16 rows. Every split timed at M = 16: this
 # rule picks the fastest on all 16 (shape, group 128 / 64) cells; against the Triton m16 tiles that served these rows
 # before, 1.01-1.64x (geomean over cuBLAS fp16 1.29x -> 1.78x at group 128, 1.27x -> 1.62x at group 64, 1.29x ->
 # 1.79x with one group per column; results/w4a16-mma-split-probe-h200-2026-12-04.md).
