@@ -344,7 +344,7 @@ MMA_DEFAULT = MmaGemvConfig()
 # cuBLAS fp16 against 2.61x; 4096 x 14336 2.23x against 1.96x) and lost where the wave cap halves them (8192 x 8192
 # 2.65x against 3.00x), hence ``mma_config_for``. With groups of 64 the loop holds 76 registers, a wave holds fewer
 # CTAs than the cap assumes, and the full table lost up to a third at M = 2-8
-# (results/w4a16-h200-2026-12-04b.md; 28672 x 8192 at M = 4: 1.30x against 2.08x): groups of 64 take MMA_STEPS2.
+# (results/w4a16-h200-2026-12-04b.md; 28672 x 8192 at M = 4: 1.30x against 2.08x): groups of 64 never take it.
 MMA_PREFETCH = MmaGemvConfig(2, 4, 8.0, prefetch=True, wave=14)
 # Groups of 64, M <= 8: two K steps per iteration (one group each), no prefetch. At M = 1 it beat MMA_DEFAULT on 7
 # of 8 shapes (1.06-1.19x; 14336 x 4096 0.88x); at M = 4 on the five whose split reaches max_split (1.03-1.50x) and

@@ -170,9 +170,9 @@ def test_groups_of_64_take_two_steps_at_one_row_or_the_deepest_split(n, k, steps
     assert (MG.mma_gemv_split(MG.MMA_STEPS2, n, k, 132) == MG.MMA_STEPS2.max_split) == steps2_at_4
 
 
-@pytest.mark.parametrize("group,measured", [(128, True), (64, True), (-1, True), (32, False)])
-def test_rows_9_to_16_run_here_only_for_measured_groups(group, measured):
-    assert (MG.mma_config_for(4096, 4096, max(group, 0), 132, 9) is not None) == measured
+@pytest.mark.parametrize("group,runs_here", [(128, True), (64, True), (-1, True), (32, False)])
+def test_rows_9_to_16_run_here_only_for_groups_where_it_won(group, runs_here):
+    assert (MG.mma_config_for(4096, 4096, max(group, 0), 132, 9) is not None) == runs_here
     assert MG.mma_config_for(4096, 4096, max(group, 0), 132, 8) is not None  # M <= 8: every group
 
 
