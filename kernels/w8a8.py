@@ -47,6 +47,8 @@ import triton
 import triton.language as tl
 from quantkit.kernels.l2_prefetch import prefetch_block_l2, prefetch_l2, threads
 from quantkit.kernels.w4a16_weight import interpreting, num_sms
+from quantkit.kernels.w8a8_ws import launch as ws_launch
+from quantkit.kernels.w8a8_ws import ws_offered, ws_unsupported_reason
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 INT8_MAX = 127.0
@@ -626,31 +628,17 @@ def quantize_activations(
     return out, scale
 
 
-def w8a8_matmul(
+def check_matmul_operands(
     qa: torch.Tensor,
     a_scale: torch.Tensor,
     qw: torch.Tensor,
     w_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.float16,
-    out: torch.Tensor | None = None,
-    config: dict[str, int] | None = None,
-    fp8_fast_accum: bool = False,
-    pdl: bool = False,
-    prefetch_k: int = 0,
-    l2_ahead: int | None = None,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    out: torch.Tensor | None,
 ) -> torch.Tensor:
-    """qa [M, K] x qw [N, K] (both int8 or both float8_e4m3fn, K contiguous) -> y [M, N] in ``out_dtype``.
-
-    ``a_scale`` fp32 [M] (per token) or [1] (per tensor); ``w_scale`` fp32 [N]; ``bias`` [N] any float dtype.
-    ``config`` overrides the tile config picked from ``CONFIGS`` (keys ``CONFIG_KEYS``); ``fp8_fast_accum``: see
-    the header (ignored for int8). ``pdl``: launch with programmatic dependent launch, so that the kernel may
-    start while the one before it (the activation quantizer, ``quantize_activations(pdl=True)``) runs, and waits for
-    it before reading ``qa``; meanwhile each program asks L2 for the first ``prefetch_k`` bytes (a multiple of 128,
-    a power of two times 128) of its weight rows. CUDA sm_90+ only. ``l2_ahead``: while on K tile t, each program
-    asks L2 for its weight's tile t + ``l2_ahead`` (``l2_prefetch.py``; 0: none; None: ``l2_ahead_for(m)``; never in
-    the interpreter).
-    """
+    """``w8a8_matmul``'s operand checks (shapes, dtypes, strides, devices, sizes, with messages that name the
+    operand); returns ``out``, allocated when None."""
     _check(qa.dim() == 2 and qw.dim() == 2, f"qa and qw must be 2-D, got {tuple(qa.shape)} and {tuple(qw.shape)}")
     _check(qa.dtype in FORMAT_OF_DTYPE, f"qa must be int8 or float8_e4m3fn, got {qa.dtype}")
     _check(qw.dtype == qa.dtype, f"qa and qw must share a dtype, got {qa.dtype} and {qw.dtype}")
@@ -659,8 +647,9 @@ def w8a8_matmul(
     _check(qw.shape[1] == k, f"qw must be [N, K={k}] (Layout int8/fp8_rowmajor), got {tuple(qw.shape)}")
     _check(qa.stride(1) == 1 and qw.stride(1) == 1, "qa and qw must be contiguous along K (stride 1 in dim 1)")
     _check(k > 0, "K must be positive")
-    fmt = FORMAT_OF_DTYPE[qa.dtype]
-    _check(fmt != "int8" or k <= INT32_SAFE_K, f"K={k} may overflow the int32 accumulator (limit {INT32_SAFE_K})")
+    _check(
+        qa.dtype != torch.int8 or k <= INT32_SAFE_K, f"K={k} may overflow the int32 accumulator (limit {INT32_SAFE_K})"
+    )
     _check(
         a_scale.dtype == torch.float32 and a_scale.is_contiguous() and a_scale.numel() in (1, m),
         f"a_scale must be contiguous fp32 [{m}] or [1], got {a_scale.dtype} {tuple(a_scale.shape)}",
@@ -680,6 +669,39 @@ def w8a8_matmul(
         out.shape == (m, n) and out.dtype == out_dtype and out.device == qa.device,
         f"out must be {out_dtype} {(m, n)}, got {out.dtype} {tuple(out.shape)}",
     )
+    return out
+
+
+def w8a8_matmul(
+    qa: torch.Tensor,
+    a_scale: torch.Tensor,
+    qw: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float16,
+    out: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+    fp8_fast_accum: bool = False,
+    pdl: bool = False,
+    prefetch_k: int = 0,
+    l2_ahead: int | None = None,
+) -> torch.Tensor:
+    """qa [M, K] x qw [N, K] (both int8 or both float8_e4m3fn, K contiguous) -> y [M, N] in ``out_dtype``.
+
+    ``a_scale`` fp32 [M] (per token) or [1] (per tensor); ``w_scale`` fp32 [N]; ``bias`` [N] any float dtype.
+    ``config`` overrides the tile config picked from ``CONFIGS`` (keys ``CONFIG_KEYS``); without it, fp8 with
+    promoted accumulation at M > 256 runs the warp-specialized Gluon kernel on Hopper (``w8a8_ws``).
+    ``fp8_fast_accum``: see the header (ignored for int8). ``pdl``: launch with programmatic dependent launch, so
+    that the kernel may start while the one before it (the activation quantizer, ``quantize_activations(pdl=True)``)
+    runs, and waits for it before reading ``qa``; meanwhile each program asks L2 for the first ``prefetch_k`` bytes
+    (a multiple of 128, a power of two times 128) of its weight rows. CUDA sm_90+ only. ``l2_ahead``: while on K
+    tile t, each program asks L2 for its weight's tile t + ``l2_ahead`` (``l2_prefetch.py``; 0: none; None:
+    ``l2_ahead_for(m)``; never in the interpreter).
+    """
+    out = check_matmul_operands(qa, a_scale, qw, w_scale, bias, out_dtype, out)
+    m, k = qa.shape
+    n = qw.shape[0]
+    fmt = FORMAT_OF_DTYPE[qa.dtype]
     _check(
         prefetch_k == 0 or (prefetch_k >= 128 and triton.next_power_of_2(prefetch_k) == prefetch_k and pdl),
         f"prefetch_k must be 0 or 128 x a power of two, with pdl; got {prefetch_k}",
@@ -689,6 +711,8 @@ def w8a8_matmul(
     _check(0 <= l2_ahead <= 8, f"l2_ahead must be in [0, 8], got {l2_ahead}")
     if m == 0 or n == 0:
         return out
+    if config is None and ws_offered(m, fmt, fp8_fast_accum, pdl) and ws_unsupported_reason(qa, qw, out) is None:
+        return ws_launch(qa, a_scale, qw, w_scale, bias, out)
     cfg = dict(config) if config is not None else pick_config(m, fmt, fp8_fast_accum, n, num_sms(qa.device))
     _check(set(cfg) == set(CONFIG_KEYS), f"config keys must be {CONFIG_KEYS}, got {sorted(cfg)}")
     launch = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}

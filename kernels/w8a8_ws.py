@@ -1,0 +1,72 @@
+"""Launch side of the warp-specialized fp8 GEMM (``w8a8_ws_kernel.py``, Gluon, sm_90 only): the rule that offers it,
+what it cannot take, and the checked launcher.
+
+``w8a8.w8a8_matmul`` asks ``ws_offered`` and ``ws_unsupported_reason`` before its Triton tile configs: fp8 with the
+default promoted accumulation, more than ``WS_MIN_M`` rows, no tile config or programmatic dependent launch asked
+for, and operands the TMA copies can read. Everything here but the launch runs without a GPU (the CPU tests check
+the rule); the Gluon kernel module is imported on the first launch only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from quantkit.kernels.w4a16_weight import num_sms
+
+# M > 256 (the "large" regime of w8a8.CONFIGS): H200 probes at M = 1024 / 4096 / 16384 on the six issue-7 shapes
+# (results/w8a8-fp8-ws-h200-2026-12-04.md), end to end over bf16 cuBLAS, geomean 1.45x against 1.27-1.28x for the
+# Triton promoted config in the same runs; slower in no cell (4096 x 4096 at M = 1024: 1.07-1.08x both). M <= 256
+# was not timed with it: the Triton configs keep those rows.
+WS_MIN_M = 257
+WS_TRITON = "3.6."  # the Gluon API the kernel is written for (3.7+ renamed TMA loads and shared-memory views)
+
+
+def ws_offered(m: int, fmt: str, fp8_fast_accum: bool, pdl: bool) -> bool:
+    """Whether the product is one the kernel was measured to serve better: fp8, promoted accumulation (the default),
+    at least WS_MIN_M rows, no programmatic dependent launch (which only the Triton kernels take)."""
+    return fmt == "fp8" and not fp8_fast_accum and not pdl and m >= WS_MIN_M
+
+
+def ws_unsupported_reason(qa: torch.Tensor, qw: torch.Tensor, out: torch.Tensor) -> str | None:
+    """Why the kernel cannot run this product (None: it can): the device, Triton's version, and the TMA copies'
+    alignment (16-byte aligned base addresses and rows, K contiguous: 8-bit operands need K % 16 == 0)."""
+    if qa.dtype != torch.float8_e4m3fn or qw.dtype != torch.float8_e4m3fn:
+        return f"float8_e4m3fn operands only, got {qa.dtype} and {qw.dtype}"
+    if not all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) == 1 for t in (qa, qw)):
+        return "qa and qw need K contiguous, 16-byte aligned rows and base addresses (TMA; K % 16 == 0)"
+    if out.stride(1) != 1:
+        return "out needs unit column stride"
+    if not triton.__version__.startswith(WS_TRITON):
+        return f"written for Triton {WS_TRITON}x's Gluon, found Triton {triton.__version__}"
+    if not qa.is_cuda or torch.cuda.get_device_capability(qa.device) != (9, 0):
+        return "needs a CUDA device of compute capability 9.0 (Hopper)"
+    return None
+
+
+def fp8_ws_matmul(
+    qa: torch.Tensor,
+    a_scale: torch.Tensor,
+    qw: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """qa [M, K] x qw [N, K] (float8_e4m3fn) -> y [M, N] with this kernel at any M (``w8a8_matmul`` uses it from
+    WS_MIN_M rows). Operands as ``w8a8_matmul``'s; raises ValueError where ``ws_unsupported_reason`` names one."""
+    from quantkit.kernels.w8a8 import check_matmul_operands
+
+    out = check_matmul_operands(qa, a_scale, qw, w_scale, bias, out_dtype, out)
+    reason = ws_unsupported_reason(qa, qw, out)
+    if reason:
+        raise ValueError(f"fp8_ws_matmul: {reason}")
+    return launch(qa, a_scale, qw, w_scale, bias, out)
+
+
+def launch(qa, a_scale, qw, w_scale, bias, out) -> torch.Tensor:
+    """The launch itself, for operands already checked; empty products return ``out`` as it is."""
+    from quantkit.kernels.w8a8_ws_kernel import launch as kernel_launch  # Gluon: GPU machines only
+
+    if out.numel() == 0:
+        return out
+    return kernel_launch(qa, a_scale, qw, w_scale, bias, out, num_sms(qa.device))
