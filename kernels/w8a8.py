@@ -24,6 +24,9 @@ in two kernels:
    ``fp8_fast_accum=True`` keeps the whole K loop in the tensor core (Triton's sm_90 default, like cuBLAS
    ``use_fast_accum=True``). The epilogue converts the accumulator to fp32, applies both scales and the bias in
    registers and stores fp16/bf16/fp32 once: the int32 accumulator never goes to memory.
+   On Hopper, fp8 with the promoted accumulation at M > 256 runs ``w8a8_ws_kernel.py`` instead (Gluon, two consumer
+   warp groups whose promotions overlap each other's wgmma; the same promotion interval and error, 1.46x bf16
+   against 1.31x for this kernel's tiles, results/w8a8-fp8-ws-h200-2026-12-04.md); ``w8a8_ws.py`` holds the rule.
 3. Programmatic dependent launch (``w8a8_linear``, M <= 64 on sm_90+, ``use_pdl``): the quantizer lets the GEMM start
    at once; the GEMM asks L2 for the first ``PDL_PREFETCH_K`` bytes of its weight rows, then waits
    (griddepcontrol.wait) for the codes, so the quantizer's launch and run overlap the GEMM's start (+3% at M 16-64).
