@@ -195,11 +195,14 @@ VARIANTS = {
     "ws_2x2_s4_p_ra": dict(_2X2, programs=SMS, reg_a=True),
     "ws_3x1_s5_p_ra": dict(ncons=3, nsub=1, stages=5, cons_regs=160, maxnreg=128, programs=SMS, reg_a=True),
     "ws_2x1_s6_p_ra": dict(ncons=2, nsub=1, stages=6, cons_regs=232, programs=SMS, reg_a=True),
+    "ws_2x2_s3_p": dict(_2X2, stages=3, programs=SMS),
+    "ws_2x2_s4_p_g4": dict(_2X2, programs=SMS, group_m=4),
+    "ws_2x2_s4_p_g16": dict(_2X2, programs=SMS, group_m=16),
 }
 
 
 def compile_offline(ncons: int, nsub: int, stages: int, cons_regs: int, maxnreg: int | None = None,
-                    programs: int | None = None, reg_a: bool = False):  # fmt: skip
+                    programs: int | None = None, reg_a: bool = False, group_m: int = 8):  # fmt: skip
     """Compile for sm_90 without a GPU (Triton 3.6 on PYTHONPATH): registers, spills and the consumers' loop."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -215,8 +218,8 @@ def compile_offline(ncons: int, nsub: int, stages: int, cons_regs: int, maxnreg:
     sig = dict.fromkeys(fn.arg_names, "i32")
     sig.update(a_desc=mangle_type(a_desc), w_desc=mangle_type(w_desc), c_ptr="*bf16", a_scale_ptr="*fp32",
                w_scale_ptr="*fp32", bias_ptr="*fp32")  # fmt: skip
-    const = dict(NCONS=ncons, NSUB=nsub, BLOCK_K=128, STAGES=stages, GROUP_M=8, HAS_BIAS=False, CONS_REGS=cons_regs,
-                 REG_A=reg_a)  # fmt: skip
+    const = dict(NCONS=ncons, NSUB=nsub, BLOCK_K=128, STAGES=stages, GROUP_M=group_m, HAS_BIAS=False,
+                 CONS_REGS=cons_regs, REG_A=reg_a)  # fmt: skip
     sig.update(dict.fromkeys(const, "constexpr"))
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ["c_ptr", "N", "K", "stride_cm"]}
     src = GluonASTSource(fn, sig, const, attrs)
@@ -250,7 +253,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("bench_out"))
     ap.add_argument("--ms", default="1024,4096,16384")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
+    ap.add_argument("--variants", default="ws_2x2_s4_p", help=f"subset of {','.join(VARIANTS)}")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / "probe_fp8_ws.json"
@@ -285,16 +288,21 @@ def point_calls(p, names: list[str]) -> dict:
     def error(matmul) -> callable:
         return lambda: ((matmul(qa, sa, wq, ws).double() - exact).abs().max() / exact.abs().max()).item()
 
-    def committed(fast: bool):
-        calls = [partial(W.w8a8_linear, p.x[i], p.wq["fp8"][i], p.w_scale["fp8"][i], fp8_fast_accum=fast)
+    def committed(fast: bool, config: dict | None):
+        calls = [partial(W.w8a8_linear, p.x[i], p.wq["fp8"][i], p.w_scale["fp8"][i], config=config, fp8_fast_accum=fast)
                  for i in range(p.r)]  # fmt: skip
-        return error(partial(W.w8a8_matmul, out_dtype=torch.float32, fp8_fast_accum=fast)), calls
+        return error(partial(W.w8a8_matmul, out_dtype=torch.float32, config=config, fp8_fast_accum=fast)), calls
 
     def gluon_linear(x, wq, ws, kw):
         q, s = W.quantize_activations(x, "fp8")
         return fp8_ws_matmul(q, s, wq, ws, out_dtype=x.dtype, **kw)
 
-    out = {"promoted": committed(False), "fast": committed(True)}
+    triton_promoted = W.pick_config(p.m, "fp8", False, p.n)  # given explicitly: the default is now the Gluon kernel
+    out = {
+        "promoted": committed(False, triton_promoted),
+        "default": committed(False, None),
+        "fast": committed(True, None),
+    }
     for name in names:
         kw = VARIANTS[name]
         calls = [partial(gluon_linear, p.x[i], p.wq["fp8"][i], p.w_scale["fp8"][i], kw) for i in range(p.r)]
