@@ -30,13 +30,13 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from quantkit.kernels.w8a8_ws_kernel import _scaled_store  # the committed kernel's epilogue
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w8a8
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # probe_fp8_promote
 
 
 @gluon.jit
@@ -72,18 +72,6 @@ def _loader(a_desc, w_desc, a_smem, w_smem, ready, empty, M, N, K, NCONS: gl.con
                                                 a_smem.index(s * NCONS + c))  # fmt: skip
             tma.async_copy_global_to_shared(w_desc, [off_n, k0], ready.index(s), w_smem.index(s))
             it += 1
-
-
-@gluon.jit
-def _scaled_store(acc, rows, sa, off_n, c_ptr, w_scale_ptr, bias_ptr, M, N, stride_cm, layout: gl.constexpr,
-                  HAS_BIAS: gl.constexpr):  # fmt: skip
-    cols = off_n + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
-    cmask = cols < N
-    y = acc * gl.expand_dims(sa, 1) * gl.expand_dims(gl.load(w_scale_ptr + cols, mask=cmask, other=0.0), 0)
-    if HAS_BIAS:
-        y = y + gl.expand_dims(gl.load(bias_ptr + cols, mask=cmask, other=0.0).to(gl.float32), 0)
-    ptrs = c_ptr + gl.expand_dims(rows, 1) * stride_cm + gl.expand_dims(cols, 0)
-    gl.store(ptrs, y.to(c_ptr.dtype.element_ty), mask=gl.expand_dims(rows < M, 1) & gl.expand_dims(cmask, 0))
 
 
 @gluon.jit
