@@ -320,6 +320,7 @@ class MmaGemvConfig:
     prefetch: bool = False  # steps == 4 only: the next iteration's words are loaded before this one's math
     wave: int = 0  # > 0: the split never makes the grid exceed this many CTAs per SM (one wave of resident CTAs)
     min_depth: int = 0  # > 0: the split never leaves a CTA fewer than this many K rows
+    skip_split: int = 0  # > 0: a split measured slow for this config; the rule goes one doubling on (or back)
 
     @property
     def block_n(self) -> int:
@@ -329,6 +330,8 @@ class MmaGemvConfig:
     def name(self) -> str:
         extra = ("p" if self.prefetch else "") + (f"v{self.wave}" if self.wave else "")
         extra += f"d{self.min_depth}" if self.min_depth else ""
+        extra += f"m{self.max_split}" if self.max_split != 16 else ""
+        extra += f"x{self.skip_split}" if self.skip_split else ""
         return f"mma-w{self.num_warps}s{self.steps}f{self.fill:g}{extra}"
 
 
@@ -351,6 +354,11 @@ MMA_PREFETCH = MmaGemvConfig(2, 4, 8.0, prefetch=True, wave=14)
 # lost on the three of N >= 14336 split 4-8 ways (0.87-0.89x): ``mma_config_for`` keeps it to M = 1 and to the
 # layers it splits max_split ways (results/w4a16-mma-split-probe-h200-2026-12-04.md).
 MMA_STEPS2 = MmaGemvConfig(4, 2, 4.0)
+# The same loop at M = 1 (groups of 64), with the split rule fitted to every split of it timed on eight shapes in two
+# runs (results/w4a16-mma-split-m1-h200-2026-12-04.md): 8-way splits ran 1.25-1.91x cuBLAS fp16 where 4 or 16 ran
+# 2.2-3.0x on every shape, so the rule steps over 8 (14336 x 4096: 1.81x -> 2.17x), and the layers of N = 4096 fill
+# the GPU only at 32 slices (4096 x 14336: 2.00x -> 2.22x; 4096 x 4096 tied); the other shapes keep their split.
+MMA_STEPS2_M1 = MmaGemvConfig(4, 2, 4.0, max_split=32, skip_split=8)
 # M = 9-16 (two mma row blocks per warp): the prefetch loop with a split that keeps the grid within 8 CTAs per SM
 # and each CTA at 512 K rows or more. With two row blocks the prefetch loop holds 128 registers (sm_90, compiled
 # offline with Triton 3.6): 16 resident warps, i.e. 8 two-warp CTAs per SM, not MMA_PREFETCH's wave of 14; and short
@@ -364,18 +372,23 @@ MMA_TWO_BLOCKS = MmaGemvConfig(2, 4, 8.0, prefetch=True, wave=8, min_depth=512)
 def mma_gemv_split(cfg: MmaGemvConfig, n: int, k: int, sms: int) -> int:
     """Split-K factor: doubled while the grid has fewer than cfg.fill x SMs CTAs, K still splits into whole loop
     iterations, (cfg.wave) the grid stays within one wave of resident CTAs and (cfg.min_depth) each CTA keeps at
-    least that many K rows."""
+    least that many K rows; a result of cfg.skip_split moves one doubling on where allowed, else one back."""
     ctas = -(-n // cfg.block_n)
     iters = k // (32 * cfg.steps)
+
+    def allowed(split: int) -> bool:
+        return (
+            split <= cfg.max_split
+            and iters % split == 0
+            and not (cfg.wave and ctas * split > cfg.wave * sms)
+            and not (cfg.min_depth and k // split < cfg.min_depth)
+        )
+
     split = 1
-    while (
-        ctas * split < cfg.fill * sms
-        and split * 2 <= cfg.max_split
-        and iters % (split * 2) == 0
-        and not (cfg.wave and ctas * split * 2 > cfg.wave * sms)
-        and not (cfg.min_depth and k // (split * 2) < cfg.min_depth)
-    ):
+    while ctas * split < cfg.fill * sms and allowed(split * 2):
         split *= 2
+    if cfg.skip_split and split == cfg.skip_split:
+        split = split * 2 if allowed(split * 2) else split // 2
     return split
 
 
@@ -417,11 +430,14 @@ def mma_config_for(n: int, k: int, group: int, sms: int, m: int = 1) -> MmaGemvC
     """The measured config for an N x K layer at M rows (see the configs above), None where this kernel is not the
     choice: M = 9-16 with groups other than 64, a multiple of 128 or one group (groups of 32 ran at about cuBLAS
     fp16's speed on every path; the Triton m16 tiles keep them).
-    M <= 8: MMA_STEPS2 for groups of 64 at M = 1 or where it splits K max_split ways; MMA_PREFETCH for groups of a
-    multiple of 128 (or one group) where its grid has at least as many warps as MMA_DEFAULT's; else MMA_DEFAULT."""
+    M <= 8: for groups of 64 MMA_STEPS2_M1 at M = 1 and MMA_STEPS2 where it splits K max_split ways; MMA_PREFETCH
+    for groups of a multiple of 128 (or one group) where its grid has at least as many warps as MMA_DEFAULT's; else
+    MMA_DEFAULT."""
     if m > 8:
         return MMA_TWO_BLOCKS if group % 64 == 0 else None
-    if group == 64 and (m == 1 or mma_gemv_split(MMA_STEPS2, n, k, sms) == MMA_STEPS2.max_split):
+    if group == 64 and m == 1:
+        return MMA_STEPS2_M1
+    if group == 64 and mma_gemv_split(MMA_STEPS2, n, k, sms) == MMA_STEPS2.max_split:
         return MMA_STEPS2
     if group % 128 == 0 and grid_warps(MMA_PREFETCH, n, k, sms) >= grid_warps(MMA_DEFAULT, n, k, sms):
         return MMA_PREFETCH
