@@ -37,7 +37,8 @@ Triton m16 tiles gave 2.31x / 1.56x / 1.42x / 1.36x. At M = 16 (two mma row bloc
 the Triton tiles (1.16x against 1.32x); with fewer CTAs per SM (``MMA_TWO_BLOCKS``) it wins on all eight shapes
 (1.78x against 1.29x), so the dispatcher runs M <= 16 here. The weights still stream at only 1.1-2.8 TB/s: ptxas keeps
 about two K steps of loads in flight per thread. ``prefetch`` (the next iteration's words loaded before this one's
-math, 72 registers) raises that where the grid keeps its warps (``mma_config_for``; 28672 x 8192 at M = 1: 3.0x).
+math, 66 registers, allocated as 72) raises that where the grid keeps its warps (``mma_config_for``; 28672 x 8192 at
+M = 1: 3.0x).
 A per-thread cp.async ring in shared memory (3-4 iterations ahead, no registers held) ran at about half the speed:
 Triton's barrier analysis puts CTA barriers around the ring although each thread reads only what it copied (code in
 commit 21b3bd4); two column blocks per thread (98 registers) lost to occupancy.
@@ -342,12 +343,13 @@ MMA_TRITON = "3.6."  # the Gluon API the kernel is written for
 # (results/w4a16-mma-gemv-h200-2026-12-04.md); M = 9-16 see MMA_TWO_BLOCKS.
 MMA_DISPATCH_M = 16
 MMA_DEFAULT = MmaGemvConfig()
-# Loading the next iteration's words first holds 72 registers instead of 58 (28 resident warps per SM instead of
-# 32). It won where its one-wave split gives the grid as many warps as the default's (28672 x 8192 at M = 1: 2.93x
-# cuBLAS fp16 against 2.61x; 4096 x 14336 2.23x against 1.96x) and lost where the wave cap halves them (8192 x 8192
-# 2.65x against 3.00x), hence ``mma_config_for``. With groups of 64 the loop holds 76 registers, a wave holds fewer
-# CTAs than the cap assumes, and the full table lost up to a third at M = 2-8
-# (results/w4a16-h200-2026-12-04b.md; 28672 x 8192 at M = 4: 1.30x against 2.08x): groups of 64 never take it.
+# Loading the next iteration's words first holds 66 registers instead of 58 (groups of 128, one row block; offline
+# sm_90 compile with Triton 3.6), allocated in units of 8 as 72 against 64: 28 resident warps per SM instead of 32.
+# It won where its one-wave split gives the grid as many warps as the default's (28672 x 8192 at M = 1: 2.93x cuBLAS
+# fp16 against 2.61x; 4096 x 14336 2.23x against 1.96x) and lost where the wave cap halves them (8192 x 8192 2.65x
+# against 3.00x), hence ``mma_config_for``. With groups of 64 the loop holds 72 registers (76 were read on the GPU
+# for the revision timed then), a wave holds fewer CTAs than the cap assumes, and the full table lost up to a third at
+# M = 2-8 (results/w4a16-h200-2026-12-04b.md; 28672 x 8192 at M = 4: 1.30x against 2.08x): groups of 64 never take it.
 MMA_PREFETCH = MmaGemvConfig(2, 4, 8.0, prefetch=True, wave=14)
 # Groups of 64, M <= 8: two K steps per iteration (one group each), no prefetch. At M = 1 it beat MMA_DEFAULT on 7
 # of 8 shapes (1.06-1.19x; 14336 x 4096 0.88x); at M = 4 on the five whose split reaches max_split (1.03-1.50x) and
