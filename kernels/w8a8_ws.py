@@ -16,8 +16,8 @@ from quantkit.kernels.w4a16_weight import num_sms
 # M > 256 (the "large" regime of w8a8.CONFIGS): H200 probes at M = 1024 / 4096 / 16384 on the six issue-7 shapes
 # (results/w8a8-fp8-ws-h200-2026-12-04.md), end to end over bf16 cuBLAS, geomean 1.45x against 1.27-1.28x for the
 # Triton promoted config in the same runs; slower in no cell (4096 x 4096 at M = 1024: 1.07-1.08x both). At M = 512
-# it led on every shape (0.73-1.46x against 0.66-1.24x); at M = 128 and 256 the Triton tiles led on five of six
-# (128 x 256 tiles leave most SMs idle there), so those rows keep them.
+# it led on every shape (0.73-1.46x against 0.66-1.24x); the Triton tiles led on four of six at M = 256 and five of
+# six at M = 128 (128 x 256 tiles leave most SMs idle there), so those rows keep them.
 WS_MIN_M = 257
 WS_TRITON = "3.6."  # the Gluon API the kernel is written for (3.7+ renamed TMA loads and shared-memory views)
 
