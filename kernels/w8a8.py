@@ -51,7 +51,7 @@ import triton.language as tl
 from quantkit.kernels.l2_prefetch import prefetch_block_l2, prefetch_l2, threads
 from quantkit.kernels.w4a16_weight import interpreting, num_sms
 from quantkit.kernels.w8a8_ws import launch as ws_launch
-from quantkit.kernels.w8a8_ws import ws_offered, ws_unsupported_reason
+from quantkit.kernels.w8a8_ws import tma_compatible, ws_offered, ws_unsupported_reason
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 INT8_MAX = 127.0
@@ -766,11 +766,6 @@ def _persistent_fits(cfg: dict, stages: int, out_bytes: int, device: torch.devic
     operands = stages * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"]
     barriers_and_alignment = 1024  # Triton's request exceeded this estimate by 24 bytes in every measured case
     return operands + cfg["BLOCK_M"] * cfg["BLOCK_N"] * out_bytes + barriers_and_alignment <= limit
-
-
-def tma_compatible(qa: torch.Tensor, qw: torch.Tensor) -> bool:
-    """TMA descriptors need 16-byte aligned base addresses and row strides (8-bit operands: K % 16 == 0)."""
-    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) == 1 for t in (qa, qw))
 
 
 def w8a8_linear(

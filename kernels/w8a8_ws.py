@@ -28,12 +28,18 @@ def ws_offered(m: int, fmt: str, fp8_fast_accum: bool, pdl: bool) -> bool:
     return fmt == "fp8" and not fp8_fast_accum and not pdl and m >= WS_MIN_M
 
 
+def tma_compatible(qa: torch.Tensor, qw: torch.Tensor) -> bool:
+    """TMA descriptors need 16-byte aligned base addresses and row strides (8-bit operands: K % 16 == 0), K
+    contiguous; ``w8a8.w8a8_matmul``'s Triton TMA path asks the same."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) == 1 for t in (qa, qw))
+
+
 def ws_unsupported_reason(qa: torch.Tensor, qw: torch.Tensor, out: torch.Tensor) -> str | None:
     """Why the kernel cannot run this product (None: it can): the device, Triton's version, and the TMA copies'
     alignment (16-byte aligned base addresses and rows, K contiguous: 8-bit operands need K % 16 == 0)."""
     if qa.dtype != torch.float8_e4m3fn or qw.dtype != torch.float8_e4m3fn:
         return f"float8_e4m3fn operands only, got {qa.dtype} and {qw.dtype}"
-    if not all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) == 1 for t in (qa, qw)):
+    if not tma_compatible(qa, qw):
         return "qa and qw need K contiguous, 16-byte aligned rows and base addresses (TMA; K % 16 == 0)"
     if out.stride(1) != 1:
         return "out needs unit column stride"
