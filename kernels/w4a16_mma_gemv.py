@@ -124,106 +124,6 @@ def mma_step_asm(bf16: bool, mb: int) -> str:
     return "\n".join(lines)
 
 
-def mma_step_fold_asm(bf16: bool, mb: int) -> str:
-    """PTX for one K step with the zero folded out of the loop (``MmaGemvConfig.fold``): each code pair is read as
-    magic + q and nothing is subtracted per pair. fp16: codes (j, j + 4) at bit 0 of each half with 1024 as exponent
-    read 1024 + q, codes at bit 4 with 64 as exponent read 64 + q (mantissa bit 4 weighs 1 at 64), so a word costs
-    4 LOP3 and one shift; bf16 (7 mantissa bits): 128 + q at bit 0, three shifts. One more mma per k16 step and row
-    block sums x: its A operand is 1 where row g meets the first pair's K positions and row g + 8 the second's, so
-    it yields both sums in one instruction. The caller subtracts them once per group:
-    sum x (q - z) = sum x (magic + q) - (magic_a + z) S_a - (magic_b + z) S_b.
-    Operands (pack=4, outputs first): 2 mb accumulators and mb sums out; 4 packed words, mb x 4 int32 of x,
-    2 mb accumulators and mb sums in, and the sums' A operand (one, 0, 0, one as 16-bit pairs: ``fold_ones``),
-    held in registers by the caller (as constants here, ptxas rebuilt the quad for every mma).
-    The sums of row block b: (S_a[2c], S_a[2c + 1], S_b[2c], S_b[2c + 1])."""
-    kind = "bf16" if bf16 else "f16"
-    magic_a = 0x43004300 if bf16 else 0x64006400
-    magic_b = 0x43004300 if bf16 else 0x54005400
-    n_acc = 2 * mb
-    out = [[f"${4 * t + i}" for i in range(4)] for t in range(n_acc)]
-    sums_out = [[f"${4 * n_acc + 4 * b + i}" for i in range(4)] for b in range(mb)]
-    base = 4 * n_acc + 4 * mb
-    words = [f"${base + i}" for i in range(4)]
-    xs = [[f"${base + 4 + 4 * b + i}" for i in range(4)] for b in range(mb)]
-    acc_in = [[f"${base + 4 + 4 * mb + 4 * t + i}" for i in range(4)] for t in range(n_acc)]
-    sums_in = [[f"${base + 4 + 4 * mb + 4 * n_acc + 4 * b + i}" for i in range(4)] for b in range(mb)]
-    ones = ", ".join(f"${base + 4 + 8 * mb + 4 * n_acc + i}" for i in range(4))
-    lines = ["{", ".reg .b32 u, " + ", ".join(f"p{i}_{j}" for i in range(4) for j in range(4)) + ";",
-             ".reg .b32 " + ", ".join(f"x{b}_{j}" for b in range(mb) for j in range(4)) + ";",
-             ".reg .f32 d0, d1, d2, d3;"]  # fmt: skip
-    for i in range(4):  # word i -> pairs p{i}_j = magic + codes (j, j + 4)
-        w = words[i]
-        if bf16:
-            lines.append(f"lop3.b32 p{i}_0, {w}, 0x000F000F, {magic_a:#010x}, 0xea;")
-            for j in (1, 2, 3):
-                lines += [f"shr.u32 u, {w}, {4 * j};", f"lop3.b32 p{i}_{j}, u, 0x000F000F, {magic_a:#010x}, 0xea;"]
-            continue
-        lines += [f"lop3.b32 p{i}_0, {w}, 0x000F000F, {magic_a:#010x}, 0xea;",
-                  f"lop3.b32 p{i}_1, {w}, 0x00F000F0, {magic_b:#010x}, 0xea;",
-                  f"shr.u32 u, {w}, 8;",
-                  f"lop3.b32 p{i}_2, u, 0x000F000F, {magic_a:#010x}, 0xea;",
-                  f"lop3.b32 p{i}_3, u, 0x00F000F0, {magic_b:#010x}, 0xea;"]  # fmt: skip
-    for b in range(mb):  # x pairs (j, j+1) -> (j, j + 4) as the codes
-        x0, x1, x2, x3 = xs[b]
-        lines += [f"prmt.b32 x{b}_0, {x0}, {x2}, 0x5410;", f"prmt.b32 x{b}_1, {x0}, {x2}, 0x7632;",
-                  f"prmt.b32 x{b}_2, {x1}, {x3}, 0x5410;", f"prmt.b32 x{b}_3, {x1}, {x3}, 0x7632;"]  # fmt: skip
-    op = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32"
-    for b in range(mb):
-        for p in range(2):
-            c_idx = [(2 * b, 2 * p), (2 * b + 1, 2 * p), (2 * b, 2 * p + 1), (2 * b + 1, 2 * p + 1)]
-            for h in range(2):
-                a = f"p{2 * p}_{2 * h}, p{2 * p + 1}_{2 * h}, p{2 * p}_{2 * h + 1}, p{2 * p + 1}_{2 * h + 1}"
-                bb = f"x{b}_{2 * h}, x{b}_{2 * h + 1}"
-                src = ", ".join(acc_in[t][i] for t, i in c_idx) if h == 0 else "d0, d1, d2, d3"
-                dst = "d0, d1, d2, d3" if h == 0 else ", ".join(out[t][i] for t, i in c_idx)
-                lines.append(f"{op} {{{dst}}}, {{{a}}}, {{{bb}}}, {{{src}}};")
-        for h in range(2):  # the sums: row g over the first pair's K positions, row g + 8 over the second's
-            bb = f"x{b}_{2 * h}, x{b}_{2 * h + 1}"
-            src = ", ".join(sums_in[b]) if h == 0 else "d0, d1, d2, d3"
-            dst = "d0, d1, d2, d3" if h == 0 else ", ".join(sums_out[b])
-            lines.append(f"{op} {{{dst}}}, {{{ones}}}, {{{bb}}}, {{{src}}};")
-    lines.append("}")
-    return "\n".join(lines)
-
-
-def fold_group_asm(mb: int) -> str:
-    """PTX for the end of a group under ``fold``: acc += s (p - za S_a - zb S_b) for each of the thread's 4 columns
-    and 2 mb rows, where za / zb hold -(magic + z) of each column and the sums come as ``mma_step_fold_asm`` leaves
-    them. Operands (pack=4): 2 mb accumulators out; 2 mb group partials, mb sums, za, zb, scales, 2 mb accumulators
-    in. Three FMAs per output element."""
-    n_acc = 2 * mb
-    out = [[f"${4 * t + i}" for i in range(4)] for t in range(n_acc)]
-    part = [[f"${4 * n_acc + 4 * t + i}" for i in range(4)] for t in range(n_acc)]
-    sums = [[f"${8 * n_acc + 4 * b + i}" for i in range(4)] for b in range(mb)]
-    za, zb, sc = ([f"${8 * n_acc + 4 * mb + 4 * k + i}" for i in range(4)] for k in range(3))
-    acc = [[f"${8 * n_acc + 4 * mb + 12 + 4 * t + i}" for i in range(4)] for t in range(n_acc)]
-    lines = ["{", ".reg .f32 r;"]
-    for t in range(n_acc):
-        b, e = divmod(t, 2)
-        for i in range(4):
-            lines += [f"fma.rn.f32 r, {za[i]}, {sums[b][e]}, {part[t][i]};",
-                      f"fma.rn.f32 r, {zb[i]}, {sums[b][2 + e]}, r;",
-                      f"fma.rn.f32 {out[t][i]}, {sc[i]}, r, {acc[t][i]};"]  # fmt: skip
-    lines.append("}")
-    return "\n".join(lines)
-
-
-def fold_group_constraints(mb: int) -> str:
-    n_acc = 2 * mb
-    return ",".join(["=f"] * (4 * n_acc) + ["f"] * (4 * (2 * n_acc + mb + 3)))
-
-
-def mma_step_fold_constraints(mb: int) -> str:
-    n_acc = 2 * mb
-    return ",".join(["=f"] * (4 * n_acc + 4 * mb) + ["r"] * (4 * (1 + mb)) + ["f"] * (4 * n_acc + 4 * mb) + ["r"] * 4)
-
-
-def fold_ones(bf16: bool) -> tuple[int, int, int, int]:
-    """The A operand of the sums' mma as four 32-bit registers: a row g pair of ones, zeros, a row g + 8 pair."""
-    one = 0x3F803F80 if bf16 else 0x3C003C00
-    return one, 0, 0, one
-
-
 def mma_step_constraints(mb: int) -> str:
     n_acc = 2 * mb
     return ",".join(["=f"] * (4 * n_acc) + ["r"] * (4 * (3 + mb)) + ["f"] * (4 * n_acc))
@@ -235,16 +135,6 @@ _BF16_MB1 = gl.constexpr(mma_step_asm(True, 1))
 _BF16_MB2 = gl.constexpr(mma_step_asm(True, 2))
 _CONS_MB1 = gl.constexpr(mma_step_constraints(1))
 _CONS_MB2 = gl.constexpr(mma_step_constraints(2))
-_FOLD_F16_MB1 = gl.constexpr(mma_step_fold_asm(False, 1))
-_FOLD_F16_MB2 = gl.constexpr(mma_step_fold_asm(False, 2))
-_FOLD_BF16_MB1 = gl.constexpr(mma_step_fold_asm(True, 1))
-_FOLD_BF16_MB2 = gl.constexpr(mma_step_fold_asm(True, 2))
-_FOLD_CONS_MB1 = gl.constexpr(mma_step_fold_constraints(1))
-_FOLD_CONS_MB2 = gl.constexpr(mma_step_fold_constraints(2))
-_GROUP_MB1 = gl.constexpr(fold_group_asm(1))
-_GROUP_MB2 = gl.constexpr(fold_group_asm(2))
-_GROUP_CONS_MB1 = gl.constexpr(fold_group_constraints(1))
-_GROUP_CONS_MB2 = gl.constexpr(fold_group_constraints(2))
 
 
 @gluon.jit
@@ -258,35 +148,6 @@ def _mma_step(words, zp, zh, x0, x1, a0, a1, a2, a3, BF16: gl.constexpr, MB: gl.
         a0, a1, a2, a3 = gl.inline_asm_elementwise(_BF16_MB2 if BF16 else _F16_MB2, _CONS_MB2,
                                                    [words, zp, zh, x0, x1, a0, a1, a2, a3], (gl.float32,) * 4,
                                                    is_pure=True, pack=4)  # fmt: skip
-    return a0, a1, a2, a3
-
-
-@gluon.jit
-def _mma_step_fold(words, x0, x1, a0, a1, a2, a3, s0, s1, ones, BF16: gl.constexpr, MB: gl.constexpr):
-    """``_mma_step`` with the zero folded out (``mma_step_fold_asm``): accumulators of x (magic + q) and the x sums
-    s0 (rows 2c, 2c + 1) and s1 (rows 8 + 2c, 9 + 2c, MB == 2), each (S_a, S_a, S_b, S_b) by row."""
-    if MB == 1:
-        a0, a1, s0 = gl.inline_asm_elementwise(_FOLD_BF16_MB1 if BF16 else _FOLD_F16_MB1, _FOLD_CONS_MB1,
-                                               [words, x0, a0, a1, s0, ones], (gl.float32,) * 3, is_pure=True,
-                                               pack=4)  # fmt: skip
-    else:
-        args = [words, x0, x1, a0, a1, a2, a3, s0, s1, ones]
-        a0, a1, a2, a3, s0, s1 = gl.inline_asm_elementwise(_FOLD_BF16_MB2 if BF16 else _FOLD_F16_MB2,
-                                                           _FOLD_CONS_MB2, args, (gl.float32,) * 6, is_pure=True,
-                                                           pack=4)  # fmt: skip
-    return a0, a1, a2, a3, s0, s1
-
-
-@gluon.jit
-def _fold_group(p0, p1, p2, p3, s0, s1, za, zb, sc, a0, a1, a2, a3, MB: gl.constexpr):
-    """``fold_group_asm``: the group's partials, less its zeros' share of the x sums, scaled into the accumulators."""
-    if MB == 1:
-        a0, a1 = gl.inline_asm_elementwise(_GROUP_MB1, _GROUP_CONS_MB1, [p0, p1, s0, za, zb, sc, a0, a1],
-                                           (gl.float32,) * 2, is_pure=True, pack=4)  # fmt: skip
-    else:
-        a0, a1, a2, a3 = gl.inline_asm_elementwise(_GROUP_MB2, _GROUP_CONS_MB2,
-                                                   [p0, p1, p2, p3, s0, s1, za, zb, sc, a0, a1, a2, a3],
-                                                   (gl.float32,) * 4, is_pure=True, pack=4)  # fmt: skip
     return a0, a1, a2, a3
 
 
@@ -312,17 +173,12 @@ def _words(w_ptrs, kw, stride_qwk, nmask, EVEN_N: gl.constexpr):
 @gluon.jit
 def _k_loop(qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, it0, n_iters, stride_qwk, stride_qzg,
             stride_sg, L: gl.constexpr, GROUP: gl.constexpr, STEPS: gl.constexpr, SPG: gl.constexpr, MB: gl.constexpr,
-            BF16: gl.constexpr, EVEN_N: gl.constexpr, PREFETCH: gl.constexpr, FOLD: gl.constexpr):  # fmt: skip
+            BF16: gl.constexpr, EVEN_N: gl.constexpr, PREFETCH: gl.constexpr):  # fmt: skip
     """The K slice: accumulators over the thread's four columns for rows (2c, 2c + 1) of x, then rows (8 + 2c,
     9 + 2c) when MB == 2. The loads are plain; ptxas keeps about two steps of them in flight. PREFETCH (4 steps
     per iteration): the next iteration's words are loaded before this one's math (the last iteration reloads its
     own, an L2 hit)."""
     zero = gl.zeros(cols.shape, gl.float32, layout=L)
-    if FOLD:  # fold_ones, one per element of the thread's four; built from a run-time zero (n_iters < 2**30) so
-        # that ptxas keeps the quad in registers instead of rebuilding it from constants before every mma
-        nil = n_iters >> 30
-        j = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, L)), 0) + gl.zeros(cols.shape, gl.int32, layout=L)
-        ones = gl.where((j == 0) | (j == 3), (0x3F803F80 if BF16 else 0x3C003C00) | nil, nil)
     acc0 = zero
     acc1 = zero
     acc2 = zero
@@ -347,15 +203,7 @@ def _k_loop(qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, it0, n_iters, 
             kw = (it * STEPS + st) * 4  # first packed word row of the step
             if st % SPG == 0:
                 grp = (kw * 8) // GROUP
-                zw = gl.load(qz_ptr + grp * stride_qzg + cols // 8, mask=nmask, other=0)
-                if FOLD:  # -(magic + z) of each pair kind, to take off the group's sums below
-                    zf = ((zw >> ((cols % 8) * 4)) & 0xF).to(gl.float32)
-                    za = -(zf + (128.0 if BF16 else 1024.0))
-                    zb = -(zf + (128.0 if BF16 else 64.0))
-                    s0 = zero
-                    s1 = zero
-                else:
-                    zp, zh = _zero_pairs(zw, cols, BF16)
+                zp, zh = _zero_pairs(gl.load(qz_ptr + grp * stride_qzg + cols // 8, mask=nmask, other=0), cols, BF16)
                 sc = gl.load(s_ptr + grp * stride_sg + cols, mask=nmask, other=0.0).to(gl.float32)
                 p0 = zero
                 p1 = zero
@@ -369,13 +217,8 @@ def _k_loop(qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, it0, n_iters, 
             x1 = x0
             if MB == 2:
                 x1 = gl.load(x1_ptrs + 4 * kw)
-            if FOLD:
-                p0, p1, p2, p3, s0, s1 = _mma_step_fold(words, x0, x1, p0, p1, p2, p3, s0, s1, ones, BF16, MB)
-            else:
-                p0, p1, p2, p3 = _mma_step(words, zp, zh, x0, x1, p0, p1, p2, p3, BF16, MB)
-            if FOLD and st % SPG == SPG - 1:
-                acc0, acc1, acc2, acc3 = _fold_group(p0, p1, p2, p3, s0, s1, za, zb, sc, acc0, acc1, acc2, acc3, MB)
-            elif st % SPG == SPG - 1:
+            p0, p1, p2, p3 = _mma_step(words, zp, zh, x0, x1, p0, p1, p2, p3, BF16, MB)
+            if st % SPG == SPG - 1:
                 acc0 += sc * p0
                 acc1 += sc * p1
                 if MB == 2:
@@ -423,8 +266,7 @@ def _w4a16_mma_gemv_kernel(
     x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, iters_per_split, stride_xm, stride_qwk, stride_qzg, stride_sg, stride_om,
     GROUP: gl.constexpr, STEPS: gl.constexpr, MB: gl.constexpr, BF16: gl.constexpr, HAS_BIAS: gl.constexpr,
-    SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr, PREFETCH: gl.constexpr, FOLD: gl.constexpr,
-    num_warps: gl.constexpr,
+    SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr, PREFETCH: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     L: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [num_warps, 1], [1, 0])
     BLOCK_N: gl.constexpr = 32 * num_warps
@@ -448,7 +290,7 @@ def _w4a16_mma_gemv_kernel(
 
     acc0, acc1, acc2, acc3 = _k_loop(
         qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, split * iters_per_split, iters_per_split,
-        stride_qwk, stride_qzg, stride_sg, L, GROUP, STEPS, SPG, MB, BF16, EVEN_N, PREFETCH, FOLD,
+        stride_qwk, stride_qzg, stride_sg, L, GROUP, STEPS, SPG, MB, BF16, EVEN_N, PREFETCH,
     )  # fmt: skip
 
     m0 = 2 * c
@@ -480,7 +322,6 @@ class MmaGemvConfig:
     wave: int = 0  # > 0: the split never makes the grid exceed this many CTAs per SM (one wave of resident CTAs)
     min_depth: int = 0  # > 0: the split never leaves a CTA fewer than this many K rows
     skip_split: int = 0  # > 0: a split measured slow for this config; the rule goes one doubling on (or back)
-    fold: bool = False  # the zero folded out of the loop (``mma_step_fold_asm``): no subtraction per code pair
 
     @property
     def block_n(self) -> int:
@@ -492,7 +333,6 @@ class MmaGemvConfig:
         extra += f"d{self.min_depth}" if self.min_depth else ""
         extra += f"m{self.max_split}" if self.max_split != 16 else ""
         extra += f"x{self.skip_split}" if self.skip_split else ""
-        extra += "z" if self.fold else ""
         return f"mma-w{self.num_warps}s{self.steps}f{self.fill:g}{extra}"
 
 
@@ -660,6 +500,6 @@ def launch(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, out: torc
         w.scales.stride(0), out.stride(0),
         GROUP=w.group_size or 2**30, STEPS=cfg.steps, MB=1 if m <= 8 else 2, BF16=x.dtype == torch.bfloat16,
         HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_N=n % cfg.block_n == 0,
-        PREFETCH=cfg.prefetch, FOLD=cfg.fold, num_warps=cfg.num_warps,
+        PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
     )  # fmt: skip
     return out

@@ -9,7 +9,6 @@ forced split-K (deterministic, replayable in a CUDA graph).
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import pytest
@@ -56,7 +55,6 @@ def test_other_tritons_and_devices_are_named(monkeypatch):
 
 
 CONFIGS = [MG.MMA_DEFAULT, MG.MMA_PREFETCH, MG.MMA_STEPS2, MG.MMA_STEPS2_M1, MG.MMA_TWO_BLOCKS]
-FOLDED = [dataclasses.replace(c, fold=True) for c in CONFIGS]
 
 
 @pytest.mark.parametrize("n,k", [(4096, 4096), (28672, 8192), (8192, 28672), (256, 512)])
@@ -113,30 +111,6 @@ def test_ptx_feeds_each_word_to_two_mma_per_row_block(bf16, mb):
     assert max(int(i) for i in re.findall(r"\$(\d+)", asm)) == len(operands) - 1  # pack=4: 4 registers each
 
 
-@pytest.mark.parametrize("bf16,mb", [(False, 1), (True, 1), (False, 2), (True, 2)])
-def test_folded_ptx_subtracts_nothing_per_pair_and_sums_x_once_per_k16(bf16, mb):
-    asm = MG.mma_step_fold_asm(bf16, mb)
-    kind = "bf16" if bf16 else "f16"
-    assert asm.count(f"m16n8k16.row.col.f32.{kind}.{kind}.f32") == 6 * mb  # 4 products + 2 sums per row block
-    assert "sub." not in asm and "fma." not in asm
-    assert asm.count("lop3.b32") == 16
-    assert asm.count("shr.u32") == (12 if bf16 else 4)  # fp16 reads odd codes at bit 4 with 64 as the exponent
-    operands = MG.mma_step_fold_constraints(mb).split(",")
-    assert max(int(i) for i in re.findall(r"\$(\d+)", asm)) == len(operands) - 1
-    group = MG.fold_group_asm(mb)
-    assert group.count("fma.rn.f32") == 3 * 4 * 2 * mb  # three per output element
-    assert max(int(i) for i in re.findall(r"\$(\d+)", group)) == len(MG.fold_group_constraints(mb).split(",")) - 1
-
-
-def test_folded_magics_read_codes_exactly():
-    """1024 | q (fp16, code at bit 0) reads 1024 + q, 64 | q << 4 reads 64 + q, bf16 128 | q reads 128 + q."""
-    q = torch.arange(16, dtype=torch.int16)
-    assert torch.equal((q | 0x6400).view(torch.float16).float(), 1024 + q.float())
-    assert torch.equal(((q << 4) | 0x5400).view(torch.float16).float(), 64 + q.float())
-    assert torch.equal((q | 0x4300).view(torch.bfloat16).float(), 128 + q.float())
-    assert MG.fold_ones(False) == (0x3C003C00, 0, 0, 0x3C003C00)
-
-
 # (M, N, K, group, dtype, act_order, bias, split): one and two mma row blocks, N off the CTA width, forced splits
 GPU_CASES = [
     (1, 4096, 4096, 128, torch.float16, False, False, None),
@@ -151,7 +125,7 @@ GPU_CASES = [
 
 
 @sm90
-@pytest.mark.parametrize("cfg", CONFIGS + FOLDED, ids=lambda c: c.name)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
 @pytest.mark.parametrize("m,n,k,group,dtype,act_order,with_bias,split", GPU_CASES)
 def test_kernel_matches_float64_reference(m, n, k, group, dtype, act_order, with_bias, split, cfg):
     qw, w = weight(n, k, group, act_order, seed=m + n)
