@@ -361,6 +361,12 @@ MMA_STEPS2 = MmaGemvConfig(4, 2, 4.0)
 # 2.2-3.0x on every shape, so the rule steps over 8 (14336 x 4096: 1.81x -> 2.17x), and the layers of N = 4096 fill
 # the GPU only at 32 slices (4096 x 14336: 2.00x -> 2.22x; 4096 x 4096 tied); the other shapes keep their split.
 MMA_STEPS2_M1 = MmaGemvConfig(4, 2, 4.0, max_split=32, skip_split=8)
+# It also serves groups of 128 (and, as for MMA_PREFETCH, other multiples or one group) at M = 1 on layers of at most
+# MMA_STEPS2_M1_MAX_N columns (64 column tiles, K split 16-32 ways): against the prefetch / default choice, two runs
+# (results/w4a16-mma-split-m1-h200-2026-12-04.md's run 2, results/w4a16-mma-tma-ring-h200-2026-12-04.md section 3):
+# 4096 x 14336 +7% / +7%, 4096 x 4096 +5% / +5%, 6144 x 4096 +3% / +4%, 8192 x 8192 and 8192 x 28672 +1% / +1%;
+# on the wider layers it lost 3-7% (14336 x 4096, 28672 x 4096, 28672 x 8192), which keep the prefetch loop.
+MMA_STEPS2_M1_MAX_N = 8192
 # M = 9-16 (two mma row blocks per warp): the prefetch loop with a split that keeps the grid within 8 CTAs per SM
 # and each CTA at 512 K rows or more. With two row blocks the prefetch loop holds 128 registers (sm_90, compiled
 # offline with Triton 3.6): 16 resident warps, i.e. 8 two-warp CTAs per SM, not MMA_PREFETCH's wave of 14; and short
@@ -432,12 +438,12 @@ def mma_config_for(n: int, k: int, group: int, sms: int, m: int = 1) -> MmaGemvC
     """The measured config for an N x K layer at M rows (see the configs above), None where this kernel is not the
     choice: M = 9-16 with groups other than 64, a multiple of 128 or one group (groups of 32 ran at about cuBLAS
     fp16's speed on every path; the Triton m16 tiles keep them).
-    M <= 8: for groups of 64 MMA_STEPS2_M1 at M = 1 and MMA_STEPS2 where it splits K max_split ways; MMA_PREFETCH
-    for groups of a multiple of 128 (or one group) where its grid has at least as many warps as MMA_DEFAULT's; else
-    MMA_DEFAULT."""
+    M <= 8: for groups of 64 MMA_STEPS2_M1 at M = 1 and MMA_STEPS2 where it splits K max_split ways; for groups of
+    a multiple of 128 (or one group) MMA_STEPS2_M1 at M = 1 on layers of at most MMA_STEPS2_M1_MAX_N columns, then
+    MMA_PREFETCH where its grid has at least as many warps as MMA_DEFAULT's; else MMA_DEFAULT."""
     if m > 8:
         return MMA_TWO_BLOCKS if group % 64 == 0 else None
-    if group == 64 and m == 1:
+    if m == 1 and (group == 64 or (group % 128 == 0 and n <= MMA_STEPS2_M1_MAX_N)):
         return MMA_STEPS2_M1
     if group == 64 and mma_gemv_split(MMA_STEPS2, n, k, sms) == MMA_STEPS2.max_split:
         return MMA_STEPS2
