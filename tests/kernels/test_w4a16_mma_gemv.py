@@ -161,7 +161,7 @@ def test_launcher_rejects_a_split_that_breaks_iterations():
     _, w = weight(256, 384, seed=6)  # three 128-deep iterations
     x = torch.randn(1, 384, device="cuda").half()
     with pytest.raises(ValueError, match="whole 128-deep iterations"):
-        MG.w4a16_mma_gemv(x, w, split=2)
+        MG.w4a16_mma_gemv(x, w, config=MG.MMA_DEFAULT, split=2)
 
 
 @pytest.mark.parametrize("n,k,steps2_at_4", [(28672, 8192, False), (14336, 4096, False), (8192, 28672, True),
@@ -213,7 +213,8 @@ def test_dispatch_rule_takes_only_cuda_products_of_up_to_16_rows():
         cfg = MG.mma_config_for(256, 512, 128, num_sms(x.device), m) if x.is_cuda else None
         if x.is_cuda and m <= MG.MMA_DISPATCH_M and MG.mma_gemv_unsupported_reason(x, w, None, cfg) is None:
             assert plan == (cfg, MG.mma_gemv_split(cfg, 256, 512, num_sms(x.device)))
-            assert cfg == (MG.MMA_TWO_BLOCKS if m > 8 else MG.mma_config_for(256, 512, 128, num_sms(x.device)))
+            narrow = MG.MMA_STEPS2_M1 if m == 1 else MG.mma_config_for(256, 512, 128, num_sms(x.device), 2)
+            assert cfg == (MG.MMA_TWO_BLOCKS if m > 8 else narrow)
         else:
             assert plan is None
 
