@@ -35,10 +35,13 @@ bf16 2.4: three shifts per word), 58 registers. Against the previous choices ove
 speedups over cuBLAS fp16 at M = 1 / 2 / 4 / 8: 2.43x / 2.18x / 2.15x / 2.01x where the CUDA-core gemv and the
 Triton m16 tiles gave 2.31x / 1.56x / 1.42x / 1.36x. At M = 16 (two mma row blocks) the first split rule lost to
 the Triton tiles (1.16x against 1.32x); with fewer CTAs per SM (``MMA_TWO_BLOCKS``) it wins on all eight shapes
-(1.78x against 1.29x), so the dispatcher runs M <= 16 here. The weights still stream at only 1.1-2.8 TB/s: ptxas keeps
-about two K steps of loads in flight per thread. ``prefetch`` (the next iteration's words loaded before this one's
-math, 66 registers, allocated as 72) raises that where the grid keeps its warps (``mma_config_for``; 28672 x 8192 at
-M = 1: 3.0x).
+(1.78x against 1.29x), so the dispatcher runs M <= 16 here. The weights stream at 1.1-2.9 TB/s, where a plain read of
+the same words in the same grid reaches 1.75-3.45 TB/s (results/w4a16-mma-tma-ring-h200-2026-12-04.md). ptxas keeps
+about two K steps of loads in flight per thread, yet that is not the bound: a TMA ring keeping 16-64 KB per CTA in
+flight ran slower, and so did a K step with the zero folded out (5-10% fewer instructions, more registers); what
+remains is each warp's dependent chain at the occupancy its registers allow. ``prefetch`` (the next iteration's
+words loaded before this one's math, 66 registers, allocated as 72) helps where the grid keeps its warps
+(``mma_config_for``; 28672 x 8192 at M = 1: 3.0x).
 A per-thread cp.async ring in shared memory (3-4 iterations ahead, no registers held) ran at about half the speed:
 Triton's barrier analysis puts CTA barriers around the ring although each thread reads only what it copied (code in
 commit 21b3bd4); two column blocks per thread (98 registers) lost to occupancy.
