@@ -370,6 +370,11 @@ MMA_STEPS2_M1 = MmaGemvConfig(4, 2, 4.0, max_split=32, skip_split=8)
 # 4096 x 14336 +7% / +7%, 4096 x 4096 +5% / +5%, 6144 x 4096 +3% / +4%, 8192 x 8192 and 8192 x 28672 +1% / +1%;
 # on the wider layers it lost 3-7% (14336 x 4096, 28672 x 4096, 28672 x 8192), which keep the prefetch loop.
 MMA_STEPS2_M1_MAX_N = 8192
+# Groups of a multiple of 128 (or one group) at M = 2-8: MMA_STEPS2 on layers of 33-64 column tiles (4096 < N <= 8192),
+# where two runs of every shape at M = 2 / 4 / 8 (results/w4a16-mma-tma-ring-h200-2026-12-04.md, section 4) had it
+# 3-5% ahead of the default loop (8192 x 8192, 8192 x 28672) and 5-13% ahead of the prefetch loop (6144 x 4096); at 32
+# tiles it was within 2% or lost (4096 x 14336 at M = 2: 0.93x), on the wider layers it lost 7-24%.
+MMA_STEPS2_TILES = (33, 64)
 # M = 9-16 (two mma row blocks per warp): the prefetch loop with a split that keeps the grid within 8 CTAs per SM
 # and each CTA at 512 K rows or more. With two row blocks the prefetch loop holds 128 registers (sm_90, compiled
 # offline with Triton 3.6): 16 resident warps, i.e. 8 two-warp CTAs per SM, not MMA_PREFETCH's wave of 14; and short
@@ -442,12 +447,15 @@ def mma_config_for(n: int, k: int, group: int, sms: int, m: int = 1) -> MmaGemvC
     choice: M = 9-16 with groups other than 64, a multiple of 128 or one group (groups of 32 ran at about cuBLAS
     fp16's speed on every path; the Triton m16 tiles keep them).
     M <= 8: for groups of 64 MMA_STEPS2_M1 at M = 1 and MMA_STEPS2 where it splits K max_split ways; for groups of
-    a multiple of 128 (or one group) MMA_STEPS2_M1 at M = 1 on layers of at most MMA_STEPS2_M1_MAX_N columns, then
-    MMA_PREFETCH where its grid has at least as many warps as MMA_DEFAULT's; else MMA_DEFAULT."""
+    a multiple of 128 (or one group) MMA_STEPS2_M1 at M = 1 on layers of at most MMA_STEPS2_M1_MAX_N columns and
+    MMA_STEPS2 at M = 2-8 on layers of MMA_STEPS2_TILES column tiles, then MMA_PREFETCH where its grid has at least
+    as many warps as MMA_DEFAULT's; else MMA_DEFAULT."""
     if m > 8:
         return MMA_TWO_BLOCKS if group % 64 == 0 else None
     if m == 1 and (group == 64 or (group % 128 == 0 and n <= MMA_STEPS2_M1_MAX_N)):
         return MMA_STEPS2_M1
+    if group % 128 == 0 and MMA_STEPS2_TILES[0] <= -(-n // MMA_STEPS2.block_n) <= MMA_STEPS2_TILES[1]:
+        return MMA_STEPS2
     if group == 64 and mma_gemv_split(MMA_STEPS2, n, k, sms) == MMA_STEPS2.max_split:
         return MMA_STEPS2
     if group % 128 == 0 and grid_warps(MMA_PREFETCH, n, k, sms) >= grid_warps(MMA_DEFAULT, n, k, sms):

@@ -89,10 +89,10 @@ def test_two_row_blocks_split_as_measured(n, k):
     assert MG.mma_gemv_split(MG.MMA_TWO_BLOCKS, n, k, 132) == TWO_BLOCK_BEST[n, k]
 
 
-@pytest.mark.parametrize("n,k,prefetch", [(28672, 8192, True), (4096, 14336, True), (8192, 8192, False),
-                                          (8192, 28672, False)])  # fmt: skip
+@pytest.mark.parametrize("n,k,prefetch", [(28672, 8192, True), (4096, 14336, True), (14336, 4096, True),
+                                          (4096, 4096, True), (8192, 8192, False), (8192, 28672, False)])  # fmt: skip
 def test_prefetch_is_chosen_where_its_grid_keeps_the_warps(n, k, prefetch):
-    cfg = MG.mma_config_for(n, k, 128, 132, 2)  # M = 1 on layers up to 8192 wide: the two-step loop, below
+    cfg = MG.mma_config_for(n, k, 128, 132, 2)  # M = 1, and 33-64 column tiles: the two-step loop, below
     assert (cfg == MG.MMA_PREFETCH) == prefetch
     assert MG.mma_config_for(n, k, 64, 132) == MG.MMA_STEPS2_M1  # prefetch held 76 registers with groups of 64
     assert MG.mma_config_for(n, k, 32, 132) == MG.MMA_DEFAULT
@@ -197,6 +197,17 @@ def test_one_row_groups_of_128_take_two_steps_on_narrow_layers(n, k):
     assert (MG.mma_config_for(n, k, 0, 132, 1) == MG.MMA_STEPS2_M1) == G128_M1_STEPS2[n, k]  # one group alike
     assert MG.mma_config_for(n, k, 128, 132, 2) != MG.MMA_STEPS2_M1  # M = 2-8 keep their rule
     assert MG.mma_config_for(n, k, 32, 132, 1) == MG.MMA_DEFAULT
+
+
+# M = 2-8, groups of 128: the two-step loop where it led in both runs (33-64 column tiles), else as before
+G128_M2_8_STEPS2 = {(28672, 8192): False, (8192, 28672): True, (8192, 8192): True, (14336, 4096): False,
+                    (4096, 14336): False, (4096, 4096): False, (6144, 4096): True, (28672, 4096): False}  # fmt: skip
+
+
+@pytest.mark.parametrize("n,k", list(G128_M2_8_STEPS2))
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_two_to_eight_rows_groups_of_128_take_two_steps_on_33_to_64_tiles(n, k, m):
+    assert (MG.mma_config_for(n, k, 128, 132, m) == MG.MMA_STEPS2) == G128_M2_8_STEPS2[n, k]
 
 
 @pytest.mark.parametrize("group,runs_here", [(128, True), (64, True), (-1, True), (32, False)])
