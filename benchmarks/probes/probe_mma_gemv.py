@@ -47,12 +47,32 @@ def parse_variant(name: str) -> MmaGemvConfig:
                          max_split=int(mx or 16), skip_split=int(x or 0))  # fmt: skip
 
 
-def check_bf16(layer: Layer, m: int, cfg: MmaGemvConfig) -> bool:
+def check_bf16(layer: Layer, m: int, cfg, linear=w4a16_mma_gemv) -> bool:
+    """``linear`` with bf16 activations within 2x cuBLAS bf16's own error of float64 (``Layer.check`` does fp16)."""
     x = torch.randn(m, layer.k, device=layer.device, generator=layer.gen).bfloat16()
     ref = x.double() @ layer.w64()
-    err = (w4a16_mma_gemv(x, layer.weights[0], config=cfg).double() - ref).abs().max().item()
+    err = (linear(x, layer.weights[0], config=cfg).double() - ref).abs().max().item()
     torch_err = ((x @ layer.w64().bfloat16()).double() - ref).abs().max().item()
     return err <= 2 * torch_err + 2**-20 * ref.abs().max().item()
+
+
+def time_variants(layer: Layer, m: int, fp16: float, variants, timer: Timer, row: dict, line: list,
+                  linear=w4a16_mma_gemv) -> None:  # fmt: skip
+    """Each config of ``variants`` through ``linear``: checked (fp16 and bf16) then timed; its figures go into
+    ``row`` and a line of text into ``line``. A variant that fails to compile or launch is reported, not fatal."""
+    width = max(len(cfg.name) for cfg in variants) + 2
+    for cfg in variants:
+        try:
+            ok = layer.check(m, cfg, linear=linear)["ok"] and check_bf16(layer, m, cfg, linear)
+            us = timer.per_call(layer.calls(m, cfg, linear=linear)) if ok else None
+        except Exception as exc:
+            row[cfg.name + "_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            line.append(f"{cfg.name}: FAILED {row[cfg.name + '_error'][:200]}")
+            continue
+        row[cfg.name + "_ok"], row[cfg.name + "_us"] = ok, us
+        tbs = layer.bytes / us / 1e6 if ok else 0.0
+        line.append(f"{cfg.name:<{width}} {us:7.1f} us {fp16 / us:5.2f}x {tbs:5.2f} TB/s" if ok else
+                    f"{cfg.name:<{width}} WRONG")  # fmt: skip
 
 
 def main() -> None:
@@ -81,18 +101,7 @@ def main() -> None:
                 cu = row["committed_us"]
                 line = [f"{n}x{k} g{group} M={m}: fp16 {fp16:.1f} us, committed {table.name} {cu:.1f} us "
                         f"({fp16 / cu:.2f}x, {layer.bytes / cu / 1e6:.2f} TB/s)"]  # fmt: skip
-                for cfg in variants:
-                    try:
-                        ok = layer.check(m, cfg, linear=w4a16_mma_gemv)["ok"] and check_bf16(layer, m, cfg)
-                        us = timer.per_call(layer.calls(m, cfg, linear=w4a16_mma_gemv)) if ok else None
-                    except Exception as exc:  # a variant that fails to compile or launch: the others still run
-                        row[cfg.name + "_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                        line.append(f"{cfg.name}: FAILED {row[cfg.name + '_error'][:200]}")
-                        continue
-                    row[cfg.name + "_ok"], row[cfg.name + "_us"] = ok, us
-                    tbs = layer.bytes / us / 1e6 if ok else 0.0
-                    line.append(f"{cfg.name:<16} {us:7.1f} us {fp16 / us:5.2f}x {tbs:5.2f} TB/s" if ok else
-                                f"{cfg.name:<16} WRONG")  # fmt: skip
+                time_variants(layer, m, fp16, variants, timer, row, line)
                 rows.append(row)
                 print("\n    ".join(line), flush=True)
                 if args.out:  # after every cell: a run cut short keeps what it measured

@@ -358,14 +358,6 @@ def report_compile(names: list[str]) -> None:
             Path(f"/tmp/{name}-mb{mb}-g{group}.sass").write_text(sass)
 
 
-def check_bf16(layer, m: int, cfg: WsConfig) -> bool:
-    x = torch.randn(m, layer.k, device=layer.device, generator=layer.gen).bfloat16()
-    ref = x.double() @ layer.w64()
-    err = (ws_gemv(x, layer.weights[0], config=cfg).double() - ref).abs().max().item()
-    torch_err = ((x @ layer.w64().bfloat16()).double() - ref).abs().max().item()
-    return err <= 2 * torch_err + 2**-20 * ref.abs().max().item()
-
-
 DEFAULT_VARIANTS = "tma-p2r16s4,tma-p2r16s8,tma-p1r16s4,tma-p2r32s4,ws-p2r16s4n72"
 
 
@@ -381,7 +373,7 @@ def main() -> None:
     if args.compile:
         return report_compile(args.variants.split(","))
     from bench_w4a16 import Layer, Timer, fp16_calls
-    from probe_mma_gemv import SHAPES
+    from probe_mma_gemv import SHAPES, time_variants
 
     variants = [parse_variant(v) for v in args.variants.split(",")]
     timer, dev = Timer(False), "cuda"
@@ -398,18 +390,7 @@ def main() -> None:
                        "committed_us": cu}  # fmt: skip
                 line = [f"{n}x{k} g{group} M={m}: fp16 {fp16:.1f} us, committed {cu:.1f} us "
                         f"({fp16 / cu:.2f}x, {layer.bytes / cu / 1e6:.2f} TB/s)"]  # fmt: skip
-                for cfg in variants:
-                    try:
-                        ok = layer.check(m, cfg, linear=ws_gemv)["ok"] and check_bf16(layer, m, cfg)
-                        us = timer.per_call(layer.calls(m, cfg, linear=ws_gemv)) if ok else None
-                    except Exception as exc:  # a variant that fails to compile or launch: the others still run
-                        row[cfg.name + "_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                        line.append(f"{cfg.name}: FAILED {row[cfg.name + '_error'][:200]}")
-                        continue
-                    row[cfg.name + "_ok"], row[cfg.name + "_us"] = ok, us
-                    tbs = layer.bytes / us / 1e6 if ok else 0.0
-                    line.append(f"{cfg.name:<20} {us:7.1f} us {fp16 / us:5.2f}x {tbs:5.2f} TB/s" if ok else
-                                f"{cfg.name:<20} WRONG")  # fmt: skip
+                time_variants(layer, m, fp16, variants, timer, row, line, linear=ws_gemv)
                 rows.append(row)
                 print("\n    ".join(line), flush=True)
                 if args.out:
