@@ -63,11 +63,12 @@ def w8a8_ws_reference(
 ) -> torch.Tensor:
     """The kernel's arithmetic in PyTorch: fp32 partial sums over K chunks of BLOCK_K, added in fp32 in K order, then
     the fp32 epilogue (the tensor core's reduced-precision adder inside a chunk is not modelled)."""
+    from quantkit.kernels.w8a8 import scaled_epilogue_reference  # w8a8 imports this module's launcher
+
     acc = torch.zeros(qa.shape[0], qw.shape[0], dtype=torch.float32, device=qa.device)
     for k0 in range(0, qa.shape[1], BLOCK_K):
         acc += qa[:, k0 : k0 + BLOCK_K].float() @ qw[:, k0 : k0 + BLOCK_K].float().t()
-    y = acc * a_scale.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)
-    return (y + bias.float() if bias is not None else y).to(out_dtype)
+    return scaled_epilogue_reference(acc, a_scale, w_scale, bias, out_dtype)
 
 
 @gluon.jit
