@@ -2,6 +2,7 @@
 
     python benchmarks/probes/probe_mma_gemv.py [--out DIR] [--ms 1,2,4,8,16] [--groups 128] [--shapes all|big]
         [--variants mma-w4s4f4,mma-w2s4f8pv14]
+    PYTHONPATH=<triton 3.6>:benchmarks python benchmarks/probes/probe_mma_gemv.py --compile --variants ...  # no GPU
 
 Timing as bench_w4a16.py (CUDA graphs over rotated weights larger than L2, medians), cuBLAS fp16 and the committed
 path (``w4a16_linear``'s choice) in the same run; every variant checked against float64 first (within 2x cuBLAS
@@ -75,6 +76,33 @@ def time_variants(layer: Layer, m: int, fp16: float, variants, timer: Timer, row
                     f"{cfg.name:<{width}} WRONG")  # fmt: skip
 
 
+def report_compile(variants) -> None:
+    """Offline sm_90 compile of each config (Triton 3.6 on PYTHONPATH, no GPU): registers, spills and the SASS
+    instructions of the K loop (one iteration: ``steps`` K steps of 32), groups of 128, one row block, split 4."""
+    import triton
+    from quantkit.kernels.w4a16_mma_gemv import _w4a16_mma_gemv_kernel as fn
+    from sass_w4a16 import loop_body, machine_code
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    for cfg in variants:
+        for bf16 in (False, True):
+            act = "bf16" if bf16 else "fp16"
+            sig = dict.fromkeys(fn.arg_names, "i32")
+            sig.update(x_ptr="*i32", qw_ptr="*i32", qz_ptr="*i32", s_ptr="*fp16", bias_ptr=f"*{act}",
+                       out_ptr=f"*{act}", ws_ptr="*fp32", cnt_ptr="*i32")  # fmt: skip
+            const = dict(GROUP=128, STEPS=cfg.steps, MB=1, BF16=bf16, HAS_BIAS=False, SPLIT_K=4, EVEN_N=True,
+                         PREFETCH=cfg.prefetch, num_warps=cfg.num_warps)  # fmt: skip
+            sig.update(dict.fromkeys(const, "constexpr"))
+            aligned = ["x_ptr", "qw_ptr", "qz_ptr", "s_ptr", "out_ptr", "ws_ptr", "N", "stride_qwk", "stride_qzg",
+                       "stride_sg", "stride_om"]  # fmt: skip
+            attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+            kernel = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                                    options={"num_warps": cfg.num_warps})  # fmt: skip
+            regs, stack, sass = machine_code(kernel)
+            print(f"{cfg.name:<20} {act}: regs {regs} stack {stack} loop {len(loop_body(sass))} instructions")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path)
@@ -84,8 +112,11 @@ def main() -> None:
     ap.add_argument(
         "--variants", help="comma-separated config names instead of VARIANTS, e.g. mma-w4s2f4,mma-w2s4f8pv14"
     )
+    ap.add_argument("--compile", action="store_true", help="offline sm_90 compile report of the variants, no GPU")
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variants.split(",")] if args.variants else VARIANTS
+    if args.compile:
+        return report_compile(variants)
     timer, dev = Timer(False), "cuda"
     gen = torch.Generator(device=dev).manual_seed(1)
     shapes = SHAPES if args.shapes == "all" else SHAPES[:4]
