@@ -21,7 +21,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w4a16
 from bench_w4a16 import Layer, Timer, fp16_calls
-from quantkit.kernels import w4a16_configs as C
 from quantkit.kernels.w4a16_mma_gemv import MmaGemvConfig, w4a16_mma_gemv
 
 # the six issue shapes, then the runtime's fused q/k/v and gate/up of Llama-3-8B
@@ -103,6 +102,33 @@ def report_compile(variants) -> None:
             print(f"{cfg.name:<20} {act}: regs {regs} stack {stack} loop {len(loop_body(sass))} instructions")
 
 
+def walk(args, shapes, variants, linear, json_name: str) -> None:
+    """The probes' loop: per (shape, M, group) cell, cuBLAS fp16 and the committed path (``w4a16_linear``'s own
+    choice) timed, then ``time_variants`` of ``variants`` through ``linear``; a line per cell printed and, with
+    ``args.out``, the JSON rewritten after every cell (a run cut short keeps what it measured)."""
+    timer, dev = Timer(False), "cuda"
+    gen = torch.Generator(device=dev).manual_seed(1)
+    rows = []
+    for n, k in shapes:
+        for m in map(int, args.ms.split(",")):
+            fp16 = timer.per_call(fp16_calls(n, k, m, dev, gen))
+            for group in map(int, args.groups.split(",")):
+                layer = Layer(n, k, group, dev, seed=n + k)
+                cu = timer.per_call(layer.calls(m, None))
+                row = {"n": n, "k": k, "m": m, "group": group, "fp16_us": fp16, "bytes": layer.bytes,
+                       "committed_us": cu}  # fmt: skip
+                line = [f"{n}x{k} g{group} M={m}: fp16 {fp16:.1f} us, committed {cu:.1f} us "
+                        f"({fp16 / cu:.2f}x, {layer.bytes / cu / 1e6:.2f} TB/s)"]  # fmt: skip
+                time_variants(layer, m, fp16, variants, timer, row, line, linear=linear)
+                rows.append(row)
+                print("\n    ".join(line), flush=True)
+                if args.out:
+                    args.out.mkdir(parents=True, exist_ok=True)
+                    (args.out / json_name).write_text(json.dumps(rows, indent=1))
+                del layer
+                torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path)
@@ -117,29 +143,7 @@ def main() -> None:
     variants = [parse_variant(v) for v in args.variants.split(",")] if args.variants else VARIANTS
     if args.compile:
         return report_compile(variants)
-    timer, dev = Timer(False), "cuda"
-    gen = torch.Generator(device=dev).manual_seed(1)
-    shapes = SHAPES if args.shapes == "all" else SHAPES[:4]
-    rows = []
-    for n, k in shapes:
-        for m in map(int, args.ms.split(",")):
-            fp16 = timer.per_call(fp16_calls(n, k, m, dev, gen))
-            for group in map(int, args.groups.split(",")):
-                layer = Layer(n, k, group, dev, seed=n + k)
-                table = C.config_for(m, n)
-                row = {"n": n, "k": k, "m": m, "group": group, "fp16_us": fp16, "bytes": layer.bytes,
-                       "committed": table.name, "committed_us": timer.per_call(layer.calls(m, table))}  # fmt: skip
-                cu = row["committed_us"]
-                line = [f"{n}x{k} g{group} M={m}: fp16 {fp16:.1f} us, committed {table.name} {cu:.1f} us "
-                        f"({fp16 / cu:.2f}x, {layer.bytes / cu / 1e6:.2f} TB/s)"]  # fmt: skip
-                time_variants(layer, m, fp16, variants, timer, row, line)
-                rows.append(row)
-                print("\n    ".join(line), flush=True)
-                if args.out:  # after every cell: a run cut short keeps what it measured
-                    args.out.mkdir(parents=True, exist_ok=True)
-                    (args.out / "probe_mma_gemv.json").write_text(json.dumps(rows, indent=1))
-                del layer
-                torch.cuda.empty_cache()
+    walk(args, SHAPES if args.shapes == "all" else SHAPES[:4], variants, w4a16_mma_gemv, "probe_mma_gemv.json")
 
 
 if __name__ == "__main__":

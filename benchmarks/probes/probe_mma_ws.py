@@ -27,7 +27,6 @@ not timed.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from dataclasses import dataclass
@@ -372,32 +371,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.compile:
         return report_compile(args.variants.split(","))
-    from bench_w4a16 import Layer, Timer, fp16_calls
-    from probe_mma_gemv import SHAPES, time_variants
+    from probe_mma_gemv import SHAPES, walk
 
     variants = [parse_variant(v) for v in args.variants.split(",")]
-    timer, dev = Timer(False), "cuda"
-    gen = torch.Generator(device=dev).manual_seed(1)
-    shapes = SHAPES if args.shapes == "all" else SHAPES[:4]
-    rows = []
-    for n, k in shapes:
-        for m in map(int, args.ms.split(",")):
-            fp16 = timer.per_call(fp16_calls(n, k, m, dev, gen))
-            for group in map(int, args.groups.split(",")):
-                layer = Layer(n, k, group, dev, seed=n + k)
-                cu = timer.per_call(layer.calls(m, None))  # w4a16_linear's own choice: the mma.sync gemv here
-                row = {"n": n, "k": k, "m": m, "group": group, "fp16_us": fp16, "bytes": layer.bytes,
-                       "committed_us": cu}  # fmt: skip
-                line = [f"{n}x{k} g{group} M={m}: fp16 {fp16:.1f} us, committed {cu:.1f} us "
-                        f"({fp16 / cu:.2f}x, {layer.bytes / cu / 1e6:.2f} TB/s)"]  # fmt: skip
-                time_variants(layer, m, fp16, variants, timer, row, line, linear=ws_gemv)
-                rows.append(row)
-                print("\n    ".join(line), flush=True)
-                if args.out:
-                    args.out.mkdir(parents=True, exist_ok=True)
-                    (args.out / "probe_mma_ws.json").write_text(json.dumps(rows, indent=1))
-                del layer
-                torch.cuda.empty_cache()
+    walk(args, SHAPES if args.shapes == "all" else SHAPES[:4], variants, ws_gemv, "probe_mma_ws.json")
 
 
 if __name__ == "__main__":

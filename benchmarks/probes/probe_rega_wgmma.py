@@ -42,7 +42,6 @@ L2, medians), cuBLAS fp16 and the committed path in the same run; every variant 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from dataclasses import dataclass
@@ -57,8 +56,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w4a16
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # probe_mma_gemv
-from bench_w4a16 import Layer, Timer, fp16_calls
-from probe_mma_gemv import time_variants
+from probe_mma_gemv import walk
 from quantkit.kernels.w4a16_weight import W4A16Weight, num_sms
 
 
@@ -418,28 +416,7 @@ def main() -> None:
     variants = [parse_variant(v) for v in args.variants.split(",")] if args.variants else VARIANTS
     if args.compile:
         return report_compile(variants)
-    timer, dev = Timer(False), "cuda"
-    gen = torch.Generator(device=dev).manual_seed(1)
-    shapes = SHAPES if args.shapes == "all" else SHAPES[:3]
-    rows = []
-    for n, k in shapes:
-        for group in map(int, args.groups.split(",")):
-            layer = Layer(n, k, group, dev, seed=n + k)
-            for m in map(int, args.ms.split(",")):
-                fp16 = timer.per_call(fp16_calls(n, k, m, dev, gen))
-                cu = timer.per_call(layer.calls(m, None))  # w4a16_linear's own choice
-                row = {"n": n, "k": k, "m": m, "group": group, "fp16_us": fp16, "bytes": layer.bytes,
-                       "committed_us": cu}  # fmt: skip
-                line = [f"{n}x{k} g{group} M={m}: fp16 {fp16:.1f} us, committed {cu:.1f} us "
-                        f"({fp16 / cu:.2f}x, {layer.bytes / cu / 1e6:.2f} TB/s)"]  # fmt: skip
-                time_variants(layer, m, fp16, variants, timer, row, line, linear=linear)
-                rows.append(row)
-                print("\n    ".join(line), flush=True)
-                if args.out:
-                    args.out.mkdir(parents=True, exist_ok=True)
-                    (args.out / "probe_rega_wgmma.json").write_text(json.dumps(rows, indent=1))
-            del layer
-            torch.cuda.empty_cache()
+    walk(args, SHAPES if args.shapes == "all" else SHAPES[:3], variants, linear, "probe_rega_wgmma.json")
 
 
 if __name__ == "__main__":
