@@ -6,7 +6,7 @@ tensor cores multiply tile t.
         [--variants rw-n64k128s4,...]
     PYTHONPATH=<triton 3.6>:benchmarks python benchmarks/probes/probe_rega_wgmma.py --compile   # no GPU
 
-Result (H200, results/w4a16-rega-wgmma-h200-2026-12-04.md): 1.50x / 1.52x cuBLAS fp16 at M = 64 on 28672 x 8192 /
+Result (H200, results/w4a16-rega-wgmma-h200-2026-12-04.md): 1.46-1.52x cuBLAS fp16 at M = 64 on 28672 x 8192 /
 8192 x 28672 (committed Triton tiles 0.91x / 1.18x), 1.74x / 1.81x at M = 32; behind the mma.sync gemv at M = 16 and
 on 4096 x 4096. Not in the dispatch.
 
