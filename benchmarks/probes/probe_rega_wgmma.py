@@ -297,10 +297,13 @@ def permute_x(x: torch.Tensor) -> torch.Tensor:
 
 
 def block_m(m: int) -> int:
+    """The wgmma's N (x rows per tile) for M rows: 16, 32 or 64."""
     return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
 def rega_split(cfg: RegaConfig, n: int, k: int, sms: int) -> int:
+    """Split-K factor: doubled while the grid holds fewer than ``split_waves`` CTAs per SM, K splits into whole
+    tiles and each part keeps at least 512 of K (``rega_wgmma`` refuses an odd tile count for the overlapped loop)."""
     tiles = n // cfg.block_n
     split = 1
     while tiles * split < cfg.split_waves * sms and k % (cfg.block_k * split * 2) == 0 and k // (split * 2) >= 512:
@@ -336,7 +339,7 @@ def rega_wgmma(x: torch.Tensor, w: W4A16Weight, config: RegaConfig, out: torch.T
                                                                    config.num_warps), strict=True)),
     )  # fmt: skip
     if split > 1:
-        torch.sum(target, dim=0, out=out) if out.dtype == torch.float32 else out.copy_(target.sum(0))
+        out.copy_(target.sum(0))
     return out
 
 
