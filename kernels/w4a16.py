@@ -43,7 +43,10 @@ On Hopper, ``w4a16_linear`` without an explicit config runs M 65-512 on the warp
 results/w4a16-ws-h200-2026-12-03.md) where its rule offers it and the operands suit it, and M <= 16 on the
 mma.sync gemv (``w4a16_mma_gemv.py``: each thread dequantizes whole GPTQ words into mma fragments, 1.12-1.95x the
 table's path at M = 2-8 and 0.95-1.12x the CUDA-core gemv at M = 1, results/w4a16-mma-gemv-h200-2026-12-04.md;
-1.01-1.64x the m16 tiles at M = 16, results/w4a16-mma-split-probe-h200-2026-12-04.md).
+1.01-1.64x the m16 tiles at M = 16, results/w4a16-mma-split-probe-h200-2026-12-04.md), and M 17-64 of the larger
+layers on the register-A wgmma kernel (``w4a16_rega.py``, ``w4a16_rega_kernel.py``: GPTQ words unpacked
+straight into an asynchronous wgmma's A operand, 1.2-1.6x this kernel's tiles there,
+results/w4a16-rega-wgmma-h200-2026-12-04.md).
 The first H200 run (results/w4a16-h200-2026-11-29-first.md) showed 16 x 128 x 128 tiles with 4 stages latency bound
 at ~0.45 TB/s (162 registers and 71 KB of shared memory: 3 CTAs of 4 warps per SM, a synchronous scale load per
 tile); small BLOCK_K = 64 tiles with the scale fused into the tile and 3 stages run at 0.7-1.3 TB/s of weight bytes
@@ -80,6 +83,8 @@ from quantkit.kernels.w4a16_epilogue import _finish_tile, _to_act
 from quantkit.kernels.w4a16_gemv import w4a16_gemv, w4a16_gemv_reference
 from quantkit.kernels.w4a16_mma_gemv import launch as mma_launch
 from quantkit.kernels.w4a16_mma_gemv import mma_plan
+from quantkit.kernels.w4a16_rega import launch as rega_launch
+from quantkit.kernels.w4a16_rega import rega_plan
 from quantkit.kernels.w4a16_weight import (
     ACT_DTYPES,
     KERNEL_LAYOUT,
@@ -452,8 +457,10 @@ def w4a16_linear(
     Without ``config``, the products ``w4a16_ws.ws_plan`` accepts run the warp-specialized Gluon kernel (M rows of
     its table, where the measured rule offers it and the operands suit it: Hopper, Triton 3.6, 4-bit, groups of 64
     or 128, TMA-aligned), those ``w4a16_mma_gemv.mma_plan`` accepts (M <= 16 on CUDA sm_90+, Triton 3.6, 4-bit, K a
-    multiple of 128, M > 8 only for groups of 64, a multiple of 128 or one group) the mma.sync gemv; the rest, and
-    any explicit ``config``, the Triton regime table."""
+    multiple of 128, M > 8 only for groups of 64, a multiple of 128 or one group) the mma.sync gemv, those
+    ``w4a16_rega.rega_plan`` accepts (M 17-64 on the layers where it measured faster, sm_90, Triton 3.6, 4-bit,
+    groups a multiple of 128) the register-A wgmma kernel; the rest, and any explicit ``config``, the Triton regime
+    table."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if w.perm is not None:
@@ -466,6 +473,10 @@ def w4a16_linear(
     if skinny is not None:
         check_operands(x2, w, bias, out)
         return mma_launch(x2, w, bias, out, *skinny).view(*lead, w.out_features)
+    medium = None if config is not None else rega_plan(x2, w, out)
+    if medium is not None:
+        check_operands(x2, w, bias, out)
+        return rega_launch(x2, w, bias, out, *medium).view(*lead, w.out_features)
     cfg = config or config_for(x2.shape[0], w.out_features)
     if cfg.method == "dequant":
         check_operands(x2, w, bias, out)

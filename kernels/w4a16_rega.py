@@ -1,0 +1,185 @@
+"""Launch side of the register-A wgmma W4A16 product (``w4a16_rega_kernel.py``, Gluon, sm_90 only) for M = 17-64:
+configs, the rule that picks one by M and layer shape, the split-K plan, the x permutation, what the kernel cannot
+take, and the launcher.
+
+``w4a16.w4a16_linear`` asks ``rega_plan`` after the warp-specialized and mma.sync paths; where it returns a plan,
+this kernel runs, otherwise the Triton regime table decides as before. Everything here but the launch runs without a
+GPU (the CPU tests check the rules and ``permute_x``); the Gluon kernel module is imported on the first launch only.
+
+The rule (``rega_config_for``) follows an A/B of ``w4a16_linear`` with and without this kernel on the H200, fp16 and
+bf16, M = 17 / 32 / 48 / 64, group 128 (results/w4a16-rega-dispatch-ab-h200-2026-12-04.json; speedups over cuBLAS of
+the same dtype): M 17-32 on layers at least 6144 wide (e.g. fp16 28672 x 8192 1.27x -> 1.74x, 14336 x 4096 1.25x ->
+1.43x, 6144 x 4096 1.12x -> 1.26x; bf16 8192 x 28672 1.09x -> 1.50x; the one loss 28672 x 4096 bf16 1.08x -> 1.03x),
+M 33-64 on layers of at least 16 M weights (fp16 28672 x 8192 0.91x -> 1.50x, 8192 x 28672 1.17x -> 1.61x,
+4096 x 4096 0.89x -> 0.94x; bf16 28672 x 8192 0.77x -> 1.17x; the one loss 4096 x 14336 at M = 64, 1.07x -> 1.01x).
+Not taken: M <= 16 (the mma.sync gemv is faster), M 17-32 on 4096-wide layers (4096 x 4096 1.31x -> 0.97x at
+M = 17), groups of 64 (gains within noise at M = 64 in the probe).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from quantkit.kernels.w4a16_configs import LOCK_SLOTS
+from quantkit.kernels.w4a16_gemv import w4a16_gemv_reference
+from quantkit.kernels.w4a16_weight import W4A16Weight, check_operands, num_sms
+
+w4a16_rega_reference = w4a16_gemv_reference  # the same product
+
+REGA_TRITON = "3.6."  # the Gluon API the kernel is written for
+REGA_MIN_M, REGA_MAX_M = 17, 64
+REGA_MAX_SPLIT = 8
+
+
+@dataclass(frozen=True)
+class RegaConfig:
+    """``block_n`` weight rows x ``block_k`` of K per tile (the wgmma's M x K; its N is M rounded up to 16, 32 or
+    64); ``stages`` TMA slots of x; ``num_warps`` (4 per warp group of 64 rows); ``split_waves``: split K while the
+    grid holds fewer than this many CTAs per SM; ``overlap`` False: each wgmma retired before the next tile is
+    unpacked (an ablation for the probe)."""
+
+    block_n: int = 64
+    block_k: int = 128
+    stages: int = 4
+    num_warps: int = 4
+    split_waves: float = 1.0
+    overlap: bool = True
+
+    @property
+    def name(self) -> str:
+        base = f"rw-n{self.block_n}k{self.block_k}s{self.stages}w{self.num_warps}v{self.split_waves:g}"
+        return base + ("" if self.overlap else "-w0")
+
+
+REGA_M32 = RegaConfig(64, 128, 4, 4, 2.0)  # M 17-32
+REGA_M64 = RegaConfig(128, 128, 4, 4, 1.0)  # M 33-64, K >= 8192 (two m64 blocks per warp, 255 registers)
+REGA_M64_SHORT_K = RegaConfig(64, 128, 3, 4, 1.0)  # M 33-64, K < 8192
+REGA_M32_MIN_N = 6144
+REGA_M64_MIN_WEIGHTS = 16 * 2**20
+
+
+def rega_config_for(m: int, n: int, k: int, group_size: int) -> RegaConfig | None:
+    """The measured choice for M rows of an N x K layer, or None where another path is (see the module header)."""
+    if not REGA_MIN_M <= m <= REGA_MAX_M or (group_size or k) % 128:
+        return None
+    if m <= 32:
+        return REGA_M32 if n >= REGA_M32_MIN_N else None
+    if n * k < REGA_M64_MIN_WEIGHTS:
+        return None
+    return REGA_M64 if k >= 8192 else REGA_M64_SHORT_K
+
+
+def block_m(m: int) -> int:
+    """The wgmma's N (rows of x per tile) for M rows: 16, 32 or 64."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def rega_split(cfg: RegaConfig, n: int, k: int, sms: int) -> int:
+    """Split-K factor: doubled while the grid holds fewer than ``split_waves`` CTAs per SM, each part keeps an even
+    number of whole tiles (the loop takes them in pairs) and at least 512 of K."""
+    tiles = -(-n // cfg.block_n)
+    split = 1
+    while (
+        tiles * split < cfg.split_waves * sms
+        and split * 2 <= REGA_MAX_SPLIT
+        and k % (cfg.block_k * split * 4) == 0
+        and k // (split * 2) >= 512
+    ):
+        split *= 2
+    return split
+
+
+def permute_x(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (K a multiple of 32) -> a contiguous copy whose 32-blocks hold physical positions
+    8c + 4e + 2t + h at 16t + 8h + 2c + e: the order in which the kernel's fragment registers take a word's codes."""
+    m, k = x.shape
+    return x.reshape(m, k // 32, 4, 2, 2, 2).permute(0, 1, 4, 5, 2, 3).reshape(m, k)
+
+
+def rega_unsupported_reason(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None, cfg: RegaConfig) -> str | None:
+    """Why this kernel cannot run the product (None: it can). Operand shapes and dtypes are ``check_operands``'s
+    job."""
+    m, k, n = x.shape[0], w.in_features, w.out_features
+    if w.bits != 4:
+        return f"4-bit weights only, got {w.bits}-bit"
+    if not 1 <= m <= REGA_MAX_M:
+        return f"M = {m} rows: this kernel takes 1..{REGA_MAX_M}"
+    if (w.group_size or k) % cfg.block_k:
+        return f"groups must be a multiple of {cfg.block_k} along K, got {w.group_size or 'one per column'}"
+    if k % (2 * cfg.block_k):
+        return f"K = {k} must be a multiple of {2 * cfg.block_k} (tiles are taken in pairs)"
+    if n % cfg.block_n:
+        return f"N = {n} must be a multiple of {cfg.block_n}"
+    if out is not None and out.stride(1) != 1:
+        return "out needs unit column stride"
+    if not triton.__version__.startswith(REGA_TRITON):
+        return f"written for Triton {REGA_TRITON}x's Gluon, found Triton {triton.__version__}"
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
+        return "needs a CUDA device of compute capability 9.0 (Hopper)"
+    return None
+
+
+def rega_plan(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None = None) -> tuple[RegaConfig, int] | None:
+    """(config, split-K) when ``w4a16_linear`` runs this kernel for x [M, K] (kernel channel order), else None."""
+    if not x.is_cuda:
+        return None
+    n, k = w.out_features, w.in_features
+    cfg = rega_config_for(x.shape[0], n, k, w.group_size)
+    if cfg is None or rega_unsupported_reason(x, w, out, cfg) is not None:
+        return None
+    return cfg, rega_split(cfg, n, k, num_sms(x.device))
+
+
+def w4a16_rega_gemm(
+    x: torch.Tensor,
+    w: W4A16Weight,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    config: RegaConfig | None = None,
+    split: int | None = None,
+) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W.T + bias with the register-A wgmma kernel; x is already in kernel channel order.
+    ``config``: instead of ``rega_config_for``'s (tests, probes: any M up to 64); ``split``: the split-K factor
+    instead of ``rega_split``'s; each part must be an even number of whole tiles."""
+    check_operands(x, w, bias, out)
+    m, k = x.shape
+    n = w.out_features
+    cfg = config or rega_config_for(m, n, k, w.group_size)
+    if cfg is None:
+        raise ValueError(f"w4a16_rega_gemm: no measured config for M = {m} on a {n} x {k} layer (pass config=)")
+    reason = rega_unsupported_reason(x, w, out, cfg)
+    if reason:
+        raise ValueError(f"w4a16_rega_gemm: {reason}")
+    if split is None:
+        split = rega_split(cfg, n, k, num_sms(x.device))
+    elif split < 1 or k % (cfg.block_k * split * 2) or (split > 1 and n // cfg.block_n > LOCK_SLOTS):
+        raise ValueError(f"split {split}: K = {k} must split into even counts of {cfg.block_k}-deep tiles")
+    return launch(x, w, bias, out, cfg, split)
+
+
+def launch(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, out: torch.Tensor | None, cfg: RegaConfig,
+           split: int) -> torch.Tensor:  # fmt: skip
+    """The launch itself, for operands already checked (``w4a16_rega_gemm``, or ``rega_plan`` + ``check_operands``).
+    ``rega_split`` splits only layers of fewer than 2 x SMs column tiles, far under the LOCK_SLOTS counters."""
+    from quantkit.kernels.w4a16_rega_kernel import _w4a16_rega_kernel, layouts, x_descriptor  # Gluon: GPU only
+
+    m, k = x.shape
+    n = w.out_features
+    if out is None:
+        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    bm = block_m(m)
+    xp = permute_x(x)
+    part = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
+    bf16 = x.dtype == torch.bfloat16
+    acc_layout, a_layout, w_layout = layouts(bm, cfg.block_n, cfg.block_k, cfg.num_warps)
+    _w4a16_rega_kernel[(n // cfg.block_n, split)](
+        x_descriptor(xp, bm, cfg.block_k), w.qweight, w.qzeros, w.scales if bf16 else w.scales.view(torch.int16),
+        bias if bias is not None else out, out, part, w.locks,
+        m, n, k, w.qweight.stride(0), w.qzeros.stride(0), w.scales.stride(0), out.stride(0),
+        BM=bm, BN=cfg.block_n, BK=cfg.block_k, STAGES=cfg.stages, GROUP=w.group_size or k, BF16=bf16,
+        HAS_BIAS=bias is not None, SPLIT_K=split, OVERLAP=cfg.overlap, ACC_LAYOUT=acc_layout, A_LAYOUT=a_layout,
+        W_LAYOUT=w_layout, num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,293 @@
+"""W4A16 product for M = 17-64 rows, written in Gluon for Hopper: each thread unpacks packed 4-bit words straight
+into the register A operand of an asynchronous wgmma (weights as A, "swap AB"), so that unpacking tile t + 1 runs
+while the tensor cores multiply tile t. y = x @ W.T + bias.
+
+What it computes
+    y[m, n] = sum_k x[m, k] * w[n, k] + bias[n] with w = (q - z) * s rounded once as PyTorch's dequantize does
+    (fp16: in fp16; bf16: the exact q - z times the fp32 scale, rounded to bf16), fp32 accumulation in the tensor
+    cores, y in x's dtype. Same GPTQ buffers as the other W4A16 kernels (``W4A16Weight``: qweight int32 [K / 8, N],
+    packed zeros, fp16 scales, groups contiguous along K), read in place.
+
+How (``w4a16_rega.py`` is the launch side)
+    - The wgmma's A operand is a [BLOCK_N, BLOCK_K] tile of weight rows; its N is BLOCK_M = M rounded up to 16, 32 or
+      64 rows of x. Thread (warp w, lane 4 g + c) holds A rows 16 w + g and 16 w + g + 8 (and the same + 16 num_warps
+      for taller tiles); it loads, per 32-deep K block b, word row 4 b + c of those rows with plain loads, one tile
+      ahead. ``layouts`` writes that distribution out (``DistributedLinearLayout``) and ``_fragment`` ends in
+      ``convert_layout(..., assert_trivial=True)``: the unpacked tile reaches the wgmma without moving between threads.
+    - A word's eight codes are eight K positions of one row, but a fragment register holds positions (2c, 2c + 1),
+      (2c + 8, 2c + 9) of each 16. The product over K does not care about order, so x is permuted instead
+      (``w4a16_rega.permute_x``, once per call): logical 16 t + 8 h + 2 c + e of each 32-block holds physical
+      8 c + 4 e + 2 t + h. Then codes (j, j + 4) of word c, j = 2 t + h, are one fragment register: one LOP3 with the
+      16-bit magic (1024 + code in fp16, 128 + code in bf16, Marlin's trick: Frantar et al. 2024), minus the zero
+      pair, times the scale pair (fp16) or, for bf16, times the fp32 scale and one cvt per pair.
+    - x tiles [BLOCK_M, BLOCK_K] come by TMA into a ring of STAGES slots. wgmma t is issued asynchronously and only
+      wgmma t - 1 is waited for, then t - 1's slot is refilled after a CTA barrier.
+    - Register hazard: PTX leaves rewriting the A registers of a wgmma before the wait that retires it undefined, and
+      ptxas 12.8 (Triton 3.6's) does rewrite them when the next tile's fragment is computed (triton-lang/triton#9433;
+      measured: NaN / wrong results at M > 16 with a single fragment; results/w4a16-rega-wgmma-h200-2026-12-04.md).
+      So the loop is unrolled by two, one fragment for even and one for odd tiles, and ``_keep`` puts a use of each
+      fragment's registers (a store predicated on M < 0) after the wait that retires its wgmma.
+    - split-K (grid axis 1): fp32 partial tiles in a workspace [split, M, N]; the last CTA of a column tile (a counter
+      in ``W4A16Weight.locks``, reset by that CTA) adds them in split order (deterministic), adds the bias, stores y.
+
+Measured (H200, Triton 3.6, results/w4a16-rega-wgmma-h200-2026-12-04.md): at M = 64, 1.46-1.52x cuBLAS fp16 on
+28672 x 8192 and 8192 x 28672 (the Triton tiles: 0.91x / 1.18x), 1.74-1.81x at M = 32; behind the mma.sync gemv at
+M <= 16 and on layers of 4096 x 4096.
+
+Limits: 4-bit codes; groups a multiple of BLOCK_K (or one group); K a multiple of 2 x BLOCK_K x split; N a multiple
+of BLOCK_N; M <= 64; CUDA sm_90 (wgmma, TMA). Gluon has no interpreter mode: the CPU tests cover the launcher's rules
+and ``permute_x``, the GPU tests the kernel. Written for Triton 3.6's Gluon.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+
+def _pairs_ptx(bf16: bool) -> str:
+    """PTX: word $4, zero pair $5 (two 16-bit magic + z), scale $6 (fp16 pair, or fp32 for bf16) -> $0..$3, the
+    dequantized codes (j, j + 4) of the word as one 16-bit pair each (low half code j)."""
+    kind, magic = ("bf16", 0x43004300) if bf16 else ("f16", 0x64006400)
+    lines = ["{", ".reg .b32 u, l, h;"]
+    for j in range(4):
+        src = "$4"
+        if j:
+            lines.append(f"shr.u32 u, $4, {4 * j};")
+            src = "u"
+        lines += [f"lop3.b32 ${j}, {src}, 0x000F000F, {magic:#010x}, 0xea;", f"sub.rn.{kind}x2 ${j}, ${j}, $5;"]
+        if bf16:  # exact q - z widened to fp32, times the fp32 scale, rounded once per value
+            lines += [f"shl.b32 l, ${j}, 16;", f"and.b32 h, ${j}, 0xFFFF0000;", "mul.rn.f32 l, l, $6;",
+                      "mul.rn.f32 h, h, $6;", f"cvt.rn.bf16x2.f32 ${j}, h, l;"]  # fmt: skip
+        else:
+            lines.append(f"mul.rn.f16x2 ${j}, ${j}, $6;")
+    return "\n".join([*lines, "}"])
+
+
+_F16_PAIRS = gl.constexpr(_pairs_ptx(False))
+_BF16_PAIRS = gl.constexpr(_pairs_ptx(True))
+
+
+@gluon.jit
+def _fragment(words, zz, ss, BN: gl.constexpr, BK: gl.constexpr, a_layout: gl.constexpr, BF16: gl.constexpr):
+    """words [BN, BK / 8] (word row 4 b + c of each weight row), zero pairs and scales [BN, 1] -> the A tile
+    [BN, BK] in the wgmma's register layout, K in the permuted order (16 t + 8 h + 2 c + e <- code 2 t + h + 4 e of
+    word c)."""
+    zb, _ = gl.broadcast(zz, words)
+    sb, _ = gl.broadcast(ss, words)
+    if BF16:
+        p0, p1, p2, p3 = gl.inline_asm_elementwise(
+            _BF16_PAIRS,
+            "=r,=r,=r,=r,r,r,f",
+            [words, zb, sb],
+            (gl.int32, gl.int32, gl.int32, gl.int32),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        p0, p1, p2, p3 = gl.inline_asm_elementwise(
+            _F16_PAIRS,
+            "=r,=r,=r,=r,r,r,r",
+            [words, zb, sb],
+            (gl.int32, gl.int32, gl.int32, gl.int32),
+            is_pure=True,
+            pack=1,
+        )
+    v = gl.join(gl.join(p0, p1), gl.join(p2, p3))  # [BN, BK / 8, h, t]
+    v = gl.join(v & 0xFFFF, v >> 16)  # [BN, BK / 8, h, t, e]
+    v = gl.reshape(v, [BN, BK // 32, 4, 2, 2, 2])  # [n, b, c, h, t, e]
+    v = gl.permute(v, [0, 1, 4, 3, 2, 5])  # [n, b, t, h, c, e]
+    v = gl.reshape(v, [BN, BK]).to(gl.int16)
+    if BF16:
+        v = v.to(gl.bfloat16, bitcast=True)
+    else:
+        v = v.to(gl.float16, bitcast=True)
+    return gl.convert_layout(v, a_layout, assert_trivial=True)
+
+
+# eight 16-bit values ($4-$7) stored if M ($8) < 0, never true: a use of the registers ptxas cannot remove
+_KEEP_ASM = gl.constexpr(
+    "{\n.reg .pred p;\nsetp.lt.s32 p, $8, 0;\n@p st.global.v4.b32 [$16], {$4, $5, $6, $7};\n"
+    "mov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n}"
+)
+_KEEP_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r,r,r,r,r," + ",".join(["r"] * 8) + "," + ",".join(["l"] * 8))
+
+
+@gluon.jit
+def _keep(a, M, ptr):
+    """A use of every register of fragment ``a`` that ptxas cannot drop (a store predicated on M < 0, never true):
+    placed after the wgmma_wait that retires the wgmma reading ``a``, it keeps those registers from being handed to
+    the next fragment while that wgmma may still read them. PTX leaves rewriting them before the wait undefined, and
+    ptxas 12.8 does rewrite them (triton-lang/triton#9433; measured here: wrong results at M > 16 without it)."""
+    mb = gl.full(a.shape, 0, gl.int32, layout=a.type.layout) + M
+    pb = gl.full(a.shape, 0, gl.int64, layout=a.type.layout) + ptr.to(gl.int64, bitcast=True)
+    gl.inline_asm_elementwise(_KEEP_ASM, _KEEP_CONSTRAINTS, [a, mb, pb], a.dtype, is_pure=False, pack=8)
+
+
+@gluon.jit
+def _group_pairs(qz_ptr, s_ptr, rows, z_shift, g, stride_qzg, stride_sg, BF16: gl.constexpr):
+    """Group g's zero pairs (two 16-bit magic + z) and scales (fp16 pair, or fp32 for bf16) as [BN, 1]."""
+    MAGIC: gl.constexpr = 0x4300 if BF16 else 0x6400
+    zw = gl.load(qz_ptr + g * stride_qzg + rows // 8)
+    zv = ((zw >> z_shift) & 0xF) | MAGIC
+    zz = gl.expand_dims(zv | (zv << 16), 1)
+    if BF16:
+        ss = gl.expand_dims(gl.load(s_ptr + g * stride_sg + rows).to(gl.float32), 1)
+    else:
+        sv = gl.load(s_ptr + g * stride_sg + rows).to(gl.int32) & 0xFFFF
+        ss = gl.expand_dims(sv | (sv << 16), 1)
+    return zz, ss
+
+
+@gluon.jit
+def _refill(x_desc, x_smem, bars, nt, k0, k_tiles, BK: gl.constexpr, STAGES: gl.constexpr):
+    """After a CTA barrier (every warp group past the wgmma that read it): x tile nt into its slot."""
+    gl.thread_barrier()
+    ns = nt % STAGES
+    pred = nt < k_tiles
+    mbarrier.expect(bars.index(ns), x_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(x_desc, [0, k0 + nt * BK], bars.index(ns), x_smem.index(ns), pred=pred)
+
+
+@gluon.jit
+def _tile(t, words, w_ptrs, acc, a_prev, x_desc, x_smem, bars, qz_ptr, s_ptr, rows, z_shift, k0, k_tiles, M,
+          out_ptr, stride_qzg, stride_sg, stride_qwk, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+          GROUP: gl.constexpr, BF16: gl.constexpr, a_layout: gl.constexpr):  # fmt: skip
+    """One K tile of the overlapped loop: unpack tile t (its words loaded a tile ago) while wgmma t - 1 runs, issue
+    wgmma t, wait for t - 1 only, keep t - 1's fragment ``a_prev`` alive up to that wait. Returns the accumulator,
+    this tile's fragment and the next tile's words."""
+    zz, ss = _group_pairs(qz_ptr, s_ptr, rows, z_shift, (k0 + t * BK) // GROUP, stride_qzg, stride_sg, BF16)
+    words_next = gl.load(w_ptrs + gl.minimum(t + 1, k_tiles - 1) * (BK // 8) * stride_qwk)
+    a = _fragment(words, zz, ss, BN, BK, a_layout, BF16)
+    slot = t % STAGES
+    mbarrier.wait(bars.index(slot), (t // STAGES) & 1)
+    acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+    _keep(a_prev, M, out_ptr)
+    _refill(x_desc, x_smem, bars, t + STAGES - 1, k0, k_tiles, BK, STAGES)
+    return acc, a, words_next
+
+
+@gluon.jit
+def _epilogue(acc, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, off_n, stride_om, acc_layout: gl.constexpr,
+              BM: gl.constexpr, BN: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr,
+              num_warps: gl.constexpr):  # fmt: skip
+    """acc [BN, BM] (weight rows x rows of x) -> y[m, off_n + n] (+ bias); with split-K, the partial goes to the
+    workspace and the tile's last CTA adds the SPLIT_K partials in split order."""
+    rows = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))
+    mask = gl.expand_dims(cols < M, 0) & gl.expand_dims(rows < N, 1)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc = acc + gl.expand_dims(gl.load(bias_ptr + rows).to(gl.float32), 1)
+        ptrs = out_ptr + gl.expand_dims(cols, 0) * stride_om + gl.expand_dims(rows, 1)
+        gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = gl.expand_dims(cols, 0) * N + gl.expand_dims(rows, 1)
+        gl.store(ws_ptr + gl.program_id(1) * M * N + part, acc, mask=mask)
+        gl.thread_barrier()
+        done = gl.atomic_add(cnt_ptr + gl.program_id(0), 1, sem="acq_rel")
+        gl.thread_barrier()
+        if done == SPLIT_K - 1:
+            fix: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, num_warps], [0, 1])  # lanes along N: coalesced
+            frows = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, fix))
+            fcols = gl.arange(0, BM, layout=gl.SliceLayout(0, fix))
+            fmask = gl.expand_dims(fcols < M, 0) & gl.expand_dims(frows < N, 1)
+            fpart = gl.expand_dims(fcols, 0) * N + gl.expand_dims(frows, 1)
+            total = gl.load(ws_ptr + fpart, mask=fmask, other=0.0, cache_modifier=".cg")
+            for i in gl.static_range(1, SPLIT_K):
+                total += gl.load(ws_ptr + i * M * N + fpart, mask=fmask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total = total + gl.expand_dims(gl.load(bias_ptr + frows).to(gl.float32), 1)
+            fptrs = out_ptr + gl.expand_dims(fcols, 0) * stride_om + gl.expand_dims(frows, 1)
+            gl.store(fptrs, total.to(out_ptr.dtype.element_ty), mask=fmask)
+            gl.store(cnt_ptr + gl.program_id(0), 0)
+
+
+@gluon.jit
+def _w4a16_rega_kernel(
+    x_desc, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, stride_qwk, stride_qzg, stride_sg, stride_om,
+    BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
+    BF16: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, OVERLAP: gl.constexpr,
+    ACC_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, W_LAYOUT: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """``OVERLAP`` False: each wgmma retired before the next tile is unpacked (the probe's ablation)."""
+    KW: gl.constexpr = BK // 8
+    act: gl.constexpr = x_desc.dtype
+    acc_layout: gl.constexpr = ACC_LAYOUT
+    a_layout: gl.constexpr = A_LAYOUT
+    w_layout: gl.constexpr = W_LAYOUT
+
+    k_tiles = K // (BK * SPLIT_K)  # the launcher checks: whole tiles, an even count
+    k0 = gl.program_id(1) * k_tiles * BK
+    off_n = gl.program_id(0) * BN
+    gl.assume(k_tiles > 0)
+
+    rows = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, w_layout))
+    wcols = gl.arange(0, KW, layout=gl.SliceLayout(0, w_layout))
+    w_ptrs = qw_ptr + (gl.expand_dims(wcols, 0) + k0 // 8) * stride_qwk + gl.expand_dims(rows, 1)
+    z_shift = (rows % 8) * 4
+
+    x_smem = gl.allocate_shared_memory(act, [STAGES, BM, BK], x_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    for i in gl.static_range(STAGES - 1):
+        pred = i < k_tiles
+        mbarrier.expect(bars.index(i), x_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(x_desc, [0, k0 + i * BK], bars.index(i), x_smem.index(i), pred=pred)
+
+    words = gl.load(w_ptrs)
+    acc = gl.zeros([BN, BM], gl.float32, layout=acc_layout)
+    if OVERLAP:  # unpack tile t while wgmma t - 1 runs; two fragments, even and odd tiles
+        a1 = gl.zeros([BN, BK], act, layout=a_layout)
+        for t in range(0, k_tiles, 2):
+            acc, a0, words = _tile(t, words, w_ptrs, acc, a1, x_desc, x_smem, bars, qz_ptr, s_ptr, rows, z_shift,
+                                   k0, k_tiles, M, out_ptr, stride_qzg, stride_sg, stride_qwk, BN, BK, STAGES, GROUP,
+                                   BF16, a_layout)  # fmt: skip
+            acc, a1, words = _tile(t + 1, words, w_ptrs, acc, a0, x_desc, x_smem, bars, qz_ptr, s_ptr, rows, z_shift,
+                                   k0, k_tiles, M, out_ptr, stride_qzg, stride_sg, stride_qwk, BN, BK, STAGES, GROUP,
+                                   BF16, a_layout)  # fmt: skip
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    else:
+        for t in range(k_tiles):
+            zz, ss = _group_pairs(qz_ptr, s_ptr, rows, z_shift, (k0 + t * BK) // GROUP, stride_qzg, stride_sg, BF16)
+            words_next = gl.load(w_ptrs + gl.minimum(t + 1, k_tiles - 1) * KW * stride_qwk)
+            a = _fragment(words, zz, ss, BN, BK, a_layout, BF16)
+            slot = t % STAGES
+            mbarrier.wait(bars.index(slot), (t // STAGES) & 1)
+            acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+            acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
+            words = words_next
+            _refill(x_desc, x_smem, bars, t + STAGES - 1, k0, k_tiles, BK, STAGES)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    _epilogue(acc, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, off_n, stride_om, acc_layout, BM, BN, HAS_BIAS, SPLIT_K,
+              num_warps)  # fmt: skip
+
+
+def layouts(bm: int, bn: int, bk: int, num_warps: int) -> tuple:
+    """(accumulator [BN, BM], A operand [BN, BK], packed words [BN, BK / 8]) register layouts. Thread
+    (warp w, lane 4 g + c) holds the words of rows 16 w + g, 16 w + g + 8 (+ 16 num_warps r) and word rows 4 b + c:
+    the A fragment's rows and, in the permuted K order, its codes."""
+    acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, bm, 16])
+    a = gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2)
+    log2 = int.bit_length
+    reg = [[8, 0]] + [[0, 4 << i] for i in range(log2(bk // 32) - 1)]
+    reg += [[16 * num_warps << i, 0] for i in range(log2(bn // (16 * num_warps)) - 1)]
+    words = gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+                                       warp_bases=[[16 << i, 0] for i in range(log2(num_warps) - 1)], block_bases=[],
+                                       shape=[bn, bk // 8])  # fmt: skip
+    return acc, a, words
+
+
+def x_descriptor(xp: torch.Tensor, block_m: int, block_k: int) -> TensorDescriptor:
+    """TMA descriptor of the permuted x [M, K] in [block_m, block_k] tiles, swizzled for the wgmma's B operand."""
+    act = gl.float16 if xp.dtype == torch.float16 else gl.bfloat16
+    return TensorDescriptor.from_tensor(
+        xp, [block_m, block_k], gl.NVMMASharedLayout.get_default_for([block_m, block_k], act)
+    )

@@ -1,0 +1,179 @@
+"""Register-A wgmma W4A16 kernel (Gluon, Hopper only): the dispatch rules and the x permutation everywhere, the
+kernel on an sm_90 GPU.
+
+Gluon has no interpreter mode, so on CPU these tests check which products the kernel is offered (``rega_config_for``,
+``rega_split``, ``rega_unsupported_reason``), that ``permute_x`` is the order the kernel's fragments need, and that
+``w4a16_linear`` keeps serving those rows through Triton; on the H200 they check the kernel against a float64
+reference under test_w4a16.py's rule (at most twice PyTorch's own error), with NaN-poisoned outputs, M from 1 to 64,
+both dtypes, act-order, bias, one group per column, forced split-K, repeated calls (the register hazard the kernel
+works around showed as wrong results at M > 16 only some of the time) and CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+from quantkit.kernels import w4a16 as K
+from quantkit.kernels import w4a16_rega as R
+from quantkit.kernels.w4a16_weight import unpack_gptq_codes
+
+from tests.kernels.test_w4a16 import DEVICE, assert_close_to_float64, make_layer, prepared
+
+hopper = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0))
+    or not triton.__version__.startswith(R.REGA_TRITON),
+    reason="needs a Hopper (sm_90) GPU and the Triton the Gluon kernel is written for",
+)
+
+
+def weight(n, k, bits=4, group=128, act_order=False, seed=0):
+    qw, buffers = make_layer(n, k, bits, group, act_order=act_order, seed=seed)
+    return qw, prepared(buffers, bits, group)
+
+
+@pytest.mark.parametrize(
+    "m,n,k,group,expected",
+    [(16, 28672, 8192, 128, None), (17, 28672, 8192, 128, R.REGA_M32), (32, 6144, 4096, 128, R.REGA_M32),
+     (32, 4096, 14336, 128, None), (33, 28672, 8192, 128, R.REGA_M64), (64, 14336, 4096, 128, R.REGA_M64_SHORT_K),
+     (64, 4096, 4096, 128, R.REGA_M64_SHORT_K), (64, 2048, 4096, 128, None), (65, 28672, 8192, 128, None),
+     (64, 28672, 8192, 64, None), (48, 8192, 8192, 0, R.REGA_M64)],
+)  # fmt: skip
+def test_config_rule_follows_the_measured_cells(m, n, k, group, expected):
+    assert R.rega_config_for(m, n, k, group) == expected
+
+
+@pytest.mark.parametrize("n,k,cfg", [(4096, 14336, R.REGA_M32), (8192, 8192, R.REGA_M64), (28672, 8192, R.REGA_M64),
+                                     (14336, 4096, R.REGA_M64_SHORT_K), (8192, 512, R.REGA_M32)])  # fmt: skip
+def test_split_keeps_even_whole_tiles(n, k, cfg):
+    split = R.rega_split(cfg, n, k, 132)
+    assert 1 <= split <= R.REGA_MAX_SPLIT and split & (split - 1) == 0
+    assert k % (cfg.block_k * split * 2) == 0  # an even number of whole tiles per part
+    assert split == 1 or k // split >= 512
+    doubled = split * 2
+    can_double = doubled <= R.REGA_MAX_SPLIT and k % (cfg.block_k * doubled * 2) == 0 and k // doubled >= 512
+    assert n // cfg.block_n * split >= cfg.split_waves * 132 or not can_double
+
+
+def test_permute_x_puts_each_words_codes_where_its_fragment_registers_take_them():
+    """Thread c of a quad takes word c of each 32-block; its fragment register (k-step t, half h) holds codes
+    (j, j + 4), j = 2t + h, at logical positions 16t + 8h + 2c + e. The permuted x must hold, there, the physical
+    position of that code: 8c + 4e + j."""
+    m, k = 3, 96
+    x = torch.arange(m * k, dtype=torch.float32).reshape(m, k)
+    xp = R.permute_x(x)
+    assert xp.is_contiguous() and xp.shape == x.shape
+    for b in range(k // 32):
+        for t, h, c, e in [(t, h, c, e) for t in range(2) for h in range(2) for c in range(4) for e in range(2)]:
+            logical, physical = 32 * b + 16 * t + 8 * h + 2 * c + e, 32 * b + 8 * c + 4 * e + 2 * t + h
+            assert torch.equal(xp[:, logical], x[:, physical])
+
+
+def test_permuted_product_is_the_product():
+    """The sum over K in the permuted order, with each thread's codes read the kernel's way, is x @ W.T."""
+    _, w = weight(64, 256, seed=1)
+    x = torch.randn(5, 256, dtype=torch.float64)
+    codes = unpack_gptq_codes(w.qweight.cpu(), 4, 256).double()  # [K, N], physical order
+    xp = R.permute_x(x)
+    k = torch.arange(256)
+    b, r = k // 32, k % 32
+    t, h, c, e = r // 16, (r // 8) % 2, (r // 2) % 4, r % 2
+    physical = 32 * b + 8 * c + 4 * e + 2 * t + h  # the code a logical position meets
+    assert torch.allclose(xp @ codes[physical], x @ codes)
+
+
+@pytest.mark.parametrize(
+    "bits,group,n,k,m,reason",
+    [(8, 128, 64, 256, 32, "4-bit"), (4, 64, 64, 256, 32, "multiple of 128"), (4, 128, 64, 384, 32, "multiple of 256"),
+     (4, 128, 96, 256, 32, "multiple of 64"), (4, 128, 64, 256, 65, "1..64")],
+)  # fmt: skip
+def test_unsupported_products_are_named(bits, group, n, k, m, reason):
+    _, w = weight(n, k, bits, group)
+    x = torch.randn(m, k, device=DEVICE).half()
+    assert reason in R.rega_unsupported_reason(x, w, None, R.REGA_M32)
+
+
+def test_other_tritons_are_named(monkeypatch):
+    _, w = weight(64, 256)
+    x = torch.randn(32, 256, device=DEVICE).half()
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    assert "found Triton 3.9.0" in R.rega_unsupported_reason(x, w, None, R.REGA_M32)
+
+
+def test_cpu_products_in_its_rows_run_the_triton_path():
+    qw, w = weight(128, 256)
+    x = torch.randn(40, 256, device=DEVICE).half()
+    if not x.is_cuda:
+        assert R.rega_plan(x, w) is None
+        with pytest.raises(ValueError, match=r"compute capability 9\.0|Triton"):
+            R.w4a16_rega_gemm(x, w, config=R.REGA_M64)
+    out = torch.full((40, 128), float("nan"), device=DEVICE, dtype=torch.float16)
+    assert_close_to_float64(K.w4a16_linear(x, w, out=out), x, qw, None)
+
+
+# (M, N, K, group, dtype, act_order, bias, config, split): every wgmma N (16 / 32 / 64 rows), all three configs
+GPU_CASES = [
+    (1, 256, 512, 128, torch.float16, False, False, R.REGA_M32, None),
+    (17, 512, 1024, 128, torch.float16, False, True, R.REGA_M32, None),
+    (24, 1024, 2048, 128, torch.bfloat16, True, True, R.REGA_M32, 2),
+    (32, 384, 1024, -1, torch.float16, False, False, R.REGA_M32, 4),
+    (33, 1024, 2048, 128, torch.float16, False, True, R.REGA_M64, None),
+    (48, 512, 4096, 128, torch.bfloat16, False, False, R.REGA_M64, 8),
+    (64, 2048, 1024, 128, torch.bfloat16, True, False, R.REGA_M64_SHORT_K, None),
+    (64, 1024, 2048, 128, torch.float16, False, True, R.REGA_M64_SHORT_K, 2),
+]
+
+
+@hopper
+@pytest.mark.parametrize("m,n,k,group,dtype,act_order,with_bias,cfg,split", GPU_CASES)
+def test_kernel_matches_float64_reference(m, n, k, group, dtype, act_order, with_bias, cfg, split):
+    qw, w = weight(n, k, 4, group, act_order, seed=m + n)
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    bias = torch.randn(n, device="cuda").to(dtype) if with_bias else None
+    x_kernel = x.index_select(1, w.perm) if w.perm is not None else x
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+    y = R.w4a16_rega_gemm(x_kernel, w, bias, out, config=cfg, split=split)
+    assert y.data_ptr() == out.data_ptr()
+    assert_close_to_float64(y, x, qw, bias)
+    assert not w.locks.any()  # the last CTA of each split tile reset its counter
+
+
+@hopper
+@pytest.mark.parametrize("m", [33, 64])
+def test_repeated_calls_through_the_dispatch_stay_right(m, monkeypatch):
+    """Fifteen fresh inputs through ``w4a16_linear`` (the weight threshold lowered so that a small layer takes this
+    kernel): the fragment registers of an in-flight wgmma are never rewritten (without the keep-alive, 15 of 15 such
+    calls were wrong on the H200)."""
+    monkeypatch.setattr(R, "REGA_M64_MIN_WEIGHTS", 0)
+    qw, w = weight(1024, 8192, seed=m)
+    x = torch.randn(m, 8192, device="cuda").half()
+    assert R.rega_plan(x, w) is not None
+    assert torch.equal(K.w4a16_linear(x, w), R.w4a16_rega_gemm(x, w))
+    for _ in range(15):
+        x = torch.randn(m, 8192, device="cuda").half()
+        assert_close_to_float64(K.w4a16_linear(x, w), x, qw, None)
+
+
+@hopper
+def test_split_k_is_deterministic_and_replays_in_a_cuda_graph():
+    _, w = weight(1024, 4096, seed=3)
+    x = torch.randn(40, 4096, device="cuda").half()
+    first = R.w4a16_rega_gemm(x, w, config=R.REGA_M64, split=4)
+    out = torch.full_like(first, float("nan"))
+    R.w4a16_rega_gemm(x, w, out=out, config=R.REGA_M64, split=4)  # compile and warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        R.w4a16_rega_gemm(x, w, out=out, config=R.REGA_M64, split=4)
+    out.fill_(float("nan"))
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, first) and not w.locks.any()
+
+
+@hopper
+def test_launcher_rejects_a_split_of_odd_tile_counts():
+    _, w = weight(256, 768, seed=6)  # six tiles of 128
+    x = torch.randn(40, 768, device="cuda").half()
+    with pytest.raises(ValueError, match="even counts"):
+        R.w4a16_rega_gemm(x, w, config=R.REGA_M64, split=2)
