@@ -50,6 +50,7 @@ from graph_timing import seconds_per_call
 from quantkit.kernels import w4a16 as K
 from quantkit.kernels import w4a16_configs as C
 from quantkit.kernels import w4a16_mma_gemv as MG
+from quantkit.kernels import w4a16_rega as RG
 from quantkit.kernels import w4a16_ws as WS
 
 L2_BYTES = 60 * 2**20
@@ -437,14 +438,15 @@ def run_table(args, timer: Timer, device: str, table: list | None) -> dict:
 
 def gluon_choice(layer: Layer, m: int) -> str | None:
     """Name and split-K of the Gluon kernel ``w4a16_linear`` runs for ``m`` rows of this layer without a config
-    (the dispatcher's own decisions: ``ws_plan``, then ``mma_plan``), or None where the Triton table decides."""
+    (the dispatcher's own decisions: ``ws_plan``, ``mma_plan``, then ``rega_plan``), or None where the Triton table
+    decides."""
     x = torch.empty(m, layer.k, device=layer.device, dtype=torch.float16)
     w = layer.weights[0]
-    ws = WS.ws_plan(x, w)
-    if ws:
-        return f"{ws[0].name}-sk{ws[1]}"
-    mma = MG.mma_plan(x, w)
-    return f"{mma[0].name}-sk{mma[1]}" if mma else None
+    for plan in (WS.ws_plan, MG.mma_plan, RG.rega_plan):
+        chosen = plan(x, w)
+        if chosen:
+            return f"{chosen[0].name}-sk{chosen[1]}"
+    return None
 
 
 def table_config(table: list, m: int) -> C.KernelConfig:
