@@ -30,9 +30,10 @@ How (``w4a16_rega.py`` is the launch side)
     - split-K (grid axis 1): fp32 partial tiles in a workspace [split, M, N]; the last CTA of a column tile (a counter
       in ``W4A16Weight.locks``, reset by that CTA) adds them in split order (deterministic), adds the bias, stores y.
 
-Measured (H200, Triton 3.6, results/w4a16-rega-wgmma-h200-2026-12-04.md): at M = 64, 1.46-1.52x cuBLAS fp16 on
-28672 x 8192 and 8192 x 28672 (the Triton tiles: 0.91x / 1.18x), 1.74-1.81x at M = 32; behind the mma.sync gemv at
-M <= 16 and on layers of 4096 x 4096.
+Measured (H200, Triton 3.6, results/w4a16-rega-wgmma-h200-2026-12-04.md, w4a16-h200-2026-12-04f.md): at M = 64,
+1.49x / 1.60x / 1.50x cuBLAS fp16 on 28672 x 8192 / 8192 x 28672 / 8192 x 8192 (the Triton tiles: 0.89-1.25x),
+1.72-1.84x at M = 32; 3.3-3.9 SASS instructions per weight (fp16; bf16 5.2-5.8), 127-255 registers. Behind the
+mma.sync gemv at M <= 16 and on 4096-wide layers at M 17-32.
 
 Limits: 4-bit codes; groups a multiple of BLOCK_K (or one group); K a multiple of 2 x BLOCK_K x split; N a multiple
 of BLOCK_N; M <= 64; CUDA sm_90 (wgmma, TMA). Gluon has no interpreter mode: the CPU tests cover the launcher's rules
