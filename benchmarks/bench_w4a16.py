@@ -438,11 +438,11 @@ def run_table(args, timer: Timer, device: str, table: list | None) -> dict:
 
 def gluon_choice(layer: Layer, m: int) -> str | None:
     """Name and split-K of the Gluon kernel ``w4a16_linear`` runs for ``m`` rows of this layer without a config
-    (the dispatcher's own decisions: ``ws_plan``, ``mma_plan``, then ``rega_plan``), or None where the Triton table
+    (the dispatcher's own decisions: ``mma_plan``, ``rega_plan``, then ``ws_plan``), or None where the Triton table
     decides."""
     x = torch.empty(m, layer.k, device=layer.device, dtype=torch.float16)
     w = layer.weights[0]
-    for plan in (WS.ws_plan, MG.mma_plan, RG.rega_plan):
+    for plan in (MG.mma_plan, RG.rega_plan, WS.ws_plan):
         chosen = plan(x, w)
         if chosen:
             return f"{chosen[0].name}-sk{chosen[1]}"

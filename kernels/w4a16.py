@@ -43,7 +43,7 @@ On Hopper, ``w4a16_linear`` without an explicit config runs M 65-512 on the warp
 results/w4a16-ws-h200-2026-12-03.md) where its rule offers it and the operands suit it, and M <= 16 on the
 mma.sync gemv (``w4a16_mma_gemv.py``: each thread dequantizes whole GPTQ words into mma fragments, 1.12-1.95x the
 table's path at M = 2-8 and 0.95-1.12x the CUDA-core gemv at M = 1, results/w4a16-mma-gemv-h200-2026-12-04.md;
-1.01-1.64x the m16 tiles at M = 16, results/w4a16-mma-split-probe-h200-2026-12-04.md), and M 17-64 of the larger
+1.01-1.64x the m16 tiles at M = 16, results/w4a16-mma-split-probe-h200-2026-12-04.md), and M 17-128 of the larger
 layers on the register-A wgmma kernel (``w4a16_rega.py``, ``w4a16_rega_kernel.py``: GPTQ words unpacked
 straight into an asynchronous wgmma's A operand, 1.2-1.6x this kernel's tiles there,
 results/w4a16-rega-wgmma-h200-2026-12-04.md).
@@ -454,21 +454,16 @@ def w4a16_linear(
 ) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W.T + bias: permutes x for act-order, runs the regime's config for M rows.
 
-    Without ``config``, the products ``w4a16_ws.ws_plan`` accepts run the warp-specialized Gluon kernel (M rows of
-    its table, where the measured rule offers it and the operands suit it: Hopper, Triton 3.6, 4-bit, groups of 64
-    or 128, TMA-aligned), those ``w4a16_mma_gemv.mma_plan`` accepts (M <= 16 on CUDA sm_90+, Triton 3.6, 4-bit, K a
-    multiple of 128, M > 8 only for groups of 64, a multiple of 128 or one group) the mma.sync gemv, those
-    ``w4a16_rega.rega_plan`` accepts (M 17-64 on the layers where it measured faster, sm_90, Triton 3.6, 4-bit,
-    groups a multiple of 128) the register-A wgmma kernel; the rest, and any explicit ``config``, the Triton regime
-    table."""
+    Without ``config``, the products ``w4a16_mma_gemv.mma_plan`` accepts (M <= 16 on CUDA sm_90+, Triton 3.6,
+    4-bit, K a multiple of 128, M > 8 only for groups of 64, a multiple of 128 or one group) run the mma.sync gemv,
+    those ``w4a16_rega.rega_plan`` accepts (M 17-128 on the layers where it measured faster, sm_90, Triton 3.6,
+    4-bit, groups a multiple of 128) the register-A wgmma kernel, those ``w4a16_ws.ws_plan`` accepts (M rows of its
+    table where its rule offers it and the operands suit it: Hopper, Triton 3.6, 4-bit, groups of 64 or 128,
+    TMA-aligned) the warp-specialized Gluon kernel; the rest, and any explicit ``config``, the Triton regime table."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if w.perm is not None:
         x2 = x2.index_select(1, w.perm)
-    plan = None if config is not None else ws_plan(x2, w, out)
-    if plan is not None:
-        check_operands(x2, w, bias, out)
-        return ws_launch(x2, w, bias, out, *plan).view(*lead, w.out_features)
     skinny = None if config is not None else mma_plan(x2, w, out)
     if skinny is not None:
         check_operands(x2, w, bias, out)
@@ -477,6 +472,10 @@ def w4a16_linear(
     if medium is not None:
         check_operands(x2, w, bias, out)
         return rega_launch(x2, w, bias, out, *medium).view(*lead, w.out_features)
+    plan = None if config is not None else ws_plan(x2, w, out)
+    if plan is not None:
+        check_operands(x2, w, bias, out)
+        return ws_launch(x2, w, bias, out, *plan).view(*lead, w.out_features)
     cfg = config or config_for(x2.shape[0], w.out_features)
     if cfg.method == "dequant":
         check_operands(x2, w, bias, out)

@@ -1,10 +1,11 @@
-"""Launch side of the register-A wgmma W4A16 product (``w4a16_rega_kernel.py``, Gluon, sm_90 only) for M = 17-64:
+"""Launch side of the register-A wgmma W4A16 product (``w4a16_rega_kernel.py``, Gluon, sm_90 only) for M = 17-128:
 configs, the rule that picks one by M and layer shape, the split-K plan, the x permutation, what the kernel cannot
 take, and the launcher.
 
-``w4a16.w4a16_linear`` asks ``rega_plan`` after the warp-specialized and mma.sync paths; where it returns a plan,
-this kernel runs, otherwise the Triton regime table decides as before. Everything here but the launch runs without a
-GPU (the CPU tests check the rules and ``permute_x``); the Gluon kernel module is imported on the first launch only.
+``w4a16.w4a16_linear`` asks ``rega_plan`` after the mma.sync path and before the warp-specialized one; where it
+returns a plan, this kernel runs, otherwise the other paths decide as before. Everything here but the launch runs
+without a GPU (the CPU tests check the rules and ``permute_x``); the Gluon kernel module is imported on the first
+launch only.
 
 The rule (``rega_config_for``) follows an A/B of ``w4a16_linear`` with and without this kernel on the H200, fp16 and
 bf16, M = 17 / 32 / 48 / 64, group 128 (results/w4a16-rega-dispatch-ab-h200-2026-12-04.json; speedups over cuBLAS of
@@ -12,8 +13,11 @@ the same dtype): M 17-32 on layers at least 6144 wide (e.g. fp16 28672 x 8192 1.
 1.43x, 6144 x 4096 1.12x -> 1.26x; bf16 8192 x 28672 1.09x -> 1.50x; the one loss 28672 x 4096 bf16 1.08x -> 1.03x),
 M 33-64 on layers of at least 16 M weights (fp16 28672 x 8192 0.91x -> 1.50x, 8192 x 28672 1.17x -> 1.61x,
 4096 x 4096 0.89x -> 0.94x; bf16 28672 x 8192 0.77x -> 1.17x; the one loss 4096 x 14336 at M = 64, 1.07x -> 1.01x).
-Not taken: M <= 16 (the mma.sync gemv is faster), M 17-32 on 4096-wide layers (4096 x 4096 1.31x -> 0.97x at
-M = 17), groups of 64 (gains within noise at M = 64 in the probe).
+M 65-128 on layers at least 6144 wide, ahead of the warp-specialized kernel (a second A/B with x padded to the
+tile, ``.../w4a16-rega-dispatch-ab2-h200-2026-12-04.json``: fp16 28672 x 8192 0.92x -> 1.05x, 6144 x 4096 0.61x ->
+0.82x, 28672 x 4096 0.96x -> 1.10x; bf16 6144 x 4096 0.59x -> 0.76x, the loss taken 14336 x 4096 bf16 0.88-0.91x ->
+0.87x). Not taken: M <= 16 (the mma.sync gemv is faster), M 17-32 and 65-128 on 4096-wide layers (4096 x 4096
+1.29x -> 0.91x at M = 17), groups of 64 (gains within noise at M = 64 in the probe).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 from quantkit.kernels.w4a16_configs import LOCK_SLOTS
 from quantkit.kernels.w4a16_gemv import w4a16_gemv_reference
@@ -29,7 +34,8 @@ from quantkit.kernels.w4a16_weight import W4A16Weight, check_operands, num_sms
 w4a16_rega_reference = w4a16_gemv_reference  # the same product
 
 REGA_TRITON = "3.6."  # the Gluon API the kernel is written for
-REGA_MIN_M, REGA_MAX_M = 17, 64
+REGA_MIN_M, REGA_MAX_M = 17, 128  # the rule's rows
+REGA_KERNEL_MAX_M = 128  # the kernel's: one tile of x rows, the wgmma's N up to 128
 REGA_MAX_SPLIT = 8
 
 
@@ -56,7 +62,8 @@ class RegaConfig:
 REGA_M32 = RegaConfig(64, 128, 4, 4, 2.0)  # M 17-32
 REGA_M64 = RegaConfig(128, 128, 4, 4, 1.0)  # M 33-64, K >= 8192 (two m64 blocks per warp, 255 registers)
 REGA_M64_SHORT_K = RegaConfig(64, 128, 3, 4, 1.0)  # M 33-64, K < 8192
-REGA_M32_MIN_N = 6144
+REGA_M128 = RegaConfig(64, 128, 3, 4, 1.0)  # M 65-128 (the wgmma's N = 128)
+REGA_MIN_N = 6144  # M 17-32 and 65-128 only on layers at least this wide
 REGA_M64_MIN_WEIGHTS = 16 * 2**20
 
 
@@ -65,15 +72,17 @@ def rega_config_for(m: int, n: int, k: int, group_size: int) -> RegaConfig | Non
     if not REGA_MIN_M <= m <= REGA_MAX_M or (group_size or k) % 128:
         return None
     if m <= 32:
-        return REGA_M32 if n >= REGA_M32_MIN_N else None
+        return REGA_M32 if n >= REGA_MIN_N else None
+    if m > 64:
+        return REGA_M128 if n >= REGA_MIN_N else None
     if n * k < REGA_M64_MIN_WEIGHTS:
         return None
     return REGA_M64 if k >= 8192 else REGA_M64_SHORT_K
 
 
 def block_m(m: int) -> int:
-    """The wgmma's N (rows of x per tile) for M rows: 16, 32 or 64."""
-    return 16 if m <= 16 else 32 if m <= 32 else 64
+    """The wgmma's N (rows of x per tile) for M rows: 16, 32, 64 or 128."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
 
 
 def rega_split(cfg: RegaConfig, n: int, k: int, sms: int) -> int:
@@ -91,11 +100,16 @@ def rega_split(cfg: RegaConfig, n: int, k: int, sms: int) -> int:
     return split
 
 
-def permute_x(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (K a multiple of 32) -> a contiguous copy whose 32-blocks hold physical positions
-    8c + 4e + 2t + h at 16t + 8h + 2c + e: the order in which the kernel's fragment registers take a word's codes."""
+def permute_x(x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """x [M, K] (K a multiple of 32) -> a contiguous copy [rows, K] (zero rows after M) whose 32-blocks hold physical
+    positions 8c + 4e + 2t + h at 16t + 8h + 2c + e: the order in which the kernel's fragment registers take a word's
+    codes. Padding to the tile's rows keeps the TMA copies of x inside the tensor (with rows past M left to the
+    copy engine's out-of-bounds fill, M = 17 / 96 ran 15-30% slower than M = 32 / 128 on the same tiles)."""
     m, k = x.shape
-    return x.reshape(m, k // 32, 4, 2, 2, 2).permute(0, 1, 4, 5, 2, 3).reshape(m, k)
+    v = x.reshape(m, k // 32, 4, 2, 2, 2).permute(0, 1, 4, 5, 2, 3)
+    if rows is not None and rows > m:
+        v = F.pad(v, (0, 0) * 5 + (0, rows - m))
+    return v.reshape(-1, k)
 
 
 def rega_unsupported_reason(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None, cfg: RegaConfig) -> str | None:
@@ -104,8 +118,8 @@ def rega_unsupported_reason(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor |
     m, k, n = x.shape[0], w.in_features, w.out_features
     if w.bits != 4:
         return f"4-bit weights only, got {w.bits}-bit"
-    if not 1 <= m <= REGA_MAX_M:
-        return f"M = {m} rows: this kernel takes 1..{REGA_MAX_M}"
+    if not 1 <= m <= REGA_KERNEL_MAX_M:
+        return f"M = {m} rows: this kernel takes 1..{REGA_KERNEL_MAX_M}"
     if (w.group_size or k) % cfg.block_k:
         return f"groups must be a multiple of {cfg.block_k} along K, got {w.group_size or 'one per column'}"
     if k % (2 * cfg.block_k):
@@ -170,7 +184,7 @@ def launch(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, out: torc
     if out is None:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     bm = block_m(m)
-    xp = permute_x(x)
+    xp = permute_x(x, bm)
     part = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
     bf16 = x.dtype == torch.bfloat16
     acc_layout, a_layout, w_layout = layouts(bm, cfg.block_n, cfg.block_k, cfg.num_warps)

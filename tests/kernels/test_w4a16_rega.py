@@ -4,7 +4,7 @@ kernel on an sm_90 GPU.
 Gluon has no interpreter mode, so on CPU these tests check which products the kernel is offered (``rega_config_for``,
 ``rega_split``, ``rega_unsupported_reason``), that ``permute_x`` is the order the kernel's fragments need, and that
 ``w4a16_linear`` keeps serving those rows through Triton; on the H200 they check the kernel against a float64
-reference under test_w4a16.py's rule (at most twice PyTorch's own error), with NaN-poisoned outputs, M from 1 to 64,
+reference under test_w4a16.py's rule (at most twice PyTorch's own error), with NaN-poisoned outputs, M from 1 to 128,
 both dtypes, act-order, bias, one group per column, forced split-K, repeated calls (the register hazard the kernel
 works around showed as wrong results at M > 16 only some of the time) and CUDA-graph replay.
 """
@@ -36,7 +36,8 @@ def weight(n, k, bits=4, group=128, act_order=False, seed=0):
     "m,n,k,group,expected",
     [(16, 28672, 8192, 128, None), (17, 28672, 8192, 128, R.REGA_M32), (32, 6144, 4096, 128, R.REGA_M32),
      (32, 4096, 14336, 128, None), (33, 28672, 8192, 128, R.REGA_M64), (64, 14336, 4096, 128, R.REGA_M64_SHORT_K),
-     (64, 4096, 4096, 128, R.REGA_M64_SHORT_K), (64, 2048, 4096, 128, None), (65, 28672, 8192, 128, None),
+     (64, 4096, 4096, 128, R.REGA_M64_SHORT_K), (64, 2048, 4096, 128, None), (65, 28672, 8192, 128, R.REGA_M128),
+     (128, 6144, 4096, 128, R.REGA_M128), (96, 4096, 14336, 128, None), (129, 28672, 8192, 128, None),
      (64, 28672, 8192, 64, None), (48, 8192, 8192, 0, R.REGA_M64)],
 )  # fmt: skip
 def test_config_rule_follows_the_measured_cells(m, n, k, group, expected):
@@ -63,6 +64,8 @@ def test_permute_x_puts_each_words_codes_where_its_fragment_registers_take_them(
     x = torch.arange(m * k, dtype=torch.float32).reshape(m, k)
     xp = R.permute_x(x)
     assert xp.is_contiguous() and xp.shape == x.shape
+    padded = R.permute_x(x, 8)
+    assert padded.shape == (8, k) and torch.equal(padded[:m], xp) and not padded[m:].any()
     for b in range(k // 32):
         for t, h, c, e in [(t, h, c, e) for t in range(2) for h in range(2) for c in range(4) for e in range(2)]:
             logical, physical = 32 * b + 16 * t + 8 * h + 2 * c + e, 32 * b + 8 * c + 4 * e + 2 * t + h
@@ -85,7 +88,7 @@ def test_permuted_product_is_the_product():
 @pytest.mark.parametrize(
     "bits,group,n,k,m,reason",
     [(8, 128, 64, 256, 32, "4-bit"), (4, 64, 64, 256, 32, "multiple of 128"), (4, 128, 64, 384, 32, "multiple of 256"),
-     (4, 128, 96, 256, 32, "multiple of 64"), (4, 128, 64, 256, 65, "1..64")],
+     (4, 128, 96, 256, 32, "multiple of 64"), (4, 128, 64, 256, 129, "1..128")],
 )  # fmt: skip
 def test_unsupported_products_are_named(bits, group, n, k, m, reason):
     _, w = weight(n, k, bits, group)
@@ -111,7 +114,7 @@ def test_cpu_products_in_its_rows_run_the_triton_path():
     assert_close_to_float64(K.w4a16_linear(x, w, out=out), x, qw, None)
 
 
-# (M, N, K, group, dtype, act_order, bias, config, split): every wgmma N (16 / 32 / 64 rows), all three configs
+# (M, N, K, group, dtype, act_order, bias, config, split): every wgmma N (16 / 32 / 64 / 128 rows), every config
 GPU_CASES = [
     (1, 256, 512, 128, torch.float16, False, False, R.REGA_M32, None),
     (17, 512, 1024, 128, torch.float16, False, True, R.REGA_M32, None),
@@ -121,6 +124,8 @@ GPU_CASES = [
     (48, 512, 4096, 128, torch.bfloat16, False, False, R.REGA_M64, 8),
     (64, 2048, 1024, 128, torch.bfloat16, True, False, R.REGA_M64_SHORT_K, None),
     (64, 1024, 2048, 128, torch.float16, False, True, R.REGA_M64_SHORT_K, 2),
+    (100, 512, 1024, 128, torch.float16, False, True, R.REGA_M128, None),
+    (128, 1024, 2048, 128, torch.bfloat16, True, False, R.REGA_M128, 2),
 ]
 
 
