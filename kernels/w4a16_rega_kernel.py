@@ -1,4 +1,4 @@
-"""W4A16 product for M = 17-64 rows, written in Gluon for Hopper: each thread unpacks packed 4-bit words straight
+"""W4A16 product for M = 17-128 rows, written in Gluon for Hopper: each thread unpacks packed 4-bit words straight
 into the register A operand of an asynchronous wgmma (weights as A, "swap AB"), so that unpacking tile t + 1 runs
 while the tensor cores multiply tile t. y = x @ W.T + bias.
 
@@ -9,9 +9,10 @@ What it computes
     packed zeros, fp16 scales, groups contiguous along K), read in place.
 
 How (``w4a16_rega.py`` is the launch side)
-    - The wgmma's A operand is a [BLOCK_N, BLOCK_K] tile of weight rows; its N is BLOCK_M = M rounded up to 16, 32 or
-      64 rows of x. Thread (warp w, lane 4 g + c) holds A rows 16 w + g and 16 w + g + 8 (and the same + 16 num_warps
-      for taller tiles); it loads, per 32-deep K block b, word row 4 b + c of those rows with plain loads, one tile
+    - The wgmma's A operand is a [BLOCK_N, BLOCK_K] tile of weight rows; its N is BLOCK_M = M rounded up to 16, 32,
+      64 or 128 rows of x (x is padded with zero rows to BLOCK_M: TMA's out-of-bounds fill was 15-35% slower).
+      Thread (warp w, lane 4 g + c) holds A rows 16 w + g and 16 w + g + 8 (and the same + 16 num_warps for taller
+      tiles); it loads, per 32-deep K block b, word row 4 b + c of those rows with plain loads, one tile
       ahead. ``layouts`` writes that distribution out (``DistributedLinearLayout``) and ``_fragment`` ends in
       ``convert_layout(..., assert_trivial=True)``: the unpacked tile reaches the wgmma without moving between threads.
     - A word's eight codes are eight K positions of one row, but a fragment register holds positions (2c, 2c + 1),
@@ -30,13 +31,14 @@ How (``w4a16_rega.py`` is the launch side)
     - split-K (grid axis 1): fp32 partial tiles in a workspace [split, M, N]; the last CTA of a column tile (a counter
       in ``W4A16Weight.locks``, reset by that CTA) adds them in split order (deterministic), adds the bias, stores y.
 
-Measured (H200, Triton 3.6, results/w4a16-rega-wgmma-h200-2026-12-04.md, w4a16-h200-2026-12-04f.md): at M = 64,
-1.49x / 1.60x / 1.50x cuBLAS fp16 on 28672 x 8192 / 8192 x 28672 / 8192 x 8192 (the Triton tiles: 0.89-1.25x),
-1.72-1.84x at M = 32; 3.3-3.9 SASS instructions per weight (fp16; bf16 5.2-5.8), 127-255 registers. Behind the
-mma.sync gemv at M <= 16 and on 4096-wide layers at M 17-32.
+Measured (H200, Triton 3.6, results/w4a16-rega-wgmma-h200-2026-12-04.md, w4a16-h200-2026-12-04f/g.md): at M = 64,
+1.45-1.49x / 1.55-1.60x / 1.45-1.50x cuBLAS fp16 on 28672 x 8192 / 8192 x 28672 / 8192 x 8192 (the Triton tiles:
+0.89-1.25x), 1.66-1.84x at M = 32, 1.01-1.13x at M = 128 (the warp-specialized kernel: 0.89-1.10x); 3.3-3.9 SASS
+instructions per weight (fp16; bf16 5.2-5.8), 127-255 registers. Behind the mma.sync gemv at M <= 16 and on
+4096-wide layers at M 17-32 and 65-128.
 
 Limits: 4-bit codes; groups a multiple of BLOCK_K (or one group); K a multiple of 2 x BLOCK_K x split; N a multiple
-of BLOCK_N; M <= 64; CUDA sm_90 (wgmma, TMA). Gluon has no interpreter mode: the CPU tests cover the launcher's rules
+of BLOCK_N; M <= 128; CUDA sm_90 (wgmma, TMA). Gluon has no interpreter mode: the CPU tests cover the launcher's rules
 and ``permute_x``, the GPU tests the kernel. Written for Triton 3.6's Gluon.
 """
 

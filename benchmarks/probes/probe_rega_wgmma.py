@@ -9,7 +9,7 @@ tensor cores multiply tile t.
 Result (H200, results/w4a16-rega-wgmma-h200-2026-12-04.md): 1.46-1.52x cuBLAS fp16 at M = 64 on 28672 x 8192 /
 8192 x 28672 (committed Triton tiles 0.91x / 1.18x), 1.74x / 1.81x at M = 32; behind the mma.sync gemv at M = 16 and
 on 4096 x 4096. The kernel now lives in ``kernels/w4a16_rega_kernel.py`` (launch side ``w4a16_rega.py``, in the
-dispatch for M 17-64 of the larger layers); this probe times its configs against the dispatch.
+dispatch for M 17-128 of the larger layers); this probe times its configs against the dispatch.
 
 Why: at M = 16-64 the committed paths stream the 4-bit weight at 0.5-2.0 TB/s (results/w4a16-h200-2026-12-04e.md):
 the mma.sync gemv (M <= 16) reloads x for every warp from L1 and issues the mma one warp at a time, and the Triton
