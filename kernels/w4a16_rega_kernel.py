@@ -81,24 +81,11 @@ def _fragment(words, zz, ss, BN: gl.constexpr, BK: gl.constexpr, a_layout: gl.co
     word c)."""
     zb, _ = gl.broadcast(zz, words)
     sb, _ = gl.broadcast(ss, words)
-    if BF16:
-        p0, p1, p2, p3 = gl.inline_asm_elementwise(
-            _BF16_PAIRS,
-            "=r,=r,=r,=r,r,r,f",
-            [words, zb, sb],
-            (gl.int32, gl.int32, gl.int32, gl.int32),
-            is_pure=True,
-            pack=1,
-        )
-    else:
-        p0, p1, p2, p3 = gl.inline_asm_elementwise(
-            _F16_PAIRS,
-            "=r,=r,=r,=r,r,r,r",
-            [words, zb, sb],
-            (gl.int32, gl.int32, gl.int32, gl.int32),
-            is_pure=True,
-            pack=1,
-        )
+    asm: gl.constexpr = _BF16_PAIRS if BF16 else _F16_PAIRS
+    scale: gl.constexpr = "f" if BF16 else "r"  # fp32 scale for bf16, an fp16 pair otherwise
+    p0, p1, p2, p3 = gl.inline_asm_elementwise(
+        asm, "=r,=r,=r,=r,r,r," + scale, [words, zb, sb], [gl.int32, gl.int32, gl.int32, gl.int32], is_pure=True, pack=1
+    )
     v = gl.join(gl.join(p0, p1), gl.join(p2, p3))  # [BN, BK / 8, h, t]
     v = gl.join(v & 0xFFFF, v >> 16)  # [BN, BK / 8, h, t, e]
     v = gl.reshape(v, [BN, BK // 32, 4, 2, 2, 2])  # [n, b, c, h, t, e]
