@@ -27,7 +27,7 @@ How (``w4a16_rega.py`` is the launch side)
       ptxas 12.8 (Triton 3.6's) does rewrite them when the next tile's fragment is computed (triton-lang/triton#9433;
       measured: NaN / wrong results at M > 16 with a single fragment; results/w4a16-rega-wgmma-h200-2026-12-04.md).
       So the loop is unrolled by two, one fragment for even and one for odd tiles, and ``_keep`` puts a use of each
-      fragment's registers (a store predicated on M < 0) after the wait that retires its wgmma.
+      fragment's registers (a store predicated on N < 0) after the wait that retires its wgmma.
     - split-K (grid axis 1): fp32 partial tiles in a workspace [split, M, N]; the last CTA of a column tile (a counter
       in ``W4A16Weight.locks``, reset by that CTA) adds them in split order (deterministic), adds the bias, stores y.
 
@@ -98,7 +98,7 @@ def _fragment(words, zz, ss, BN: gl.constexpr, BK: gl.constexpr, a_layout: gl.co
     return gl.convert_layout(v, a_layout, assert_trivial=True)
 
 
-# eight 16-bit values ($4-$7) stored if M ($8) < 0, never true: a use of the registers ptxas cannot remove
+# eight 16-bit values ($4-$7) stored if $8 < 0, never true: a use of the registers ptxas cannot remove
 _KEEP_ASM = gl.constexpr(
     "{\n.reg .pred p;\nsetp.lt.s32 p, $8, 0;\n@p st.global.v4.b32 [$16], {$4, $5, $6, $7};\n"
     "mov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n}"
@@ -107,12 +107,13 @@ _KEEP_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r,r,r,r,r," + ",".join(["r"] * 8) + 
 
 
 @gluon.jit
-def _keep(a, M, ptr):
-    """A use of every register of fragment ``a`` that ptxas cannot drop (a store predicated on M < 0, never true):
+def _keep(a, N, ptr):
+    """A use of every register of fragment ``a`` that ptxas cannot drop (a store predicated on N < 0, never true; not
+    on M, which Triton turns into the constant 1 for one-row calls, and ptxas then drops the store; N >= 64 here):
     placed after the wgmma_wait that retires the wgmma reading ``a``, it keeps those registers from being handed to
     the next fragment while that wgmma may still read them. PTX leaves rewriting them before the wait undefined, and
     ptxas 12.8 does rewrite them (triton-lang/triton#9433; measured here: wrong results at M > 16 without it)."""
-    mb = gl.full(a.shape, 0, gl.int32, layout=a.type.layout) + M
+    mb = gl.full(a.shape, 0, gl.int32, layout=a.type.layout) + N
     pb = gl.full(a.shape, 0, gl.int64, layout=a.type.layout) + ptr.to(gl.int64, bitcast=True)
     gl.inline_asm_elementwise(_KEEP_ASM, _KEEP_CONSTRAINTS, [a, mb, pb], a.dtype, is_pure=False, pack=8)
 
@@ -143,8 +144,8 @@ def _refill(x_desc, x_smem, bars, nt, k0, k_tiles, BK: gl.constexpr, STAGES: gl.
 
 
 @gluon.jit
-def _tile(t, words, w_ptrs, acc, a_prev, x_desc, x_smem, bars, qz_ptr, s_ptr, rows, z_shift, k0, k_tiles, M,
-          out_ptr, stride_qzg, stride_sg, stride_qwk, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+def _tile(t, words, w_ptrs, acc, a_prev, x_desc, x_smem, bars, qz_ptr, s_ptr, rows, z_shift, k0, k_tiles, N, out_ptr,
+          stride_qzg, stride_sg, stride_qwk, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
           GROUP: gl.constexpr, BF16: gl.constexpr, a_layout: gl.constexpr):  # fmt: skip
     """One K tile of the overlapped loop: unpack tile t (its words loaded a tile ago) while wgmma t - 1 runs, issue
     wgmma t, wait for t - 1 only, keep t - 1's fragment ``a_prev`` alive up to that wait. Returns the accumulator,
@@ -156,7 +157,7 @@ def _tile(t, words, w_ptrs, acc, a_prev, x_desc, x_smem, bars, qz_ptr, s_ptr, ro
     mbarrier.wait(bars.index(slot), (t // STAGES) & 1)
     acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-    _keep(a_prev, M, out_ptr)
+    _keep(a_prev, N, out_ptr)
     _refill(x_desc, x_smem, bars, t + STAGES - 1, k0, k_tiles, BK, STAGES)
     return acc, a, words_next
 
@@ -237,10 +238,10 @@ def _w4a16_rega_kernel(
         a1 = gl.zeros([BN, BK], act, layout=a_layout)
         for t in range(0, k_tiles, 2):
             acc, a0, words = _tile(t, words, w_ptrs, acc, a1, x_desc, x_smem, bars, qz_ptr, s_ptr, rows, z_shift,
-                                   k0, k_tiles, M, out_ptr, stride_qzg, stride_sg, stride_qwk, BN, BK, STAGES, GROUP,
+                                   k0, k_tiles, N, out_ptr, stride_qzg, stride_sg, stride_qwk, BN, BK, STAGES, GROUP,
                                    BF16, a_layout)  # fmt: skip
             acc, a1, words = _tile(t + 1, words, w_ptrs, acc, a0, x_desc, x_smem, bars, qz_ptr, s_ptr, rows, z_shift,
-                                   k0, k_tiles, M, out_ptr, stride_qzg, stride_sg, stride_qwk, BN, BK, STAGES, GROUP,
+                                   k0, k_tiles, N, out_ptr, stride_qzg, stride_sg, stride_qwk, BN, BK, STAGES, GROUP,
                                    BF16, a_layout)  # fmt: skip
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     else:
