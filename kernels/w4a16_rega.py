@@ -155,7 +155,7 @@ def w4a16_rega_gemm(
     split: int | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W.T + bias with the register-A wgmma kernel; x is already in kernel channel order.
-    ``config``: instead of ``rega_config_for``'s (tests, probes: any M up to 64); ``split``: the split-K factor
+    ``config``: instead of ``rega_config_for``'s (tests, probes: any M up to 128); ``split``: the split-K factor
     instead of ``rega_split``'s; each part must be an even number of whole tiles."""
     check_operands(x, w, bias, out)
     m, k = x.shape

@@ -44,6 +44,8 @@ and ``permute_x``, the GPU tests the kernel. Written for Triton 3.6's Gluon.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -261,6 +263,7 @@ def _w4a16_rega_kernel(
               num_warps)  # fmt: skip
 
 
+@functools.cache
 def layouts(bm: int, bn: int, bk: int, num_warps: int) -> tuple:
     """(accumulator [BN, BM], A operand [BN, BK], packed words [BN, BK / 8]) register layouts. Thread
     (warp w, lane 4 g + c) holds the words of rows 16 w + g, 16 w + g + 8 (+ 16 num_warps r) and word rows 4 b + c:
