@@ -84,6 +84,21 @@ def assert_close_to_float64(y, x, qw, bias):
     assert err <= 2 * torch_err + floor, f"kernel error {err:.3g} vs PyTorch's {torch_err:.3g}"
 
 
+def assert_kernel_case(product, qw, w, m, dtype, with_bias):
+    """One GPU case of a split-K kernel: x [M, K] (permuted to the weight's channel order for act-order), optional
+    bias, a NaN-poisoned ``out``; ``product(x_kernel, bias, out)`` must fill ``out`` itself, meet the float64 rule
+    and leave the weight's split-K counters reset. Returns (x, bias, y)."""
+    x = torch.randn(m, w.in_features, device=DEVICE).to(dtype)
+    bias = torch.randn(w.out_features, device=DEVICE).to(dtype) if with_bias else None
+    x_kernel = x.index_select(1, w.perm) if w.perm is not None else x
+    out = torch.full((m, w.out_features), float("nan"), device=DEVICE, dtype=dtype)
+    y = product(x_kernel, bias, out)
+    assert y.data_ptr() == out.data_ptr()
+    assert_close_to_float64(y, x, qw, bias)
+    assert not w.locks.any()  # the last CTA of each split tile reset its counter
+    return x, bias, y
+
+
 # (M, N, K, bits, group, sym, dtype, act_order, bias, config): M from 1 to 300, odd N, K off the block, ragged groups
 CASES = [
     (1, 77, 576, 4, 128, False, torch.float16, False, True, None),  # ragged last group (576 = 4.5 * 128)

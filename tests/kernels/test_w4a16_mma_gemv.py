@@ -18,7 +18,7 @@ from quantkit.kernels import w4a16 as K
 from quantkit.kernels import w4a16_mma_gemv as MG
 from quantkit.kernels.w4a16_weight import num_sms
 
-from tests.kernels.test_w4a16 import DEVICE, assert_close_to_float64, make_layer, prepared
+from tests.kernels.test_w4a16 import DEVICE, assert_close_to_float64, assert_kernel_case, make_layer, prepared
 
 sm90 = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0))
@@ -129,14 +129,8 @@ GPU_CASES = [
 @pytest.mark.parametrize("m,n,k,group,dtype,act_order,with_bias,split", GPU_CASES)
 def test_kernel_matches_float64_reference(m, n, k, group, dtype, act_order, with_bias, split, cfg):
     qw, w = weight(n, k, group, act_order, seed=m + n)
-    x = torch.randn(m, k, device="cuda").to(dtype)
-    bias = torch.randn(n, device="cuda").to(dtype) if with_bias else None
-    x_kernel = x.index_select(1, w.perm) if w.perm is not None else x
-    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-    y = MG.w4a16_mma_gemv(x_kernel, w, bias, out, config=cfg, split=split)
-    assert y.data_ptr() == out.data_ptr()
-    assert_close_to_float64(y, x, qw, bias)
-    assert not w.locks.any()  # the last CTA of each split tile reset its counter
+    assert_kernel_case(lambda x, b, o: MG.w4a16_mma_gemv(x, w, b, o, config=cfg, split=split), qw, w, m, dtype,
+                       with_bias)  # fmt: skip
 
 
 @sm90

@@ -15,7 +15,7 @@ from quantkit.kernels import w4a16 as K
 from quantkit.kernels import w4a16_ws as WS
 from quantkit.kernels.w4a16_rega import rega_plan
 
-from tests.kernels.test_w4a16 import DEVICE, assert_close_to_float64, make_layer, prepared
+from tests.kernels.test_w4a16 import DEVICE, assert_close_to_float64, assert_kernel_case, make_layer, prepared
 
 hopper = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0))
@@ -112,14 +112,8 @@ GPU_CASES = [
 @pytest.mark.parametrize("m,n,k,group,dtype,act_order,with_bias,split", GPU_CASES)
 def test_kernel_matches_float64_reference(m, n, k, group, dtype, act_order, with_bias, split):
     qw, w = weight(n, k, 4, group, act_order, seed=m + n)
-    x = torch.randn(m, k, device="cuda").to(dtype)
-    bias = torch.randn(n, device="cuda").to(dtype) if with_bias else None
-    x_kernel = x.index_select(1, w.perm) if w.perm is not None else x
-    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-    y = WS.w4a16_ws_gemm(x_kernel, w, bias, out, split=split)
-    assert y.data_ptr() == out.data_ptr()
-    assert_close_to_float64(y, x, qw, bias)
-    assert not w.locks.any()  # the last CTA of each split tile reset its counter
+    x, bias, y = assert_kernel_case(lambda x, b, o: WS.w4a16_ws_gemm(x, w, b, o, split=split), qw, w, m, dtype,
+                                    with_bias)  # fmt: skip
     via_linear = K.w4a16_linear(x, w, bias)  # the default dispatch: this kernel where its rule offers it and the
     # register-A kernel's (M <= 128, asked first) does not
     sms = torch.cuda.get_device_properties(0).multi_processor_count
