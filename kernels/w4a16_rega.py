@@ -62,7 +62,7 @@ class RegaConfig:
 REGA_M32 = RegaConfig(64, 128, 4, 4, 2.0)  # M 17-32
 REGA_M64 = RegaConfig(128, 128, 4, 4, 1.0)  # M 33-64, K >= 8192 (two m64 blocks per warp, 255 registers)
 REGA_M64_SHORT_K = RegaConfig(64, 128, 3, 4, 1.0)  # M 33-64, K < 8192
-REGA_M128 = RegaConfig(64, 128, 3, 4, 1.0)  # M 65-128 (the wgmma's N = 128; the same tiles as REGA_M64_SHORT_K)
+REGA_M128 = REGA_M64_SHORT_K  # M 65-128 (the wgmma's N = 128): the same tiles measured best
 REGA_MIN_N = 6144  # M 17-32 and 65-128 only on layers at least this wide
 REGA_M64_MIN_WEIGHTS = 16 * 2**20
 
