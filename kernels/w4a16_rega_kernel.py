@@ -47,6 +47,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from quantkit.kernels.w4a16_ws_kernel import _ptx_pairs
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -55,20 +56,16 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 def _pairs_ptx(bf16: bool) -> str:
     """PTX: word $4, zero pair $5 (two 16-bit magic + z), scale $6 (fp16 pair, or fp32 for bf16) -> $0..$3, the
-    dequantized codes (j, j + 4) of the word as one 16-bit pair each (low half code j)."""
+    dequantized codes (j, j + 4) of the word as one 16-bit pair each (low half code j): the warp-specialized kernel's
+    unpacking (``_ptx_pairs``), then the scale product without its re-pairing into k-adjacent values."""
     kind, magic = ("bf16", 0x43004300) if bf16 else ("f16", 0x64006400)
-    lines = ["{", ".reg .b32 u, l, h;"]
+    lines = ["{", ".reg .b32 t0, t1, t2, t3, u, l, h;", _ptx_pairs(magic, kind)]
     for j in range(4):
-        src = "$4"
-        if j:
-            lines.append(f"shr.u32 u, $4, {4 * j};")
-            src = "u"
-        lines += [f"lop3.b32 ${j}, {src}, 0x000F000F, {magic:#010x}, 0xea;", f"sub.rn.{kind}x2 ${j}, ${j}, $5;"]
         if bf16:  # exact q - z widened to fp32, times the fp32 scale, rounded once per value
-            lines += [f"shl.b32 l, ${j}, 16;", f"and.b32 h, ${j}, 0xFFFF0000;", "mul.rn.f32 l, l, $6;",
+            lines += [f"shl.b32 l, t{j}, 16;", f"and.b32 h, t{j}, 0xFFFF0000;", "mul.rn.f32 l, l, $6;",
                       "mul.rn.f32 h, h, $6;", f"cvt.rn.bf16x2.f32 ${j}, h, l;"]  # fmt: skip
         else:
-            lines.append(f"mul.rn.f16x2 ${j}, ${j}, $6;")
+            lines.append(f"mul.rn.f16x2 ${j}, t{j}, $6;")
     return "\n".join([*lines, "}"])
 
 
