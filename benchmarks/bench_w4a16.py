@@ -25,6 +25,7 @@ Modes (results under $OUT if set, else ./bench_out: JSON + markdown; a short tab
   python benchmarks/bench_w4a16.py --sweep --table    the sweep, then the full table with its winners (one run)
   python benchmarks/bench_w4a16.py --configs S.json   full table with a sweep's winners instead of CONFIG_TABLE
   python benchmarks/bench_w4a16.py --apply S.json     (no GPU) write a sweep's winners into kernels/w4a16_configs.py
+  python benchmarks/bench_w4a16.py --summary T.json   (no GPU) a saved table's speedups and per-M geomeans
   TRITON_INTERPRET=1 python benchmarks/bench_w4a16.py --smoke   CPU plumbing check: tiny shapes, wall clock
 """
 
@@ -496,6 +497,12 @@ def print_short_table(result: dict) -> None:
                 target = None
             out.append(f"{s:5.2f}{'*' if target and s < target else ' '}" if s is not None else "      ")
         print(f"{f'{n}x{k}':>12} {g:>4} " + " ".join(out))
+    for label, groups in (("geomean", None), ("geomean g128", {128})):
+        out = []
+        for m in ms:
+            cells = [r["speedup"] for r in result["rows"] if r["m"] == m and (groups is None or r["group"] in groups)]
+            out.append(f"{math.exp(sum(map(math.log, cells)) / len(cells)):5.2f} " if cells else "      ")
+        print(f"{label:>17} " + " ".join(out))
     bad = [c for c in result["checks"] if not c["ok"]]
     print(f"correctness: {len(result['checks']) - len(bad)}/{len(result['checks'])} checks within 2x cuBLAS error")
 
@@ -628,9 +635,13 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (needs TRITON_INTERPRET=1)")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="precompile processes")
     ap.add_argument("--no-precompile", action="store_true", help="compile lazily in this process instead")
+    ap.add_argument("--summary", type=Path, help="print a saved table's speedups and per-M geomeans (results/*.json)")
     args = ap.parse_args()
     if args.apply:
         apply_sweep(args.apply)
+        return
+    if args.summary:
+        print_short_table(json.loads(args.summary.read_text()))
         return
     if args.smoke != (os.environ.get("TRITON_INTERPRET") == "1"):
         raise SystemExit("--smoke runs in Triton's interpreter and only there: set TRITON_INTERPRET=1 with --smoke")

@@ -42,3 +42,13 @@ def test_smoke_mode_runs_and_writes_its_results(script, written, tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert "CORRECTNESS FAILURE" not in run.stdout
     assert (tmp_path / written).is_file()
+
+
+def test_w4a16_summary_reprints_a_committed_tables_geomeans():
+    """The per-M geomeans the README and closing notes quote come from this command on the committed JSON."""
+    table = ROOT / "results" / "w4a16-h200-2026-12-04g.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_w4a16.py"), "--summary", str(table)],
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = {" ".join(line.split()[:-11]): line.split()[-11:] for line in run.stdout.splitlines() if "geomean" in line}
+    assert rows["geomean"][6] == "1.04" and rows["geomean g128"][6] == "1.23"  # M = 64 (columns: M = 1 ... 4096)
