@@ -44,7 +44,8 @@ class RegaConfig:
     """``block_n`` weight rows x ``block_k`` of K per tile (the wgmma's M x K; its N is M rounded up to 16, 32, 64 or
     128); ``stages`` TMA slots of x; ``num_warps`` (4 per warp group of 64 rows); ``split_waves``: split K while the
     grid holds fewer than this many CTAs per SM; ``overlap`` False: each wgmma retired before the next tile is
-    unpacked (an ablation for the probe)."""
+    unpacked (an ablation for the probe); ``ahead``: 0 loads a tile's packed words one tile ahead and its zeros and
+    scales where they are used, 1 or 2 load all three that many tiles ahead."""
 
     block_n: int = 64
     block_k: int = 128
@@ -52,11 +53,12 @@ class RegaConfig:
     num_warps: int = 4
     split_waves: float = 1.0
     overlap: bool = True
+    ahead: int = 0
 
     @property
     def name(self) -> str:
         base = f"rw-n{self.block_n}k{self.block_k}s{self.stages}w{self.num_warps}v{self.split_waves:g}"
-        return base + ("" if self.overlap else "-w0")
+        return base + ("" if self.overlap else "-w0") + (f"-a{self.ahead}" if self.ahead else "")
 
 
 REGA_M32 = RegaConfig(64, 128, 4, 4, 2.0)  # M 17-32
@@ -193,7 +195,7 @@ def launch(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, out: torc
         bias if bias is not None else out, out, part, w.locks,
         m, n, k, w.qweight.stride(0), w.qzeros.stride(0), w.scales.stride(0), out.stride(0),
         BM=bm, BN=cfg.block_n, BK=cfg.block_k, STAGES=cfg.stages, GROUP=w.group_size or k, BF16=bf16,
-        HAS_BIAS=bias is not None, SPLIT_K=split, OVERLAP=cfg.overlap, ACC_LAYOUT=acc_layout, A_LAYOUT=a_layout,
-        W_LAYOUT=w_layout, num_warps=cfg.num_warps,
+        HAS_BIAS=bias is not None, SPLIT_K=split, OVERLAP=cfg.overlap, AHEAD=cfg.ahead, ACC_LAYOUT=acc_layout,
+        A_LAYOUT=a_layout, W_LAYOUT=w_layout, num_warps=cfg.num_warps,
     )  # fmt: skip
     return out

@@ -23,6 +23,12 @@ How (``w4a16_rega.py`` is the launch side)
       pair, times the scale pair (fp16) or, for bf16, times the fp32 scale and one cvt per pair.
     - x tiles [BLOCK_M, BLOCK_K] come by TMA into a ring of STAGES slots. wgmma t is issued asynchronously and only
       wgmma t - 1 is waited for, then t - 1's slot is refilled after a CTA barrier.
+    - The packed words, zero words and scales of tile t + AHEAD are loaded while tile t is unpacked (AHEAD 0: the
+      words one tile ahead, zeros and scales at their use). They stay as loaded until their tile: arithmetic right
+      after a load waits for it (a first version unpacked the zeros on arrival and ran up to 50% slower than AHEAD 0).
+      Two tiles ahead gained 1-4% (fp16) and 5-14% (bf16) at M = 65-128 and made 64-row tiles the better choice on
+      4096-wide layers at M = 33-64; one tile ahead (more registers than AHEAD 0, fewer than 2 in flight) gained
+      nothing (results/w4a16-rega-ahead-h200-2026-12-04.md).
     - Register hazard: PTX leaves rewriting the A registers of a wgmma before the wait that retires it undefined, and
       ptxas 12.8 (Triton 3.6's) does rewrite them when the next tile's fragment is computed (triton-lang/triton#9433;
       measured: NaN / wrong results at M > 16 with a single fragment; results/w4a16-rega-wgmma-h200-2026-12-04.md).
@@ -37,9 +43,10 @@ Measured (H200, Triton 3.6, results/w4a16-rega-wgmma-h200-2026-12-04.md, w4a16-h
 instructions per weight (fp16; bf16 5.2-5.8), 127-255 registers. Behind the mma.sync gemv at M <= 16 and on
 4096-wide layers at M 17-32 and 65-128.
 
-Limits: 4-bit codes; groups a multiple of BLOCK_K (or one group); K a multiple of 2 x BLOCK_K x split; N a multiple
-of BLOCK_N; M <= 128; CUDA sm_90 (wgmma, TMA). Gluon has no interpreter mode: the CPU tests cover the launcher's rules
-and ``permute_x``, the GPU tests the kernel. Written for Triton 3.6's Gluon.
+Limits: 4-bit codes; groups a multiple of BLOCK_K (or one group); K a multiple of 2 x BLOCK_K x split; N a multiple of
+BLOCK_N; M <= 128 (the launcher's bound: 256-row tiles compile and were timed, but lost); CUDA sm_90 (wgmma, TMA). Gluon
+has no interpreter mode: the CPU tests cover the launcher's rules and ``permute_x``, the GPU tests the kernel. Written
+for Triton 3.6's Gluon.
 """
 
 from __future__ import annotations
@@ -118,17 +125,24 @@ def _keep(a, N, ptr):
 
 
 @gluon.jit
-def _group_pairs(qz_ptr, s_ptr, rows, z_shift, g, stride_qzg, stride_sg, BF16: gl.constexpr):
-    """Group g's zero pairs (two 16-bit magic + z) and scales (fp16 pair, or fp32 for bf16) as [BN, 1]."""
+def _group_words(qz_ptr, s_ptr, rows, g, stride_qzg, stride_sg):
+    """Group g's packed zero words and scales as loaded, [BN] each (``_group_pairs`` turns them into operands: kept
+    apart so that a load issued a tile ahead is not waited for by arithmetic placed right after it)."""
+    return gl.load(qz_ptr + g * stride_qzg + rows // 8), gl.load(s_ptr + g * stride_sg + rows)
+
+
+@gluon.jit
+def _group_pairs(zw, sv, z_shift, BF16: gl.constexpr):
+    """A group's loaded zero words and scales -> zero pairs (two 16-bit magic + z) and scales (fp16 pair, or fp32
+    for bf16) as [BN, 1]."""
     MAGIC: gl.constexpr = 0x4300 if BF16 else 0x6400
-    zw = gl.load(qz_ptr + g * stride_qzg + rows // 8)
     zv = ((zw >> z_shift) & 0xF) | MAGIC
     zz = gl.expand_dims(zv | (zv << 16), 1)
     if BF16:
-        ss = gl.expand_dims(gl.load(s_ptr + g * stride_sg + rows).to(gl.float32), 1)
+        ss = gl.expand_dims(sv.to(gl.float32), 1)
     else:
-        sv = gl.load(s_ptr + g * stride_sg + rows).to(gl.int32) & 0xFFFF
-        ss = gl.expand_dims(sv | (sv << 16), 1)
+        sp = sv.to(gl.int32) & 0xFFFF
+        ss = gl.expand_dims(sp | (sp << 16), 1)
     return zz, ss
 
 
@@ -143,14 +157,34 @@ def _refill(x_desc, x_smem, bars, nt, k0, k_tiles, BK: gl.constexpr, STAGES: gl.
 
 
 @gluon.jit
-def _tile(t, words, w_ptrs, acc, a_prev, x_desc, x_smem, bars, qz_ptr, s_ptr, rows, z_shift, k0, k_tiles, N, out_ptr,
-          stride_qzg, stride_sg, stride_qwk, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-          GROUP: gl.constexpr, BF16: gl.constexpr, a_layout: gl.constexpr):  # fmt: skip
-    """One K tile of the overlapped loop: unpack tile t (its words loaded a tile ago) while wgmma t - 1 runs, issue
-    wgmma t, wait for t - 1 only, keep t - 1's fragment ``a_prev`` alive up to that wait. Returns the accumulator,
-    this tile's fragment and the next tile's words."""
-    zz, ss = _group_pairs(qz_ptr, s_ptr, rows, z_shift, (k0 + t * BK) // GROUP, stride_qzg, stride_sg, BF16)
-    words_next = gl.load(w_ptrs + gl.minimum(t + 1, k_tiles - 1) * (BK // 8) * stride_qwk)
+def _operands(w_ptrs, qz_ptr, s_ptr, rows, t, k0, k_tiles, stride_qwk, stride_qzg, stride_sg, BK: gl.constexpr,
+              GROUP: gl.constexpr):  # fmt: skip
+    """Tile t's packed words and its group's zero words and scales, as loaded (t past the end reads the last tile
+    again)."""
+    t = gl.minimum(t, k_tiles - 1)
+    words = gl.load(w_ptrs + t * (BK // 8) * stride_qwk)
+    zw, sv = _group_words(qz_ptr, s_ptr, rows, (k0 + t * BK) // GROUP, stride_qzg, stride_sg)
+    return words, zw, sv
+
+
+@gluon.jit
+def _tile(t, words, zw, sv, words2, zw2, sv2, w_ptrs, acc, a_prev, x_desc, x_smem, bars, qz_ptr, s_ptr, rows,
+          z_shift, k0, k_tiles, N, out_ptr, stride_qzg, stride_sg, stride_qwk, BN: gl.constexpr, BK: gl.constexpr,
+          STAGES: gl.constexpr, GROUP: gl.constexpr, BF16: gl.constexpr, AHEAD: gl.constexpr,
+          a_layout: gl.constexpr):  # fmt: skip
+    """One K tile of the overlapped loop: unpack tile t (its operands loaded ``AHEAD`` tiles ago: (words, zw, sv),
+    then (words2, zw2, sv2) for tile t + 1 when AHEAD == 2) while wgmma t - 1 runs, issue wgmma t, wait for t - 1
+    only, keep t - 1's fragment ``a_prev`` alive up to that wait. AHEAD == 0: the words come a tile ahead, the zeros
+    and scales are loaded here, where they are used. Returns the accumulator, this tile's fragment and the operands
+    of the next AHEAD tiles."""
+    if AHEAD == 0:
+        nz, ns = zw, sv  # unused, carried unchanged
+        zw, sv = _group_words(qz_ptr, s_ptr, rows, (k0 + t * BK) // GROUP, stride_qzg, stride_sg)
+        nw = gl.load(w_ptrs + gl.minimum(t + 1, k_tiles - 1) * (BK // 8) * stride_qwk)
+    else:
+        nw, nz, ns = _operands(w_ptrs, qz_ptr, s_ptr, rows, t + AHEAD, k0, k_tiles, stride_qwk, stride_qzg, stride_sg,
+                               BK, GROUP)  # fmt: skip
+    zz, ss = _group_pairs(zw, sv, z_shift, BF16)
     a = _fragment(words, zz, ss, BN, BK, a_layout, BF16)
     slot = t % STAGES
     mbarrier.wait(bars.index(slot), (t // STAGES) & 1)
@@ -158,7 +192,10 @@ def _tile(t, words, w_ptrs, acc, a_prev, x_desc, x_smem, bars, qz_ptr, s_ptr, ro
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
     _keep(a_prev, N, out_ptr)
     _refill(x_desc, x_smem, bars, t + STAGES - 1, k0, k_tiles, BK, STAGES)
-    return acc, a, words_next
+    if AHEAD == 2:
+        return acc, a, words2, zw2, sv2, nw, nz, ns
+    else:
+        return acc, a, nw, nz, ns, words2, zw2, sv2
 
 
 @gluon.jit
@@ -202,7 +239,7 @@ def _w4a16_rega_kernel(
     x_desc, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, stride_qwk, stride_qzg, stride_sg, stride_om,
     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-    BF16: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, OVERLAP: gl.constexpr,
+    BF16: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, OVERLAP: gl.constexpr, AHEAD: gl.constexpr,
     ACC_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, W_LAYOUT: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """``OVERLAP`` False: each wgmma retired before the next tile is unpacked (the probe's ablation)."""
@@ -231,21 +268,31 @@ def _w4a16_rega_kernel(
         mbarrier.expect(bars.index(i), x_desc.block_type.nbytes, pred=pred)
         tma.async_copy_global_to_shared(x_desc, [0, k0 + i * BK], bars.index(i), x_smem.index(i), pred=pred)
 
-    words = gl.load(w_ptrs)
     acc = gl.zeros([BN, BM], gl.float32, layout=acc_layout)
     if OVERLAP:  # unpack tile t while wgmma t - 1 runs; two fragments, even and odd tiles
+        w0, z0, s0 = _operands(w_ptrs, qz_ptr, s_ptr, rows, 0, k0, k_tiles, stride_qwk, stride_qzg, stride_sg, BK,
+                               GROUP)  # fmt: skip
+        w1, z1, s1 = w0, z0, s0  # tile 1's operands when AHEAD == 2, else unused
+        if AHEAD == 2:
+            w1, z1, s1 = _operands(w_ptrs, qz_ptr, s_ptr, rows, 1, k0, k_tiles, stride_qwk, stride_qzg, stride_sg,
+                                   BK, GROUP)  # fmt: skip
         a1 = gl.zeros([BN, BK], act, layout=a_layout)
         for t in range(0, k_tiles, 2):
-            acc, a0, words = _tile(t, words, w_ptrs, acc, a1, x_desc, x_smem, bars, qz_ptr, s_ptr, rows, z_shift,
-                                   k0, k_tiles, N, out_ptr, stride_qzg, stride_sg, stride_qwk, BN, BK, STAGES, GROUP,
-                                   BF16, a_layout)  # fmt: skip
-            acc, a1, words = _tile(t + 1, words, w_ptrs, acc, a0, x_desc, x_smem, bars, qz_ptr, s_ptr, rows, z_shift,
-                                   k0, k_tiles, N, out_ptr, stride_qzg, stride_sg, stride_qwk, BN, BK, STAGES, GROUP,
-                                   BF16, a_layout)  # fmt: skip
+            acc, a0, w0, z0, s0, w1, z1, s1 = _tile(
+                t, w0, z0, s0, w1, z1, s1, w_ptrs, acc, a1, x_desc, x_smem, bars, qz_ptr, s_ptr, rows, z_shift, k0,
+                k_tiles, N, out_ptr, stride_qzg, stride_sg, stride_qwk, BN, BK, STAGES, GROUP, BF16, AHEAD, a_layout,
+            )  # fmt: skip
+            acc, a1, w0, z0, s0, w1, z1, s1 = _tile(
+                t + 1, w0, z0, s0, w1, z1, s1, w_ptrs, acc, a0, x_desc, x_smem, bars, qz_ptr, s_ptr, rows, z_shift,
+                k0, k_tiles, N, out_ptr, stride_qzg, stride_sg, stride_qwk, BN, BK, STAGES, GROUP, BF16, AHEAD,
+                a_layout,
+            )  # fmt: skip
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     else:
+        words = gl.load(w_ptrs)
         for t in range(k_tiles):
-            zz, ss = _group_pairs(qz_ptr, s_ptr, rows, z_shift, (k0 + t * BK) // GROUP, stride_qzg, stride_sg, BF16)
+            zw, sv = _group_words(qz_ptr, s_ptr, rows, (k0 + t * BK) // GROUP, stride_qzg, stride_sg)
+            zz, ss = _group_pairs(zw, sv, z_shift, BF16)
             words_next = gl.load(w_ptrs + gl.minimum(t + 1, k_tiles - 1) * KW * stride_qwk)
             a = _fragment(words, zz, ss, BN, BK, a_layout, BF16)
             slot = t % STAGES

@@ -57,11 +57,11 @@ from quantkit.kernels.w4a16_rega import RegaConfig, block_m, w4a16_rega_gemm
 
 
 def parse_variant(name: str) -> RegaConfig:
-    hit = re.fullmatch(r"rw-n(\d+)k(\d+)s(\d+)w(\d+)v([\d.]+)(-w0)?", name)
+    hit = re.fullmatch(r"rw-n(\d+)k(\d+)s(\d+)w(\d+)v([\d.]+)(-w0)?(?:-a(\d))?", name)
     if not hit:
-        raise SystemExit(f"--variants: cannot read {name!r} (expected e.g. rw-n64k128s4w4v1 or ...-w0)")
-    n, k, s, w, v, w0 = hit.groups()
-    return RegaConfig(int(n), int(k), int(s), int(w), float(v), overlap=not w0)
+        raise SystemExit(f"--variants: cannot read {name!r} (expected e.g. rw-n64k128s4w4v1, ...-w0 or ...-a2)")
+    n, k, s, w, v, w0, ahead = hit.groups()
+    return RegaConfig(int(n), int(k), int(s), int(w), float(v), overlap=not w0, ahead=int(ahead or 0))
 
 
 def linear(x, w, config, out=None):
@@ -81,9 +81,9 @@ SHAPES = [(28672, 8192), (8192, 28672), (8192, 8192), (14336, 4096), (4096, 1433
           (28672, 4096)]  # fmt: skip
 
 
-def report_compile(variants) -> None:
-    """Offline sm_90 compile (Triton 3.6 on PYTHONPATH, no GPU): registers, spills, SASS of the K loop (two tiles
-    when overlapped) and instructions per thread and weight."""
+def report_compile(variants, ms) -> None:
+    """Offline sm_90 compile (Triton 3.6 on PYTHONPATH, no GPU) at each of ``ms`` rows: registers, spills, SASS of
+    the K loop (two tiles when overlapped) and instructions per thread and weight."""
     import triton
     from quantkit.kernels.w4a16_rega_kernel import _w4a16_rega_kernel as fn
     from quantkit.kernels.w4a16_rega_kernel import layouts, x_descriptor
@@ -93,7 +93,7 @@ def report_compile(variants) -> None:
     from triton.runtime.jit import mangle_type
 
     for cfg in variants:
-        for m in (16, 64):
+        for m in ms:
             for bf16 in (False, True):
                 act = "bf16" if bf16 else "fp16"
                 bm = block_m(m)
@@ -104,8 +104,8 @@ def report_compile(variants) -> None:
                            bias_ptr=f"*{act}", out_ptr=f"*{act}", ws_ptr="*fp32", cnt_ptr="*i32")  # fmt: skip
                 acc, a, words = layouts(bm, cfg.block_n, cfg.block_k, cfg.num_warps)
                 const = dict(BM=bm, BN=cfg.block_n, BK=cfg.block_k, STAGES=cfg.stages, GROUP=128, BF16=bf16,
-                             HAS_BIAS=False, SPLIT_K=1, OVERLAP=cfg.overlap, ACC_LAYOUT=acc, A_LAYOUT=a,
-                             W_LAYOUT=words, num_warps=cfg.num_warps)  # fmt: skip
+                             HAS_BIAS=False, SPLIT_K=1, OVERLAP=cfg.overlap, AHEAD=cfg.ahead, ACC_LAYOUT=acc,
+                             A_LAYOUT=a, W_LAYOUT=words, num_warps=cfg.num_warps)  # fmt: skip
                 sig.update(dict.fromkeys(const, "constexpr"))
                 aligned = ["qw_ptr", "qz_ptr", "s_ptr", "out_ptr", "ws_ptr", "N", "K", "stride_qwk", "stride_qzg",
                            "stride_sg", "stride_om"]  # fmt: skip
@@ -133,7 +133,7 @@ def main() -> None:
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variants.split(",")] if args.variants else VARIANTS
     if args.compile:
-        return report_compile(variants)
+        return report_compile(variants, [int(m) for m in args.ms.split(",")])
     shapes = {"all": SHAPES, "big": SHAPES[:3], "issue": SHAPES[:6]}[args.shapes]
     walk(args, shapes, variants, linear, "probe_rega_wgmma.json")
 
