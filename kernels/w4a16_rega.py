@@ -7,17 +7,22 @@ returns a plan, this kernel runs, otherwise the other paths decide as before. Ev
 without a GPU (the CPU tests check the rules and ``permute_x``); the Gluon kernel module is imported on the first
 launch only.
 
-The rule (``rega_config_for``) follows an A/B of ``w4a16_linear`` with and without this kernel on the H200, fp16 and
-bf16, M = 17 / 32 / 48 / 64, group 128 (results/w4a16-rega-dispatch-ab-h200-2026-12-04.json; speedups over cuBLAS of
-the same dtype): M 17-32 on layers at least 6144 wide (e.g. fp16 28672 x 8192 1.27x -> 1.74x, 14336 x 4096 1.25x ->
-1.43x, 6144 x 4096 1.12x -> 1.26x; bf16 8192 x 28672 1.09x -> 1.50x; the one loss 28672 x 4096 bf16 1.08x -> 1.03x),
-M 33-64 on layers of at least 16 M weights (fp16 28672 x 8192 0.91x -> 1.50x, 8192 x 28672 1.17x -> 1.61x,
-4096 x 4096 0.89x -> 0.94x; bf16 28672 x 8192 0.77x -> 1.17x; the one loss 4096 x 14336 at M = 64, 1.07x -> 1.01x).
-M 65-128 on layers at least 6144 wide, ahead of the warp-specialized kernel (a second A/B with x padded to the
-tile, ``.../w4a16-rega-dispatch-ab2-h200-2026-12-04.json``: fp16 28672 x 8192 0.92x -> 1.05x, 6144 x 4096 0.61x ->
-0.82x, 28672 x 4096 0.96x -> 1.10x; bf16 6144 x 4096 0.59x -> 0.76x, the loss taken 14336 x 4096 bf16 0.88-0.91x ->
-0.87x). Not taken: M <= 16 (the mma.sync gemv is faster), M 17-32 and 65-128 on 4096-wide layers (4096 x 4096
-1.29x -> 0.91x at M = 17), groups of 64 (gains within noise at M = 64 in the probe).
+The rule (``rega_config_for``) follows A/Bs of ``w4a16_linear`` with and without this kernel on the H200, fp16 and
+bf16, eight layer shapes including the runtime's fused 6144 x 4096 and 28672 x 4096 (speedups over cuBLAS of the same
+dtype; results/w4a16-rega-dispatch-ab-h200-2026-12-04.json, ...-ab2-..., ...-ab5-...):
+- M 17-32 on layers at least 6144 wide (e.g. fp16 28672 x 8192 1.27x -> 1.74x, 14336 x 4096 1.25x -> 1.43x,
+  6144 x 4096 1.12x -> 1.26x; bf16 8192 x 28672 1.09x -> 1.50x; the one loss 28672 x 4096 bf16 1.08x -> 1.03x).
+- M 33-64 on layers of at least 16 M weights: 128-row tiles where the layer is at least 8192 wide, 64-row tiles with
+  the operands loaded two tiles ahead (``ahead=2``) on the narrower ones, where 128-row tiles leave SMs idle
+  (4096 x 14336 at M = 64: fp16 0.99x -> 1.40x, bf16 0.86x -> 1.27x against the 128-row tiles; 28672 x 4096 fp16
+  1.23x -> 1.51x with 128-row tiles instead of the 64-row ones the first rule, by K, gave it).
+- M 65-128 on layers at least 6144 wide, ahead of the warp-specialized kernel, with the 64-row tiles loading two
+  tiles ahead (bf16 0.83-0.95x -> 0.93-1.09x on the six large layers, fp16 +0-4%).
+- Groups of 64: M 33-64 on layers of at least 24 M weights, 128 x 64 tiles, two tiles ahead (fp16 0.84-0.99x ->
+  0.98-1.39x, bf16 0.74-0.89x -> 0.82-1.29x against the Triton tiles; 6144 x 4096 at M = 40 tied).
+Not taken: M <= 16 (the mma.sync gemv is faster), M 17-32 and 65-128 on 4096-wide layers (4096 x 4096 1.29x ->
+0.91x at M = 17), groups of 64 at other M (not timed), M > 128 (a 256-row tile, timed: 0.54-0.78x cuBLAS fp16 at
+M = 256 where the warp-specialized kernel runs 0.74-0.92x; results/w4a16-rega-ahead-h200-2026-12-04.md).
 """
 
 from __future__ import annotations
@@ -62,16 +67,23 @@ class RegaConfig:
 
 
 REGA_M32 = RegaConfig(64, 128, 4, 4, 2.0)  # M 17-32
-REGA_M64 = RegaConfig(128, 128, 4, 4, 1.0)  # M 33-64, K >= 8192 (two m64 blocks per warp, 255 registers)
-REGA_M64_SHORT_K = RegaConfig(64, 128, 3, 4, 1.0)  # M 33-64, K < 8192
-REGA_M128 = REGA_M64_SHORT_K  # M 65-128 (the wgmma's N = 128): the same tiles measured best
+REGA_M64 = RegaConfig(128, 128, 4, 4, 1.0)  # M 33-64, N >= REGA_M64_WIDE_N (two m64 blocks per warp, 255 registers)
+REGA_M64_NARROW = RegaConfig(64, 128, 3, 4, 1.0, ahead=2)  # M 33-64, N < REGA_M64_WIDE_N
+REGA_M64_G64 = RegaConfig(128, 64, 6, 4, 1.0, ahead=2)  # M 33-64, groups of 64
+REGA_M128 = REGA_M64_NARROW  # M 65-128 (the wgmma's N = 128): the same tiles measured best
 REGA_MIN_N = 6144  # M 17-32 and 65-128 only on layers at least this wide
-REGA_M64_MIN_WEIGHTS = 16 * 2**20
+REGA_M64_MIN_WEIGHTS = 16 * 2**20  # M 33-64, groups of a multiple of 128: layers of at least this many weights
+REGA_M64_WIDE_N = 8192  # ... of which those at least this wide take the 128-row tiles
+REGA_G64_MIN_WEIGHTS = 24 * 2**20  # M 33-64, groups of 64: layers of at least this many weights
 
 
 def rega_config_for(m: int, n: int, k: int, group_size: int) -> RegaConfig | None:
     """The measured choice for M rows of an N x K layer, or None where another path is (see the module header)."""
-    if not REGA_MIN_M <= m <= REGA_MAX_M or (group_size or k) % 128:
+    if not REGA_MIN_M <= m <= REGA_MAX_M:
+        return None
+    if group_size == 64:
+        return REGA_M64_G64 if 32 < m <= 64 and n * k >= REGA_G64_MIN_WEIGHTS else None
+    if (group_size or k) % 128:
         return None
     if m <= 32:
         return REGA_M32 if n >= REGA_MIN_N else None
@@ -79,7 +91,7 @@ def rega_config_for(m: int, n: int, k: int, group_size: int) -> RegaConfig | Non
         return REGA_M128 if n >= REGA_MIN_N else None
     if n * k < REGA_M64_MIN_WEIGHTS:
         return None
-    return REGA_M64 if k >= 8192 else REGA_M64_SHORT_K
+    return REGA_M64 if n >= REGA_M64_WIDE_N else REGA_M64_NARROW
 
 
 def block_m(m: int) -> int:

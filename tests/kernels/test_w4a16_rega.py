@@ -5,8 +5,8 @@ Gluon has no interpreter mode, so on CPU these tests check which products the ke
 ``rega_split``, ``rega_unsupported_reason``), that ``permute_x`` is the order the kernel's fragments need, and that
 ``w4a16_linear`` keeps serving those rows through Triton; on the H200 they check the kernel against a float64
 reference under test_w4a16.py's rule (at most twice PyTorch's own error), with NaN-poisoned outputs, M from 1 to 128,
-both dtypes, act-order, bias, one group per column, forced split-K, repeated calls (the register hazard the kernel
-works around showed as wrong results at M > 16 only some of the time) and CUDA-graph replay.
+both dtypes, act-order, bias, groups of 128 and 64 and one group per column, forced split-K, repeated calls (the
+register hazard the kernel works around showed as wrong results at M > 16 only some of the time) and CUDA-graph replay.
 """
 
 from __future__ import annotations
@@ -35,17 +35,21 @@ def weight(n, k, bits=4, group=128, act_order=False, seed=0):
 @pytest.mark.parametrize(
     "m,n,k,group,expected",
     [(16, 28672, 8192, 128, None), (17, 28672, 8192, 128, R.REGA_M32), (32, 6144, 4096, 128, R.REGA_M32),
-     (32, 4096, 14336, 128, None), (33, 28672, 8192, 128, R.REGA_M64), (64, 14336, 4096, 128, R.REGA_M64_SHORT_K),
-     (64, 4096, 4096, 128, R.REGA_M64_SHORT_K), (64, 2048, 4096, 128, None), (65, 28672, 8192, 128, R.REGA_M128),
+     (32, 4096, 14336, 128, None), (33, 28672, 8192, 128, R.REGA_M64), (64, 14336, 4096, 128, R.REGA_M64),
+     (64, 8192, 8192, 128, R.REGA_M64), (64, 4096, 14336, 128, R.REGA_M64_NARROW),
+     (64, 4096, 4096, 128, R.REGA_M64_NARROW), (64, 2048, 4096, 128, None), (65, 28672, 8192, 128, R.REGA_M128),
      (128, 6144, 4096, 128, R.REGA_M128), (96, 4096, 14336, 128, None), (129, 28672, 8192, 128, None),
-     (64, 28672, 8192, 64, None), (48, 8192, 8192, 0, R.REGA_M64)],
+     (64, 28672, 8192, 64, R.REGA_M64_G64), (33, 6144, 4096, 64, R.REGA_M64_G64), (64, 4096, 4096, 64, None),
+     (32, 28672, 8192, 64, None), (65, 28672, 8192, 64, None), (64, 28672, 8192, 32, None),
+     (48, 8192, 8192, 0, R.REGA_M64)],
 )  # fmt: skip
 def test_config_rule_follows_the_measured_cells(m, n, k, group, expected):
     assert R.rega_config_for(m, n, k, group) == expected
 
 
 @pytest.mark.parametrize("n,k,cfg", [(4096, 14336, R.REGA_M32), (8192, 8192, R.REGA_M64), (28672, 8192, R.REGA_M64),
-                                     (14336, 4096, R.REGA_M64_SHORT_K), (8192, 512, R.REGA_M32)])  # fmt: skip
+                                     (14336, 4096, R.REGA_M64_NARROW), (8192, 512, R.REGA_M32),
+                                     (28672, 8192, R.REGA_M64_G64)])  # fmt: skip
 def test_split_keeps_even_whole_tiles(n, k, cfg):
     split = R.rega_split(cfg, n, k, 132)
     assert 1 <= split <= R.REGA_MAX_SPLIT and split & (split - 1) == 0
@@ -122,8 +126,10 @@ GPU_CASES = [
     (32, 384, 1024, -1, torch.float16, False, False, R.REGA_M32, 4),
     (33, 1024, 2048, 128, torch.float16, False, True, R.REGA_M64, None),
     (48, 512, 4096, 128, torch.bfloat16, False, False, R.REGA_M64, 8),
-    (64, 2048, 1024, 128, torch.bfloat16, True, False, R.REGA_M64_SHORT_K, None),
-    (64, 1024, 2048, 128, torch.float16, False, True, R.REGA_M64_SHORT_K, 2),
+    (64, 2048, 1024, 128, torch.bfloat16, True, False, R.REGA_M64_NARROW, None),
+    (64, 1024, 2048, 128, torch.float16, False, True, R.REGA_M64_NARROW, 2),
+    (40, 1024, 2048, 64, torch.float16, False, True, R.REGA_M64_G64, None),
+    (64, 512, 4096, 64, torch.bfloat16, True, False, R.REGA_M64_G64, 4),
     (100, 512, 1024, 128, torch.float16, False, True, R.REGA_M128, None),
     (128, 1024, 2048, 128, torch.bfloat16, True, False, R.REGA_M128, 2),
 ]
@@ -139,13 +145,14 @@ def test_kernel_matches_float64_reference(m, n, k, group, dtype, act_order, with
 
 
 @hopper
-@pytest.mark.parametrize("m", [33, 64])
-def test_repeated_calls_through_the_dispatch_stay_right(m, monkeypatch):
-    """Fifteen fresh inputs through ``w4a16_linear`` (the weight threshold lowered so that a small layer takes this
+@pytest.mark.parametrize("m,group", [(33, 128), (64, 128), (64, 64)])
+def test_repeated_calls_through_the_dispatch_stay_right(m, group, monkeypatch):
+    """Fifteen fresh inputs through ``w4a16_linear`` (the weight thresholds lowered so that a small layer takes this
     kernel): the fragment registers of an in-flight wgmma are never rewritten (without the keep-alive, 15 of 15 such
     calls were wrong on the H200)."""
     monkeypatch.setattr(R, "REGA_M64_MIN_WEIGHTS", 0)
-    qw, w = weight(1024, 8192, seed=m)
+    monkeypatch.setattr(R, "REGA_G64_MIN_WEIGHTS", 0)
+    qw, w = weight(1024, 8192, group=group, seed=m)
     x = torch.randn(m, 8192, device="cuda").half()
     assert R.rega_plan(x, w) is not None
     assert torch.equal(K.w4a16_linear(x, w), R.w4a16_rega_gemm(x, w))
