@@ -77,7 +77,8 @@ def time_variants(layer: Layer, m: int, fp16: float, variants, timer: Timer, row
 
 def report_compile(variants) -> None:
     """Offline sm_90 compile of each config (Triton 3.6 on PYTHONPATH, no GPU): registers, spills and the SASS
-    instructions of the K loop (one iteration: ``steps`` K steps of 32), groups of 128, one row block, split 4."""
+    instructions of the K loop (one iteration: ``steps`` K steps of 32), groups of 128, one and two row blocks
+    (MB), split 4."""
     import triton
     from quantkit.kernels.w4a16_mma_gemv import _w4a16_mma_gemv_kernel as fn
     from sass_w4a16 import loop_body, machine_code
@@ -85,12 +86,12 @@ def report_compile(variants) -> None:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     for cfg in variants:
-        for bf16 in (False, True):
+        for mb, bf16 in [(mb, bf16) for mb in (1, 2) for bf16 in (False, True)]:  # one row block (M <= 8) or two
             act = "bf16" if bf16 else "fp16"
             sig = dict.fromkeys(fn.arg_names, "i32")
             sig.update(x_ptr="*i32", qw_ptr="*i32", qz_ptr="*i32", s_ptr="*fp16", bias_ptr=f"*{act}",
                        out_ptr=f"*{act}", ws_ptr="*fp32", cnt_ptr="*i32")  # fmt: skip
-            const = dict(GROUP=128, STEPS=cfg.steps, MB=1, BF16=bf16, HAS_BIAS=False, SPLIT_K=4, EVEN_N=True,
+            const = dict(GROUP=128, STEPS=cfg.steps, MB=mb, BF16=bf16, HAS_BIAS=False, SPLIT_K=4, EVEN_N=True,
                          PREFETCH=cfg.prefetch, num_warps=cfg.num_warps)  # fmt: skip
             sig.update(dict.fromkeys(const, "constexpr"))
             aligned = ["x_ptr", "qw_ptr", "qz_ptr", "s_ptr", "out_ptr", "ws_ptr", "N", "stride_qwk", "stride_qzg",
@@ -99,7 +100,7 @@ def report_compile(variants) -> None:
             kernel = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                                     options={"num_warps": cfg.num_warps})  # fmt: skip
             regs, stack, sass = machine_code(kernel)
-            print(f"{cfg.name:<20} {act}: regs {regs} stack {stack} loop {len(loop_body(sass))} instructions")
+            print(f"{cfg.name:<20} MB={mb} {act}: regs {regs} stack {stack} loop {len(loop_body(sass))} instructions")
 
 
 def walk(args, shapes, variants, linear, json_name: str) -> None:
