@@ -457,10 +457,10 @@ def w4a16_linear(
     Without ``config``, the products ``w4a16_mma_gemv.mma_plan`` accepts (M <= 16 on CUDA sm_90+, Triton 3.6,
     4-bit, K a multiple of 128, M > 8 only for groups of 64, a multiple of 128 or one group) run the mma.sync gemv,
     those ``w4a16_rega.rega_plan`` accepts (M 17-128 on the layers where it measured faster, sm_90, Triton 3.6,
-    4-bit, groups a multiple of 128, or of 64 at M 33-64) the register-A wgmma kernel, those ``w4a16_ws.ws_plan``
-    accepts (M rows of its table where its rule offers it and the operands suit it: Hopper, Triton 3.6, 4-bit, groups
-    of 64 or 128, TMA-aligned) the warp-specialized Gluon kernel; the rest, and any explicit ``config``, the Triton
-    regime table."""
+    4-bit, groups a multiple of 128 or of 64) the register-A wgmma kernel, those ``w4a16_ws.ws_plan`` accepts (M
+    rows of its table where its rule offers it and the operands suit it: Hopper, Triton 3.6, 4-bit, groups of 64 or
+    128, TMA-aligned) the warp-specialized Gluon kernel; the rest, and any explicit ``config``, the Triton regime
+    table."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if w.perm is not None:

@@ -18,11 +18,14 @@ dtype; results/w4a16-rega-dispatch-ab-h200-2026-12-04.json, ...-ab2-..., ...-ab5
   1.23x -> 1.51x with 128-row tiles instead of the 64-row ones the first rule, by K, gave it).
 - M 65-128 on layers at least 6144 wide, ahead of the warp-specialized kernel, with the 64-row tiles loading two
   tiles ahead (bf16 0.83-0.95x -> 0.93-1.09x on the six large layers, fp16 +0-4%).
-- Groups of 64: M 33-64 on layers of at least 24 M weights, 128 x 64 tiles, two tiles ahead (fp16 0.84-0.99x ->
-  0.98-1.39x, bf16 0.74-0.89x -> 0.82-1.29x against the Triton tiles; 6144 x 4096 at M = 40 tied).
+- Groups of 64, layers of at least 24 M weights, 64-deep tiles loaded two tiles ahead: M 33-64 128-row tiles (fp16
+  0.84-0.99x -> 0.98-1.39x, bf16 0.74-0.89x -> 0.82-1.29x against the Triton tiles; 6144 x 4096 at M = 40 tied);
+  M 17-32 64-row tiles (fp16 at M = 32: 0.99-1.28x -> 1.12-1.55x); M 65-128 64-row tiles, 128-row ones on layers at
+  least 16384 wide (fp16 at M = 128: 0.53-0.85x on the warp-specialized kernel -> 0.74-1.16x). The M 17-32 and
+  65-128 cells were timed at M = 32 and 128 in fp16 only (probe_rega_wgmma.py, results/w4a16-rega-ahead-...).
 Not taken: M <= 16 (the mma.sync gemv is faster), M 17-32 and 65-128 on 4096-wide layers (4096 x 4096 1.29x ->
-0.91x at M = 17), groups of 64 at other M (not timed), M > 128 (a 256-row tile, timed: 0.54-0.78x cuBLAS fp16 at
-M = 256 where the warp-specialized kernel runs 0.74-0.92x; results/w4a16-rega-ahead-h200-2026-12-04.md).
+0.91x at M = 17), M > 128 (a 256-row tile, timed: 0.54-0.78x cuBLAS fp16 at M = 256 where the warp-specialized
+kernel runs 0.74-0.92x; results/w4a16-rega-ahead-h200-2026-12-04.md).
 """
 
 from __future__ import annotations
@@ -69,12 +72,15 @@ class RegaConfig:
 REGA_M32 = RegaConfig(64, 128, 4, 4, 2.0)  # M 17-32
 REGA_M64 = RegaConfig(128, 128, 4, 4, 1.0)  # M 33-64, N >= REGA_M64_WIDE_N (two m64 blocks per warp, 255 registers)
 REGA_M64_NARROW = RegaConfig(64, 128, 3, 4, 1.0, ahead=2)  # M 33-64, N < REGA_M64_WIDE_N
-REGA_M64_G64 = RegaConfig(128, 64, 6, 4, 1.0, ahead=2)  # M 33-64, groups of 64
+REGA_M32_G64 = RegaConfig(64, 64, 6, 4, 2.0, ahead=2)  # M 17-32, groups of 64
+REGA_M64_G64 = RegaConfig(128, 64, 6, 4, 1.0, ahead=2)  # M 33-64, groups of 64; M 65-128 on layers >= 16384 wide
+REGA_M128_G64 = RegaConfig(64, 64, 4, 4, 1.0, ahead=2)  # M 65-128, groups of 64, narrower layers
 REGA_M128 = REGA_M64_NARROW  # M 65-128 (the wgmma's N = 128): the same tiles measured best
 REGA_MIN_N = 6144  # M 17-32 and 65-128 only on layers at least this wide
 REGA_M64_MIN_WEIGHTS = 16 * 2**20  # M 33-64, groups of a multiple of 128: layers of at least this many weights
 REGA_M64_WIDE_N = 8192  # ... of which those at least this wide take the 128-row tiles
-REGA_G64_MIN_WEIGHTS = 24 * 2**20  # M 33-64, groups of 64: layers of at least this many weights
+REGA_G64_MIN_WEIGHTS = 24 * 2**20  # groups of 64: layers of at least this many weights
+REGA_G64_WIDE_N = 16384  # groups of 64, M 65-128: layers at least this wide take the 128-row tiles
 
 
 def rega_config_for(m: int, n: int, k: int, group_size: int) -> RegaConfig | None:
@@ -82,7 +88,11 @@ def rega_config_for(m: int, n: int, k: int, group_size: int) -> RegaConfig | Non
     if not REGA_MIN_M <= m <= REGA_MAX_M:
         return None
     if group_size == 64:
-        return REGA_M64_G64 if 32 < m <= 64 and n * k >= REGA_G64_MIN_WEIGHTS else None
+        if n * k < REGA_G64_MIN_WEIGHTS:
+            return None
+        if m <= 32:
+            return REGA_M32_G64
+        return REGA_M64_G64 if m <= 64 or n >= REGA_G64_WIDE_N else REGA_M128_G64
     if (group_size or k) % 128:
         return None
     if m <= 32:

@@ -40,7 +40,9 @@ def weight(n, k, bits=4, group=128, act_order=False, seed=0):
      (64, 4096, 4096, 128, R.REGA_M64_NARROW), (64, 2048, 4096, 128, None), (65, 28672, 8192, 128, R.REGA_M128),
      (128, 6144, 4096, 128, R.REGA_M128), (96, 4096, 14336, 128, None), (129, 28672, 8192, 128, None),
      (64, 28672, 8192, 64, R.REGA_M64_G64), (33, 6144, 4096, 64, R.REGA_M64_G64), (64, 4096, 4096, 64, None),
-     (32, 28672, 8192, 64, None), (65, 28672, 8192, 64, None), (64, 28672, 8192, 32, None),
+     (32, 28672, 8192, 64, R.REGA_M32_G64), (17, 6144, 4096, 64, R.REGA_M32_G64), (24, 4096, 4096, 64, None),
+     (65, 28672, 8192, 64, R.REGA_M64_G64), (128, 14336, 4096, 64, R.REGA_M128_G64),
+     (100, 4096, 14336, 64, R.REGA_M128_G64), (16, 28672, 8192, 64, None), (64, 28672, 8192, 32, None),
      (48, 8192, 8192, 0, R.REGA_M64)],
 )  # fmt: skip
 def test_config_rule_follows_the_measured_cells(m, n, k, group, expected):
@@ -130,6 +132,9 @@ GPU_CASES = [
     (64, 1024, 2048, 128, torch.float16, False, True, R.REGA_M64_NARROW, 2),
     (40, 1024, 2048, 64, torch.float16, False, True, R.REGA_M64_G64, None),
     (64, 512, 4096, 64, torch.bfloat16, True, False, R.REGA_M64_G64, 4),
+    (20, 512, 2048, 64, torch.float16, True, True, R.REGA_M32_G64, None),
+    (128, 1024, 2048, 64, torch.bfloat16, False, True, R.REGA_M128_G64, 2),
+    (96, 512, 1024, 64, torch.float16, False, False, R.REGA_M64_G64, None),
     (100, 512, 1024, 128, torch.float16, False, True, R.REGA_M128, None),
     (128, 1024, 2048, 128, torch.bfloat16, True, False, R.REGA_M128, 2),
 ]
