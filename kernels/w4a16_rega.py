@@ -22,7 +22,7 @@ dtype; results/w4a16-rega-dispatch-ab-h200-2026-12-04.json, ...-ab2-..., ...-ab5
   0.84-0.99x -> 0.98-1.39x, bf16 0.74-0.89x -> 0.82-1.29x against the Triton tiles; 6144 x 4096 at M = 40 tied);
   M 17-32 64-row tiles (fp16 at M = 32: 0.99-1.28x -> 1.12-1.55x); M 65-128 64-row tiles, 128-row ones on layers at
   least 16384 wide (fp16 at M = 128: 0.53-0.85x on the warp-specialized kernel -> 0.74-1.16x). The M 17-32 and
-  65-128 cells were timed at M = 32 and 128 in fp16 only (probe_rega_wgmma.py, results/w4a16-rega-ahead-...).
+  65-128 cells were timed at M = 32 and 128 in fp16 only (results/w4a16-rega-g64-probe-h200-2026-12-04.txt).
 Not taken: M <= 16 (the mma.sync gemv is faster), M 17-32 and 65-128 on 4096-wide layers (4096 x 4096 1.29x ->
 0.91x at M = 17), M > 128 (a 256-row tile, timed: 0.54-0.78x cuBLAS fp16 at M = 256 where the warp-specialized
 kernel runs 0.74-0.92x; results/w4a16-rega-ahead-h200-2026-12-04.md).
@@ -142,6 +142,8 @@ def rega_unsupported_reason(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor |
     m, k, n = x.shape[0], w.in_features, w.out_features
     if w.bits != 4:
         return f"4-bit weights only, got {w.bits}-bit"
+    if cfg.ahead not in (0, 1, 2):
+        return f"operands are loaded 0, 1 or 2 tiles ahead, got ahead={cfg.ahead}"
     if not 1 <= m <= REGA_KERNEL_MAX_M:
         return f"M = {m} rows: this kernel takes 1..{REGA_KERNEL_MAX_M}"
     if (w.group_size or k) % cfg.block_k:

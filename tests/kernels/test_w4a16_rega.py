@@ -102,6 +102,12 @@ def test_unsupported_products_are_named(bits, group, n, k, m, reason):
     assert reason in R.rega_unsupported_reason(x, w, None, R.REGA_M32)
 
 
+def test_loading_more_than_two_tiles_ahead_is_refused():
+    _, w = weight(64, 256)
+    x = torch.randn(32, 256, device=DEVICE).half()
+    assert "ahead=3" in R.rega_unsupported_reason(x, w, None, R.RegaConfig(ahead=3))
+
+
 def test_other_tritons_are_named(monkeypatch):
     _, w = weight(64, 256)
     x = torch.randn(32, 256, device=DEVICE).half()
