@@ -17,9 +17,9 @@ dtype; results/w4a16-rega-dispatch-ab-h200-2026-12-04.json, ...-ab2-..., ...-ab5
   (4096 x 14336 at M = 64: fp16 0.99x -> 1.40x, bf16 0.86x -> 1.27x against the 128-row tiles; 28672 x 4096 fp16
   1.23x -> 1.51x with 128-row tiles instead of the 64-row ones the first rule, by K, gave it).
 - M 65-128 on layers at least 6144 wide, ahead of the warp-specialized kernel, with the 64-row tiles loading two
-  tiles ahead (bf16 0.83-0.95x -> 0.93-1.09x on the six large layers, fp16 +0-4%).
+  tiles ahead (bf16 0.67-0.95x -> 0.75-1.09x on the six layers, +10-15% each; fp16 -2% to +4%).
 - Groups of 64, layers of at least 24 M weights, 64-deep tiles loaded two tiles ahead: M 33-64 128-row tiles (fp16
-  0.84-0.99x -> 0.98-1.39x, bf16 0.74-0.89x -> 0.82-1.29x against the Triton tiles; 6144 x 4096 at M = 40 tied);
+  0.79-1.02x -> 0.84-1.39x, bf16 0.74-0.89x -> 0.76-1.29x against the Triton tiles; 6144 x 4096 at M = 40 tied);
   M 17-32 64-row tiles (fp16 at M = 32: 0.99-1.28x -> 1.12-1.55x); M 65-128 64-row tiles, 128-row ones on layers at
   least 16384 wide (fp16 at M = 128: 0.53-0.85x on the warp-specialized kernel -> 0.74-1.16x). The M 17-32 and
   65-128 cells were timed at M = 32 and 128 in fp16 only (results/w4a16-rega-g64-probe-h200-2026-12-04.txt).

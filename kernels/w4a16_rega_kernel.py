@@ -26,9 +26,9 @@ How (``w4a16_rega.py`` is the launch side)
     - The packed words, zero words and scales of tile t + AHEAD are loaded while tile t is unpacked (AHEAD 0: the
       words one tile ahead, zeros and scales at their use). They stay as loaded until their tile: arithmetic right
       after a load waits for it (a first version unpacked the zeros on arrival and ran up to 50% slower than AHEAD 0).
-      Two tiles ahead gained 1-4% (fp16) and 5-14% (bf16) at M = 65-128 and made 64-row tiles the better choice on
-      4096-wide layers at M = 33-64; one tile ahead (more registers than AHEAD 0, fewer than 2 in flight) gained
-      nothing (results/w4a16-rega-ahead-h200-2026-12-04.md).
+      Two tiles ahead gained -2% to +4% (fp16) and 10-15% (bf16) at M = 65-128 and made 64-row tiles the better
+      choice on 4096-wide layers at M = 33-64; one tile ahead (more registers than AHEAD 0, fewer than 2 in flight)
+      gained nothing (results/w4a16-rega-ahead-h200-2026-12-04.md).
     - Register hazard: PTX leaves rewriting the A registers of a wgmma before the wait that retires it undefined, and
       ptxas 12.8 (Triton 3.6's) does rewrite them when the next tile's fragment is computed (triton-lang/triton#9433;
       measured: NaN / wrong results at M > 16 with a single fragment; results/w4a16-rega-wgmma-h200-2026-12-04.md).
