@@ -9,7 +9,6 @@ from quantkit.errors import QuantkitError
 
 BACKENDS = ("auto", "triton", "torch")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-PREFETCH_POINTS = ("attention", "down")  # where decode graphs may prefetch weights (quantkit.runtime.prefetch)
 
 
 @dataclass(frozen=True)
@@ -32,9 +31,6 @@ class EngineConfig:
     - ``async_scheduling``: schedule and launch each step before the previous step's tokens reach the host, so the
       device does not wait for the host's work between steps (``quantkit.runtime.engine``); the outputs are the
       same either way.
-    - ``decode_l2_prefetch``: comma-separated points (``PREFETCH_POINTS``, see ``runtime.prefetch``) at which CUDA
-      decode graphs ask L2, on a side stream, for the weight of a GEMM a few kernels ahead; "" (default): none.
-      Changes no value.
     """
 
     version: ClassVar[int] = 1
@@ -55,7 +51,6 @@ class EngineConfig:
     seed: int = 0
     fp8_fast_accum: bool = False
     async_scheduling: bool = True
-    decode_l2_prefetch: str = ""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "cpu_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs"):
@@ -69,15 +64,8 @@ class EngineConfig:
             raise QuantkitError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.attention_backend not in BACKENDS:
             raise QuantkitError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
-        bad = [p for p in self.prefetch_points if p not in PREFETCH_POINTS]
-        if bad:
-            raise QuantkitError(f"decode_l2_prefetch: unknown point {bad[0]!r}; known: {', '.join(PREFETCH_POINTS)}")
         if self.dtype not in DTYPES:
             raise QuantkitError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-
-    @property
-    def prefetch_points(self) -> tuple[str, ...]:
-        return tuple(p.strip() for p in self.decode_l2_prefetch.split(",") if p.strip())
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": self.version, **asdict(self)}

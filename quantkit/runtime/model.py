@@ -150,14 +150,12 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor], fetch=None):
+    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]):
         t = x.shape[0]
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # strided views, head dim contiguous
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if fetch is not None:
-            fetch("attention")
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -181,13 +179,11 @@ class MLP(nn.Module):
         self.gate_up_proj = None  # set by fuse_projections
         self.inter = inter
 
-    def forward(self, x: torch.Tensor, fetch=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             g, u = self.gate_up_proj(x).split(self.inter, dim=-1)
         else:
             g, u = self.gate_proj(x), self.up_proj(x)
-        if fetch is not None:
-            fetch("down")
         return self.down_proj(silu_mul(g, u) if x.is_cuda else F.silu(g) * u)
 
 
@@ -200,14 +196,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, f"{prefix}.mlp", linear)
 
-    def forward(self, x, residual, cos, sin, meta, kv_cache, fetch=None):
+    def forward(self, x, residual, cos, sin, meta, kv_cache):
         """x: the previous layer's output (not yet added to the residual stream ``residual``; None at layer 0).
-        Returns (this layer's MLP output, the residual stream before it), so each add fuses into the next norm.
-        ``fetch(point)``: called at the prefetch points of ``runtime.prefetch`` (None: no prefetching)."""
+        Returns (this layer's MLP output, the residual stream before it), so each add fuses into the next norm."""
         h, residual = self.input_layernorm.add_forward(x, residual)
-        a = self.self_attn(h, cos, sin, meta, kv_cache, fetch)
+        a = self.self_attn(h, cos, sin, meta, kv_cache)
         h, residual = self.post_attention_layernorm.add_forward(a, residual)
-        return self.mlp(h, fetch), residual
+        return self.mlp(h), residual
 
 
 class Decoder(nn.Module):
@@ -236,7 +231,6 @@ class CausalLM(nn.Module):
             None if self.tie_word_embeddings else linear("lm_head", config.hidden_size, config.vocab_size, False)
         )
         self.cos = self.sin = None
-        self.prefetcher = None  # a runtime.prefetch.WeightPrefetcher while decode graphs are captured with one
 
     def set_rope(self, max_len: int, device) -> None:
         self.cos, self.sin = rope_tables(self.config, max_len, device)
@@ -248,11 +242,8 @@ class CausalLM(nn.Module):
         cos = self.cos[positions].to(h.dtype)  # [T, D]
         sin = self.sin[positions].to(h.dtype)
         residual = None
-        prefetcher = self.prefetcher
-        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
-            h, residual = layer(h, residual, cos, sin, meta, kv_cache, prefetcher and prefetcher.hook(i))
-        if prefetcher is not None:
-            prefetcher.join()
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            h, residual = layer(h, residual, cos, sin, meta, kv_cache)
         return self.model.norm.add_forward(h, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,6 @@ from quantkit.runtime.attention import AttentionMetadata
 from quantkit.runtime.config import EngineConfig
 from quantkit.runtime.inputs import StepInputs, StepLayout
 from quantkit.runtime.model import CausalLM
-from quantkit.runtime.prefetch import WeightPrefetcher
 from quantkit.runtime.sampling_params import SamplingParams
 from quantkit.runtime.scheduler import ScheduledBatch
 from quantkit.runtime.sequence import Sequence
@@ -197,20 +196,15 @@ class ModelRunner:
         sizes = self.graph_sizes()
         self.alloc_static(sizes[-1])
         pool = None
-        points = self.config.prefetch_points
-        self.model.prefetcher = WeightPrefetcher(self.model.model.layers, points) if points else None
-        try:
-            with torch.inference_mode():
-                for b in reversed(sizes):  # largest first, so the smaller graphs reuse its memory pool
-                    forward = self.static_forward(b)
-                    forward()  # warm-up: compiles kernels, fills lazy kernel state outside the capture
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool):
-                        out = forward()
-                    pool = graph.pool()
-                    self.graphs[b] = (graph, out)
-        finally:
-            self.model.prefetcher = None  # eager steps never prefetch
+        with torch.inference_mode():
+            for b in reversed(sizes):  # largest first, so the smaller graphs reuse its memory pool
+                forward = self.static_forward(b)
+                forward()  # warm-up: compiles kernels, fills lazy kernel state outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool):
+                    out = forward()
+                pool = graph.pool()
+                self.graphs[b] = (graph, out)
         self.graphs = dict(sorted(self.graphs.items()))
         torch.cuda.synchronize()
 
