@@ -15,6 +15,10 @@ arithmetic as the PyTorch modules of ``quantkit.runtime.model``:
   in fp32 and rounded once (PyTorch rounds after each product and the sum: results can differ by an ulp). One
   launch for both when k's heads follow q's in memory (the fused q/k/v projection's output), else one each: a
   batch-1 decode step of an 8B model spent 68 us in 64 rotary launches (results/decode-pdl-h200-2026-12-03.md).
+- ``rotary_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)``: ``rotary_`` of q and k, and the rotated k
+  and v written into the paged KV cache at ``slot_mapping`` (``paged_attention.store_kv``'s layout and rule: slot -1
+  stores nothing), in one launch when q, k and v are the fused q/k/v projection's split views; returns False (doing
+  nothing) otherwise, and the caller rotates and stores separately. Saves the KV store's launch of every layer.
 - ``silu_mul(g, u)``: ``silu(g) * u`` computed in fp32, rounded once.
 
 Tuned on: nothing (launch-bound sizes; one warp group per row).
@@ -144,6 +148,82 @@ def _rotary_operands(q, k) -> tuple:
     if q.dtype == k.dtype and q.stride()[1:] == k.stride()[1:] and same_rows and follows:
         return (q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride()),)
     return q, k
+
+
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
+def _rotary_store_kernel(
+    x_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, n_q, n_kv, stride_t, stride_h, stride_c,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """Heads [0, n_q) of a token's row are q, [n_q, n_q + n_kv) k, then n_kv of v: q and k rotated in place, k and
+    v also stored into cache slot ``slot_ptr[t]`` (a contiguous [slots, n_kv, 2 * HALF] view of each cache)."""
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HALF)
+    n_heads = n_q + 2 * n_kv
+    valid = heads < n_heads
+    rot = (heads < n_q + n_kv)[:, None]
+    c1 = tl.load(cos_ptr + t * stride_c + d).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + t * stride_c + HALF + d).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + t * stride_c + d).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + t * stride_c + HALF + d).to(tl.float32)[None, :]
+    p1 = x_ptr + t * stride_t + heads[:, None] * stride_h + d[None, :]
+    x1 = tl.load(p1, mask=valid[:, None], other=0.0)
+    x2 = tl.load(p1 + HALF, mask=valid[:, None], other=0.0)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    y1 = tl.where(rot, (f1 * c1 - f2 * s1).to(x1.dtype), x1)
+    y2 = tl.where(rot, (f2 * c2 + f1 * s2).to(x1.dtype), x2)
+    tl.store(p1, y1, mask=(valid[:, None] & rot))
+    tl.store(p1 + HALF, y2, mask=(valid[:, None] & rot))
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    is_k = (heads >= n_q) & (heads < n_q + n_kv)
+    is_v = (heads >= n_q + n_kv) & valid
+    kvh = tl.where(is_k, heads - n_q, heads - n_q - n_kv)
+    row = slot * n_kv * 2 * HALF + kvh[:, None] * 2 * HALF + d[None, :]
+    stored = (heads * 0 + slot) >= 0  # as a block: the interpreter rejects a scalar condition in a mask
+    k_mask = (is_k & stored)[:, None]
+    v_mask = (is_v & stored)[:, None]
+    tl.store(k_cache_ptr + row, y1.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(k_cache_ptr + row + HALF, y2.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(v_cache_ptr + row, y1.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+    tl.store(v_cache_ptr + row + HALF, y2.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+
+
+def rotary_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> bool:
+    """``rotary_(q, k, cos, sin)`` and ``paged_attention.store_kv(k, v, k_cache, v_cache, slot_mapping)`` in one
+    launch, when q [T, Hq, D], k and v [T, Hkv, D] are consecutive heads of one buffer with equal strides (the fused
+    q/k/v projection's output) and the caches [blocks, page, Hkv, D] are contiguous; returns False, having done
+    nothing, when they are not."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    if v.shape != k.shape or k.shape[0] != t or k.shape[2] != d:
+        raise ValueError(f"rotary_store_: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree")
+    if k_cache.shape != v_cache.shape or k_cache.shape[2:] != (hkv, d) or slot_mapping.shape != (t,):
+        raise ValueError(f"rotary_store_: caches {tuple(k_cache.shape)} / slot_mapping do not match k")
+    if cos.shape != (t, d) or sin.shape != (t, d) or cos.stride() != sin.stride() or cos.stride(1) != 1:
+        raise ValueError("rotary_store_: cos and sin must be [T, D] with shared strides and a dense last dim")
+    if d % 2 or d & (d - 1):
+        raise ValueError(f"rotary_store_: head dim {d} must be a power of two")
+    step = q.stride(1) * q.element_size()
+    consecutive = (
+        k.data_ptr() == q.data_ptr() + hq * step
+        and v.data_ptr() == k.data_ptr() + hkv * step
+        and q.stride()[1:] == k.stride()[1:] == v.stride()[1:]
+        and q.stride(2) == 1
+        and q.stride(1) == d
+        and (t == 1 or q.stride(0) == k.stride(0) == v.stride(0))  # one row: any row stride
+        and q.dtype == k.dtype == v.dtype
+    )
+    if not (consecutive and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return False
+    if t:
+        heads = hq + 2 * hkv
+        block_h = min(16, triton.next_power_of_2(heads))
+        _rotary_store_kernel[(t, triton.cdiv(heads, block_h))](
+            q, cos, sin, k_cache, v_cache, slot_mapping, hq, hkv, q.stride(0), q.stride(1), cos.stride(0),
+            HALF=d // 2, BLOCK_H=block_h,
+        )  # fmt: skip
+    return True
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """Attention over the paged KV cache for one mixed step: decodes first, then prefill chunks, packed on one axis.
 
 The step's tokens are ``[decode_0 .. decode_{D-1}, chunk_0 tokens, chunk_1 tokens, ...]``. Every token's K/V are
-written into the cache first; decodes (one query each) then use the flash-decoding kernel over block tables, and
+written into the cache first (here, or by the caller's fused rotary kernel); decodes (one query each) then use the flash-decoding kernel over block tables, and
 chunks the FlashAttention-style prefill kernel, which reads the chunk's own K/V from the packed ``k`` / ``v`` and
 only the cached prefix through block tables. The ``torch`` backend runs the plain
 PyTorch references of the same kernels (CPU, tests).
@@ -45,11 +45,15 @@ class AttentionMetadata:
         return self.prefill_context_lens is not None and self.prefill_context_lens.numel() > 0
 
 
-def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq, D]; stores k/v into the caches."""
+def paged_attention(
+    q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int, stored: bool = False
+) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq, D]; stores k/v into the caches first unless ``stored`` (the
+    caller wrote them, e.g. ``fused_norm_rope.rotary_store_``)."""
     triton = meta.backend == "triton"
-    store = decode_kernels.store_kv if triton else decode_kernels.store_kv_reference
-    store(k, v, k_cache, v_cache, meta.slot_mapping)
+    if not stored:
+        store = decode_kernels.store_kv if triton else decode_kernels.store_kv_reference
+        store(k, v, k_cache, v_cache, meta.slot_mapping)
     nd = meta.num_decodes
     parts = []
     if nd:

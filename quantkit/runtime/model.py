@@ -5,8 +5,9 @@ Tokens of all sequences in a step lie on one axis [T]; attention reads and write
 a factory: ``FloatLinear`` for float weights, ``QuantLinear`` / ``W8A8Linear`` for quantized ones. The arithmetic
 follows transformers' modeling code step for step (RMSNorm in fp32, rotary tables in fp32 cast to the activation
 dtype), so fp32 greedy outputs match it token for token. On CUDA, RMSNorm (fused with the residual add before
-it), the rotary embedding and the SiLU-gated product run as single Triton kernels
-(``quantkit.kernels.fused_norm_rope``): same arithmetic, a few launches per layer instead of ~40; float linears
+it), the rotary embedding (fused with the KV-cache store when q/k/v come from one fused projection) and the
+SiLU-gated product run as single Triton kernels (``quantkit.kernels.fused_norm_rope``): same arithmetic, a few
+launches per layer instead of ~40; float linears
 take one row of x (batch-1 decode) through ``quantkit.kernels.gemv``, 6-31% faster than cuBLAS on these shapes.
 """
 
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantkit.errors import QuantkitError
-from quantkit.kernels.fused_norm_rope import add_rms_norm, add_rms_norm_reference, rotary_, silu_mul
+from quantkit.kernels.fused_norm_rope import add_rms_norm, add_rms_norm_reference, rotary_, rotary_store_, silu_mul
 from quantkit.kernels.gemv import gemv, use_gemv
 from quantkit.runtime.attention import AttentionMetadata, paged_attention
 
@@ -161,11 +162,14 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        stored = False  # whether k and v are in the cache already
         if q.is_cuda:
-            rotary_(q, k, cos, sin)
+            stored = meta.backend == "triton" and rotary_store_(q, k, v, cos, sin, *kv_cache, meta.slot_mapping)
+            if not stored:
+                rotary_(q, k, cos, sin)
         else:
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        o = paged_attention(q, k, v, *kv_cache, meta, self.scale, self.window)
+        o = paged_attention(q, k, v, *kv_cache, meta, self.scale, self.window, stored=stored)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -95,3 +95,53 @@ def test_shape_errors():
         K.rotary_(torch.randn(2, 1, 6, device=DEVICE), torch.randn(2, 1, 6, device=DEVICE), x[:, :6], x[:, :6])
     with pytest.raises(ValueError, match="equal"):
         K.silu_mul(x, x[:1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("t", "hq", "hkv", "d", "page"), [(1, 4, 2, 16, 4), (6, 9, 3, 64, 16), (3, 32, 8, 128, 16)])
+def test_rotary_store_rotates_and_fills_the_cache_in_one_launch(dtype, t, hq, hkv, d, page, monkeypatch):
+    """On the fused q/k/v views: q and k rotated in place as rotary_ does, the rotated k and v written into exactly
+    the mapped cache slots (padding rows, slot -1, store nothing) as store_kv does, v untouched, one launch."""
+    from quantkit.kernels.paged_attention import store_kv_reference
+
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=DEVICE).to(dtype)
+    q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    angle = torch.rand(t, d // 2, device=DEVICE) * 6
+    cos = torch.cat((angle.cos(), angle.cos()), -1).to(dtype)
+    sin = torch.cat((angle.sin(), angle.sin()), -1).to(dtype)
+    blocks = 2 * t // page + 2
+    poison = torch.full((blocks, page, hkv, d), 7.0, device=DEVICE, dtype=dtype)
+    slots = torch.randperm(blocks * page, device=DEVICE)[:t].to(torch.int32)
+    slots[t // 2] = -1  # a padding row
+    q_ref, k_ref, v_ref = q.clone(), k.clone(), v.clone()
+    K.rotary_reference_(q_ref, k_ref, cos, sin)
+    kc_ref, vc_ref = poison.clone(), poison.clone()
+    store_kv_reference(k, v, kc_ref, vc_ref, slots)  # unrotated k: only the slots matter here
+    kc, vc = poison.clone(), poison.clone()
+    launches = []
+    real = K._rotary_store_kernel
+    monkeypatch.setattr(K, "_rotary_store_kernel", type("Spy", (), {"__getitem__": lambda s, g: launches.append(g)
+                                                                    or real[g]})())  # fmt: skip
+    assert K.rotary_store_(q, k, v, cos, sin, kc, vc, slots)
+    assert len(launches) == 1
+    assert close(q, q_ref, dtype) and close(k, k_ref, dtype) and torch.equal(v, v_ref)
+    keep = slots >= 0
+    filled = torch.zeros(blocks * page, dtype=torch.bool, device=DEVICE)
+    filled[slots[keep].long()] = True
+    assert torch.equal(kc.view(-1, hkv, d)[~filled], poison.view(-1, hkv, d)[~filled])  # nothing else written
+    assert torch.equal(vc, vc_ref)
+    assert torch.equal(kc.view(-1, hkv, d)[slots[keep].long()], k[keep])  # the rotated k, as the kernel left it
+
+
+def test_rotary_store_declines_separate_tensors():
+    q = torch.randn(2, 4, 16, device=DEVICE)
+    k = torch.randn(2, 2, 16, device=DEVICE)
+    v = torch.randn(2, 2, 16, device=DEVICE)
+    cos = sin = torch.ones(2, 16, device=DEVICE)
+    cache = torch.zeros(4, 4, 2, 16, device=DEVICE)
+    slots = torch.arange(2, device=DEVICE, dtype=torch.int32)
+    before = q.clone()
+    assert not K.rotary_store_(q, k, v, cos, sin, cache, cache.clone(), slots)
+    assert torch.equal(q, before) and not cache.any()
+    with pytest.raises(ValueError, match="disagree"):
+        K.rotary_store_(q, k, v[:1], cos, sin, cache, cache.clone(), slots)
