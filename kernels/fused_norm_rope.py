@@ -72,8 +72,9 @@ def _add_rms_norm_kernel(
     tl.store(y_ptr + row * n + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rms_norm(x, weight, eps: float, residual=None):
-    """x [T, n] (and residual [T, n]) -> (y [T, n], h [T, n]) with h = x + residual (or x itself)."""
+def add_rms_norm(x, weight, eps: float, residual=None, num_warps: int | None = None):
+    """x [T, n] (and residual [T, n]) -> (y [T, n], h [T, n]) with h = x + residual (or x itself).
+    ``num_warps``: overrides the launch's warps (probes)."""
     if x.dim() != 2 or x.stride(1) != 1 or weight.shape != (x.shape[1],):
         raise ValueError(f"add_rms_norm: x {tuple(x.shape)} (rows contiguous), weight {tuple(weight.shape)}")
     if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
@@ -97,7 +98,7 @@ def add_rms_norm(x, weight, eps: float, residual=None):
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
-            num_warps=max(1, min(8, block // 512)),
+            num_warps=num_warps or max(1, min(8, block // 512)),
         )
     return y, h
 
@@ -189,7 +190,8 @@ def _rotary_store_kernel(
     tl.store(v_cache_ptr + row + HALF, y2.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
 
 
-def rotary_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> bool:
+def rotary_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_h: int | None = None,
+                  num_warps: int = 4) -> bool:  # fmt: skip
     """``rotary_(q, k, cos, sin)`` and ``paged_attention.store_kv(k, v, k_cache, v_cache, slot_mapping)`` in one
     launch, when q [T, Hq, D], k and v [T, Hkv, D] are consecutive heads of one buffer with equal strides (the fused
     q/k/v projection's output) and the caches [blocks, page, Hkv, D] are contiguous; returns False, having done
@@ -218,10 +220,10 @@ def rotary_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> bool:
         return False
     if t:
         heads = hq + 2 * hkv
-        block_h = min(16, triton.next_power_of_2(heads))
+        block_h = block_h or min(16, triton.next_power_of_2(heads))
         _rotary_store_kernel[(t, triton.cdiv(heads, block_h))](
             q, cos, sin, k_cache, v_cache, slot_mapping, hq, hkv, q.stride(0), q.stride(1), cos.stride(0),
-            HALF=d // 2, BLOCK_H=block_h,
+            HALF=d // 2, BLOCK_H=block_h, num_warps=num_warps,
         )  # fmt: skip
     return True
 
@@ -237,13 +239,15 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, stride_g, stride_u, BLOCK: tl.con
     tl.store(out_ptr + row * n + offs, (f / (1.0 + tl.exp(-f)) * u).to(g.dtype), mask=mask)
 
 
-def silu_mul(g, u):
-    """silu(g) * u for g, u [T, n] -> [T, n]."""
+def silu_mul(g, u, block: int | None = None, num_warps: int = 4):
+    """silu(g) * u for g, u [T, n] -> [T, n]. ``block`` (columns per program), ``num_warps``: launch overrides."""
     if g.shape != u.shape or g.dim() != 2 or g.stride(1) != 1 or u.stride(1) != 1:
         raise ValueError(f"silu_mul: g {tuple(g.shape)} and u {tuple(u.shape)} must be equal 2-D, rows dense")
     t, n = g.shape
     out = torch.empty((t, n), dtype=g.dtype, device=g.device)
     if t and n:
-        block = min(2048, triton.next_power_of_2(n))
-        _silu_mul_kernel[(t, triton.cdiv(n, block))](g, u, out, n, g.stride(0), u.stride(0), BLOCK=block)
+        block = block or min(2048, triton.next_power_of_2(n))
+        _silu_mul_kernel[(t, triton.cdiv(n, block))](
+            g, u, out, n, g.stride(0), u.stride(0), BLOCK=block, num_warps=num_warps
+        )
     return out
