@@ -1,10 +1,10 @@
 """Attention over the paged KV cache for one mixed step: decodes first, then prefill chunks, packed on one axis.
 
 The step's tokens are ``[decode_0 .. decode_{D-1}, chunk_0 tokens, chunk_1 tokens, ...]``. Every token's K/V are
-written into the cache first (here, or by the caller's fused rotary kernel); decodes (one query each) then use the flash-decoding kernel over block tables, and
-chunks the FlashAttention-style prefill kernel, which reads the chunk's own K/V from the packed ``k`` / ``v`` and
-only the cached prefix through block tables. The ``torch`` backend runs the plain
-PyTorch references of the same kernels (CPU, tests).
+written into the cache first (here, or by the caller's fused rotary kernel); decodes (one query each) then use the
+flash-decoding kernel over block tables, and chunks the FlashAttention-style prefill kernel, which reads the chunk's
+own K/V from the packed ``k`` / ``v`` and only the cached prefix through block tables. The ``torch`` backend runs the
+plain PyTorch references of the same kernels (CPU, tests).
 """
 
 from __future__ import annotations
