@@ -325,6 +325,7 @@ class MmaGemvConfig:
     wave: int = 0  # > 0: the split never makes the grid exceed this many CTAs per SM (one wave of resident CTAs)
     min_depth: int = 0  # > 0: the split never leaves a CTA fewer than this many K rows
     skip_split: int = 0  # > 0: a split measured slow for this config; the rule goes one doubling on (or back)
+    wave_divisor: bool = False  # the split: the largest divisor of the loop count whose grid fits one wave (``wave``)
 
     @property
     def block_n(self) -> int:
@@ -336,6 +337,7 @@ class MmaGemvConfig:
         extra += f"d{self.min_depth}" if self.min_depth else ""
         extra += f"m{self.max_split}" if self.max_split != 16 else ""
         extra += f"x{self.skip_split}" if self.skip_split else ""
+        extra += "e" if self.wave_divisor else ""
         return f"mma-w{self.num_warps}s{self.steps}f{self.fill:g}{extra}"
 
 
@@ -383,14 +385,26 @@ MMA_STEPS2_TILES = (33, 64)
 # before, 1.01-1.64x (geomean over cuBLAS fp16 1.29x -> 1.78x at group 128, 1.27x -> 1.62x at group 64, 1.29x ->
 # 1.79x with one group per column; results/w4a16-mma-split-probe-h200-2026-12-04.md).
 MMA_TWO_BLOCKS = MmaGemvConfig(2, 4, 8.0, prefetch=True, wave=8, min_depth=512)
+# M = 1, groups of a multiple of 128 (or one group): the prefetch loop split into the largest whole number of slices
+# whose grid fits one wave of 14 CTAs per SM, any divisor of the loop count, where that split is not a power of two
+# and fills at least MMA_WAVE_FILL of the wave (K = 7 x 2^j layers). Same run, every split of four configs
+# (results/w4a16-mma-wave-split-h200-2026-12-04.md): 8192 x 28672 split 14 3.00x cuBLAS fp16 against 2.86x for the
+# two-step loop's 16 (and 2.52x for the prefetch loop's power-of-two 8); 4096 x 14336 split 28 2.47x against 2.38x.
+# With groups of 64 the same splits lost (2.31x against 2.62x, 2.01x against 2.22x): not taken there.
+MMA_PREFETCH_WAVE = MmaGemvConfig(2, 4, 8.0, max_split=32, prefetch=True, wave=14, wave_divisor=True)
+MMA_WAVE_FILL = 0.9
 
 
 def mma_gemv_split(cfg: MmaGemvConfig, n: int, k: int, sms: int) -> int:
     """Split-K factor: doubled while the grid has fewer than cfg.fill x SMs CTAs, K still splits into whole loop
     iterations, (cfg.wave) the grid stays within one wave of resident CTAs and (cfg.min_depth) each CTA keeps at
-    least that many K rows; a result of cfg.skip_split moves one doubling on where allowed, else one back."""
+    least that many K rows; a result of cfg.skip_split moves one doubling on where allowed, else one back.
+    cfg.wave_divisor: instead, the largest divisor of the loop count (at most cfg.max_split) within one wave."""
     ctas = -(-n // cfg.block_n)
     iters = k // (32 * cfg.steps)
+    if cfg.wave_divisor:
+        fits = [s for s in range(1, min(iters, cfg.max_split) + 1) if iters % s == 0 and ctas * s <= cfg.wave * sms]
+        return max(fits, default=1)
 
     def allowed(split: int) -> bool:
         return (
@@ -441,17 +455,30 @@ def grid_warps(cfg: MmaGemvConfig, n: int, k: int, sms: int) -> int:
     return -(-n // cfg.block_n) * mma_gemv_split(cfg, n, k, sms) * cfg.num_warps
 
 
+def wave_split_fits(n: int, k: int, sms: int) -> bool:
+    """Whether MMA_PREFETCH_WAVE's split of an N x K layer is one the doubling rules cannot reach (not a power of
+    two) and fills at least MMA_WAVE_FILL of its wave."""
+    cfg = MMA_PREFETCH_WAVE
+    if k % (32 * cfg.steps):
+        return False
+    split = mma_gemv_split(cfg, n, k, sms)
+    return split & (split - 1) != 0 and -(-n // cfg.block_n) * split >= MMA_WAVE_FILL * cfg.wave * sms
+
+
 @functools.lru_cache(maxsize=1024)
 def mma_config_for(n: int, k: int, group: int, sms: int, m: int = 1) -> MmaGemvConfig | None:
     """The measured config for an N x K layer at M rows (see the configs above), None where this kernel is not the
     choice: M = 9-16 with groups other than 64, a multiple of 128 or one group (groups of 32 ran at about cuBLAS
     fp16's speed on every path; the Triton m16 tiles keep them).
     M <= 8: for groups of 64 MMA_STEPS2_M1 at M = 1 and MMA_STEPS2 where it splits K max_split ways; for groups of
-    a multiple of 128 (or one group) MMA_STEPS2_M1 at M = 1 on layers of at most MMA_STEPS2_M1_MAX_N columns and
+    a multiple of 128 (or one group) MMA_PREFETCH_WAVE at M = 1 where ``wave_split_fits``, else MMA_STEPS2_M1 at
+    M = 1 on layers of at most MMA_STEPS2_M1_MAX_N columns and
     MMA_STEPS2 at M = 2-8 on layers of MMA_STEPS2_TILES column tiles, then MMA_PREFETCH where its grid has at least
     as many warps as MMA_DEFAULT's; else MMA_DEFAULT."""
     if m > 8:
         return MMA_TWO_BLOCKS if group % 64 == 0 else None
+    if m == 1 and group % 128 == 0 and wave_split_fits(n, k, sms):
+        return MMA_PREFETCH_WAVE
     if m == 1 and (group == 64 or (group % 128 == 0 and n <= MMA_STEPS2_M1_MAX_N)):
         return MMA_STEPS2_M1
     if group % 128 == 0 and MMA_STEPS2_TILES[0] <= -(-n // MMA_STEPS2.block_n) <= MMA_STEPS2_TILES[1]:

@@ -55,10 +55,11 @@ def test_other_tritons_and_devices_are_named(monkeypatch):
 
 
 CONFIGS = [MG.MMA_DEFAULT, MG.MMA_PREFETCH, MG.MMA_STEPS2, MG.MMA_STEPS2_M1, MG.MMA_TWO_BLOCKS]
+SPLIT_CONFIGS = CONFIGS  # doubling rules (MMA_PREFETCH_WAVE's divisor rule has a test of its own)
 
 
 @pytest.mark.parametrize("n,k", [(4096, 4096), (28672, 8192), (8192, 28672), (256, 512)])
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("cfg", SPLIT_CONFIGS, ids=lambda c: c.name)
 def test_split_fills_the_gpu_with_whole_iterations(n, k, cfg):
     split = MG.mma_gemv_split(cfg, n, k, 132)
     ctas = -(-n // cfg.block_n)
@@ -121,11 +122,13 @@ GPU_CASES = [
     (9, 132, 1024, 128, torch.float16, True, False, None),
     (13, 4100, 2048, 64, torch.bfloat16, False, True, 8),
     (16, 8192, 8192, 128, torch.bfloat16, False, False, None),
+    (1, 520, 7 * 512, 128, torch.bfloat16, False, True, 14),  # a split that is no power of two, N off the width
+    (3, 4096, 7 * 512, 128, torch.float16, True, False, 7),
 ]
 
 
 @sm90
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("cfg", [*CONFIGS, MG.MMA_PREFETCH_WAVE], ids=lambda c: c.name)
 @pytest.mark.parametrize("m,n,k,group,dtype,act_order,with_bias,split", GPU_CASES)
 def test_kernel_matches_float64_reference(m, n, k, group, dtype, act_order, with_bias, split, cfg):
     qw, w = weight(n, k, group, act_order, seed=m + n)
@@ -181,8 +184,33 @@ def test_one_row_groups_of_64_split_as_measured(n, k):
 
 # M = 1, groups of 128: the two-step loop where it was faster in both runs (layers of N <= 8192), else the prefetch
 # or default choice (results/w4a16-mma-tma-ring-h200-2026-12-04.md, section 3)
-G128_M1_STEPS2 = {(28672, 8192): False, (8192, 28672): True, (8192, 8192): True, (14336, 4096): False,
-                  (4096, 14336): True, (4096, 4096): True, (6144, 4096): True, (28672, 4096): False}  # fmt: skip
+G128_M1_STEPS2 = {(28672, 8192): False, (8192, 28672): False, (8192, 8192): True, (14336, 4096): False,
+                  (4096, 14336): False, (4096, 4096): True, (6144, 4096): True, (28672, 4096): False}  # fmt: skip
+# ... except where the prefetch loop's one-wave split is no power of two (K = 7 x 2^j): the fastest split timed
+# (results/w4a16-mma-wave-split-h200-2026-12-04.md); None: not taken
+G128_M1_WAVE = {(28672, 8192): None, (8192, 28672): 14, (8192, 8192): None, (14336, 4096): None, (4096, 14336): 28,
+                (4096, 4096): None, (6144, 4096): None, (28672, 4096): None, (4096, 12288): None}  # fmt: skip
+
+
+@pytest.mark.parametrize("n,k", list(G128_M1_WAVE))
+def test_one_row_groups_of_128_fill_one_wave_where_no_doubling_can(n, k):
+    """24 of 32 slices of 4096 x 12288 fill only 83% of the wave: the doubling rules keep it."""
+    for group in (128, 0, 256):
+        cfg = MG.mma_config_for(n, k, group, 132, 1)
+        assert (cfg == MG.MMA_PREFETCH_WAVE) == (G128_M1_WAVE[n, k] is not None)
+        if G128_M1_WAVE[n, k]:
+            assert MG.mma_gemv_split(cfg, n, k, 132) == G128_M1_WAVE[n, k]
+    assert MG.mma_config_for(n, k, 64, 132, 1) != MG.MMA_PREFETCH_WAVE  # lost with groups of 64
+    assert MG.mma_config_for(n, k, 128, 132, 2) != MG.MMA_PREFETCH_WAVE  # M = 2-8: not timed
+
+
+@pytest.mark.parametrize("n,k", [(8192, 28672), (4096, 14336), (256, 7 * 128), (100, 384), (4096, 4096)])
+def test_wave_divisor_split_is_the_largest_whole_divisor_in_one_wave(n, k):
+    cfg = MG.MMA_PREFETCH_WAVE
+    split = MG.mma_gemv_split(cfg, n, k, 132)
+    ctas, iters = -(-n // cfg.block_n), k // (32 * cfg.steps)
+    assert iters % split == 0 and split <= cfg.max_split and ctas * split <= cfg.wave * 132
+    assert all(iters % s or ctas * s > cfg.wave * 132 for s in range(split + 1, cfg.max_split + 1))
 
 
 @pytest.mark.parametrize("n,k", list(G128_M1_STEPS2))
