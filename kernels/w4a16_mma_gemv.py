@@ -393,18 +393,41 @@ MMA_TWO_BLOCKS = MmaGemvConfig(2, 4, 8.0, prefetch=True, wave=8, min_depth=512)
 # With groups of 64 the same splits lost (2.31x against 2.62x, 2.01x against 2.22x): not taken there.
 MMA_PREFETCH_WAVE = MmaGemvConfig(2, 4, 8.0, max_split=32, prefetch=True, wave=14, wave_divisor=True)
 MMA_WAVE_FILL = 0.9
+# M <= 8, groups of a multiple of 128 (or one group), when the rules above leave the grid under MMA_REFILL of one
+# wave (MMA_REFILL_ROWS at M = 2-8) on a layer whose K is no power of two (``under_filled``: the down projections
+# of Llama-2 and Qwen2.5, whose K has few factors of two, so the doubling stops early): MMA_PREFETCH_WAVE if its
+# split fills at least MMA_PREFETCH_REFILL of its wave, else the default loop with the divisor rule
+# (MMA_DEFAULT_WAVE, 8 CTAs per SM; when it fills more), which goes one divisor past the wave when no divisor fills
+# half of it. Fitted on every divisor split of three configs on four such layers at M = 1 and 4
+# (results/w4a16-mma-odd-k-split-h200-2026-12-04.md), then checked old rule against new through the same kernel on
+# seven layers (results/w4a16-mma-rule-ab-h200-2026-12-04.txt), e.g. at M = 1 4096 x 11008 0.91x -> 1.99x cuBLAS
+# fp16 (split 4 -> 43), 8192 x 29568 0.71x -> 2.52x (2 -> 11, prefetch), 3584 x 3584 1.03x -> 1.94x; at M = 4
+# 0.41-1.02x -> 1.16-2.31x.
+MMA_RESIDENT_4W = 8  # CTAs per SM of the four-warp loops (58-64 registers a thread)
+MMA_REFILL = 0.625  # M = 1: the four layers switched filled 6-61%; 6144 x 4096 (73%) keeps its measured best
+# M = 2-8: the one-wave prefetch split lost where the doubling rule already filled 55% (4096 x 14336, split 16 -> 28:
+# 2.03x -> 1.65x at M = 2, 1.84x -> 1.33x at M = 8), so below half a wave only
+# (results/w4a16-mma-rule-ab-h200-2026-12-04.txt)
+MMA_REFILL_ROWS = 0.5
+MMA_PREFETCH_REFILL = 0.75
+MMA_DEFAULT_WAVE = MmaGemvConfig(4, 4, 4.0, max_split=64, wave=MMA_RESIDENT_4W, wave_divisor=True)
 
 
 def mma_gemv_split(cfg: MmaGemvConfig, n: int, k: int, sms: int) -> int:
     """Split-K factor: doubled while the grid has fewer than cfg.fill x SMs CTAs, K still splits into whole loop
     iterations, (cfg.wave) the grid stays within one wave of resident CTAs and (cfg.min_depth) each CTA keeps at
     least that many K rows; a result of cfg.skip_split moves one doubling on where allowed, else one back.
-    cfg.wave_divisor: instead, the largest divisor of the loop count (at most cfg.max_split) within one wave."""
+    cfg.wave_divisor: instead, the largest divisor of the loop count (at most cfg.max_split) within one wave, or,
+    when that fills less than half of the wave, the smallest divisor past it (a wave and part of another beat a mostly
+    idle GPU)."""
     ctas = -(-n // cfg.block_n)
     iters = k // (32 * cfg.steps)
     if cfg.wave_divisor:
-        fits = [s for s in range(1, min(iters, cfg.max_split) + 1) if iters % s == 0 and ctas * s <= cfg.wave * sms]
-        return max(fits, default=1)
+        divisors = [s for s in range(1, min(iters, cfg.max_split) + 1) if iters % s == 0]
+        cap = cfg.wave * sms
+        inside = max((s for s in divisors if ctas * s <= cap), default=1)
+        past = [s for s in divisors if ctas * s > cap]
+        return min(past) if 2 * ctas * inside < cap and past else inside
 
     def allowed(split: int) -> bool:
         return (
@@ -474,9 +497,35 @@ def mma_config_for(n: int, k: int, group: int, sms: int, m: int = 1) -> MmaGemvC
     a multiple of 128 (or one group) MMA_PREFETCH_WAVE at M = 1 where ``wave_split_fits``, else MMA_STEPS2_M1 at
     M = 1 on layers of at most MMA_STEPS2_M1_MAX_N columns and
     MMA_STEPS2 at M = 2-8 on layers of MMA_STEPS2_TILES column tiles, then MMA_PREFETCH where its grid has at least
-    as many warps as MMA_DEFAULT's; else MMA_DEFAULT."""
+    as many warps as MMA_DEFAULT's; else MMA_DEFAULT. For groups of a multiple of 128 (or one group) a choice that is
+    ``under_filled`` gives way to MMA_PREFETCH_WAVE or MMA_DEFAULT_WAVE (see there)."""
     if m > 8:
         return MMA_TWO_BLOCKS if group % 64 == 0 else None
+    cfg = _doubling_config(n, k, group, sms, m)
+    if group % 128 == 0 and cfg is not MMA_PREFETCH_WAVE and under_filled(cfg, n, k, sms, m):
+        if wave_fill(MMA_PREFETCH_WAVE, n, k, sms) >= MMA_PREFETCH_REFILL:
+            return MMA_PREFETCH_WAVE
+        if wave_fill(MMA_DEFAULT_WAVE, n, k, sms) > wave_fill(cfg, n, k, sms):
+            return MMA_DEFAULT_WAVE
+    return cfg
+
+
+def under_filled(cfg: MmaGemvConfig, n: int, k: int, sms: int, m: int = 1) -> bool:
+    """Whether cfg's doubling split leaves the grid under MMA_REFILL (M = 1) or MMA_REFILL_ROWS (M = 2-8) of a wave
+    on a layer whose K is not a power of two (K = odd x 2^j, odd > 1: the doubling runs out of factors of two)."""
+    return k & (k - 1) != 0 and wave_fill(cfg, n, k, sms) < (MMA_REFILL if m == 1 else MMA_REFILL_ROWS)
+
+
+def wave_fill(cfg: MmaGemvConfig, n: int, k: int, sms: int) -> float:
+    """The share of one wave of resident CTAs (cfg.wave per SM, else MMA_RESIDENT_4W) that cfg's grid fills."""
+    if k % (32 * cfg.steps):
+        return 0.0
+    ctas = -(-n // cfg.block_n) * mma_gemv_split(cfg, n, k, sms)
+    return ctas / ((cfg.wave or MMA_RESIDENT_4W) * sms)
+
+
+def _doubling_config(n: int, k: int, group: int, sms: int, m: int) -> MmaGemvConfig:
+    """``mma_config_for`` at M <= 8 before its under-filled-grid fallback."""
     if m == 1 and group % 128 == 0 and wave_split_fits(n, k, sms):
         return MMA_PREFETCH_WAVE
     if m == 1 and (group == 64 or (group % 128 == 0 and n <= MMA_STEPS2_M1_MAX_N)):

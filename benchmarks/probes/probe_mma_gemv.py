@@ -135,7 +135,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--ms", default="1,2,4,8,16")
     ap.add_argument("--groups", default="128")
-    ap.add_argument("--shapes", default="all")
+    ap.add_argument("--shapes", default="all", help="all, big (the four largest) or N x K pairs: 4096x11008,...")
     ap.add_argument(
         "--variants", help="comma-separated config names instead of VARIANTS, e.g. mma-w4s2f4,mma-w2s4f8pv14"
     )
@@ -144,7 +144,10 @@ def main() -> None:
     variants = [parse_variant(v) for v in args.variants.split(",")] if args.variants else VARIANTS
     if args.compile:
         return report_compile(variants)
-    walk(args, SHAPES if args.shapes == "all" else SHAPES[:4], variants, w4a16_mma_gemv, "probe_mma_gemv.json")
+    shapes = {"all": SHAPES, "big": SHAPES[:4]}.get(args.shapes)
+    if shapes is None:
+        shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    walk(args, shapes, variants, w4a16_mma_gemv, "probe_mma_gemv.json")
 
 
 if __name__ == "__main__":

@@ -262,3 +262,42 @@ def test_w4a16_linear_runs_this_kernel_up_to_16_rows(m, group, dtype):
     y = K.w4a16_linear(x, w, bias)
     assert torch.equal(y, MG.w4a16_mma_gemv(x, w, bias))
     assert_close_to_float64(y, x, qw, bias)
+
+
+# Layers whose K is no power of two, groups of 128: the plan of every cell timed on the H200 after the fallback for
+# under-filled grids (results/w4a16-mma-odd-k-split-h200-2026-12-04.md, results/w4a16-mma-rule-ab-h200-2026-12-04.txt)
+ODD_K_PLANS = {
+    (4096, 11008, 1): (MG.MMA_DEFAULT_WAVE, 43), (4096, 11008, 4): (MG.MMA_DEFAULT_WAVE, 43),
+    (5120, 13824, 1): (MG.MMA_PREFETCH_WAVE, 18), (5120, 13824, 2): (MG.MMA_PREFETCH_WAVE, 18),
+    (5120, 13824, 8): (MG.MMA_PREFETCH_WAVE, 18), (3584, 18944, 1): (MG.MMA_DEFAULT_WAVE, 37),
+    (3584, 18944, 4): (MG.MMA_DEFAULT_WAVE, 37), (5120, 27648, 1): (MG.MMA_PREFETCH_WAVE, 18),
+    (8192, 29568, 1): (MG.MMA_PREFETCH_WAVE, 11), (8192, 29568, 4): (MG.MMA_PREFETCH_WAVE, 11),
+    (3584, 3584, 1): (MG.MMA_PREFETCH_WAVE, 28), (3584, 3584, 4): (MG.MMA_PREFETCH_WAVE, 28),
+    (4608, 3584, 1): (MG.MMA_DEFAULT_WAVE, 28), (4608, 3584, 4): (MG.MMA_DEFAULT_WAVE, 28),
+    (2048, 5632, 1): (MG.MMA_DEFAULT_WAVE, 44), (2048, 5632, 4): (MG.MMA_DEFAULT_WAVE, 44),
+}  # fmt: skip
+# ... and cells where the doubling rule keeps its plan: half a wave or more at M = 2-8 (4096 x 14336 lost with the
+# one-wave split there), or K a power of two
+KEPT = [(4096, 14336, 2), (4096, 14336, 4), (4096, 14336, 8), (4096, 12288, 4), (5120, 27648, 4), (4096, 4096, 4),
+        (4096, 1024, 1), (6144, 4096, 1)]  # fmt: skip
+
+
+@pytest.mark.parametrize("n,k,m", list(ODD_K_PLANS))
+def test_under_filled_odd_k_layers_take_the_measured_plan(n, k, m):
+    cfg, split = ODD_K_PLANS[n, k, m]
+    assert MG.mma_config_for(n, k, 128, 132, m) == cfg
+    assert MG.mma_gemv_split(cfg, n, k, 132) == split
+    assert MG.under_filled(MG._doubling_config(n, k, 128, 132, m), n, k, 132, m)
+    assert MG.mma_config_for(n, k, 64, 132, m) == MG._doubling_config(n, k, 64, 132, m)  # groups of 64: not timed
+
+
+@pytest.mark.parametrize("n,k,m", KEPT)
+def test_filled_or_power_of_two_layers_keep_the_doubling_plan(n, k, m):
+    assert MG.mma_config_for(n, k, 128, 132, m) == MG._doubling_config(n, k, 128, 132, m)
+
+
+def test_wave_divisor_goes_past_the_wave_only_when_no_divisor_fills_half():
+    cfg = MG.MMA_DEFAULT_WAVE
+    assert MG.mma_gemv_split(cfg, 4096, 11008, 132) == 43  # divisors 1, 2, 43 of 86: 2 fills 6%, 43 is 1.3 waves
+    assert MG.mma_gemv_split(cfg, 3584, 18944, 132) == 37  # 28 x 37 = 1036 CTAs: inside the wave of 1056
+    assert MG.mma_gemv_split(cfg, 4096, 4096, 132) == 32  # a power of two when it fills the wave
