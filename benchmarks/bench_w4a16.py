@@ -26,6 +26,8 @@ Modes (results under $OUT if set, else ./bench_out: JSON + markdown; a short tab
   python benchmarks/bench_w4a16.py --configs S.json   full table with a sweep's winners instead of CONFIG_TABLE
   python benchmarks/bench_w4a16.py --apply S.json     (no GPU) write a sweep's winners into kernels/w4a16_configs.py
   python benchmarks/bench_w4a16.py --summary T.json   (no GPU) a saved table's speedups and per-M geomeans
+  python benchmarks/bench_w4a16.py --shapes 4096x11008,3584x18944 [--ms 1,4,64] [--groups 128]
+                                                      the table on other layers / rows / groups (w4a16_full-custom)
   TRITON_INTERPRET=1 python benchmarks/bench_w4a16.py --smoke   CPU plumbing check: tiny shapes, wall clock
 """
 
@@ -398,8 +400,32 @@ def precompile(cases: list[tuple], workers: int) -> None:
 # -- the full table ------------------------------------------------------------------------------------------------
 
 
+def parse_ints(flag: str, text: str, per_item: int = 1) -> list:
+    """``--flag`` text as comma-separated integers (``per_item`` 2: N x K pairs), or a one-line exit."""
+    try:
+        items = [tuple(int(v) for v in item.split("x")) for item in text.split(",")]
+    except ValueError:
+        items = []
+    if not items or any(len(i) != per_item for i in items):
+        example = "4096x11008,3584x18944" if per_item == 2 else "1,16,64"
+        raise SystemExit(f"--{flag}: expected a comma-separated list such as {example}, got {text!r}")
+    return items if per_item == 2 else [i[0] for i in items]
+
+
+def table_spec(args) -> dict:
+    """Shapes, M values and groups of the table: the issue's (or --quick / --smoke's), each replaceable by
+    --shapes / --ms / --groups (e.g. other models' layers: --shapes 4096x11008,3584x18944)."""
+    spec = dict(SMOKE if args.smoke else QUICK if args.quick else {"shapes": SHAPES, "ms": MS, "groups": GROUPS})
+    if args.shapes:
+        spec["shapes"] = parse_ints("shapes", args.shapes, per_item=2)
+    for key in ("ms", "groups"):
+        if getattr(args, key):
+            spec[key] = parse_ints(key, getattr(args, key))
+    return spec
+
+
 def run_table(args, timer: Timer, device: str, table: list | None) -> dict:
-    spec = SMOKE if args.smoke else QUICK if args.quick else {"shapes": SHAPES, "ms": MS, "groups": GROUPS}
+    spec = table_spec(args)
     choose = (lambda m, n: table_config(table, m)) if table else C.config_for
     if not args.smoke and not args.no_precompile:
         ms = sorted(set(spec["ms"]) | set(CHECK_MS))
@@ -636,6 +662,9 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="precompile processes")
     ap.add_argument("--no-precompile", action="store_true", help="compile lazily in this process instead")
     ap.add_argument("--summary", type=Path, help="print a saved table's speedups and per-M geomeans (results/*.json)")
+    ap.add_argument("--shapes", help="N x K pairs instead of the issue's six, e.g. 4096x11008,3584x18944")
+    ap.add_argument("--ms", help="comma-separated M values instead of the table's")
+    ap.add_argument("--groups", help="comma-separated group sizes instead of the table's (128,64)")
     args = ap.parse_args()
     if args.apply:
         apply_sweep(args.apply)
@@ -665,6 +694,7 @@ def main() -> None:
         table = [(w["max_m"], C.KernelConfig(**w["config"])) for w in sweep["winners"]]
     result = run_table(args, timer, device, table)
     tag = "smoke" if args.smoke else "quick" if args.quick else "full"
+    tag += "-custom" if args.shapes or args.ms or args.groups else ""
     (out_dir / f"w4a16_{tag}.json").write_text(json.dumps({"env": env, **result}, indent=1))
     header = f"# W4A16 vs cuBLAS fp16 -- {env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}\n"
     header += f"\nDevice copy bandwidth {result['copy_tbps']:.2f} TB/s (read + write).\n\n"
