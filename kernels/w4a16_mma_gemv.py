@@ -481,11 +481,8 @@ def grid_warps(cfg: MmaGemvConfig, n: int, k: int, sms: int) -> int:
 def wave_split_fits(n: int, k: int, sms: int) -> bool:
     """Whether MMA_PREFETCH_WAVE's split of an N x K layer is one the doubling rules cannot reach (not a power of
     two) and fills at least MMA_WAVE_FILL of its wave."""
-    cfg = MMA_PREFETCH_WAVE
-    if k % (32 * cfg.steps):
-        return False
-    split = mma_gemv_split(cfg, n, k, sms)
-    return split & (split - 1) != 0 and -(-n // cfg.block_n) * split >= MMA_WAVE_FILL * cfg.wave * sms
+    split = mma_gemv_split(MMA_PREFETCH_WAVE, n, k, sms)
+    return split & (split - 1) != 0 and wave_fill(MMA_PREFETCH_WAVE, n, k, sms) >= MMA_WAVE_FILL
 
 
 @functools.lru_cache(maxsize=1024)

@@ -99,6 +99,23 @@ def assert_kernel_case(product, qw, w, m, dtype, with_bias):
     return x, bias, y
 
 
+def assert_split_k_replays(product, w):
+    """A split-K kernel is deterministic and replays in a CUDA graph: ``product(out)`` (out None: a new tensor) gives
+    the same bits eagerly and in three replays of a graph captured after a warm-up, into a NaN-poisoned ``out``, and
+    leaves the weight's split-K counters reset."""
+    first = product(None)
+    out = torch.full_like(first, float("nan"))
+    product(out)  # compile and warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        product(out)
+    out.fill_(float("nan"))
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, first) and not w.locks.any()
+
+
 # (M, N, K, bits, group, sym, dtype, act_order, bias, config): M from 1 to 300, odd N, K off the block, ragged groups
 CASES = [
     (1, 77, 576, 4, 128, False, torch.float16, False, True, None),  # ragged last group (576 = 4.5 * 128)

@@ -18,7 +18,14 @@ from quantkit.kernels import w4a16 as K
 from quantkit.kernels import w4a16_mma_gemv as MG
 from quantkit.kernels.w4a16_weight import num_sms
 
-from tests.kernels.test_w4a16 import DEVICE, assert_close_to_float64, assert_kernel_case, make_layer, prepared
+from tests.kernels.test_w4a16 import (
+    DEVICE,
+    assert_close_to_float64,
+    assert_kernel_case,
+    assert_split_k_replays,
+    make_layer,
+    prepared,
+)
 
 sm90 = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0))
@@ -140,17 +147,7 @@ def test_kernel_matches_float64_reference(m, n, k, group, dtype, act_order, with
 def test_split_k_is_deterministic_and_replays_in_a_cuda_graph():
     _, w = weight(1024, 4096, seed=3)
     x = torch.randn(3, 4096, device="cuda").half()
-    first = MG.w4a16_mma_gemv(x, w, split=8)
-    out = torch.full_like(first, float("nan"))
-    MG.w4a16_mma_gemv(x, w, out=out, split=8)  # compile and warm up outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        MG.w4a16_mma_gemv(x, w, out=out, split=8)
-    out.fill_(float("nan"))
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, first) and not w.locks.any()
+    assert_split_k_replays(lambda out: MG.w4a16_mma_gemv(x, w, out=out, split=8), w)
 
 
 @sm90

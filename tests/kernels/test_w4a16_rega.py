@@ -18,7 +18,14 @@ from quantkit.kernels import w4a16 as K
 from quantkit.kernels import w4a16_rega as R
 from quantkit.kernels.w4a16_weight import unpack_gptq_codes
 
-from tests.kernels.test_w4a16 import DEVICE, assert_close_to_float64, assert_kernel_case, make_layer, prepared
+from tests.kernels.test_w4a16 import (
+    DEVICE,
+    assert_close_to_float64,
+    assert_kernel_case,
+    assert_split_k_replays,
+    make_layer,
+    prepared,
+)
 
 hopper = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0))
@@ -176,17 +183,7 @@ def test_repeated_calls_through_the_dispatch_stay_right(m, group, monkeypatch):
 def test_split_k_is_deterministic_and_replays_in_a_cuda_graph():
     _, w = weight(1024, 4096, seed=3)
     x = torch.randn(40, 4096, device="cuda").half()
-    first = R.w4a16_rega_gemm(x, w, config=R.REGA_M64, split=4)
-    out = torch.full_like(first, float("nan"))
-    R.w4a16_rega_gemm(x, w, out=out, config=R.REGA_M64, split=4)  # compile and warm up outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        R.w4a16_rega_gemm(x, w, out=out, config=R.REGA_M64, split=4)
-    out.fill_(float("nan"))
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, first) and not w.locks.any()
+    assert_split_k_replays(lambda out: R.w4a16_rega_gemm(x, w, out=out, config=R.REGA_M64, split=4), w)
 
 
 @hopper

@@ -15,7 +15,14 @@ from quantkit.kernels import w4a16 as K
 from quantkit.kernels import w4a16_ws as WS
 from quantkit.kernels.w4a16_rega import rega_plan
 
-from tests.kernels.test_w4a16 import DEVICE, assert_close_to_float64, assert_kernel_case, make_layer, prepared
+from tests.kernels.test_w4a16 import (
+    DEVICE,
+    assert_close_to_float64,
+    assert_kernel_case,
+    assert_split_k_replays,
+    make_layer,
+    prepared,
+)
 
 hopper = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0))
@@ -127,17 +134,7 @@ def test_kernel_matches_float64_reference(m, n, k, group, dtype, act_order, with
 def test_split_k_is_deterministic_and_replays_in_a_cuda_graph():
     _, w = weight(1024, 4096, seed=3)
     x = torch.randn(256, 4096, device="cuda").half()
-    first = WS.w4a16_ws_gemm(x, w, split=4)
-    out = torch.full_like(first, float("nan"))
-    WS.w4a16_ws_gemm(x, w, out=out, split=4)  # compile and warm up outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        WS.w4a16_ws_gemm(x, w, out=out, split=4)
-    out.fill_(float("nan"))
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, first) and not w.locks.any()
+    assert_split_k_replays(lambda out: WS.w4a16_ws_gemm(x, w, out=out, split=4), w)
 
 
 @hopper
