@@ -110,15 +110,17 @@ def block_m(m: int) -> int:
 
 
 def rega_split(cfg: RegaConfig, n: int, k: int, sms: int) -> int:
-    """Split-K factor: doubled while the grid holds fewer than ``split_waves`` CTAs per SM, each part keeps an even
-    number of whole tiles (the loop takes them in pairs) and at least 512 of K."""
+    """Split-K factor: doubled while the grid holds fewer than ``split_waves`` CTAs per SM and every part keeps at
+    least 512 of K. Parts are whole pairs of tiles (the loop takes them in pairs), as even as they go (the kernel's
+    rule), so K need not split evenly: a 4096 x 11008 layer (43 pairs of 128-deep tiles) at M = 64 splits 4 ways
+    (10-11 pairs) where whole halves were not possible."""
     tiles = -(-n // cfg.block_n)
+    pairs = k // (2 * cfg.block_k)
     split = 1
     while (
         tiles * split < cfg.split_waves * sms
         and split * 2 <= REGA_MAX_SPLIT
-        and k % (cfg.block_k * split * 4) == 0
-        and k // (split * 2) >= 512
+        and pairs // (split * 2) * 2 * cfg.block_k >= 512
     ):
         split *= 2
     return split
@@ -182,7 +184,7 @@ def w4a16_rega_gemm(
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W.T + bias with the register-A wgmma kernel; x is already in kernel channel order.
     ``config``: instead of ``rega_config_for``'s (tests, probes: any M up to 128); ``split``: the split-K factor
-    instead of ``rega_split``'s; each part must be an even number of whole tiles."""
+    instead of ``rega_split``'s; at most one part per pair of tiles."""
     check_operands(x, w, bias, out)
     m, k = x.shape
     n = w.out_features
@@ -194,8 +196,9 @@ def w4a16_rega_gemm(
         raise ValueError(f"w4a16_rega_gemm: {reason}")
     if split is None:
         split = rega_split(cfg, n, k, num_sms(x.device))
-    elif split < 1 or k % (cfg.block_k * split * 2) or (split > 1 and n // cfg.block_n > LOCK_SLOTS):
-        raise ValueError(f"split {split}: K = {k} must split into even counts of {cfg.block_k}-deep tiles")
+    elif not 1 <= split <= k // (2 * cfg.block_k) or (split > 1 and n // cfg.block_n > LOCK_SLOTS):
+        raise ValueError(f"split {split}: K = {k} has {k // (2 * cfg.block_k)} pairs of {cfg.block_k}-deep tiles, "
+                         "at least one per part")  # fmt: skip
     return launch(x, w, bias, out, cfg, split)
 
 

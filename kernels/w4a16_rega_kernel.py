@@ -43,10 +43,10 @@ Measured (H200, Triton 3.6, results/w4a16-rega-wgmma-h200-2026-12-04.md, w4a16-h
 instructions per weight (fp16; bf16 5.2-5.8), 127-255 registers. Behind the mma.sync gemv at M <= 16 and on
 4096-wide layers at M 17-32 and 65-128.
 
-Limits: 4-bit codes; groups a multiple of BLOCK_K (or one group); K a multiple of 2 x BLOCK_K x split; N a multiple of
-BLOCK_N; M <= 128 (the launcher's bound: 256-row tiles compile and were timed, but lost); CUDA sm_90 (wgmma, TMA). Gluon
-has no interpreter mode: the CPU tests cover the launcher's rules and ``permute_x``, the GPU tests the kernel. Written
-for Triton 3.6's Gluon.
+Limits: 4-bit codes; groups a multiple of BLOCK_K (or one group); K a multiple of 2 x BLOCK_K, at least one pair of
+tiles per split part; N a multiple of BLOCK_N; M <= 128 (the launcher's bound: 256-row tiles compile and were
+timed, but lost); CUDA sm_90 (wgmma, TMA). Gluon has no interpreter mode: the CPU tests cover the launcher's rules
+and ``permute_x``, the GPU tests the kernel. Written for Triton 3.6's Gluon.
 """
 
 from __future__ import annotations
@@ -249,8 +249,12 @@ def _w4a16_rega_kernel(
     a_layout: gl.constexpr = A_LAYOUT
     w_layout: gl.constexpr = W_LAYOUT
 
-    k_tiles = K // (BK * SPLIT_K)  # the launcher checks: whole tiles, an even count
-    k0 = gl.program_id(1) * k_tiles * BK
+    # split-K in whole pairs of tiles (the loop's unit), as even as they go: parts differ by at most one pair, so K
+    # need not split evenly (11008 = 43 pairs of 256)
+    pairs = K // (2 * BK)  # the launcher checks: K a whole number of pairs, at least one per part
+    p0 = gl.program_id(1) * pairs // SPLIT_K
+    k_tiles = 2 * ((gl.program_id(1) + 1) * pairs // SPLIT_K - p0)
+    k0 = p0 * 2 * BK
     off_n = gl.program_id(0) * BN
     gl.assume(k_tiles > 0)
 

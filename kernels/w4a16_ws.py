@@ -78,15 +78,16 @@ def ws_config_for(m: int, group_size: int) -> WSConfig | None:
 
 
 def ws_split(cfg: WSConfig, m: int, n: int, k: int, group_size: int, sms: int) -> int:
-    """Split-K factor: doubled while the grid has fewer than WS_FILL x SMs CTAs and K still splits into whole
-    groups of at least two steps each."""
+    """Split-K factor: doubled while the grid has fewer than WS_FILL x SMs CTAs and every part keeps at least two
+    steps. Parts are whole groups, as even as they go (the kernel's rule), so K need not split evenly: a 4096 x 11008
+    layer (86 groups of 128) at M = 128 splits 4 ways (21-22 groups) where whole halves allowed only 2."""
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    groups = k // group_size
     split = 1
     while (
         tiles * split < WS_FILL * sms
         and split * 2 <= WS_MAX_SPLIT
-        and k % (group_size * split * 2) == 0
-        and k // (split * 2) >= 2 * cfg.block_k
+        and groups // (split * 2) * group_size >= 2 * cfg.block_k
     ):
         split *= 2
     return split
@@ -142,7 +143,7 @@ def w4a16_ws_gemm(
     split: int | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W.T + bias with the warp-specialized kernel; x is already in kernel channel order.
-    ``split``: the split-K factor instead of ``ws_split``'s (tests); K / split must be whole groups."""
+    ``split``: the split-K factor instead of ``ws_split``'s (tests); at most one part per group."""
     check_operands(x, w, bias, out)
     m, k = x.shape
     cfg = config or ws_config_for(m, w.group_size)
@@ -154,8 +155,8 @@ def w4a16_ws_gemm(
     tiles = -(-m // cfg.block_m) * -(-w.out_features // cfg.block_n)
     if split is None:
         split = ws_split(cfg, m, w.out_features, k, w.group_size, num_sms(x.device))
-    elif split < 1 or k % (w.group_size * split) or (split > 1 and tiles > LOCK_SLOTS):
-        raise ValueError(f"split {split}: K = {k} must split into whole groups of {w.group_size}, "
+    elif not 1 <= split <= k // w.group_size or (split > 1 and tiles > LOCK_SLOTS):
+        raise ValueError(f"split {split}: needs 1 to {k // w.group_size} parts (whole groups of {w.group_size}), "
                          f"tiles ({tiles}) at most {LOCK_SLOTS}")  # fmt: skip
     return launch(x, w, bias, out, cfg, split)
 

@@ -258,8 +258,12 @@ def _w4a16_ws_kernel(
     num_m = gl.cdiv(M, BLOCK_M)
     off_m = (tile % num_m) * BLOCK_M  # M fastest: the CTAs that share a weight tile run together
     off_n = (tile // num_m) * BLOCK_N
-    k_tiles = K // (BLOCK_K * SPLIT_K)  # the launcher checks that K splits into whole tiles
-    k_start = gl.program_id(1) * k_tiles * BLOCK_K
+    # split-K in whole groups (zeros and scales are loaded per group), as even as they go: parts differ by at most
+    # one group, so K need not split evenly (11008 = 86 groups of 128)
+    n_groups = K // GROUP  # the launcher checks: whole groups, at least one per part
+    g0 = gl.program_id(1) * n_groups // SPLIT_K
+    k_tiles = ((gl.program_id(1) + 1) * n_groups // SPLIT_K - g0) * (GROUP // BLOCK_K)
+    k_start = g0 * GROUP
     gl.assume(k_tiles > 0)
 
     d_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], act)

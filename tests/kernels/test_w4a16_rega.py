@@ -58,15 +58,23 @@ def test_config_rule_follows_the_measured_cells(m, n, k, group, expected):
 
 @pytest.mark.parametrize("n,k,cfg", [(4096, 14336, R.REGA_M32), (8192, 8192, R.REGA_M64), (28672, 8192, R.REGA_M64),
                                      (14336, 4096, R.REGA_M64_NARROW), (8192, 512, R.REGA_M32),
-                                     (28672, 8192, R.REGA_M64_G64)])  # fmt: skip
-def test_split_keeps_even_whole_tiles(n, k, cfg):
+                                     (28672, 8192, R.REGA_M64_G64), (4096, 11008, R.REGA_M64_NARROW),
+                                     (6144, 13824, R.REGA_M32), (3584, 18944, R.REGA_M64_NARROW)])  # fmt: skip
+def test_split_fills_the_gpu_in_whole_pairs_of_tiles(n, k, cfg):
     split = R.rega_split(cfg, n, k, 132)
+    pairs = k // (2 * cfg.block_k)
     assert 1 <= split <= R.REGA_MAX_SPLIT and split & (split - 1) == 0
-    assert k % (cfg.block_k * split * 2) == 0  # an even number of whole tiles per part
-    assert split == 1 or k // split >= 512
+    assert split == 1 or pairs // split * 2 * cfg.block_k >= 512  # the shortest part keeps 512 of K
     doubled = split * 2
-    can_double = doubled <= R.REGA_MAX_SPLIT and k % (cfg.block_k * doubled * 2) == 0 and k // doubled >= 512
+    can_double = doubled <= R.REGA_MAX_SPLIT and pairs // doubled * 2 * cfg.block_k >= 512
     assert n // cfg.block_n * split >= cfg.split_waves * 132 or not can_double
+
+
+def test_split_of_an_odd_number_of_pairs_fills_the_gpu():
+    """K = 11008 is 43 pairs of 128-deep tiles: the old rule (whole halves only) kept 64 CTAs at M = 64; parts
+    as even as they go (10-11 pairs) reach the power of two that fills the GPU."""
+    assert R.rega_split(R.REGA_M64_NARROW, 4096, 11008, 132) == 4
+    assert R.rega_split(R.REGA_M64_NARROW, 4096, 14336, 132) == 4  # the even K it was measured on: unchanged
 
 
 def test_permute_x_puts_each_words_codes_where_its_fragment_registers_take_them():
@@ -150,6 +158,11 @@ GPU_CASES = [
     (96, 512, 1024, 64, torch.float16, False, False, R.REGA_M64_G64, None),
     (100, 512, 1024, 128, torch.float16, False, True, R.REGA_M128, None),
     (128, 1024, 2048, 128, torch.bfloat16, True, False, R.REGA_M128, 2),
+    # parts of unequal length: 11 pairs in 4 parts (2-3 pairs), 7 pairs in 3, 3 pairs in 2 with one group per column
+    (64, 512, 2816, 128, torch.float16, False, True, R.REGA_M64_NARROW, 4),
+    (24, 512, 1792, 128, torch.bfloat16, True, False, R.REGA_M32, 3),
+    (40, 256, 768, -1, torch.float16, False, True, R.REGA_M64, 2),
+    (96, 512, 1408, 64, torch.bfloat16, False, False, R.REGA_M128_G64, 8),
 ]
 
 
@@ -187,8 +200,8 @@ def test_split_k_is_deterministic_and_replays_in_a_cuda_graph():
 
 
 @hopper
-def test_launcher_rejects_a_split_of_odd_tile_counts():
-    _, w = weight(256, 768, seed=6)  # six tiles of 128
+def test_launcher_rejects_more_parts_than_pairs_of_tiles():
+    _, w = weight(256, 768, seed=6)  # three pairs of 128-deep tiles
     x = torch.randn(40, 768, device="cuda").half()
-    with pytest.raises(ValueError, match="even counts"):
-        R.w4a16_rega_gemm(x, w, config=R.REGA_M64, split=2)
+    with pytest.raises(ValueError, match="at least one per part"):
+        R.w4a16_rega_gemm(x, w, config=R.REGA_M64, split=4)

@@ -47,16 +47,26 @@ def test_group_64_takes_64_deep_steps():
 
 
 @pytest.mark.parametrize("m,n,k,group", [(256, 4096, 4096, 128), (256, 8192, 28672, 128), (128, 4096, 14336, 64),
-                                         (512, 28672, 8192, 128), (100, 256, 512, 128)])  # fmt: skip
-def test_split_fills_the_gpu_with_whole_groups(m, n, k, group):
+                                         (512, 28672, 8192, 128), (100, 256, 512, 128), (128, 4096, 11008, 128),
+                                         (256, 5120, 13824, 128), (100, 3584, 18944, 64)])  # fmt: skip
+def test_split_fills_the_gpu_with_parts_of_whole_groups(m, n, k, group):
     cfg = WS.ws_config_for(m, group)
     split = WS.ws_split(cfg, m, n, k, group, 132)
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    groups = k // group
     assert 1 <= split <= WS.WS_MAX_SPLIT and split & (split - 1) == 0
-    assert k % (group * split) == 0 and k // split >= 2 * cfg.block_k
+    assert groups // split * group >= 2 * cfg.block_k  # the shortest part keeps two steps
     doubled = split * 2
-    can_double = doubled <= WS.WS_MAX_SPLIT and k % (group * doubled) == 0 and k // doubled >= 2 * cfg.block_k
+    can_double = doubled <= WS.WS_MAX_SPLIT and groups // doubled * group >= 2 * cfg.block_k
     assert tiles * split >= WS.WS_FILL * 132 or not can_double  # it stops only when full or unable to split
+
+
+def test_split_of_an_odd_number_of_groups_fills_the_gpu():
+    """K = 11008 is 86 groups of 128: whole halves allowed a split of 2 at M = 128 (64 CTAs); parts as even as they
+    go (21-22 groups) reach 4."""
+    cfg = WS.ws_config_for(128, 128)
+    assert WS.ws_split(cfg, 128, 4096, 11008, 128, 132) == 4
+    assert WS.ws_split(cfg, 128, 4096, 4096, 128, 132) == 4  # an even K of the same width: the same split
 
 
 def test_short_k_slices_of_256_row_tiles_go_to_the_table():
@@ -112,6 +122,10 @@ GPU_CASES = [
     (300, 516, 1024, 64, torch.float16, False, False, 4),
     (512, 2048, 4096, 128, torch.float16, False, True, 8),
     (257, 4096, 8192, 128, torch.bfloat16, False, True, None),
+    # parts of unequal length: 11 groups in 4 parts (2-3 groups), 7 groups of 64 in 3, 3 groups in 2
+    (128, 512, 1408, 128, torch.float16, False, True, 4),
+    (300, 260, 448, 64, torch.bfloat16, True, False, 3),
+    (96, 1024, 384, 128, torch.float16, False, False, 2),
 ]
 
 
@@ -146,8 +160,8 @@ def test_unaligned_rows_are_served_by_the_triton_path():
 
 
 @hopper
-def test_launcher_rejects_a_split_that_breaks_groups():
+def test_launcher_rejects_more_parts_than_groups():
     _, w = weight(256, 384, seed=6)  # three groups of 128
     x = torch.randn(128, 384, device="cuda").half()
-    with pytest.raises(ValueError, match="whole groups"):
-        WS.w4a16_ws_gemm(x, w, split=2)
+    with pytest.raises(ValueError, match="needs 1 to 3 parts"):
+        WS.w4a16_ws_gemm(x, w, split=4)
