@@ -28,7 +28,8 @@ How (one warp = 32 output columns; a CTA = num_warps warps side by side along N;
     columns, so the per-group scales are its own loads. Everything per thread is explicit, so the unpacking and
     the mma are one inline-PTX block per K step (``pack=4``: each thread's four elements of each operand).
     split-K: partial tiles in an fp32 workspace [split, M, N]; the last CTA of a column tile (a counter in
-    ``W4A16Weight.locks``) adds them in split order (deterministic).
+    ``W4A16Weight.locks``) adds them in split order (deterministic). Parts are whole loop iterations; where the split
+    does not divide their count the parts differ by one iteration (``MmaGemvConfig.uneven``).
 
 Measured (H200, Triton 3.6, results/w4a16-mma-gemv-h200-2026-12-04.md): 2.2 SASS instructions per weight (fp16;
 bf16 2.4: three shifts per word), 58 registers. Against the previous choices over eight layer shapes, geomean of
@@ -267,9 +268,10 @@ def _store_all(out_ptr, ws_ptr, bias_ptr, acc0, acc1, acc2, acc3, m0, cols, M, N
 @gluon.jit
 def _w4a16_mma_gemv_kernel(
     x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, iters_per_split, stride_xm, stride_qwk, stride_qzg, stride_sg, stride_om,
+    M, N, iters, stride_xm, stride_qwk, stride_qzg, stride_sg, stride_om,
     GROUP: gl.constexpr, STEPS: gl.constexpr, MB: gl.constexpr, BF16: gl.constexpr, HAS_BIAS: gl.constexpr,
-    SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr, PREFETCH: gl.constexpr, num_warps: gl.constexpr,
+    SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr, PREFETCH: gl.constexpr, EVEN_SPLIT: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     L: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [num_warps, 1], [1, 0])
     BLOCK_N: gl.constexpr = 32 * num_warps
@@ -291,8 +293,17 @@ def _w4a16_mma_gemv_kernel(
     x0_ptrs = x_ptr + gl.expand_dims(gl.minimum(g, M - 1) * stride_xm, 1) + quad
     x1_ptrs = x_ptr + gl.expand_dims(gl.minimum(g + 8, M - 1) * stride_xm, 1) + quad
 
+    # split-K in whole loop iterations: ``iters`` per part (EVEN_SPLIT), else ``iters`` in all, the parts as even as
+    # they go (they differ by at most one iteration). The even case keeps the loop count a launch argument, which
+    # Triton specializes (e.g. divisible by 16) as it did before uneven parts existed.
+    if EVEN_SPLIT:
+        it0 = split * iters
+        n_it = iters
+    else:
+        it0 = split * iters // SPLIT_K
+        n_it = (split + 1) * iters // SPLIT_K - it0
     acc0, acc1, acc2, acc3 = _k_loop(
-        qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, split * iters_per_split, iters_per_split,
+        qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, it0, n_it,
         stride_qwk, stride_qzg, stride_sg, L, GROUP, STEPS, SPG, MB, BF16, EVEN_N, PREFETCH,
     )  # fmt: skip
 
@@ -326,6 +337,7 @@ class MmaGemvConfig:
     min_depth: int = 0  # > 0: the split never leaves a CTA fewer than this many K rows
     skip_split: int = 0  # > 0: a split measured slow for this config; the rule goes one doubling on (or back)
     wave_divisor: bool = False  # the split: the largest divisor of the loop count whose grid fits one wave (``wave``)
+    uneven: bool = False  # the doubling split need not divide the loop count (parts differ by at most one iteration)
 
     @property
     def block_n(self) -> int:
@@ -338,6 +350,7 @@ class MmaGemvConfig:
         extra += f"m{self.max_split}" if self.max_split != 16 else ""
         extra += f"x{self.skip_split}" if self.skip_split else ""
         extra += "e" if self.wave_divisor else ""
+        extra += "u" if self.uneven else ""
         return f"mma-w{self.num_warps}s{self.steps}f{self.fill:g}{extra}"
 
 
@@ -384,7 +397,10 @@ MMA_STEPS2_TILES = (33, 64)
 # rule picks the fastest on all 16 (shape, group 128 / 64) cells; against the Triton m16 tiles that served these rows
 # before, 1.01-1.64x (geomean over cuBLAS fp16 1.29x -> 1.78x at group 128, 1.27x -> 1.62x at group 64, 1.29x ->
 # 1.79x with one group per column; results/w4a16-mma-split-probe-h200-2026-12-04.md).
-MMA_TWO_BLOCKS = MmaGemvConfig(2, 4, 8.0, prefetch=True, wave=8, min_depth=512)
+# Its parts need not divide K evenly (``uneven``): on the issue's layers the split is the one timed above, and on
+# layers whose K has few factors of two the doubling no longer stops at 1-4 slices (4096 x 11008: 2 -> 16, 8192 x
+# 29568: 1 -> 8; results/w4a16-mma-two-blocks-uneven-h200-2026-12-04.md).
+MMA_TWO_BLOCKS = MmaGemvConfig(2, 4, 8.0, prefetch=True, wave=8, min_depth=512, uneven=True)
 # M = 1, groups of a multiple of 128 (or one group): the prefetch loop split into the largest whole number of slices
 # whose grid fits one wave of 14 CTAs per SM, any divisor of the loop count, where that split is not a power of two
 # and fills at least MMA_WAVE_FILL of the wave (K = 7 x 2^j layers). Same run, every split of four configs
@@ -432,9 +448,10 @@ def mma_gemv_split(cfg: MmaGemvConfig, n: int, k: int, sms: int) -> int:
     def allowed(split: int) -> bool:
         return (
             split <= cfg.max_split
-            and iters % split == 0
+            and (cfg.uneven or iters % split == 0)
+            and iters >= split
             and not (cfg.wave and ctas * split > cfg.wave * sms)
-            and not (cfg.min_depth and k // split < cfg.min_depth)
+            and not (cfg.min_depth and iters // split * 32 * cfg.steps < cfg.min_depth)
         )
 
     split = 1
@@ -559,7 +576,7 @@ def w4a16_mma_gemv(
     split: int | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W.T + bias for M <= 16; x is already in kernel channel order. ``split``: the split-K
-    factor instead of ``mma_gemv_split``'s (tests); K / split must be whole loop iterations."""
+    factor instead of ``mma_gemv_split``'s (tests, probes): parts of whole loop iterations, as even as they go."""
     check_operands(x, w, bias, out)
     sms = num_sms(x.device)
     cfg = config or mma_config_for(w.out_features, w.in_features, w.group_size, sms, x.shape[0]) or MMA_DEFAULT
@@ -569,8 +586,9 @@ def w4a16_mma_gemv(
     k, n = w.in_features, w.out_features
     if split is None:
         split = mma_gemv_split(cfg, n, k, sms)
-    elif split < 1 or (k // (32 * cfg.steps)) % split or (split > 1 and -(-n // cfg.block_n) > LOCK_SLOTS):
-        raise ValueError(f"split {split}: K = {k} must split into whole {32 * cfg.steps}-deep iterations")
+    elif not 1 <= split <= k // (32 * cfg.steps) or (split > 1 and -(-n // cfg.block_n) > LOCK_SLOTS):
+        raise ValueError(f"split {split}: K = {k} has {k // (32 * cfg.steps)} loop iterations of {32 * cfg.steps}, "
+                         "at least one per part")  # fmt: skip
     return launch(x, w, bias, out, cfg, split)
 
 
@@ -581,15 +599,17 @@ def launch(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, out: torc
     m, k = x.shape
     n = w.out_features
     ctas = -(-n // cfg.block_n)
+    iters = k // (32 * cfg.steps)
+    even = iters % split == 0
     if out is None:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     part = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
     _w4a16_mma_gemv_kernel[(ctas, split)](
         x.view(torch.int32), w.qweight, w.qzeros, w.scales, bias if bias is not None else out, out, part, w.locks,
-        m, n, k // (32 * cfg.steps * split), x.stride(0) // 2, w.qweight.stride(0), w.qzeros.stride(0),
+        m, n, iters // split if even else iters, x.stride(0) // 2, w.qweight.stride(0), w.qzeros.stride(0),
         w.scales.stride(0), out.stride(0),
         GROUP=w.group_size or 2**30, STEPS=cfg.steps, MB=1 if m <= 8 else 2, BF16=x.dtype == torch.bfloat16,
         HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_N=n % cfg.block_n == 0,
-        PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
+        PREFETCH=cfg.prefetch, EVEN_SPLIT=even, num_warps=cfg.num_warps,
     )  # fmt: skip
     return out

@@ -92,7 +92,7 @@ def report_compile(variants) -> None:
             sig.update(x_ptr="*i32", qw_ptr="*i32", qz_ptr="*i32", s_ptr="*fp16", bias_ptr=f"*{act}",
                        out_ptr=f"*{act}", ws_ptr="*fp32", cnt_ptr="*i32")  # fmt: skip
             const = dict(GROUP=128, STEPS=cfg.steps, MB=mb, BF16=bf16, HAS_BIAS=False, SPLIT_K=4, EVEN_N=True,
-                         PREFETCH=cfg.prefetch, num_warps=cfg.num_warps)  # fmt: skip
+                         EVEN_SPLIT=True, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps)  # fmt: skip
             sig.update(dict.fromkeys(const, "constexpr"))
             aligned = ["x_ptr", "qw_ptr", "qz_ptr", "s_ptr", "out_ptr", "ws_ptr", "N", "stride_qwk", "stride_qzg",
                        "stride_sg", "stride_om"]  # fmt: skip

@@ -1,12 +1,14 @@
-"""Probe: the register-A and warp-specialized W4A16 kernels with split-K parts that must be equal (the rule before
-uneven parts) against parts as even as they go (the committed rule), through the same kernel.
+"""Probe: the W4A16 kernels whose split-K parts may be unequal (mma gemv at M 9-16, register-A, warp-specialized)
+with the rule that wanted equal parts against the committed one (parts as even as they go), through the same
+kernel.
 
     python benchmarks/probes/probe_split_ab.py [--out DIR] [--cells "4096x11008:64,128;3584x18944:64"] [--group 128]
 
-For each N x K and M: cuBLAS fp16, then the kernel ``w4a16_linear`` dispatches to (register-A below 129 rows where
-its rule offers it, else the warp-specialized one) at the split of the old rule and at the committed rule's, each
-checked against float64 (fp16 and bf16) and timed as bench_w4a16.py times (CUDA graphs over rotated weights larger
-than L2, medians). Cells where the two rules agree are skipped. Prints a line per cell; ``probe_split_ab.json``.
+For each N x K and M: cuBLAS fp16, then the kernel ``w4a16_linear`` dispatches to (the mma gemv up to 16 rows,
+register-A below 129 rows where its rule offers it, else the warp-specialized one) at the split of the old rule and
+at the committed rule's, each checked against float64 (fp16 and bf16) and timed as bench_w4a16.py times (CUDA graphs
+over rotated weights larger than L2, medians). Cells where the two rules agree are skipped. Prints a line per cell;
+``probe_split_ab.json``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,13 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_w4a16
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # probe_mma_gemv
 from bench_w4a16 import Layer, Timer, fp16_calls
 from probe_mma_gemv import check_bf16
+from quantkit.kernels import w4a16_mma_gemv as MG
 from quantkit.kernels import w4a16_rega as R
 from quantkit.kernels import w4a16_ws as WS
 from quantkit.kernels.w4a16_weight import num_sms
 
 # down projections of Llama-2-7B / -13B, Qwen2.5-7B / -72B, TinyLlama; Llama-2's up projection for contrast
-CELLS = ("4096x11008:32,64,96,128,256;5120x13824:64,128,256;3584x18944:32,64,128;2048x5632:96,128;"
-         "8192x29568:64,128,256;11008x4096:64,128")  # fmt: skip
+CELLS = ("4096x11008:16,32,64,96,128,256;5120x13824:16,64,128,256;3584x18944:16,32,64,128;2048x5632:16,96,128;"
+         "8192x29568:16,64,128,256;11008x4096:16,64,128;1536x8960:16;896x4864:16")  # fmt: skip
 
 
 def old_rega_split(cfg: R.RegaConfig, n: int, k: int, sms: int) -> int:
@@ -51,6 +55,18 @@ def old_ws_split(cfg: WS.WSConfig, m: int, n: int, k: int, group: int, sms: int)
 
 def plans(m: int, n: int, k: int, group: int, sms: int):
     """(name, config, old split, new split, linear(split)) of the kernel the dispatcher would run, or None."""
+    mcfg = MG.mma_config_for(n, k, group, sms, m) if m <= MG.MMA_DISPATCH_M else None
+    if mcfg is not None:
+
+        def mma(split):
+            return lambda x, w, config=None, out=None: MG.w4a16_mma_gemv(x, w, out=out, config=mcfg, split=split)
+
+        return (
+            mcfg.name,
+            MG.mma_gemv_split(replace(mcfg, uneven=False), n, k, sms),
+            MG.mma_gemv_split(mcfg, n, k, sms),
+            mma,
+        )
     rcfg = R.rega_config_for(m, n, k, group)
     if rcfg is not None and k % (2 * rcfg.block_k) == 0:
 

@@ -65,25 +65,37 @@ CONFIGS = [MG.MMA_DEFAULT, MG.MMA_PREFETCH, MG.MMA_STEPS2, MG.MMA_STEPS2_M1, MG.
 SPLIT_CONFIGS = CONFIGS  # doubling rules (MMA_PREFETCH_WAVE's divisor rule has a test of its own)
 
 
-@pytest.mark.parametrize("n,k", [(4096, 4096), (28672, 8192), (8192, 28672), (256, 512)])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (28672, 8192), (8192, 28672), (256, 512), (4096, 11008), (3584, 18944)])
 @pytest.mark.parametrize("cfg", SPLIT_CONFIGS, ids=lambda c: c.name)
 def test_split_fills_the_gpu_with_whole_iterations(n, k, cfg):
     split = MG.mma_gemv_split(cfg, n, k, 132)
     ctas = -(-n // cfg.block_n)
     iters = k // (32 * cfg.steps)
-    assert 1 <= split <= cfg.max_split and split & (split - 1) == 0 and iters % split == 0
+
+    def depth(s):  # K rows of the shortest part
+        return iters // s * 32 * cfg.steps
+
+    assert 1 <= split <= min(cfg.max_split, iters) and split & (split - 1) == 0
+    assert cfg.uneven or iters % split == 0
     assert split != cfg.skip_split or split == 1
     assert not cfg.wave or split == 1 or ctas * split <= cfg.wave * 132  # one wave of resident CTAs
-    assert not cfg.min_depth or split == 1 or k // split >= cfg.min_depth
+    assert not cfg.min_depth or split == 1 or depth(split) >= cfg.min_depth
     doubled = split * 2
     assert (
         ctas * split >= cfg.fill * 132
-        or doubled > cfg.max_split
-        or iters % doubled
+        or doubled > min(cfg.max_split, iters)
+        or (not cfg.uneven and iters % doubled)
         or (cfg.wave and ctas * doubled > cfg.wave * 132)
-        or (cfg.min_depth and k // doubled < cfg.min_depth)
+        or (cfg.min_depth and depth(doubled) < cfg.min_depth)
         or doubled == cfg.skip_split  # stepped back from the skipped split
     )
+
+
+def test_two_row_blocks_split_odd_k_layers_unevenly():
+    """K = 11008 is 86 iterations of 128: whole halves stopped the doubling at 2 (64 CTAs x 2); parts of 5-6
+    iterations reach the 16 the fill rule asks for."""
+    assert MG.mma_gemv_split(MG.MMA_TWO_BLOCKS, 4096, 11008, 132) == 16
+    assert MG.mma_gemv_split(MG.MMA_TWO_BLOCKS, 8192, 29568, 132) == 8
 
 
 # the fastest split of every timed one at M = 16, groups of 128 (results/w4a16-mma-split-probe-h200-2026-12-04.md)
@@ -131,6 +143,10 @@ GPU_CASES = [
     (16, 8192, 8192, 128, torch.bfloat16, False, False, None),
     (1, 520, 7 * 512, 128, torch.bfloat16, False, True, 14),  # a split that is no power of two, N off the width
     (3, 4096, 7 * 512, 128, torch.float16, True, False, 7),
+    # parts of unequal length: 7 / 14 iterations in 3, 20 / 40 in 8, and a Llama-2 down projection through the rule
+    (4, 300, 896, 128, torch.float16, False, True, 3),
+    (12, 520, 2560, 128, torch.bfloat16, True, False, 8),
+    (16, 4096, 11008, 128, torch.bfloat16, False, True, None),
 ]
 
 
@@ -151,11 +167,11 @@ def test_split_k_is_deterministic_and_replays_in_a_cuda_graph():
 
 
 @sm90
-def test_launcher_rejects_a_split_that_breaks_iterations():
+def test_launcher_rejects_more_parts_than_iterations():
     _, w = weight(256, 384, seed=6)  # three 128-deep iterations
     x = torch.randn(1, 384, device="cuda").half()
-    with pytest.raises(ValueError, match="whole 128-deep iterations"):
-        MG.w4a16_mma_gemv(x, w, config=MG.MMA_DEFAULT, split=2)
+    with pytest.raises(ValueError, match="at least one per part"):
+        MG.w4a16_mma_gemv(x, w, config=MG.MMA_DEFAULT, split=4)
 
 
 @pytest.mark.parametrize("n,k,steps2_at_4", [(28672, 8192, False), (14336, 4096, False), (8192, 28672, True),
