@@ -81,10 +81,23 @@ REGA_M64_MIN_WEIGHTS = 16 * 2**20  # M 33-64, groups of a multiple of 128: layer
 REGA_M64_WIDE_N = 8192  # ... of which those at least this wide take the 128-row tiles
 REGA_G64_MIN_WEIGHTS = 24 * 2**20  # groups of 64: layers of at least this many weights
 REGA_G64_WIDE_N = 16384  # groups of 64, M 65-128: layers at least this wide take the 128-row tiles
+# K of an odd number of tiles (the kernel adds a zero tile past K): timed on 8192 x 29568 (Qwen2.5-72B's down
+# projection, 242 M weights) at M 17-128, 1.08-1.33x faster than the Triton tiles / warp-specialized kernel that
+# served it, and on 9728 x 896 (Qwen2.5-0.5B's gate/up, 8.7 M) at M = 32, where it lost to the Triton tile (0.81x
+# against 0.95x cuBLAS fp16; results/w4a16-rega-odd-tiles-h200-2026-12-04.txt): only layers of this many weights
+REGA_ODD_MIN_WEIGHTS = 16 * 2**20
 
 
 def rega_config_for(m: int, n: int, k: int, group_size: int) -> RegaConfig | None:
     """The measured choice for M rows of an N x K layer, or None where another path is (see the module header)."""
+    cfg = _rega_config(m, n, k, group_size)
+    if cfg is not None and (k // cfg.block_k) % 2 and n * k < REGA_ODD_MIN_WEIGHTS:
+        return None
+    return cfg
+
+
+def _rega_config(m: int, n: int, k: int, group_size: int) -> RegaConfig | None:
+    """``rega_config_for`` before the odd-tile-count rule."""
     if not REGA_MIN_M <= m <= REGA_MAX_M:
         return None
     if group_size == 64:
@@ -115,7 +128,7 @@ def rega_split(cfg: RegaConfig, n: int, k: int, sms: int) -> int:
     rule), so K need not split evenly: a 4096 x 11008 layer (43 pairs of 128-deep tiles) at M = 64 splits 4 ways
     (10-11 pairs) where whole halves were not possible."""
     tiles = -(-n // cfg.block_n)
-    pairs = k // (2 * cfg.block_k)
+    pairs = -(-k // (2 * cfg.block_k))
     split = 1
     while (
         tiles * split < cfg.split_waves * sms
@@ -150,8 +163,8 @@ def rega_unsupported_reason(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor |
         return f"M = {m} rows: this kernel takes 1..{REGA_KERNEL_MAX_M}"
     if (w.group_size or k) % cfg.block_k:
         return f"groups must be a multiple of {cfg.block_k} along K, got {w.group_size or 'one per column'}"
-    if k % (2 * cfg.block_k):
-        return f"K = {k} must be a multiple of {2 * cfg.block_k} (tiles are taken in pairs)"
+    if k % cfg.block_k:
+        return f"K = {k} must be a multiple of {cfg.block_k}"
     if n % cfg.block_n:
         return f"N = {n} must be a multiple of {cfg.block_n}"
     if out is not None and out.stride(1) != 1:
@@ -196,9 +209,9 @@ def w4a16_rega_gemm(
         raise ValueError(f"w4a16_rega_gemm: {reason}")
     if split is None:
         split = rega_split(cfg, n, k, num_sms(x.device))
-    elif not 1 <= split <= k // (2 * cfg.block_k) or (split > 1 and n // cfg.block_n > LOCK_SLOTS):
-        raise ValueError(f"split {split}: K = {k} has {k // (2 * cfg.block_k)} pairs of {cfg.block_k}-deep tiles, "
-                         "at least one per part")  # fmt: skip
+    elif not 1 <= split <= -(-k // (2 * cfg.block_k)) or (split > 1 and n // cfg.block_n > LOCK_SLOTS):
+        raise ValueError(f"split {split}: K = {k} has {-(-k // (2 * cfg.block_k))} pairs of {cfg.block_k}-deep "
+                         "tiles, at least one per part")  # fmt: skip
     return launch(x, w, bias, out, cfg, split)
 
 
@@ -222,7 +235,8 @@ def launch(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, out: torc
         bias if bias is not None else out, out, part, w.locks,
         m, n, k, w.qweight.stride(0), w.qzeros.stride(0), w.scales.stride(0), out.stride(0),
         BM=bm, BN=cfg.block_n, BK=cfg.block_k, STAGES=cfg.stages, GROUP=w.group_size or k, BF16=bf16,
-        HAS_BIAS=bias is not None, SPLIT_K=split, OVERLAP=cfg.overlap, AHEAD=cfg.ahead, ACC_LAYOUT=acc_layout,
+        HAS_BIAS=bias is not None, SPLIT_K=split, OVERLAP=cfg.overlap, AHEAD=cfg.ahead,
+        ODD_K=(k // cfg.block_k) % 2 == 1, ACC_LAYOUT=acc_layout,
         A_LAYOUT=a_layout, W_LAYOUT=w_layout, num_warps=cfg.num_warps,
     )  # fmt: skip
     return out

@@ -43,10 +43,11 @@ Measured (H200, Triton 3.6, results/w4a16-rega-wgmma-h200-2026-12-04.md, w4a16-h
 instructions per weight (fp16; bf16 5.2-5.8), 127-255 registers. Behind the mma.sync gemv at M <= 16 and on
 4096-wide layers at M 17-32 and 65-128.
 
-Limits: 4-bit codes; groups a multiple of BLOCK_K (or one group); K a multiple of 2 x BLOCK_K, at least one pair of
-tiles per split part; N a multiple of BLOCK_N; M <= 128 (the launcher's bound: 256-row tiles compile and were
-timed, but lost); CUDA sm_90 (wgmma, TMA). Gluon has no interpreter mode: the CPU tests cover the launcher's rules
-and ``permute_x``, the GPU tests the kernel. Written for Triton 3.6's Gluon.
+Limits: 4-bit codes; groups a multiple of BLOCK_K (or one group); K a multiple of BLOCK_K (an odd tile count gets a
+zero tile of x past K), at least one pair of tiles per split part; N a multiple of BLOCK_N; M <= 128 (the
+launcher's bound: 256-row tiles compile and were timed, but lost); CUDA sm_90 (wgmma, TMA). Gluon has no
+interpreter mode: the CPU tests cover the launcher's rules and ``permute_x``, the GPU tests the kernel. Written for
+Triton 3.6's Gluon.
 """
 
 from __future__ import annotations
@@ -157,11 +158,11 @@ def _refill(x_desc, x_smem, bars, nt, k0, k_tiles, BK: gl.constexpr, STAGES: gl.
 
 
 @gluon.jit
-def _operands(w_ptrs, qz_ptr, s_ptr, rows, t, k0, k_tiles, stride_qwk, stride_qzg, stride_sg, BK: gl.constexpr,
+def _operands(w_ptrs, qz_ptr, s_ptr, rows, t, k0, w_tiles, stride_qwk, stride_qzg, stride_sg, BK: gl.constexpr,
               GROUP: gl.constexpr):  # fmt: skip
-    """Tile t's packed words and its group's zero words and scales, as loaded (t past the end reads the last tile
-    again)."""
-    t = gl.minimum(t, k_tiles - 1)
+    """Tile t's packed words and its group's zero words and scales, as loaded (t past ``w_tiles`` reads the last
+    tile again)."""
+    t = gl.minimum(t, w_tiles - 1)
     words = gl.load(w_ptrs + t * (BK // 8) * stride_qwk)
     zw, sv = _group_words(qz_ptr, s_ptr, rows, (k0 + t * BK) // GROUP, stride_qzg, stride_sg)
     return words, zw, sv
@@ -169,20 +170,22 @@ def _operands(w_ptrs, qz_ptr, s_ptr, rows, t, k0, k_tiles, stride_qwk, stride_qz
 
 @gluon.jit
 def _tile(t, words, zw, sv, words2, zw2, sv2, w_ptrs, acc, a_prev, x_desc, x_smem, bars, qz_ptr, s_ptr, rows,
-          z_shift, k0, k_tiles, N, out_ptr, stride_qzg, stride_sg, stride_qwk, BN: gl.constexpr, BK: gl.constexpr,
-          STAGES: gl.constexpr, GROUP: gl.constexpr, BF16: gl.constexpr, AHEAD: gl.constexpr,
+          z_shift, k0, k_tiles, w_tiles, N, out_ptr, stride_qzg, stride_sg, stride_qwk, BN: gl.constexpr,
+          BK: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, BF16: gl.constexpr, AHEAD: gl.constexpr,
           a_layout: gl.constexpr):  # fmt: skip
     """One K tile of the overlapped loop: unpack tile t (its operands loaded ``AHEAD`` tiles ago: (words, zw, sv),
     then (words2, zw2, sv2) for tile t + 1 when AHEAD == 2) while wgmma t - 1 runs, issue wgmma t, wait for t - 1
     only, keep t - 1's fragment ``a_prev`` alive up to that wait. AHEAD == 0: the words come a tile ahead, the zeros
-    and scales are loaded here, where they are used. Returns the accumulator, this tile's fragment and the operands
+    and scales are loaded here, where they are used. The part has ``k_tiles`` tiles of x and ``w_tiles`` real weight
+    tiles (one fewer when its last tile lies past K). Returns the accumulator, this tile's fragment and the operands
     of the next AHEAD tiles."""
     if AHEAD == 0:
         nz, ns = zw, sv  # unused, carried unchanged
-        zw, sv = _group_words(qz_ptr, s_ptr, rows, (k0 + t * BK) // GROUP, stride_qzg, stride_sg)
-        nw = gl.load(w_ptrs + gl.minimum(t + 1, k_tiles - 1) * (BK // 8) * stride_qwk)
+        zw, sv = _group_words(qz_ptr, s_ptr, rows, (k0 + gl.minimum(t, w_tiles - 1) * BK) // GROUP, stride_qzg,
+                              stride_sg)  # fmt: skip
+        nw = gl.load(w_ptrs + gl.minimum(t + 1, w_tiles - 1) * (BK // 8) * stride_qwk)
     else:
-        nw, nz, ns = _operands(w_ptrs, qz_ptr, s_ptr, rows, t + AHEAD, k0, k_tiles, stride_qwk, stride_qzg, stride_sg,
+        nw, nz, ns = _operands(w_ptrs, qz_ptr, s_ptr, rows, t + AHEAD, k0, w_tiles, stride_qwk, stride_qzg, stride_sg,
                                BK, GROUP)  # fmt: skip
     zz, ss = _group_pairs(zw, sv, z_shift, BF16)
     a = _fragment(words, zz, ss, BN, BK, a_layout, BF16)
@@ -240,7 +243,8 @@ def _w4a16_rega_kernel(
     M, N, K, stride_qwk, stride_qzg, stride_sg, stride_om,
     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
     BF16: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, OVERLAP: gl.constexpr, AHEAD: gl.constexpr,
-    ACC_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, W_LAYOUT: gl.constexpr, num_warps: gl.constexpr,
+    ODD_K: gl.constexpr, ACC_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, W_LAYOUT: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     """``OVERLAP`` False: each wgmma retired before the next tile is unpacked (the probe's ablation)."""
     KW: gl.constexpr = BK // 8
@@ -250,11 +254,18 @@ def _w4a16_rega_kernel(
     w_layout: gl.constexpr = W_LAYOUT
 
     # split-K in whole pairs of tiles (the loop's unit), as even as they go: parts differ by at most one pair, so K
-    # need not split evenly (11008 = 43 pairs of 256)
-    pairs = K // (2 * BK)  # the launcher checks: K a whole number of pairs, at least one per part
+    # need not split evenly (11008 = 43 pairs of 256). ODD_K (an odd number of tiles, 29568 = 231 x 128): the last
+    # pair's second tile lies past K; its x tile is TMA's zero fill and its weight operands repeat the last real
+    # tile's (finite), so it adds exact zeros. ``w_tiles``: the part's real tiles, where weight loads are clamped.
+    tiles = K // BK  # the launcher checks: K a whole number of tiles, at least one pair per part
+    pairs = (tiles + 1) // 2
     p0 = gl.program_id(1) * pairs // SPLIT_K
     k_tiles = 2 * ((gl.program_id(1) + 1) * pairs // SPLIT_K - p0)
     k0 = p0 * 2 * BK
+    if ODD_K:
+        w_tiles = gl.minimum(k_tiles, tiles - 2 * p0)
+    else:
+        w_tiles = k_tiles
     off_n = gl.program_id(0) * BN
     gl.assume(k_tiles > 0)
 
@@ -274,30 +285,32 @@ def _w4a16_rega_kernel(
 
     acc = gl.zeros([BN, BM], gl.float32, layout=acc_layout)
     if OVERLAP:  # unpack tile t while wgmma t - 1 runs; two fragments, even and odd tiles
-        w0, z0, s0 = _operands(w_ptrs, qz_ptr, s_ptr, rows, 0, k0, k_tiles, stride_qwk, stride_qzg, stride_sg, BK,
+        w0, z0, s0 = _operands(w_ptrs, qz_ptr, s_ptr, rows, 0, k0, w_tiles, stride_qwk, stride_qzg, stride_sg, BK,
                                GROUP)  # fmt: skip
         w1, z1, s1 = w0, z0, s0  # tile 1's operands when AHEAD == 2, else unused
         if AHEAD == 2:
-            w1, z1, s1 = _operands(w_ptrs, qz_ptr, s_ptr, rows, 1, k0, k_tiles, stride_qwk, stride_qzg, stride_sg,
+            w1, z1, s1 = _operands(w_ptrs, qz_ptr, s_ptr, rows, 1, k0, w_tiles, stride_qwk, stride_qzg, stride_sg,
                                    BK, GROUP)  # fmt: skip
         a1 = gl.zeros([BN, BK], act, layout=a_layout)
         for t in range(0, k_tiles, 2):
             acc, a0, w0, z0, s0, w1, z1, s1 = _tile(
                 t, w0, z0, s0, w1, z1, s1, w_ptrs, acc, a1, x_desc, x_smem, bars, qz_ptr, s_ptr, rows, z_shift, k0,
-                k_tiles, N, out_ptr, stride_qzg, stride_sg, stride_qwk, BN, BK, STAGES, GROUP, BF16, AHEAD, a_layout,
+                k_tiles, w_tiles, N, out_ptr, stride_qzg, stride_sg, stride_qwk, BN, BK, STAGES, GROUP, BF16, AHEAD,
+                a_layout,
             )  # fmt: skip
             acc, a1, w0, z0, s0, w1, z1, s1 = _tile(
                 t + 1, w0, z0, s0, w1, z1, s1, w_ptrs, acc, a0, x_desc, x_smem, bars, qz_ptr, s_ptr, rows, z_shift,
-                k0, k_tiles, N, out_ptr, stride_qzg, stride_sg, stride_qwk, BN, BK, STAGES, GROUP, BF16, AHEAD,
+                k0, k_tiles, w_tiles, N, out_ptr, stride_qzg, stride_sg, stride_qwk, BN, BK, STAGES, GROUP, BF16, AHEAD,
                 a_layout,
             )  # fmt: skip
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     else:
         words = gl.load(w_ptrs)
         for t in range(k_tiles):
-            zw, sv = _group_words(qz_ptr, s_ptr, rows, (k0 + t * BK) // GROUP, stride_qzg, stride_sg)
+            zw, sv = _group_words(qz_ptr, s_ptr, rows, (k0 + gl.minimum(t, w_tiles - 1) * BK) // GROUP, stride_qzg,
+                                  stride_sg)  # fmt: skip
             zz, ss = _group_pairs(zw, sv, z_shift, BF16)
-            words_next = gl.load(w_ptrs + gl.minimum(t + 1, k_tiles - 1) * KW * stride_qwk)
+            words_next = gl.load(w_ptrs + gl.minimum(t + 1, w_tiles - 1) * KW * stride_qwk)
             a = _fragment(words, zz, ss, BN, BK, a_layout, BF16)
             slot = t % STAGES
             mbarrier.wait(bars.index(slot), (t // STAGES) & 1)

@@ -70,6 +70,19 @@ def test_split_fills_the_gpu_in_whole_pairs_of_tiles(n, k, cfg):
     assert n // cfg.block_n * split >= cfg.split_waves * 132 or not can_double
 
 
+def test_an_odd_number_of_tiles_is_taken_with_a_zero_tile_past_k():
+    """Qwen2.5-72B's down projection: K = 29568 = 231 tiles of 128, 116 pairs (the last one half past K)."""
+    _, w = weight(128, 384)  # three tiles of 128
+    x = torch.randn(40, 384, device=DEVICE).half()
+    reason = R.rega_unsupported_reason(x, w, None, R.REGA_M64)
+    assert reason is None or "compute capability 9.0" in reason or "Triton" in reason
+    assert R.rega_split(R.REGA_M64, 8192, 29568, 132) == 4  # 64 column tiles: parts of 29 pairs
+    # measured: faster than what served before on the 242 M-weight layer at M 17-128, slower on a small one
+    assert all(R.rega_config_for(m, 8192, 29568, 128) is not None for m in (17, 32, 48, 64, 96, 128))
+    assert R.rega_config_for(32, 9728, 896, 128) is None
+    assert R.rega_config_for(32, 9728, 1024, 128) == R.REGA_M32  # an even tile count: the rule as before
+
+
 def test_split_of_an_odd_number_of_pairs_fills_the_gpu():
     """K = 11008 is 43 pairs of 128-deep tiles: the old rule (whole halves only) kept 64 CTAs at M = 64; parts
     as even as they go (10-11 pairs) reach the power of two that fills the GPU."""
@@ -108,7 +121,7 @@ def test_permuted_product_is_the_product():
 
 @pytest.mark.parametrize(
     "bits,group,n,k,m,reason",
-    [(8, 128, 64, 256, 32, "4-bit"), (4, 64, 64, 256, 32, "multiple of 128"), (4, 128, 64, 384, 32, "multiple of 256"),
+    [(8, 128, 64, 256, 32, "4-bit"), (4, 64, 64, 256, 32, "multiple of 128"), (4, 128, 64, 320, 32, "multiple of 128"),
      (4, 128, 96, 256, 32, "multiple of 64"), (4, 128, 64, 256, 129, "1..128")],
 )  # fmt: skip
 def test_unsupported_products_are_named(bits, group, n, k, m, reason):
@@ -163,6 +176,12 @@ GPU_CASES = [
     (24, 512, 1792, 128, torch.bfloat16, True, False, R.REGA_M32, 3),
     (40, 256, 768, -1, torch.float16, False, True, R.REGA_M64, 2),
     (96, 512, 1408, 64, torch.bfloat16, False, False, R.REGA_M128_G64, 8),
+    # an odd number of tiles (the last pair's second tile past K): a part of one real tile (3 tiles in 2 parts),
+    # 7 in 2, 9 in 3, 7 whole; operands loaded at use (M32, M64), two tiles ahead (M64_NARROW, M128_G64)
+    (40, 256, 384, 128, torch.float16, False, True, R.REGA_M64, 2),
+    (24, 512, 896, 128, torch.bfloat16, True, False, R.REGA_M32, 2),
+    (64, 512, 1152, 128, torch.float16, False, True, R.REGA_M64_NARROW, 3),
+    (100, 512, 448, 64, torch.bfloat16, False, True, R.REGA_M128_G64, None),
 ]
 
 
