@@ -71,6 +71,12 @@ def prepared(buffers, bits, group_size):
     )
 
 
+def weight(n, k, bits=4, group=128, act_order=False, seed=0):
+    """(float64 dequantized weight, prepared ``W4A16Weight``) of a random layer: the Gluon kernels' test operand."""
+    qw, buffers = make_layer(n, k, bits, group, act_order=act_order, seed=seed)
+    return qw, prepared(buffers, bits, group)
+
+
 def assert_close_to_float64(y, x, qw, bias):
     w64 = qw.dequantize(torch.float64).to(DEVICE)  # [N, K]
     ref = x.double() @ w64.T

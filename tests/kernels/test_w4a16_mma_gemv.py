@@ -23,8 +23,7 @@ from tests.kernels.test_w4a16 import (
     assert_close_to_float64,
     assert_kernel_case,
     assert_split_k_replays,
-    make_layer,
-    prepared,
+    weight,
 )
 
 sm90 = pytest.mark.skipif(
@@ -34,18 +33,13 @@ sm90 = pytest.mark.skipif(
 )
 
 
-def weight(n, k, group=128, act_order=False, seed=0, bits=4):
-    qw, buffers = make_layer(n, k, bits, group, act_order=act_order, seed=seed)
-    return qw, prepared(buffers, bits, group)
-
-
 @pytest.mark.parametrize(
     "bits,group,n,k,m,reason",
     [(8, 128, 64, 256, 1, "4-bit"), (4, 128, 64, 256, 17, "at most 16"), (4, 128, 64, 200, 1, "multiple of 128"),
      (4, 96, 64, 384, 1, "group size 96"), (4, 128, 66, 256, 1, "multiple of 4")],
 )  # fmt: skip
 def test_unsupported_products_are_named(bits, group, n, k, m, reason):
-    _, w = weight(n, k, group, bits=bits)
+    _, w = weight(n, k, group=group, bits=bits)
     x = torch.randn(m, k, device=DEVICE).half()
     assert reason in MG.mma_gemv_unsupported_reason(x, w, None, MG.MmaGemvConfig())
 
@@ -154,7 +148,7 @@ GPU_CASES = [
 @pytest.mark.parametrize("cfg", [*CONFIGS, MG.MMA_PREFETCH_WAVE], ids=lambda c: c.name)
 @pytest.mark.parametrize("m,n,k,group,dtype,act_order,with_bias,split", GPU_CASES)
 def test_kernel_matches_float64_reference(m, n, k, group, dtype, act_order, with_bias, split, cfg):
-    qw, w = weight(n, k, group, act_order, seed=m + n)
+    qw, w = weight(n, k, group=group, act_order=act_order, seed=m + n)
     assert_kernel_case(lambda x, b, o: MG.w4a16_mma_gemv(x, w, b, o, config=cfg, split=split), qw, w, m, dtype,
                        with_bias)  # fmt: skip
 
@@ -269,7 +263,7 @@ def test_dispatch_rule_takes_only_cuda_products_of_up_to_16_rows():
 @pytest.mark.parametrize("m,group,dtype", [(1, 128, torch.float16), (3, 64, torch.bfloat16), (8, 128, torch.float16),
                                            (12, 64, torch.float16), (16, 128, torch.bfloat16)])  # fmt: skip
 def test_w4a16_linear_runs_this_kernel_up_to_16_rows(m, group, dtype):
-    qw, w = weight(4096, 4096, group, seed=m)
+    qw, w = weight(4096, 4096, group=group, seed=m)
     x = torch.randn(m, 4096, device="cuda").to(dtype)
     bias = torch.randn(4096, device="cuda").to(dtype)
     y = K.w4a16_linear(x, w, bias)

@@ -23,8 +23,7 @@ from tests.kernels.test_w4a16 import (
     assert_close_to_float64,
     assert_kernel_case,
     assert_split_k_replays,
-    make_layer,
-    prepared,
+    weight,
 )
 
 hopper = pytest.mark.skipif(
@@ -32,11 +31,6 @@ hopper = pytest.mark.skipif(
     or not triton.__version__.startswith(R.REGA_TRITON),
     reason="needs a Hopper (sm_90) GPU and the Triton the Gluon kernel is written for",
 )
-
-
-def weight(n, k, bits=4, group=128, act_order=False, seed=0):
-    qw, buffers = make_layer(n, k, bits, group, act_order=act_order, seed=seed)
-    return qw, prepared(buffers, bits, group)
 
 
 @pytest.mark.parametrize(

@@ -20,8 +20,7 @@ from tests.kernels.test_w4a16 import (
     assert_close_to_float64,
     assert_kernel_case,
     assert_split_k_replays,
-    make_layer,
-    prepared,
+    weight,
 )
 
 hopper = pytest.mark.skipif(
@@ -76,11 +75,6 @@ def test_short_k_slices_of_256_row_tiles_go_to_the_table():
     narrow = WS.ws_config_for(128, 128)
     assert WS.ws_offered(narrow, 128, 4096, 4096, 128, 132)  # the Triton tile is slower at any slice there
     assert not WS.ws_offered(None, 256, 8192, 8192, 128, 132)
-
-
-def weight(n, k, bits=4, group=128, act_order=False, seed=0):
-    qw, buffers = make_layer(n, k, bits, group, act_order=act_order, seed=seed)
-    return qw, prepared(buffers, bits, group)
 
 
 @pytest.mark.parametrize(
