@@ -102,6 +102,58 @@ def _write_shards(tensors: dict[str, torch.Tensor], folder: Path, shard_bytes: i
     )
 
 
+def _is_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` holds a quantkit checkpoint (its config names quantkit's quantization method)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    return isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD
+
+
+def check_output(out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
+    """The resolved output folder, once it is known that a checkpoint can be written there: an existing path is
+    refused unless ``overwrite`` and it is an empty folder or a quantkit checkpoint (never the working directory
+    or one above it); the nearest existing ancestor must be a writable folder. Creates nothing, so that bad
+    output paths fail before any quantization work."""
+    out = Path(out_dir).expanduser().resolve()
+    if out.exists():
+        if not out.is_dir():
+            raise QuantkitError(f"output path {out} exists and is not a folder")
+        if not overwrite:
+            raise QuantkitError(f"output directory {out} already exists (use --overwrite to replace it)")
+        if Path.cwd().resolve().is_relative_to(out):
+            raise QuantkitError(f"refusing to replace {out}: it is the working directory or one above it")
+        if any(out.iterdir()) and not _is_checkpoint(out):
+            raise QuantkitError(f"refusing to replace {out}: not a quantkit checkpoint (remove it first)")
+    ancestor = out.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise QuantkitError(f"cannot write {out}: {ancestor} is not a writable folder")
+    return out
+
+
+def _missing_parents(folder: Path) -> list[Path]:
+    """The ancestors of ``folder`` that do not exist yet, innermost first."""
+    missing = []
+    parent = folder.parent
+    while not parent.exists():
+        missing.append(parent)
+        parent = parent.parent
+    return missing
+
+
+def _readable(folder: Path) -> None:
+    """Give the folder and its files the modes the umask allows (``mkdtemp`` makes the folder private)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for f in folder.iterdir():
+        f.chmod((0o777 if f.is_dir() else 0o666) & ~umask)
+
+
 def save_quantized(
     model: nn.Module,
     out_dir: str | os.PathLike,
@@ -111,16 +163,17 @@ def save_quantized(
 ) -> Path:
     """Write safetensors, config.json (with ``quantization_config``), tokenizer, recipe and per-layer report.
 
-    The folder appears atomically: everything is written next to it and renamed into place; an existing folder
-    is refused unless ``overwrite``.
+    The folder appears atomically: everything is written next to it and renamed into place; an existing path is
+    refused unless ``overwrite`` and it is an empty folder or a quantkit checkpoint (``check_output``). A failure
+    leaves nothing behind, the parent folders it created included.
     """
-    out = Path(out_dir).expanduser().resolve()
-    if out.exists() and not overwrite:
-        raise QuantkitError(f"output directory {out} already exists (use --overwrite to replace it)")
+    out = check_output(out_dir, overwrite)
     qc = quantization_config(model)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    created = _missing_parents(out)
+    tmp = None
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         config = model.config.to_dict()
         config["quantization_config"] = qc
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -141,6 +194,7 @@ def save_quantized(
         smoothing = outlier_rows(result.layers)
         if smoothing:  # what smoothing did to the activation outliers, readable without tools
             (tmp / "smoothing.md").write_text(SMOOTHING_HEADER + outlier_markdown(smoothing))
+        _readable(tmp)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             out.rename(old)
@@ -148,7 +202,13 @@ def save_quantized(
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as exc:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for parent in created:  # innermost first; only the ones this call made, and only if still empty
+            if parent.is_dir() and not any(parent.iterdir()):
+                parent.rmdir()
+        if isinstance(exc, OSError):
+            raise QuantkitError(f"cannot write checkpoint {out}: {exc.strerror or exc}") from exc
         raise
     return out

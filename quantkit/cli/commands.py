@@ -170,10 +170,9 @@ def quantize_command(model, method, recipe_spec, out, device, dtype, overwrite, 
     """Quantize a model and save a self-describing checkpoint."""
     import quantkit
     from quantkit.calib.data import calibration_windows
+    from quantkit.checkpoint.save import check_output
 
-    out = out.expanduser().resolve()
-    if out.exists() and not overwrite:
-        raise QuantkitError(f"output directory {out} already exists (use --overwrite to replace it)")
+    out = check_output(out, overwrite)  # before any work: a bad output path fails first
     device = _device(device)
     torch_dtype = _dtype(dtype, device)
     recipe = resolve_recipe(method, recipe_spec, flags)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import signal
 import sys
 
 import click
@@ -61,6 +62,12 @@ def _register_commands() -> None:
     cli.add_command(bench_serve_command)
 
 
+def _terminate(signum, frame) -> None:
+    """SIGTERM as an exception in the main thread, so that the cleanup of a half-written output runs."""
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _terminate)
     _register_commands()
     cli(prog_name="quantkit")

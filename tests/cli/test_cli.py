@@ -165,6 +165,72 @@ def test_existing_output_is_refused_and_kept(tiny_dir, tmp_path):
     assert (out / "keep.txt").read_text() == "mine"
 
 
+def test_overwrite_replaces_only_checkpoints(tiny_dir, tmp_path, monkeypatch):
+    """--overwrite replaces an earlier checkpoint; a folder of other files, a plain file, the working directory
+    (or one above it) are refused before any work, and kept."""
+    out = tmp_path / "q"
+    assert run("quantize", "--model", tiny_dir, "--out", out).exit_code == 0
+    r = run("quantize", "--model", tiny_dir, "--out", out, "--overwrite", "--bits", "8")
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["schemes"].popitem()[1]["bits"] == 8
+    assert not list(tmp_path.glob(".q.*"))  # neither the temporary nor the replaced folder is left
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    assert_clean_failure(run("quantize", "--model", tiny_dir, "--out", mine, "--overwrite"), "not a quantkit")
+    assert (mine / "notes.txt").read_text() == "keep"
+    monkeypatch.chdir(mine)
+    assert_clean_failure(run("quantize", "--model", tiny_dir, "--out", ".", "--overwrite"), "working directory")
+    assert_clean_failure(run("quantize", "--model", tiny_dir, "--out", tmp_path, "--overwrite"), "working directory")
+    assert (mine / "notes.txt").read_text() == "keep"
+    plain = tmp_path / "plain"
+    plain.write_text("keep")
+    assert_clean_failure(run("quantize", "--model", tiny_dir, "--out", plain, "--overwrite"), "is not a folder")
+    assert plain.read_text() == "keep"
+
+
+def test_unwritable_output_fails_before_any_work(tiny_dir, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = run("quantize", "--model", tiny_dir, "--out", blocker / "sub" / "q")
+    assert_clean_failure(r, "is not a writable folder")
+    assert "quantizing" not in r.output and blocker.read_text() == "x"
+
+
+def test_checkpoint_is_readable_by_others(tiny_dir, tmp_path):
+    out = tmp_path / "q"
+    assert run("quantize", "--model", tiny_dir, "--out", out).exit_code == 0
+    assert out.stat().st_mode & 0o050 == 0o050  # group may read and enter it (umask 022 or 027)
+    assert all(f.stat().st_mode & 0o040 for f in out.iterdir())
+
+
+def test_a_failed_save_leaves_no_folders(tiny_dir, tmp_path, monkeypatch):
+    """A write error while saving is one line, and neither the temporary folder nor the parents it created stay."""
+    from quantkit.checkpoint import save
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(save, "_write_shards", broken)
+    out = tmp_path / "new" / "deeper" / "q"
+    r = run("quantize", "--model", tiny_dir, "--out", out)
+    assert r.exit_code == 2 and "Traceback" not in r.output  # the progress bar, then the one-line error
+    assert r.stderr.strip().splitlines()[-1].endswith(f"cannot write checkpoint {out}: No space left on device")
+    assert not (tmp_path / "new").exists()
+
+
+def test_sigterm_while_quantizing_leaves_nothing(tiny_dir, tmp_path):
+    """SIGTERM becomes SystemExit in the CLI, so the half-written folder is removed as for Ctrl-C."""
+    import signal
+
+    from quantkit.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exc:
+        cli_main._terminate(signal.SIGTERM, None)
+    assert exc.value.code == 128 + signal.SIGTERM
+
+
 def test_unsupported_architecture(tmp_path):
     model_dir = tmp_path / "gpt2"
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=320)).save_pretrained(model_dir)
