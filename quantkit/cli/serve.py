@@ -25,10 +25,13 @@ SAMPLING = _defaults(SamplingParams)
 
 def _engine(model: str, **settings):
     """An LLM for a model folder, quantkit checkpoint, .gguf, built-in name, or ``dummy:<shape>``."""
+    from quantkit.cli.commands import _device
     from quantkit.runtime import LLM
     from quantkit.runtime.bench import DUMMY_MODELS
 
     settings = {k: v for k, v in settings.items() if v is not None}
+    if "device" in settings:
+        settings["device"] = _device(settings["device"])
     if model.startswith(DUMMY_PREFIX):
         shape = model.removeprefix(DUMMY_PREFIX)
         if shape not in DUMMY_MODELS:
@@ -113,9 +116,9 @@ def generate_command(prompts, model, max_tokens, temperature, top_k, top_p, seed
 
 @click.command("bench-serve")
 @engine_options
-@click.option("--num-requests", type=int, default=256, show_default=True)
-@click.option("--min-input-len", type=int, default=128, show_default=True)
-@click.option("--max-input-len", type=int, default=1024, show_default=True)
+@click.option("--num-requests", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--min-input-len", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--max-input-len", type=click.IntRange(min=1), default=1024, show_default=True)
 @click.option("--output-len", type=int, default=256, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="JSON results.")
@@ -123,6 +126,10 @@ def bench_serve_command(num_requests, min_input_len, max_input_len, output_len, 
     """Offline throughput of the paged runtime: random prompts, all submitted at once, EOS ignored."""
     from quantkit.runtime.bench import kernel_names, offline_throughput, random_workload
 
+    if min_input_len > max_input_len:
+        raise QuantkitError(f"--min-input-len {min_input_len} is above --max-input-len {max_input_len}")
+    if out_path is not None and not out_path.expanduser().resolve().parent.is_dir():
+        raise QuantkitError(f"cannot write {out_path}: its folder does not exist")
     llm = _engine(model, **settings)
     prompts = random_workload(num_requests, min_input_len, max_input_len, llm.model.config.vocab_size, seed)
     result, _ = offline_throughput(llm, prompts, output_len)

@@ -135,14 +135,25 @@ class LLM:
             return self.tokenizer(prompt)["input_ids"]
         return [int(t) for t in prompt]
 
-    def add_request(self, prompt, params: SamplingParams) -> int:
+    def _checked_ids(self, prompt, params: SamplingParams) -> list[int]:
+        """The prompt's token ids, or a QuantkitError saying why the request cannot run."""
         ids = self.tokenize(prompt)
         if not ids:
             raise QuantkitError("empty prompt")
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise QuantkitError(f"token id {bad} outside the model's vocabulary [0, {vocab})")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise QuantkitError(
                 f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) > max_model_len {self.max_model_len}"
             )
+        return ids
+
+    def add_request(self, prompt, params: SamplingParams) -> int:
+        return self._queue(self._checked_ids(prompt, params), params)
+
+    def _queue(self, ids: list[int], params: SamplingParams) -> int:
         request_id = next(self._request_ids)
         seq = Sequence(next(self._seq_ids), request_id, ids, params)
         self.scheduler.add(seq)
@@ -262,11 +273,16 @@ class LLM:
     # -- front ends ------------------------------------------------------------------------------------------------
 
     def _add_all(self, prompts: Seq, params: Params) -> list[int]:
+        """Queue every prompt, or none: all are checked before the first is queued. A single string is one
+        prompt."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
         params = params or SamplingParams()
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise QuantkitError(f"{len(prompts)} prompts but {len(per_prompt)} sampling parameters")
-        return [self.add_request(prompt, p) for prompt, p in zip(prompts, per_prompt, strict=True)]
+        checked = [self._checked_ids(prompt, p) for prompt, p in zip(prompts, per_prompt, strict=True)]
+        return [self._queue(ids, p) for ids, p in zip(checked, per_prompt, strict=True)]
 
     def stream(self, prompts: Seq, params: Params = None) -> Iterator[StreamEvent]:
         """Add the prompts and yield every new token as it is produced, until all requests are finished."""

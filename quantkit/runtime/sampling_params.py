@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from quantkit.errors import QuantkitError
@@ -29,8 +30,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.n < 1:
             raise QuantkitError(f"n must be >= 1, got {self.n}")
-        if self.temperature < 0:
-            raise QuantkitError(f"temperature must be >= 0, got {self.temperature}")
+        if not self.temperature >= 0 or math.isinf(self.temperature):
+            raise QuantkitError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise QuantkitError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:

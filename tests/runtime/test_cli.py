@@ -49,6 +49,28 @@ def test_bad_prompt_is_a_one_line_error():
     assert result.exit_code == 2 and "space-separated integers" in result.output
 
 
+def test_bad_serve_arguments_are_one_line_errors(tmp_path):
+    """Bad values fail before the engine is built: out-of-range token ids, an unknown device, lengths the random
+    workload cannot draw, a JSON path whose folder does not exist."""
+    gen = ["generate", "--model", "dummy:tiny-llama", "--device", "cpu", "--token-ids", "--max-tokens", "2"]
+    for args, fragment in [
+        ([*gen, "1 99999999"], "outside the model's vocabulary"),
+        ([*gen, "1 -3"], "outside the model's vocabulary"),
+        ([*gen, "--temperature", "nan", "1 2"], "finite number"),
+        (["generate", "--model", "dummy:tiny-llama", "--device", "foo", "--token-ids", "1 2"], "unknown device"),
+        (["bench-serve", "--model", "dummy:tiny-llama", "--device", "cpu", "--min-input-len", "32",
+          "--max-input-len", "16"], "is above --max-input-len"),
+        (["bench-serve", "--model", "dummy:tiny-llama", "--device", "cpu", "--out", str(tmp_path / "no" / "r.json")],
+         "folder does not exist"),
+    ]:  # fmt: skip
+        result = run(*args)
+        assert result.exit_code == 2, (args, result.output)
+        assert fragment in result.output.strip().splitlines()[-1], (args, result.output)
+    for bad in ("0", "-1"):
+        result = run("bench-serve", "--model", "dummy:tiny-llama", "--num-requests", bad)
+        assert result.exit_code == 2 and "--num-requests" in result.output
+
+
 def test_bench_serve_writes_json(tmp_path):
     out = tmp_path / "r.json"
     args = ["--model", "dummy:tiny-llama", "--device", "cpu", "--num-requests", "6", "--min-input-len", "4"]

@@ -113,6 +113,20 @@ def test_bad_settings_are_user_errors(model):
         llm.generate(["hello"])
 
 
+def test_a_rejected_batch_queues_nothing(model):
+    """generate() checks every prompt before it queues any: a bad one leaves the engine as it was, and the next
+    call runs only its own prompts."""
+    llm = LLM(model, device="cpu")
+    for bad in ([5, 6], []), ([5, 6], [10**9]), ([5, 6], [-1]):
+        with pytest.raises(QuantkitError, match=r"empty prompt|outside the model.s vocabulary"):
+            llm.generate(list(bad), SamplingParams(max_tokens=2))
+        assert not llm.scheduler.has_unfinished()
+    out = llm.generate([[7, 8]], SamplingParams(max_tokens=2))
+    assert len(out) == 1 and out[0].request_id == 0 and len(out[0].completions[0].token_ids) == 2
+    with pytest.raises(QuantkitError, match="temperature"):
+        SamplingParams(temperature=float("nan"))
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1", reason="needs CUDA or the interpreter"
 )
