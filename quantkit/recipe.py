@@ -54,6 +54,12 @@ class CalibrationConfig:
     batch_size: int = 8
 
     def __post_init__(self) -> None:
+        if not isinstance(self.source, str):
+            raise QuantkitError(f"calibration source must be a string, got {self.source!r}")
+        for name in ("nsamples", "seqlen", "seed", "batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise QuantkitError(f"calibration {name} must be an integer, got {value!r}")
         if self.nsamples < 1 or self.seqlen < 2 or self.batch_size < 1:
             raise QuantkitError("calibration needs nsamples >= 1, seqlen >= 2 and batch_size >= 1")
 
@@ -78,6 +84,7 @@ class Override:
         if "match" not in data or "scheme" not in data:
             raise QuantkitError(f"{where} needs both 'match' and 'scheme'")
         scheme = check_keys(data["scheme"], QuantScheme, f"{where}.scheme")
+        _check_selector(str(data["match"]), f"{where}.match")
         return cls(match=str(data["match"]), scheme=dict(scheme))
 
 
@@ -181,6 +188,12 @@ class Recipe:
                     Override.from_dict(o, f"{at}.overrides[{j}]") for j, o in enumerate(raw.get("overrides") or [])
                 ),
             )
+            for j, o in enumerate(stage.overrides):  # an override's scheme fails here, not at its first module
+                if stage.scheme is not None:
+                    try:
+                        QuantScheme.from_dict({**stage.scheme.to_dict(), **o.scheme}, f"{at}.overrides[{j}].scheme")
+                    except QuantkitError as exc:
+                        raise QuantkitError(f"{at}.overrides[{j}].scheme: {exc}") from None
             validate_stage(stage, at)
             stages.append(stage)
         return cls(
@@ -222,11 +235,23 @@ class Recipe:
 
 
 def _str_list(value: Any, where: str) -> list[str]:
+    """Selectors (``targets``, ``ignore``): a string or a list of strings, each ``re:`` pattern compiled here so
+    that a bad one fails when the recipe is read."""
     if isinstance(value, str):
-        return [value]
+        value = [value]
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise QuantkitError(f"{where} must be a string or a list of strings")
+    for selector in value:
+        _check_selector(selector, where)
     return value
+
+
+def _check_selector(selector: str, where: str) -> None:
+    if selector.startswith("re:"):
+        try:
+            re.compile(selector[3:])
+        except re.error as exc:
+            raise QuantkitError(f"{where}: bad regular expression {selector!r}: {exc}") from None
 
 
 def shipped_recipes() -> list[str]:

@@ -42,3 +42,31 @@ def test_awq_then_gptq_presets_do_not_clip_before_gptq():
     assert preset_recipe("awq").stages[0].params.clip is True  # AWQ + RTN keeps its clip search
     assert preset_recipe("awq+gptq", params={"clip": True}).stages[0].params.clip is True  # still a choice
     assert load_recipe("awq-gptq-w4g128").stages[0].params.clip is False
+
+
+@pytest.mark.parametrize(
+    "text,fragment",
+    [
+        ("scheme: {bits: 4.0}\nstages: [{method: rtn}]\n", "scheme bits must be a int"),
+        ("scheme: {bits: '4'}\nstages: [{method: rtn}]\n", "scheme bits must be a int"),
+        ("scheme: {group_size: abc}\nstages: [{method: rtn}]\n", "scheme group_size must be a int"),
+        ("scheme: {group_size: 64.5}\nstages: [{method: rtn}]\n", "scheme group_size must be a int"),
+        ("scheme: {sym: 'no'}\nstages: [{method: rtn}]\n", "scheme sym must be true or false"),
+        ("calibration: {nsamples: '10'}\nscheme: {bits: 4}\nstages: [{method: gptq}]\n", "nsamples must be an integer"),
+        ("stages: [{method: rtn, targets: ['re:[unclosed']}]\n", "bad regular expression"),
+        ("stages: [{method: rtn, overrides: [{match: 're:(', scheme: {bits: 8}}]}]\n", "bad regular expression"),
+        (
+            "scheme: {bits: 4}\nstages: [{method: rtn, overrides: [{match: 're:.*down', scheme: {bits: 7}}]}]\n",
+            "overrides[0].scheme",
+        ),
+    ],
+)
+def test_recipe_values_of_the_wrong_type_fail_when_read(tmp_path, text, fragment):
+    """Types and patterns are checked when the recipe is read, not when the first module meets them."""
+    from quantkit.errors import QuantkitError
+
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    with pytest.raises(QuantkitError) as exc:
+        load_recipe(str(path))
+    assert fragment in str(exc.value) and "\n" not in str(exc.value)

@@ -237,8 +237,10 @@ def load_any(spec: str, dtype: torch.dtype, device: str):
 @click.option("--model", required=True, help="Checkpoint folder, HF folder, .gguf or built-in name.")
 @click.option("--baseline", default=None, help="Float model to compare against (KL, top-1 agreement).")
 @click.option("--data", "source", default="moby-dick", show_default=True, help="Evaluation text.")
-@click.option("--seqlen", type=int, default=512, show_default=True)
-@click.option("--windows", type=int, default=40, show_default=True, help="Number of windows (0 = all).")
+@click.option("--seqlen", type=click.IntRange(min=2), default=512, show_default=True)
+@click.option(
+    "--windows", type=click.IntRange(min=0), default=40, show_default=True, help="Number of windows (0 = all)."
+)
 @click.option("--device", default=None)
 @click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of a table.")

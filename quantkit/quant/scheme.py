@@ -31,6 +31,14 @@ class QuantScheme:
     act_dynamic: bool = True
 
     def __post_init__(self) -> None:
+        for name, kind in (("bits", int), ("group_size", int), ("sym", bool), ("act_bits", int),
+                           ("act_dynamic", bool), ("fmt", str)):  # fmt: skip
+            value = getattr(self, name)
+            if value is None and name == "act_bits":
+                continue
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise QuantkitError(f"scheme {name} must be {'true or false' if kind is bool else f'a {kind.__name__}'}"
+                                    f", got {value!r}")  # fmt: skip
         if self.fmt not in FORMATS:
             raise QuantkitError(f"scheme format must be one of {FORMATS}, got {self.fmt!r}")
         if self.bits not in WEIGHT_BITS:

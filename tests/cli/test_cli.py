@@ -311,3 +311,9 @@ def test_gptq_command_with_its_flags(tiny_dir, tmp_path):
         "damp": 0.02, "block_size": 16, "act_order": False, "static_groups": True, "true_sequential": True,
         "mse": False,
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("args", [("--seqlen", "1"), ("--seqlen", "0"), ("--windows", "-1")])
+def test_eval_window_arguments_are_checked(tiny_dir, args):
+    r = run("eval", "--model", tiny_dir, *args)
+    assert r.exit_code == 2 and "Traceback" not in r.output and args[0] in r.output
