@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -13,14 +12,11 @@ from quantkit.errors import QuantkitError
 
 
 def read_quantization_config(folder: Path) -> dict:
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
+    from quantkit.models.loading import read_config
+
+    if not (folder / "config.json").is_file():
         raise QuantkitError(f"{folder} is not a checkpoint folder (no config.json)")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise QuantkitError(f"{cfg_path} is corrupt: {exc}") from None
-    qc = config.get("quantization_config")
+    qc = read_config(folder).get("quantization_config")
     if not isinstance(qc, dict):
         raise QuantkitError(f"{folder} is not quantized (config.json has no quantization_config)")
     module_schemes(qc)  # validates

@@ -222,12 +222,12 @@ def load_any(spec: str, dtype: torch.dtype, device: str):
     from transformers import AutoTokenizer
 
     import quantkit
+    from quantkit.models.loading import loading, read_config
 
     path = Path(spec).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        config = json.loads((path / "config.json").read_text())
-        if "quantization_config" in config:
-            model = quantkit.load_quantized(path, dtype=dtype, device=device)
+    if path.is_dir() and (path / "config.json").is_file() and "quantization_config" in read_config(path):
+        model = quantkit.load_quantized(path, dtype=dtype, device=device)
+        with loading(f"the tokenizer of {path}"):
             return model, AutoTokenizer.from_pretrained(path)
     model, tokenizer, _ = quantkit.load_model(spec, dtype=dtype, device=device)
     return model, tokenizer
@@ -253,6 +253,11 @@ def eval_command(model, baseline, source, seqlen, windows, device, dtype, as_jso
     torch_dtype = _dtype(dtype, device)
     m, tokenizer = load_any(model, torch_dtype, device)
     base = load_any(baseline, torch_dtype, device)[0] if baseline else None
+    if base is not None and base.config.vocab_size != m.config.vocab_size:
+        raise QuantkitError(
+            f"--baseline {baseline} has a vocabulary of {base.config.vocab_size} tokens, the model "
+            f"{m.config.vocab_size}: KL and top-1 agreement need the same tokenizer"
+        )
     ids, protocol = evaluation_windows(tokenizer, source, seqlen, windows or None)
     t0 = time.perf_counter()
     with progress_bar() as bar:

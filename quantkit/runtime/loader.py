@@ -8,7 +8,6 @@ so no weight is allocated twice.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,25 +96,28 @@ def load_folder(path: str | Path, dtype_name: str, device: torch.device) -> Load
     """A float HF folder or a quantkit checkpoint folder."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    from quantkit.models.loading import loading, read_config
+
     folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise QuantkitError(f"{folder} is not a model folder (no config.json)")
-    config = AutoConfig.from_pretrained(folder)
+    raw = read_config(folder)
+    with loading(folder):
+        config = AutoConfig.from_pretrained(folder)
     dtype = resolve_dtype(dtype_name, config, device)
-    qc = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    qc = raw.get("quantization_config")
     if qc is None:
         linear = float_linear(dtype)
     else:
         from quantkit.checkpoint.config import module_schemes
 
         linear = quantized_linear(module_schemes(qc), dtype)
-    with torch.device("meta"):
-        model = CausalLM(config, linear, dtype)
-    assign_weights(model, read_safetensors(folder), device)
-    tokenizer = None
-    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    gen = GenerationConfig.from_pretrained(folder) if (folder / "generation_config.json").is_file() else None
+    with loading(folder):
+        with torch.device("meta"):
+            model = CausalLM(config, linear, dtype)
+        assign_weights(model, read_safetensors(folder), device)
+        tokenizer = None
+        if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+        gen = GenerationConfig.from_pretrained(folder) if (folder / "generation_config.json").is_file() else None
     return LoadedModel(model, tokenizer, eos_ids(gen, config))
 
 

@@ -317,3 +317,61 @@ def test_gptq_command_with_its_flags(tiny_dir, tmp_path):
 def test_eval_window_arguments_are_checked(tiny_dir, args):
     r = run("eval", "--model", tiny_dir, *args)
     assert r.exit_code == 2 and "Traceback" not in r.output and args[0] in r.output
+
+
+def test_damaged_folders_are_one_line_errors(tiny_dir, tmp_path):
+    """config.json that is not a JSON object, a folder without weights, a .gguf that is not one, a checkpoint
+    missing a tensor (inspect), generate on garbage weights: each a one-line error, never a traceback."""
+    import shutil
+
+    listed = tmp_path / "listed"
+    shutil.copytree(tiny_dir, listed)
+    (listed / "config.json").write_text("[1]")
+    for args in (("quantize", "--model", listed, "--out", tmp_path / "q1"), ("eval", "--model", listed),
+                 ("inspect", listed)):  # fmt: skip
+        assert_clean_failure(run(*args), "is corrupt")
+
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(tiny_dir, no_weights)
+    for f in no_weights.glob("*.safetensors"):
+        f.unlink()
+    assert_clean_failure(run("quantize", "--model", no_weights, "--out", tmp_path / "q2"), "cannot load")
+
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"not a gguf file at all")
+    assert_clean_failure(run("quantize", "--model", fake, "--out", tmp_path / "q3"), "cannot load")
+
+    ck = tmp_path / "ck"
+    assert run("quantize", "--model", tiny_dir, "--out", ck).exit_code == 0
+    garbled = tmp_path / "garbled"
+    shutil.copytree(ck, garbled)
+    (garbled / "config.json").write_text("{ not json")
+    assert_clean_failure(run("eval", "--model", garbled, "--windows", "1", "--seqlen", "16"), "is corrupt")
+    assert_clean_failure(run("generate", "--model", garbled, "--device", "cpu", "hi"), "is corrupt")
+
+    junk = tmp_path / "junk"
+    shutil.copytree(ck, junk)
+    (junk / "model.safetensors").write_bytes(b"\x00" * 64)
+    assert_clean_failure(run("generate", "--model", junk, "--device", "cpu", "hi"), "cannot load")
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(ck / "model.safetensors")
+    name = next(k for k in tensors if k.endswith(".scales"))
+    del tensors[name]
+    partial = tmp_path / "partial"
+    shutil.copytree(ck, partial)
+    save_file(tensors, partial / "model.safetensors", metadata={"format": "pt"})
+    assert_clean_failure(run("inspect", partial), f"{name} is missing")
+
+
+def test_eval_refuses_a_baseline_with_another_vocabulary(tiny_dir, tmp_path):
+    from tests.tiny_models import tiny_model, tiny_tokenizer
+
+    other = tmp_path / "other"
+    model = tiny_model("llama", 1)
+    model.resize_token_embeddings(model.config.vocab_size + 64)
+    model.save_pretrained(other)
+    tiny_tokenizer(model.config.vocab_size).save_pretrained(other)
+    r = run("eval", "--model", tiny_dir, "--baseline", other, "--windows", "1", "--seqlen", "16")
+    assert_clean_failure(r, "need the same tokenizer")
