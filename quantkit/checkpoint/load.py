@@ -54,5 +54,28 @@ def load_quantized(path: str | os.PathLike, dtype: torch.dtype | None = None, de
     absent = sorted(set(qc["modules"]) - set(found))
     if absent:
         raise QuantkitError(f"checkpoint {folder}: quantized module {absent[0]} was not restored")
+    from quantkit.checkpoint.inspect import tensor_headers
+
+    stored = {name: dtype for name, (_, dtype) in tensor_headers(folder).items()}
+    check_quantized_tensors(folder, model, stored)
     model.eval()
     return model
+
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+                      torch.int32: "I32", torch.int8: "I8", torch.float8_e4m3fn: "F8_E4M3"}  # fmt: skip
+
+
+def check_quantized_tensors(where, model: torch.nn.Module, stored: dict[str, str]) -> None:
+    """A checkpoint's integer and fp8 tensors must be stored in the dtype the layer reads (a cast would change the
+    codes) and every ``g_idx`` must name one of its layer's groups. ``stored``: name -> safetensors dtype."""
+    for name, buf in model.named_buffers():
+        if buf.dtype.is_floating_point and buf.dtype != torch.float8_e4m3fn:
+            continue
+        want = SAFETENSORS_DTYPES[buf.dtype]
+        if name in stored and stored[name] != want:
+            raise QuantkitError(f"corrupt checkpoint {where}: {name} is stored as {stored[name]}, expected {want}")
+        if name.endswith(".g_idx") and buf.numel():
+            groups = model.get_buffer(name.removesuffix("g_idx") + "scales").shape[0]
+            if int(buf.min()) < 0 or int(buf.max()) >= groups:
+                raise QuantkitError(f"corrupt checkpoint {where}: {name} names groups outside [0, {groups})")

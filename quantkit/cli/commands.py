@@ -135,7 +135,7 @@ def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out:
 @click.option("--calib", default=None, help="Calibration text: shipped name, files, or hf:NAME[:CONFIG][:SPLIT].")
 @click.option("--nsamples", type=int, default=None)
 @click.option("--seqlen", type=int, default=None)
-@click.option("--seed", type=int, default=None)
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=None)
 @click.option("--damp", type=float, default=None, help="GPTQ dampening (fraction of mean diag H).")
 @click.option("--block-size", type=int, default=None, help="GPTQ lazy-update block size.")
 @click.option("--act-order/--no-act-order", default=None, help="GPTQ: columns by decreasing diag(H).")
@@ -258,6 +258,9 @@ def eval_command(model, baseline, source, seqlen, windows, device, dtype, as_jso
             f"--baseline {baseline} has a vocabulary of {base.config.vocab_size} tokens, the model "
             f"{m.config.vocab_size}: KL and top-1 agreement need the same tokenizer"
         )
+    limit = getattr(m.config, "max_position_embeddings", None)
+    if limit is not None and seqlen > limit:
+        raise QuantkitError(f"--seqlen {seqlen} is longer than the model's {limit} positions")
     ids, protocol = evaluation_windows(tokenizer, source, seqlen, windows or None)
     t0 = time.perf_counter()
     with progress_bar() as bar:

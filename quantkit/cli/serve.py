@@ -84,7 +84,7 @@ def engine_options(f):
 @click.option("--temperature", type=float, default=SAMPLING["temperature"], show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=int, default=SAMPLING["top_k"], show_default=True, help="0 = off.")
 @click.option("--top-p", type=float, default=SAMPLING["top_p"], show_default=True)
-@click.option("--seed", type=int, default=SAMPLING["seed"])
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=SAMPLING["seed"])
 @click.option("-n", "n", type=int, default=SAMPLING["n"], show_default=True, help="Completions per prompt.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt instead of text.")
 @click.option("--token-ids", is_flag=True, help="PROMPTS are space-separated token ids (models with no tokenizer).")
@@ -120,7 +120,7 @@ def generate_command(prompts, model, max_tokens, temperature, top_k, top_p, seed
 @click.option("--min-input-len", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--max-input-len", type=click.IntRange(min=1), default=1024, show_default=True)
 @click.option("--output-len", type=int, default=256, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="JSON results.")
 def bench_serve_command(num_requests, min_input_len, max_input_len, output_len, seed, out_path, model, **settings):
     """Offline throughput of the paged runtime: random prompts, all submitted at once, EOS ignored."""

@@ -64,7 +64,7 @@ def quantized_linear(schemes: dict, dtype):
     return make
 
 
-def assign_weights(model: CausalLM, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+def assign_weights(model: CausalLM, tensors: dict[str, torch.Tensor], device: torch.device, where="") -> None:
     """Fill every meta parameter/buffer of ``model`` from ``tensors`` (cast to the dtype the module declares)."""
     expected = {k: v for k, v in model.state_dict().items() if v.is_meta}
     tensors = {k: v for k, v in tensors.items() if not k.endswith(IGNORED_KEY_SUFFIXES)}
@@ -77,8 +77,12 @@ def assign_weights(model: CausalLM, tensors: dict[str, torch.Tensor], device: to
     for k, t in expected.items():
         if tuple(tensors[k].shape) != tuple(t.shape):
             raise QuantkitError(f"checkpoint tensor {k} has shape {tuple(tensors[k].shape)}, expected {tuple(t.shape)}")
+    from quantkit.checkpoint.load import SAFETENSORS_DTYPES, check_quantized_tensors
+
+    stored = {k: SAFETENSORS_DTYPES.get(v.dtype, str(v.dtype)) for k, v in tensors.items()}
     model.load_state_dict({k: tensors[k].to(device=device, dtype=t.dtype) for k, t in expected.items()}, assign=True,
                           strict=False)  # fmt: skip
+    check_quantized_tensors(where, model, stored)
 
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -113,7 +117,7 @@ def load_folder(path: str | Path, dtype_name: str, device: torch.device) -> Load
     with loading(folder):
         with torch.device("meta"):
             model = CausalLM(config, linear, dtype)
-        assign_weights(model, read_safetensors(folder), device)
+        assign_weights(model, read_safetensors(folder), device, folder)
         tokenizer = None
         if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
             tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -28,6 +28,10 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("n", "top_k", "max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise QuantkitError(f"{name} must be an integer, got {value!r}")
         if self.n < 1:
             raise QuantkitError(f"n must be >= 1, got {self.n}")
         if not self.temperature >= 0 or math.isinf(self.temperature):

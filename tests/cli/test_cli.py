@@ -375,3 +375,30 @@ def test_eval_refuses_a_baseline_with_another_vocabulary(tiny_dir, tmp_path):
     tiny_tokenizer(model.config.vocab_size).save_pretrained(other)
     r = run("eval", "--model", tiny_dir, "--baseline", other, "--windows", "1", "--seqlen", "16")
     assert_clean_failure(r, "need the same tokenizer")
+
+
+def test_checkpoint_tensors_of_the_wrong_kind_are_refused(tiny_dir, tmp_path):
+    """An integer tensor stored as float (the loader would cast it and run on wrong codes) and a g_idx naming a
+    group the layer does not have: eval and generate refuse both."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    ck = tmp_path / "ck"
+    assert run("quantize", "--model", tiny_dir, "--out", ck).exit_code == 0
+    tensors = load_file(ck / "model.safetensors")
+    qweight = next(k for k in tensors if k.endswith(".qweight"))
+    g_idx = qweight.removesuffix("qweight") + "g_idx"
+    for label, change, fragment in [
+        ("float", {qweight: tensors[qweight].float()}, "is stored as F32, expected I32"),
+        ("groups", {g_idx: tensors[g_idx] + 1000}, "names groups outside"),
+    ]:
+        bad = tmp_path / label
+        shutil.copytree(ck, bad)
+        save_file({**tensors, **change}, bad / "model.safetensors", metadata={"format": "pt"})
+        assert_clean_failure(run("eval", "--model", bad, "--windows", "1", "--seqlen", "16"), fragment)
+        assert_clean_failure(run("generate", "--model", bad, "--device", "cpu", "hi"), fragment)
+
+
+def test_eval_seqlen_beyond_the_model_is_refused(tiny_dir):
+    assert_clean_failure(run("eval", "--model", tiny_dir, "--seqlen", "100000"), "longer than the model's")
