@@ -57,8 +57,9 @@ def _read_local(paths: list[Path]) -> str:
     kwargs = {"sample_by": "document"} if builder == "text" else {}
     try:
         ds = datasets.load_dataset(builder, data_files=[str(p) for p in paths], split="train", **kwargs)
-    except Exception as exc:  # datasets raises many types for unreadable files
-        raise QuantkitError(f"could not read {', '.join(map(str, paths))}: {exc}".splitlines()[0]) from None
+    except Exception as exc:  # datasets raises many types for unreadable files, often wrapping the parser's error
+        cause = exc.__cause__ or exc.__context__ or exc
+        raise QuantkitError(f"could not read {', '.join(map(str, paths))}: {cause}".splitlines()[0]) from None
     return _join_text_column(ds, ", ".join(map(str, paths)))
 
 

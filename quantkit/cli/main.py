@@ -38,9 +38,12 @@ def cli(verbose: bool) -> None:
         format="%(message)s",
         handlers=[RichHandler(console=console, show_path=False, show_time=False)],
     )
-    for noisy in ("transformers", "datasets", "httpx", "urllib3", "filelock"):
+    for noisy in ("transformers", "datasets", "httpx", "urllib3", "filelock", "huggingface_hub", "fsspec"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    from huggingface_hub.utils import logging as hub_logging
     from transformers.utils import logging as hf_logging
+
+    hub_logging.set_verbosity_error()  # its retries of an unreachable hub would print a dozen lines before ours
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -48,7 +51,7 @@ def cli(verbose: bool) -> None:
         import datasets
 
         datasets.disable_progress_bars()
-        datasets.logging.set_verbosity_error()
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its read errors reach the user as our one line
 
 
 def _register_commands() -> None:

@@ -113,10 +113,16 @@ def load_folder(path: str | Path, dtype_name: str, device: torch.device) -> Load
     else:
         from quantkit.checkpoint.config import module_schemes
 
-        linear = quantized_linear(module_schemes(qc), dtype)
+        schemes = module_schemes(qc)
+        linear = quantized_linear(schemes, dtype)
+    with loading(folder), torch.device("meta"):
+        model = CausalLM(config, linear, dtype)
+    if qc is not None:
+        names = {name for name, _ in model.named_modules()}
+        absent = sorted(set(schemes) - names)
+        if absent:
+            raise QuantkitError(f"corrupt checkpoint {folder}: quantized module {absent[0]} is not in the model")
     with loading(folder):
-        with torch.device("meta"):
-            model = CausalLM(config, linear, dtype)
         assign_weights(model, read_safetensors(folder), device, folder)
         tokenizer = None
         if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():

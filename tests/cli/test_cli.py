@@ -349,6 +349,14 @@ def test_damaged_folders_are_one_line_errors(tiny_dir, tmp_path):
     assert_clean_failure(run("eval", "--model", garbled, "--windows", "1", "--seqlen", "16"), "is corrupt")
     assert_clean_failure(run("generate", "--model", garbled, "--device", "cpu", "hi"), "is corrupt")
 
+    renamed = tmp_path / "renamed"
+    shutil.copytree(ck, renamed)
+    config = json.loads((renamed / "config.json").read_text())
+    modules = config["quantization_config"]["modules"]
+    modules["model.layers.0.mlp.no_such_proj"] = next(iter(modules.values()))
+    (renamed / "config.json").write_text(json.dumps(config))
+    assert_clean_failure(run("generate", "--model", renamed, "--device", "cpu", "hi"), "is not in the model")
+
     junk = tmp_path / "junk"
     shutil.copytree(ck, junk)
     (junk / "model.safetensors").write_bytes(b"\x00" * 64)
@@ -402,3 +410,10 @@ def test_checkpoint_tensors_of_the_wrong_kind_are_refused(tiny_dir, tmp_path):
 
 def test_eval_seqlen_beyond_the_model_is_refused(tiny_dir):
     assert_clean_failure(run("eval", "--model", tiny_dir, "--seqlen", "100000"), "longer than the model's")
+
+
+def test_unreadable_calibration_file_is_one_line(tiny_dir, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"text": "abc"\n')
+    r = run("quantize", "--model", tiny_dir, "--method", "gptq", "--calib", bad, "--out", tmp_path / "q")
+    assert_clean_failure(r, "JSON parse error", tmp_path / "q")
