@@ -68,8 +68,11 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16
 
 def check_quantized_tensors(where, model: torch.nn.Module, stored: dict[str, str]) -> None:
     """A checkpoint's integer and fp8 tensors must be stored in the dtype the layer reads (a cast would change the
-    codes) and every ``g_idx`` must name one of its layer's groups. ``stored``: name -> safetensors dtype."""
+    codes), its scales must be finite and every ``g_idx`` must name one of its layer's groups. ``stored``: name ->
+    safetensors dtype."""
     for name, buf in model.named_buffers():
+        if name.endswith((".scales", ".weight_scale")) and not bool(torch.isfinite(buf).all()):
+            raise QuantkitError(f"corrupt checkpoint {where}: {name} holds NaN or infinite scales")
         if buf.dtype.is_floating_point and buf.dtype != torch.float8_e4m3fn:
             continue
         want = SAFETENSORS_DTYPES[buf.dtype]

@@ -47,6 +47,8 @@ class QuantScheme:
             raise QuantkitError("fp8 weights are 8-bit and symmetric")
         if self.group_size == 0 or self.group_size < -1:
             raise QuantkitError(f"group_size must be a positive integer or -1 (per-channel), got {self.group_size}")
+        if not self.act_dynamic and self.act_bits is None:
+            raise QuantkitError("static activation scales (act_dynamic false) need W8A8 (act_bits 8)")
         if self.act_bits not in (None, 8):
             raise QuantkitError(f"act_bits must be null (weight-only) or 8, got {self.act_bits}")
         if self.act_bits is not None and (self.bits != 8 or self.group_size != -1 or not self.sym):

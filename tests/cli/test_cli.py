@@ -400,6 +400,14 @@ def test_checkpoint_tensors_of_the_wrong_kind_are_refused(tiny_dir, tmp_path):
     for label, change, fragment in [
         ("float", {qweight: tensors[qweight].float()}, "is stored as F32, expected I32"),
         ("groups", {g_idx: tensors[g_idx] + 1000}, "names groups outside"),
+        (
+            "nan",
+            {
+                qweight.removesuffix("qweight") + "scales": tensors[qweight.removesuffix("qweight") + "scales"]
+                * float("nan")
+            },
+            "NaN or infinite scales",
+        ),
     ]:
         bad = tmp_path / label
         shutil.copytree(ck, bad)
