@@ -70,7 +70,8 @@ def check_quantized_tensors(where, model: torch.nn.Module, stored: dict[str, str
     """A checkpoint's integer and fp8 tensors must be stored in the dtype the layer reads (a cast would change the
     codes), its scales must be finite and every ``g_idx`` must name one of its layer's groups. ``stored``: name ->
     safetensors dtype."""
-    for name, buf in model.named_buffers():
+    buffers = dict(model.named_buffers())
+    for name, buf in buffers.items():
         if name.endswith((".scales", ".weight_scale")) and not bool(torch.isfinite(buf).all()):
             raise QuantkitError(f"corrupt checkpoint {where}: {name} holds NaN or infinite scales")
         if buf.dtype.is_floating_point and buf.dtype != torch.float8_e4m3fn:
@@ -78,7 +79,8 @@ def check_quantized_tensors(where, model: torch.nn.Module, stored: dict[str, str
         want = SAFETENSORS_DTYPES[buf.dtype]
         if name in stored and stored[name] != want:
             raise QuantkitError(f"corrupt checkpoint {where}: {name} is stored as {stored[name]}, expected {want}")
-        if name.endswith(".g_idx") and buf.numel():
-            groups = model.get_buffer(name.removesuffix("g_idx") + "scales").shape[0]
+        scales = buffers.get(name.removesuffix("g_idx") + "scales")
+        if name.endswith(".g_idx") and buf.numel() and scales is not None:
+            groups = scales.shape[0]
             if int(buf.min()) < 0 or int(buf.max()) >= groups:
                 raise QuantkitError(f"corrupt checkpoint {where}: {name} names groups outside [0, {groups})")

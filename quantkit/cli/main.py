@@ -44,7 +44,6 @@ def cli(verbose: bool) -> None:
     from transformers.utils import logging as hf_logging
 
     hub_logging.set_verbosity_error()  # its retries of an unreachable hub would print a dozen lines before ours
-
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     if importlib.util.find_spec("datasets") is not None:  # absent on some GPU images; only text loading needs it
