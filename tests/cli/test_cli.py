@@ -198,11 +198,19 @@ def test_unwritable_output_fails_before_any_work(tiny_dir, tmp_path):
     assert "quantizing" not in r.output and blocker.read_text() == "x"
 
 
-def test_checkpoint_is_readable_by_others(tiny_dir, tmp_path):
-    out = tmp_path / "q"
-    assert run("quantize", "--model", tiny_dir, "--out", out).exit_code == 0
-    assert out.stat().st_mode & 0o050 == 0o050  # group may read and enter it (umask 022 or 027)
-    assert all(f.stat().st_mode & 0o040 for f in out.iterdir())
+def test_checkpoint_gets_the_umask_modes(tiny_dir, tmp_path):
+    """The folder and its files get the modes the umask allows, as files written in place would (not the private
+    0700 / 0600 of a temporary folder)."""
+    import os
+
+    umask = os.umask(0o022)
+    try:
+        out = tmp_path / "q"
+        assert run("quantize", "--model", tiny_dir, "--out", out).exit_code == 0
+    finally:
+        os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert all(f.stat().st_mode & 0o777 == 0o644 for f in out.iterdir())
 
 
 def test_a_failed_save_leaves_no_folders(tiny_dir, tmp_path, monkeypatch):
