@@ -104,11 +104,12 @@ def _write_shards(tensors: dict[str, torch.Tensor], folder: Path, shard_bytes: i
 
 def _is_checkpoint(folder: Path) -> bool:
     """Whether ``folder`` holds a quantkit checkpoint (its config names quantkit's quantization method)."""
+    from quantkit.models.loading import read_config
+
     try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
+        qc = read_config(folder).get("quantization_config")
+    except QuantkitError:
         return False
-    qc = config.get("quantization_config") if isinstance(config, dict) else None
     return isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD
 
 

@@ -228,12 +228,21 @@ def test_a_failed_save_leaves_no_folders(tiny_dir, tmp_path, monkeypatch):
     assert not (tmp_path / "new").exists()
 
 
-def test_sigterm_while_quantizing_leaves_nothing(tiny_dir, tmp_path):
-    """SIGTERM becomes SystemExit in the CLI, so the half-written folder is removed as for Ctrl-C."""
+def test_the_cli_turns_sigterm_into_system_exit(monkeypatch):
+    """main() installs a SIGTERM handler that raises SystemExit, so the save's cleanup (``except BaseException``)
+    removes a half-written folder as it does on Ctrl-C."""
     import signal
 
     from quantkit.cli import main as cli_main
 
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(cli_main, "_register_commands", lambda: None)
+    monkeypatch.setattr(cli_main, "cli", lambda **kwargs: None)
+    try:
+        cli_main.main()
+        assert signal.getsignal(signal.SIGTERM) is cli_main._terminate
+    finally:
+        signal.signal(signal.SIGTERM, before)
     with pytest.raises(SystemExit) as exc:
         cli_main._terminate(signal.SIGTERM, None)
     assert exc.value.code == 128 + signal.SIGTERM

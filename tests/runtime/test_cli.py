@@ -50,8 +50,9 @@ def test_bad_prompt_is_a_one_line_error():
 
 
 def test_bad_serve_arguments_are_one_line_errors(tmp_path):
-    """Bad values fail before the engine is built: out-of-range token ids, an unknown device, lengths the random
-    workload cannot draw, a JSON path whose folder does not exist."""
+    """Bad values are one-line errors: out-of-range token ids and a NaN temperature before any step runs; an
+    unknown device, lengths the random workload cannot draw and a JSON path whose folder does not exist before the
+    engine is built."""
     gen = ["generate", "--model", "dummy:tiny-llama", "--device", "cpu", "--token-ids", "--max-tokens", "2"]
     for args, fragment in [
         ([*gen, "1 99999999"], "outside the model's vocabulary"),
