@@ -47,10 +47,10 @@ def test_awq_then_gptq_presets_do_not_clip_before_gptq():
 @pytest.mark.parametrize(
     "text,fragment",
     [
-        ("scheme: {bits: 4.0}\nstages: [{method: rtn}]\n", "scheme bits must be a int"),
-        ("scheme: {bits: '4'}\nstages: [{method: rtn}]\n", "scheme bits must be a int"),
-        ("scheme: {group_size: abc}\nstages: [{method: rtn}]\n", "scheme group_size must be a int"),
-        ("scheme: {group_size: 64.5}\nstages: [{method: rtn}]\n", "scheme group_size must be a int"),
+        ("scheme: {bits: 4.0}\nstages: [{method: rtn}]\n", "scheme bits must be an integer"),
+        ("scheme: {bits: '4'}\nstages: [{method: rtn}]\n", "scheme bits must be an integer"),
+        ("scheme: {group_size: abc}\nstages: [{method: rtn}]\n", "scheme group_size must be an integer"),
+        ("scheme: {group_size: 64.5}\nstages: [{method: rtn}]\n", "scheme group_size must be an integer"),
         ("scheme: {sym: 'no'}\nstages: [{method: rtn}]\n", "scheme sym must be true or false"),
         ("calibration: {nsamples: '10'}\nscheme: {bits: 4}\nstages: [{method: gptq}]\n", "nsamples must be an integer"),
         ("stages: [{method: rtn, targets: ['re:[unclosed']}]\n", "bad regular expression"),

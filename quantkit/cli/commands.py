@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from quantkit.cli.main import QuantkitCommand
 from quantkit.errors import QuantkitError
 
 stderr = Console(stderr=True)
@@ -124,7 +125,7 @@ def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out:
     return table
 
 
-@click.command("quantize")
+@click.command("quantize", cls=QuantkitCommand)
 @click.option("--model", default="smollm2-135m", show_default=True, help="HF folder, .gguf file or built-in name.")
 @click.option("--method", default=None, help="A preset: rtn, gptq, awq, awq+gptq, w8a8, smoothquant, ...")
 @click.option("--recipe", "recipe_spec", default=None, help="A YAML recipe file or shipped recipe name.")
@@ -233,7 +234,7 @@ def load_any(spec: str, dtype: torch.dtype, device: str):
     return model, tokenizer
 
 
-@click.command("eval")
+@click.command("eval", cls=QuantkitCommand)
 @click.option("--model", required=True, help="Checkpoint folder, HF folder, .gguf or built-in name.")
 @click.option("--baseline", default=None, help="Float model to compare against (KL, top-1 agreement).")
 @click.option("--data", "source", default="moby-dick", show_default=True, help="Evaluation text.")
@@ -290,7 +291,7 @@ def eval_command(model, baseline, source, seqlen, windows, device, dtype, as_jso
     stdout.print(table)
 
 
-@click.command("inspect")
+@click.command("inspect", cls=QuantkitCommand)
 @click.argument("folder", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True)
 def inspect_command(folder: Path, as_json: bool) -> None:

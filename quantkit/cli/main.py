@@ -17,15 +17,48 @@ from rich.logging import RichHandler
 from quantkit.errors import QuantkitError
 
 console = Console(stderr=True)
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2; 8.1 prints the help itself
 
 
 class QuantkitGroup(click.Group):
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """Click's own handling, except that a usage error (an unknown option, a missing or malformed value) is one
+        line like every other bad input, instead of click's usage block, hint and message on four lines."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _NO_ARGS_IS_HELP as exc:  # bare `quantkit`: the help, as click shows it
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else (prog_name or "quantkit")
+            click.echo(f"quantkit: error: {exc.format_message()} (see '{where} --help')", err=True)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:  # a file option that cannot be opened, say
+            click.echo(f"quantkit: error: {exc.format_message()}", err=True)
+            sys.exit(exc.exit_code)
+        except (click.Abort, KeyboardInterrupt, EOFError):
+            click.echo("\nquantkit: aborted", err=True)
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except QuantkitError as exc:
             click.echo(f"quantkit: error: {exc}", err=True)
             sys.exit(2)
+
+
+class QuantkitCommand(click.Command):
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:  # click's parser leaves some without a context: name this command's help
+            if exc.ctx is None:
+                exc.ctx = ctx
+            raise
 
 
 @click.group(cls=QuantkitGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from quantkit.cli.main import QuantkitCommand
 from quantkit.errors import QuantkitError
 from quantkit.runtime.config import DTYPES, EngineConfig
 from quantkit.runtime.sampling_params import SamplingParams
@@ -77,7 +78,7 @@ def engine_options(f):
     return f
 
 
-@click.command("generate")
+@click.command("generate", cls=QuantkitCommand)
 @click.argument("prompts", nargs=-1, required=True)
 @engine_options
 @click.option("--max-tokens", type=int, default=SAMPLING["max_tokens"], show_default=True)
@@ -114,7 +115,7 @@ def generate_command(prompts, model, max_tokens, temperature, top_k, top_p, seed
                 click.echo(f"[{c.index}] {c.text if c.text is not None else c.token_ids}")
 
 
-@click.command("bench-serve")
+@click.command("bench-serve", cls=QuantkitCommand)
 @engine_options
 @click.option("--num-requests", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--min-input-len", type=click.IntRange(min=1), default=128, show_default=True)

@@ -9,6 +9,7 @@ from quantkit.errors import QuantkitError
 
 WEIGHT_BITS = (2, 3, 4, 8)
 FORMATS = ("int", "fp8")
+_KIND_WORDS = {int: "an integer", bool: "true or false", str: "a string"}
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,7 @@ class QuantScheme:
             if value is None and name == "act_bits":
                 continue
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                raise QuantkitError(f"scheme {name} must be {'true or false' if kind is bool else f'a {kind.__name__}'}"
-                                    f", got {value!r}")  # fmt: skip
+                raise QuantkitError(f"scheme {name} must be {_KIND_WORDS[kind]}, got {value!r}")
         if self.fmt not in FORMATS:
             raise QuantkitError(f"scheme format must be one of {FORMATS}, got {self.fmt!r}")
         if self.bits not in WEIGHT_BITS:
