@@ -2,7 +2,7 @@
 
     import quantkit
     model, tokenizer, _ = quantkit.load_model("smollm2-135m")
-    quantkit.quantize(model, "w4a16-gptq", tokenizer=tokenizer)
+    quantkit.quantize(model, "gptq-w4g128", tokenizer=tokenizer)
     quantkit.save_quantized(model, "out/smollm2-w4", tokenizer=tokenizer)
     qmodel = quantkit.load_quantized("out/smollm2-w4")        # or AutoModelForCausalLM.from_pretrained
 

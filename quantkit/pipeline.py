@@ -11,6 +11,7 @@ from torch import nn
 
 from quantkit.calib.data import calibration_windows
 from quantkit.calib.runner import run_layerwise
+from quantkit.devices import resolve_device
 from quantkit.errors import QuantkitError
 from quantkit.models.arch import arch_for
 from quantkit.models.experts import split_all_fused_experts
@@ -38,9 +39,26 @@ def prepare_model(model: nn.Module) -> None:
         split_all_fused_experts(model, model.get_submodule(arch.layers), arch.fused_experts)
 
 
+def check_calibration_windows(calib, model: nn.Module) -> torch.Tensor:
+    """``calib`` as the layer-wise runner needs it (int64 [nsamples >= 1, seqlen >= 1], every id a row of the
+    model's embedding), or a QuantkitError that says what is wrong with it."""
+    if not isinstance(calib, torch.Tensor):
+        raise QuantkitError(f"calib must be a torch.Tensor of token ids [nsamples, seqlen], got {type(calib).__name__}")
+    if calib.dim() != 2 or calib.numel() == 0:
+        raise QuantkitError(f"calib must be token ids [nsamples, seqlen] with both > 0, got shape {list(calib.shape)}")
+    if calib.dtype.is_floating_point or calib.dtype.is_complex or calib.dtype == torch.bool:
+        raise QuantkitError(f"calib must hold integer token ids, got {calib.dtype}")
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(embedding, "num_embeddings", None)
+    low, high = int(calib.min()), int(calib.max())
+    if low < 0 or (vocab is not None and high >= vocab):
+        raise QuantkitError(f"calib token ids must lie in [0, {vocab}) for this model, found {low}..{high}")
+    return calib.long()
+
+
 def quantize(
     model: nn.Module,
-    recipe: Recipe | str | Path,
+    recipe: Recipe | dict | str | Path,
     calib: torch.Tensor | None = None,
     *,
     tokenizer=None,
@@ -48,17 +66,22 @@ def quantize(
     progress=None,
     fingerprint: dict | None = None,
 ) -> QuantizeResult:
-    """Quantize ``model`` in place following ``recipe``; returns what was done.
+    """Quantize ``model`` in place following ``recipe`` (a Recipe, a mapping shaped like a recipe's YAML, a YAML
+    file or a shipped recipe's name); returns what was done.
 
     ``calib`` is an int64 tensor [nsamples, seqlen] of token windows (``fingerprint`` says where they came
     from); when None and the recipe needs data, windows are cut from ``recipe.calibration`` with
     ``tokenizer``. ``device`` is where each layer is processed (default: CUDA when available, else CPU); the
     model itself stays where it is.
     """
-    if not isinstance(recipe, Recipe):
+    if not isinstance(model, nn.Module):
+        raise QuantkitError(f"quantize needs a torch.nn.Module (quantkit.load_model), got {type(model).__name__}")
+    if isinstance(recipe, dict):
+        recipe = Recipe.from_dict(recipe)
+    elif not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
     arch = arch_for(model)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(device)
     batches = None
     if recipe.needs_calibration:
         if calib is None:
@@ -66,7 +89,9 @@ def quantize(
                 raise QuantkitError("this recipe needs calibration data: pass calib windows or a tokenizer")
             c = recipe.calibration
             calib, fingerprint = calibration_windows(tokenizer, c.source, c.nsamples, c.seqlen, c.seed)
-        elif fingerprint is None:
+        else:
+            calib = check_calibration_windows(calib, model)
+        if fingerprint is None:
             fingerprint = {"source": "tensor", "nsamples": calib.shape[0], "seqlen": calib.shape[1]}
         batches = list(calib.split(recipe.calibration.batch_size))
     prepare_model(model)

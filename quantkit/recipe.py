@@ -262,6 +262,8 @@ def shipped_recipes() -> list[str]:
 
 def load_recipe(spec: str | Path) -> Recipe:
     """A recipe from a YAML file path or a shipped recipe name."""
+    if not isinstance(spec, str | Path):
+        raise QuantkitError(f"a recipe is a YAML file or a shipped recipe's name, got {type(spec).__name__}")
     path = Path(spec)
     if path.is_file():
         text, where = path.read_text(), str(path)

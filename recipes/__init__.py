@@ -1,1 +1,1 @@
-"""Shipped YAML recipes, addressable by file name without the extension (e.g. ``--recipe w4a16-rtn``)."""
+"""Shipped YAML recipes, addressable by file name without the extension (e.g. ``--recipe gptq-w4g128``)."""

@@ -34,6 +34,8 @@ def load_quantized(path: str | os.PathLike, dtype: torch.dtype | None = None, de
     from quantkit.nn.factory import quantized_modules
 
     register()
+    if not isinstance(path, str | os.PathLike):
+        raise QuantkitError(f"load_quantized needs a checkpoint folder's path, got {type(path).__name__}")
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise QuantkitError(f"checkpoint not found: {folder}")

@@ -118,6 +118,8 @@ def check_output(out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
     refused unless ``overwrite`` and it is an empty folder or a quantkit checkpoint (never the working directory
     or one above it); the nearest existing ancestor must be a writable folder. Creates nothing, so that bad
     output paths fail before any quantization work."""
+    if not isinstance(out_dir, str | os.PathLike):
+        raise QuantkitError(f"the output must be a folder's path, got {type(out_dir).__name__}")
     out = Path(out_dir).expanduser().resolve()
     if out.exists():
         if not out.is_dir():
@@ -168,6 +170,8 @@ def save_quantized(
     refused unless ``overwrite`` and it is an empty folder or a quantkit checkpoint (``check_output``). A failure
     leaves nothing behind, the parent folders it created included.
     """
+    if not isinstance(model, nn.Module):
+        raise QuantkitError(f"save_quantized needs the quantized torch.nn.Module, got {type(model).__name__}")
     out = check_output(out_dir, overwrite)
     qc = quantization_config(model)
     created = _missing_parents(out)

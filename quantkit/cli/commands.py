@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from quantkit.cli.main import QuantkitCommand
+from quantkit.devices import resolve_device
 from quantkit.errors import QuantkitError
 
 stderr = Console(stderr=True)
@@ -41,13 +42,7 @@ def _dtype(name: str, device: str) -> torch.dtype:
 
 
 def _device(name: str | None) -> str:
-    if name is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise QuantkitError(f"device {name} requested but CUDA is not available")
-    if name != "cpu" and not name.startswith("cuda"):
-        raise QuantkitError(f"unknown device {name!r} (cpu, cuda, cuda:N)")
-    return name
+    return str(resolve_device(name))
 
 
 # CLI flag -> (recipe section, key). Section "scheme" changes every stage's scheme, "calibration" the

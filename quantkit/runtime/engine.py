@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from quantkit.devices import resolve_device
 from quantkit.errors import QuantkitError
 from quantkit.runtime import loader
 from quantkit.runtime.block_manager import BlockManager
@@ -96,7 +97,7 @@ class LLM:
 
     def __init__(self, model, tokenizer=None, **settings):
         self.config = EngineConfig(**settings)
-        device = torch.device(self.config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = resolve_device(self.config.device)
         if isinstance(model, str | Path):
             loaded = loader.load_folder(model, self.config.dtype, device)
         elif isinstance(model, torch.nn.Module):

@@ -1,0 +1,64 @@
+"""The Python API's entry points refuse bad arguments with a QuantkitError that names the argument, as the CLI does,
+instead of a TypeError or IndexError from deep inside torch or pathlib."""
+
+import pytest
+import torch
+
+import quantkit
+from quantkit.devices import resolve_device
+from tests.tiny_models import tiny_model
+
+RTN = {"scheme": {"bits": 4, "group_size": 32}, "stages": [{"method": "rtn"}]}
+GPTQ = {"scheme": {"bits": 4, "group_size": 32}, "stages": [{"method": "gptq"}]}
+
+
+@pytest.mark.parametrize(
+    "model, recipe, kwargs, fragment",
+    [
+        ("llama", 123, {}, "a recipe is a YAML file or a shipped recipe's name, got int"),
+        ("path", RTN, {}, "quantize needs a torch.nn.Module"),
+        ("llama", GPTQ, {"calib": [[1, 2, 3]]}, "calib must be a torch.Tensor"),
+        ("llama", GPTQ, {"calib": torch.ones(3, dtype=torch.long)}, "got shape [3]"),
+        ("llama", GPTQ, {"calib": torch.ones(0, 8, dtype=torch.long)}, "got shape [0, 8]"),
+        ("llama", GPTQ, {"calib": torch.ones(2, 8)}, "integer token ids, got torch.float32"),
+        ("llama", GPTQ, {"calib": torch.full((2, 8), 320)}, "must lie in [0, 320)"),
+        ("llama", GPTQ, {"calib": torch.full((2, 8), -1)}, "must lie in [0, 320)"),
+        ("llama", RTN, {"device": "tpu"}, "unknown device 'tpu'"),
+    ],
+)
+def test_quantize_refuses_bad_arguments(model, recipe, kwargs, fragment):
+    model = tiny_model("llama") if model == "llama" else "some/folder"
+    with pytest.raises(quantkit.QuantkitError) as exc:
+        quantkit.quantize(model, recipe, **kwargs)
+    assert fragment in str(exc.value)
+
+
+def test_quantize_takes_a_recipe_mapping_and_int32_windows():
+    model = tiny_model("llama")
+    result = quantkit.quantize(model, GPTQ, calib=torch.ones(2, 8, dtype=torch.int32))
+    assert result.layers and result.recipe.stages[0].method == "gptq"
+
+
+def test_save_and_load_refuse_what_is_not_a_model_or_a_path(tmp_path):
+    with pytest.raises(quantkit.QuantkitError, match=r"needs the quantized torch\.nn\.Module, got str"):
+        quantkit.save_quantized("model", tmp_path / "out")
+    model = tiny_model("llama")
+    quantkit.quantize(model, RTN)
+    with pytest.raises(quantkit.QuantkitError, match="must be a folder's path, got int"):
+        quantkit.save_quantized(model, 5)
+    with pytest.raises(quantkit.QuantkitError, match="needs a checkpoint folder's path, got NoneType"):
+        quantkit.load_quantized(None)
+    with pytest.raises(quantkit.QuantkitError, match="got dict"):
+        quantkit.load_recipe(RTN)
+
+
+def test_device_names():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device(torch.device("cpu")) == torch.device("cpu")
+    for bad in ("gpu", "cuda:x", ""):
+        with pytest.raises(quantkit.QuantkitError, match="unknown device"):
+            resolve_device(bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(quantkit.QuantkitError, match="CUDA is not available"):
+            resolve_device("cuda:0")
+        assert resolve_device(None) == torch.device("cpu")
