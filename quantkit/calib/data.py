@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
+import urllib.parse
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -71,10 +74,29 @@ def _join_text_column(ds, where: str) -> str:
     return "\n\n".join(t for t in ds[column] if t)
 
 
+def _check_hub_reachable(spec: str, timeout: float = 5.0) -> None:
+    """Fail in a second, not after datasets' ~25 s of retries, when the hub cannot be reached: no route to its host
+    and no proxy to go through. With HF_HUB_OFFLINE=1 datasets reads its cache and this check is skipped."""
+    from huggingface_hub import constants
+
+    proxies = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+    if constants.HF_HUB_OFFLINE or any(os.environ.get(v) for v in proxies):
+        return
+    url = urllib.parse.urlsplit(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+    except OSError as exc:
+        raise QuantkitError(
+            f"could not load hub dataset {spec!r}: {constants.ENDPOINT} is unreachable ({exc.strerror or exc}); "
+            "give a local file, or set HF_HUB_OFFLINE=1 to read a dataset already in the datasets cache"
+        ) from None
+
+
 def _read_hub(spec: str) -> str:
     import datasets
 
     name, config, split = [*spec.split(":"), None, None][:3]
+    _check_hub_reachable(spec)
     try:
         ds = datasets.load_dataset(name, config, split=split or "train")
     except Exception as exc:
