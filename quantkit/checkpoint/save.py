@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -157,6 +159,36 @@ def _readable(folder: Path) -> None:
         f.chmod((0o777 if f.is_dir() else 0o666) & ~umask)
 
 
+@contextlib.contextmanager
+def atomic_folder(out: Path) -> Iterator[Path]:
+    """A temporary folder next to ``out`` to write into; renamed into place when the block ends without error
+    (replacing what ``check_output`` allowed to be replaced), removed with the parent folders it created
+    otherwise. An OSError becomes a one-line QuantkitError."""
+    created = _missing_parents(out)
+    tmp = None
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        yield tmp
+        _readable(tmp)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException as exc:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for parent in created:  # innermost first; only the ones this call made, and only if still empty
+            if parent.is_dir() and not any(parent.iterdir()):
+                parent.rmdir()
+        if isinstance(exc, OSError):
+            raise QuantkitError(f"cannot write checkpoint {out}: {exc.strerror or exc}") from exc
+        raise
+
+
 def save_quantized(
     model: nn.Module,
     out_dir: str | os.PathLike,
@@ -174,11 +206,7 @@ def save_quantized(
         raise QuantkitError(f"save_quantized needs the quantized torch.nn.Module, got {type(model).__name__}")
     out = check_output(out_dir, overwrite)
     qc = quantization_config(model)
-    created = _missing_parents(out)
-    tmp = None
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    with atomic_folder(out) as tmp:
         config = model.config.to_dict()
         config["quantization_config"] = qc
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -199,21 +227,4 @@ def save_quantized(
         smoothing = outlier_rows(result.layers)
         if smoothing:  # what smoothing did to the activation outliers, readable without tools
             (tmp / "smoothing.md").write_text(SMOOTHING_HEADER + outlier_markdown(smoothing))
-        _readable(tmp)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    except BaseException as exc:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        for parent in created:  # innermost first; only the ones this call made, and only if still empty
-            if parent.is_dir() and not any(parent.iterdir()):
-                parent.rmdir()
-        if isinstance(exc, OSError):
-            raise QuantkitError(f"cannot write checkpoint {out}: {exc.strerror or exc}") from exc
-        raise
     return out
