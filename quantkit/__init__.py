@@ -5,6 +5,7 @@
     quantkit.quantize(model, "gptq-w4g128", tokenizer=tokenizer)
     quantkit.save_quantized(model, "out/smollm2-w4", tokenizer=tokenizer)
     qmodel = quantkit.load_quantized("out/smollm2-w4")        # or AutoModelForCausalLM.from_pretrained
+    quantkit.export_checkpoint("out/smollm2-w4", "out/smollm2-w4-ct", "compressed-tensors")  # for vLLM
 
 Importing quantkit registers its Hugging Face quantizer, so ``from_pretrained`` understands its checkpoints.
 """
@@ -12,6 +13,7 @@ Importing quantkit registers its Hugging Face quantizer, so ``from_pretrained`` 
 __version__ = "0.1.0"
 
 from quantkit.checkpoint import load_quantized, save_quantized
+from quantkit.checkpoint.export import export_checkpoint
 from quantkit.checkpoint.hf import register as _register_hf_hook
 from quantkit.errors import QuantkitError
 from quantkit.models.loading import load_model
@@ -25,6 +27,7 @@ __all__ = [
     "QuantScheme",
     "QuantkitError",
     "Recipe",
+    "export_checkpoint",
     "load_model",
     "load_quantized",
     "load_recipe",

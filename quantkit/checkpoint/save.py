@@ -26,6 +26,7 @@ SMOOTHING_HEADER = (
 )
 
 SHARD_BYTES = 4 << 30
+EXPORT_FORMATS = ("compressed-tensors", "gptq")  # quant_method of the formats checkpoint/export.py writes
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -80,7 +81,7 @@ def _tensors_to_save(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _write_shards(tensors: dict[str, torch.Tensor], folder: Path, shard_bytes: int) -> None:
+def write_shards(tensors: dict[str, torch.Tensor], folder: Path, shard_bytes: int) -> None:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():
@@ -105,14 +106,15 @@ def _write_shards(tensors: dict[str, torch.Tensor], folder: Path, shard_bytes: i
 
 
 def _is_checkpoint(folder: Path) -> bool:
-    """Whether ``folder`` holds a quantkit checkpoint (its config names quantkit's quantization method)."""
+    """Whether ``folder`` holds a quantkit checkpoint or one quantkit exported (its config names quantkit's
+    quantization method or an export format's)."""
     from quantkit.models.loading import read_config
 
     try:
         qc = read_config(folder).get("quantization_config")
     except QuantkitError:
         return False
-    return isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD
+    return isinstance(qc, dict) and qc.get("quant_method") in (QUANT_METHOD, *EXPORT_FORMATS)
 
 
 def check_output(out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
@@ -212,7 +214,7 @@ def save_quantized(
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
-        _write_shards(_tensors_to_save(model), tmp, shard_bytes)
+        write_shards(_tensors_to_save(model), tmp, shard_bytes)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         result = model.quantkit

@@ -319,3 +319,24 @@ def inspect_command(folder: Path, as_json: bool) -> None:
         f"whole checkpoint: {t['file_bytes']:,} bytes of tensors; recipe: {info['recipe']}; "
         f"calibration: {info['calibration']}; versions: {info['versions']}"
     )
+
+
+@click.command("export", cls=QuantkitCommand)
+@click.argument("folder", type=click.Path(path_type=Path))
+@click.option(
+    "--format", "fmt", type=click.Choice(["compressed-tensors", "gptq"]), required=True,
+    help="compressed-tensors (vLLM; transformers with the compressed-tensors package) or gptq (checkpoint format v1:"
+    " one weight-only integer scheme, act-order included).",
+)  # fmt: skip
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder to write.")
+@click.option("--overwrite", is_flag=True, help="Replace --out if it holds a checkpoint (or is empty).")
+def export_command(folder: Path, fmt: str, out: Path, overwrite: bool) -> None:
+    """Re-encode a quantkit checkpoint in a format other tools serve; the integers are copied, not re-quantized."""
+    from quantkit.checkpoint.export import export_checkpoint
+
+    with stderr.status(f"exporting {folder} as {fmt}"):
+        done = export_checkpoint(folder, out, fmt, overwrite=overwrite)
+    note = ""
+    if done.scale_change:
+        note = f"; scales cast to the model's dtype moved by up to {done.scale_change:.2e} (relative)"
+    stdout.print(f"wrote {done.path} ({fmt}, {done.modules} quantized linears{note})")

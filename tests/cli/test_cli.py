@@ -220,7 +220,7 @@ def test_a_failed_save_leaves_no_folders(tiny_dir, tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(save, "_write_shards", broken)
+    monkeypatch.setattr(save, "write_shards", broken)
     out = tmp_path / "new" / "deeper" / "q"
     r = run("quantize", "--model", tiny_dir, "--out", out)
     assert r.exit_code == 2 and "Traceback" not in r.output  # the progress bar, then the one-line error

@@ -1,0 +1,292 @@
+"""Export a quantkit checkpoint into the formats other tools serve.
+
+- ``compressed-tensors``: llm-compressor's format, read natively by vLLM and by transformers through the
+  ``compressed-tensors`` package. Every quantkit scheme maps onto it: weight-only integer schemes of 2-8 bits
+  (``pack-quantized``: groups that divide the input width or per-channel, symmetric or with zero points; not
+  act-order's ``g_idx``, which compressed-tensors 0.20 removed: export those as GPTQ), W8A8 int8
+  (``int-quantized``) and fp8 (``float-quantized``) with dynamic per-token or static per-tensor activations.
+- ``gptq``: GPTQ checkpoint format v1 (zero points stored minus one), read by vLLM, TGI, GPTQModel and
+  transformers + optimum. It holds one weight-only integer scheme for the whole model, 2/3/4/8 bits, groups that
+  divide the input width; layers left in float are declared in ``dynamic`` as ``-:`` patterns.
+
+Both re-encode the same integers: nothing is re-quantized, so the exported model computes what the quantkit
+checkpoint computes, except that compressed-tensors keeps the scales in the model's dtype, as its readers
+allocate them (fp16 scales become bf16 in a bf16 model, W8A8's fp32 scales fp16 in an fp16 one): the export
+reports the largest relative change that causes. A checkpoint a format cannot hold exactly is refused with
+the reason (e.g. an asymmetric group whose zero point is 0, which GPTQ v1 stores as 2^b - 1 and every v1 reader
+decodes as 2^b: formats.md), never written approximately.
+
+Layouts (formats.md): GPTQ ``qweight`` int32 [K b / 32, N] packed along the input, lowest bits first, ``qzeros``
+int32 [n_g, N b / 32] along the output, ``scales`` fp16 [n_g, N], ``g_idx`` int32 [K]. compressed-tensors
+``weight_packed`` int32 [N, ceil(K b / 32)] (codes offset by 2^(b-1), which for unsigned codes is the code
+itself: the transpose of quantkit's ``qweight``), ``weight_scale`` [N, n_g], ``weight_zero_point`` int32
+[ceil(N b / 32), n_g] (asymmetric only), ``weight_shape`` int64 [2].
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from quantkit.checkpoint.config import module_schemes
+from quantkit.checkpoint.save import EXPORT_FORMATS, SHARD_BYTES, atomic_folder, check_output, write_shards
+from quantkit.errors import QuantkitError
+from quantkit.quant.packing import pack_cols, unpack_cols
+from quantkit.quant.scheme import QuantScheme
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass
+class Exported:
+    """What ``export_checkpoint`` wrote."""
+
+    path: Path
+    fmt: str
+    modules: int  # quantized linears
+    scale_change: float = 0.0  # largest relative change of a scale cast to the model's dtype (compressed-tensors)
+
+
+def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, fmt: str, overwrite: bool = False) -> Exported:
+    """Write the quantkit checkpoint in ``src`` to ``out`` in format ``fmt`` (one of ``EXPORT_FORMATS``); the
+    tokenizer and every other file of ``src`` are copied. Atomic like ``save_quantized``."""
+    from quantkit.models.loading import read_config
+
+    if fmt not in EXPORT_FORMATS:
+        raise QuantkitError(f"unknown export format {fmt!r} (one of: {', '.join(EXPORT_FORMATS)})")
+    if not isinstance(src, str | os.PathLike):
+        raise QuantkitError(f"export needs a checkpoint folder's path, got {type(src).__name__}")
+    folder = Path(src).expanduser()
+    if not folder.is_dir():
+        raise QuantkitError(f"checkpoint not found: {folder}")
+    config = read_config(folder)
+    qc = config.get("quantization_config")
+    if not isinstance(qc, dict):
+        raise QuantkitError(f"{folder} is not a quantized checkpoint (its config.json has no quantization_config)")
+    schemes = module_schemes(qc)
+    if qc.get("split_experts"):
+        raise QuantkitError("exporting a mixture-of-experts checkpoint is not supported (its experts are split)")
+    tensors = _read_tensors(folder)
+    layers = {name: _layer(name, tensors) for name in schemes}
+    float_linears = sorted(set(_linear_names(config)) - set(schemes))
+    change = 0.0
+    if fmt == "gptq":
+        new_qc = _to_gptq(tensors, layers, schemes, float_linears)
+    else:
+        new_qc, change = _to_compressed_tensors(tensors, layers, schemes, float_linears, _model_dtype(config))
+    out = check_output(out, overwrite)
+    with atomic_folder(out) as tmp:
+        for path in folder.iterdir():
+            if (
+                path.is_file()
+                and path.name != "config.json"
+                and path.suffix != ".safetensors"
+                and (path.name not in WEIGHT_FILES)
+            ):
+                shutil.copy2(path, tmp / path.name)
+        config["quantization_config"] = new_qc
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        write_shards(tensors, tmp, SHARD_BYTES)
+    return Exported(out, fmt, len(schemes), change)
+
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise QuantkitError(f"{folder} has no .safetensors files")
+    tensors = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    tensors[name] = st.get_tensor(name)
+        except Exception as exc:
+            raise QuantkitError(f"{f} is not a readable safetensors file: {exc}") from None
+    return tensors
+
+
+def _layer(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The stored tensors of one quantized module, by their short names."""
+    prefix = f"{name}."
+    found = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix) and "." not in k[len(prefix) :]}
+    if not found:
+        raise QuantkitError(f"corrupt checkpoint: no tensors for quantized module {name}")
+    return found
+
+
+def _linear_names(config: dict) -> list[str]:
+    """Names of every nn.Linear of the model the config describes (built on the meta device: no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    plain = {k: v for k, v in config.items() if k != "quantization_config"}
+    try:
+        cfg = AutoConfig.for_model(**plain)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+    except Exception as exc:
+        raise QuantkitError(f"cannot build the model of this checkpoint's config: {exc}".splitlines()[0]) from None
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
+def _model_dtype(config: dict) -> torch.dtype:
+    return DTYPES.get(config.get("dtype") or config.get("torch_dtype"), torch.float16)
+
+
+def _trivial_g_idx(g_idx: torch.Tensor, scheme: QuantScheme) -> bool:
+    k = g_idx.numel()
+    return torch.equal(g_idx.long(), torch.arange(k) // scheme.group_of(k))
+
+
+def _dims(layer: dict[str, torch.Tensor], scheme: QuantScheme) -> tuple[int, int]:
+    """(N, K) of a layer as stored."""
+    if scheme.weight_only:
+        return layer["scales"].shape[1], layer["g_idx"].numel()
+    return tuple(layer["weight"].shape)
+
+
+# -- compressed-tensors ------------------------------------------------------------------------------------------
+
+
+def _ct_args(scheme: QuantScheme) -> dict:
+    """The ``weights`` / ``input_activations`` arguments of one config group."""
+    per_channel = scheme.group_size == -1
+    weights = {
+        "num_bits": scheme.bits,
+        "type": "float" if scheme.fmt == "fp8" else "int",
+        "symmetric": scheme.sym,
+        "strategy": "channel" if per_channel else "group",
+        "group_size": None if per_channel else scheme.group_size,
+        "block_structure": None,
+        "dynamic": False,
+        "actorder": None,
+        "observer": "minmax",
+    }
+    inputs = None
+    if not scheme.weight_only:
+        inputs = {
+            "num_bits": 8,
+            "type": weights["type"],
+            "symmetric": True,
+            "strategy": "token" if scheme.act_dynamic else "tensor",
+            "group_size": None,
+            "block_structure": None,
+            "dynamic": scheme.act_dynamic,
+            "actorder": None,
+            "observer": None if scheme.act_dynamic else "minmax",
+        }
+    if scheme.weight_only:
+        fmt = "pack-quantized"
+    else:
+        fmt = "float-quantized" if scheme.fmt == "fp8" else "int-quantized"
+    return {"weights": weights, "input_activations": inputs, "output_activations": None, "format": fmt}
+
+
+def _cast_scale(scale: torch.Tensor, dtype: torch.dtype, change: list[float]) -> torch.Tensor:
+    """``scale`` in ``dtype``; ``change[0]`` keeps the largest relative change seen."""
+    cast = scale.to(dtype)
+    ref = scale.float()
+    rel = ((cast.float() - ref).abs() / ref.abs().clamp_min(torch.finfo(torch.float32).tiny)).max()
+    change[0] = max(change[0], float(rel))
+    return cast.contiguous()
+
+
+def _to_compressed_tensors(tensors, layers, schemes, float_linears, dtype: torch.dtype) -> tuple[dict, float]:
+    groups: dict[str, dict] = {}
+    change = [0.0]
+    for name, scheme in schemes.items():
+        layer = layers[name]
+        n, k = _dims(layer, scheme)
+        for short in layer:
+            del tensors[f"{name}.{short}"]
+        if scheme.weight_only:
+            b = scheme.bits
+            if scheme.group_size != -1 and k % scheme.group_of(k):
+                raise QuantkitError(f"{name}: group size {scheme.group_size} does not divide its {k} inputs, which "
+                                    "compressed-tensors requires")  # fmt: skip
+            if not _trivial_g_idx(layer["g_idx"], scheme):
+                raise QuantkitError(f"{name} has act-order groups (g_idx), which compressed-tensors no longer holds "
+                                    "(0.20 removed them): export as gptq, or quantize with static_groups")  # fmt: skip
+            tensors[f"{name}.weight_packed"] = layer["qweight"][: -(-k * b // 32)].t().contiguous()
+            tensors[f"{name}.weight_scale"] = _cast_scale(layer["scales"].t(), dtype, change)
+            tensors[f"{name}.weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
+            if not scheme.sym:
+                tensors[f"{name}.weight_zero_point"] = layer["qzeros"].t()[: -(-n * b // 32)].contiguous()
+        else:
+            tensors[f"{name}.weight"] = layer["weight"]
+            tensors[f"{name}.weight_scale"] = _cast_scale(layer["weight_scale"].reshape(n, 1), dtype, change)
+            if "input_scale" in layer:
+                tensors[f"{name}.input_scale"] = _cast_scale(layer["input_scale"].reshape(1), dtype, change)
+        if "bias" in layer:
+            tensors[f"{name}.bias"] = layer["bias"]
+        key = json.dumps(_ct_args(scheme), sort_keys=True)
+        groups.setdefault(key, {"targets": []})["targets"].append(name)
+    config_groups = {}
+    for i, (key, group) in enumerate(groups.items()):
+        args = json.loads(key)
+        targets = ["Linear"] if len(groups) == 1 else sorted(group["targets"])
+        config_groups[f"group_{i}"] = {"targets": targets, **args}
+    formats = {g["format"] for g in config_groups.values()}
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "quantization_status": "compressed",
+        "config_groups": config_groups,
+        "ignore": float_linears,
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "global_compression_ratio": None,
+    }
+    return qc, change[0]
+
+
+# -- GPTQ v1 -----------------------------------------------------------------------------------------------------
+
+
+def _to_gptq(tensors, layers, schemes, float_linears) -> dict:
+    distinct = sorted({s.name for s in schemes.values()})
+    if len(distinct) != 1:
+        raise QuantkitError(f"GPTQ holds one scheme for the whole model, this checkpoint has {', '.join(distinct)} "
+                            "(export it as compressed-tensors)")  # fmt: skip
+    scheme = next(iter(schemes.values()))
+    if not scheme.weight_only or scheme.fmt != "int":
+        raise QuantkitError(f"GPTQ holds weight-only integer schemes, not {scheme.name} (use compressed-tensors)")
+    b = scheme.bits
+    desc_act = False
+    for name, layer in layers.items():
+        n, k = _dims(layer, scheme)
+        if (k * b) % 32 or (n * b) % 32:
+            raise QuantkitError(f"{name} [{n} x {k}] does not fill whole {b}-bit GPTQ words along both dimensions "
+                                "(use compressed-tensors)")  # fmt: skip
+        if scheme.group_size != -1 and k % scheme.group_of(k):
+            raise QuantkitError(f"{name}: group size {scheme.group_size} does not divide its {k} inputs, which GPTQ "
+                                "readers require (use compressed-tensors)")  # fmt: skip
+        zeros = unpack_cols(layer["qzeros"], b, n).to(torch.int64)  # [n_g, N]
+        if not scheme.sym and bool((zeros == 0).any()):
+            raise QuantkitError(f"{name} has zero points equal to 0, which GPTQ v1 cannot store (it writes zero - 1; "
+                                "readers would decode 2^bits): use compressed-tensors")  # fmt: skip
+        tensors[f"{name}.qweight"] = layer["qweight"][: k * b // 32].contiguous()
+        tensors[f"{name}.qzeros"] = pack_cols((zeros - 1) & (2**b - 1), b)[:, : n * b // 32].contiguous()
+        desc_act |= not _trivial_g_idx(layer["g_idx"], scheme)
+    qc = {
+        "quant_method": "gptq",
+        "checkpoint_format": "gptq",
+        "bits": b,
+        "group_size": scheme.group_size,
+        "sym": scheme.sym,
+        "desc_act": desc_act,
+        "static_groups": False,
+        "true_sequential": True,
+        "lm_head": False,
+    }
+    inner = [n for n in float_linears if n != "lm_head"]
+    if inner:  # GPTQModel's and vLLM's way of declaring modules that stayed in float
+        qc["dynamic"] = {f"-:^{re.escape(name)}$": {} for name in inner}
+    return qc

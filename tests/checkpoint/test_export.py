@@ -1,0 +1,231 @@
+"""Export to compressed-tensors and GPTQ v1, checked against independent readers: transformers loading through the
+compressed-tensors package (the path vLLM's format takes in transformers), that package's own decompressor, and
+a decoder of the GPTQ v1 layout written here from its published rules (formats.md)."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, GPTQConfig
+
+import quantkit
+from quantkit.checkpoint.export import export_checkpoint
+from quantkit.cli.main import _register_commands, cli
+from quantkit.errors import QuantkitError
+from tests.tiny_models import tiny_model, tiny_tokenizer
+
+IDS = torch.randint(3, 320, (2, 12), generator=torch.Generator().manual_seed(0))
+CALIB = torch.randint(3, 320, (4, 32), generator=torch.Generator().manual_seed(1))
+
+
+def scheme(bits, group_size, sym=True, **extra):
+    return {"bits": bits, "group_size": group_size, "sym": sym, **extra}
+
+
+def checkpoint(tmp_path, recipe, name="q", prepare=None):
+    """A quantkit checkpoint of the tiny Llama (fp32) quantized with ``recipe`` (a mapping)."""
+    model = tiny_model("llama")
+    if prepare is not None:
+        prepare(model)
+    needs_data = any(s["method"] != "rtn" for s in recipe["stages"])
+    quantkit.quantize(model, recipe, calib=CALIB if needs_data else None)
+    return quantkit.save_quantized(model, tmp_path / name, tokenizer=tiny_tokenizer(320))
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def dequantized(folder):
+    """name -> the quantkit checkpoint's dequantized weight [N, K] (fp32), per quantized linear."""
+    model = quantkit.load_quantized(folder)
+    return {n: m.dequantize_weight() for n, m in model.named_modules() if hasattr(m, "dequantize_weight")}
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        {"scheme": scheme(4, 32), "stages": [{"method": "rtn"}]},
+        {"scheme": scheme(8, -1), "stages": [{"method": "rtn"}]},
+        {"scheme": scheme(3, 32), "stages": [{"method": "gptq", "params": {"act_order": False}}]},
+        {"scheme": scheme(4, 64), "stages": [{"method": "rtn", "ignore": ["re:.*o_proj"],
+                                              "overrides": [{"match": "re:.*down_proj", "scheme": scheme(8, -1)}]}]},
+    ],
+    ids=["w4-g32", "w8-per-channel", "w3-g32-gptq", "mixed-with-float-o_proj"],
+)  # fmt: skip
+def test_compressed_tensors_loads_in_transformers_to_the_same_model(tmp_path, recipe):
+    q = checkpoint(tmp_path, recipe)
+    done = export_checkpoint(q, tmp_path / "ct", "compressed-tensors")
+    qc = json.loads((done.path / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["quantization_status"] == "compressed"
+    assert "lm_head" in qc["ignore"]
+    if recipe["stages"][0].get("ignore"):
+        assert {f"model.layers.{i}.self_attn.o_proj" for i in range(2)} <= set(qc["ignore"])
+        assert len(qc["config_groups"]) == 2 and qc["format"] == "pack-quantized"
+    assert done.scale_change == 0.0  # fp16 scales into an fp32 model: exact
+    exported = AutoModelForCausalLM.from_pretrained(done.path)
+    assert torch.equal(logits(exported), logits(quantkit.load_quantized(q)))
+    assert (done.path / "tokenizer.json").is_file() and (done.path / "recipe.yaml").is_file()
+
+
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (2, 32), (3, -1)])
+def test_compressed_tensors_zero_points_decode_through_its_own_decompressor(tmp_path, bits, group_size):
+    """Asymmetric layers, read by compressed-tensors' pack-quantized decompressor (the layout vLLM reads too;
+    transformers 5.25 with compressed-tensors 0.20.1 cannot load packed zero points at all: its empty model
+    allocates them unpacked)."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    q = checkpoint(tmp_path, {"scheme": scheme(bits, group_size, sym=False), "stages": [{"method": "rtn"}]})
+    done = export_checkpoint(q, tmp_path / "ct", "compressed-tensors")
+    config = QuantizationConfig.model_validate(
+        json.loads((done.path / "config.json").read_text())["quantization_config"]
+    )
+    (group,) = config.config_groups.values()
+    stored = load_file(done.path / "model.safetensors")
+    want = dequantized(q)
+    for name, weight in want.items():
+        local = {k.removeprefix(f"{name}."): v for k, v in stored.items() if k.startswith(f"{name}.weight")}
+        assert set(local) == {"weight_packed", "weight_scale", "weight_zero_point", "weight_shape"}
+        got = PackedQuantizationCompressor.decompress(local, group)["weight"]
+        torch.testing.assert_close(got.float(), weight, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["int", "fp8"])
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+def test_compressed_tensors_w8a8(tmp_path, fmt, dynamic):
+    recipe = {
+        "scheme": scheme(8, -1, act_bits=8, act_dynamic=dynamic, fmt=fmt),
+        "stages": [{"method": "smoothquant"}, {"method": "rtn"}],
+    }
+    q = checkpoint(tmp_path, recipe)
+    done = export_checkpoint(q, tmp_path / "ct", "compressed-tensors")
+    qc = json.loads((done.path / "config.json").read_text())["quantization_config"]
+    (group,) = qc["config_groups"].values()
+    assert qc["format"] == ("int-quantized" if fmt == "int" else "float-quantized")
+    assert group["input_activations"]["strategy"] == ("token" if dynamic else "tensor")
+    exported = AutoModelForCausalLM.from_pretrained(done.path)
+    modules = dict(exported.named_modules())
+    for name, weight in dequantized(q).items():
+        m = modules[name]
+        w = m.weight.float() * m.weight_scale.float() if m.weight.dtype != torch.float32 else m.weight
+        torch.testing.assert_close(w, weight, rtol=1e-6, atol=0)
+        if not dynamic:
+            assert m.input_scale.numel() == 1
+    # the weights are the same integers; compressed-tensors' simulated int8 activations use abs-max / 127.5
+    # where quantkit (and vLLM's int8 kernels) use abs-max / 127, so the logits agree closely, not bit for bit
+    want, got = logits(quantkit.load_quantized(q)), logits(exported)
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+
+
+def gptq_v1_weights(folder, bits):
+    """The dequantized weights of a GPTQ v1 checkpoint, decoded from the format's rules alone: qweight packed
+    along the input and qzeros along the output, lowest bits first, 32 codes per ``bits`` words (3-bit codes
+    straddle words), stored zero = zero - 1."""
+    stored = load_file(folder / "model.safetensors")
+
+    def unpack(words, count):  # words int32 [rows, cols] packed along dim 0 -> codes [count, cols]
+        w = words.to(torch.int64) & 0xFFFFFFFF
+        bitstream = [(w[r] >> i) & 1 for r in range(w.shape[0]) for i in range(32)]
+        bit = torch.stack(bitstream)  # [rows * 32, cols]
+        weights = 2 ** torch.arange(bits).unsqueeze(1)
+        return torch.stack([(bit[j * bits : (j + 1) * bits] * weights).sum(0) for j in range(count)])
+
+    out = {}
+    for key in stored:
+        if key.endswith(".qweight"):
+            name = key.removesuffix(".qweight")
+            scales, g_idx = stored[f"{name}.scales"].float(), stored[f"{name}.g_idx"].long()
+            n, k = scales.shape[1], g_idx.numel()
+            q = unpack(stored[key], k)  # [K, N]
+            zeros = unpack(stored[f"{name}.qzeros"].t(), n).t() + 1  # [n_g, N]
+            out[name] = ((q - zeros[g_idx]) * scales[g_idx]).t()
+    return out
+
+
+@pytest.mark.parametrize(
+    "bits, group_size, sym, act_order", [(4, 32, False, True), (3, 32, True, True), (8, -1, True, False)]
+)
+def test_gptq_v1_export_decodes_by_the_format_rules(tmp_path, bits, group_size, sym, act_order):
+    recipe = {
+        "scheme": scheme(bits, group_size, sym),
+        "stages": [{"method": "gptq", "params": {"act_order": act_order}}],
+    }
+    q = checkpoint(tmp_path, recipe)
+    done = export_checkpoint(q, tmp_path / "gptq", "gptq")
+    qc = json.loads((done.path / "config.json").read_text())["quantization_config"]
+    assert qc == {
+        "quant_method": "gptq", "checkpoint_format": "gptq", "bits": bits, "group_size": group_size, "sym": sym,
+        "desc_act": act_order, "static_groups": False, "true_sequential": True, "lm_head": False,
+    }  # fmt: skip
+    GPTQConfig.from_dict(qc)  # transformers' own reading of the config
+    got = gptq_v1_weights(done.path, bits)
+    want = dequantized(q)
+    assert set(got) == set(want)
+    for name, weight in want.items():
+        torch.testing.assert_close(got[name].float(), weight, rtol=0, atol=0)
+
+
+def test_gptq_declares_float_layers_inside_the_blocks(tmp_path):
+    q = checkpoint(tmp_path, {"scheme": scheme(4, 32), "stages": [{"method": "rtn", "ignore": ["re:.*k_proj"]}]})
+    qc = json.loads((export_checkpoint(q, tmp_path / "g", "gptq").path / "config.json").read_text())
+    assert qc["quantization_config"]["dynamic"] == {
+        r"-:^model\.layers\.0\.self_attn\.k_proj$": {},
+        r"-:^model\.layers\.1\.self_attn\.k_proj$": {},
+    }
+
+
+def _nonnegative_down_proj(model):
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.abs_()
+
+
+@pytest.mark.parametrize(
+    "fmt, recipe, prepare, fragment",
+    [
+        ("gptq", {"scheme": scheme(4, 64, sym=False), "stages": [{"method": "rtn", "overrides": [
+            {"match": "re:.*down_proj", "scheme": scheme(8, -1)}]}]}, None, "GPTQ holds one scheme"),
+        ("gptq", {"scheme": scheme(8, -1, act_bits=8), "stages": [{"method": "rtn"}]}, None, "weight-only integer"),
+        ("gptq", {"scheme": scheme(4, 32, sym=False), "stages": [{"method": "rtn"}]}, _nonnegative_down_proj,
+         "zero points equal to 0"),
+        ("gptq", {"scheme": scheme(4, 48), "stages": [{"method": "rtn"}]}, None, "does not divide its 64 inputs"),
+        ("compressed-tensors", {"scheme": scheme(4, 48), "stages": [{"method": "rtn"}]}, None,
+         "does not divide its 64 inputs"),
+        ("compressed-tensors", {"scheme": scheme(4, 32), "stages": [{"method": "gptq", "params": {
+            "act_order": True}}]}, None, "act-order groups"),
+    ],
+    ids=["gptq-mixed", "gptq-w8a8", "gptq-v1-zero-0", "gptq-ragged", "ct-ragged", "ct-act-order"],
+)  # fmt: skip
+def test_what_a_format_cannot_hold_is_refused_and_nothing_is_written(tmp_path, fmt, recipe, prepare, fragment):
+    q = checkpoint(tmp_path, recipe, prepare=prepare)
+    with pytest.raises(QuantkitError, match=fragment):
+        export_checkpoint(q, tmp_path / "out", fmt)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_export_command(tmp_path):
+    _register_commands()
+    q = checkpoint(tmp_path, {"scheme": scheme(4, 32), "stages": [{"method": "rtn"}]})
+
+    def run(*args):
+        return CliRunner().invoke(cli, [str(a) for a in args])
+
+    r = run("export", q, "--format", "compressed-tensors", "--out", tmp_path / "ct")
+    assert r.exit_code == 0 and "wrote" in r.stdout and "14 quantized linears" in r.stdout, r.output
+    r = run("export", q, "--format", "gptq", "--out", tmp_path / "ct")
+    assert r.exit_code == 2 and "already exists" in r.stderr
+    r = run("export", q, "--format", "gptq", "--out", tmp_path / "ct", "--overwrite")  # an earlier export
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]["quant_method"] == "gptq"
+    float_dir = tmp_path / "float"
+    tiny_model("llama").save_pretrained(float_dir)
+    for args, fragment in [
+        ((float_dir, "--format", "gptq", "--out", tmp_path / "x"), "not a quantized checkpoint"),
+        ((tmp_path / "missing", "--format", "gptq", "--out", tmp_path / "x"), "checkpoint not found"),
+        ((q, "--format", "awq", "--out", tmp_path / "x"), "Invalid value for '--format'"),
+    ]:
+        r = run("export", *args)
+        assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1 and fragment in r.stderr, r.output
