@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import statistics
 import time
@@ -213,16 +214,37 @@ def quantize_command(model, method, recipe_spec, out, device, dtype, overwrite, 
         )
 
 
+def load_compressed_tensors(path: Path, dtype: torch.dtype, device: str):
+    """A compressed-tensors checkpoint, through transformers and the compressed-tensors package."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.models.loading import loading
+
+    if importlib.util.find_spec("compressed_tensors") is None:
+        raise QuantkitError(f"{path} is a compressed-tensors checkpoint: pip install compressed-tensors to read it")
+    with loading(str(path)):
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device,
+                                                           output_loading_info=True)  # fmt: skip
+    bad = sorted(info.get("missing_keys", [])) + [str(m) for m in info.get("mismatched_keys", [])]
+    if bad:
+        raise QuantkitError(f"cannot load {path}: {len(bad)} tensors missing or mismatched, e.g. {bad[0]}")
+    return model.eval()
+
+
 def load_any(spec: str, dtype: torch.dtype, device: str):
-    """(model, tokenizer) for a quantkit checkpoint or a float model spec."""
+    """(model, tokenizer) for a quantkit or compressed-tensors checkpoint, or a float model spec."""
     from transformers import AutoTokenizer
 
     import quantkit
     from quantkit.models.loading import loading, read_config
 
     path = Path(spec).expanduser()
-    if path.is_dir() and (path / "config.json").is_file() and "quantization_config" in read_config(path):
+    qc = read_config(path).get("quantization_config") if (path / "config.json").is_file() else None
+    if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors":  # e.g. quantkit export's output
+        model = load_compressed_tensors(path, dtype, device)
+    elif qc is not None:
         model = quantkit.load_quantized(path, dtype=dtype, device=device)
+    if qc is not None:
         with loading(f"the tokenizer of {path}"):
             return model, AutoTokenizer.from_pretrained(path)
     model, tokenizer, _ = quantkit.load_model(spec, dtype=dtype, device=device)
@@ -230,7 +252,9 @@ def load_any(spec: str, dtype: torch.dtype, device: str):
 
 
 @click.command("eval", cls=QuantkitCommand)
-@click.option("--model", required=True, help="Checkpoint folder, HF folder, .gguf or built-in name.")
+@click.option(
+    "--model", required=True, help="quantkit or compressed-tensors checkpoint, HF folder, .gguf or built-in name."
+)
 @click.option("--baseline", default=None, help="Float model to compare against (KL, top-1 agreement).")
 @click.option("--data", "source", default="moby-dick", show_default=True, help="Evaluation text.")
 @click.option("--seqlen", type=click.IntRange(min=2), default=512, show_default=True)

@@ -229,3 +229,18 @@ def test_export_command(tmp_path):
     ]:
         r = run("export", *args)
         assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1 and fragment in r.stderr, r.output
+
+
+def test_eval_reads_a_compressed_tensors_export(tmp_path):
+    _register_commands()
+    q = checkpoint(tmp_path, {"scheme": scheme(4, 32), "stages": [{"method": "rtn"}]})
+    export_checkpoint(q, tmp_path / "ct", "compressed-tensors")
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"word{i % 37}" for i in range(2000)))
+    r = CliRunner().invoke(
+        cli,
+        ["eval", "--model", str(tmp_path / "ct"), "--baseline", str(q), "--data", str(text), "--seqlen", "32",
+         "--windows", "2"],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert "0.0000" in r.stdout and "1.000" in r.stdout  # KL and top-1 agreement against quantkit's checkpoint
