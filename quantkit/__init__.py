@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 
 from quantkit.checkpoint import load_quantized, save_quantized
 from quantkit.checkpoint.export import export_checkpoint
+from quantkit.checkpoint.foreign import import_checkpoint
 from quantkit.checkpoint.hf import register as _register_hf_hook
 from quantkit.errors import QuantkitError
 from quantkit.models.loading import load_model
@@ -28,6 +29,7 @@ __all__ = [
     "QuantkitError",
     "Recipe",
     "export_checkpoint",
+    "import_checkpoint",
     "load_model",
     "load_quantized",
     "load_recipe",

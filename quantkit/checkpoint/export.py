@@ -58,12 +58,30 @@ class Exported:
 def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, fmt: str, overwrite: bool = False) -> Exported:
     """Write the quantkit checkpoint in ``src`` to ``out`` in format ``fmt`` (one of ``EXPORT_FORMATS``); the
     tokenizer and every other file of ``src`` are copied. Atomic like ``save_quantized``."""
-    from quantkit.models.loading import read_config
-
     if fmt not in EXPORT_FORMATS:
         raise QuantkitError(f"unknown export format {fmt!r} (one of: {', '.join(EXPORT_FORMATS)})")
+    folder, config, qc = read_quantized_folder(src)
+    schemes = module_schemes(qc)
+    if qc.get("split_experts"):
+        raise QuantkitError("exporting a mixture-of-experts checkpoint is not supported (its experts are split)")
+    tensors = read_tensors(folder)
+    layers = {name: module_tensors(name, tensors) for name in schemes}
+    float_linears = sorted(set(linear_names(model_skeleton(config))) - set(schemes))
+    change = 0.0
+    if fmt == "gptq":
+        new_qc = _to_gptq(tensors, layers, schemes, float_linears)
+    else:
+        new_qc, change = _to_compressed_tensors(tensors, layers, schemes, float_linears, model_dtype(config))
+    path = write_converted(folder, out, overwrite, config, new_qc, tensors)
+    return Exported(path, fmt, len(schemes), change)
+
+
+def read_quantized_folder(src: str | os.PathLike) -> tuple[Path, dict, dict]:
+    """(folder, config, quantization_config) of a quantized checkpoint folder, or a QuantkitError."""
+    from quantkit.models.loading import read_config
+
     if not isinstance(src, str | os.PathLike):
-        raise QuantkitError(f"export needs a checkpoint folder's path, got {type(src).__name__}")
+        raise QuantkitError(f"a checkpoint folder's path is needed, got {type(src).__name__}")
     folder = Path(src).expanduser()
     if not folder.is_dir():
         raise QuantkitError(f"checkpoint not found: {folder}")
@@ -71,34 +89,24 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, fmt: str, 
     qc = config.get("quantization_config")
     if not isinstance(qc, dict):
         raise QuantkitError(f"{folder} is not a quantized checkpoint (its config.json has no quantization_config)")
-    schemes = module_schemes(qc)
-    if qc.get("split_experts"):
-        raise QuantkitError("exporting a mixture-of-experts checkpoint is not supported (its experts are split)")
-    tensors = _read_tensors(folder)
-    layers = {name: _layer(name, tensors) for name in schemes}
-    float_linears = sorted(set(_linear_names(config)) - set(schemes))
-    change = 0.0
-    if fmt == "gptq":
-        new_qc = _to_gptq(tensors, layers, schemes, float_linears)
-    else:
-        new_qc, change = _to_compressed_tensors(tensors, layers, schemes, float_linears, _model_dtype(config))
+    return folder, config, qc
+
+
+def write_converted(folder: Path, out, overwrite: bool, config: dict, qc: dict, tensors: dict) -> Path:
+    """``folder`` re-encoded into ``out``: ``config`` with ``qc`` as its quantization_config, ``tensors`` as the
+    weights, every other file copied."""
     out = check_output(out, overwrite)
     with atomic_folder(out) as tmp:
         for path in folder.iterdir():
-            if (
-                path.is_file()
-                and path.name != "config.json"
-                and path.suffix != ".safetensors"
-                and (path.name not in WEIGHT_FILES)
-            ):
+            if path.is_file() and path.name not in ("config.json", *WEIGHT_FILES) and path.suffix != ".safetensors":
                 shutil.copy2(path, tmp / path.name)
-        config["quantization_config"] = new_qc
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (tmp / "config.json").write_text(json.dumps({**config, "quantization_config": qc}, indent=2, sort_keys=True)
+                                         + "\n")  # fmt: skip
         write_shards(tensors, tmp, SHARD_BYTES)
-    return Exported(out, fmt, len(schemes), change)
+    return out
 
 
-def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise QuantkitError(f"{folder} has no .safetensors files")
@@ -113,7 +121,7 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _layer(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def module_tensors(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The stored tensors of one quantized module, by their short names."""
     prefix = f"{name}."
     found = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix) and "." not in k[len(prefix) :]}
@@ -122,21 +130,24 @@ def _layer(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return found
 
 
-def _linear_names(config: dict) -> list[str]:
-    """Names of every nn.Linear of the model the config describes (built on the meta device: no memory)."""
+def model_skeleton(config: dict) -> torch.nn.Module:
+    """The model the config describes, built on the meta device (no memory), without its quantization_config."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     plain = {k: v for k, v in config.items() if k != "quantization_config"}
     try:
         cfg = AutoConfig.for_model(**plain)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg)
+            return AutoModelForCausalLM.from_config(cfg)
     except Exception as exc:
         raise QuantkitError(f"cannot build the model of this checkpoint's config: {exc}".splitlines()[0]) from None
+
+
+def linear_names(model: torch.nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
 
 
-def _model_dtype(config: dict) -> torch.dtype:
+def model_dtype(config: dict) -> torch.dtype:
     return DTYPES.get(config.get("dtype") or config.get("torch_dtype"), torch.float16)
 
 
@@ -189,7 +200,7 @@ def _ct_args(scheme: QuantScheme) -> dict:
     return {"weights": weights, "input_activations": inputs, "output_activations": None, "format": fmt}
 
 
-def _cast_scale(scale: torch.Tensor, dtype: torch.dtype, change: list[float]) -> torch.Tensor:
+def cast_scale(scale: torch.Tensor, dtype: torch.dtype, change: list[float]) -> torch.Tensor:
     """``scale`` in ``dtype``; ``change[0]`` keeps the largest relative change seen."""
     cast = scale.to(dtype)
     ref = scale.float()
@@ -215,15 +226,15 @@ def _to_compressed_tensors(tensors, layers, schemes, float_linears, dtype: torch
                 raise QuantkitError(f"{name} has act-order groups (g_idx), which compressed-tensors no longer holds "
                                     "(0.20 removed them): export as gptq, or quantize with static_groups")  # fmt: skip
             tensors[f"{name}.weight_packed"] = layer["qweight"][: -(-k * b // 32)].t().contiguous()
-            tensors[f"{name}.weight_scale"] = _cast_scale(layer["scales"].t(), dtype, change)
+            tensors[f"{name}.weight_scale"] = cast_scale(layer["scales"].t(), dtype, change)
             tensors[f"{name}.weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
             if not scheme.sym:
                 tensors[f"{name}.weight_zero_point"] = layer["qzeros"].t()[: -(-n * b // 32)].contiguous()
         else:
             tensors[f"{name}.weight"] = layer["weight"]
-            tensors[f"{name}.weight_scale"] = _cast_scale(layer["weight_scale"].reshape(n, 1), dtype, change)
+            tensors[f"{name}.weight_scale"] = cast_scale(layer["weight_scale"].reshape(n, 1), dtype, change)
             if "input_scale" in layer:
-                tensors[f"{name}.input_scale"] = _cast_scale(layer["input_scale"].reshape(1), dtype, change)
+                tensors[f"{name}.input_scale"] = cast_scale(layer["input_scale"].reshape(1), dtype, change)
         if "bias" in layer:
             tensors[f"{name}.bias"] = layer["bias"]
         key = json.dumps(_ct_args(scheme), sort_keys=True)

@@ -364,3 +364,20 @@ def export_command(folder: Path, fmt: str, out: Path, overwrite: bool) -> None:
     if done.scale_change:
         note = f"; scales cast to the model's dtype moved by up to {done.scale_change:.2e} (relative)"
     stdout.print(f"wrote {done.path} ({fmt}, {done.modules} quantized linears{note})")
+
+
+@click.command("import", cls=QuantkitCommand)
+@click.argument("folder", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder to write.")
+@click.option("--overwrite", is_flag=True, help="Replace --out if it holds a checkpoint (or is empty).")
+def import_command(folder: Path, out: Path, overwrite: bool) -> None:
+    """Make a quantkit checkpoint of a GPTQ (v1 / v2) or compressed-tensors one, without re-quantizing, so that
+    quantkit's eval, inspect, generate and bench-serve can run it."""
+    from quantkit.checkpoint.foreign import import_checkpoint
+
+    with stderr.status(f"importing {folder}"):
+        done = import_checkpoint(folder, out, overwrite=overwrite)
+    note = ""
+    if done.scale_change:
+        note = f"; scales stored as fp16 moved by up to {done.scale_change:.2e} (relative)"
+    stdout.print(f"wrote {done.path} (from {done.method}, {done.modules} quantized linears{note})")

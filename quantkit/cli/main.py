@@ -87,13 +87,14 @@ def cli(verbose: bool) -> None:
 
 
 def _register_commands() -> None:
-    from quantkit.cli.commands import eval_command, export_command, inspect_command, quantize_command
+    from quantkit.cli.commands import eval_command, export_command, import_command, inspect_command, quantize_command
     from quantkit.cli.serve import bench_serve_command, generate_command
 
     cli.add_command(quantize_command)
     cli.add_command(eval_command)
     cli.add_command(inspect_command)
     cli.add_command(export_command)
+    cli.add_command(import_command)
     cli.add_command(generate_command)
     cli.add_command(bench_serve_command)
 

@@ -1,0 +1,279 @@
+"""Import checkpoints other tools wrote, GPTQ (v1 and v2) and compressed-tensors, as quantkit checkpoints.
+
+The other direction of ``export.py``: the integers are copied into quantkit's layouts (nothing is re-quantized),
+so an llm-compressor, GPTQModel or AutoGPTQ checkpoint can be evaluated, inspected, served by quantkit's runtime
+and its kernels. What quantkit's layouts cannot hold exactly is refused with the reason:
+
+- GPTQ: ``dynamic`` overrides that give some modules other bits or groups (``-:`` exclusions are fine), and v1
+  zero points stored as 2^b - 1, which v1 readers decode as 2^b (formats.md: the wrap of an asymmetric zero of
+  0; a b-bit zero point cannot hold it).
+- compressed-tensors: formats other than ``pack-quantized``, ``int-quantized``, ``float-quantized`` and
+  ``naive-quantized``; asymmetric activations; weight strategies other than group / channel / tensor (a per-tensor
+  weight scale is repeated per channel, exactly); scales that change when stored as fp16 (quantkit's
+  weight-only scales) by more than fp16 rounding (bf16 scales below fp16's normal range).
+
+Result: a quantkit checkpoint whose ``quantization_config`` has ``recipe`` ``imported-<method>`` and the source's
+quantization_config under ``imported_from``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quantkit.checkpoint.config import FORMAT_VERSION, QUANT_METHOD, layout_of
+from quantkit.checkpoint.export import (
+    cast_scale,
+    linear_names,
+    model_dtype,
+    model_skeleton,
+    module_tensors,
+    read_quantized_folder,
+    read_tensors,
+    write_converted,
+)
+from quantkit.checkpoint.save import versions
+from quantkit.errors import QuantkitError
+from quantkit.quant.packing import LAYOUT_VERSIONS, pack_cols, pack_rows, packed_rows, unpack_cols, unpack_rows
+from quantkit.quant.scheme import QuantScheme
+
+IMPORT_METHODS = ("gptq", "compressed-tensors")
+CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
+
+
+@dataclass
+class Imported:
+    """What ``import_checkpoint`` wrote."""
+
+    path: Path
+    method: str  # the source's quant_method
+    modules: int  # quantized linears
+    scale_change: float = 0.0  # largest relative change of a scale stored as quantkit stores it
+
+
+def import_checkpoint(src: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Imported:
+    """Write the GPTQ or compressed-tensors checkpoint in ``src`` to ``out`` as a quantkit checkpoint."""
+    from quantkit.models.arch import arch_for
+
+    folder, config, qc = read_quantized_folder(src)
+    method = qc.get("quant_method")
+    if method == QUANT_METHOD:
+        raise QuantkitError(f"{folder} is already a quantkit checkpoint")
+    if method not in IMPORT_METHODS:
+        raise QuantkitError(f"cannot import {method!r} checkpoints (quantkit imports {', '.join(IMPORT_METHODS)})")
+    skeleton = model_skeleton(config)
+    arch = arch_for(skeleton)
+    tensors = read_tensors(folder)
+    linears = set(linear_names(skeleton))
+    change = [0.0]
+    if method == "gptq":
+        schemes = _from_gptq(tensors, qc, linears)
+    else:
+        schemes = _from_compressed_tensors(tensors, qc, linears, model_dtype(config), change)
+    if not schemes:
+        raise QuantkitError(f"{folder}: no quantized linear found in its tensors")
+    by_name = {s.name: s for s in schemes.values()}
+    layouts = {name: layout_of(s) for name, s in by_name.items()}
+    new_qc = {
+        "quant_method": QUANT_METHOD,
+        "format_version": FORMAT_VERSION,
+        "schemes": {name: s.to_dict() for name, s in by_name.items()},
+        "module_layouts": {name: lay.value for name, lay in layouts.items()},
+        "layouts": {lay.value: LAYOUT_VERSIONS[lay] for lay in set(layouts.values())},
+        "modules": {name: s.name for name, s in sorted(schemes.items())},
+        "split_experts": False,
+        "architecture": arch.name,
+        "recipe": {"name": f"imported-{method}", "stages": []},
+        "calibration": None,
+        "source_model": str(folder),
+        "imported_from": qc,
+        "versions": versions(),
+    }
+    path = write_converted(folder, out, overwrite, config, new_qc, tensors)
+    return Imported(path, method, len(schemes), change[0])
+
+
+def _check_linear(name: str, linears: set[str]) -> None:
+    if name not in linears:
+        raise QuantkitError(f"quantized tensors for {name}, which is not a linear layer of this model")
+
+
+def _gptq_weight(tensors, name: str, scheme: QuantScheme, zeros_plus_one: bool) -> QuantScheme:
+    """Rewrite one GPTQ module's tensors into quantkit's ``gptq_v2`` buffers, in place; returns its scheme."""
+    b = scheme.bits
+    layer = module_tensors(name, tensors)
+    if not {"qweight", "qzeros", "scales"} <= set(layer):
+        raise QuantkitError(f"{name}: a GPTQ module needs qweight, qzeros and scales, found {', '.join(sorted(layer))}")
+    scales = layer["scales"]
+    n_g, n = scales.shape
+    rows = layer["qweight"].shape[0]
+    k = layer["g_idx"].numel() if "g_idx" in layer else rows * 32 // b
+    if layer["qweight"].shape[1] != n or not -(-k * b // 32) <= rows <= packed_rows(k, b):
+        raise QuantkitError(f"{name}: qweight {list(layer['qweight'].shape)} does not hold {k} x {n} {b}-bit codes")
+    zeros = unpack_cols(_pad_words(layer["qzeros"], b, n, dim=1), b, n).to(torch.int64)
+    if zeros_plus_one:
+        if bool((zeros == 2**b - 1).any()):
+            raise QuantkitError(f"{name}: a v1 zero point stored as {2**b - 1} means {2**b}, which {b} bits cannot "
+                                "hold (the v1 wrap of a zero of 0: v1 readers compute wrong values there)")  # fmt: skip
+        zeros = zeros + 1
+    if scheme.sym and not bool((zeros == 2 ** (b - 1)).all()):
+        scheme = QuantScheme(bits=b, group_size=scheme.group_size, sym=False)
+    g_idx = layer.get("g_idx")
+    if g_idx is None:
+        g_idx = torch.arange(k) // scheme.group_of(k)
+    if int(g_idx.min()) < 0 or int(g_idx.max()) >= n_g:
+        raise QuantkitError(f"{name}: g_idx names groups outside [0, {n_g})")
+    tensors[f"{name}.qweight"] = _pad_words(layer["qweight"], b, k, dim=0)
+    tensors[f"{name}.qzeros"] = pack_cols(zeros, b)
+    tensors[f"{name}.scales"] = scales.to(torch.float16).contiguous()
+    tensors[f"{name}.g_idx"] = g_idx.to(torch.int32).contiguous()
+    return scheme
+
+
+def _pad_words(words: torch.Tensor, bits: int, count: int, dim: int) -> torch.Tensor:
+    """Packed words along ``dim`` padded with zero words to quantkit's whole runs of 32 codes."""
+    want = packed_rows(count, bits)
+    have = words.shape[dim]
+    if have > want:
+        raise QuantkitError(f"{have} packed words along dim {dim} for {count} codes of {bits} bits")
+    pad = [0, 0, 0, 0]
+    pad[3 - 2 * dim] = want - have  # F.pad's order: last dim first
+    return torch.nn.functional.pad(words, pad).contiguous()
+
+
+def _from_gptq(tensors, qc: dict, linears: set[str]) -> dict[str, QuantScheme]:
+    bits, group_size = qc.get("bits"), qc.get("group_size", -1)
+    if bits not in (2, 3, 4, 8) or not isinstance(group_size, int) or group_size == 0 or group_size < -1:
+        raise QuantkitError(f"GPTQ config with bits {bits!r} and group_size {group_size!r} is not importable")
+    for pattern, override in (qc.get("dynamic") or {}).items():
+        if not pattern.startswith("-:") and override:
+            raise QuantkitError(f"GPTQ dynamic override {pattern!r} gives modules other settings: not importable")
+    fmt = qc.get("checkpoint_format", qc.get("format", "gptq"))
+    if fmt not in ("gptq", "gptq_v2"):
+        raise QuantkitError(f"GPTQ checkpoint_format {fmt!r} is not importable (gptq, gptq_v2)")
+    scheme = QuantScheme(bits=bits, group_size=group_size, sym=bool(qc.get("sym", True)))
+    schemes = {}
+    for key in sorted(k for k in tensors if k.endswith(".qweight")):
+        name = key.removesuffix(".qweight")
+        _check_linear(name, linears)
+        schemes[name] = _gptq_weight(tensors, name, scheme, zeros_plus_one=fmt == "gptq")
+    return schemes
+
+
+def _ct_group_of(name: str, groups: dict) -> dict:
+    """The config group whose targets match module ``name`` (exact name, ``re:`` pattern, or the class Linear)."""
+    for group in groups.values():
+        for target in group.get("targets", []):
+            if target == name or (target.startswith("re:") and re.fullmatch(target[3:], name)):
+                return group
+    for group in groups.values():
+        if "Linear" in group.get("targets", []):
+            return group
+    raise QuantkitError(f"{name} has quantized tensors but no config group targets it")
+
+
+def _from_compressed_tensors(tensors, qc: dict, linears: set[str], dtype, change) -> dict[str, QuantScheme]:
+    groups = qc.get("config_groups") or {}
+    if qc.get("quantization_status", "compressed") != "compressed":
+        raise QuantkitError(f"compressed-tensors status {qc.get('quantization_status')!r} is not importable")
+    for key, what in (("kv_cache_scheme", "a quantized KV cache"), ("transform_config", "weight transforms"),
+                      ("sparsity_config", "sparsity")):  # fmt: skip
+        if qc.get(key):
+            raise QuantkitError(f"compressed-tensors checkpoints with {what} ({key}) are not importable")
+    schemes = {}
+    names = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith((".weight_packed", ".weight_scale"))})
+    for name in names:
+        _check_linear(name, linears)
+        group = _ct_group_of(name, groups)
+        fmt = group.get("format") or qc.get("format")
+        if fmt not in CT_FORMATS:
+            raise QuantkitError(f"compressed-tensors format {fmt!r} is not importable ({', '.join(CT_FORMATS)})")
+        weights, inputs = group.get("weights") or {}, group.get("input_activations")
+        if inputs is None:
+            schemes[name] = _ct_weight_only(tensors, name, weights, change)
+        else:
+            schemes[name] = _ct_w8a8(tensors, name, weights, inputs)
+    return schemes
+
+
+def _ct_weight_only(tensors, name: str, weights: dict, change) -> QuantScheme:
+    b, strategy = weights.get("num_bits"), weights.get("strategy")
+    if weights.get("type", "int") != "int" or b not in (2, 3, 4, 8) or strategy not in ("group", "channel"):
+        raise QuantkitError(f"{name}: weight-only {weights.get('type')} {b}-bit {strategy} is not importable")
+    layer = module_tensors(name, tensors)
+    if "weight_packed" in layer:
+        n, k = (int(v) for v in layer["weight_shape"])
+        qweight = _pad_words(layer["weight_packed"].t(), b, k, dim=0)
+    elif layer.get("weight", torch.empty(0)).dtype == torch.int8:  # naive-quantized: signed codes, one per byte
+        n, k = layer["weight"].shape
+        qweight = pack_rows((layer["weight"].to(torch.int64) + 2 ** (b - 1)).t(), b)
+    else:
+        raise QuantkitError(f"{name}: an int{b} weight-only layer needs weight_packed or an int8 weight")
+    scheme = QuantScheme(bits=b, group_size=weights.get("group_size") if strategy == "group" else -1,
+                         sym=bool(weights.get("symmetric", True)))  # fmt: skip
+    scales = layer["weight_scale"].reshape(n, -1)
+    zp = layer.get("weight_zero_point")
+    if zp is None:
+        zeros = torch.full_like(scales, 2 ** (b - 1), dtype=torch.int64)
+    elif zp.dtype == torch.int32:  # packed along the outputs, stored offset by 2^(b-1)
+        zeros = unpack_rows(_pad_words(zp, b, n, dim=0), b, n).to(torch.int64)  # [N, n_g]
+    else:  # one signed zero point per element
+        zeros = zp.reshape(n, -1).to(torch.int64) + 2 ** (b - 1)
+    if scheme.sym and not bool((zeros == 2 ** (b - 1)).all()):
+        scheme = QuantScheme(bits=b, group_size=scheme.group_size, sym=False)
+    g_idx = layer.get("weight_g_idx")
+    if g_idx is None:
+        g_idx = torch.arange(k) // scheme.group_of(k)
+    for short in layer:
+        del tensors[f"{name}.{short}"]
+    tensors[f"{name}.qweight"] = qweight
+    tensors[f"{name}.qzeros"] = pack_cols(zeros.t(), b)
+    tensors[f"{name}.scales"] = _fp16_scales(name, scales.t(), change)
+    tensors[f"{name}.g_idx"] = g_idx.to(torch.int32).contiguous()
+    if "bias" in layer:
+        tensors[f"{name}.bias"] = layer["bias"]
+    return scheme
+
+
+def _fp16_scales(name: str, scales: torch.Tensor, change) -> torch.Tensor:
+    cast = cast_scale(scales, torch.float16, change)
+    if change[0] > 2**-10:  # more than fp16's own rounding: values outside its normal range
+        raise QuantkitError(f"{name}: its scales change by {change[0]:.1e} as fp16 (quantkit stores fp16 scales)")
+    return cast
+
+
+def _ct_w8a8(tensors, name: str, weights: dict, inputs: dict) -> QuantScheme:
+    kind = weights.get("type", "int")
+    if weights.get("num_bits") != 8 or inputs.get("num_bits") != 8 or kind != inputs.get("type", "int"):
+        raise QuantkitError(f"{name}: only 8-bit weights with 8-bit activations of the same type import as W8A8")
+    if not weights.get("symmetric", True) or not inputs.get("symmetric", True):
+        raise QuantkitError(f"{name}: asymmetric 8-bit weights or activations are not importable")
+    dynamic = bool(inputs.get("dynamic"))
+    if weights.get("strategy") not in ("channel", "tensor") or inputs.get("strategy") != (
+        "token" if dynamic else "tensor"
+    ):
+        raise QuantkitError(f"{name}: weights by {weights.get('strategy')}, activations by {inputs.get('strategy')} "
+                            "(dynamic per token or static per tensor) are not importable")  # fmt: skip
+    layer = module_tensors(name, tensors)
+    weight = layer["weight"]
+    n = weight.shape[0]
+    want = torch.int8 if kind == "int" else torch.float8_e4m3fn
+    if weight.dtype != want:
+        raise QuantkitError(f"{name}: weight stored as {weight.dtype}, expected {want}")
+    scheme = QuantScheme(bits=8, group_size=-1, sym=True, act_bits=8, act_dynamic=dynamic,
+                         fmt="int" if kind == "int" else "fp8")  # fmt: skip
+    for short in layer:
+        del tensors[f"{name}.{short}"]
+    tensors[f"{name}.weight"] = weight
+    tensors[f"{name}.weight_scale"] = layer["weight_scale"].float().reshape(-1).expand(n).contiguous()
+    if not dynamic:
+        if "input_scale" not in layer:
+            raise QuantkitError(f"{name}: static activations without an input_scale")
+        tensors[f"{name}.input_scale"] = layer["input_scale"].float().reshape(1)
+    if "bias" in layer:
+        tensors[f"{name}.bias"] = layer["bias"]
+    return scheme

@@ -1,0 +1,159 @@
+"""Import of GPTQ (v1, v2) and compressed-tensors checkpoints: what the other direction of export wrote comes back
+as the same model, a layer written by compressed-tensors' own compressor comes back as that library decodes it,
+and what quantkit's layouts cannot hold is refused."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+import quantkit
+from quantkit.checkpoint.export import export_checkpoint
+from quantkit.checkpoint.foreign import import_checkpoint
+from quantkit.cli.main import _register_commands, cli
+from quantkit.errors import QuantkitError
+from tests.checkpoint.test_export import checkpoint, logits, scheme
+from tests.tiny_models import tiny_model, tiny_tokenizer
+
+ROUND_TRIPS = [
+    ("compressed-tensors", {"scheme": scheme(4, 32), "stages": [{"method": "rtn"}]}),
+    ("compressed-tensors", {"scheme": scheme(4, 32, sym=False), "stages": [{"method": "rtn"}]}),
+    ("compressed-tensors", {"scheme": scheme(3, -1, sym=False), "stages": [{"method": "rtn"}]}),
+    ("compressed-tensors", {"scheme": scheme(4, 64), "stages": [{"method": "rtn", "ignore": ["re:.*o_proj"],
+                                                                 "overrides": [{"match": "re:.*down_proj",
+                                                                                "scheme": scheme(8, -1)}]}]}),
+    ("compressed-tensors", {"scheme": scheme(8, -1, act_bits=8), "stages": [{"method": "rtn"}]}),
+    ("compressed-tensors", {"scheme": scheme(8, -1, act_bits=8, act_dynamic=False, fmt="fp8"),
+                            "stages": [{"method": "smoothquant"}, {"method": "rtn"}]}),
+    ("gptq", {"scheme": scheme(4, 32, sym=False), "stages": [{"method": "gptq", "params": {"act_order": True}}]}),
+    ("gptq", {"scheme": scheme(3, 32), "stages": [{"method": "gptq"}]}),
+    ("gptq", {"scheme": scheme(8, -1), "stages": [{"method": "rtn", "ignore": ["re:.*k_proj"]}]}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "fmt, recipe",
+    ROUND_TRIPS,
+    ids=["ct-w4", "ct-w4-asym", "ct-w3-pc-asym", "ct-mixed", "ct-w8a8-int8", "ct-w8a8-fp8-static", "gptq-w4-act-order",
+         "gptq-w3", "gptq-w8-float-k"],
+)  # fmt: skip
+def test_an_export_imports_back_to_the_same_model(tmp_path, fmt, recipe):
+    q = checkpoint(tmp_path, recipe)
+    exported = export_checkpoint(q, tmp_path / "exported", fmt)
+    done = import_checkpoint(exported.path, tmp_path / "back")
+    assert done.method == fmt and done.scale_change == 0.0
+    qc = json.loads((done.path / "config.json").read_text())["quantization_config"]
+    original = json.loads((q / "config.json").read_text())["quantization_config"]
+    assert qc["modules"] == original["modules"] and qc["schemes"] == original["schemes"]
+    assert qc["recipe"]["name"] == f"imported-{fmt}" and qc["imported_from"]["quant_method"] == fmt
+    assert torch.equal(logits(quantkit.load_quantized(done.path)), logits(quantkit.load_quantized(q)))
+
+
+def test_gptq_v2_imports_with_its_zero_points_as_stored(tmp_path):
+    q = checkpoint(tmp_path, {"scheme": scheme(4, 32, sym=False), "stages": [{"method": "rtn"}]})
+    config = json.loads((q / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "checkpoint_format": "gptq_v2", "bits": 4,
+                                     "group_size": 32, "sym": False, "desc_act": False}  # fmt: skip
+    (q / "config.json").write_text(json.dumps(config))  # quantkit's own buffers are the v2 layout
+    done = import_checkpoint(q, tmp_path / "back")
+    model = quantkit.load_quantized(done.path)
+    again = checkpoint(tmp_path, {"scheme": scheme(4, 32, sym=False), "stages": [{"method": "rtn"}]}, name="again")
+    reference = quantkit.load_quantized(again)
+    assert torch.equal(logits(model), logits(reference))
+
+
+def test_a_layer_written_by_compressed_tensors_decodes_as_that_library_decodes_it(tmp_path):
+    """compressed-tensors' own compressor writes one asymmetric 4-bit group-16 layer (as llm-compressor would);
+    the import must dequantize to what the library's decompressor gives."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    model = tiny_model("llama")
+    folder = tmp_path / "llmc"
+    model.save_pretrained(folder)
+    tiny_tokenizer(320).save_pretrained(folder)
+    name = "model.layers.1.mlp.down_proj"
+    weights = {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 16}
+    qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+          "config_groups": {"group_0": {"targets": [name], "weights": weights, "input_activations": None,
+                                        "format": "pack-quantized"}}, "ignore": []}  # fmt: skip
+    (group,) = QuantizationConfig.model_validate(qc).config_groups.values()
+    w = model.get_submodule(name).weight.detach()  # [64, 96]
+    lo, hi = w.view(64, 6, 16).amin(-1).clamp(max=0), w.view(64, 6, 16).amax(-1).clamp(min=0)
+    scale = ((hi - lo) / 15).half().float()  # fp16 values: quantkit keeps weight-only scales in fp16
+    zero_point = (-8 - torch.round(lo / scale)).clamp(-8, 7).to(torch.int8)  # signed, as the library keeps it
+    compressed = PackedQuantizationCompressor.compress(
+        {"weight": w, "weight_scale": scale, "weight_zero_point": zero_point}, group
+    )
+    tensors = load_file(folder / "model.safetensors")
+    del tensors[f"{name}.weight"]
+    tensors.update({f"{name}.{k}": v for k, v in compressed.items()})
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+
+    done = import_checkpoint(folder, tmp_path / "back")
+    assert done.modules == 1 and done.scale_change == 0.0
+    got = quantkit.load_quantized(done.path).get_submodule(name).dequantize_weight()
+    want = PackedQuantizationCompressor.decompress(compressed, group)["weight"]
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
+
+
+def _edit(folder, qc_update=None, tensor_update=None):
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"].update(qc_update or {})
+    (folder / "config.json").write_text(json.dumps(config))
+    if tensor_update:
+        tensors = load_file(folder / "model.safetensors")
+        tensor_update(tensors)
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _v1_wrapped_zero(tensors):
+    key = "model.layers.0.mlp.up_proj.qzeros"
+    tensors[key] = tensors[key].clone()
+    tensors[key][0, 0] = -1  # every code 15: stored zero 15, which v1 readers decode as 16
+
+
+@pytest.mark.parametrize(
+    "fmt, edit, fragment",
+    [
+        ("gptq", {"tensor_update": _v1_wrapped_zero}, "stored as 15 means 16"),
+        ("gptq", {"qc_update": {"dynamic": {r"+:.*down_proj": {"bits": 8}}}}, "gives modules other settings"),
+        ("gptq", {"qc_update": {"checkpoint_format": "marlin"}}, "checkpoint_format 'marlin'"),
+        ("compressed-tensors", {"qc_update": {"kv_cache_scheme": {"num_bits": 8}}}, "a quantized KV cache"),
+        ("compressed-tensors", {"qc_update": {"quant_method": "awq"}}, "cannot import 'awq' checkpoints"),
+        ("compressed-tensors", {"qc_update": {"quantization_status": "frozen"}}, "status 'frozen'"),
+    ],
+    ids=["v1-wrapped-zero", "gptq-dynamic-override", "gptq-marlin", "ct-kv-cache", "awq", "ct-frozen"],
+)
+def test_what_quantkit_cannot_hold_is_refused(tmp_path, fmt, edit, fragment):
+    q = checkpoint(tmp_path, {"scheme": scheme(4, 32, sym=False), "stages": [{"method": "rtn"}]})
+    exported = export_checkpoint(q, tmp_path / "exported", fmt).path
+    _edit(exported, **edit)
+    with pytest.raises(QuantkitError, match=fragment):
+        import_checkpoint(exported, tmp_path / "back")
+    assert not (tmp_path / "back").exists()
+    with pytest.raises(QuantkitError, match="already a quantkit checkpoint"):
+        import_checkpoint(q, tmp_path / "back")
+
+
+def test_import_command_then_inspect_and_generate(tmp_path):
+    _register_commands()
+    q = checkpoint(tmp_path, {"scheme": scheme(4, 32), "stages": [{"method": "rtn"}]})
+    exported = export_checkpoint(q, tmp_path / "ct", "compressed-tensors").path
+
+    def run(*args):
+        return CliRunner().invoke(cli, [str(a) for a in args])
+
+    r = run("import", exported, "--out", tmp_path / "back")
+    assert r.exit_code == 0 and "from compressed-tensors, 14 quantized linears" in r.stdout, r.output
+    r = run("inspect", tmp_path / "back", "--json")
+    assert r.exit_code == 0, r.output
+    assert {m["scheme"] for m in json.loads(r.stdout)["modules"]} == {"w4a16-g32-sym"}
+    r = run("generate", "--model", tmp_path / "back", "--max-tokens", "4", "--temperature", "0", "hello")
+    assert r.exit_code == 0, r.output
+    r = run("import", tmp_path / "missing", "--out", tmp_path / "x")
+    assert r.exit_code == 2 and "checkpoint not found" in r.stderr
