@@ -5,6 +5,8 @@
   (``pack-quantized``: groups that divide the input width or per-channel, symmetric or with zero points; not
   act-order's ``g_idx``, which compressed-tensors 0.20 removed: export those as GPTQ), W8A8 int8
   (``int-quantized``) and fp8 (``float-quantized``) with dynamic per-token or static per-tensor activations.
+- ``awq``: AutoAWQ's GEMM layout (4-bit groups with zero points, packed along the output in AWQ's interleaved
+  order), read by vLLM, TGI and transformers + autoawq. One 4-bit scheme with groups, no act-order.
 - ``gptq``: GPTQ checkpoint format v1 (zero points stored minus one), read by vLLM, TGI, GPTQModel and
   transformers + optimum. It holds one weight-only integer scheme for the whole model, 2/3/4/8 bits, groups that
   divide the input width; layers left in float are declared in ``dynamic`` as ``-:`` patterns.
@@ -38,7 +40,7 @@ from safetensors import safe_open
 from quantkit.checkpoint.config import module_schemes
 from quantkit.checkpoint.save import EXPORT_FORMATS, SHARD_BYTES, atomic_folder, check_output, write_shards
 from quantkit.errors import QuantkitError
-from quantkit.quant.packing import pack_cols, unpack_cols
+from quantkit.quant.packing import pack_cols, unpack_cols, unpack_rows
 from quantkit.quant.scheme import QuantScheme
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -70,6 +72,8 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, fmt: str, 
     change = 0.0
     if fmt == "gptq":
         new_qc = _to_gptq(tensors, layers, schemes, float_linears)
+    elif fmt == "awq":
+        new_qc = _to_awq(tensors, layers, schemes, float_linears)
     else:
         new_qc, change = _to_compressed_tensors(tensors, layers, schemes, float_linears, model_dtype(config))
     path = write_converted(folder, out, overwrite, config, new_qc, tensors)
@@ -301,3 +305,56 @@ def _to_gptq(tensors, layers, schemes, float_linears) -> dict:
     if inner:  # GPTQModel's and vLLM's way of declaring modules that stayed in float
         qc["dynamic"] = {f"-:^{re.escape(name)}$": {} for name in inner}
     return qc
+
+
+# -- AWQ GEMM ----------------------------------------------------------------------------------------------------
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed word holds column 8c + AWQ_ORDER[i] (formats.md)
+
+
+def awq_pack(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [R, N] (N a multiple of 8) -> int32 [R, N / 8] in AWQ's interleaved order."""
+    r, n = codes.shape
+    c = codes.to(torch.int64).view(r, n // 8, 8)
+    words = torch.zeros(r, n // 8, dtype=torch.int64)
+    for i, col in enumerate(AWQ_ORDER):
+        words |= c[:, :, col] << (4 * i)
+    return (words - ((words >> 31) << 32)).to(torch.int32)  # the low 32 bits as a signed word
+
+
+def awq_unpack(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`awq_pack`: int32 [R, N / 8] -> codes int64 [R, N]."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    codes = torch.empty(*w.shape, 8, dtype=torch.int64)
+    for i, col in enumerate(AWQ_ORDER):
+        codes[:, :, col] = (w >> (4 * i)) & 0xF
+    return codes.view(w.shape[0], -1)
+
+
+def _to_awq(tensors, layers, schemes, float_linears) -> dict:
+    distinct = sorted({s.name for s in schemes.values()})
+    if len(distinct) != 1:
+        raise QuantkitError(f"AWQ holds one scheme for the whole model, this checkpoint has {', '.join(distinct)} "
+                            "(export it as compressed-tensors)")  # fmt: skip
+    scheme = next(iter(schemes.values()))
+    if not scheme.weight_only or scheme.fmt != "int" or scheme.bits != 4 or scheme.group_size == -1:
+        raise QuantkitError(f"AWQ holds 4-bit weight-only groups, not {scheme.name} (use compressed-tensors)")
+    for name, layer in layers.items():
+        n, k = _dims(layer, scheme)
+        if n % 8 or k % scheme.group_of(k):
+            raise QuantkitError(f"{name} [{n} x {k}]: AWQ needs outputs in multiples of 8 and groups that divide "
+                                "the inputs (use compressed-tensors)")  # fmt: skip
+        if not _trivial_g_idx(layer["g_idx"], scheme):
+            raise QuantkitError(f"{name} has act-order groups (g_idx), which AWQ cannot hold: export as gptq")
+        tensors[f"{name}.qweight"] = awq_pack(unpack_rows(layer["qweight"], 4, k))
+        tensors[f"{name}.qzeros"] = awq_pack(unpack_cols(layer["qzeros"], 4, n))
+        del tensors[f"{name}.g_idx"]
+    inner = [n for n in float_linears if n != "lm_head"]
+    return {
+        "quant_method": "awq",
+        "version": "gemm",
+        "bits": 4,
+        "group_size": scheme.group_size,
+        "zero_point": True,
+        "modules_to_not_convert": inner or None,
+    }

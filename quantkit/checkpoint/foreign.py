@@ -1,12 +1,13 @@
-"""Import checkpoints other tools wrote, GPTQ (v1 and v2) and compressed-tensors, as quantkit checkpoints.
+"""Import checkpoints other tools wrote, GPTQ (v1 and v2), AWQ (GEMM) and compressed-tensors, as quantkit ones.
 
 The other direction of ``export.py``: the integers are copied into quantkit's layouts (nothing is re-quantized),
-so an llm-compressor, GPTQModel or AutoGPTQ checkpoint can be evaluated, inspected, served by quantkit's runtime
-and its kernels. What quantkit's layouts cannot hold exactly is refused with the reason:
+so an llm-compressor, GPTQModel, AutoGPTQ or AutoAWQ checkpoint can be evaluated, inspected, served by quantkit's
+runtime and its kernels. What quantkit's layouts cannot hold exactly is refused with the reason:
 
 - GPTQ: ``dynamic`` overrides that give some modules other bits or groups (``-:`` exclusions are fine), and v1
   zero points stored as 2^b - 1, which v1 readers decode as 2^b (formats.md: the wrap of an asymmetric zero of
   0; a b-bit zero point cannot hold it).
+- AWQ: versions other than GEMM (GEMV, exllama and marlin re-layouts), no zero points.
 - compressed-tensors: formats other than ``pack-quantized``, ``int-quantized``, ``float-quantized`` and
   ``naive-quantized``; asymmetric activations; weight strategies other than group / channel / tensor (a per-tensor
   weight scale is repeated per channel, exactly); scales that change when stored as fp16 (quantkit's
@@ -27,6 +28,7 @@ import torch
 
 from quantkit.checkpoint.config import FORMAT_VERSION, QUANT_METHOD, layout_of
 from quantkit.checkpoint.export import (
+    awq_unpack,
     cast_scale,
     linear_names,
     model_dtype,
@@ -41,7 +43,7 @@ from quantkit.errors import QuantkitError
 from quantkit.quant.packing import LAYOUT_VERSIONS, pack_cols, pack_rows, packed_rows, unpack_cols, unpack_rows
 from quantkit.quant.scheme import QuantScheme
 
-IMPORT_METHODS = ("gptq", "compressed-tensors")
+IMPORT_METHODS = ("gptq", "awq", "compressed-tensors")
 CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
 
 
@@ -72,6 +74,8 @@ def import_checkpoint(src: str | os.PathLike, out: str | os.PathLike, overwrite:
     change = [0.0]
     if method == "gptq":
         schemes = _from_gptq(tensors, qc, linears)
+    elif method == "awq":
+        schemes = _from_awq(tensors, qc, linears)
     else:
         schemes = _from_compressed_tensors(tensors, qc, linears, model_dtype(config), change)
     if not schemes:
@@ -161,6 +165,42 @@ def _from_gptq(tensors, qc: dict, linears: set[str]) -> dict[str, QuantScheme]:
         name = key.removesuffix(".qweight")
         _check_linear(name, linears)
         schemes[name] = _gptq_weight(tensors, name, scheme, zeros_plus_one=fmt == "gptq")
+    return schemes
+
+
+def _from_awq(tensors, qc: dict, linears: set[str]) -> dict[str, QuantScheme]:
+    bits, group_size, version = (
+        qc.get("bits", qc.get("w_bit")),
+        qc.get("group_size", qc.get("q_group_size")),
+        (qc.get("version", "gemm")),
+    )
+    if bits != 4 or not isinstance(group_size, int) or group_size <= 0 or str(version).lower() != "gemm":
+        raise QuantkitError(f"AWQ {bits}-bit group {group_size} version {version!r} is not importable "
+                            "(4-bit GEMM checkpoints are)")  # fmt: skip
+    if not qc.get("zero_point", True):
+        raise QuantkitError("AWQ checkpoints without zero points are not importable")
+    schemes = {}
+    for key in sorted(k for k in tensors if k.endswith(".qweight")):
+        name = key.removesuffix(".qweight")
+        _check_linear(name, linears)
+        layer = module_tensors(name, tensors)
+        scales = layer.get("scales")
+        if scales is None or "qzeros" not in layer:
+            raise QuantkitError(f"{name}: an AWQ module needs qweight, qzeros and scales")
+        n_g, n = scales.shape
+        q = awq_unpack(layer["qweight"])  # [K, N]
+        k = q.shape[0]
+        zeros = awq_unpack(layer["qzeros"])  # [n_g, N]
+        if q.shape[1] != n or zeros.shape != (n_g, n) or n_g != -(-k // group_size):
+            shapes = [list(t.shape) for t in (layer["qweight"], layer["qzeros"], scales)]
+            raise QuantkitError(f"{name}: qweight, qzeros and scales of shapes {shapes} do not describe one "
+                                f"{group_size}-group layer")  # fmt: skip
+        sym = bool((zeros == 8).all())
+        tensors[f"{name}.qweight"] = pack_rows(q, 4)
+        tensors[f"{name}.qzeros"] = pack_cols(zeros, 4)
+        tensors[f"{name}.scales"] = scales.to(torch.float16).contiguous()
+        tensors[f"{name}.g_idx"] = (torch.arange(k) // group_size).to(torch.int32)
+        schemes[name] = QuantScheme(bits=4, group_size=group_size, sym=sym)
     return schemes
 
 

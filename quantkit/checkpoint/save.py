@@ -26,7 +26,7 @@ SMOOTHING_HEADER = (
 )
 
 SHARD_BYTES = 4 << 30
-EXPORT_FORMATS = ("compressed-tensors", "gptq")  # quant_method of the formats checkpoint/export.py writes
+EXPORT_FORMATS = ("compressed-tensors", "gptq", "awq")  # quant_method of the formats checkpoint/export.py writes
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 

@@ -348,9 +348,9 @@ def inspect_command(folder: Path, as_json: bool) -> None:
 @click.command("export", cls=QuantkitCommand)
 @click.argument("folder", type=click.Path(path_type=Path))
 @click.option(
-    "--format", "fmt", type=click.Choice(["compressed-tensors", "gptq"]), required=True,
-    help="compressed-tensors (vLLM; transformers with the compressed-tensors package) or gptq (checkpoint format v1:"
-    " one weight-only integer scheme, act-order included).",
+    "--format", "fmt", type=click.Choice(["compressed-tensors", "gptq", "awq"]), required=True,
+    help="compressed-tensors (vLLM; transformers with the compressed-tensors package: every scheme), gptq"
+    " (checkpoint format v1: one weight-only integer scheme, act-order included) or awq (GEMM: 4-bit groups).",
 )  # fmt: skip
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder to write.")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it holds a checkpoint (or is empty).")
@@ -371,8 +371,8 @@ def export_command(folder: Path, fmt: str, out: Path, overwrite: bool) -> None:
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder to write.")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it holds a checkpoint (or is empty).")
 def import_command(folder: Path, out: Path, overwrite: bool) -> None:
-    """Make a quantkit checkpoint of a GPTQ (v1 / v2) or compressed-tensors one, without re-quantizing, so that
-    quantkit's eval, inspect, generate and bench-serve can run it."""
+    """Make a quantkit checkpoint of a GPTQ (v1 / v2), AWQ (GEMM) or compressed-tensors one, without
+    re-quantizing, so that quantkit's eval, inspect, generate and bench-serve can run it."""
     from quantkit.checkpoint.foreign import import_checkpoint
 
     with stderr.status(f"importing {folder}"):

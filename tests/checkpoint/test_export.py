@@ -225,7 +225,7 @@ def test_export_command(tmp_path):
     for args, fragment in [
         ((float_dir, "--format", "gptq", "--out", tmp_path / "x"), "not a quantized checkpoint"),
         ((tmp_path / "missing", "--format", "gptq", "--out", tmp_path / "x"), "checkpoint not found"),
-        ((q, "--format", "awq", "--out", tmp_path / "x"), "Invalid value for '--format'"),
+        ((q, "--format", "marlin", "--out", tmp_path / "x"), "Invalid value for '--format'"),
     ]:
         r = run("export", *args)
         assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1 and fragment in r.stderr, r.output
@@ -244,3 +244,57 @@ def test_eval_reads_a_compressed_tensors_export(tmp_path):
     )  # fmt: skip
     assert r.exit_code == 0, r.output
     assert "0.0000" in r.stdout and "1.000" in r.stdout  # KL and top-1 agreement against quantkit's checkpoint
+
+
+def awq_gemm_weights(folder):
+    """The dequantized weights of an AWQ GEMM checkpoint, decoded from the format's rules alone: qweight [K, N / 8]
+    and qzeros packed along the output, nibble i of packed column c holding column 8c + [0, 2, 4, 6, 1, 3, 5, 7][i],
+    zero points as they are, no g_idx (group = k // group_size)."""
+    stored = load_file(folder / "model.safetensors")
+    group_size = json.loads((folder / "config.json").read_text())["quantization_config"]["group_size"]
+    inverse = [0, 4, 1, 5, 2, 6, 3, 7]  # column j of a block of 8 sits in nibble inverse[j]
+
+    def unpack(words):
+        w = words.to(torch.int64) & 0xFFFFFFFF
+        cols = [(w[:, c // 8] >> (4 * inverse[c % 8])) & 0xF for c in range(w.shape[1] * 8)]
+        return torch.stack(cols, dim=1)
+
+    out = {}
+    for key in stored:
+        if key.endswith(".qweight"):
+            name = key.removesuffix(".qweight")
+            assert f"{name}.g_idx" not in stored
+            q, zeros = unpack(stored[key]), unpack(stored[f"{name}.qzeros"])
+            g = torch.arange(q.shape[0]) // group_size
+            out[name] = ((q - zeros[g]) * stored[f"{name}.scales"].float()[g]).t()
+    return out
+
+
+@pytest.mark.parametrize("sym", [False, True], ids=["asym", "sym"])
+def test_awq_gemm_export_decodes_by_the_format_rules(tmp_path, sym):
+    q = checkpoint(tmp_path, {"scheme": scheme(4, 32, sym), "stages": [{"method": "awq"}, {"method": "rtn"}]})
+    done = export_checkpoint(q, tmp_path / "awq", "awq")
+    qc = json.loads((done.path / "config.json").read_text())["quantization_config"]
+    assert qc == {"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": 32, "zero_point": True,
+                  "modules_to_not_convert": None}  # fmt: skip
+    got, want = awq_gemm_weights(done.path), dequantized(q)
+    assert set(got) == set(want)
+    for name, weight in want.items():
+        torch.testing.assert_close(got[name].float(), weight, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "recipe, fragment",
+    [
+        ({"scheme": scheme(8, -1), "stages": [{"method": "rtn"}]}, "AWQ holds 4-bit weight-only groups"),
+        ({"scheme": scheme(4, -1), "stages": [{"method": "rtn"}]}, "AWQ holds 4-bit weight-only groups"),
+        ({"scheme": scheme(4, 48), "stages": [{"method": "rtn"}]}, "groups that divide the inputs"),
+        ({"scheme": scheme(4, 32), "stages": [{"method": "gptq", "params": {"act_order": True}}]}, "act-order"),
+    ],
+    ids=["8-bit", "per-channel", "ragged", "act-order"],
+)
+def test_what_awq_cannot_hold_is_refused(tmp_path, recipe, fragment):
+    q = checkpoint(tmp_path, recipe)
+    with pytest.raises(QuantkitError, match=fragment):
+        export_checkpoint(q, tmp_path / "out", "awq")
+    assert not (tmp_path / "out").exists()

@@ -30,6 +30,8 @@ ROUND_TRIPS = [
     ("gptq", {"scheme": scheme(4, 32, sym=False), "stages": [{"method": "gptq", "params": {"act_order": True}}]}),
     ("gptq", {"scheme": scheme(3, 32), "stages": [{"method": "gptq"}]}),
     ("gptq", {"scheme": scheme(8, -1), "stages": [{"method": "rtn", "ignore": ["re:.*k_proj"]}]}),
+    ("awq", {"scheme": scheme(4, 32, sym=False), "stages": [{"method": "awq"}, {"method": "rtn"}]}),
+    ("awq", {"scheme": scheme(4, 32), "stages": [{"method": "rtn", "ignore": ["re:.*k_proj"]}]}),
 ]  # fmt: skip
 
 
@@ -37,7 +39,7 @@ ROUND_TRIPS = [
     "fmt, recipe",
     ROUND_TRIPS,
     ids=["ct-w4", "ct-w4-asym", "ct-w3-pc-asym", "ct-mixed", "ct-w8a8-int8", "ct-w8a8-fp8-static", "gptq-w4-act-order",
-         "gptq-w3", "gptq-w8-float-k"],
+         "gptq-w3", "gptq-w8-float-k", "awq-asym", "awq-sym-float-k"],
 )  # fmt: skip
 def test_an_export_imports_back_to_the_same_model(tmp_path, fmt, recipe):
     q = checkpoint(tmp_path, recipe)
@@ -124,10 +126,10 @@ def _v1_wrapped_zero(tensors):
         ("gptq", {"qc_update": {"dynamic": {r"+:.*down_proj": {"bits": 8}}}}, "gives modules other settings"),
         ("gptq", {"qc_update": {"checkpoint_format": "marlin"}}, "checkpoint_format 'marlin'"),
         ("compressed-tensors", {"qc_update": {"kv_cache_scheme": {"num_bits": 8}}}, "a quantized KV cache"),
-        ("compressed-tensors", {"qc_update": {"quant_method": "awq"}}, "cannot import 'awq' checkpoints"),
+        ("compressed-tensors", {"qc_update": {"quant_method": "hqq"}}, "cannot import 'hqq' checkpoints"),
         ("compressed-tensors", {"qc_update": {"quantization_status": "frozen"}}, "status 'frozen'"),
     ],
-    ids=["v1-wrapped-zero", "gptq-dynamic-override", "gptq-marlin", "ct-kv-cache", "awq", "ct-frozen"],
+    ids=["v1-wrapped-zero", "gptq-dynamic-override", "gptq-marlin", "ct-kv-cache", "hqq", "ct-frozen"],
 )
 def test_what_quantkit_cannot_hold_is_refused(tmp_path, fmt, edit, fragment):
     q = checkpoint(tmp_path, {"scheme": scheme(4, 32, sym=False), "stages": [{"method": "rtn"}]})
