@@ -49,16 +49,13 @@ def test_demo_example_runs(tmp_path):
     assert "perplexity" in proc.stdout
 
 
-def test_compressed_tensors_export_of_smollm2_is_the_same_model(tmp_path):
-    """4-bit group-64 RTN of the real model, exported and read back by transformers through compressed-tensors:
-    the same logits as quantkit's own checkpoint (group 64 divides SmolLM2's widths 576 and 1536; 128 does not)."""
-    model, tokenizer, _ = quantkit.load_model("smollm2-135m")
-    quantkit.quantize(model, preset_recipe("rtn", {"bits": 4, "group_size": 64, "sym": True}))
-    q = quantkit.save_quantized(model, tmp_path / "w4", tokenizer)
-    exported = quantkit.export_checkpoint(q, tmp_path / "ct", "compressed-tensors")
-    assert exported.modules == 210 and exported.scale_change == 0.0
-    windows, _ = evaluation_windows(tokenizer, "moby-dick", 512, 1)
-    with torch.no_grad():
-        want = quantkit.load_quantized(q)(windows).logits
-        got = AutoModelForCausalLM.from_pretrained(exported.path).eval()(windows).logits
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+def test_export_example_runs(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "export_formats.py"), "--out", str(tmp_path / "export")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("True") == 3, proc.stdout
