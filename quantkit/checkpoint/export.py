@@ -160,6 +160,13 @@ def _trivial_g_idx(g_idx: torch.Tensor, scheme: QuantScheme) -> bool:
     return torch.equal(g_idx.long(), torch.arange(k) // scheme.group_of(k))
 
 
+def _check_whole_groups(name: str, k: int, scheme: QuantScheme, fmt: str) -> None:
+    if scheme.group_size != -1 and k % scheme.group_of(k):
+        raise QuantkitError(f"{name}: group size {scheme.group_size} does not divide its {k} inputs; {fmt} (like "
+                            f"every export format) has no shorter last group: quantize with a group size that divides "
+                            f"{k}")  # fmt: skip
+
+
 def _dims(layer: dict[str, torch.Tensor], scheme: QuantScheme) -> tuple[int, int]:
     """(N, K) of a layer as stored."""
     if scheme.weight_only:
@@ -223,9 +230,7 @@ def _to_compressed_tensors(tensors, layers, schemes, float_linears, dtype: torch
             del tensors[f"{name}.{short}"]
         if scheme.weight_only:
             b = scheme.bits
-            if scheme.group_size != -1 and k % scheme.group_of(k):
-                raise QuantkitError(f"{name}: group size {scheme.group_size} does not divide its {k} inputs, which "
-                                    "compressed-tensors requires")  # fmt: skip
+            _check_whole_groups(name, k, scheme, "compressed-tensors")
             if not _trivial_g_idx(layer["g_idx"], scheme):
                 raise QuantkitError(f"{name} has act-order groups (g_idx), which compressed-tensors no longer holds "
                                     "(0.20 removed them): export as gptq, or quantize with static_groups")  # fmt: skip
@@ -280,9 +285,7 @@ def _to_gptq(tensors, layers, schemes, float_linears) -> dict:
         if (k * b) % 32 or (n * b) % 32:
             raise QuantkitError(f"{name} [{n} x {k}] does not fill whole {b}-bit GPTQ words along both dimensions "
                                 "(use compressed-tensors)")  # fmt: skip
-        if scheme.group_size != -1 and k % scheme.group_of(k):
-            raise QuantkitError(f"{name}: group size {scheme.group_size} does not divide its {k} inputs, which GPTQ "
-                                "readers require (use compressed-tensors)")  # fmt: skip
+        _check_whole_groups(name, k, scheme, "GPTQ")
         zeros = unpack_cols(layer["qzeros"], b, n).to(torch.int64)  # [n_g, N]
         if not scheme.sym and bool((zeros == 0).any()):
             raise QuantkitError(f"{name} has zero points equal to 0, which GPTQ v1 cannot store (it writes zero - 1; "
@@ -341,9 +344,9 @@ def _to_awq(tensors, layers, schemes, float_linears) -> dict:
         raise QuantkitError(f"AWQ holds 4-bit weight-only groups, not {scheme.name} (use compressed-tensors)")
     for name, layer in layers.items():
         n, k = _dims(layer, scheme)
-        if n % 8 or k % scheme.group_of(k):
-            raise QuantkitError(f"{name} [{n} x {k}]: AWQ needs outputs in multiples of 8 and groups that divide "
-                                "the inputs (use compressed-tensors)")  # fmt: skip
+        _check_whole_groups(name, k, scheme, "AWQ")
+        if n % 8:
+            raise QuantkitError(f"{name}: AWQ packs outputs by 8, it has {n} (use compressed-tensors)")
         if not _trivial_g_idx(layer["g_idx"], scheme):
             raise QuantkitError(f"{name} has act-order groups (g_idx), which AWQ cannot hold: export as gptq")
         tensors[f"{name}.qweight"] = awq_pack(unpack_rows(layer["qweight"], 4, k))
