@@ -66,8 +66,13 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, fmt: str, 
     schemes = module_schemes(qc)
     if qc.get("split_experts"):
         raise QuantkitError("exporting a mixture-of-experts checkpoint is not supported (its experts are split)")
+    check_output(out, overwrite)  # refuse a bad output before the work
     tensors = read_tensors(folder)
     layers = {name: module_tensors(name, tensors) for name in schemes}
+    for name, layer in layers.items():
+        need = {"qweight", "qzeros", "scales", "g_idx"} if schemes[name].weight_only else {"weight", "weight_scale"}
+        if not need <= set(layer):
+            raise QuantkitError(f"corrupt checkpoint {folder}: {name} lacks {', '.join(sorted(need - set(layer)))}")
     float_linears = sorted(set(linear_names(model_skeleton(config))) - set(schemes))
     change = 0.0
     if fmt == "gptq":

@@ -38,7 +38,7 @@ from quantkit.checkpoint.export import (
     read_tensors,
     write_converted,
 )
-from quantkit.checkpoint.save import versions
+from quantkit.checkpoint.save import check_output, versions
 from quantkit.errors import QuantkitError
 from quantkit.quant.packing import LAYOUT_VERSIONS, pack_cols, pack_rows, packed_rows, unpack_cols, unpack_rows
 from quantkit.quant.scheme import QuantScheme
@@ -67,6 +67,7 @@ def import_checkpoint(src: str | os.PathLike, out: str | os.PathLike, overwrite:
         raise QuantkitError(f"{folder} is already a quantkit checkpoint")
     if method not in IMPORT_METHODS:
         raise QuantkitError(f"cannot import {method!r} checkpoints (quantkit imports {', '.join(IMPORT_METHODS)})")
+    check_output(out, overwrite)  # refuse a bad output before the work
     skeleton = model_skeleton(config)
     arch = arch_for(skeleton)
     tensors = read_tensors(folder)

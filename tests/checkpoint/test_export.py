@@ -298,3 +298,14 @@ def test_what_awq_cannot_hold_is_refused(tmp_path, recipe, fragment):
     with pytest.raises(QuantkitError, match=fragment):
         export_checkpoint(q, tmp_path / "out", "awq")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_missing_a_tensor_is_named(tmp_path):
+    from safetensors.torch import save_file
+
+    q = checkpoint(tmp_path, {"scheme": scheme(4, 32), "stages": [{"method": "rtn"}]})
+    tensors = load_file(q / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.qzeros"]
+    save_file(tensors, q / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(QuantkitError, match="model.layers.1.mlp.up_proj lacks qzeros"):
+        export_checkpoint(q, tmp_path / "out", "gptq")
