@@ -191,9 +191,9 @@ def _nonnegative_down_proj(model):
         ("gptq", {"scheme": scheme(8, -1, act_bits=8), "stages": [{"method": "rtn"}]}, None, "weight-only integer"),
         ("gptq", {"scheme": scheme(4, 32, sym=False), "stages": [{"method": "rtn"}]}, _nonnegative_down_proj,
          "zero points equal to 0"),
-        ("gptq", {"scheme": scheme(4, 48), "stages": [{"method": "rtn"}]}, None, "does not divide its 64 inputs; .* has no shorter last group"),
+        ("gptq", {"scheme": scheme(4, 48), "stages": [{"method": "rtn"}]}, None, "no shorter last group"),
         ("compressed-tensors", {"scheme": scheme(4, 48), "stages": [{"method": "rtn"}]}, None,
-         "does not divide its 64 inputs; .* has no shorter last group"),
+         "no shorter last group"),
         ("compressed-tensors", {"scheme": scheme(4, 32), "stages": [{"method": "gptq", "params": {
             "act_order": True}}]}, None, "act-order groups"),
     ],
@@ -307,5 +307,5 @@ def test_a_checkpoint_missing_a_tensor_is_named(tmp_path):
     tensors = load_file(q / "model.safetensors")
     del tensors["model.layers.1.mlp.up_proj.qzeros"]
     save_file(tensors, q / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(QuantkitError, match="model.layers.1.mlp.up_proj lacks qzeros"):
+    with pytest.raises(QuantkitError, match=r"model\.layers\.1\.mlp\.up_proj lacks qzeros"):
         export_checkpoint(q, tmp_path / "out", "gptq")
