@@ -172,6 +172,14 @@ def _check_whole_groups(name: str, k: int, scheme: QuantScheme, fmt: str) -> Non
                             f"{k}")  # fmt: skip
 
 
+def _one_scheme(schemes: dict[str, QuantScheme], fmt: str) -> QuantScheme:
+    distinct = sorted({s.name for s in schemes.values()})
+    if len(distinct) != 1:
+        raise QuantkitError(f"{fmt} holds one scheme for the whole model, this checkpoint has {', '.join(distinct)} "
+                            "(export it as compressed-tensors)")  # fmt: skip
+    return next(iter(schemes.values()))
+
+
 def _dims(layer: dict[str, torch.Tensor], scheme: QuantScheme) -> tuple[int, int]:
     """(N, K) of a layer as stored."""
     if scheme.weight_only:
@@ -276,11 +284,7 @@ def _to_compressed_tensors(tensors, layers, schemes, float_linears, dtype: torch
 
 
 def _to_gptq(tensors, layers, schemes, float_linears) -> dict:
-    distinct = sorted({s.name for s in schemes.values()})
-    if len(distinct) != 1:
-        raise QuantkitError(f"GPTQ holds one scheme for the whole model, this checkpoint has {', '.join(distinct)} "
-                            "(export it as compressed-tensors)")  # fmt: skip
-    scheme = next(iter(schemes.values()))
+    scheme = _one_scheme(schemes, "GPTQ")
     if not scheme.weight_only or scheme.fmt != "int":
         raise QuantkitError(f"GPTQ holds weight-only integer schemes, not {scheme.name} (use compressed-tensors)")
     b = scheme.bits
@@ -340,11 +344,7 @@ def awq_unpack(words: torch.Tensor) -> torch.Tensor:
 
 
 def _to_awq(tensors, layers, schemes, float_linears) -> dict:
-    distinct = sorted({s.name for s in schemes.values()})
-    if len(distinct) != 1:
-        raise QuantkitError(f"AWQ holds one scheme for the whole model, this checkpoint has {', '.join(distinct)} "
-                            "(export it as compressed-tensors)")  # fmt: skip
-    scheme = next(iter(schemes.values()))
+    scheme = _one_scheme(schemes, "AWQ")
     if not scheme.weight_only or scheme.fmt != "int" or scheme.bits != 4 or scheme.group_size == -1:
         raise QuantkitError(f"AWQ holds 4-bit weight-only groups, not {scheme.name} (use compressed-tensors)")
     for name, layer in layers.items():
