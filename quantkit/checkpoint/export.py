@@ -1,22 +1,25 @@
 """Export a quantkit checkpoint into the formats other tools serve.
 
-- ``compressed-tensors``: llm-compressor's format, read natively by vLLM and by transformers through the
+- ``compressed-tensors``: llm-compressor's format, read by vLLM and by transformers through the
   ``compressed-tensors`` package. Every quantkit scheme maps onto it: weight-only integer schemes of 2-8 bits
   (``pack-quantized``: groups that divide the input width or per-channel, symmetric or with zero points; not
   act-order's ``g_idx``, which compressed-tensors 0.20 removed: export those as GPTQ), W8A8 int8
   (``int-quantized``) and fp8 (``float-quantized``) with dynamic per-token or static per-tensor activations.
+  vLLM's weight-only path takes 4 and 8 bits; 2- and 3-bit exports are for the compressed-tensors package.
 - ``awq``: AutoAWQ's GEMM layout (4-bit groups with zero points, packed along the output in AWQ's interleaved
   order), read by vLLM, TGI and transformers + autoawq. One 4-bit scheme with groups, no act-order.
 - ``gptq``: GPTQ checkpoint format v1 (zero points stored minus one), read by vLLM, TGI, GPTQModel and
   transformers + optimum. It holds one weight-only integer scheme for the whole model, 2/3/4/8 bits, groups that
   divide the input width; layers left in float are declared in ``dynamic`` as ``-:`` patterns.
 
-Both re-encode the same integers: nothing is re-quantized, so the exported model computes what the quantkit
-checkpoint computes, except that compressed-tensors keeps the scales in the model's dtype, as its readers
-allocate them (fp16 scales become bf16 in a bf16 model, W8A8's fp32 scales fp16 in an fp16 one): the export
-reports the largest relative change that causes. A checkpoint a format cannot hold exactly is refused with
-the reason (e.g. an asymmetric group whose zero point is 0, which GPTQ v1 stores as 2^b - 1 and every v1 reader
-decodes as 2^b: formats.md), never written approximately.
+All re-encode the same integers and store the scales as quantkit holds them (fp16 for weight-only layers, fp32
+for W8A8): nothing is re-quantized or rounded, so the exported model computes what the quantkit checkpoint
+computes, up to what a reader does with the scales (readers that allocate them in the model's dtype round fp16
+scales to bf16 in a bf16 model). A checkpoint a format cannot hold exactly is refused with the reason (e.g. an
+asymmetric group whose zero point is 0, which GPTQ v1 stores as 2^b - 1 and every v1 reader decodes as 2^b:
+formats.md; a group size that does not divide a layer's inputs, or exceeds them, where readers reserve K // G
+groups), never written approximately. An exported folder carries ``quantkit_export`` in its config.json: what
+``--overwrite`` may replace (never another tool's checkpoint).
 
 Layouts (formats.md): GPTQ ``qweight`` int32 [K b / 32, N] packed along the input, lowest bits first, ``qzeros``
 int32 [n_g, N b / 32] along the output, ``scales`` fp16 [n_g, N], ``g_idx`` int32 [K]. compressed-tensors
@@ -38,13 +41,20 @@ import torch
 from safetensors import safe_open
 
 from quantkit.checkpoint.config import module_schemes
-from quantkit.checkpoint.save import EXPORT_FORMATS, SHARD_BYTES, atomic_folder, check_output, write_shards
+from quantkit.checkpoint.save import (
+    EXPORT_FORMATS,
+    EXPORT_MARK,
+    SHARD_BYTES,
+    atomic_folder,
+    check_output,
+    versions,
+    write_shards,
+)
 from quantkit.errors import QuantkitError
 from quantkit.quant.packing import pack_cols, unpack_cols, unpack_rows
 from quantkit.quant.scheme import QuantScheme
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass
@@ -54,7 +64,6 @@ class Exported:
     path: Path
     fmt: str
     modules: int  # quantized linears
-    scale_change: float = 0.0  # largest relative change of a scale cast to the model's dtype (compressed-tensors)
 
 
 def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, fmt: str, overwrite: bool = False) -> Exported:
@@ -74,19 +83,24 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, fmt: str, 
         if not need <= set(layer):
             raise QuantkitError(f"corrupt checkpoint {folder}: {name} lacks {', '.join(sorted(need - set(layer)))}")
     float_linears = sorted(set(linear_names(model_skeleton(config))) - set(schemes))
-    change = 0.0
     if fmt == "gptq":
         new_qc = _to_gptq(tensors, layers, schemes, float_linears)
     elif fmt == "awq":
         new_qc = _to_awq(tensors, layers, schemes, float_linears)
     else:
-        new_qc, change = _to_compressed_tensors(tensors, layers, schemes, float_linears, model_dtype(config))
+        new_qc = _to_compressed_tensors(tensors, layers, schemes, float_linears)
+    config = {**config, EXPORT_MARK: {"format": fmt, "source": str(folder), "quantkit": versions()["quantkit"]}}
     path = write_converted(folder, out, overwrite, config, new_qc, tensors)
-    return Exported(path, fmt, len(schemes), change)
+    return Exported(path, fmt, len(schemes))
 
 
-def read_quantized_folder(src: str | os.PathLike) -> tuple[Path, dict, dict]:
-    """(folder, config, quantization_config) of a quantized checkpoint folder, or a QuantkitError."""
+LEGACY_CONFIGS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}  # AutoGPTQ's, AutoAWQ's own files
+
+
+def read_quantized_folder(src: str | os.PathLike, legacy: bool = False) -> tuple[Path, dict, dict]:
+    """(folder, config, quantization_config) of a quantized checkpoint folder, or a QuantkitError. ``legacy``:
+    without a quantization_config in config.json, read AutoGPTQ's ``quantize_config.json`` or AutoAWQ's
+    ``quant_config.json`` (folders written before transformers carried the settings)."""
     from quantkit.models.loading import read_config
 
     if not isinstance(src, str | os.PathLike):
@@ -96,6 +110,12 @@ def read_quantized_folder(src: str | os.PathLike) -> tuple[Path, dict, dict]:
         raise QuantkitError(f"checkpoint not found: {folder}")
     config = read_config(folder)
     qc = config.get("quantization_config")
+    for name, method in LEGACY_CONFIGS.items():
+        if qc is None and legacy and (folder / name).is_file():
+            try:
+                qc = {"quant_method": method, **json.loads((folder / name).read_text())}
+            except (json.JSONDecodeError, TypeError, UnicodeDecodeError):
+                raise QuantkitError(f"{folder / name} is not a JSON object") from None
     if not isinstance(qc, dict):
         raise QuantkitError(f"{folder} is not a quantized checkpoint (its config.json has no quantization_config)")
     return folder, config, qc
@@ -156,17 +176,13 @@ def linear_names(model: torch.nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
 
 
-def model_dtype(config: dict) -> torch.dtype:
-    return DTYPES.get(config.get("dtype") or config.get("torch_dtype"), torch.float16)
-
-
 def _trivial_g_idx(g_idx: torch.Tensor, scheme: QuantScheme) -> bool:
     k = g_idx.numel()
     return torch.equal(g_idx.long(), torch.arange(k) // scheme.group_of(k))
 
 
 def _check_whole_groups(name: str, k: int, scheme: QuantScheme, fmt: str) -> None:
-    if scheme.group_size != -1 and k % scheme.group_of(k):
+    if scheme.group_size != -1 and k % scheme.group_size:  # also K < group size: readers reserve K // G groups
         raise QuantkitError(f"{name}: group size {scheme.group_size} does not divide its {k} inputs; {fmt} (like "
                             f"every export format) has no shorter last group: quantize with a group size that divides "
                             f"{k}")  # fmt: skip
@@ -224,18 +240,8 @@ def _ct_args(scheme: QuantScheme) -> dict:
     return {"weights": weights, "input_activations": inputs, "output_activations": None, "format": fmt}
 
 
-def cast_scale(scale: torch.Tensor, dtype: torch.dtype, change: list[float]) -> torch.Tensor:
-    """``scale`` in ``dtype``; ``change[0]`` keeps the largest relative change seen."""
-    cast = scale.to(dtype)
-    ref = scale.float()
-    rel = ((cast.float() - ref).abs() / ref.abs().clamp_min(torch.finfo(torch.float32).tiny)).max()
-    change[0] = max(change[0], float(rel))
-    return cast.contiguous()
-
-
-def _to_compressed_tensors(tensors, layers, schemes, float_linears, dtype: torch.dtype) -> tuple[dict, float]:
+def _to_compressed_tensors(tensors, layers, schemes, float_linears) -> dict:
     groups: dict[str, dict] = {}
-    change = [0.0]
     for name, scheme in schemes.items():
         layer = layers[name]
         n, k = _dims(layer, scheme)
@@ -248,15 +254,15 @@ def _to_compressed_tensors(tensors, layers, schemes, float_linears, dtype: torch
                 raise QuantkitError(f"{name} has act-order groups (g_idx), which compressed-tensors no longer holds "
                                     "(0.20 removed them): export as gptq, or quantize with static_groups")  # fmt: skip
             tensors[f"{name}.weight_packed"] = layer["qweight"][: -(-k * b // 32)].t().contiguous()
-            tensors[f"{name}.weight_scale"] = cast_scale(layer["scales"].t(), dtype, change)
+            tensors[f"{name}.weight_scale"] = layer["scales"].t().contiguous()  # fp16, as quantkit holds them
             tensors[f"{name}.weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
             if not scheme.sym:
                 tensors[f"{name}.weight_zero_point"] = layer["qzeros"].t()[: -(-n * b // 32)].contiguous()
         else:
             tensors[f"{name}.weight"] = layer["weight"]
-            tensors[f"{name}.weight_scale"] = cast_scale(layer["weight_scale"].reshape(n, 1), dtype, change)
+            tensors[f"{name}.weight_scale"] = layer["weight_scale"].reshape(n, 1)  # fp32, as quantkit holds them
             if "input_scale" in layer:
-                tensors[f"{name}.input_scale"] = cast_scale(layer["input_scale"].reshape(1), dtype, change)
+                tensors[f"{name}.input_scale"] = layer["input_scale"].reshape(1)
         if "bias" in layer:
             tensors[f"{name}.bias"] = layer["bias"]
         key = json.dumps(_ct_args(scheme), sort_keys=True)
@@ -277,7 +283,7 @@ def _to_compressed_tensors(tensors, layers, schemes, float_linears, dtype: torch
         "sparsity_config": {},
         "global_compression_ratio": None,
     }
-    return qc, change[0]
+    return qc
 
 
 # -- GPTQ v1 -----------------------------------------------------------------------------------------------------

@@ -9,12 +9,18 @@ runtime and its kernels. What quantkit's layouts cannot hold exactly is refused 
   0; a b-bit zero point cannot hold it).
 - AWQ: versions other than GEMM (GEMV, exllama and marlin re-layouts), no zero points.
 - compressed-tensors: formats other than ``pack-quantized``, ``int-quantized``, ``float-quantized`` and
-  ``naive-quantized``; asymmetric activations; weight strategies other than group / channel / tensor (a per-tensor
-  weight scale is repeated per channel, exactly); scales that change when stored as fp16 (quantkit's
-  weight-only scales) by more than fp16 rounding (bf16 scales below fp16's normal range).
+  ``naive-quantized``; a quantized KV cache, weight transforms, sparsity; asymmetric activations; weight-only
+  strategies other than group / channel, W8A8 weight strategies other than channel / tensor (a per-tensor scale
+  is repeated per channel, exactly). Config groups are matched to modules as the library ranks them (an exact
+  name, then a ``re:`` pattern matched at the start, then the class Linear), and each layer's packed width must
+  fit its group's bits.
+- Every weight-only format: scales that change when stored as fp16 (quantkit's weight-only scales) by more than
+  fp16 rounding (bf16 or fp32 scales outside fp16's normal range); the largest change is reported.
 
-Result: a quantkit checkpoint whose ``quantization_config`` has ``recipe`` ``imported-<method>`` and the source's
-quantization_config under ``imported_from``.
+Folders from before transformers carried the settings are read too: AutoGPTQ's ``quantize_config.json``, AutoAWQ's
+``quant_config.json``. Malformed tensors or settings are one-line errors. Result: a quantkit checkpoint whose
+``quantization_config`` has ``recipe`` ``imported-<method>`` and the source's quantization_config under
+``imported_from``.
 """
 
 from __future__ import annotations
@@ -29,9 +35,7 @@ import torch
 from quantkit.checkpoint.config import FORMAT_VERSION, QUANT_METHOD, layout_of
 from quantkit.checkpoint.export import (
     awq_unpack,
-    cast_scale,
     linear_names,
-    model_dtype,
     model_skeleton,
     module_tensors,
     read_quantized_folder,
@@ -58,27 +62,29 @@ class Imported:
 
 
 def import_checkpoint(src: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Imported:
-    """Write the GPTQ or compressed-tensors checkpoint in ``src`` to ``out`` as a quantkit checkpoint."""
+    """Write the GPTQ, AWQ or compressed-tensors checkpoint in ``src`` to ``out`` as a quantkit checkpoint."""
     from quantkit.models.arch import arch_for
 
-    folder, config, qc = read_quantized_folder(src)
+    folder, config, qc = read_quantized_folder(src, legacy=True)
     method = qc.get("quant_method")
     if method == QUANT_METHOD:
         raise QuantkitError(f"{folder} is already a quantkit checkpoint")
     if method not in IMPORT_METHODS:
         raise QuantkitError(f"cannot import {method!r} checkpoints (quantkit imports {', '.join(IMPORT_METHODS)})")
-    check_output(out, overwrite)  # refuse a bad output before the work
+    target = check_output(out, overwrite)  # refuse a bad output before the work
+    if target == folder.resolve() or target.is_relative_to(folder.resolve()):
+        raise QuantkitError(f"the output {target} must lie outside the checkpoint being imported")
     skeleton = model_skeleton(config)
     arch = arch_for(skeleton)
     tensors = read_tensors(folder)
     linears = set(linear_names(skeleton))
     change = [0.0]
-    if method == "gptq":
-        schemes = _from_gptq(tensors, qc, linears)
-    elif method == "awq":
-        schemes = _from_awq(tensors, qc, linears)
-    else:
-        schemes = _from_compressed_tensors(tensors, qc, linears, model_dtype(config), change)
+    convert = {"gptq": _from_gptq, "awq": _from_awq, "compressed-tensors": _from_compressed_tensors}[method]
+    try:
+        schemes = convert(tensors, qc, linears, change)
+    except (KeyError, IndexError, ValueError, RuntimeError, TypeError, AttributeError) as exc:  # malformed input
+        raise QuantkitError(f"malformed {method} checkpoint {folder}: {type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from None  # fmt: skip
     if not schemes:
         raise QuantkitError(f"{folder}: no quantized linear found in its tensors")
     by_name = {s.name: s for s in schemes.values()}
@@ -107,15 +113,18 @@ def _check_linear(name: str, linears: set[str]) -> None:
         raise QuantkitError(f"quantized tensors for {name}, which is not a linear layer of this model")
 
 
-def _gptq_weight(tensors, name: str, scheme: QuantScheme, zeros_plus_one: bool) -> QuantScheme:
+def _gptq_weight(tensors, name: str, scheme: QuantScheme, zeros_plus_one: bool, change) -> QuantScheme:
     """Rewrite one GPTQ module's tensors into quantkit's ``gptq_v2`` buffers, in place; returns its scheme."""
     b = scheme.bits
     layer = module_tensors(name, tensors)
     if not {"qweight", "qzeros", "scales"} <= set(layer):
         raise QuantkitError(f"{name}: a GPTQ module needs qweight, qzeros and scales, found {', '.join(sorted(layer))}")
+    _check_dtypes(name, layer, {"qweight": torch.int32, "qzeros": torch.int32, "g_idx": torch.int32})
     scales = layer["scales"]
     n_g, n = scales.shape
     rows = layer["qweight"].shape[0]
+    if not -(-n * b // 32) <= layer["qzeros"].shape[1] <= packed_rows(n, b) or layer["qzeros"].shape[0] != n_g:
+        raise QuantkitError(f"{name}: qzeros {list(layer['qzeros'].shape)} does not hold {n_g} x {n} {b}-bit zeros")
     k = layer["g_idx"].numel() if "g_idx" in layer else rows * 32 // b
     if layer["qweight"].shape[1] != n or not -(-k * b // 32) <= rows <= packed_rows(k, b):
         raise QuantkitError(f"{name}: qweight {list(layer['qweight'].shape)} does not hold {k} x {n} {b}-bit codes")
@@ -134,7 +143,7 @@ def _gptq_weight(tensors, name: str, scheme: QuantScheme, zeros_plus_one: bool) 
         raise QuantkitError(f"{name}: g_idx names groups outside [0, {n_g})")
     tensors[f"{name}.qweight"] = _pad_words(layer["qweight"], b, k, dim=0)
     tensors[f"{name}.qzeros"] = pack_cols(zeros, b)
-    tensors[f"{name}.scales"] = scales.to(torch.float16).contiguous()
+    tensors[f"{name}.scales"] = _fp16_scales(name, scales, change)
     tensors[f"{name}.g_idx"] = g_idx.to(torch.int32).contiguous()
     return scheme
 
@@ -150,11 +159,14 @@ def _pad_words(words: torch.Tensor, bits: int, count: int, dim: int) -> torch.Te
     return torch.nn.functional.pad(words, pad).contiguous()
 
 
-def _from_gptq(tensors, qc: dict, linears: set[str]) -> dict[str, QuantScheme]:
+def _from_gptq(tensors, qc: dict, linears: set[str], change: list[float]) -> dict[str, QuantScheme]:
     bits, group_size = qc.get("bits"), qc.get("group_size", -1)
     if bits not in (2, 3, 4, 8) or not isinstance(group_size, int) or group_size == 0 or group_size < -1:
         raise QuantkitError(f"GPTQ config with bits {bits!r} and group_size {group_size!r} is not importable")
-    for pattern, override in (qc.get("dynamic") or {}).items():
+    dynamic = qc.get("dynamic") or {}
+    if not isinstance(dynamic, dict):
+        raise QuantkitError(f"GPTQ dynamic must be a mapping of patterns, got {type(dynamic).__name__}")
+    for pattern, override in dynamic.items():
         if not pattern.startswith("-:") and override:
             raise QuantkitError(f"GPTQ dynamic override {pattern!r} gives modules other settings: not importable")
     fmt = qc.get("checkpoint_format", qc.get("format", "gptq"))
@@ -165,11 +177,11 @@ def _from_gptq(tensors, qc: dict, linears: set[str]) -> dict[str, QuantScheme]:
     for key in sorted(k for k in tensors if k.endswith(".qweight")):
         name = key.removesuffix(".qweight")
         _check_linear(name, linears)
-        schemes[name] = _gptq_weight(tensors, name, scheme, zeros_plus_one=fmt == "gptq")
+        schemes[name] = _gptq_weight(tensors, name, scheme, fmt == "gptq", change)
     return schemes
 
 
-def _from_awq(tensors, qc: dict, linears: set[str]) -> dict[str, QuantScheme]:
+def _from_awq(tensors, qc: dict, linears: set[str], change: list[float]) -> dict[str, QuantScheme]:
     bits, group_size, version = (
         qc.get("bits", qc.get("w_bit")),
         qc.get("group_size", qc.get("q_group_size")),
@@ -188,6 +200,7 @@ def _from_awq(tensors, qc: dict, linears: set[str]) -> dict[str, QuantScheme]:
         scales = layer.get("scales")
         if scales is None or "qzeros" not in layer:
             raise QuantkitError(f"{name}: an AWQ module needs qweight, qzeros and scales")
+        _check_dtypes(name, layer, {"qweight": torch.int32, "qzeros": torch.int32})
         n_g, n = scales.shape
         q = awq_unpack(layer["qweight"])  # [K, N]
         k = q.shape[0]
@@ -199,26 +212,33 @@ def _from_awq(tensors, qc: dict, linears: set[str]) -> dict[str, QuantScheme]:
         sym = bool((zeros == 8).all())
         tensors[f"{name}.qweight"] = pack_rows(q, 4)
         tensors[f"{name}.qzeros"] = pack_cols(zeros, 4)
-        tensors[f"{name}.scales"] = scales.to(torch.float16).contiguous()
+        tensors[f"{name}.scales"] = _fp16_scales(name, scales, change)
         tensors[f"{name}.g_idx"] = (torch.arange(k) // group_size).to(torch.int32)
         schemes[name] = QuantScheme(bits=4, group_size=group_size, sym=sym)
     return schemes
 
 
 def _ct_group_of(name: str, groups: dict) -> dict:
-    """The config group whose targets match module ``name`` (exact name, ``re:`` pattern, or the class Linear)."""
+    """The config group that targets module ``name``, as compressed-tensors ranks them: an exact name first, then a
+    ``re:`` pattern matched at the start of the name (``re.match``), then the class name Linear."""
+    ranked = []
     for group in groups.values():
-        for target in group.get("targets", []):
-            if target == name or (target.startswith("re:") and re.fullmatch(target[3:], name)):
-                return group
-    for group in groups.values():
-        if "Linear" in group.get("targets", []):
-            return group
-    raise QuantkitError(f"{name} has quantized tensors but no config group targets it")
+        for target in group.get("targets") or []:
+            if target == name:
+                ranked.append((0, group))
+            elif target.startswith("re:") and re.match(target[3:], name):
+                ranked.append((1, group))
+            elif target == "Linear":
+                ranked.append((2, group))
+    if not ranked:
+        raise QuantkitError(f"{name} has quantized tensors but no config group targets it")
+    return min(ranked, key=lambda r: r[0])[1]
 
 
-def _from_compressed_tensors(tensors, qc: dict, linears: set[str], dtype, change) -> dict[str, QuantScheme]:
+def _from_compressed_tensors(tensors, qc: dict, linears: set[str], change: list[float]) -> dict[str, QuantScheme]:
     groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict) or not all(isinstance(g, dict) for g in groups.values()):
+        raise QuantkitError("compressed-tensors config_groups must map group names to groups")
     if qc.get("quantization_status", "compressed") != "compressed":
         raise QuantkitError(f"compressed-tensors status {qc.get('quantization_status')!r} is not importable")
     for key, what in (("kv_cache_scheme", "a quantized KV cache"), ("transform_config", "weight transforms"),
@@ -246,8 +266,14 @@ def _ct_weight_only(tensors, name: str, weights: dict, change) -> QuantScheme:
     if weights.get("type", "int") != "int" or b not in (2, 3, 4, 8) or strategy not in ("group", "channel"):
         raise QuantkitError(f"{name}: weight-only {weights.get('type')} {b}-bit {strategy} is not importable")
     layer = module_tensors(name, tensors)
+    _check_dtypes(name, layer, {"weight_packed": torch.int32})
     if "weight_packed" in layer:
+        if "weight_shape" not in layer:
+            raise QuantkitError(f"{name}: weight_packed without weight_shape")
         n, k = (int(v) for v in layer["weight_shape"])
+        if list(layer["weight_packed"].shape) != [n, -(-k * b // 32)]:
+            raise QuantkitError(f"{name}: weight_packed {list(layer['weight_packed'].shape)} does not hold {n} x {k} "
+                                f"{b}-bit codes (the config group says {b} bits)")  # fmt: skip
         qweight = _pad_words(layer["weight_packed"].t(), b, k, dim=0)
     elif layer.get("weight", torch.empty(0)).dtype == torch.int8:  # naive-quantized: signed codes, one per byte
         n, k = layer["weight"].shape
@@ -257,6 +283,9 @@ def _ct_weight_only(tensors, name: str, weights: dict, change) -> QuantScheme:
     scheme = QuantScheme(bits=b, group_size=weights.get("group_size") if strategy == "group" else -1,
                          sym=bool(weights.get("symmetric", True)))  # fmt: skip
     scales = layer["weight_scale"].reshape(n, -1)
+    if scales.shape[1] != scheme.n_groups(k):
+        raise QuantkitError(f"{name}: weight_scale {list(layer['weight_scale'].shape)} does not hold "
+                            f"{scheme.n_groups(k)} groups of {n} outputs")  # fmt: skip
     zp = layer.get("weight_zero_point")
     if zp is None:
         zeros = torch.full_like(scales, 2 ** (b - 1), dtype=torch.int64)
@@ -278,6 +307,21 @@ def _ct_weight_only(tensors, name: str, weights: dict, change) -> QuantScheme:
     if "bias" in layer:
         tensors[f"{name}.bias"] = layer["bias"]
     return scheme
+
+
+def cast_scale(scale: torch.Tensor, dtype: torch.dtype, change: list[float]) -> torch.Tensor:
+    """``scale`` in ``dtype``; ``change[0]`` keeps the largest relative change seen."""
+    cast = scale.to(dtype)
+    ref = scale.float()
+    rel = ((cast.float() - ref).abs() / ref.abs().clamp_min(torch.finfo(torch.float32).tiny)).max()
+    change[0] = max(change[0], float(rel))
+    return cast.contiguous()
+
+
+def _check_dtypes(name: str, layer: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]) -> None:
+    for short, dtype in dtypes.items():
+        if short in layer and layer[short].dtype != dtype:
+            raise QuantkitError(f"{name}: {short} is stored as {layer[short].dtype}, expected {dtype}")
 
 
 def _fp16_scales(name: str, scales: torch.Tensor, change) -> torch.Tensor:

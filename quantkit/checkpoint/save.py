@@ -27,6 +27,7 @@ SMOOTHING_HEADER = (
 
 SHARD_BYTES = 4 << 30
 EXPORT_FORMATS = ("compressed-tensors", "gptq", "awq")  # quant_method of the formats checkpoint/export.py writes
+EXPORT_MARK = "quantkit_export"  # config.json key of a folder quantkit exported (what --overwrite may replace)
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -106,15 +107,15 @@ def write_shards(tensors: dict[str, torch.Tensor], folder: Path, shard_bytes: in
 
 
 def _is_checkpoint(folder: Path) -> bool:
-    """Whether ``folder`` holds a quantkit checkpoint or one quantkit exported (its config names quantkit's
-    quantization method or an export format's)."""
+    """Whether ``folder`` holds a quantkit checkpoint or one that quantkit exported (never another tool's)."""
     from quantkit.models.loading import read_config
 
     try:
-        qc = read_config(folder).get("quantization_config")
+        config = read_config(folder)
     except QuantkitError:
         return False
-    return isinstance(qc, dict) and qc.get("quant_method") in (QUANT_METHOD, *EXPORT_FORMATS)
+    qc = config.get("quantization_config")
+    return isinstance(qc, dict) and (qc.get("quant_method") == QUANT_METHOD or EXPORT_MARK in config)
 
 
 def check_output(out_dir: str | os.PathLike, overwrite: bool = False) -> Path:

@@ -349,7 +349,7 @@ def inspect_command(folder: Path, as_json: bool) -> None:
 @click.argument("folder", type=click.Path(path_type=Path))
 @click.option(
     "--format", "fmt", type=click.Choice(["compressed-tensors", "gptq", "awq"]), required=True,
-    help="compressed-tensors (vLLM; transformers with the compressed-tensors package: every scheme), gptq"
+    help="compressed-tensors (vLLM, transformers + compressed-tensors; every scheme but act-order), gptq"
     " (checkpoint format v1: one weight-only integer scheme, act-order included) or awq (GEMM: 4-bit groups).",
 )  # fmt: skip
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder to write.")
@@ -360,10 +360,7 @@ def export_command(folder: Path, fmt: str, out: Path, overwrite: bool) -> None:
 
     with stderr.status(f"exporting {folder} as {fmt}"):
         done = export_checkpoint(folder, out, fmt, overwrite=overwrite)
-    note = ""
-    if done.scale_change:
-        note = f"; scales cast to the model's dtype moved by up to {done.scale_change:.2e} (relative)"
-    stdout.print(f"wrote {done.path} ({fmt}, {done.modules} quantized linears{note})")
+    stdout.print(f"wrote {done.path} ({fmt}, {done.modules} quantized linears)")
 
 
 @click.command("import", cls=QuantkitCommand)

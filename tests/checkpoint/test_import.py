@@ -45,7 +45,7 @@ def test_an_export_imports_back_to_the_same_model(tmp_path, fmt, recipe):
     q = checkpoint(tmp_path, recipe)
     exported = export_checkpoint(q, tmp_path / "exported", fmt)
     done = import_checkpoint(exported.path, tmp_path / "back")
-    assert done.method == fmt and done.scale_change == 0.0
+    assert done.method == fmt and done.scale_change == 0.0  # fp16 scales, as quantkit keeps them
     qc = json.loads((done.path / "config.json").read_text())["quantization_config"]
     original = json.loads((q / "config.json").read_text())["quantization_config"]
     assert qc["modules"] == original["modules"] and qc["schemes"] == original["schemes"]
@@ -159,3 +159,71 @@ def test_import_command_then_inspect_and_generate(tmp_path):
     assert r.exit_code == 0, r.output
     r = run("import", tmp_path / "missing", "--out", tmp_path / "x")
     assert r.exit_code == 2 and "checkpoint not found" in r.stderr
+
+
+def test_compressed_tensors_groups_are_matched_as_the_library_ranks_them(tmp_path):
+    """An exact name beats a ``re:`` pattern (matched at the start, as re.match), which beats the class Linear:
+    here the 8-bit group names the down projections by a prefix pattern and the 4-bit group claims Linear."""
+    recipe = {"scheme": scheme(4, 32), "stages": [{"method": "rtn", "overrides": [
+        {"match": "re:.*down_proj", "scheme": scheme(8, -1)}]}]}  # fmt: skip
+    q = checkpoint(tmp_path, recipe)
+    exported = export_checkpoint(q, tmp_path / "ct", "compressed-tensors").path
+    config = json.loads((exported / "config.json").read_text())
+    for group in config["quantization_config"]["config_groups"].values():
+        group["targets"] = ["Linear"] if group["weights"]["num_bits"] == 4 else ["re:model.*down"]
+    (exported / "config.json").write_text(json.dumps(config))
+    done = import_checkpoint(exported, tmp_path / "back")
+    assert torch.equal(logits(quantkit.load_quantized(done.path)), logits(quantkit.load_quantized(q)))
+
+    for group in config["quantization_config"]["config_groups"].values():
+        group["targets"] = ["Linear"]  # both groups claim every layer: the first one is wrong for some
+    (exported / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QuantkitError, match=r"weight_packed \[96, \d+\] does not hold 96 x 64 \d-bit codes"):
+        import_checkpoint(exported, tmp_path / "back2")
+
+
+def _tiny_bf16_scales(tensors):
+    key = "model.layers.0.mlp.up_proj.scales"
+    tensors[key] = torch.full_like(tensors[key], 1e-6, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "fmt, edit, fragment",
+    [
+        ("gptq", {"tensor_update": _tiny_bf16_scales}, "scales change by"),
+        ("gptq", {"qc_update": {"dynamic": ["-:.*k_proj"]}}, "dynamic must be a mapping"),
+        ("compressed-tensors", {"qc_update": {"config_groups": ["group_0"]}}, "config_groups must map"),
+        ("compressed-tensors", {"tensor_update": lambda t: t.pop("model.layers.0.mlp.up_proj.weight_shape")},
+         "weight_packed without weight_shape"),
+        ("awq", {"tensor_update": lambda t: t.update({"model.layers.0.mlp.up_proj.qweight": torch.zeros(96, 12)})},
+         "qweight is stored as torch.float32"),
+        ("awq", {"tensor_update": lambda t: t.update({"model.layers.0.mlp.up_proj.qweight": torch.zeros(
+            5, 12, dtype=torch.int32)})}, "do not describe one 32-group layer"),
+    ],
+    ids=["gptq-tiny-scales", "gptq-dynamic-list", "ct-groups-list", "ct-no-weight-shape", "awq-float-qweight",
+         "awq-short-qweight"],
+)  # fmt: skip
+def test_malformed_checkpoints_are_one_line_errors(tmp_path, fmt, edit, fragment):
+    q = checkpoint(tmp_path, {"scheme": scheme(4, 32), "stages": [{"method": "rtn"}]})
+    exported = export_checkpoint(q, tmp_path / "exported", fmt).path
+    _edit(exported, **edit)
+    with pytest.raises(QuantkitError, match=fragment):
+        import_checkpoint(exported, tmp_path / "back")
+    assert not (tmp_path / "back").exists()
+
+
+def test_legacy_autogptq_folder_and_what_overwrite_may_replace(tmp_path):
+    q = checkpoint(tmp_path, {"scheme": scheme(4, 32), "stages": [{"method": "rtn"}]})
+    exported = export_checkpoint(q, tmp_path / "gptq", "gptq").path
+    config = json.loads((exported / "config.json").read_text())
+    (exported / "quantize_config.json").write_text(json.dumps(config.pop("quantization_config")))
+    config.pop("quantkit_export")  # now another tool's folder, with AutoGPTQ's own settings file
+    (exported / "config.json").write_text(json.dumps(config))
+    done = import_checkpoint(exported, tmp_path / "back")
+    assert torch.equal(logits(quantkit.load_quantized(done.path)), logits(quantkit.load_quantized(q)))
+    with pytest.raises(QuantkitError, match="not a quantkit checkpoint"):
+        export_checkpoint(q, exported, "gptq", overwrite=True)  # never replaces another tool's checkpoint
+    with pytest.raises(QuantkitError, match="must lie outside the checkpoint being imported"):
+        import_checkpoint(exported, exported / "nested")
+    export_checkpoint(q, tmp_path / "ct", "compressed-tensors")
+    export_checkpoint(q, tmp_path / "ct", "gptq", overwrite=True)  # an earlier export may be replaced
