@@ -1,6 +1,7 @@
 """The CLI: a happy path on a tiny model, and every kind of bad input -> one line, exit 2, nothing written."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -40,6 +41,10 @@ def test_quantize_eval_inspect_happy_path(tiny_dir, tmp_path):
     r = run("quantize", "--model", tiny_dir, "--out", out, "--bits", "4", "--group-size", "32", "--asym")
     assert r.exit_code == 0, r.output
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    # stderr is not a terminal here: progress comes as plain lines, the last one always printed
+    steps = [ln for ln in r.stderr.splitlines() if ln.startswith("quantizing ")]
+    assert steps and re.fullmatch(r"quantizing 2/2 \d\d:\d\d:\d\d layer 1 \(\d+\.\ds\)", steps[-1]), r.stderr
+    assert "━" not in r.stderr
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "quantkit" and qc["schemes"] == {
         "w4a16-g32-asym": {
