@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--sym", action="store_true", help="symmetric grid (default asymmetric, as AWQ checkpoints)")
     ap.add_argument("--grid", type=int, default=20)
     ap.add_argument("--no-clip", dest="clip", action="store_false")
-    ap.add_argument("--search-samples", type=int, default=None, help="windows the scale objective runs on (all)")
+    ap.add_argument("--search-samples", type=int, default=16, help="windows the scale objective runs on (0: all)")
     ap.add_argument(
         "--refine-steps",
         type=int,
@@ -124,7 +124,7 @@ def main() -> None:
                     "params": {
                         "grid": args.grid,
                         "clip": args.clip and not args.then_gptq,
-                        "search_samples": args.search_samples,
+                        "search_samples": args.search_samples or None,
                         "quantizer": "gptq" if args.then_gptq else "rtn",
                         **({} if args.refine_steps is None else {"refine_steps": args.refine_steps}),
                     },
@@ -175,7 +175,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads",
         "decoder_layers": args.layers,
         "calibration": calibration,
-        "search_samples": args.search_samples,
+        "search_samples": args.search_samples or "all",
         "scheme": scheme,
         "grid": args.grid,
         "clip": args.clip and not args.then_gptq,
