@@ -4,6 +4,7 @@
     python benchmarks/bench_awq.py --layers 32     # the whole 8B stack (about 4 s per layer expected on an H200)
     python benchmarks/bench_awq.py --smoke         # CPU plumbing check: tiny shapes, numbers meaningless
     python benchmarks/bench_awq.py --cpu-smollm2 --threads 1   # the real SmolLM2-135M (fp32) on CPU, Brown windows
+    python benchmarks/bench_awq.py --cpu-smollm2 --layers 1 --search-samples 0 --search-tokens 8192   # old defaults
 
 The model is built on the meta device and materialised on the CPU in bf16 (weights ~ N(0, 0.02) drawn on the GPU,
 one tensor at a time; norms 1), as a real checkpoint would sit in host memory. ``quantkit.quantize`` with a recipe
@@ -67,7 +68,9 @@ def build(shapes: dict, layers: int, draw_on: torch.device, seed: int = 0):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=8, help="decoder layers to build (the 8B model has 32)")
+    ap.add_argument(
+        "--layers", type=int, default=None, help="decoder layers (the 8B model has 32; default 8, SmolLM2: all 30)"
+    )
     ap.add_argument("--nsamples", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -77,6 +80,7 @@ def main() -> None:
     ap.add_argument("--grid", type=int, default=20)
     ap.add_argument("--no-clip", dest="clip", action="store_false")
     ap.add_argument("--search-samples", type=int, default=16, help="windows the scale objective runs on (0: all)")
+    ap.add_argument("--search-tokens", type=int, default=4096, help="tokens a token-wise block is judged on")
     ap.add_argument(
         "--refine-steps",
         type=int,
@@ -125,6 +129,7 @@ def main() -> None:
                         "grid": args.grid,
                         "clip": args.clip and not args.then_gptq,
                         "search_samples": args.search_samples or None,
+                        "search_tokens": args.search_tokens,
                         "quantizer": "gptq" if args.then_gptq else "rtn",
                         **({} if args.refine_steps is None else {"refine_steps": args.refine_steps}),
                     },
@@ -139,9 +144,15 @@ def main() -> None:
         from quantkit.calib.data import calibration_windows
 
         model, tokenizer, _ = quantkit.load_model("smollm2-135m")
-        args.layers = model.config.num_hidden_layers
+        n = model.config.num_hidden_layers
+        if args.layers is not None and not 1 <= args.layers <= n:
+            raise SystemExit(f"--layers must be 1 to {n} for SmolLM2-135M")
+        args.layers = args.layers or n
+        model.model.layers = model.model.layers[: args.layers]  # the first layers alone: a per-layer timing
+        model.config.num_hidden_layers = args.layers
         calib, calibration = calibration_windows(tokenizer, "brown", args.nsamples, args.seqlen)
     else:
+        args.layers = args.layers or 8
         model = build(shapes, args.layers, device)
         calib = torch.randint(0, shapes["vocab_size"], (args.nsamples, args.seqlen), generator=torch.Generator())
         calibration = {"source": "random ids", "nsamples": args.nsamples, "seqlen": args.seqlen}
@@ -176,6 +187,7 @@ def main() -> None:
         "decoder_layers": args.layers,
         "calibration": calibration,
         "search_samples": args.search_samples or "all",
+        "search_tokens": args.search_tokens,
         "scheme": scheme,
         "grid": args.grid,
         "clip": args.clip and not args.then_gptq,
