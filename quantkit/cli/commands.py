@@ -245,13 +245,42 @@ def load_compressed_tensors(path: Path, dtype: torch.dtype, device: str):
 
     if importlib.util.find_spec("compressed_tensors") is None:
         raise QuantkitError(f"{path} is a compressed-tensors checkpoint: pip install compressed-tensors to read it")
-    with loading(str(path)):
-        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device,
-                                                           output_loading_info=True)  # fmt: skip
+    try:
+        with loading(str(path)):
+            model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device,
+                                                               output_loading_info=True)  # fmt: skip
+    except QuantkitError as exc:  # the library's empty model holds zero points unpacked: their shapes mismatch
+        if "mismatched" not in str(exc) or not _packed_zero_points(path):
+            raise
+        import compressed_tensors
+        import transformers
+
+        raise QuantkitError(
+            f"cannot load {path}: transformers {transformers.__version__} with compressed-tensors "
+            f"{compressed_tensors.__version__} cannot load pack-quantized layers with zero points (asymmetric); "
+            f"evaluate the output of 'quantkit import {path} --out DIR' instead"
+        ) from None
     bad = sorted(info.get("missing_keys", [])) + [str(m) for m in info.get("mismatched_keys", [])]
     if bad:
         raise QuantkitError(f"cannot load {path}: {len(bad)} tensors missing or mismatched, e.g. {bad[0]}")
     return model.eval()
+
+
+def _packed_zero_points(path: Path) -> bool:
+    """Whether a compressed-tensors config declares pack-quantized weights with zero points."""
+    from quantkit.models.loading import read_config
+
+    qc = read_config(path).get("quantization_config") or {}
+    groups = qc.get("config_groups") if isinstance(qc, dict) else None
+    if not isinstance(groups, dict):
+        return False
+    return any(
+        isinstance(g, dict)
+        and (g.get("format") or qc.get("format")) == "pack-quantized"
+        and isinstance(g.get("weights"), dict)
+        and g["weights"].get("symmetric") is False
+        for g in groups.values()
+    )
 
 
 def load_any(spec: str, dtype: torch.dtype, device: str):

@@ -252,6 +252,27 @@ def test_eval_reads_a_compressed_tensors_export(tmp_path):
     assert "0.0000" in r.stdout and "1.000" in r.stdout  # KL and top-1 agreement against quantkit's checkpoint
 
 
+
+def test_eval_of_an_asymmetric_compressed_tensors_export_fails_in_one_line_or_matches(tmp_path):
+    """transformers 5.25 with compressed-tensors 0.20.1 cannot load packed zero points (its empty model allocates
+    them unpacked): eval says so in one line and names the way round it; a reader that loads them must match."""
+    _register_commands()
+    q = checkpoint(tmp_path, {"scheme": scheme(4, 32, sym=False), "stages": [{"method": "rtn"}]})
+    export_checkpoint(q, tmp_path / "ct", "compressed-tensors")
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"word{i % 37}" for i in range(2000)))
+    args = ["--baseline", str(q), "--data", str(text), "--seqlen", "32", "--windows", "2"]
+    r = CliRunner().invoke(cli, ["eval", "--model", str(tmp_path / "ct"), *args])
+    if r.exit_code == 0:
+        assert "0.0000" in r.stdout and "1.000" in r.stdout, r.output
+    else:
+        lines = [ln for ln in r.stderr.splitlines() if ln.startswith("quantkit: error:")]
+        assert r.exit_code == 2 and len(lines) == 1, r.output
+        assert "zero points" in lines[0] and f"quantkit import {tmp_path / 'ct'} --out DIR" in lines[0], lines[0]
+    quantkit.import_checkpoint(tmp_path / "ct", tmp_path / "back")
+    r = CliRunner().invoke(cli, ["eval", "--model", str(tmp_path / "back"), *args])
+    assert r.exit_code == 0 and "0.0000" in r.stdout and "1.000" in r.stdout, r.output
+
 def awq_gemm_weights(folder):
     """The dequantized weights of an AWQ GEMM checkpoint, decoded from the format's rules alone: qweight [K, N / 8]
     and qzeros packed along the output, nibble i of packed column c holding column 8c + [0, 2, 4, 6, 1, 3, 5, 7][i],
