@@ -252,7 +252,6 @@ def test_eval_reads_a_compressed_tensors_export(tmp_path):
     assert "0.0000" in r.stdout and "1.000" in r.stdout  # KL and top-1 agreement against quantkit's checkpoint
 
 
-
 def test_eval_of_an_asymmetric_compressed_tensors_export_fails_in_one_line_or_matches(tmp_path):
     """transformers 5.25 with compressed-tensors 0.20.1 cannot load packed zero points (its empty model allocates
     them unpacked): eval says so in one line and names the way round it; a reader that loads them must match."""
@@ -272,6 +271,7 @@ def test_eval_of_an_asymmetric_compressed_tensors_export_fails_in_one_line_or_ma
     quantkit.import_checkpoint(tmp_path / "ct", tmp_path / "back")
     r = CliRunner().invoke(cli, ["eval", "--model", str(tmp_path / "back"), *args])
     assert r.exit_code == 0 and "0.0000" in r.stdout and "1.000" in r.stdout, r.output
+
 
 def awq_gemm_weights(folder):
     """The dequantized weights of an AWQ GEMM checkpoint, decoded from the format's rules alone: qweight [K, N / 8]
