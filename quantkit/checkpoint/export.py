@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from quantkit.checkpoint.config import module_schemes
+from quantkit.checkpoint.load import read_tensors
 from quantkit.checkpoint.save import (
     EXPORT_FORMATS,
     EXPORT_MARK,
@@ -133,21 +133,6 @@ def write_converted(folder: Path, out, overwrite: bool, config: dict, qc: dict, 
                                          + "\n")  # fmt: skip
         write_shards(tensors, tmp, SHARD_BYTES)
     return out
-
-
-def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise QuantkitError(f"{folder} has no .safetensors files")
-    tensors = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    tensors[name] = st.get_tensor(name)
-        except Exception as exc:
-            raise QuantkitError(f"{f} is not a readable safetensors file: {exc}") from None
-    return tensors
 
 
 def module_tensors(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from quantkit.checkpoint.config import module_schemes
 from quantkit.errors import QuantkitError
@@ -86,3 +87,19 @@ def check_quantized_tensors(where, model: torch.nn.Module, stored: dict[str, str
             groups = scales.shape[0]
             if int(buf.min()) < 0 or int(buf.max()) >= groups:
                 raise QuantkitError(f"corrupt checkpoint {where}: {name} names groups outside [0, {groups})")
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors files; a missing or unreadable file is a one-line error."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise QuantkitError(f"{folder} has no .safetensors files")
+    tensors = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    tensors[name] = st.get_tensor(name)
+        except Exception as exc:
+            raise QuantkitError(f"{f} is not a readable safetensors file: {exc}") from None
+    return tensors

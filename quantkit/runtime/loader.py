@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from quantkit.errors import QuantkitError
@@ -85,17 +84,6 @@ def assign_weights(model: CausalLM, tensors: dict[str, torch.Tensor], device: to
     check_quantized_tensors(where, model, stored)
 
 
-def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise QuantkitError(f"{folder} holds no .safetensors files")
-    tensors = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            tensors.update({k: st.get_tensor(k) for k in st.keys()})  # noqa: SIM118 (safe_open is not a dict)
-    return tensors
-
-
 def load_folder(path: str | Path, dtype_name: str, device: torch.device) -> LoadedModel:
     """A float HF folder or a quantkit checkpoint folder."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -122,8 +110,10 @@ def load_folder(path: str | Path, dtype_name: str, device: torch.device) -> Load
         absent = sorted(set(schemes) - names)
         if absent:
             raise QuantkitError(f"corrupt checkpoint {folder}: quantized module {absent[0]} is not in the model")
+    from quantkit.checkpoint.load import read_tensors
+
     with loading(folder):
-        assign_weights(model, read_safetensors(folder), device, folder)
+        assign_weights(model, read_tensors(folder), device, folder)
         tokenizer = None
         if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
             tokenizer = AutoTokenizer.from_pretrained(folder)
