@@ -85,7 +85,7 @@ class AWQStage:
         # calibration windows the scale objective runs on (None: all). 16 windows and 4096 tokens below are the
         # protocol of every AWQ figure in the README; twice both changed nothing (4-bit g128, two calibration
         # draws: 55.67 / 56.70 against 55.46 / 56.88, results/accuracy-awq.md), all 128 default windows and 8192
-        # tokens took twice as long on the CPU (SmolLM2-135M: 84 s a layer against 44 s)
+        # tokens took twice as long on the CPU (SmolLM2-135M: 88 s a layer against 44 s, bench_awq.py --cpu-smollm2)
         search_samples: int | None = 16
         # token-wise blocks (MLPs, MoE blocks: called with nothing but their input) are judged on this many tokens
         # evenly strided over every calibration window instead (None: on the search_samples windows)
