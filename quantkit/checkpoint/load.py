@@ -101,5 +101,5 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
                 for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
                     tensors[name] = st.get_tensor(name)
         except Exception as exc:
-            raise QuantkitError(f"{f} is not a readable safetensors file: {exc}") from None
+            raise QuantkitError(f"cannot load {f}: not a readable safetensors file: {exc}") from None
     return tensors
