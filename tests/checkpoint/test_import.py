@@ -14,7 +14,7 @@ from quantkit.checkpoint.export import export_checkpoint
 from quantkit.checkpoint.foreign import import_checkpoint
 from quantkit.cli.main import _register_commands, cli
 from quantkit.errors import QuantkitError
-from tests.checkpoint.test_export import checkpoint, logits, scheme
+from tests.checkpoint.test_export import checkpoint, logits, needs_compressed_tensors, scheme
 from tests.tiny_models import tiny_model, tiny_tokenizer
 
 ROUND_TRIPS = [
@@ -66,6 +66,7 @@ def test_gptq_v2_imports_with_its_zero_points_as_stored(tmp_path):
     assert torch.equal(logits(model), logits(reference))
 
 
+@needs_compressed_tensors
 def test_a_layer_written_by_compressed_tensors_decodes_as_that_library_decodes_it(tmp_path):
     """compressed-tensors' own compressor writes one asymmetric 4-bit group-16 layer (as llm-compressor would);
     the import must dequantize to what the library's decompressor gives."""
