@@ -1,0 +1,212 @@
+"""quantkit against llm-compressor: the same model, calibration windows, scheme and evaluation, timed in one run.
+
+    python benchmarks/vs_llmcompressor.py --llmc-python V/bin/python --method gptq                 # 4-bit g128 sym
+    python benchmarks/vs_llmcompressor.py --llmc-python V/bin/python --method awq --asym --group-size 64
+    python benchmarks/vs_llmcompressor.py --llmc-python V/bin/python --method rtn
+
+llm-compressor runs in a virtual environment of its own (0.14 pins transformers <= 5.17 and compressed-tensors
+0.19, not quantkit's versions); it is never a dependency of quantkit:
+
+    python3 -m venv V && V/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1
+
+What happens, each tool in a child process of its own (wall time and peak RSS from ``os.wait4``: loading the
+model, quantizing, saving; 2-core CPU, fp32):
+1. the calibration windows quantkit would take (``--calib``, ``--nsamples`` x ``--seqlen``, ``--seed``) are written
+   to ``WORK/calib.pt``, so both tools see the same tokens;
+2. llm-compressor's ``oneshot`` with its GPTQModifier, AWQModifier + QuantizationModifier, or QuantizationModifier
+   alone (RTN), the scheme as a compressed-tensors config group, ``lm_head`` ignored, every other setting at its
+   default; saved compressed;
+3. ``quantkit quantize --method METHOD`` with the same scheme and calibration (its defaults otherwise);
+4. llm-compressor's folder goes through ``quantkit import`` (so quantkit's own modules run it, and the import is
+   checked on a real third-party checkpoint), and both models are evaluated by quantkit's protocol against the float
+   model: perplexity, KL divergence and top-1 agreement over ``--windows`` windows of ``--eval`` text.
+
+Written to ``WORK`` (``--work``, default ``out/vs-llmc-METHOD-...``): both folders, ``result.json``, ``result.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LLMC_METHODS = ("rtn", "gptq", "awq")
+
+
+def run_child(cmd: list[str], log: Path, env: dict | None = None) -> dict:
+    """Run ``cmd`` with its output in ``log``; its wall seconds and peak RSS (GB); raise if it failed."""
+    t0 = time.perf_counter()
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - t0
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        tail = log.read_text().strip().splitlines()[-5:]
+        raise SystemExit(f"{cmd[0]} {' '.join(cmd[1:4])} ... failed ({code}); log {log}:\n" + "\n".join(tail))
+    return {"seconds": round(seconds, 1), "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2)}
+
+
+def llmc_side(args) -> None:
+    """In llm-compressor's environment: quantize ``args.model_dir`` on the windows in ``args.calib_file``."""
+    import torch
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    windows = torch.load(args.calib_file)
+    dataset = Dataset.from_dict({"input_ids": windows.tolist(), "attention_mask": torch.ones_like(windows).tolist()})
+    weights = QuantizationArgs(
+        num_bits=args.bits, type="int", symmetric=not args.asym, strategy="group", group_size=args.group_size,
+        observer=args.llmc_observer,
+    )  # fmt: skip
+    groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
+    if args.method == "gptq":
+        from llmcompressor.modifiers.gptq import GPTQModifier
+
+        recipe = GPTQModifier(config_groups=groups, ignore=["lm_head"])
+    elif args.method == "awq":
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+        from llmcompressor.modifiers.transform.awq import AWQModifier
+
+        if not torch.cuda.is_available():
+            # 0.14's AWQ pins its cached inputs for host-to-device copies, which fails without an accelerator;
+            # on the CPU nothing is copied, so not pinning changes nothing but lets it run
+            from llmcompressor.pipelines.cache import IntermediatesCache
+
+            IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
+        # AWQ only rescales; the quantization modifier after it rounds on the scheme AWQ searched for
+        recipe = [AWQModifier(), QuantizationModifier(config_groups=groups, ignore=["lm_head"])]
+    else:
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+
+        recipe = QuantizationModifier(config_groups=groups, ignore=["lm_head"])
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    t0 = time.perf_counter()
+    oneshot(
+        model=model,
+        dataset=dataset,
+        recipe=recipe,
+        max_seq_length=windows.shape[1],
+        num_calibration_samples=windows.shape[0],
+    )
+    seconds = time.perf_counter() - t0
+    model.save_pretrained(args.out, save_compressed=True)
+    tokenizer.save_pretrained(args.out)
+    print(json.dumps({"oneshot_seconds": round(seconds, 1)}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llmc-python", help="python of the virtual environment holding llm-compressor")
+    ap.add_argument("--method", choices=LLMC_METHODS, default="gptq")
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--asym", action="store_true", help="asymmetric (integer zero points); default symmetric")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--calib", default="brown")
+    ap.add_argument("--nsamples", type=int, default=128)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval", default="moby-dick")
+    ap.add_argument("--windows", type=int, default=40)
+    ap.add_argument("--llmc-observer", help="llm-compressor's weight observer (default: its own, min-max)")
+    ap.add_argument("--work", help="output folder (default out/vs-llmc-METHOD-wBITSgG[-asym][-OBSERVER])")
+    ap.add_argument("--tools", default="llm-compressor,quantkit", help="which tools quantize (comma-separated); "
+                    "a folder an earlier run left in --work stands in for a tool left out")  # fmt: skip
+    # the llm-compressor side (run by the driver in the other environment)
+    ap.add_argument("--llmc-side", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--calib-file", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.llmc_side:
+        llmc_side(args)
+        return
+    args.tools = [t.strip() for t in args.tools.split(",") if t.strip()]
+    if set(args.tools) - {"llm-compressor", "quantkit"}:
+        ap.error(f"--tools takes llm-compressor and quantkit, got {args.tools}")
+    if "llm-compressor" in args.tools and not args.llmc_python:
+        ap.error("--llmc-python is required (the python of an environment with llm-compressor installed)")
+    drive(args)
+
+
+def drive(args) -> None:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    import quantkit
+    from quantkit.calib.data import calibration_windows, evaluation_windows
+    from quantkit.eval import evaluate_windows
+    from quantkit.models.loading import resolve_model
+
+    console = Console(soft_wrap=True)
+    tag = f"{args.method}-w{args.bits}g{args.group_size}" + ("-asym" if args.asym else "")
+    tag += f"-{args.llmc_observer}" if args.llmc_observer else ""
+    work = Path(args.work or f"out/vs-llmc-{tag}")
+    work.mkdir(parents=True, exist_ok=True)
+    folder = resolve_model(args.model)
+    llmc_dir, qk_dir, imported = work / "llmcompressor", work / "quantkit", work / "llmcompressor-imported"
+    result_file = work / "result.json"
+    runs = json.loads(result_file.read_text())["runs"] if result_file.is_file() else {}
+
+    float_model, tokenizer, _ = quantkit.load_model(folder)
+    windows, fingerprint = calibration_windows(tokenizer, args.calib, args.nsamples, args.seqlen, args.seed)
+    console.print(f"calibration: {fingerprint}")
+    if "llm-compressor" in args.tools:
+        torch.save(windows, work / "calib.pt")
+        side = [args.llmc_python, __file__, "--llmc-side", "--method", args.method, "--bits", str(args.bits),
+                "--group-size", str(args.group_size), "--model-dir", str(folder),
+                "--calib-file", str(work / "calib.pt"), "--out", str(llmc_dir)]  # fmt: skip
+        side += ["--asym"] if args.asym else []
+        side += ["--llmc-observer", args.llmc_observer] if args.llmc_observer else []
+        console.print(f"llm-compressor {args.method} ... (log {work / 'llmcompressor.log'})")
+        runs["llm-compressor"] = run_child(side, work / "llmcompressor.log", env={**os.environ, "PYTHONPATH": ""})
+        console.print(f"  {runs['llm-compressor']}")
+        imp = [sys.executable, "-m", "quantkit", "import", str(llmc_dir), "--out", str(imported), "--overwrite"]
+        run_child(imp, work / "import.log")
+    if "quantkit" in args.tools:
+        cli = [sys.executable, "-m", "quantkit", "quantize", "--model", str(folder), "--method", args.method,
+               "--bits", str(args.bits), "--group-size", str(args.group_size), "--calib", args.calib,
+               "--nsamples", str(args.nsamples), "--seqlen", str(args.seqlen), "--seed", str(args.seed),
+               "--out", str(qk_dir), "--overwrite", "--asym" if args.asym else "--sym"]  # fmt: skip
+        console.print(f"quantkit {args.method} ... (log {work / 'quantkit.log'})")
+        runs["quantkit"] = run_child(cli, work / "quantkit.log")
+        console.print(f"  {runs['quantkit']}")
+
+    windows, protocol = evaluation_windows(tokenizer, args.eval, 512, args.windows)
+    rows = {}
+    for name, path in (("llm-compressor", imported), ("quantkit", qk_dir)):
+        if not (path / "config.json").is_file():
+            raise SystemExit(f"{path} holds no checkpoint: run with --tools {name} first")
+        model = quantkit.load_quantized(path)
+        res = evaluate_windows(model, windows, baseline=float_model)
+        rows[name] = {"perplexity": res.perplexity, "kl": res.kl, "top1": res.top1_agreement}
+        float_ppl = res.baseline_perplexity
+    title = f"{args.model} {tag}: {args.nsamples} x {args.seqlen} {args.calib} windows, "
+    table = Table(title=title + f"{protocol['windows']} x 512 {args.eval} windows, float perplexity {float_ppl:.3f}")
+    for col in ("tool", "perplexity", "KL vs float", "top-1", "wall s", "peak RSS GB"):
+        table.add_column(col)
+    for name, r in rows.items():
+        run = runs.get(name, {})
+        table.add_row(name, f"{r['perplexity']:.3f}", f"{r['kl']:.4f}", f"{r['top1']:.3f}",
+                      str(run.get("seconds", "-")), str(run.get("peak_rss_gb", "-")))  # fmt: skip
+    console.print(table)
+    result_file.write_text(json.dumps({
+        "method": args.method, "bits": args.bits, "group_size": args.group_size, "asym": args.asym,
+        "llmc_observer": args.llmc_observer,
+        "calibration": {"source": args.calib, "nsamples": args.nsamples, "seqlen": args.seqlen, "seed": args.seed},
+        "evaluation": protocol, "float_perplexity": float_ppl, "runs": runs, "rows": rows,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }, indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
