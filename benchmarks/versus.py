@@ -1,30 +1,34 @@
-"""quantkit against llm-compressor: the same model, calibration windows, scheme and evaluation, timed in one run.
+"""quantkit against another quantization tool: the same model, calibration windows, scheme and evaluation, timed in
+one run.
 
-    python benchmarks/vs_llmcompressor.py --llmc-python V/bin/python --method gptq --group-size 64   # 4-bit sym
-    python benchmarks/vs_llmcompressor.py --llmc-python V/bin/python --method gptq --bits 3 --group-size 64
-    python benchmarks/vs_llmcompressor.py --llmc-python V/bin/python --method awq --asym --group-size 64
-    python benchmarks/vs_llmcompressor.py --llmc-python V/bin/python --method rtn --group-size 64
+    python benchmarks/versus.py --against llm-compressor --python V/bin/python --method gptq --group-size 64
+    python benchmarks/versus.py --against gptqmodel --python G/bin/python --method gptq --group-size 128
+    python benchmarks/versus.py --against gptqmodel --python G/bin/python --method awq --asym --group-size 128
+    (likewise --method rtn, --bits 3)
 
-(llm-compressor 0.14 refuses groups that do not divide a layer's input size, such as 128 on SmolLM2's 576.)
-
-llm-compressor runs in a virtual environment of its own (0.14 pins transformers <= 5.17 and compressed-tensors
-0.19, not quantkit's versions); it is never a dependency of quantkit:
+The other tool runs in a virtual environment of its own (its pins on transformers, compressed-tensors or torch are not
+quantkit's); it is never a dependency of quantkit:
 
     python3 -m venv V && V/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1
+    python3 -m venv G && G/bin/pip install torch==2.13.0 gptqmodel==7.3.6 requests
+
+(llm-compressor 0.14 refuses groups that do not divide a layer's input size, such as 128 on SmolLM2's 576; GPTQModel
+7.4 and later need torch 2.14.)
 
 What happens, each tool in a child process of its own (wall time and peak RSS from ``os.wait4``: loading the
 model, quantizing, saving; 2-core CPU, fp32):
 1. the calibration windows quantkit would take (``--calib``, ``--nsamples`` x ``--seqlen``, ``--seed``) are written
    to ``WORK/calib.pt``, so both tools see the same tokens;
-2. llm-compressor's ``oneshot`` with its GPTQModifier, AWQModifier + QuantizationModifier, or QuantizationModifier
-   alone (RTN), the scheme as a compressed-tensors config group, ``lm_head`` ignored, every other setting at its
-   default; saved compressed;
+2. the other tool quantizes at its own defaults, only the scheme set (bits, group, symmetry; ``lm_head`` left float):
+   llm-compressor's ``oneshot`` with its GPTQModifier, AWQModifier + QuantizationModifier, or QuantizationModifier
+   alone (RTN), saved compressed; GPTQModel's ``quantize`` with GPTQConfig, AWQConfig (GEMM) or RTNConfig, saved in its
+   GPTQ / AWQ format;
 3. ``quantkit quantize --method METHOD`` with the same scheme and calibration (its defaults otherwise);
-4. llm-compressor's folder goes through ``quantkit import`` (so quantkit's own modules run it, and the import is
+4. the other tool's folder goes through ``quantkit import`` (so quantkit's own modules run it, and the import is
    checked on a real third-party checkpoint), and both models are evaluated by quantkit's protocol against the float
    model: perplexity, KL divergence and top-1 agreement over ``--windows`` windows of ``--eval`` text.
 
-Written to ``WORK`` (``--work``, default ``out/vs-llmc-METHOD-...``): the folders, the logs, ``result.json``; the
+Written to ``WORK`` (``--work``, default ``out/vs-TOOL-METHOD-...``): the folders, the logs, ``result.json``; the
 table is printed.
 """
 
@@ -38,7 +42,8 @@ import sys
 import time
 from pathlib import Path
 
-LLMC_METHODS = ("rtn", "gptq", "awq")
+METHODS = ("rtn", "gptq", "awq")
+SHORT = {"llm-compressor": "llmc", "gptqmodel": "gptqmodel"}  # folder names under --work
 
 
 def run_child(cmd: list[str], log: Path, env: dict | None = None) -> dict:
@@ -103,10 +108,39 @@ def llmc_side(args) -> None:
     tokenizer.save_pretrained(args.out)
 
 
+def gptqmodel_side(args) -> None:
+    """In GPTQModel's environment: quantize ``args.model_dir`` on the windows in ``args.calib_file``."""
+    import types
+
+    # 7.3 imports every model family it knows at start-up, InternVL's among them, which needs torchvision (no build
+    # of it for torch 2.13's CPU wheel on PyPI); SmolLM2 is a Llama, so an empty stand-in for that one module will do
+    stand_in = types.ModuleType("gptqmodel.models.definitions.internvl_chat")
+    stand_in.InternVLChatQModel = type("InternVLChatQModel", (), {})
+    sys.modules[stand_in.__name__] = stand_in
+
+    import torch
+    from gptqmodel import BACKEND, GPTQModel
+    from gptqmodel.quantization.config import AWQConfig, GPTQConfig, RTNConfig
+
+    windows = torch.load(args.calib_file)
+    calibration = [{"input_ids": w.tolist(), "attention_mask": [1] * len(w)} for w in windows]
+    config = {"gptq": GPTQConfig, "awq": AWQConfig, "rtn": RTNConfig}[args.method]
+    config = config(bits=args.bits, group_size=args.group_size, sym=not args.asym)
+    model = GPTQModel.load(args.model_dir, config, device="cpu")
+    backend = BACKEND.AUTO
+    if args.method == "awq" and not torch.cuda.is_available():
+        # AWQ's automatic choice is the CUDA GEMM kernel even on a CPU-only machine ("AWQ: CUDA is not available");
+        # its torch kernel writes the same GEMM format
+        backend = BACKEND.AWQ_TORCH
+    model.quantize(None if args.method == "rtn" else calibration, backend=backend)
+    model.save(args.out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--llmc-python", help="python of the virtual environment holding llm-compressor")
-    ap.add_argument("--method", choices=LLMC_METHODS, default="gptq")
+    ap.add_argument("--against", choices=sorted(SHORT), default="llm-compressor", help="the other tool")
+    ap.add_argument("--python", help="python of the virtual environment holding the other tool")
+    ap.add_argument("--method", choices=METHODS, default="gptq")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--asym", action="store_true", help="asymmetric (integer zero points); default symmetric")
@@ -118,23 +152,25 @@ def main() -> None:
     ap.add_argument("--eval", default="moby-dick")
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--llmc-observer", help="llm-compressor's weight observer (default: its own, min-max)")
-    ap.add_argument("--work", help="output folder (default out/vs-llmc-METHOD-wBITSgG[-asym][-OBSERVER])")
-    ap.add_argument("--tools", default="llm-compressor,quantkit", help="which tools quantize (comma-separated); "
+    ap.add_argument("--work", help="output folder (default out/vs-TOOL-METHOD-wBITSgG[-asym][-OBSERVER])")
+    ap.add_argument("--tools", help="which tools quantize (comma-separated; default: the other tool and quantkit); "
                     "a folder an earlier run left in --work stands in for a tool left out")  # fmt: skip
-    # the llm-compressor side (run by the driver in the other environment)
-    ap.add_argument("--llmc-side", action="store_true", help=argparse.SUPPRESS)
+    # the other tool's side (run by the driver in the other environment)
+    ap.add_argument("--side", choices=sorted(SHORT), help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--calib-file", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.llmc_side:
-        llmc_side(args)
+    if args.side:
+        {"llm-compressor": llmc_side, "gptqmodel": gptqmodel_side}[args.side](args)
         return
-    args.tools = [t.strip() for t in args.tools.split(",") if t.strip()]
-    if set(args.tools) - {"llm-compressor", "quantkit"}:
-        ap.error(f"--tools takes llm-compressor and quantkit, got {args.tools}")
-    if "llm-compressor" in args.tools and not args.llmc_python:
-        ap.error("--llmc-python is required (the python of an environment with llm-compressor installed)")
+    args.tools = [t.strip() for t in (args.tools or f"{args.against},quantkit").split(",") if t.strip()]
+    if set(args.tools) - {args.against, "quantkit"}:
+        ap.error(f"--tools takes {args.against} and quantkit, got {args.tools}")
+    if args.llmc_observer and args.against != "llm-compressor":
+        ap.error("--llmc-observer is llm-compressor's option")
+    if args.against in args.tools and not args.python:
+        ap.error(f"--python is required (the python of an environment with {args.against} installed)")
     drive(args)
 
 
@@ -149,29 +185,35 @@ def drive(args) -> None:
     from quantkit.models.loading import resolve_model
 
     console = Console(soft_wrap=True)
+    other, short = args.against, SHORT[args.against]
     tag = f"{args.method}-w{args.bits}g{args.group_size}" + ("-asym" if args.asym else "")
     tag += f"-{args.llmc_observer}" if args.llmc_observer else ""
-    work = Path(args.work or f"out/vs-llmc-{tag}")
+    work = Path(args.work or f"out/vs-{short}-{tag}")
     work.mkdir(parents=True, exist_ok=True)
     folder = resolve_model(args.model)
-    llmc_dir, qk_dir, imported = work / "llmcompressor", work / "quantkit", work / "llmcompressor-imported"
+    other_dir, qk_dir, imported = work / short, work / "quantkit", work / f"{short}-imported"
     result_file = work / "result.json"
     runs = json.loads(result_file.read_text())["runs"] if result_file.is_file() else {}
 
     float_model, tokenizer, _ = quantkit.load_model(folder)
     windows, fingerprint = calibration_windows(tokenizer, args.calib, args.nsamples, args.seqlen, args.seed)
     console.print(f"calibration: {fingerprint}")
-    if "llm-compressor" in args.tools:
+    if other in args.tools:
         torch.save(windows, work / "calib.pt")
-        side = [args.llmc_python, __file__, "--llmc-side", "--method", args.method, "--bits", str(args.bits),
+        side = [args.python, __file__, "--side", other, "--method", args.method, "--bits", str(args.bits),
                 "--group-size", str(args.group_size), "--model-dir", str(folder),
-                "--calib-file", str(work / "calib.pt"), "--out", str(llmc_dir)]  # fmt: skip
+                "--calib-file", str(work / "calib.pt"), "--out", str(other_dir)]  # fmt: skip
         side += ["--asym"] if args.asym else []
         side += ["--llmc-observer", args.llmc_observer] if args.llmc_observer else []
-        console.print(f"llm-compressor {args.method} ... (log {work / 'llmcompressor.log'})")
-        runs["llm-compressor"] = run_child(side, work / "llmcompressor.log", env={**os.environ, "PYTHONPATH": ""})
-        console.print(f"  {runs['llm-compressor']}")
-        imp = [sys.executable, "-m", "quantkit", "import", str(llmc_dir), "--out", str(imported), "--overwrite"]
+        env = {**os.environ, "PYTHONPATH": ""}
+        if other == "gptqmodel":
+            # 7.3 sizes its CPU pool at half the cores, then asks that pool for two loader threads: on two cores
+            # that is a refusal ("requests 2 workers but parent 'cpu' only has 1") unless the pool is set
+            env.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, (os.cpu_count() or 1) // 2)))
+        console.print(f"{other} {args.method} ... (log {work / (short + '.log')})")
+        runs[other] = run_child(side, work / f"{short}.log", env=env)
+        console.print(f"  {runs[other]}")
+        imp = [sys.executable, "-m", "quantkit", "import", str(other_dir), "--out", str(imported), "--overwrite"]
         run_child(imp, work / "import.log")
     if "quantkit" in args.tools:
         cli = [sys.executable, "-m", "quantkit", "quantize", "--model", str(folder), "--method", args.method,
@@ -184,7 +226,7 @@ def drive(args) -> None:
 
     windows, protocol = evaluation_windows(tokenizer, args.eval, 512, args.windows)
     rows = {}
-    for name, path in (("llm-compressor", imported), ("quantkit", qk_dir)):
+    for name, path in ((other, imported), ("quantkit", qk_dir)):
         if not (path / "config.json").is_file():
             raise SystemExit(f"{path} holds no checkpoint: run with --tools {name} first")
         model = quantkit.load_quantized(path)
@@ -201,8 +243,8 @@ def drive(args) -> None:
                       str(run.get("seconds", "-")), str(run.get("peak_rss_gb", "-")))  # fmt: skip
     console.print(table)
     result_file.write_text(json.dumps({
-        "method": args.method, "bits": args.bits, "group_size": args.group_size, "asym": args.asym,
-        "llmc_observer": args.llmc_observer,
+        "against": other, "method": args.method, "bits": args.bits, "group_size": args.group_size,
+        "asym": args.asym, "llmc_observer": args.llmc_observer,
         "calibration": {"source": args.calib, "nsamples": args.nsamples, "seqlen": args.seqlen, "seed": args.seed},
         "evaluation": protocol, "float_perplexity": float_ppl, "runs": runs, "rows": rows,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
