@@ -16,7 +16,9 @@ import torch
 from quantkit.quant.packing import pack_cols, pack_rows, unpack_cols, unpack_rows
 from quantkit.quant.scheme import QuantScheme
 
-SEARCH_CHUNK_ELEMENTS = 1 << 24  # candidate weights per chunk of search_qparams (64 MB in fp32)
+# candidate weights per chunk of search_qparams: on CUDA few large launches (64 MB in fp32); on the CPU chunks that
+# stay in cache (4 MB), since the ~10 passes over each chunk are bound by memory there
+SEARCH_CHUNK_ELEMENTS = {"cuda": 1 << 24, "cpu": 1 << 20}
 
 
 def compute_qparams(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,10 +29,17 @@ def compute_qparams(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor
     Scales are rounded to fp16, the precision they are stored in, so that codes computed here reproduce the
     saved checkpoint exactly (GPTQ's error feedback then sees the stored grid).
     """
-    maxq = 2**bits - 1
     w = w.float()
-    xmin = w.amin(dim=-1).clamp(max=0)
-    xmax = w.amax(dim=-1).clamp(min=0)
+    return qparams_from_range(w.amin(dim=-1), w.amax(dim=-1), bits, sym)
+
+
+def qparams_from_range(
+    xmin: torch.Tensor, xmax: torch.Tensor, bits: int, sym: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compute_qparams` from each group's min and max (fp32 [...])."""
+    maxq = 2**bits - 1
+    xmin = xmin.clamp(max=0)
+    xmax = xmax.clamp(min=0)
     if sym:
         absmax = torch.maximum(-xmin, xmax)
         scale = 2 * absmax / maxq
@@ -55,20 +64,25 @@ def search_qparams(
     grid for all the others. The exponent 2.4 (GPTQ's reference implementation uses the same) weighs large
     errors a little more than a plain squared error. Returns (scale [...], zero [...]) like
     :func:`compute_qparams`, which is the factor-1 candidate; on ties the larger factor wins. All factors are
-    tried at once, in chunks of at most ``SEARCH_CHUNK_ELEMENTS`` candidate weights (one launch per chunk
-    instead of ~15 small ones per factor).
+    tried at once, in chunks of at most ``SEARCH_CHUNK_ELEMENTS`` candidate weights. A shrunk group's range is
+    the factor times the group's min and max (rounding is monotonic, so this is exactly the min and max of the
+    shrunk weights), and the error is computed in place in one buffer per chunk.
     """
     maxq = 2**bits - 1
     w = w.float()
     factors = torch.tensor([1 - i / steps for i in range(round(max_shrink * steps) + 1)], device=w.device)
-    per_chunk = max(1, SEARCH_CHUNK_ELEMENTS // max(1, w.numel()))
+    chunk = SEARCH_CHUNK_ELEMENTS["cuda" if w.is_cuda else "cpu"]
+    per_chunk = max(1, chunk // max(1, w.numel()))
     shape = w.shape[:-1]
+    wmin, wmax = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)  # [..., 1]
+    w = w.unsqueeze(-2)  # [..., 1, G]
     best_err = torch.full(shape, float("inf"), device=w.device)
     best_scale, best_zero = torch.ones(shape, device=w.device), torch.zeros(shape, device=w.device)
     for f in factors.split(per_chunk):
-        wf = w.unsqueeze(-2) * f[:, None]  # [..., F, G]: the group shrunk by each factor
-        scale, zero = compute_qparams(wf, bits, sym)  # [..., F]
-        err = _grid_error(w.unsqueeze(-2), scale, zero, maxq, norm)  # [..., F]
+        scale, zero = qparams_from_range(wmin * f, wmax * f, bits, sym)  # [..., F]: the group shrunk by each factor
+        s, z = scale[..., None], zero[..., None]
+        # |dequant(quant(w)) - w|^norm, summed over the group: [..., F]
+        err = torch.div(w, s).round_().add_(z).clamp_(0, maxq).sub_(z).mul_(s).sub_(w).abs_().pow_(norm).sum(dim=-1)
         err, i = err.min(dim=-1)  # first minimum: the largest factor among equals
         scale, zero = scale.gather(-1, i[..., None])[..., 0], zero.gather(-1, i[..., None])[..., 0]
         better = err < best_err  # strict: an earlier chunk (larger factors) keeps ties
@@ -76,12 +90,6 @@ def search_qparams(
         best_scale = torch.where(better, scale, best_scale)
         best_zero = torch.where(better, zero, best_zero)
     return best_scale, best_zero
-
-
-def _grid_error(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int, norm: float) -> torch.Tensor:
-    """sum over the last dim of |w - dequant(quant(w))|^norm for one grid per group (scale, zero: [...])."""
-    q = quantize_with_qparams(w, scale[..., None], zero[..., None], maxq)
-    return ((q - zero[..., None]) * scale[..., None] - w).abs_().pow_(norm).sum(dim=-1)
 
 
 def quantize_with_qparams(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
