@@ -102,6 +102,7 @@ def quantize(
 
     def on_layer(ctx):
         for stage in stages:
+            ctx.stop_replaying()  # what a stage replays holds only until another stage may change the layer
             stage.apply(ctx)
 
     with torch.no_grad():

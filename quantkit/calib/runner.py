@@ -29,6 +29,17 @@ def _hidden_of(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
+def _copy(out):
+    """A module's output with every tensor in it copied (callers may change what they receive in place)."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, (tuple, list)):
+        return type(out)(_copy(o) for o in out)
+    if isinstance(out, dict):
+        return type(out)((k, _copy(v)) for k, v in out.items())
+    return out
+
+
 class _InputsSeen(Exception):
     """Raised by a pre-hook once every module being measured has received its input in this call."""
 
@@ -45,6 +56,9 @@ class LayerContext:
     kwargs: list[dict]  # per batch keyword arguments of this layer
     device: torch.device
     report: dict[str, dict] = field(default_factory=dict)  # full linear name -> what the stages measured
+    batch: int = -1  # the calibration batch running now (set by forward and collect)
+    passes: int = 0  # passes over the batches so far
+    _replayed: list = field(default_factory=list, init=False, repr=False)  # (module, own forward or None)
 
     @property
     def has_data(self) -> bool:
@@ -62,9 +76,63 @@ class LayerContext:
         groups = [linears(self.layer, group, skip) for group in self.arch.sequential]
         return [g for g in groups if g]
 
+    def _batches(self):
+        """The calibration batches, one pass over them; ``self.batch`` says which one runs."""
+        self.passes += 1
+        try:
+            for i, (h, kw) in enumerate(zip(self.hidden, self.kwargs, strict=True)):
+                self.batch = i
+                yield h, kw
+        finally:
+            self.batch = -1
+
     @torch.no_grad()
     def forward(self) -> list[torch.Tensor]:
-        return [_hidden_of(self.layer(h, **kw)) for h, kw in zip(self.hidden, self.kwargs, strict=True)]
+        return [_hidden_of(self.layer(h, **kw)) for h, kw in self._batches()]
+
+    def stop_replaying(self) -> None:
+        """Every child named to :meth:`replay` runs normally again (its own forward, if it had one, comes back:
+        accelerate's offload hooks set one)."""
+        while self._replayed:
+            module, own = self._replayed.pop()
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
+
+    def replay(self, name: str) -> None:
+        """From now on, until :meth:`stop_replaying`, child ``name`` of the layer runs once per calibration batch;
+        later passes get a copy of that output instead of running it again.
+
+        True-sequential calibration runs the start of the layer again for every group of linears: once the
+        attention block is quantized its output is fixed (same inputs, same weights), and replaying it skips q/k/v,
+        attention and o for the MLP's groups and for the pass that feeds the next layer, with the same numbers.
+        The caller vouches that the child's inputs and weights stay as they are until :meth:`stop_replaying`
+        (:func:`run_layerwise` stops after the layer's last pass; the pipeline before each stage). A child called
+        twice in one pass is not replayed (it runs every time). Costs one more copy of the hidden states.
+        """
+        module = self.layer.get_submodule(name)
+        run = module.forward
+        outputs: dict[int, tuple[int, object]] = {}  # batch -> (pass that recorded it, output)
+        replayable = True
+
+        def forward(*args, **kwargs):
+            nonlocal replayable
+            b = self.batch
+            if replayable and b in outputs:
+                recorded_in, out = outputs[b]
+                if recorded_in != self.passes:
+                    return _copy(out)
+                replayable = False  # a second call in the pass that recorded it
+                outputs.clear()
+            if not replayable or b < 0:
+                return run(*args, **kwargs)
+            out = run(*args, **kwargs)
+            outputs[b] = (self.passes, out)
+            return _copy(out)
+
+        self._replayed.append((module, vars(module).get("forward")))
+        module.forward = forward
 
     @torch.no_grad()
     def collect(self, modules: dict[str, nn.Linear], hessian: bool = True) -> dict[str, LinearStats]:
@@ -89,7 +157,7 @@ class LayerContext:
         with StatsCollector(modules, hessian=hessian) as collector:
             handles = [m.register_forward_pre_hook(stop_when_all_seen(n)) for n, m in modules.items()]
             try:
-                for h, kw in zip(self.hidden, self.kwargs, strict=True):
+                for h, kw in self._batches():
                     pending.update(modules)
                     with contextlib.suppress(_InputsSeen):
                         self.layer(h, **kw)
@@ -183,9 +251,12 @@ def run_layerwise(
         layer.to(device)
         ctx = LayerContext(i, f"{arch.layers}.{i}", layer, arch, hidden, layer_kwargs[i], device)
         t0 = time.perf_counter()
-        on_layer(ctx)
-        if hidden and i + 1 < len(layers):
-            hidden = ctx.forward()  # the next layer sees this layer's quantized outputs
+        try:
+            on_layer(ctx)
+            if hidden and i + 1 < len(layers):
+                hidden = ctx.forward()  # the next layer sees this layer's quantized outputs
+        finally:
+            ctx.stop_replaying()
         layer.to(home)
         report.update(ctx.report)
         if progress is not None:

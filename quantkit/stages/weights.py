@@ -64,14 +64,13 @@ class WeightStage:
         if wants_stats and self.collect_together():
             everything = {n: m for g in chosen_groups for n, m, _ in g}
             stats_all = ctx.collect(everything, hessian=self.needs_hessian)
-        for chosen in chosen_groups:
+        sequential = wants_stats and not self.collect_together()
+        for i, chosen in enumerate(chosen_groups):
             stats = {}
-            if wants_stats:
-                stats = (
-                    stats_all
-                    if self.collect_together()
-                    else ctx.collect({n: m for n, m, _ in chosen}, self.needs_hessian)
-                )
+            if sequential:
+                stats = ctx.collect({n: m for n, m, _ in chosen}, self.needs_hessian)
+            elif wants_stats:
+                stats = stats_all
             for name, module, scheme in chosen:
                 t0 = time.perf_counter()
                 input_scale = None if scheme.act_dynamic else static_input_scale(stats[name].absmax.max(), scheme)
@@ -84,6 +83,19 @@ class WeightStage:
                     seconds=round(time.perf_counter() - t0, 4),
                     **info,
                 )
+            if sequential:
+                for child in settled_children(chosen_groups[: i + 1], chosen_groups[i + 1 :]):
+                    ctx.replay(child)
+
+
+def settled_children(done: list, to_do: list) -> set[str]:
+    """Children of the layer (``self_attn``, ``mlp``) whose linears this stage has all quantized, among those it
+    quantized in the last group of ``done``: their inputs come before every group still ``to_do`` in execution
+    order and their weights are final, so their outputs can be replayed (:meth:`LayerContext.replay`)."""
+    if not to_do:
+        return set()
+    pending = {n.split(".")[0] for group in to_do for n, _, _ in group}
+    return {n.split(".")[0] for n, _, _ in done[-1]} - pending
 
 
 @register("rtn")

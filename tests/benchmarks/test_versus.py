@@ -69,3 +69,6 @@ def test_needs_the_other_environment():
     cmd = [sys.executable, str(BENCH), "--against", "gptqmodel", "--python", "x", "--llmc-observer", "mse"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--llmc-observer is llm-compressor's option" in done.stderr
+    cmd = [sys.executable, str(BENCH), "--python", "x", "--gptqmodel-mse", "2.4"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--gptqmodel-mse is an option of GPTQModel's GPTQ" in done.stderr

@@ -68,3 +68,45 @@ def test_cuda_hessian_of_16bit_inputs_equals_fp32_gemm(dtype):
     a = x32.abs().double()
     bound = x32.shape[0] * torch.finfo(torch.float32).eps * (a.t() @ a)
     assert bool(((got - expect).abs() <= bound).all())
+
+
+class TwoBlocks(torch.nn.Module):
+    """A layer whose ``once`` child runs once per call and whose ``twice`` child runs twice; ``once``'s output is
+    changed in place by its caller."""
+
+    def __init__(self):
+        super().__init__()
+        self.once = torch.nn.Linear(4, 4)
+        self.twice = torch.nn.Linear(4, 4)
+
+    def forward(self, h):
+        a = self.once(h)
+        a.mul_(2)  # a caller that reuses what it got
+        return self.twice(self.twice(a))
+
+
+def test_replay_runs_a_settled_child_once_per_batch():
+    torch.manual_seed(0)
+    layer = TwoBlocks()
+    hidden = [torch.randn(2, 3, 4) for _ in range(3)]
+    ctx = LayerContext(0, "layer", layer, None, hidden, [{} for _ in hidden], torch.device("cpu"))
+    expected = ctx.forward()
+    counts = {"once": 0, "twice": 0}
+
+    def counted(name, run):
+        def forward(*args):
+            counts[name] += 1
+            return run(*args)
+
+        return forward
+
+    for name in counts:  # an instance's own forward, as accelerate's offload hooks set
+        getattr(layer, name).forward = counted(name, getattr(layer, name).forward)
+    ctx.replay("once")
+    ctx.replay("twice")
+    for _ in range(3):  # the outputs stay exact though the caller scales what it gets in place
+        assert all(torch.equal(a, b) for a, b in zip(ctx.forward(), expected, strict=True))
+    ctx.stop_replaying()
+    assert counts == {"once": 3, "twice": 18}  # once: one run per batch; twice: never replayed
+    ctx.forward()  # the counting forwards are back, the replays gone
+    assert counts == {"once": 6, "twice": 24}

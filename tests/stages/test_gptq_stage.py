@@ -89,6 +89,37 @@ def test_true_sequential_calibrates_on_quantized_outputs():
     assert reports[True][o]["loss"] != reports[False][o]["loss"]
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "opt", "mixtral", "qwen2_moe"])
+def test_replaying_settled_blocks_changes_nothing(arch):
+    """Replaying the quantized attention block's outputs for the MLP's groups (instead of running it again) gives
+    the very same checkpoint and report, and runs the attention block fewer times."""
+    import quantkit.stages.weights as weights
+
+    def quantize(replay: bool):
+        model = tiny_model(arch)
+        attn = model.get_submodule("model.decoder.layers.0" if arch == "opt" else "model.layers.0").self_attn
+        calls = []
+        run = type(attn).forward
+
+        def counted(self, *args, **kwargs):
+            calls.append(1)
+            return run(self, *args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(type(attn), "forward", counted)
+            if not replay:
+                mp.setattr(weights, "settled_children", lambda done, to_do: set())
+            report = quantkit.quantize(model, gptq_recipe(), calib_ids(n=12)).layers
+        return model.state_dict(), report, len(calls)
+
+    (state, report, calls), (state0, report0, calls0) = quantize(True), quantize(False)
+    assert state.keys() == state0.keys()
+    for key in state:
+        assert torch.equal(state[key], state0[key]), key
+    assert report == {n: {**r, "seconds": report[n]["seconds"]} for n, r in report0.items()}
+    assert calls < calls0
+
+
 def starve_expert(model, expert: int) -> None:
     """Make layer 0's router never pick ``expert``: hidden channel 0 is a positive constant entering layer 0's MLP
     (embedding column set, attention output row zeroed) and the expert's router row reads -100 x channel 0.
