@@ -3,17 +3,17 @@ one run.
 
     python benchmarks/versus.py --against llm-compressor --python V/bin/python --method gptq --group-size 64
     python benchmarks/versus.py --against gptqmodel --python G/bin/python --method gptq --group-size 128
-    python benchmarks/versus.py --against gptqmodel --python G/bin/python --method awq --asym --group-size 128
+    python benchmarks/versus.py --against gptqmodel --python G/bin/python --method awq --asym --group-size 64
     (likewise --method rtn, --bits 3)
 
 The other tool runs in a virtual environment of its own (its pins on transformers, compressed-tensors or torch are not
 quantkit's); it is never a dependency of quantkit:
 
     python3 -m venv V && V/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1
-    python3 -m venv G && G/bin/pip install torch==2.13.0 gptqmodel==7.3.6 requests
+    python3 -m venv G && BUILD_CUDA_EXT=0 G/bin/pip install torch==2.13.0 gptqmodel==7.3.6 requests
 
-(llm-compressor 0.14 refuses groups that do not divide a layer's input size, such as 128 on SmolLM2's 576; GPTQModel
-7.4 and later need torch 2.14.)
+(llm-compressor 0.14, and GPTQModel's AWQ, refuse groups that do not divide a layer's input size, such as 128 on
+SmolLM2's 576: use 64 there. GPTQModel 7.4 and later need torch 2.14.)
 
 What happens, each tool in a child process of its own (wall time and peak RSS from ``os.wait4``: loading the
 model, quantizing, saving; 2-core CPU, fp32):
@@ -125,7 +125,8 @@ def gptqmodel_side(args) -> None:
     windows = torch.load(args.calib_file)
     calibration = [{"input_ids": w.tolist(), "attention_mask": [1] * len(w)} for w in windows]
     config = {"gptq": GPTQConfig, "awq": AWQConfig, "rtn": RTNConfig}[args.method]
-    config = config(bits=args.bits, group_size=args.group_size, sym=not args.asym)
+    extra = {"mse": args.gptqmodel_mse} if args.gptqmodel_mse else {}
+    config = config(bits=args.bits, group_size=args.group_size, sym=not args.asym, **extra)
     model = GPTQModel.load(args.model_dir, config, device="cpu")
     backend = BACKEND.AUTO
     if args.method == "awq" and not torch.cuda.is_available():
@@ -152,7 +153,9 @@ def main() -> None:
     ap.add_argument("--eval", default="moby-dick")
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--llmc-observer", help="llm-compressor's weight observer (default: its own, min-max)")
-    ap.add_argument("--work", help="output folder (default out/vs-TOOL-METHOD-wBITSgG[-asym][-OBSERVER])")
+    ap.add_argument("--gptqmodel-mse", type=float, help="GPTQModel's clipped-grid search, the error's exponent "
+                    "(GPTQ's reference code uses 2.4; default: off, min-max grids)")  # fmt: skip
+    ap.add_argument("--work", help="output folder (default out/vs-TOOL-METHOD-wBITSgG[-asym][-OBSERVER|-mseX])")
     ap.add_argument("--tools", help="which tools quantize (comma-separated; default: the other tool and quantkit); "
                     "a folder an earlier run left in --work stands in for a tool left out")  # fmt: skip
     # the other tool's side (run by the driver in the other environment)
@@ -169,6 +172,8 @@ def main() -> None:
         ap.error(f"--tools takes {args.against} and quantkit, got {args.tools}")
     if args.llmc_observer and args.against != "llm-compressor":
         ap.error("--llmc-observer is llm-compressor's option")
+    if args.gptqmodel_mse and (args.against != "gptqmodel" or args.method != "gptq"):
+        ap.error("--gptqmodel-mse is an option of GPTQModel's GPTQ")
     if args.against in args.tools and not args.python:
         ap.error(f"--python is required (the python of an environment with {args.against} installed)")
     drive(args)
@@ -188,6 +193,7 @@ def drive(args) -> None:
     other, short = args.against, SHORT[args.against]
     tag = f"{args.method}-w{args.bits}g{args.group_size}" + ("-asym" if args.asym else "")
     tag += f"-{args.llmc_observer}" if args.llmc_observer else ""
+    tag += f"-mse{args.gptqmodel_mse:g}" if args.gptqmodel_mse else ""
     work = Path(args.work or f"out/vs-{short}-{tag}")
     work.mkdir(parents=True, exist_ok=True)
     folder = resolve_model(args.model)
@@ -205,6 +211,7 @@ def drive(args) -> None:
                 "--calib-file", str(work / "calib.pt"), "--out", str(other_dir)]  # fmt: skip
         side += ["--asym"] if args.asym else []
         side += ["--llmc-observer", args.llmc_observer] if args.llmc_observer else []
+        side += ["--gptqmodel-mse", str(args.gptqmodel_mse)] if args.gptqmodel_mse else []
         env = {**os.environ, "PYTHONPATH": ""}
         if other == "gptqmodel":
             # 7.3 sizes its CPU pool at half the cores, then asks that pool for two loader threads: on two cores
@@ -244,7 +251,7 @@ def drive(args) -> None:
     console.print(table)
     result_file.write_text(json.dumps({
         "against": other, "method": args.method, "bits": args.bits, "group_size": args.group_size,
-        "asym": args.asym, "llmc_observer": args.llmc_observer,
+        "asym": args.asym, "llmc_observer": args.llmc_observer, "gptqmodel_mse": args.gptqmodel_mse,
         "calibration": {"source": args.calib, "nsamples": args.nsamples, "seqlen": args.seqlen, "seed": args.seed},
         "evaluation": protocol, "float_perplexity": float_ppl, "runs": runs, "rows": rows,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
