@@ -46,11 +46,11 @@ METHODS = ("rtn", "gptq", "awq")
 SHORT = {"llm-compressor": "llmc", "gptqmodel": "gptqmodel"}  # folder names under --work
 
 
-def run_child(cmd: list[str], log: Path, env: dict | None = None) -> dict:
+def run_child(cmd: list[str], log: Path, env: dict | None = None, cwd: Path | None = None) -> dict:
     """Run ``cmd`` with its output in ``log``; its wall seconds and peak RSS (GB); raise if it failed."""
     t0 = time.perf_counter()
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - t0
     code = os.waitstatus_to_exitcode(status)
@@ -206,9 +206,9 @@ def drive(args) -> None:
     console.print(f"calibration: {fingerprint}")
     if other in args.tools:
         torch.save(windows, work / "calib.pt")
-        side = [args.python, __file__, "--side", other, "--method", args.method, "--bits", str(args.bits),
-                "--group-size", str(args.group_size), "--model-dir", str(folder),
-                "--calib-file", str(work / "calib.pt"), "--out", str(other_dir)]  # fmt: skip
+        side = [args.python, str(Path(__file__).resolve()), "--side", other, "--method", args.method,
+                "--bits", str(args.bits), "--group-size", str(args.group_size), "--model-dir", str(folder),
+                "--calib-file", str((work / "calib.pt").resolve()), "--out", str(other_dir.resolve())]  # fmt: skip
         side += ["--asym"] if args.asym else []
         side += ["--llmc-observer", args.llmc_observer] if args.llmc_observer else []
         side += ["--gptqmodel-mse", str(args.gptqmodel_mse)] if args.gptqmodel_mse else []
@@ -218,7 +218,8 @@ def drive(args) -> None:
             # that is a refusal ("requests 2 workers but parent 'cpu' only has 1") unless the pool is set
             env.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, (os.cpu_count() or 1) // 2)))
         console.print(f"{other} {args.method} ... (log {work / (short + '.log')})")
-        runs[other] = run_child(side, work / f"{short}.log", env=env)
+        # run inside WORK: GPTQModel writes a logs/ folder into the directory it starts in
+        runs[other] = run_child(side, work / f"{short}.log", env=env, cwd=work)
         console.print(f"  {runs[other]}")
         imp = [sys.executable, "-m", "quantkit", "import", str(other_dir), "--out", str(imported), "--overwrite"]
         run_child(imp, work / "import.log")
