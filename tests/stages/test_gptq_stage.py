@@ -91,8 +91,9 @@ def test_true_sequential_calibrates_on_quantized_outputs():
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "opt", "mixtral", "qwen2_moe"])
 def test_replaying_settled_blocks_changes_nothing(arch):
-    """Replaying the quantized attention block's outputs for the MLP's groups (instead of running it again) gives
-    the very same checkpoint and report, and runs the attention block fewer times."""
+    """Replaying the quantized attention block's outputs for the MLP's groups and the pass that feeds the next layer
+    (instead of running it again) gives the very same checkpoint and report, and runs the attention block fewer
+    times."""
     import quantkit.stages.weights as weights
 
     def quantize(replay: bool):
