@@ -64,3 +64,16 @@ def test_same_grids_as_the_plain_search(monkeypatch, chunk, bits, sym):
     s, z = search_qparams(w, bits, sym)
     s_ref, z_ref = search_one_factor_at_a_time(w, bits, sym)
     assert torch.equal(s, s_ref) and torch.equal(z, z_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("chunk", [1 << 24, 1000])
+def test_same_grids_on_cuda(monkeypatch, chunk):
+    """With the CUDA chunk size (and a small one) the search picks what the plain search picks on the GPU."""
+    monkeypatch.setitem(search_qparams.__globals__["SEARCH_CHUNK_ELEMENTS"], "cuda", chunk)
+    w = torch.randn(300, 3, 128, generator=torch.Generator().manual_seed(7)) * 0.02
+    w[:, 1, 9] = -0.25
+    s, z = search_qparams(w.cuda(), 4, False)
+    s_ref, z_ref = search_one_factor_at_a_time(w.cuda(), 4, False)
+    assert torch.equal(s, s_ref) and torch.equal(z, z_ref)
