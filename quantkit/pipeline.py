@@ -13,6 +13,7 @@ from quantkit.calib.data import calibration_windows
 from quantkit.calib.runner import run_layerwise
 from quantkit.devices import resolve_device
 from quantkit.errors import QuantkitError
+from quantkit.models import offload
 from quantkit.models.arch import arch_for
 from quantkit.models.experts import split_all_fused_experts
 from quantkit.recipe import Recipe, load_recipe
@@ -35,8 +36,16 @@ class QuantizeResult:
 def prepare_model(model: nn.Module) -> None:
     """Make every expert an ordinary linear (transformers 5 fuses them into 3-D parameters)."""
     arch = arch_for(model)
+    for layer in model.get_submodule(arch.layers):
+        prepare_layer(model, arch, layer)
+
+
+def prepare_layer(model: nn.Module, arch, layer: nn.Module) -> None:
+    """What a decoder layer needs before its stages run: its weights read in if they were offloaded to disk, its
+    fused experts split into ordinary linears."""
+    offload.onload(layer)
     if arch.fused_experts:
-        split_all_fused_experts(model, model.get_submodule(arch.layers), arch.fused_experts)
+        split_all_fused_experts(model, [layer], arch.fused_experts)
 
 
 def check_calibration_windows(calib, model: nn.Module) -> torch.Tensor:
@@ -72,7 +81,9 @@ def quantize(
     ``calib`` is an int64 tensor [nsamples, seqlen] of token windows (``fingerprint`` says where they came
     from); when None and the recipe needs data, windows are cut from ``recipe.calibration`` with
     ``tokenizer``. ``device`` is where each layer is processed (default: CUDA when available, else CPU); the
-    model itself stays where it is.
+    model itself stays where it is. A model dispatched by accelerate with offloaded layers (``load_model(...,
+    offload=True)``, or a ``device_map`` with "disk") loses its hooks: each layer is read in when its turn comes
+    and stays in host memory, quantized.
     """
     if not isinstance(model, nn.Module):
         raise QuantkitError(f"quantize needs a torch.nn.Module (quantkit.load_model), got {type(model).__name__}")
@@ -94,7 +105,7 @@ def quantize(
         if fingerprint is None:
             fingerprint = {"source": "tensor", "nsamples": calib.shape[0], "seqlen": calib.shape[1]}
         batches = list(calib.split(recipe.calibration.batch_size))
-    prepare_model(model)
+    offload.take_over(model, model.get_submodule(arch.layers))  # accelerate's offload, if any: layers load one by one
     stages = [build_stage(s) for s in recipe.stages]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -105,8 +116,14 @@ def quantize(
             ctx.stop_replaying()  # what a stage replays holds only until another stage may change the layer
             stage.apply(ctx)
 
-    with torch.no_grad():
-        layers = run_layerwise(model, arch, batches, device, on_layer, progress)
+    def prepare(layer):
+        prepare_layer(model, arch, layer)
+
+    try:
+        with torch.no_grad():
+            layers = run_layerwise(model, arch, batches, device, on_layer, progress, prepare=prepare)
+    finally:
+        offload.finish(model)
     result = QuantizeResult(
         recipe, fingerprint if batches else None, layers, time.perf_counter() - t0, device=str(device)
     )

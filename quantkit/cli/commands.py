@@ -124,13 +124,14 @@ def resolve_recipe(method: str | None, recipe_spec: str | None, flags: dict):
     return recipe.with_overrides(changes["scheme"], changes["calibration"], changes["params"])
 
 
-def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out: Path) -> Table:
+def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out: Path, offload: bool) -> Table:
     table = Table(title="quantkit quantize: resolved configuration", show_header=False)
     table.add_column(style="bold")
     table.add_column()
     table.add_row("model", model_spec)
     table.add_row("output", str(out))
     table.add_row("device / dtype", f"{device} / {str(dtype).removeprefix('torch.')}")
+    table.add_row("float layers", "read from disk one at a time (--offload)" if offload else "all in memory")
     table.add_row("recipe", recipe.name or "(unnamed)")
     for i, s in enumerate(recipe.stages):
         params = {k: v for k, v in (s.params.__dict__ if s.params else {}).items()}
@@ -185,8 +186,13 @@ def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out:
 )
 @click.option("--device", default=None, help="Where layers are processed (default: cuda if available).")
 @click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True)
+@click.option(
+    "--offload/--no-offload",
+    default=None,
+    help="Read each decoder layer from the model's files only when its turn comes (default: on for safetensors).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
-def quantize_command(model, method, recipe_spec, out, device, dtype, overwrite, **flags) -> None:
+def quantize_command(model, method, recipe_spec, out, device, dtype, offload, overwrite, **flags) -> None:
     """Quantize a model and save a self-describing checkpoint."""
     import quantkit
     from quantkit.calib.data import calibration_windows
@@ -199,12 +205,16 @@ def quantize_command(model, method, recipe_spec, out, device, dtype, overwrite, 
     folder = quantkit.models.loading.resolve_model(model)  # bad input fails here, before any heavy work
     quantkit.models.loading.check_supported(folder)
     t0 = time.perf_counter()
-    float_model, tokenizer, folder = quantkit.load_model(folder, dtype=torch_dtype)
+    if offload is None:
+        offload = any(folder.glob("*.safetensors"))
+    float_model, tokenizer, folder = quantkit.load_model(
+        folder, dtype=torch_dtype, offload=offload, scratch_dir=next(p for p in out.parents if p.is_dir())
+    )  # converted weights (fused experts) wait beside the output, on the disk the user chose
     calib = fingerprint = None
     if recipe.needs_calibration:  # cut the windows now so that too little text fails before any output
         c = recipe.calibration
         calib, fingerprint = calibration_windows(tokenizer, c.source, c.nsamples, c.seqlen, c.seed)
-    stdout.print(summary_table(recipe, model, device, torch_dtype, out))
+    stdout.print(summary_table(recipe, model, device, torch_dtype, out, offload))
     n_layers = len(float_model.get_submodule(quantkit.models.arch_for(float_model).layers))
     with progress_bar() as bar:
         task = bar.add_task("quantizing", total=n_layers, note="")

@@ -154,8 +154,19 @@ def check_supported(folder: Path) -> None:
     arch_for(architectures[0])
 
 
-def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """(model, tokenizer, folder) for a float model; quantized quantkit folders go through ``load_quantized``."""
+def load_model(
+    spec: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    offload: bool = False,
+    scratch_dir: str | os.PathLike | None = None,
+):
+    """(model, tokenizer, folder) for a float model; quantized quantkit folders go through ``load_quantized``.
+
+    ``offload``: leave the decoder layers in the model's safetensors files until ``quantize`` reaches them, one at a
+    time (``quantkit.models.offload``: host memory for one float layer instead of all of them); weights that
+    transformers converts while loading (fused experts) wait in a scratch folder in ``scratch_dir`` (default: the
+    system's temporary folder) until then."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder = resolve_model(spec)
@@ -170,8 +181,17 @@ def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
         )
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise QuantkitError(f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    if offload and device != "cpu":
+        raise QuantkitError(f"offload keeps the model on the host: load it on 'cpu', not {device!r}")
     with loading(folder):
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device)
+        if offload:
+            from quantkit.models.arch import arch_for
+            from quantkit.models.offload import load_offloaded
+
+            layers_path = arch_for((config.architectures or ["(none)"])[0]).layers
+            model = load_offloaded(folder, dtype, layers_path, Path(scratch_dir) if scratch_dir else None)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device)
         tokenizer = AutoTokenizer.from_pretrained(folder)
     model.eval()
     return model, tokenizer, folder
