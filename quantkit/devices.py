@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import gc
 
 import torch
 
@@ -38,14 +37,12 @@ def _malloc_trim():
 
 
 def release_host_memory() -> None:
-    """Free what only reference cycles still hold, and give what Python and torch have freed back to the operating
-    system (glibc's ``malloc_trim``; nothing happens where glibc is absent).
+    """Give what Python and torch have freed back to the operating system (glibc's ``malloc_trim``; nothing happens
+    where glibc is absent).
 
-    Replaced modules (a float linear and its weight) can sit in reference cycles until the garbage collector
-    happens to run, and glibc keeps what a multi-threaded process frees in its arenas: layer after layer of float
-    weights, activations and statistics stayed resident. Quantizing SmolLM2 with GPTQ on the CPU ended at 0.85 GB
-    of anonymous memory before the runner called this after every layer, 0.36 GB after."""
-    gc.collect()
+    glibc keeps what a multi-threaded process frees in its arenas, so the float weights, activations and statistics
+    of layer after layer stayed resident: quantizing SmolLM2 with GPTQ on 8 x 128 tokens on the CPU ended at
+    0.85 GB of anonymous memory before the runner called this after every layer, 0.36 GB after. About 3 ms a call."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

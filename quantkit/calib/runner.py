@@ -265,7 +265,7 @@ def run_layerwise(
         layer.to(home)
         report.update(ctx.report)
         del ctx  # with it the layer's input hidden states
-        release_host_memory()  # the layer's float weights and statistics, garbage but still resident
+        release_host_memory()  # the layer's float weights and statistics: freed, but kept by the allocator
         if progress is not None:
             progress(i + 1, len(layers), f"layer {i} ({time.perf_counter() - t0:.1f}s)")
     return report

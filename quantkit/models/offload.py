@@ -113,6 +113,10 @@ def take_over(model: nn.Module, layers: nn.ModuleList) -> int:
                     names += [n for n, _ in module.named_buffers(recurse=hook.place_submodules)]
                 setattr(module, _LOADER, (hook.weights_map, names))
     remove_hook_from_submodules(model)
+    for module in model.modules():
+        own = module.__dict__.get("forward")
+        if getattr(own, "__self__", None) is module and getattr(own, "__func__", None) is type(module).forward:
+            del module.forward  # accelerate leaves the bound method behind: a cycle that keeps replaced layers alive
     if hasattr(model, "hf_device_map"):
         del model.hf_device_map  # no longer dispatched: quantkit moves the layers itself
     in_layers = {id(m) for m in layers.modules()}

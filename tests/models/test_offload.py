@@ -89,3 +89,24 @@ def test_converted_weights_wait_in_a_scratch_folder_deleted_at_the_end(tmp_path)
 def test_offload_stays_on_the_host(tmp_path):
     with pytest.raises(QuantkitError, match="host"):
         load_model(tiny_model_dir(tmp_path / "llama"), offload=True, device="cuda")
+
+
+def test_replaced_float_linears_are_freed_without_the_garbage_collector(tmp_path):
+    """accelerate's hooks leave each module's bound forward in its __dict__ (a reference cycle): take_over removes
+    it, so a float linear dies as soon as its quantized replacement takes its place."""
+    import gc
+    import weakref
+
+    model = load_model(tiny_model_dir(tmp_path / "llama"), offload=True)[0]
+    gc.collect()
+    gc.disable()
+    try:
+        from quantkit.models.offload import take_over
+
+        take_over(model, model.model.layers)
+        assert not any("forward" in m.__dict__ for m in model.modules())
+        float_linear = weakref.ref(model.model.layers[0].mlp.down_proj)
+        quantkit.quantize(model, RECIPE, calib(model.config.vocab_size), device="cpu")
+        assert float_linear() is None
+    finally:
+        gc.enable()
