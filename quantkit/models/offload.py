@@ -98,20 +98,19 @@ def _align_hooks(module: nn.Module):
 
 
 def take_over(model: nn.Module, layers: nn.ModuleList) -> int:
-    """Remove accelerate's hooks from ``model``; what they offloaded comes back now outside ``layers`` and by
-    :func:`onload` inside them. Returns how many decoder layers wait for :func:`onload`. A model without hooks is
-    left as it is."""
+    """Remove accelerate's hooks from a model with offloaded weights; what they offloaded comes back now outside
+    ``layers`` and by :func:`onload` inside them. Returns how many decoder layers wait for :func:`onload`. A model
+    that offloads nothing (no hooks, or hooks that only place modules on devices) is left as it is."""
     from accelerate.hooks import remove_hook_from_submodules
 
-    if not any(hasattr(m, "_hf_hook") for m in model.modules()):
+    offloaded = [(m, h) for m in model.modules() for h in _align_hooks(m) if h.offload and h.weights_map is not None]
+    if not offloaded:
         return 0
-    for module in model.modules():
-        for hook in _align_hooks(module):
-            if hook.offload and hook.weights_map is not None:
-                names = [n for n, _ in module.named_parameters(recurse=hook.place_submodules)]
-                if hook.offload_buffers:
-                    names += [n for n, _ in module.named_buffers(recurse=hook.place_submodules)]
-                setattr(module, _LOADER, (hook.weights_map, names))
+    for module, hook in offloaded:
+        names = [n for n, _ in module.named_parameters(recurse=hook.place_submodules)]
+        if hook.offload_buffers:
+            names += [n for n, _ in module.named_buffers(recurse=hook.place_submodules)]
+        setattr(module, _LOADER, (hook.weights_map, names))
     remove_hook_from_submodules(model)
     for module in model.modules():
         own = module.__dict__.get("forward")

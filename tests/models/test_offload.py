@@ -110,3 +110,12 @@ def test_replaced_float_linears_are_freed_without_the_garbage_collector(tmp_path
         assert float_linear() is None
     finally:
         gc.enable()
+
+
+def test_a_model_that_offloads_nothing_keeps_its_hooks(tmp_path):
+    from quantkit.models.offload import take_over
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(tmp_path / "llama"), device_map="cpu")
+    hooked = {n for n, m in model.named_modules() if hasattr(m, "_hf_hook")}
+    assert take_over(model, model.model.layers) == 0
+    assert hooked == {n for n, m in model.named_modules() if hasattr(m, "_hf_hook")}
