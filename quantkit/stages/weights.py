@@ -83,7 +83,7 @@ class WeightStage:
                     seconds=round(time.perf_counter() - t0, 4),
                     **info,
                 )
-            if sequential:
+            if sequential and ctx.device.type == "cpu":  # a GPU runs attention faster than it is worth a copy
                 for child in settled_children(chosen_groups[: i + 1], chosen_groups[i + 1 :]):
                     ctx.replay(child)
 
