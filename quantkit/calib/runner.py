@@ -110,7 +110,8 @@ class LayerContext:
         attention and o for the MLP's groups and for the pass that feeds the next layer, with the same numbers.
         The caller vouches that the child's inputs and weights stay as they are until :meth:`stop_replaying`
         (:func:`run_layerwise` stops after the layer's last pass; the pipeline before each stage). A child called
-        twice in one pass is not replayed (it runs every time). Costs one more copy of the hidden states.
+        twice in one pass is not replayed (it runs every time). Costs one more copy of the hidden states: the weight
+        stages ask for it on the CPU only (on an H200 it saved 1% of an 8B GPTQ for 2 GiB more memory).
         """
         module = self.layer.get_submodule(name)
         run = module.forward
