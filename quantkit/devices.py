@@ -41,8 +41,8 @@ def release_host_memory() -> None:
     where glibc is absent).
 
     glibc keeps what a multi-threaded process frees in its arenas, so the float weights, activations and statistics
-    of layer after layer stayed resident: quantizing SmolLM2 with GPTQ on 8 x 128 tokens on the CPU ended at
-    0.85 GB of anonymous memory before the runner called this after every layer, 0.36 GB after. About 3 ms a call."""
+    of layer after layer stayed resident until the runner called this after every layer (measured in
+    results/offload-cpu-2026-12-05.md). A few milliseconds a call."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

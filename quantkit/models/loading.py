@@ -185,11 +185,9 @@ def load_model(
         raise QuantkitError(f"offload keeps the model on the host: load it on 'cpu', not {device!r}")
     with loading(folder):
         if offload:
-            from quantkit.models.arch import arch_for
             from quantkit.models.offload import load_offloaded
 
-            layers_path = arch_for((config.architectures or ["(none)"])[0]).layers
-            model = load_offloaded(folder, dtype, layers_path, Path(scratch_dir) if scratch_dir else None)
+            model = load_offloaded(folder, config, dtype, Path(scratch_dir) if scratch_dir else None)
         else:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device)
         tokenizer = AutoTokenizer.from_pretrained(folder)

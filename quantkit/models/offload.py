@@ -53,15 +53,17 @@ def offload_device_map(config, layers_path: str) -> dict[str, str]:
     return device_map
 
 
-def load_offloaded(folder: Path, dtype: torch.dtype, layers_path: str, scratch_dir: Path | None = None):
-    """The causal LM in ``folder`` with its decoder layers left on disk (see the module doc). Tensors that
-    transformers converts while loading (fused experts) cannot be read in place: accelerate writes them to a scratch
-    folder in ``scratch_dir`` (default: the system's temporary folder), deleted by :func:`finish`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def load_offloaded(folder: Path, config, dtype: torch.dtype, scratch_dir: Path | None = None):
+    """The causal LM in ``folder`` (its ``config`` already read) with its decoder layers left on disk (see the module
+    doc). Tensors that transformers converts while loading (fused experts) cannot be read in place: accelerate writes
+    them to a scratch folder in ``scratch_dir`` (default: the system's temporary folder), deleted by :func:`finish`."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.models.arch import arch_for
 
     if not any(folder.glob("*.safetensors")):
         raise QuantkitError(f"offloading layers reads them from safetensors files and {folder} has none")
-    config = AutoConfig.from_pretrained(folder)
+    layers_path = arch_for((config.architectures or ["(none)"])[0]).layers
     scratch = tempfile.TemporaryDirectory(prefix=".quantkit-offload-", dir=scratch_dir)
     quiet = logging.getLogger("accelerate.big_modeling")  # "Some parameters are on the meta device": as asked
     level = quiet.level
@@ -136,11 +138,12 @@ def _load(module: nn.Module) -> None:
         set_module_tensor_to_device(module, name, "cpu", value=weights[name])
 
 
-def onload(layer: nn.Module, name: str = "layer") -> None:
+def onload(layer: nn.Module) -> None:
     """Read the tensors of ``layer`` that :func:`take_over` left on disk into host memory (nothing to do for a
     layer that was never offloaded)."""
     for module in layer.modules():
         _load(module)
     missing = [n for n, p in layer.named_parameters() if p.is_meta]
     if missing:
-        raise QuantkitError(f"{name} has weights on the meta device that nothing can load: {', '.join(missing[:3])}")
+        raise QuantkitError(f"a decoder layer's weights are on the meta device, with nothing to load them from: "
+                            f"{', '.join(missing[:3])}")  # fmt: skip
