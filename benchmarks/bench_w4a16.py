@@ -220,18 +220,12 @@ def rotations(per_call_bytes: int) -> int:
 
 
 class Timer:
-    """Microseconds per call of R rotated calls: CUDA graph + do_bench on a GPU, wall clock in --smoke.
+    """Microseconds per call of R rotated calls: CUDA graph + do_bench on a GPU, wall clock in --smoke."""
 
-    ``calls_per_graph``: cycle the R calls until the graph holds at least this many (0: R), so that products with
-    different rotation counts (fp16 R_fp16, 4-bit R_w4) run as many back-to-back calls per replay."""
-
-    def __init__(self, smoke: bool, warmup_ms: int = 10, rep_ms: int = 40, calls_per_graph: int = 0) -> None:
+    def __init__(self, smoke: bool, warmup_ms: int = 10, rep_ms: int = 40) -> None:
         self.smoke, self.warmup_ms, self.rep_ms = smoke, warmup_ms, rep_ms
-        self.calls_per_graph = 0 if smoke else calls_per_graph
 
     def per_call(self, calls: list) -> float:
-        if len(calls) < self.calls_per_graph:
-            calls = [calls[i % len(calls)] for i in range(self.calls_per_graph)]
         return seconds_per_call(calls, self.smoke, self.warmup_ms, self.rep_ms) * 1e6
 
 
@@ -671,12 +665,6 @@ def main() -> None:
     ap.add_argument("--shapes", help="N x K pairs instead of the issue's six, e.g. 4096x11008,3584x18944")
     ap.add_argument("--ms", help="comma-separated M values instead of the table's")
     ap.add_argument("--groups", help="comma-separated group sizes instead of the table's (128,64)")
-    ap.add_argument(
-        "--calls-per-graph",
-        type=int,
-        default=0,
-        help="cycle every product's rotated calls to at least this many per CUDA graph (0: its own rotation count)",
-    )
     args = ap.parse_args()
     if args.apply:
         apply_sweep(args.apply)
@@ -692,9 +680,8 @@ def main() -> None:
     out_dir = Path(os.environ.get("OUT", "bench_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment(device)
-    env["calls_per_graph"] = args.calls_per_graph
     print(f"{env['device']}  torch {env['torch']}  triton {env['triton']}  {env['date']}")
-    timer = Timer(smoke=args.smoke, calls_per_graph=args.calls_per_graph)
+    timer = Timer(smoke=args.smoke)
     t0 = time.perf_counter()
     table = load_table(args.configs) if args.configs else None
     if args.sweep:
@@ -710,10 +697,7 @@ def main() -> None:
     tag += "-custom" if args.shapes or args.ms or args.groups else ""
     (out_dir / f"w4a16_{tag}.json").write_text(json.dumps({"env": env, **result}, indent=1))
     header = f"# W4A16 vs cuBLAS fp16 -- {env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}\n"
-    header += f"\nDevice copy bandwidth {result['copy_tbps']:.2f} TB/s (read + write)."
-    if args.calls_per_graph:
-        header += f" Every product timed with its calls cycled to {args.calls_per_graph} per CUDA graph."
-    header += "\n\n"
+    header += f"\nDevice copy bandwidth {result['copy_tbps']:.2f} TB/s (read + write).\n\n"
     (out_dir / f"w4a16_{tag}.md").write_text(header + markdown_table(result))
     print("\ncompiled kernels (registers, spills, shared memory):")
     for md in result["metadata"]:

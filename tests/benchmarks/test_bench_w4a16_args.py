@@ -43,13 +43,3 @@ def test_other_layers_rows_and_groups(bench):
 def test_malformed_lists_exit_with_one_line(bench, flag, text):
     with pytest.raises(SystemExit, match=f"--{flag}: expected a comma-separated list"):
         bench.table_spec(args(**{flag: text or ","}))
-
-
-def test_timer_cycles_calls_to_the_graph_size(bench, monkeypatch):
-    seen = []
-    monkeypatch.setattr(bench, "seconds_per_call", lambda calls, *a: seen.append(list(calls)) or 1e-6)
-    a, b, c = object(), object(), object()
-    bench.Timer(smoke=False, calls_per_graph=7).per_call([a, b, c])
-    bench.Timer(smoke=False, calls_per_graph=2).per_call([a, b, c])  # already more: unchanged
-    bench.Timer(smoke=False).per_call([a])
-    assert seen == [[a, b, c, a, b, c, a], [a, b, c], [a]]
