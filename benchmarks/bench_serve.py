@@ -15,7 +15,8 @@ One process, one set of random bf16 weights in Llama-3-8B shape (transformers' o
      a fraction of the bandwidth roofline: copy bandwidth measured here (read + write bytes / s) / bytes of
      weights read per token (every linear incl. lm_head, quantized buffers as stored; the embedding is a gather).
   4. KV waste during benchmark 1: allocated minus filled KV slots over allocated, averaged over engine steps.
-  Also: greedy agreement with HF ``generate`` (bf16, 8 prompts x 32 tokens, equal lengths so HF needs no padding).
+  Also: greedy agreement with HF ``generate`` (bf16, 8 prompts x 32 tokens, equal lengths so HF needs no padding),
+  and HF's greedy choice at every position of the runtime's own outputs (teacher forced: each near-tie counts once).
 
   python benchmarks/bench_serve.py            full run, ~4 minutes on an H200 (about 1.5 of them in the HF baselines)
   python benchmarks/bench_serve.py --quick    GPU smoke test: 32 requests x 32 tokens, HF on 8
@@ -269,6 +270,28 @@ def agreement(llm: LLM, hf, prompts, new_tokens: int = 32, n: int = 8, length: i
         "first_token": sum(p > 0 for p in prefix) / n,
         "mean_identical_prefix": sum(prefix) / n,
         "positionwise": positionwise / (n * new_tokens),
+        **teacher_forced(hf, batch, ours),
+    }
+
+
+def teacher_forced(hf, prompts: list[list[int]], ours: list[list[int]]) -> dict:
+    """HF's greedy choice at every position of the runtime's own sequences (its prefix, not HF's): once two greedy
+    runs part, every later token differs, so positionwise agreement counts one near-tie many times; this counts
+    each position once. Where the choices differ, ``gap`` is HF's logit of its choice minus its logit of the
+    runtime's token (a near-tie has a gap far below the logits' spread, ``logit_std``)."""
+    length = len(prompts[0])
+    seqs = torch.tensor([p + o for p, o in zip(prompts, ours, strict=True)], device=hf.device)
+    with torch.no_grad():
+        logits = hf(seqs).logits[:, length - 1 : -1].float()  # position i predicts token length + i
+    theirs = logits.argmax(-1)
+    mine = torch.tensor(ours, device=hf.device)
+    differ = theirs != mine
+    gap = (logits.gather(-1, theirs[..., None]) - logits.gather(-1, mine[..., None]))[..., 0][differ]
+    return {
+        "teacher_forced": 1 - differ.float().mean().item(),
+        "gap_max": gap.max().item() if gap.numel() else 0.0,
+        "gap_median": gap.median().item() if gap.numel() else 0.0,
+        "logit_std": logits.std(-1).mean().item(),
     }
 
 
@@ -371,6 +394,10 @@ def summary(report: Report) -> list[tuple[str, str, str]]:
         value = f"{agree['positionwise']:.0%} positionwise, first token {agree['first_token']:.0%}"
         prefix = f"identical prefix {agree['mean_identical_prefix']:.1f}/{agree['new_tokens']}"
         rows.append(("HF agreement (bf16, greedy)", value, prefix))
+        if "teacher_forced" in agree:
+            gaps = f"where not: logit gap median {agree['gap_median']:.3f}, max {agree['gap_max']:.3f}"
+            gaps += f" (logits' std {agree['logit_std']:.2f})"
+            rows.append(("HF greedy choice on our prefixes (bf16)", f"{agree['teacher_forced']:.1%}", gaps))
     for phase, err in report.errors.items():
         rows.append((f"FAILED {phase}", err[:60], ""))
     return rows
