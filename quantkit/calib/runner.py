@@ -60,6 +60,7 @@ class LayerContext:
     batch: int = -1  # the calibration batch running now (set by forward and collect)
     passes: int = 0  # passes over the batches so far
     _replayed: list = field(default_factory=list, init=False, repr=False)  # (module, own forward or None)
+    _last_pass: bool = field(default=False, init=False, repr=False)  # forward(last=True) is running
 
     @property
     def has_data(self) -> bool:
@@ -88,8 +89,23 @@ class LayerContext:
             self.batch = -1
 
     @torch.no_grad()
-    def forward(self) -> list[torch.Tensor]:
-        return [_hidden_of(self.layer(h, **kw)) for h, kw in self._batches()]
+    def forward(self, last: bool = False) -> list[torch.Tensor]:
+        """The layer's output hidden states, per batch.
+
+        ``last``: nothing runs this layer on these inputs again (:func:`run_layerwise`'s pass that feeds the next
+        layer), so each batch's output takes its input's place in ``hidden`` (the list returned) and replayed
+        children hand over what they recorded instead of a copy: the inputs, the outputs and the recorded outputs
+        are not all held at once.
+        """
+        if not last:
+            return [_hidden_of(self.layer(h, **kw)) for h, kw in self._batches()]
+        self._last_pass = True
+        try:
+            for h, kw in self._batches():
+                self.hidden[self.batch] = _hidden_of(self.layer(h, **kw))
+        finally:
+            self._last_pass = False
+        return self.hidden
 
     def stop_replaying(self) -> None:
         """Every child named to :meth:`replay` runs normally again (its own forward, if it had one, comes back:
@@ -124,10 +140,13 @@ class LayerContext:
             if replayable and b in outputs:
                 recorded_in, out = outputs[b]
                 if recorded_in != self.passes:
+                    if self._last_pass:  # its last use: no copy, and it goes
+                        del outputs[b]
+                        return out
                     return _copy(out)
                 replayable = False  # a second call in the pass that recorded it
                 outputs.clear()
-            if not replayable or b < 0:
+            if not replayable or b < 0 or self._last_pass:
                 return run(*args, **kwargs)
             out = run(*args, **kwargs)
             outputs[b] = (self.passes, out)
@@ -260,7 +279,7 @@ def run_layerwise(
         try:
             on_layer(ctx)
             if hidden and i + 1 < len(layers):
-                hidden = ctx.forward()  # the next layer sees this layer's quantized outputs
+                hidden = ctx.forward(last=True)  # the next layer sees this layer's quantized outputs
         finally:
             ctx.stop_replaying()
         layer.to(home)

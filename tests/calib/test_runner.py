@@ -110,3 +110,20 @@ def test_replay_runs_a_settled_child_once_per_batch():
     assert counts == {"once": 3, "twice": 18}  # once: one run per batch; twice: never replayed
     ctx.forward()  # the counting forwards are back, the replays gone
     assert counts == {"once": 6, "twice": 24}
+
+
+def test_last_forward_puts_outputs_in_the_inputs_place():
+    torch.manual_seed(0)
+    layer = TwoBlocks()
+    hidden = [torch.randn(2, 3, 4) for _ in range(3)]
+    ctx = LayerContext(0, "layer", layer, None, hidden, [{} for _ in hidden], torch.device("cpu"))
+    expected = ctx.forward()
+    runs = []
+    own = layer.once.forward
+    layer.once.forward = lambda *a: runs.append(1) or own(*a)
+    ctx.replay("once")
+    ctx.forward()  # records "once" (3 runs)
+    out = ctx.forward(last=True)  # hands the records over: "once" runs no more, the caller may scale them
+    ctx.stop_replaying()
+    assert out is hidden and len(runs) == 3
+    assert all(torch.equal(a, b) for a, b in zip(out, expected, strict=True))
