@@ -16,7 +16,8 @@ One process, one set of random bf16 weights in Llama-3-8B shape (transformers' o
      weights read per token (every linear incl. lm_head, quantized buffers as stored; the embedding is a gather).
   4. KV waste during benchmark 1: allocated minus filled KV slots over allocated, averaged over engine steps.
   Also: greedy agreement with HF ``generate`` (bf16, 8 prompts x 32 tokens, equal lengths so HF needs no padding),
-  and HF's greedy choice at every position of the runtime's own outputs (teacher forced: each near-tie counts once).
+  and HF's greedy choice at every position of the runtime's own outputs (teacher forced: each near-tie counts once);
+  on a GPU both again in fp16 at the end (the weights converted in place).
 
   python benchmarks/bench_serve.py            full run, ~4 minutes on an H200 (about 1.5 of them in the HF baselines)
   python benchmarks/bench_serve.py --quick    GPU smoke test: 32 requests x 32 tokens, HF on 8
@@ -389,15 +390,17 @@ def summary(report: Report) -> list[tuple[str, str, str]]:
         if waste is not None:
             ok = "met" if waste < TARGETS["kv_waste"] else "MISSED"
             rows.append((f"(4) {name} KV waste", f"{waste:.2%}", f"< 4%: {ok}"))
-    agree = get("agreement_bf16")
-    if agree:
+    for dtype in ("bf16", "fp16"):
+        agree = get(f"agreement_{dtype}")
+        if not agree:
+            continue
         value = f"{agree['positionwise']:.0%} positionwise, first token {agree['first_token']:.0%}"
         prefix = f"identical prefix {agree['mean_identical_prefix']:.1f}/{agree['new_tokens']}"
-        rows.append(("HF agreement (bf16, greedy)", value, prefix))
+        rows.append((f"HF agreement ({dtype}, greedy)", value, prefix))
         if "teacher_forced" in agree:
             gaps = f"where not: logit gap median {agree['gap_median']:.3f}, max {agree['gap_max']:.3f}"
             gaps += f" (logits' std {agree['logit_std']:.2f})"
-            rows.append(("HF greedy choice on our prefixes (bf16)", f"{agree['teacher_forced']:.1%}", gaps))
+            rows.append((f"HF greedy choice on our prefixes ({dtype})", f"{agree['teacher_forced']:.1%}", gaps))
     for phase, err in report.errors.items():
         rows.append((f"FAILED {phase}", err[:60], ""))
     return rows
@@ -492,6 +495,12 @@ def main() -> None:
     if hf_prompts:
         with report.phase("hf_static64"):
             report.results["hf_static64"] = hf_static(hf, hf_prompts, out_len)
+        free_memory()
+    if "bf16" in variants and device == "cuda":  # last: the weights go to fp16 (tiny bf16 values lose bits)
+        with report.phase("agreement fp16"):
+            llm = engine(hf.half(), args)
+            report.results["agreement_fp16"] = agreement(llm, hf, prompts)
+        llm = None
         free_memory()
     meta["seconds"] = round(time.perf_counter() - start, 1)
     report.write()
