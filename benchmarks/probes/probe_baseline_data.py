@@ -17,10 +17,10 @@ operands larger than L2, medians):
   dequant     w4a16_dequantize(w, out=)  dequantization alone
   w4a16       w4a16_linear(x, w, out=y)  the committed path (the table's choice for this M)
 
-each with its own number of rotated calls per CUDA graph (bench_w4a16's: R_fp16 for the float products, R_w4 for the
-4-bit ones) and again as ``<name>@32``, the same calls cycled to 32 per graph, so that every variant runs as many
+each as ``<name>@32``: its rotated calls cycled to 32 per CUDA graph, so that every variant runs as many
 back-to-back products per replay (between replays do_bench flushes L2 and the GPU idles briefly: a graph of one
-long product gives a power-limited GPU more rest than a graph of 32),
+long product gives a power-limited GPU more rest than a graph of 32); randn and w4a16 also as bench_w4a16 times
+them, with their own rotation counts (R_fp16 for the float product, R_w4 >= R_fp16 for the 4-bit one),
 
 and samples SM clock and board power with nvidia-smi while each variant runs (where nvidia-smi is present).
 """

@@ -85,12 +85,17 @@ class TwoBlocks(torch.nn.Module):
         return self.twice(self.twice(a))
 
 
-def test_replay_runs_a_settled_child_once_per_batch():
+def two_blocks_context():
+    """A TwoBlocks layer on three batches, its context and its plain outputs."""
     torch.manual_seed(0)
     layer = TwoBlocks()
     hidden = [torch.randn(2, 3, 4) for _ in range(3)]
     ctx = LayerContext(0, "layer", layer, None, hidden, [{} for _ in hidden], torch.device("cpu"))
-    expected = ctx.forward()
+    return layer, hidden, ctx, ctx.forward()
+
+
+def test_replay_runs_a_settled_child_once_per_batch():
+    layer, _, ctx, expected = two_blocks_context()
     counts = {"once": 0, "twice": 0}
 
     def counted(name, run):
@@ -113,11 +118,7 @@ def test_replay_runs_a_settled_child_once_per_batch():
 
 
 def test_last_forward_puts_outputs_in_the_inputs_place():
-    torch.manual_seed(0)
-    layer = TwoBlocks()
-    hidden = [torch.randn(2, 3, 4) for _ in range(3)]
-    ctx = LayerContext(0, "layer", layer, None, hidden, [{} for _ in hidden], torch.device("cpu"))
-    expected = ctx.forward()
+    layer, hidden, ctx, expected = two_blocks_context()
     runs = []
     own = layer.once.forward
     layer.once.forward = lambda *a: runs.append(1) or own(*a)
