@@ -75,10 +75,10 @@ def time_variants(layer: Layer, m: int, fp16: float, variants, timer: Timer, row
                     f"{cfg.name:<{width}} WRONG")  # fmt: skip
 
 
-def report_compile(variants) -> None:
+def report_compile(variants, interleaved: bool = False) -> None:
     """Offline sm_90 compile of each config (Triton 3.6 on PYTHONPATH, no GPU): registers, spills and the SASS
     instructions of the K loop (one iteration: ``steps`` K steps of 32), groups of 128, one and two row blocks
-    (MB), split 4."""
+    (MB), split 4. ``interleaved``: the K step for words in AutoAWQ's order (probe_mma_interleave.py)."""
     import triton
     from quantkit.kernels.w4a16_mma_gemv import _w4a16_mma_gemv_kernel as fn
     from sass_w4a16 import loop_body, machine_code
@@ -92,7 +92,7 @@ def report_compile(variants) -> None:
             sig.update(x_ptr="*i32", qw_ptr="*i32", qz_ptr="*i32", s_ptr="*fp16", bias_ptr=f"*{act}",
                        out_ptr=f"*{act}", ws_ptr="*fp32", cnt_ptr="*i32")  # fmt: skip
             const = dict(GROUP=128, STEPS=cfg.steps, MB=mb, BF16=bf16, HAS_BIAS=False, SPLIT_K=4, EVEN_N=True,
-                         EVEN_SPLIT=True, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps)  # fmt: skip
+                         EVEN_SPLIT=True, PREFETCH=cfg.prefetch, IL=interleaved, num_warps=cfg.num_warps)  # fmt: skip
             sig.update(dict.fromkeys(const, "constexpr"))
             aligned = ["x_ptr", "qw_ptr", "qz_ptr", "s_ptr", "out_ptr", "ws_ptr", "N", "stride_qwk", "stride_qzg",
                        "stride_sg", "stride_om"]  # fmt: skip
