@@ -350,6 +350,7 @@ class MmaGemvConfig:
     skip_split: int = 0  # > 0: a split measured slow for this config; the rule goes one doubling on (or back)
     wave_divisor: bool = False  # the split: the largest divisor of the loop count whose grid fits one wave (``wave``)
     uneven: bool = False  # the doubling split need not divide the loop count (parts differ by at most one iteration)
+    maxnreg: int = 0  # > 0: ptxas keeps each thread within this many registers (more resident warps)
 
     @property
     def block_n(self) -> int:
@@ -363,6 +364,7 @@ class MmaGemvConfig:
         extra += f"x{self.skip_split}" if self.skip_split else ""
         extra += "e" if self.wave_divisor else ""
         extra += "u" if self.uneven else ""
+        extra += f"r{self.maxnreg}" if self.maxnreg else ""
         return f"mma-w{self.num_warps}s{self.steps}f{self.fill:g}{extra}"
 
 
@@ -633,6 +635,6 @@ def launch(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, out: torc
         w.scales.stride(0), out.stride(0),
         GROUP=w.group_size or 2**30, STEPS=cfg.steps, MB=1 if m <= 8 else 2, BF16=x.dtype == torch.bfloat16,
         HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_N=n % cfg.block_n == 0,
-        PREFETCH=cfg.prefetch, EVEN_SPLIT=even, IL=interleaved, num_warps=cfg.num_warps,
+        PREFETCH=cfg.prefetch, EVEN_SPLIT=even, IL=interleaved, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg or None,
     )  # fmt: skip
     return out

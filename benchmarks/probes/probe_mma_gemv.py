@@ -38,13 +38,15 @@ VARIANTS = [
 
 def parse_variant(name: str) -> MmaGemvConfig:
     """``mma-w2s4f8pv14`` (the config's own name) -> MmaGemvConfig(2, 4, 8.0, prefetch=True, wave=14); a trailing
-    ``d512`` sets min_depth, ``m32`` max_split, ``x8`` skip_split."""
-    hit = re.fullmatch(r"(?:mma-)?w(\d+)s(\d+)f([\d.]+)(p?)(?:v(\d+))?(?:d(\d+))?(?:m(\d+))?(?:x(\d+))?", name)
+    ``d512`` sets min_depth, ``m32`` max_split, ``x8`` skip_split, ``u`` uneven, ``r96`` maxnreg."""
+    hit = re.fullmatch(r"(?:mma-)?w(\d+)s(\d+)f([\d.]+)(p?)(?:v(\d+))?(?:d(\d+))?(?:m(\d+))?(?:x(\d+))?(u?)(?:r(\d+))?",
+                       name)  # fmt: skip
     if not hit:
         raise SystemExit(f"--variants: cannot read {name!r} (expected e.g. mma-w4s4f4 or mma-w2s4f8pv14)")
-    w, s, f, p, v, d, mx, x = hit.groups()
+    w, s, f, p, v, d, mx, x, u, r = hit.groups()
     return MmaGemvConfig(int(w), int(s), float(f), prefetch=bool(p), wave=int(v or 0), min_depth=int(d or 0),
-                         max_split=int(mx or 16), skip_split=int(x or 0))  # fmt: skip
+                         max_split=int(mx or 16), skip_split=int(x or 0), uneven=bool(u),
+                         maxnreg=int(r or 0))  # fmt: skip
 
 
 def check_bf16(layer: Layer, m: int, cfg, linear=w4a16_mma_gemv) -> bool:

@@ -31,9 +31,19 @@ from quantkit.kernels.w4a16_mma_gemv import interleave_codes, mma_config_for, w4
 from quantkit.kernels.w4a16_weight import num_sms
 
 
-def product(interleaved: bool):
-    """The kernel in the signature Layer.calls expects; ``config`` None: the automatic config and split."""
-    return lambda x, w, config=None, out=None: w4a16_mma_gemv(x, w, out=out, config=config, interleaved=interleaved)
+def product(interleaved: bool, split: int | None = None):
+    """The kernel in the signature Layer.calls expects; ``config`` None: the automatic config; ``split`` None: the
+    config's own split."""
+    return lambda x, w, config=None, out=None: w4a16_mma_gemv(x, w, out=out, config=config, split=split,
+                                                              interleaved=interleaved)  # fmt: skip
+
+
+def wave_split(cfg, n: int, k: int, sms: int) -> int:
+    """The split that fills one wave of ``cfg.wave`` CTAs per SM (whole iterations per part, parts as even as they
+    go), keeping at least ``cfg.min_depth`` K rows a part: more CTAs than the doubling rule's power of two."""
+    ctas, iters = -(-n // cfg.block_n), k // (32 * cfg.steps)
+    deepest = iters // max(1, -(-cfg.min_depth // (32 * cfg.steps))) if cfg.min_depth else iters
+    return max(1, min(cfg.wave * sms // ctas, iters, deepest))
 
 
 def report_compile() -> None:
@@ -53,7 +63,11 @@ def main() -> None:
     ap.add_argument("--ms", default="1,8,16")
     ap.add_argument("--groups", default="128")
     ap.add_argument("--shapes", default="all", help="all, big (the four largest) or N x K pairs: 4096x11008,...")
-    ap.add_argument("--variants", default="", help="configs timed besides the automatic one, e.g. mma-w2s4f8pv8d512")
+    ap.add_argument(
+        "--variants",
+        default="mma-w2s4f8pv10d512u,mma-w2s4f8pv10d512ur96,mma-w2s4f8pv9d512ur104",
+        help="configs timed besides the automatic one at M = 9-16, each at the split that fills its wave",
+    )
     ap.add_argument("--compile", action="store_true", help="offline sm_90 compile report, no GPU")
     args = ap.parse_args()
     if args.compile:
@@ -78,12 +92,13 @@ def main() -> None:
                 row = {"n": n, "k": k, "m": m, "group": group, "fp16_us": fp16, "bytes": layer.bytes,
                        "auto": auto.name if auto else None}  # fmt: skip
                 cells = []
-                for cfg in [None, *extra]:
-                    name = "auto" if cfg is None else cfg.name
+                for cfg in [None, *(extra if m > 8 else [])]:
+                    split = None if cfg is None else wave_split(cfg, n, k, sms)
+                    name = "auto" if cfg is None else f"{cfg.name}-sk{split}"
                     for interleaved, weights in ((False, plain), (True, mixed)):
                         layer.weights = weights
                         key = f"{name}{'-il' if interleaved else ''}"
-                        linear = product(interleaved)
+                        linear = product(interleaved, split)
                         try:
                             ok = layer.check(m, cfg, linear=linear)["ok"] and check_bf16(layer, m, cfg, linear)
                             us = timer.per_call(layer.calls(m, cfg, linear=linear)) if ok else None
