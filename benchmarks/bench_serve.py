@@ -17,7 +17,8 @@ One process, one set of random bf16 weights in Llama-3-8B shape (transformers' o
   4. KV waste during benchmark 1: allocated minus filled KV slots over allocated, averaged over engine steps.
   Also: greedy agreement with HF ``generate`` (bf16, 8 prompts x 32 tokens, equal lengths so HF needs no padding),
   and HF's greedy choice at every position of the runtime's own outputs (teacher forced: each near-tie counts once);
-  on a GPU both again in fp16 at the end (the weights converted in place).
+  on a GPU both again in fp16 at the end (the weights converted in place). Both are read against a float32 copy of
+  the same weights: its greedy choice on the runtime's sequences and on HF's own (how far each 16-bit run strays).
 
   python benchmarks/bench_serve.py            full run, ~4 minutes on an H200 (about 1.5 of them in the HF baselines)
   python benchmarks/bench_serve.py --quick    GPU smoke test: 32 requests x 32 tokens, HF on 8
@@ -30,6 +31,7 @@ the earlier figures); a failing phase is recorded with its error and the run goe
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime as dt
 import gc
 import json
@@ -249,7 +251,8 @@ def measure_variant(name: str, hf, prompts, args, report: Report, hf_subset: int
 
 
 def agreement(llm: LLM, hf, prompts, new_tokens: int = 32, n: int = 8, length: int = 128) -> dict:
-    """Greedy tokens of the runtime vs HF generate on equal-length prompts (no padding anywhere)."""
+    """Greedy tokens of the runtime vs HF generate on equal-length prompts (no padding anywhere). The prompts and
+    both token lists come back under "tokens" for ``against_fp32``."""
     length = min(length, *(len(p) for p in prompts[:n]))
     batch = [p[:length] for p in prompts[:n]]
     ids = torch.tensor(batch, device=hf.device)
@@ -272,7 +275,23 @@ def agreement(llm: LLM, hf, prompts, new_tokens: int = 32, n: int = 8, length: i
         "mean_identical_prefix": sum(prefix) / n,
         "positionwise": positionwise / (n * new_tokens),
         **teacher_forced(hf, batch, ours),
+        "tokens": {"prompts": batch, "ours": ours, "hf": ref},
     }
+
+
+def against_fp32(ref32, device, agree: dict) -> None:
+    """The float32 model's greedy choice at every position of the runtime's sequences and of HF's own, from the
+    prompts and tokens ``agreement`` kept (popped from ``agree``): how far each 16-bit run strays from the same
+    weights computed in fp32, so that the runtime's agreement with HF reads against HF's own. ``ref32`` waits on
+    the host (the runtime's KV cache leaves no room for it) and goes back there."""
+    tokens = agree.pop("tokens")
+    ref32.to(device)
+    try:
+        agree["fp32_ours"] = teacher_forced(ref32, tokens["prompts"], tokens["ours"])
+        agree["fp32_hf"] = teacher_forced(ref32, tokens["prompts"], tokens["hf"])
+    finally:
+        ref32.to("cpu")
+        free_memory()
 
 
 def teacher_forced(hf, prompts: list[list[int]], ours: list[list[int]]) -> dict:
@@ -401,6 +420,12 @@ def summary(report: Report) -> list[tuple[str, str, str]]:
             gaps = f"where not: logit gap median {agree['gap_median']:.3f}, max {agree['gap_max']:.3f}"
             gaps += f" (logits' std {agree['logit_std']:.2f})"
             rows.append((f"HF greedy choice on our prefixes ({dtype})", f"{agree['teacher_forced']:.1%}", gaps))
+        if "fp32_ours" in agree:
+            ours, theirs = agree["fp32_ours"], agree["fp32_hf"]
+            rows.append((f"fp32 model's greedy choice on our prefixes ({dtype})", f"{ours['teacher_forced']:.1%}",
+                         f"on HF {dtype}'s own: {theirs['teacher_forced']:.1%}; logit gap where not: ours median "
+                         f"{ours['gap_median']:.3f} max {ours['gap_max']:.3f}, HF's median {theirs['gap_median']:.3f} "
+                         f"max {theirs['gap_max']:.3f}"))  # fmt: skip
     for phase, err in report.errors.items():
         rows.append((f"FAILED {phase}", err[:60], ""))
     return rows
@@ -465,7 +490,10 @@ def main() -> None:
     prompts = random_workload(n_req, min_len, max_len, hf.config.vocab_size, args.seed)
     hf_prompts = prompts[: min(hf_req, n_req)]
 
+    ref32 = None
     if "bf16" in variants:
+        with report.phase("fp32 reference"):  # the same weights in float32, on the host until used
+            ref32 = copy.deepcopy(hf).to("cpu", torch.float32)
         llm = None
         with report.phase("bf16"):
             llm = measure_variant("bf16", hf, prompts, args, report, hf_subset=len(hf_prompts) or None)
@@ -474,6 +502,9 @@ def main() -> None:
                 report.results["agreement_bf16"] = agreement(llm, hf, prompts)
         llm = None
         free_memory()
+        if ref32 is not None and "agreement_bf16" in report.results:
+            with report.phase("agreement vs fp32"):
+                against_fp32(ref32, device, report.results["agreement_bf16"])
     for name in QUANTIZED:
         if name not in variants:
             continue
@@ -502,6 +533,12 @@ def main() -> None:
             report.results["agreement_fp16"] = agreement(llm, hf, prompts)
         llm = None
         free_memory()
+        if ref32 is not None and "agreement_fp16" in report.results:
+            with report.phase("agreement fp16 vs fp32"):
+                against_fp32(ref32, device, report.results["agreement_fp16"])
+    for agree in report.results.values():  # tokens of a phase whose fp32 check did not run
+        if isinstance(agree, dict):
+            agree.pop("tokens", None)
     meta["seconds"] = round(time.perf_counter() - start, 1)
     report.write()
     print(f"\n{meta['device']}, {meta['seconds']:.0f} s, results in {report.out_dir}; HF baselines on "

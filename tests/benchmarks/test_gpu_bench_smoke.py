@@ -46,6 +46,8 @@ def test_smoke_mode_runs_and_writes_its_results(script, written, tmp_path):
     if script == "bench_serve.py":  # on the CPU in fp32 the runtime's greedy tokens are HF's, also teacher forced
         agree = json.loads((tmp_path / written).read_text())["results"]["agreement_bf16"]
         assert agree["positionwise"] == 1.0 and agree["teacher_forced"] == 1.0 and agree["gap_max"] == 0.0
+        assert agree["fp32_ours"]["teacher_forced"] == agree["fp32_hf"]["teacher_forced"] == 1.0  # fp32 is the model
+        assert "tokens" not in agree
 
 
 def test_w4a16_summary_reprints_a_committed_tables_geomeans():
