@@ -70,7 +70,7 @@ from triton.experimental.gluon import language as gl
 w4a16_mma_gemv_reference = w4a16_gemv_reference  # the same product
 
 
-def mma_step_asm(bf16: bool, mb: int, interleaved: bool = False) -> str:
+def mma_step_asm(bf16: bool, mb: int) -> str:
     """PTX for one K step of one thread: 4 packed words (columns 4g .. 4g+3, word row 4s + c), their 4 zero pairs
     (magic + z) and 4 high zero pairs (-(magic / 16 + z)), mb x 4 int32 of x (eight 16-bit activations of one row, as
     pairs) and 2 mb accumulators of 4 fp32 in; the 2 mb accumulators out. Operand numbering follows Triton's
@@ -79,10 +79,7 @@ def mma_step_asm(bf16: bool, mb: int, interleaved: bool = False) -> str:
     Codes (j, j + 4) of a word become one pair: (w >> 4j) & 0x000F000F | magic reads as magic + code in each half,
     minus the zero pair leaves q - z exactly. fp16 saves two of the three shifts (Marlin's trick, Frantar et al.
     2024): (w >> s) & 0x00F000F0 | magic reads as 1024 + 16 code, and one FMA by 1/16 minus (64 + z) leaves q - z
-    (exact: powers of two and small integers); bf16's 7 mantissa bits leave no room for a code at bit 4.
-
-    ``interleaved``: the word holds K offsets 0, 2, 4, 6, 1, 3, 5, 7 in its nibbles 0-7 (``interleave_codes``), so
-    the pair (j, j + 4) of nibbles is K offsets (2j, 2j + 1): x's own 32-bit pair j, no PRMT."""
+    (exact: powers of two and small integers); bf16's 7 mantissa bits leave no room for a code at bit 4."""
     kind = "bf16" if bf16 else "f16"
     magic = 0x43004300 if bf16 else 0x64006400
     sixteenth = 0x2C002C00  # fp16 1/16 in both halves
@@ -115,9 +112,6 @@ def mma_step_asm(bf16: bool, mb: int, interleaved: bool = False) -> str:
             lines.append(f"fma.rn.f16x2 p{i}_{j + 1}, p{i}_{j + 1}, sx, {zeros_hi[i]};")
     for b in range(mb):  # x pairs (j, j+1) -> (j, j + 4) as the codes
         x0, x1, x2, x3 = xs[b]
-        if interleaved:
-            lines += [f"mov.b32 x{b}_{j}, {xs[b][j]};" for j in range(4)]  # a register rename for ptxas
-            continue
         lines += [f"prmt.b32 x{b}_0, {x0}, {x2}, 0x5410;", f"prmt.b32 x{b}_1, {x0}, {x2}, 0x7632;",
                   f"prmt.b32 x{b}_2, {x1}, {x3}, 0x5410;", f"prmt.b32 x{b}_3, {x1}, {x3}, 0x7632;"]  # fmt: skip
     op = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32"
@@ -143,25 +137,19 @@ _F16_MB1 = gl.constexpr(mma_step_asm(False, 1))
 _F16_MB2 = gl.constexpr(mma_step_asm(False, 2))
 _BF16_MB1 = gl.constexpr(mma_step_asm(True, 1))
 _BF16_MB2 = gl.constexpr(mma_step_asm(True, 2))
-_F16_MB1_IL = gl.constexpr(mma_step_asm(False, 1, True))
-_F16_MB2_IL = gl.constexpr(mma_step_asm(False, 2, True))
-_BF16_MB1_IL = gl.constexpr(mma_step_asm(True, 1, True))
-_BF16_MB2_IL = gl.constexpr(mma_step_asm(True, 2, True))
 _CONS_MB1 = gl.constexpr(mma_step_constraints(1))
 _CONS_MB2 = gl.constexpr(mma_step_constraints(2))
 
 
 @gluon.jit
-def _mma_step(words, zp, zh, x0, x1, a0, a1, a2, a3, BF16: gl.constexpr, MB: gl.constexpr, IL: gl.constexpr):
+def _mma_step(words, zp, zh, x0, x1, a0, a1, a2, a3, BF16: gl.constexpr, MB: gl.constexpr):
     """One K step through the inline PTX: the accumulators (a0, a1) for rows 2c, 2c+1 (and a2, a3 for rows
-    8 + 2c, 9 + 2c when MB == 2) of x, each [T, 4] over the thread's four columns. IL: interleaved codes."""
+    8 + 2c, 9 + 2c when MB == 2) of x, each [T, 4] over the thread's four columns."""
     if MB == 1:
-        a0, a1 = gl.inline_asm_elementwise((_BF16_MB1_IL if BF16 else _F16_MB1_IL) if IL else
-                                           (_BF16_MB1 if BF16 else _F16_MB1), _CONS_MB1, [words, zp, zh, x0, a0, a1],
+        a0, a1 = gl.inline_asm_elementwise(_BF16_MB1 if BF16 else _F16_MB1, _CONS_MB1, [words, zp, zh, x0, a0, a1],
                                            (gl.float32, gl.float32), is_pure=True, pack=4)  # fmt: skip
     else:
-        a0, a1, a2, a3 = gl.inline_asm_elementwise((_BF16_MB2_IL if BF16 else _F16_MB2_IL) if IL else
-                                                   (_BF16_MB2 if BF16 else _F16_MB2), _CONS_MB2,
+        a0, a1, a2, a3 = gl.inline_asm_elementwise(_BF16_MB2 if BF16 else _F16_MB2, _CONS_MB2,
                                                    [words, zp, zh, x0, x1, a0, a1, a2, a3], (gl.float32,) * 4,
                                                    is_pure=True, pack=4)  # fmt: skip
     return a0, a1, a2, a3
@@ -189,7 +177,7 @@ def _words(w_ptrs, kw, stride_qwk, nmask, EVEN_N: gl.constexpr):
 @gluon.jit
 def _k_loop(qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, it0, n_iters, stride_qwk, stride_qzg,
             stride_sg, L: gl.constexpr, GROUP: gl.constexpr, STEPS: gl.constexpr, SPG: gl.constexpr, MB: gl.constexpr,
-            BF16: gl.constexpr, EVEN_N: gl.constexpr, PREFETCH: gl.constexpr, IL: gl.constexpr):  # fmt: skip
+            BF16: gl.constexpr, EVEN_N: gl.constexpr, PREFETCH: gl.constexpr):  # fmt: skip
     """The K slice: accumulators over the thread's four columns for rows (2c, 2c + 1) of x, then rows (8 + 2c,
     9 + 2c) when MB == 2. The loads are plain; ptxas keeps about two steps of them in flight. PREFETCH (4 steps
     per iteration): the next iteration's words are loaded before this one's math (the last iteration reloads its
@@ -233,7 +221,7 @@ def _k_loop(qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, it0, n_iters, 
             x1 = x0
             if MB == 2:
                 x1 = gl.load(x1_ptrs + 4 * kw)
-            p0, p1, p2, p3 = _mma_step(words, zp, zh, x0, x1, p0, p1, p2, p3, BF16, MB, IL)
+            p0, p1, p2, p3 = _mma_step(words, zp, zh, x0, x1, p0, p1, p2, p3, BF16, MB)
             if st % SPG == SPG - 1:
                 acc0 += sc * p0
                 acc1 += sc * p1
@@ -283,7 +271,7 @@ def _w4a16_mma_gemv_kernel(
     M, N, iters, stride_xm, stride_qwk, stride_qzg, stride_sg, stride_om,
     GROUP: gl.constexpr, STEPS: gl.constexpr, MB: gl.constexpr, BF16: gl.constexpr, HAS_BIAS: gl.constexpr,
     SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr, PREFETCH: gl.constexpr, EVEN_SPLIT: gl.constexpr,
-    IL: gl.constexpr, num_warps: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     L: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [num_warps, 1], [1, 0])
     BLOCK_N: gl.constexpr = 32 * num_warps
@@ -316,7 +304,7 @@ def _w4a16_mma_gemv_kernel(
         n_it = (split + 1) * iters // SPLIT_K - it0
     acc0, acc1, acc2, acc3 = _k_loop(
         qz_ptr, s_ptr, w_ptrs, x0_ptrs, x1_ptrs, cols, nmask, it0, n_it,
-        stride_qwk, stride_qzg, stride_sg, L, GROUP, STEPS, SPG, MB, BF16, EVEN_N, PREFETCH, IL,
+        stride_qwk, stride_qzg, stride_sg, L, GROUP, STEPS, SPG, MB, BF16, EVEN_N, PREFETCH,
     )  # fmt: skip
 
     m0 = 2 * c
@@ -350,7 +338,6 @@ class MmaGemvConfig:
     skip_split: int = 0  # > 0: a split measured slow for this config; the rule goes one doubling on (or back)
     wave_divisor: bool = False  # the split: the largest divisor of the loop count whose grid fits one wave (``wave``)
     uneven: bool = False  # the doubling split need not divide the loop count (parts differ by at most one iteration)
-    maxnreg: int = 0  # > 0: ptxas keeps each thread within this many registers (more resident warps)
 
     @property
     def block_n(self) -> int:
@@ -364,7 +351,6 @@ class MmaGemvConfig:
         extra += f"x{self.skip_split}" if self.skip_split else ""
         extra += "e" if self.wave_divisor else ""
         extra += "u" if self.uneven else ""
-        extra += f"r{self.maxnreg}" if self.maxnreg else ""
         return f"mma-w{self.num_warps}s{self.steps}f{self.fill:g}{extra}"
 
 
@@ -588,11 +574,9 @@ def w4a16_mma_gemv(
     out: torch.Tensor | None = None,
     config: MmaGemvConfig | None = None,
     split: int | None = None,
-    interleaved: bool = False,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W.T + bias for M <= 16; x is already in kernel channel order. ``split``: the split-K
-    factor instead of ``mma_gemv_split``'s (tests, probes): parts of whole loop iterations, as even as they go.
-    ``interleaved`` (probes): ``w.qweight`` went through ``interleave_codes``; no other kernel reads that order."""
+    factor instead of ``mma_gemv_split``'s (tests, probes): parts of whole loop iterations, as even as they go."""
     check_operands(x, w, bias, out)
     sms = num_sms(x.device)
     cfg = config or mma_config_for(w.out_features, w.in_features, w.group_size, sms, x.shape[0]) or MMA_DEFAULT
@@ -605,20 +589,11 @@ def w4a16_mma_gemv(
     elif not 1 <= split <= k // (32 * cfg.steps) or (split > 1 and -(-n // cfg.block_n) > LOCK_SLOTS):
         raise ValueError(f"split {split}: K = {k} has {k // (32 * cfg.steps)} loop iterations of {32 * cfg.steps}, "
                          "at least one per part")  # fmt: skip
-    return launch(x, w, bias, out, cfg, split, interleaved)
-
-
-def interleave_codes(qweight: torch.Tensor) -> torch.Tensor:
-    """Packed 4-bit words with K offsets 0-7 in nibbles 0-7 -> the same codes with K offsets 0, 2, 4, 6, 1, 3, 5, 7
-    in nibbles 0-7 (AutoAWQ's order within a word), so that nibbles (j, j + 4) hold adjacent K offsets."""
-    out = torch.zeros_like(qweight)
-    for nibble, offset in enumerate((0, 2, 4, 6, 1, 3, 5, 7)):
-        out |= ((qweight >> (4 * offset)) & 0xF) << (4 * nibble)
-    return out
+    return launch(x, w, bias, out, cfg, split)
 
 
 def launch(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, out: torch.Tensor | None, cfg: MmaGemvConfig,
-           split: int, interleaved: bool = False) -> torch.Tensor:  # fmt: skip
+           split: int) -> torch.Tensor:  # fmt: skip
     """The launch itself, for operands already checked (``w4a16_mma_gemv``, or ``mma_plan`` + ``check_operands``).
     The automatic split leaves at most N / 64 column tiles to count, far under LOCK_SLOTS for any layer here."""
     m, k = x.shape
@@ -635,6 +610,6 @@ def launch(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, out: torc
         w.scales.stride(0), out.stride(0),
         GROUP=w.group_size or 2**30, STEPS=cfg.steps, MB=1 if m <= 8 else 2, BF16=x.dtype == torch.bfloat16,
         HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_N=n % cfg.block_n == 0,
-        PREFETCH=cfg.prefetch, EVEN_SPLIT=even, IL=interleaved, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg or None,
+        PREFETCH=cfg.prefetch, EVEN_SPLIT=even, num_warps=cfg.num_warps,
     )  # fmt: skip
     return out

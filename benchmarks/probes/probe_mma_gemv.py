@@ -38,15 +38,13 @@ VARIANTS = [
 
 def parse_variant(name: str) -> MmaGemvConfig:
     """``mma-w2s4f8pv14`` (the config's own name) -> MmaGemvConfig(2, 4, 8.0, prefetch=True, wave=14); a trailing
-    ``d512`` sets min_depth, ``m32`` max_split, ``x8`` skip_split, ``u`` uneven, ``r96`` maxnreg."""
-    hit = re.fullmatch(r"(?:mma-)?w(\d+)s(\d+)f([\d.]+)(p?)(?:v(\d+))?(?:d(\d+))?(?:m(\d+))?(?:x(\d+))?(u?)(?:r(\d+))?",
-                       name)  # fmt: skip
+    ``d512`` sets min_depth, ``m32`` max_split, ``x8`` skip_split."""
+    hit = re.fullmatch(r"(?:mma-)?w(\d+)s(\d+)f([\d.]+)(p?)(?:v(\d+))?(?:d(\d+))?(?:m(\d+))?(?:x(\d+))?", name)
     if not hit:
         raise SystemExit(f"--variants: cannot read {name!r} (expected e.g. mma-w4s4f4 or mma-w2s4f8pv14)")
-    w, s, f, p, v, d, mx, x, u, r = hit.groups()
+    w, s, f, p, v, d, mx, x = hit.groups()
     return MmaGemvConfig(int(w), int(s), float(f), prefetch=bool(p), wave=int(v or 0), min_depth=int(d or 0),
-                         max_split=int(mx or 16), skip_split=int(x or 0), uneven=bool(u),
-                         maxnreg=int(r or 0))  # fmt: skip
+                         max_split=int(mx or 16), skip_split=int(x or 0))  # fmt: skip
 
 
 def check_bf16(layer: Layer, m: int, cfg, linear=w4a16_mma_gemv) -> bool:
@@ -77,10 +75,10 @@ def time_variants(layer: Layer, m: int, fp16: float, variants, timer: Timer, row
                     f"{cfg.name:<{width}} WRONG")  # fmt: skip
 
 
-def report_compile(variants, interleaved: bool = False) -> None:
+def report_compile(variants) -> None:
     """Offline sm_90 compile of each config (Triton 3.6 on PYTHONPATH, no GPU): registers, spills and the SASS
     instructions of the K loop (one iteration: ``steps`` K steps of 32), groups of 128, one and two row blocks
-    (MB), split 4. ``interleaved``: the K step for words in AutoAWQ's order (probe_mma_interleave.py)."""
+    (MB), split 4."""
     import triton
     from quantkit.kernels.w4a16_mma_gemv import _w4a16_mma_gemv_kernel as fn
     from sass_w4a16 import loop_body, machine_code
@@ -94,7 +92,7 @@ def report_compile(variants, interleaved: bool = False) -> None:
             sig.update(x_ptr="*i32", qw_ptr="*i32", qz_ptr="*i32", s_ptr="*fp16", bias_ptr=f"*{act}",
                        out_ptr=f"*{act}", ws_ptr="*fp32", cnt_ptr="*i32")  # fmt: skip
             const = dict(GROUP=128, STEPS=cfg.steps, MB=mb, BF16=bf16, HAS_BIAS=False, SPLIT_K=4, EVEN_N=True,
-                         EVEN_SPLIT=True, PREFETCH=cfg.prefetch, IL=interleaved, num_warps=cfg.num_warps)  # fmt: skip
+                         EVEN_SPLIT=True, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps)  # fmt: skip
             sig.update(dict.fromkeys(const, "constexpr"))
             aligned = ["x_ptr", "qw_ptr", "qz_ptr", "s_ptr", "out_ptr", "ws_ptr", "N", "stride_qwk", "stride_qzg",
                        "stride_sg", "stride_om"]  # fmt: skip

@@ -125,23 +125,6 @@ def test_ptx_feeds_each_word_to_two_mma_per_row_block(bf16, mb):
     assert max(int(i) for i in re.findall(r"\$(\d+)", asm)) == len(operands) - 1  # pack=4: 4 registers each
 
 
-def test_interleaved_words_hold_adjacent_k_offsets_in_nibbles_j_and_j_plus_4():
-    from quantkit.kernels.w4a16_weight import unpack_gptq_codes
-
-    q = torch.randint(-(2**31), 2**31 - 1, (16, 12), dtype=torch.int32)
-    codes = unpack_gptq_codes(q, 4, 128).view(16, 8, 12)
-    mixed = unpack_gptq_codes(MG.interleave_codes(q), 4, 128).view(16, 8, 12)  # nibble i of each word
-    for j in range(4):
-        assert torch.equal(mixed[:, j], codes[:, 2 * j]) and torch.equal(mixed[:, j + 4], codes[:, 2 * j + 1])
-
-
-@pytest.mark.parametrize("bf16,mb", [(False, 1), (True, 2)])
-def test_interleaved_ptx_feeds_x_pairs_as_loaded(bf16, mb):
-    asm = MG.mma_step_asm(bf16, mb, interleaved=True)
-    assert "prmt" not in asm and asm.count("mma.sync") == 4 * mb
-    assert MG.mma_step_asm(bf16, mb).count("prmt") == 4 * mb
-
-
 # (M, N, K, group, dtype, act_order, bias, split): one and two mma row blocks, N off the CTA width, forced splits
 GPU_CASES = [
     (1, 4096, 4096, 128, torch.float16, False, False, None),
@@ -168,17 +151,6 @@ def test_kernel_matches_float64_reference(m, n, k, group, dtype, act_order, with
     qw, w = weight(n, k, group=group, act_order=act_order, seed=m + n)
     assert_kernel_case(lambda x, b, o: MG.w4a16_mma_gemv(x, w, b, o, config=cfg, split=split), qw, w, m, dtype,
                        with_bias)  # fmt: skip
-
-
-@sm90
-@pytest.mark.parametrize("m,dtype", [(1, torch.float16), (7, torch.bfloat16), (16, torch.float16),
-                                     (11, torch.bfloat16)])  # fmt: skip
-def test_interleaved_words_match_float64_reference(m, dtype):
-    import dataclasses
-
-    qw, w = weight(1000, 2048, group=128, seed=m)
-    mixed = dataclasses.replace(w, qweight=MG.interleave_codes(w.qweight))
-    assert_kernel_case(lambda x, b, o: MG.w4a16_mma_gemv(x, mixed, b, o, interleaved=True), qw, w, m, dtype, True)
 
 
 @sm90
