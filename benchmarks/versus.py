@@ -4,6 +4,7 @@ one run.
     python benchmarks/versus.py --against llm-compressor --python V/bin/python --method gptq --group-size 64
     python benchmarks/versus.py --against gptqmodel --python G/bin/python --method gptq --group-size 128
     python benchmarks/versus.py --against gptqmodel --python G/bin/python --method awq --asym --group-size 64
+    python benchmarks/versus.py --against torchao --python T/bin/python --method rtn --asym --group-size 64
     (likewise --method rtn, --bits 3)
 
 The other tool runs in a virtual environment of its own (its pins on transformers, compressed-tensors or torch are not
@@ -11,6 +12,7 @@ quantkit's); it is never a dependency of quantkit:
 
     python3 -m venv V && V/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1
     python3 -m venv G && BUILD_CUDA_EXT=0 G/bin/pip install torch==2.13.0 gptqmodel==7.3.6 requests
+    python3 -m venv T && T/bin/pip install torch==2.13.0 torchao==0.18.0 transformers safetensors
 
 (llm-compressor 0.14, and GPTQModel's AWQ, refuse groups that do not divide a layer's input size, such as 128 on
 SmolLM2's 576: use 64 there. GPTQModel 7.4 and later need torch 2.14.)
@@ -22,11 +24,14 @@ model, quantizing, saving; 2-core CPU, fp32):
 2. the other tool quantizes at its own defaults, only the scheme set (bits, group, symmetry; ``lm_head`` left float):
    llm-compressor's ``oneshot`` with its GPTQModifier, AWQModifier + QuantizationModifier, or QuantizationModifier
    alone (RTN), saved compressed; GPTQModel's ``quantize`` with GPTQConfig, AWQConfig (GEMM) or RTNConfig, saved in its
-   GPTQ / AWQ format;
+   GPTQ / AWQ format; torchao's ``quantize_`` with ``IntxWeightOnlyConfig`` (RTN only: its int4 weight-only path that
+   runs on a CPU; ``Int4WeightOnlyConfig`` needs CUDA or the mslk package there; ``--torchao-hqq`` takes its
+   HQQ-refined scales), whose weights are dequantized into a float folder (torchao writes no GPTQ / AWQ layout);
 3. ``quantkit quantize --method METHOD`` with the same scheme and calibration (its defaults otherwise);
 4. the other tool's folder goes through ``quantkit import`` (so quantkit's own modules run it, and the import is
-   checked on a real third-party checkpoint), and both models are evaluated by quantkit's protocol against the float
-   model: perplexity, KL divergence and top-1 agreement over ``--windows`` windows of ``--eval`` text.
+   checked on a real third-party checkpoint; torchao's float folder loads as it is), and both models are evaluated
+   by quantkit's protocol against the float model: perplexity, KL divergence and top-1 agreement over
+   ``--windows`` windows of ``--eval`` text.
 
 Written to ``WORK`` (``--work``, default ``out/vs-TOOL-METHOD-...``): the folders, the logs, ``result.json``; the
 table is printed.
@@ -43,7 +48,8 @@ import time
 from pathlib import Path
 
 METHODS = ("rtn", "gptq", "awq")
-SHORT = {"llm-compressor": "llmc", "gptqmodel": "gptqmodel"}  # folder names under --work
+SHORT = {"llm-compressor": "llmc", "gptqmodel": "gptqmodel", "torchao": "torchao"}  # folder names under --work
+FLOAT_FOLDER = {"torchao"}  # tools whose folder holds dequantized float weights (no quantkit import)
 
 
 def run_child(cmd: list[str], log: Path, env: dict | None = None, cwd: Path | None = None) -> dict:
@@ -137,6 +143,36 @@ def gptqmodel_side(args) -> None:
     model.save(args.out)
 
 
+def torchao_side(args) -> None:
+    """In torchao's environment: round ``args.model_dir``'s decoder linears with ``IntxWeightOnlyConfig`` (per group,
+    symmetric or asymmetric, min-max or HQQ scales; no calibration), then save them dequantized as a float folder."""
+    import torch
+    from torchao.quantization import IntxWeightOnlyConfig, quantize_
+    from torchao.quantization.granularity import PerGroup
+    from torchao.quantization.quant_primitives import MappingType
+    from torchao.quantization.quantize_.workflows import IntxChooseQParamsAlgorithm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    config = IntxWeightOnlyConfig(
+        weight_dtype=getattr(torch, f"int{args.bits}"), granularity=PerGroup(args.group_size),
+        mapping_type=MappingType.ASYMMETRIC if args.asym else MappingType.SYMMETRIC,
+        intx_choose_qparams_algorithm=IntxChooseQParamsAlgorithm.HQQ_SCALE_ONLY if args.torchao_hqq
+        else IntxChooseQParamsAlgorithm.AFFINE,
+    )  # fmt: skip
+
+    def decoder(module, name: str) -> bool:
+        return isinstance(module, torch.nn.Linear) and name.startswith("model.layers.")
+
+    quantize_(model, config, filter_fn=decoder)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if decoder(module, name):
+                module.weight = torch.nn.Parameter(module.weight.dequantize().float(), requires_grad=False)
+    model.save_pretrained(args.out)
+    AutoTokenizer.from_pretrained(args.model_dir).save_pretrained(args.out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--against", choices=sorted(SHORT), default="llm-compressor", help="the other tool")
@@ -155,7 +191,8 @@ def main() -> None:
     ap.add_argument("--llmc-observer", help="llm-compressor's weight observer (default: its own, min-max)")
     ap.add_argument("--gptqmodel-mse", type=float, help="GPTQModel's clipped-grid search, the error's exponent "
                     "(GPTQ's reference code uses 2.4; default: off, min-max grids)")  # fmt: skip
-    ap.add_argument("--work", help="output folder (default out/vs-TOOL-METHOD-wBITSgG[-asym][-OBSERVER|-mseX])")
+    ap.add_argument("--torchao-hqq", action="store_true", help="torchao's HQQ-refined scales (default: min-max)")
+    ap.add_argument("--work", help="output folder (default out/vs-TOOL-METHOD-wBITSgG[-asym][-OBSERVER|-mseX|-hqq])")
     ap.add_argument("--tools", help="which tools quantize (comma-separated; default: the other tool and quantkit); "
                     "a folder an earlier run left in --work stands in for a tool left out")  # fmt: skip
     # the other tool's side (run by the driver in the other environment)
@@ -165,7 +202,7 @@ def main() -> None:
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.side:
-        {"llm-compressor": llmc_side, "gptqmodel": gptqmodel_side}[args.side](args)
+        {"llm-compressor": llmc_side, "gptqmodel": gptqmodel_side, "torchao": torchao_side}[args.side](args)
         return
     args.tools = [t.strip() for t in (args.tools or f"{args.against},quantkit").split(",") if t.strip()]
     if set(args.tools) - {args.against, "quantkit"}:
@@ -174,6 +211,10 @@ def main() -> None:
         ap.error("--llmc-observer is llm-compressor's option")
     if args.gptqmodel_mse and (args.against != "gptqmodel" or args.method != "gptq"):
         ap.error("--gptqmodel-mse is an option of GPTQModel's GPTQ")
+    if args.against == "torchao" and args.method != "rtn":
+        ap.error("torchao is compared on --method rtn (its stable API has no GPTQ or AWQ)")
+    if args.torchao_hqq and args.against != "torchao":
+        ap.error("--torchao-hqq is torchao's option")
     if args.against in args.tools and not args.python:
         ap.error(f"--python is required (the python of an environment with {args.against} installed)")
     drive(args)
@@ -194,10 +235,12 @@ def drive(args) -> None:
     tag = f"{args.method}-w{args.bits}g{args.group_size}" + ("-asym" if args.asym else "")
     tag += f"-{args.llmc_observer}" if args.llmc_observer else ""
     tag += f"-mse{args.gptqmodel_mse:g}" if args.gptqmodel_mse else ""
+    tag += "-hqq" if args.torchao_hqq else ""
     work = Path(args.work or f"out/vs-{short}-{tag}")
     work.mkdir(parents=True, exist_ok=True)
     folder = resolve_model(args.model)
-    other_dir, qk_dir, imported = work / short, work / "quantkit", work / f"{short}-imported"
+    other_dir, qk_dir = work / short, work / "quantkit"
+    imported = other_dir if other in FLOAT_FOLDER else work / f"{short}-imported"
     result_file = work / "result.json"
     runs = json.loads(result_file.read_text())["runs"] if result_file.is_file() else {}
 
@@ -212,6 +255,7 @@ def drive(args) -> None:
         side += ["--asym"] if args.asym else []
         side += ["--llmc-observer", args.llmc_observer] if args.llmc_observer else []
         side += ["--gptqmodel-mse", str(args.gptqmodel_mse)] if args.gptqmodel_mse else []
+        side += ["--torchao-hqq"] if args.torchao_hqq else []
         env = {**os.environ, "PYTHONPATH": ""}
         if other == "gptqmodel":
             # 7.3 sizes its CPU pool at half the cores, then asks that pool for two loader threads: on two cores
@@ -221,8 +265,9 @@ def drive(args) -> None:
         # run inside WORK: GPTQModel writes a logs/ folder into the directory it starts in
         runs[other] = run_child(side, work / f"{short}.log", env=env, cwd=work)
         console.print(f"  {runs[other]}")
-        imp = [sys.executable, "-m", "quantkit", "import", str(other_dir), "--out", str(imported), "--overwrite"]
-        run_child(imp, work / "import.log")
+        if other not in FLOAT_FOLDER:
+            imp = [sys.executable, "-m", "quantkit", "import", str(other_dir), "--out", str(imported), "--overwrite"]
+            run_child(imp, work / "import.log")
     if "quantkit" in args.tools:
         cli = [sys.executable, "-m", "quantkit", "quantize", "--model", str(folder), "--method", args.method,
                "--bits", str(args.bits), "--group-size", str(args.group_size), "--calib", args.calib,
@@ -237,7 +282,7 @@ def drive(args) -> None:
     for name, path in ((other, imported), ("quantkit", qk_dir)):
         if not (path / "config.json").is_file():
             raise SystemExit(f"{path} holds no checkpoint: run with --tools {name} first")
-        model = quantkit.load_quantized(path)
+        model = quantkit.load_model(path)[0] if name in FLOAT_FOLDER else quantkit.load_quantized(path)
         res = evaluate_windows(model, windows, baseline=float_model)
         rows[name] = {"perplexity": res.perplexity, "kl": res.kl, "top1": res.top1_agreement}
         float_ppl = res.baseline_perplexity
@@ -253,6 +298,7 @@ def drive(args) -> None:
     result_file.write_text(json.dumps({
         "against": other, "method": args.method, "bits": args.bits, "group_size": args.group_size,
         "asym": args.asym, "llmc_observer": args.llmc_observer, "gptqmodel_mse": args.gptqmodel_mse,
+        "torchao_hqq": args.torchao_hqq,
         "calibration": {"source": args.calib, "nsamples": args.nsamples, "seqlen": args.seqlen, "seed": args.seed},
         "evaluation": protocol, "float_perplexity": float_ppl, "runs": runs, "rows": rows,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
