@@ -1,7 +1,7 @@
 """The comparison against other tools, its plumbing on a tiny model with a stand-in for the other tool's environment
 (CI has none): the stand-in writes the folder that tool would (compressed-tensors for llm-compressor, GPTQ for
-GPTQModel) through quantkit's own export, so the driver's calibration hand-off, child processes, import, evaluation
-and result file all run; the figures themselves are not tests."""
+GPTQModel, through quantkit's own export; a float folder for torchao, a copy), so the driver's calibration hand-off,
+child processes, import, evaluation and result file all run; the figures themselves are not tests."""
 
 import json
 import stat
@@ -55,6 +55,33 @@ def test_compares_two_folders_end_to_end(tmp_path, tool, fmt):
     assert again["rows"][tool] == result["rows"][tool]
 
 
+FLOAT_STAND_IN = """#!/bin/sh
+# torchao's side writes a float folder: the stand-in copies the float model there
+shift
+while [ $# -gt 0 ]; do
+  case $1 in --model-dir) dir=$2; shift ;; --out) out=$2; shift ;; esac
+  shift
+done
+exec cp -r "$dir" "$out"
+"""
+
+
+def test_a_float_folder_is_evaluated_as_it_is(tmp_path):
+    model = tiny_model_dir(tmp_path / "tiny")
+    stand_in = tmp_path / "other-python"
+    stand_in.write_text(FLOAT_STAND_IN)
+    stand_in.chmod(stand_in.stat().st_mode | stat.S_IXUSR)
+    work = tmp_path / "work"
+    flags = f"--method rtn --group-size 32 --model {model} --nsamples 4 --seqlen 32 --windows 2 --work {work}"
+    cmd = [sys.executable, str(BENCH), "--against", "torchao", "--python", str(stand_in), *flags.split()]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((work / "result.json").read_text())
+    assert set(result["rows"]) == {"torchao", "quantkit"} and result["torchao_hqq"] is False
+    assert result["rows"]["torchao"]["kl"] < 1e-6  # the float model itself, read without quantkit import
+    assert not (work / "torchao-imported").exists()
+
+
 def test_a_failing_child_is_one_message(tmp_path):
     model = tiny_model_dir(tmp_path / "tiny")
     flags = f"--method rtn --model {model} --nsamples 2 --seqlen 16 --work {tmp_path / 'w'}"
@@ -72,3 +99,9 @@ def test_needs_the_other_environment():
     cmd = [sys.executable, str(BENCH), "--python", "x", "--gptqmodel-mse", "2.4"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--gptqmodel-mse is an option of GPTQModel's GPTQ" in done.stderr
+    cmd = [sys.executable, str(BENCH), "--against", "torchao", "--python", "x", "--method", "gptq"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "torchao is compared on --method rtn" in done.stderr
+    cmd = [sys.executable, str(BENCH), "--python", "x", "--torchao-hqq"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--torchao-hqq is torchao's option" in done.stderr
