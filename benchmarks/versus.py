@@ -191,7 +191,8 @@ def main() -> None:
     ap.add_argument("--llmc-observer", help="llm-compressor's weight observer (default: its own, min-max)")
     ap.add_argument("--gptqmodel-mse", type=float, help="GPTQModel's clipped-grid search, the error's exponent "
                     "(GPTQ's reference code uses 2.4; default: off, min-max grids)")  # fmt: skip
-    ap.add_argument("--torchao-hqq", action="store_true", help="torchao's HQQ-refined scales (default: min-max)")
+    ap.add_argument("--torchao-hqq", action="store_true", help="torchao's HQQ-refined scales (default: min-max); "
+                    "its scale-only search gives the same grid with or without --asym")  # fmt: skip
     ap.add_argument("--work", help="output folder (default out/vs-TOOL-METHOD-wBITSgG[-asym][-OBSERVER|-mseX|-hqq])")
     ap.add_argument("--tools", help="which tools quantize (comma-separated; default: the other tool and quantkit); "
                     "a folder an earlier run left in --work stands in for a tool left out")  # fmt: skip
