@@ -279,6 +279,18 @@ def agreement(llm: LLM, hf, prompts, new_tokens: int = 32, n: int = 8, length: i
     }
 
 
+def agreement_phases(report: Report, dtype: str, make_llm, hf, prompts, ref32, device) -> None:
+    """``agreement`` of the engine ``make_llm()`` returns into results["agreement_<dtype>"], the engine freed, then
+    (``ref32`` given) ``against_fp32``; each a phase of its own."""
+    key, label = f"agreement_{dtype}", "agreement" if dtype == "bf16" else f"agreement {dtype}"
+    with report.phase(label):
+        report.results[key] = agreement(make_llm(), hf, prompts)
+    free_memory()
+    if ref32 is not None and key in report.results:
+        with report.phase(f"{label} vs fp32"):
+            against_fp32(ref32, device, report.results[key])
+
+
 def against_fp32(ref32, device, agree: dict) -> None:
     """The float32 model's greedy choice at every position of the runtime's sequences and of HF's own, from the
     prompts and tokens ``agreement`` kept (popped from ``agree``): how far each 16-bit run strays from the same
@@ -498,13 +510,9 @@ def main() -> None:
         with report.phase("bf16"):
             llm = measure_variant("bf16", hf, prompts, args, report, hf_subset=len(hf_prompts) or None)
         if llm is not None:
-            with report.phase("agreement"):
-                report.results["agreement_bf16"] = agreement(llm, hf, prompts)
-        llm = None
+            built, llm = [llm], None  # the engine's only reference: freed before the fp32 model needs the memory
+            agreement_phases(report, "bf16", built.pop, hf, prompts, ref32, device)
         free_memory()
-        if ref32 is not None and "agreement_bf16" in report.results:
-            with report.phase("agreement vs fp32"):
-                against_fp32(ref32, device, report.results["agreement_bf16"])
     for name in QUANTIZED:
         if name not in variants:
             continue
@@ -528,14 +536,7 @@ def main() -> None:
             report.results["hf_static64"] = hf_static(hf, hf_prompts, out_len)
         free_memory()
     if "bf16" in variants and device == "cuda":  # last: the weights go to fp16 (tiny bf16 values lose bits)
-        with report.phase("agreement fp16"):
-            llm = engine(hf.half(), args)
-            report.results["agreement_fp16"] = agreement(llm, hf, prompts)
-        llm = None
-        free_memory()
-        if ref32 is not None and "agreement_fp16" in report.results:
-            with report.phase("agreement fp16 vs fp32"):
-                against_fp32(ref32, device, report.results["agreement_fp16"])
+        agreement_phases(report, "fp16", lambda: engine(hf.half(), args), hf, prompts, ref32, device)
     for agree in report.results.values():  # tokens of a phase whose fp32 check did not run
         if isinstance(agree, dict):
             agree.pop("tokens", None)
