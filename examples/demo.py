@@ -14,9 +14,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 
 import quantkit
 from quantkit.calib.data import evaluation_windows
+from quantkit.cli.commands import progress_bar
 from quantkit.eval import evaluate_windows
 
 
@@ -28,6 +30,7 @@ def main() -> None:
     ap.add_argument("--out", default="out/demo")
     args = ap.parse_args()
     console = Console(soft_wrap=True)
+    hf_logging.disable_progress_bar()  # transformers' per-load "Loading weights" bars; the evaluation has its own
     t0 = time.perf_counter()
 
     model, tokenizer, folder = quantkit.load_model(args.model)
@@ -48,7 +51,9 @@ def main() -> None:
     float_model, _, _ = quantkit.load_model(args.model)
     windows, protocol = evaluation_windows(tokenizer, "moby-dick", 512, args.windows)
     console.print(f"[bold]4. evaluate[/] on {protocol['source']}: {len(windows)} windows x 512 tokens")
-    res = evaluate_windows(reloaded, windows, baseline=float_model)
+    with progress_bar() as bar:  # two forward passes a window: a few minutes on two cores
+        task = bar.add_task("evaluating", total=len(windows), note="")
+        res = evaluate_windows(reloaded, windows, float_model, progress=lambda d, t: bar.update(task, completed=d))
     table = Table(title=f"{args.model}: float (dequantized GGUF) vs quantized ({args.recipe})")
     for col in ("model", "perplexity", "KL vs float", "top-1 agreement"):
         table.add_column(col)
