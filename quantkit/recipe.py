@@ -39,10 +39,30 @@ def check_keys(data: Any, cls, where: str) -> dict:
     if not isinstance(data, dict):
         raise QuantkitError(f"{where} must be a mapping, got {type(data).__name__}")
     allowed = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - allowed)
+    unknown = sorted(set(data) - allowed, key=str)
     if unknown:
-        raise QuantkitError(f"unknown key {unknown[0]!r} in {where}; allowed: {', '.join(sorted(allowed))}")
+        choices = f"allowed: {', '.join(sorted(allowed))}" if allowed else "it takes none"
+        raise QuantkitError(f"unknown key {unknown[0]!r} in {where}; {choices}")
     return data
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML keeps the last one
+    silently, so a recipe could say one thing on the page and do another)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:  # before "<<" merges, which may be overridden
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} given twice in one mapping", key_node.start_mark
+                    )
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 @dataclass(frozen=True)
@@ -266,14 +286,18 @@ def load_recipe(spec: str | Path) -> Recipe:
         raise QuantkitError(f"a recipe is a YAML file or a shipped recipe's name, got {type(spec).__name__}")
     path = Path(spec)
     if path.is_file():
-        text, where = path.read_text(), str(path)
+        where = str(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise QuantkitError(f"{where}: not a UTF-8 text file (byte {exc.start}); a recipe is YAML") from None
     elif str(spec) in shipped_recipes():
         text = resources.files("quantkit.recipes").joinpath(f"{spec}.yaml").read_text()
         where = f"recipe {spec}"
     else:
         raise QuantkitError(f"recipe not found: {spec} (a YAML file, or one of: {', '.join(shipped_recipes())})")
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
