@@ -8,3 +8,10 @@ any other exception is a bug in quantkit and keeps its traceback.
 
 class QuantkitError(Exception):
     """Bad input: the message alone tells the user what to fix."""
+
+
+def one_line(text: object, limit: int = 400) -> str:
+    """A library's message (often several lines: a summary, then a numbered list of causes) on one line, cut at
+    ``limit`` characters: the first line alone can end in the middle of what it means ("... from one of:")."""
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."

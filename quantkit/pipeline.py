@@ -62,7 +62,16 @@ def check_calibration_windows(calib, model: nn.Module) -> torch.Tensor:
     low, high = int(calib.min()), int(calib.max())
     if low < 0 or (vocab is not None and high >= vocab):
         raise QuantkitError(f"calib token ids must lie in [0, {vocab}) for this model, found {low}..{high}")
+    check_window_length(calib.shape[1], model)
     return calib.long()
+
+
+def check_window_length(seqlen: int, model: nn.Module) -> None:
+    """Refuse calibration windows longer than the model's positions: past them its rotary or learned position
+    tables no longer describe what it was trained on, and the statistics would be of a model that never runs."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and seqlen > limit:
+        raise QuantkitError(f"calibration windows of {seqlen} tokens are longer than the model's {limit} positions")
 
 
 def quantize(
@@ -99,6 +108,7 @@ def quantize(
             if tokenizer is None:
                 raise QuantkitError("this recipe needs calibration data: pass calib windows or a tokenizer")
             c = recipe.calibration
+            check_window_length(c.seqlen, model)
             calib, fingerprint = calibration_windows(tokenizer, c.source, c.nsamples, c.seqlen, c.seed)
         else:
             calib = check_calibration_windows(calib, model)

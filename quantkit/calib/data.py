@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, one_line
 
 DEFAULT_CALIB = "brown"
 DEFAULT_EVAL = "moby-dick"
@@ -62,7 +62,7 @@ def _read_local(paths: list[Path]) -> str:
         ds = datasets.load_dataset(builder, data_files=[str(p) for p in paths], split="train", **kwargs)
     except Exception as exc:  # datasets raises many types for unreadable files, often wrapping the parser's error
         cause = exc.__cause__ or exc.__context__ or exc
-        raise QuantkitError(f"could not read {', '.join(map(str, paths))}: {cause}".splitlines()[0]) from None
+        raise QuantkitError(f"could not read {', '.join(map(str, paths))}: {one_line(cause)}") from None
     return _join_text_column(ds, ", ".join(map(str, paths)))
 
 
@@ -100,7 +100,7 @@ def _read_hub(spec: str) -> str:
     try:
         ds = datasets.load_dataset(name, config, split=split or "train")
     except Exception as exc:
-        raise QuantkitError(f"could not load hub dataset {spec!r} (are you online?): {exc}".splitlines()[0]) from None
+        raise QuantkitError(f"could not load hub dataset {spec!r} (are you online?): {one_line(exc)}") from None
     return _join_text_column(ds, f"hf:{spec}")
 
 

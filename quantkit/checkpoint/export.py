@@ -46,11 +46,12 @@ from quantkit.checkpoint.save import (
     EXPORT_MARK,
     SHARD_BYTES,
     atomic_folder,
+    check_apart,
     check_output,
     versions,
     write_shards,
 )
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, one_line
 from quantkit.quant.packing import pack_cols, unpack_cols, unpack_rows
 from quantkit.quant.scheme import QuantScheme
 
@@ -75,7 +76,7 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, fmt: str, 
     schemes = module_schemes(qc)
     if qc.get("split_experts"):
         raise QuantkitError("exporting a mixture-of-experts checkpoint is not supported (its experts are split)")
-    check_output(out, overwrite)  # refuse a bad output before the work
+    check_apart(check_output(out, overwrite), folder)  # refuse a bad output before the work
     tensors = read_tensors(folder)
     layers = {name: module_tensors(name, tensors) for name in schemes}
     for name, layer in layers.items():
@@ -154,7 +155,7 @@ def model_skeleton(config: dict) -> torch.nn.Module:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(cfg)
     except Exception as exc:
-        raise QuantkitError(f"cannot build the model of this checkpoint's config: {exc}".splitlines()[0]) from None
+        raise QuantkitError(f"cannot build the model of this checkpoint's config: {one_line(exc)}") from None
 
 
 def linear_names(model: torch.nn.Module) -> list[str]:

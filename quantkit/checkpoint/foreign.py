@@ -42,8 +42,10 @@ from quantkit.checkpoint.export import (
     read_tensors,
     write_converted,
 )
-from quantkit.checkpoint.save import check_output, versions
-from quantkit.errors import QuantkitError
+from quantkit.checkpoint.load import check_shapes
+from quantkit.checkpoint.save import check_apart, check_output, versions
+from quantkit.checkpoint.swap import swap_in_quantized_modules
+from quantkit.errors import QuantkitError, one_line
 from quantkit.quant.packing import LAYOUT_VERSIONS, pack_cols, pack_rows, packed_rows, unpack_cols, unpack_rows
 from quantkit.quant.scheme import QuantScheme
 
@@ -71,9 +73,7 @@ def import_checkpoint(src: str | os.PathLike, out: str | os.PathLike, overwrite:
         raise QuantkitError(f"{folder} is already a quantkit checkpoint")
     if method not in IMPORT_METHODS:
         raise QuantkitError(f"cannot import {method!r} checkpoints (quantkit imports {', '.join(IMPORT_METHODS)})")
-    target = check_output(out, overwrite)  # refuse a bad output before the work
-    if target == folder.resolve() or target.is_relative_to(folder.resolve()):
-        raise QuantkitError(f"the output {target} must lie outside the checkpoint being imported")
+    check_apart(check_output(out, overwrite), folder)  # refuse a bad output before the work
     skeleton = model_skeleton(config)
     arch = arch_for(skeleton)
     tensors = read_tensors(folder)
@@ -83,10 +83,11 @@ def import_checkpoint(src: str | os.PathLike, out: str | os.PathLike, overwrite:
     try:
         schemes = convert(tensors, qc, linears, change)
     except (KeyError, IndexError, ValueError, RuntimeError, TypeError, AttributeError) as exc:  # malformed input
-        raise QuantkitError(f"malformed {method} checkpoint {folder}: {type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from None  # fmt: skip
+        raise QuantkitError(f"malformed {method} checkpoint {folder}: {type(exc).__name__}: {one_line(exc)}") from None
     if not schemes:
         raise QuantkitError(f"{folder}: no quantized linear found in its tensors")
+    swap_in_quantized_modules(skeleton, schemes, split_experts=False)  # what a load will build: shapes must agree
+    check_shapes(folder, skeleton, {key: tuple(t.shape) for key, t in tensors.items()})
     by_name = {s.name: s for s in schemes.values()}
     layouts = {name: layout_of(s) for name, s in by_name.items()}
     new_qc = {

@@ -10,6 +10,7 @@ the buffers by name. Without ``import quantkit`` transformers would only warn an
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from transformers.quantizers.auto import register_quantization_config, register_quantizer
@@ -17,6 +18,7 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from quantkit.checkpoint.config import QUANT_METHOD, module_schemes
+from quantkit.checkpoint.load import check_stored_shapes
 from quantkit.errors import QuantkitError
 
 
@@ -46,6 +48,9 @@ class QuantkitHfQuantizer(HfQuantizer):
 
         qc = self.quantization_config.to_dict()
         swap_in_quantized_modules(model, module_schemes(qc), split_experts=qc.get("split_experts", False))
+        files = kwargs.get("checkpoint_files") or []
+        if files:
+            check_stored_shapes(Path(files[0]).parent, model, files)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from quantkit.checkpoint.config import module_schemes
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, one_line
 
 
 def read_quantization_config(folder: Path) -> dict:
@@ -48,7 +48,7 @@ def load_quantized(path: str | os.PathLike, dtype: torch.dtype | None = None, de
     except QuantkitError:
         raise
     except Exception as exc:  # safetensors / json / shape errors from a damaged folder
-        raise QuantkitError(f"cannot load {folder}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+        raise QuantkitError(f"cannot load {folder}: {type(exc).__name__}: {one_line(exc)}") from None
     missing = sorted(info.get("missing_keys", []))
     if missing or info.get("mismatched_keys"):
         what = missing or [str(m) for m in info["mismatched_keys"]]
@@ -87,6 +87,37 @@ def check_quantized_tensors(where, model: torch.nn.Module, stored: dict[str, str
             groups = scales.shape[0]
             if int(buf.min()) < 0 or int(buf.max()) >= groups:
                 raise QuantkitError(f"corrupt checkpoint {where}: {name} names groups outside [0, {groups})")
+
+
+def check_stored_shapes(where, model: torch.nn.Module, files) -> None:
+    """Every tensor of a quantized module in the safetensors ``files`` must have the shape that module's scheme in
+    config.json gives it (``model``: the skeleton with quantized modules swapped in). Read from the files' headers,
+    before any weight is loaded, so that a config edited or copied from another checkpoint is named as such
+    instead of surfacing as transformers' size-mismatch report."""
+    shapes = {}
+    for f in files:
+        if not str(f).endswith(".safetensors"):
+            continue
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                shapes |= {key: tuple(st.get_slice(key).get_shape()) for key in st.keys()}  # noqa: SIM118
+        except Exception as exc:
+            raise QuantkitError(f"cannot load {f}: not a readable safetensors file: {exc}") from None
+    check_shapes(where, model, shapes)
+
+
+def check_shapes(where, model: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The same check on ``shapes`` (tensor name -> shape)."""
+    from quantkit.nn.factory import quantized_modules
+
+    for name, module in quantized_modules(model).items():
+        for key, buf in module.named_buffers(recurse=False):
+            shape = shapes.get(f"{name}.{key}")
+            if shape is not None and tuple(shape) != tuple(buf.shape):
+                raise QuantkitError(
+                    f"corrupt checkpoint {where}: {name}.{key} is stored as {list(shape)}, but the scheme its "
+                    f"config gives the module ({module.scheme.name}) expects {list(buf.shape)}"
+                )
 
 
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:

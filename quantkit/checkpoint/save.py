@@ -143,6 +143,14 @@ def check_output(out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
     return out
 
 
+def check_apart(out: Path, source: str | os.PathLike) -> None:
+    """Refuse an output folder that is the folder being read, lies inside it or holds it: replacing it would
+    destroy the input, and writing into it would change what a later run reads."""
+    src = Path(source).expanduser().resolve()
+    if out == src or out.is_relative_to(src) or src.is_relative_to(out):
+        raise QuantkitError(f"the output {out} must lie outside {src}, the folder being read, and not hold it")
+
+
 def _missing_parents(folder: Path) -> list[Path]:
     """The ancestors of ``folder`` that do not exist yet, innermost first."""
     missing = []

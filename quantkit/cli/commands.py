@@ -149,7 +149,9 @@ def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out:
 @click.option("--model", default="smollm2-135m", show_default=True, help="HF folder, .gguf file or built-in name.")
 @click.option("--method", default=None, help="A preset: rtn, gptq, awq, awq+gptq, w8a8, smoothquant, ...")
 @click.option("--recipe", "recipe_spec", default=None, help="A YAML recipe file or shipped recipe name.")
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Output checkpoint folder.")
+@click.option(
+    "--out", type=click.Path(path_type=Path), required=True, help="Output checkpoint folder (made with its parents)."
+)
 @click.option("--bits", type=int, default=None)
 @click.option("--group-size", type=int, default=None, help="Input channels per scale; -1 = per-channel.")
 @click.option("--sym/--asym", default=None, help="Symmetric or asymmetric (integer zero point).")
@@ -196,13 +198,15 @@ def quantize_command(model, method, recipe_spec, out, device, dtype, offload, ov
     """Quantize a model and save a self-describing checkpoint."""
     import quantkit
     from quantkit.calib.data import calibration_windows
-    from quantkit.checkpoint.save import check_output
+    from quantkit.checkpoint.save import check_apart, check_output
+    from quantkit.pipeline import check_window_length
 
     out = check_output(out, overwrite)  # before any work: a bad output path fails first
     device = _device(device)
     torch_dtype = _dtype(dtype, device)
     recipe = resolve_recipe(method, recipe_spec, flags)
     folder = quantkit.models.loading.resolve_model(model)  # bad input fails here, before any heavy work
+    check_apart(out, folder)
     quantkit.models.loading.check_supported(folder)
     t0 = time.perf_counter()
     if offload is None:
@@ -213,6 +217,7 @@ def quantize_command(model, method, recipe_spec, out, device, dtype, offload, ov
     calib = fingerprint = None
     if recipe.needs_calibration:  # cut the windows now so that too little text fails before any output
         c = recipe.calibration
+        check_window_length(c.seqlen, float_model)
         calib, fingerprint = calibration_windows(tokenizer, c.source, c.nsamples, c.seqlen, c.seed)
     stdout.print(summary_table(recipe, model, device, torch_dtype, out, offload))
     n_layers = len(float_model.get_submodule(quantkit.models.arch_for(float_model).layers))
@@ -414,7 +419,7 @@ def inspect_command(folder: Path, as_json: bool) -> None:
     help="compressed-tensors (vLLM, transformers + compressed-tensors; every scheme but act-order), gptq"
     " (checkpoint format v1: one weight-only integer scheme, act-order included) or awq (GEMM: 4-bit groups).",
 )  # fmt: skip
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder to write.")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder to write (made with its parents).")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it holds a checkpoint (or is empty).")
 def export_command(folder: Path, fmt: str, out: Path, overwrite: bool) -> None:
     """Re-encode a quantkit checkpoint in a format other tools serve; the integers are copied, not re-quantized."""
@@ -427,7 +432,7 @@ def export_command(folder: Path, fmt: str, out: Path, overwrite: bool) -> None:
 
 @click.command("import", cls=QuantkitCommand)
 @click.argument("folder", type=click.Path(path_type=Path))
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder to write.")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder to write (made with its parents).")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it holds a checkpoint (or is empty).")
 def import_command(folder: Path, out: Path, overwrite: bool) -> None:
     """Make a quantkit checkpoint of a GPTQ (v1 / v2), AWQ (GEMM) or compressed-tensors one, without

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,7 @@ def loading(what: str | os.PathLike):
     except QuantkitError:
         raise
     except Exception as exc:
-        first = (str(exc).strip().splitlines() or [""])[0]
-        raise QuantkitError(f"cannot load {what}: {type(exc).__name__}: {first}") from None
+        raise QuantkitError(f"cannot load {what}: {type(exc).__name__}: {one_line(exc)}") from None
 
 
 def cache_dir() -> Path:

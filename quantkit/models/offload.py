@@ -64,7 +64,11 @@ def load_offloaded(folder: Path, config, dtype: torch.dtype, scratch_dir: Path |
     if not any(folder.glob("*.safetensors")):
         raise QuantkitError(f"offloading layers reads them from safetensors files and {folder} has none")
     layers_path = arch_for((config.architectures or ["(none)"])[0]).layers
-    scratch = tempfile.TemporaryDirectory(prefix=".quantkit-offload-", dir=scratch_dir)
+    try:
+        scratch = tempfile.TemporaryDirectory(prefix=".quantkit-offload-", dir=scratch_dir)
+    except OSError as exc:
+        where = scratch_dir or tempfile.gettempdir()
+        raise QuantkitError(f"cannot make a scratch folder in {where}: {exc.strerror or exc}") from None
     quiet = logging.getLogger("accelerate.big_modeling")  # "Some parameters are on the meta device": as asked
     level = quiet.level
     quiet.setLevel(logging.ERROR)

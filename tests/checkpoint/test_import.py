@@ -8,6 +8,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 import quantkit
 from quantkit.checkpoint.export import export_checkpoint
@@ -224,7 +225,31 @@ def test_legacy_autogptq_folder_and_what_overwrite_may_replace(tmp_path):
     assert torch.equal(logits(quantkit.load_quantized(done.path)), logits(quantkit.load_quantized(q)))
     with pytest.raises(QuantkitError, match="not a quantkit checkpoint"):
         export_checkpoint(q, exported, "gptq", overwrite=True)  # never replaces another tool's checkpoint
-    with pytest.raises(QuantkitError, match="must lie outside the checkpoint being imported"):
+    with pytest.raises(QuantkitError, match=r"must lie outside .*, the folder being read"):
         import_checkpoint(exported, exported / "nested")
+    for out in (q, q / "nested"):  # the source itself (it would be replaced), a folder inside it
+        with pytest.raises(QuantkitError, match=r"must lie outside .*, the folder being read"):
+            export_checkpoint(q, out, "awq", overwrite=True)
+    assert json.loads((q / "config.json").read_text())["quantization_config"]["quant_method"] == "quantkit"
     export_checkpoint(q, tmp_path / "ct", "compressed-tensors")
     export_checkpoint(q, tmp_path / "ct", "gptq", overwrite=True)  # an earlier export may be replaced
+
+
+def test_a_config_that_disagrees_with_the_tensors_is_named_before_anything_loads(tmp_path):
+    q = checkpoint(tmp_path, {"scheme": scheme(4, 32), "stages": [{"method": "rtn"}]})
+    exported = export_checkpoint(q, tmp_path / "gptq", "gptq").path
+    config = json.loads((exported / "config.json").read_text())
+    config["quantization_config"]["group_size"] = 64  # the tensors hold groups of 32
+    (exported / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QuantkitError, match=r"corrupt checkpoint .* is stored as \[2, \d+\], but .* expects \[1, "):
+        import_checkpoint(exported, tmp_path / "back")
+    assert not (tmp_path / "back").exists()
+
+    config = json.loads((q / "config.json").read_text())
+    for s in config["quantization_config"]["schemes"].values():
+        s["group_size"] = 64
+    (q / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QuantkitError, match=r"corrupt checkpoint .* is stored as .* \(w4a16-g64"):
+        quantkit.load_quantized(q)
+    with pytest.raises(QuantkitError, match=r"corrupt checkpoint .* is stored as"):
+        AutoModelForCausalLM.from_pretrained(q)  # the hook, too

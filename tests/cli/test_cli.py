@@ -469,8 +469,51 @@ def test_checkpoint_tensors_of_the_wrong_kind_are_refused(tiny_dir, tmp_path):
         assert_clean_failure(run("generate", "--model", bad, "--device", "cpu", "hi"), fragment)
 
 
-def test_eval_seqlen_beyond_the_model_is_refused(tiny_dir):
+def test_eval_seqlen_beyond_the_model_is_refused(tiny_dir, tmp_path):
     assert_clean_failure(run("eval", "--model", tiny_dir, "--seqlen", "100000"), "longer than the model's")
+    r = run("quantize", "--model", tiny_dir, "--method", "gptq", "--seqlen", "100000", "--out", tmp_path / "q")
+    assert_clean_failure(r, "calibration windows of 100000 tokens are longer than the model's", tmp_path / "q")
+
+
+def test_recipe_files_that_are_not_what_they_say(tiny_dir, tmp_path):
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    assert_clean_failure(run("quantize", "--model", tiny_dir, "--recipe", binary, "--out", tmp_path / "q"),
+                         "not a UTF-8 text file", tmp_path / "q")  # fmt: skip
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("name: a\nname: b\nscheme: {bits: 4, group_size: 32}\nstages: [{method: rtn}]\n")
+    assert_clean_failure(run("quantize", "--model", tiny_dir, "--recipe", twice, "--out", tmp_path / "q"),
+                         "line 2, column 1: key 'name' given twice", tmp_path / "q")  # fmt: skip
+    no_params = tmp_path / "no_params.yaml"
+    no_params.write_text("scheme: {bits: 4, group_size: 32}\nstages: [{method: rtn, params: {damp: 0.1}}]\n")
+    assert_clean_failure(run("quantize", "--model", tiny_dir, "--recipe", no_params, "--out", tmp_path / "q"),
+                         "unknown key 'damp' in", tmp_path / "q")  # fmt: skip
+
+
+def test_outputs_never_land_on_or_inside_their_input(tiny_dir, tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    assert_clean_failure(run("quantize", "--model", model, "--out", model / "q"), "must lie outside", model / "q")
+    ck = tmp_path / "ck"
+    assert run("quantize", "--model", model, "--method", "rtn", "--group-size", "32", "--out", ck).exit_code == 0
+    before = (ck / "config.json").read_text()
+    for out in (ck, ck / "awq"):
+        assert_clean_failure(run("export", ck, "--format", "awq", "--out", out, "--overwrite"), "must lie outside")
+    assert (ck / "config.json").read_text() == before and not (ck / "awq").exists()
+
+
+def test_library_messages_of_several_lines_stay_whole_on_one_line(tiny_dir, tmp_path):
+    import shutil
+
+    ck = tmp_path / "ck"
+    assert run("quantize", "--model", tiny_dir, "--method", "rtn", "--group-size", "32", "--out", ck).exit_code == 0
+    (ck / "tokenizer.json").unlink()  # tokenizer_config.json stays: transformers explains over five lines
+    result = run("eval", "--model", ck, "--windows", "1", "--seqlen", "16")
+    assert_clean_failure(result, "cannot load the tokenizer of")
+    assert "from one of: (1) a `tokenizers` library serialization file" in result.stderr
+    shutil.rmtree(ck)
 
 
 def test_unreadable_calibration_file_is_one_line(tiny_dir, tmp_path):
