@@ -17,11 +17,11 @@ for W8A8): nothing is re-quantized or rounded, so the exported model computes wh
 computes, up to what a reader does with the scales (readers that allocate them in the model's dtype round fp16
 scales to bf16 in a bf16 model). A checkpoint a format cannot hold exactly is refused with the reason (e.g. an
 asymmetric group whose zero point is 0, which GPTQ v1 stores as 2^b - 1 and every v1 reader decodes as 2^b:
-formats.md; a group size that does not divide a layer's inputs, or exceeds them, where readers reserve K // G
+the v1 wrap; a group size that does not divide a layer's inputs, or exceeds them, where readers reserve K // G
 groups), never written approximately. An exported folder carries ``quantkit_export`` in its config.json: what
 ``--overwrite`` may replace (never another tool's checkpoint).
 
-Layouts (formats.md): GPTQ ``qweight`` int32 [K b / 32, N] packed along the input, lowest bits first, ``qzeros``
+Layouts as written: GPTQ ``qweight`` int32 [K b / 32, N] packed along the input, lowest bits first, ``qzeros``
 int32 [n_g, N b / 32] along the output, ``scales`` fp16 [n_g, N], ``g_idx`` int32 [K]. compressed-tensors
 ``weight_packed`` int32 [N, ceil(K b / 32)] (codes offset by 2^(b-1), which for unsigned codes is the code
 itself: the transpose of quantkit's ``qweight``), ``weight_scale`` [N, n_g], ``weight_zero_point`` int32
@@ -313,7 +313,7 @@ def _to_gptq(tensors, layers, schemes, float_linears) -> dict:
 
 # -- AWQ GEMM ----------------------------------------------------------------------------------------------------
 
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed word holds column 8c + AWQ_ORDER[i] (formats.md)
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed word holds column 8c + AWQ_ORDER[i] (AutoAWQ's GEMM)
 
 
 def awq_pack(codes: torch.Tensor) -> torch.Tensor:

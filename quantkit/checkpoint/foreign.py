@@ -5,7 +5,7 @@ so an llm-compressor, GPTQModel, AutoGPTQ or AutoAWQ checkpoint can be evaluated
 runtime and its kernels. What quantkit's layouts cannot hold exactly is refused with the reason:
 
 - GPTQ: ``dynamic`` overrides that give some modules other bits or groups (``-:`` exclusions are fine), and v1
-  zero points stored as 2^b - 1, which v1 readers decode as 2^b (formats.md: the wrap of an asymmetric zero of
+  zero points stored as 2^b - 1, which v1 readers decode as 2^b (the v1 wrap of an asymmetric zero of
   0; a b-bit zero point cannot hold it).
 - AWQ: versions other than GEMM (GEMV, exllama and marlin re-layouts), no zero points.
 - compressed-tensors: formats other than ``pack-quantized``, ``int-quantized``, ``float-quantized`` and

@@ -64,7 +64,8 @@ def engine_options(f):
             "--fp8-fast-accum",
             is_flag=True,
             help="fp8 W8A8 layers (CUDA) accumulate in the tensor cores' reduced precision instead of promoting every "
-            "128 products: ~1.25x faster at large batches, +0.06-0.65% error against the unquantized product.",
+            "128 products: ~1.1x faster at M >= 1024 on the H200 (1.61x against 1.46x bf16), +0.06-0.65% error against "
+            "the unquantized product.",
         ),
         click.option(
             "--async-scheduling/--no-async-scheduling",

@@ -4,7 +4,7 @@ Codes are unsigned integers in ``[0, 2**bits - 1]``. Along the packed dimension 
 ``bits`` int32 words forming one little-endian bit stream: code ``j`` of the run occupies bits
 ``j*bits .. j*bits + bits - 1`` of the stream, so for 2/4/8 bits word ``r`` holds codes ``r*pf .. r*pf + pf - 1``
 (``pf = 32 / bits``, lowest bits first) and 3-bit codes straddle word boundaries. This is exactly the layout the
-GPTQ format uses (formats.md). A packed dimension that is not a multiple of 32 is padded with zero codes, so
+GPTQ format uses (AutoGPTQ's packing). A packed dimension that is not a multiple of 32 is padded with zero codes, so
 ``packed_rows(K, bits) = ceil(K / 32) * bits``; when ``K % 32 == 0`` this equals GPTQ's ``K * bits / 32``.
 """
 

@@ -1,6 +1,6 @@
 """The result of quantizing one weight matrix, before packing, and the per-group quantization grid.
 
-Notation follows formats.md: W [N, K] (N outputs, K inputs), group g of input channel k is ``g_idx[k]``, and
+Notation of the GPTQ format: W [N, K] (N outputs, K inputs), group g of input channel k is ``g_idx[k]``, and
 
     W[n, k] ~= scales[n, g_idx[k]] * (q[n, k] - zeros[n, g_idx[k]])
 

@@ -6,7 +6,7 @@ from quantkit.quant import QuantScheme
 
 
 def rtn_float64_reference(w: torch.Tensor, bits: int, group: int, sym: bool) -> torch.Tensor:
-    """Dequantized RTN computed group by group in float64 straight from the definition in formats.md."""
+    """Dequantized RTN computed group by group in float64 straight from the GPTQ format's definition."""
     w = w.double()
     k = w.shape[1]
     g = k if group == -1 else group

@@ -1,6 +1,6 @@
 """Export to compressed-tensors and GPTQ v1, checked against independent readers: transformers loading through the
 compressed-tensors package (the path vLLM's format takes in transformers), that package's own decompressor, and
-a decoder of the GPTQ v1 layout written here from its published rules (formats.md)."""
+a decoder of the GPTQ v1 layout written here from its published rules (AutoGPTQ's packing)."""
 
 import importlib.util
 import json

@@ -26,7 +26,7 @@ def test_pack_cols_round_trip(bits):
 
 
 def test_gptq_word_order_4bit():
-    # formats.md: qweight[r, n] = sum_j q[r*8 + j, n] << (4*j), lowest bits first
+    # the GPTQ layout: qweight[r, n] = sum_j q[r*8 + j, n] << (4*j), lowest bits first
     codes = torch.arange(8).view(8, 1) % 16
     word = pack_rows(codes, 4)[0, 0].item() & 0xFFFFFFFF
     assert word == sum(j << (4 * j) for j in range(8))
