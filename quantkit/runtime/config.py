@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
 
+from quantkit.checks import flag, integer, number
 from quantkit.errors import QuantkitError
 
 BACKENDS = ("auto", "triton", "torch")
@@ -54,18 +55,21 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "cpu_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs"):
-            if getattr(self, name) < 1:
-                raise QuantkitError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise QuantkitError(f"num_kv_blocks must be >= 1 or null, got {self.num_kv_blocks}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise QuantkitError(f"max_model_len must be >= 1 or null, got {self.max_model_len}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise QuantkitError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            integer(name, getattr(self, name), low=1)
+        if self.block_size > 1024:  # a page of more tokens than this is no longer a page
+            raise QuantkitError(f"block_size must be in [1, 1024], got {self.block_size}")
+        integer("num_kv_blocks", self.num_kv_blocks, low=1, none=True)
+        integer("max_model_len", self.max_model_len, low=1, none=True)
+        number("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
+        integer("seed", self.seed, low=0, high=2**63 - 1)
+        for name in ("enable_prefix_caching", "enforce_eager", "fp8_fast_accum", "async_scheduling"):
+            flag(name, getattr(self, name))
         if self.attention_backend not in BACKENDS:
             raise QuantkitError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         if self.dtype not in DTYPES:
             raise QuantkitError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device is not None and not isinstance(self.device, str):
+            raise QuantkitError(f"device must be a string such as 'cuda' or 'cpu', got {self.device!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": self.version, **asdict(self)}

@@ -15,12 +15,14 @@ that step n + 1 wrote is committed (counted, entered in the prefix cache) only o
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import PretrainedConfig
 
 from quantkit.devices import resolve_device
 from quantkit.errors import QuantkitError
@@ -91,19 +93,32 @@ class EngineStats:
         return 1.0 - self.used_slots / self.allocated_slots if self.allocated_slots else 0.0
 
 
+def _shown(value) -> str:
+    """A short description of a bad argument for an error message."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
 class LLM:
     """``model``: a float HF folder, a quantkit checkpoint folder, an HF model object (its modules are shared), or a
     config (dict with ``model_type``, or an HF config) for random weights. Settings are ``EngineConfig`` fields."""
 
     def __init__(self, model, tokenizer=None, **settings):
-        self.config = EngineConfig(**settings)
+        self.config = EngineConfig.from_dict(settings)
         device = resolve_device(self.config.device)
+        if tokenizer is not None and not callable(tokenizer):
+            raise QuantkitError(f"tokenizer must be a Hugging Face tokenizer, got {type(tokenizer).__name__}")
         if isinstance(model, str | Path):
             loaded = loader.load_folder(model, self.config.dtype, device)
         elif isinstance(model, torch.nn.Module):
             loaded = loader.from_hf_model(model, device, tokenizer)
-        else:
+        elif isinstance(model, dict | PretrainedConfig):
             loaded = loader.dummy(model, self.config.dtype, device, self.config.seed)
+        else:
+            raise QuantkitError(
+                "model must be a folder's path, a Hugging Face model or a config (a dict with model_type), "
+                f"got {_shown(model)}"
+            )
         self.model = loaded.model
         self.tokenizer = tokenizer or loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
@@ -114,6 +129,11 @@ class LLM:
             set_execution(self.model, "integer", fp8_fast_accum=self.config.fp8_fast_accum)
             fuse_projections(self.model)  # q/k/v and gate/up (float, W4A16 or W8A8): one GEMM each
         mcfg = self.model.config
+        if (self.config.max_model_len or 0) > mcfg.max_position_embeddings:
+            raise QuantkitError(
+                f"max_model_len {self.config.max_model_len} is longer than the model's "
+                f"{mcfg.max_position_embeddings} positions"
+            )
         self.max_model_len = self.config.max_model_len or min(mcfg.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
         self.runner = ModelRunner(self.model, self.config, device, self.max_model_len)
         self.block_manager = BlockManager(
@@ -134,7 +154,12 @@ class LLM:
             if self.tokenizer is None:
                 raise QuantkitError("this model has no tokenizer: give prompts as lists of token ids")
             return self.tokenizer(prompt)["input_ids"]
-        return [int(t) for t in prompt]
+        try:
+            return [operator.index(t) for t in prompt]  # ints, numpy ints, 0-d tensors; never a float cut short
+        except TypeError:
+            raise QuantkitError(
+                f"a prompt is a string or a sequence of integer token ids, got {_shown(prompt)}"
+            ) from None
 
     def _checked_ids(self, prompt, params: SamplingParams) -> list[int]:
         """The prompt's token ids, or a QuantkitError saying why the request cannot run."""
@@ -167,7 +192,7 @@ class LLM:
         if seq.params.seed is None:
             return self._generator
         if seq.generator is None:
-            seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed + seq.index)
+            seq.generator = torch.Generator(self.device).manual_seed((seq.params.seed + seq.index) % 2**63)
         return seq.generator
 
     # -- the step --------------------------------------------------------------------------------------------------
@@ -278,8 +303,13 @@ class LLM:
         prompt."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        params = params or SamplingParams()
+        if not isinstance(prompts, list | tuple):
+            raise QuantkitError(f"prompts must be a string or a list of prompts, got {_shown(prompts)}")
+        params = SamplingParams() if params is None else params
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        bad = next((p for p in per_prompt if not isinstance(p, SamplingParams)), None)
+        if bad is not None:
+            raise QuantkitError(f"sampling parameters must be SamplingParams (or a list of them), got {_shown(bad)}")
         if len(per_prompt) != len(prompts):
             raise QuantkitError(f"{len(prompts)} prompts but {len(per_prompt)} sampling parameters")
         checked = [self._checked_ids(prompt, p) for prompt, p in zip(prompts, per_prompt, strict=True)]

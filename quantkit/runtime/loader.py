@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, one_line
 from quantkit.runtime.model import CausalLM, FloatLinear, RMSNorm
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -147,7 +147,10 @@ def dummy(config, dtype_name: str, device: torch.device, seed: int = 0) -> Loade
     if isinstance(config, dict):
         from transformers import AutoConfig
 
-        config = AutoConfig.for_model(**config)
+        try:
+            config = AutoConfig.for_model(**config)
+        except Exception as exc:  # an unknown model_type, a malformed field: transformers' own checks
+            raise QuantkitError(f"cannot build a model from this config: {one_line(exc)}") from None
     dtype = resolve_dtype(dtype_name, config, device)
     with torch.device("meta"):
         model = CausalLM(config, float_linear(dtype), dtype)

@@ -22,6 +22,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = sorted_logits.softmax(-1)
         outside = probs.cumsum(-1) - probs >= params.top_p  # tokens after the nucleus is complete
+        outside[0] = False  # the most likely token always stays (a top_p below fp32's range would drop it)
         logits = logits.masked_fill(torch.zeros_like(outside).scatter(0, order, outside), float("-inf"))
     return logits
 

@@ -54,6 +54,18 @@ def test_filter_logits_keeps_top_k_and_the_nucleus():
     assert probs[1] < 0.7 < probs[1] + probs[3]
     assert kept(SamplingParams(temperature=1.0, top_p=0.7)) == [1, 3]
     assert kept(SamplingParams(temperature=1.0, top_p=0.5)) == [1]
+    assert kept(SamplingParams(temperature=1.0, top_p=1e-300)) == [1]  # 0 in fp32: the top token still stays
+
+
+def test_a_temperature_too_small_to_divide_by_decodes_greedily(model):
+    llm = LLM(model, device="cpu")
+    prompt = [[5, 6, 7]]
+    greedy = llm.generate(prompt, SamplingParams(max_tokens=4))[0].completions[0].token_ids
+    for t in (1e-45, 1e-6):
+        assert (
+            llm.generate(prompt, SamplingParams(max_tokens=4, temperature=t, seed=0))[0].completions[0].token_ids
+            == greedy
+        )
 
 
 def test_sampling_follows_the_distribution(model):
@@ -111,6 +123,73 @@ def test_bad_settings_are_user_errors(model):
         llm.generate([[5] * 30], SamplingParams(max_tokens=10))
     with pytest.raises(QuantkitError, match="no tokenizer"):
         llm.generate(["hello"])
+
+
+@pytest.mark.parametrize(
+    "settings, fragment",
+    [
+        ({"block_size": "16"}, "block_size must be an integer, got '16'"),
+        ({"block_size": 2.5}, "block_size must be an integer"),
+        ({"block_size": 10**6}, "block_size must be in [1, 1024]"),
+        ({"max_num_seqs": 1.5}, "max_num_seqs must be an integer"),
+        ({"max_num_seqs": None}, "max_num_seqs must be an integer"),
+        ({"num_kv_blocks": 2.5}, "num_kv_blocks must be an integer or None"),
+        ({"gpu_memory_utilization": "0.5"}, "gpu_memory_utilization must be a number"),
+        ({"seed": "abc"}, "seed must be an integer"),
+        ({"enable_prefix_caching": "false"}, "enable_prefix_caching must be True or False"),
+        ({"async_scheduling": "no"}, "async_scheduling must be True or False"),
+        ({"bogus_option": 1}, "unknown engine setting 'bogus_option'"),
+        ({"max_model_len": 10**6}, "max_model_len 1000000 is longer than the model's"),
+    ],
+)
+def test_engine_settings_of_the_wrong_type_or_size(model, settings, fragment):
+    with pytest.raises(QuantkitError) as exc:
+        LLM(model, device="cpu", **settings)
+    assert fragment in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "params, fragment",
+    [
+        ({"temperature": "0.7"}, "temperature must be a finite number >= 0"),
+        ({"top_p": None}, "top_p must be a number"),
+        ({"stop_token_ids": 5}, "stop_token_ids must be a list of token ids"),
+        ({"stop_token_ids": "12"}, "stop_token_ids must be a list of token ids"),  # was read as (1, 2)
+        ({"stop_token_ids": [1.7]}, "a stop token id must be an integer"),  # was cut to 1
+        ({"stop_token_ids": [-5]}, "a stop token id must be >= 0"),
+        ({"seed": "abc"}, "seed must be an integer or None"),
+        ({"seed": 1.5}, "seed must be an integer or None"),
+        ({"seed": 10**30}, "seed must be in [0, "),
+        ({"ignore_eos": "False"}, "ignore_eos must be True or False"),
+    ],
+)
+def test_sampling_params_of_the_wrong_type(params, fragment):
+    with pytest.raises(QuantkitError) as exc:
+        SamplingParams(**params)
+    assert fragment in str(exc.value)
+
+
+def test_prompts_and_params_of_the_wrong_type_are_refused_and_queue_nothing(model):
+    llm = LLM(model, device="cpu")
+    for prompts, params, fragment in (
+        (None, None, "prompts must be a string or a list of prompts, got NoneType"),
+        (123, None, "prompts must be a string or a list of prompts, got int"),
+        ([123], None, "a prompt is a string or a sequence of integer token ids, got int"),
+        ([[5.9, 6.2]], None, "a prompt is a string or a sequence of integer token ids"),  # was run as [5, 6]
+        ([torch.tensor([[5, 6]])], None, "a prompt is a string or a sequence of integer token ids"),
+        ([[5, 6]], {"max_tokens": 2}, "sampling parameters must be SamplingParams (or a list of them), got dict"),
+        ([[5, 6]], "greedy", "sampling parameters must be SamplingParams"),
+    ):
+        with pytest.raises(QuantkitError) as exc:
+            llm.generate(prompts, params)
+        assert fragment in str(exc.value)
+        assert not llm.scheduler.has_unfinished()
+    assert llm.generate([torch.tensor([5, 6])], SamplingParams(max_tokens=1))[0].prompt_token_ids == [5, 6]
+    for model_arg, fragment in ((123, "model must be a folder's path"), ({"model_type": "nope"}, "cannot build")):
+        with pytest.raises(QuantkitError, match=fragment):
+            LLM(model_arg, device="cpu")
+    with pytest.raises(QuantkitError, match="tokenizer must be a Hugging Face tokenizer, got str"):
+        LLM(model, device="cpu", tokenizer="x")
 
 
 def test_a_rejected_batch_queues_nothing(model):
