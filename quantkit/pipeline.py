@@ -57,6 +57,8 @@ def check_calibration_windows(calib, model: nn.Module) -> torch.Tensor:
         raise QuantkitError(f"calib must be token ids [nsamples, seqlen] with both > 0, got shape {list(calib.shape)}")
     if calib.dtype.is_floating_point or calib.dtype.is_complex or calib.dtype == torch.bool:
         raise QuantkitError(f"calib must hold integer token ids, got {calib.dtype}")
+    if calib.device.type == "meta":
+        raise QuantkitError("calib is on the meta device: it holds no token ids")
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     vocab = getattr(embedding, "num_embeddings", None)
     low, high = int(calib.min()), int(calib.max())
@@ -107,6 +109,8 @@ def quantize(
         if calib is None:
             if tokenizer is None:
                 raise QuantkitError("this recipe needs calibration data: pass calib windows or a tokenizer")
+            if not callable(tokenizer):
+                raise QuantkitError(f"tokenizer must be a Hugging Face tokenizer, got {type(tokenizer).__name__}")
             c = recipe.calibration
             check_window_length(c.seqlen, model)
             calib, fingerprint = calibration_windows(tokenizer, c.source, c.nsamples, c.seqlen, c.seed)

@@ -161,8 +161,17 @@ class Recipe:
     scheme: dict | None = None  # the default stage scheme as written (kept for round trips)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.stages, tuple | list) or not all(isinstance(s, Stage) for s in self.stages):
+            raise QuantkitError(
+                "Recipe(stages=...) takes Stage objects; for a recipe written as data use Recipe.from_dict or "
+                f"load_recipe (got {self.stages!r:.60})"
+            )
         if not self.stages:
             raise QuantkitError("a recipe needs at least one stage")
+        if not isinstance(self.calibration, CalibrationConfig):
+            got = type(self.calibration).__name__
+            raise QuantkitError(f"Recipe(calibration=...) takes a CalibrationConfig, got {got}")
+        object.__setattr__(self, "stages", tuple(self.stages))
 
     @property
     def needs_calibration(self) -> bool:

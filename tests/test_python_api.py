@@ -24,6 +24,9 @@ GPTQ = {"scheme": {"bits": 4, "group_size": 32}, "stages": [{"method": "gptq"}]}
         ("llama", GPTQ, {"calib": torch.full((2, 8), 320)}, "must lie in [0, 320)"),
         ("llama", GPTQ, {"calib": torch.full((2, 8), -1)}, "must lie in [0, 320)"),
         ("llama", RTN, {"device": "tpu"}, "unknown device 'tpu'"),
+        ("llama", GPTQ, {"calib": torch.ones(2, 8, dtype=torch.long, device="meta")}, "on the meta device"),
+        ("llama", GPTQ, {"calib": torch.ones(2, 4096, dtype=torch.long)}, "longer than the model's 2048 positions"),
+        ("llama", GPTQ, {"tokenizer": "a tokenizer"}, "tokenizer must be a Hugging Face tokenizer, got str"),
     ],
 )
 def test_quantize_refuses_bad_arguments(model, recipe, kwargs, fragment):
@@ -50,6 +53,24 @@ def test_save_and_load_refuse_what_is_not_a_model_or_a_path(tmp_path):
         quantkit.load_quantized(None)
     with pytest.raises(quantkit.QuantkitError, match="got dict"):
         quantkit.load_recipe(RTN)
+    for kwargs, fragment in (
+        ({"overwrite": "no"}, "overwrite must be True or False, got 'no'"),  # a string read as true replaced folders
+        ({"shard_bytes": "x"}, "shard_bytes must be an integer"),
+        ({"shard_bytes": 0}, "shard_bytes must be >= 1"),
+        ({"tokenizer": "tok"}, "tokenizer must be a Hugging Face tokenizer, got str"),
+    ):
+        with pytest.raises(quantkit.QuantkitError, match=fragment):
+            quantkit.save_quantized(model, tmp_path / "out", **kwargs)
+        assert not (tmp_path / "out").exists()
+
+
+def test_recipe_and_scheme_objects_refuse_data_in_their_place():
+    with pytest.raises(quantkit.QuantkitError, match=r"takes Stage objects; .* use Recipe\.from_dict"):
+        quantkit.Recipe(stages="rtn")
+    with pytest.raises(quantkit.QuantkitError, match="takes a CalibrationConfig, got dict"):
+        quantkit.Recipe(stages=quantkit.load_recipe("default").stages, calibration={"nsamples": 8})
+    with pytest.raises(quantkit.QuantkitError, match="scheme must be a mapping"):
+        quantkit.QuantScheme.from_dict("w4")
 
 
 def test_device_names():

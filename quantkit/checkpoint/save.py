@@ -16,6 +16,7 @@ from torch import nn
 
 from quantkit.checkpoint.config import FORMAT_VERSION, QUANT_METHOD, layout_of
 from quantkit.checkpoint.smoothing import outlier_markdown, outlier_rows
+from quantkit.checks import flag, integer
 from quantkit.errors import QuantkitError
 from quantkit.nn.factory import quantized_modules
 from quantkit.quant.packing import LAYOUT_VERSIONS
@@ -125,6 +126,7 @@ def check_output(out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
     output paths fail before any quantization work."""
     if not isinstance(out_dir, str | os.PathLike):
         raise QuantkitError(f"the output must be a folder's path, got {type(out_dir).__name__}")
+    flag("overwrite", overwrite)  # "no" would read as true and replace a folder
     out = Path(out_dir).expanduser().resolve()
     if out.exists():
         if not out.is_dir():
@@ -215,6 +217,9 @@ def save_quantized(
     """
     if not isinstance(model, nn.Module):
         raise QuantkitError(f"save_quantized needs the quantized torch.nn.Module, got {type(model).__name__}")
+    integer("shard_bytes", shard_bytes, low=1)
+    if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
+        raise QuantkitError(f"tokenizer must be a Hugging Face tokenizer, got {type(tokenizer).__name__}")
     out = check_output(out_dir, overwrite)
     qc = quantization_config(model)
     with atomic_folder(out) as tmp:

@@ -84,6 +84,8 @@ class QuantScheme:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "scheme") -> QuantScheme:
+        if not isinstance(data, dict):
+            raise QuantkitError(f"{where} must be a mapping such as {{bits: 4, group_size: 128}}, got {data!r:.60}")
         allowed = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - allowed)
         if unknown:
