@@ -146,6 +146,8 @@ class LLM:
         self._generator = torch.Generator(device).manual_seed(self.config.seed)
         self.stats = EngineStats()
         self._pending: Launched | None = None  # a step launched ahead of the host (async scheduling)
+        self._stepping = False
+        self._aborted: set[int] = set()  # request ids withdrawn while a step ran
 
     # -- requests --------------------------------------------------------------------------------------------------
 
@@ -201,6 +203,15 @@ class LLM:
         """Run one iteration; returns (sequence, new token) for every sequence that got one. With async scheduling
         the iteration whose tokens it returns may have been launched by the previous call, and it launches the
         next one before reading them."""
+        self._stepping = True
+        try:
+            return self._step()
+        finally:
+            self._stepping = False
+            if self._aborted:
+                self._apply_aborts()
+
+    def _step(self) -> list[tuple[Sequence, int]]:
         launched, self._pending = self._pending, None
         if launched is None:
             launched = self._launch(self.scheduler.schedule())
@@ -316,21 +327,47 @@ class LLM:
         return [self._queue(ids, p) for ids, p in zip(checked, per_prompt, strict=True)]
 
     def stream(self, prompts: Seq, params: Params = None) -> Iterator[StreamEvent]:
-        """Add the prompts and yield every new token as it is produced, until all requests are finished."""
-        self._add_all(prompts, params)
-        while self.scheduler.has_unfinished():
-            for seq, token in self.step():
-                yield StreamEvent(seq.request_id, seq.index, token, seq.finish_reason)
+        """Add the prompts and yield every new token as it is produced, until all requests are finished. A stream
+        left early (``break``, an exception, the iterator dropped) withdraws the requests it had not finished."""
+        request_ids = self._add_all(prompts, params)
+        try:
+            while self.scheduler.has_unfinished():
+                for seq, token in self.step():
+                    yield StreamEvent(seq.request_id, seq.index, token, seq.finish_reason)
+        finally:
+            self.abort(request_ids)
 
     def generate(self, prompts: Seq, params: Params = None) -> list[RequestOutput]:
-        """Complete every prompt; one ``RequestOutput`` per prompt, in order, with ``n`` completions each."""
+        """Complete every prompt; one ``RequestOutput`` per prompt, in order, with ``n`` completions each. An
+        interrupted call (Ctrl-C) withdraws its requests."""
         request_ids = self._add_all(prompts, params)
         finished: dict[int, list[Sequence]] = {r: [] for r in request_ids}
-        while self.scheduler.has_unfinished():
-            for seq, _ in self.step():
-                if seq.is_finished and seq.request_id in finished:
-                    finished[seq.request_id].append(seq)
+        try:
+            while self.scheduler.has_unfinished():
+                for seq, _ in self.step():
+                    if seq.is_finished and seq.request_id in finished:
+                        finished[seq.request_id].append(seq)
+        except BaseException:
+            self.abort(request_ids)
+            raise
         return [self._output(r, sorted(finished[r], key=lambda s: s.index)) for r in request_ids]
+
+    def abort(self, request_ids) -> None:
+        """Withdraw requests: their unfinished completions stop where they are (finish reason "abort") and give
+        their KV blocks back. A step already launched for them may still write those blocks; any step that reuses
+        the blocks runs after it on the device, so that is harmless. Called while a step runs (a stream finalized
+        by the garbage collector), it takes effect when that step ends."""
+        self._aborted.update(request_ids)
+        if not self._stepping:
+            self._apply_aborts()
+
+    def _apply_aborts(self) -> None:
+        ids, self._aborted = self._aborted, set()
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            if seq.request_id in ids and not seq.is_finished:
+                seq.finish_reason = "abort"
+                seq.status = Status.FINISHED
+        self.scheduler.drop_finished()
 
     def _output(self, request_id: int, seqs: list[Sequence]) -> RequestOutput:
         out = RequestOutput(request_id, seqs[0].token_ids[: seqs[0].num_prompt_tokens])

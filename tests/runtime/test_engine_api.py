@@ -256,3 +256,21 @@ def test_graph_replay_path_matches_eager(model):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
         replayed_steps += a.shape[0] == len(prompts)
     assert replayed_steps > 5
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_stream_left_early_withdraws_its_requests(model, async_scheduling):
+    """Breaking out of a stream aborts what it left: no request stays queued, every block is free again, and the
+    next call gives exactly what a fresh engine gives."""
+    llm = LLM(model, device="cpu", async_scheduling=async_scheduling)
+    prompts = random_prompts([5, 17, 9, 30, 3, 12], VOCAB, seed=3)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, n=2, temperature=0.8, seed=1)
+    for i, _ in enumerate(llm.stream(prompts, params)):
+        if i == 20:  # mid-decode, with forks running and prompts still waiting or prefilling
+            break
+    bm = llm.block_manager
+    assert not llm.scheduler.has_unfinished()
+    assert bm.num_free == bm.num_blocks and not any(bm.ref_counts)
+    again = [[c.token_ids for c in o.completions] for o in llm.generate(prompts[:2], params)]
+    fresh = LLM(model, device="cpu", async_scheduling=async_scheduling)
+    assert again == [[c.token_ids for c in o.completions] for o in fresh.generate(prompts[:2], params)]
