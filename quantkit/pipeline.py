@@ -14,7 +14,7 @@ from quantkit.calib.runner import run_layerwise
 from quantkit.devices import resolve_device
 from quantkit.errors import QuantkitError
 from quantkit.models import offload
-from quantkit.models.arch import arch_for
+from quantkit.models.arch import arch_for, position_limit
 from quantkit.models.experts import split_all_fused_experts
 from quantkit.recipe import Recipe, load_recipe
 from quantkit.stages import build_stage
@@ -71,8 +71,8 @@ def check_calibration_windows(calib, model: nn.Module) -> torch.Tensor:
 def check_window_length(seqlen: int, model: nn.Module) -> None:
     """Refuse calibration windows longer than the model's positions: past them its rotary or learned position
     tables no longer describe what it was trained on, and the statistics would be of a model that never runs."""
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if isinstance(limit, int) and seqlen > limit:
+    limit = position_limit(getattr(model, "config", None))
+    if limit is not None and seqlen > limit:
         raise QuantkitError(f"calibration windows of {seqlen} tokens are longer than the model's {limit} positions")
 
 

@@ -48,21 +48,28 @@ def check_keys(data: Any, cls, where: str) -> dict:
 
 class _StrictLoader(yaml.SafeLoader):
     """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML keeps the last one
-    silently, so a recipe could say one thing on the page and do another)."""
+    silently, so a recipe could say one thing on the page and do another). "<<" merge keys still override."""
 
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
+    def __init__(self, stream) -> None:
+        super().__init__(stream)
+        self._checked: set[int] = set()
+
+    def flatten_mapping(self, node) -> None:
+        # each mapping is checked once, as written: merging rewrites a merged mapping in place (its merged keys
+        # first), which a second look would take for repeats
+        if id(node) not in self._checked:
+            self._checked.add(id(node))
             seen = set()
-            for key_node, _ in node.value:  # before "<<" merges, which may be overridden
+            for key_node, _ in node.value:
                 if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
                     continue
-                key = self.construct_object(key_node, deep=deep)
+                key = self.construct_object(key_node)
                 if key in seen:
                     raise yaml.constructor.ConstructorError(
                         None, None, f"key {key!r} given twice in one mapping", key_node.start_mark
                     )
                 seen.add(key)
-        return super().construct_mapping(node, deep=deep)
+        super().flatten_mapping(node)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import quantkit
+from quantkit.errors import QuantkitError
 from quantkit.nn.factory import quantized_modules
 from quantkit.recipe import load_recipe, shipped_recipes
 from tests.tiny_models import tiny_model
@@ -70,3 +71,28 @@ def test_recipe_values_of_the_wrong_type_fail_when_read(tmp_path, text, fragment
     with pytest.raises(QuantkitError) as exc:
         load_recipe(str(path))
     assert fragment in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_merge_keys_override_and_a_repeated_key_is_refused(tmp_path):
+    """ "<<" merges may be overridden, also when a merged mapping merges another (PyYAML rewrites it in place before
+    it is read itself); a key written twice in one mapping is an error."""
+    nested = tmp_path / "nested.yaml"
+    nested.write_text(
+        "scheme: &base {bits: 4, group_size: 128, sym: false}\n"
+        "stages:\n"
+        "  - method: rtn\n"
+        "    overrides:\n"
+        '      - match: "re:.*down_proj"\n'
+        "        scheme: &hi\n"
+        "          <<: *base\n"
+        "          bits: 8\n"
+        "  - method: rtn\n"
+        "    scheme: {<<: *hi, group_size: 64}\n"
+    )
+    recipe = load_recipe(nested)
+    assert recipe.stages[0].overrides[0].scheme == {"bits": 8, "group_size": 128, "sym": False}
+    assert (recipe.stages[1].scheme.bits, recipe.stages[1].scheme.group_size) == (8, 64)
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("scheme: {bits: 4, bits: 8}\nstages: [{method: rtn}]\n")
+    with pytest.raises(QuantkitError, match="line 1, column 19: key 'bits' given twice"):
+        load_recipe(twice)

@@ -160,3 +160,19 @@ def arch_for(model_or_class) -> ArchSpec:
         raise QuantkitError(
             f"unsupported model architecture {name}; supported: {', '.join(supported_architectures())}"
         ) from None
+
+
+def position_limit(config) -> int | None:
+    """The longest sequence the model's positions describe: ``max_position_embeddings``, or, where the config scales
+    its rotary embedding (yarn, linear, dynamic, llama3, ...), ``original_max_position_embeddings`` (else
+    ``max_position_embeddings``) times the scaling factor when that is longer. None when the config does not say."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return None
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if isinstance(params, dict) and params.get("rope_type", params.get("type", "default")) != "default":
+        factor = params.get("factor")
+        if isinstance(factor, int | float) and factor > 1:
+            original = params.get("original_max_position_embeddings") or limit
+            return max(limit, int(original * factor))
+    return limit

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
 
+import torch
+
 from quantkit.checks import flag, integer, number
 from quantkit.errors import QuantkitError
 
@@ -48,28 +50,36 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256
     attention_backend: str = "auto"
     dtype: str = "auto"
-    device: str | None = None
+    device: str | None = None  # a torch.device is accepted and kept as its name
     seed: int = 0
     fp8_fast_accum: bool = False
     async_scheduling: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "cpu_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs"):
-            integer(name, getattr(self, name), low=1)
-        if self.block_size > 1024:  # a page of more tokens than this is no longer a page
+        checked = {
+            name: integer(name, getattr(self, name), low=1)
+            for name in ("block_size", "cpu_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs")
+        }
+        if checked["block_size"] > 1024:  # a page of more tokens than this is no longer a page
             raise QuantkitError(f"block_size must be in [1, 1024], got {self.block_size}")
-        integer("num_kv_blocks", self.num_kv_blocks, low=1, none=True)
-        integer("max_model_len", self.max_model_len, low=1, none=True)
-        number("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
-        integer("seed", self.seed, low=0, high=2**63 - 1)
+        checked["num_kv_blocks"] = integer("num_kv_blocks", self.num_kv_blocks, low=1, none=True)
+        checked["max_model_len"] = integer("max_model_len", self.max_model_len, low=1, none=True)
+        checked["gpu_memory_utilization"] = number(
+            "gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True
+        )
+        checked["seed"] = integer("seed", self.seed, low=0, high=2**64 - 1)
         for name in ("enable_prefix_caching", "enforce_eager", "fp8_fast_accum", "async_scheduling"):
             flag(name, getattr(self, name))
         if self.attention_backend not in BACKENDS:
             raise QuantkitError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         if self.dtype not in DTYPES:
             raise QuantkitError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.device is not None and not isinstance(self.device, str):
-            raise QuantkitError(f"device must be a string such as 'cuda' or 'cpu', got {self.device!r}")
+        if self.device is not None and not isinstance(self.device, str | torch.device):
+            raise QuantkitError(f"device must be a name such as 'cuda' or 'cpu', got {self.device!r}")
+        if isinstance(self.device, torch.device):
+            checked["device"] = str(self.device)  # kept as text, as to_dict's JSON needs
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": self.version, **asdict(self)}

@@ -21,11 +21,14 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import PretrainedConfig
 
+from quantkit.checks import integer, shown
 from quantkit.devices import resolve_device
 from quantkit.errors import QuantkitError
+from quantkit.models.arch import position_limit
 from quantkit.runtime import loader
 from quantkit.runtime.block_manager import BlockManager
 from quantkit.runtime.config import EngineConfig
@@ -95,8 +98,7 @@ class EngineStats:
 
 def _shown(value) -> str:
     """A short description of a bad argument for an error message."""
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+    return f"{type(value).__name__} {shown(value)}"
 
 
 class LLM:
@@ -129,10 +131,10 @@ class LLM:
             set_execution(self.model, "integer", fp8_fast_accum=self.config.fp8_fast_accum)
             fuse_projections(self.model)  # q/k/v and gate/up (float, W4A16 or W8A8): one GEMM each
         mcfg = self.model.config
-        if (self.config.max_model_len or 0) > mcfg.max_position_embeddings:
+        limit = position_limit(mcfg)
+        if limit is not None and (self.config.max_model_len or 0) > limit:
             raise QuantkitError(
-                f"max_model_len {self.config.max_model_len} is longer than the model's "
-                f"{mcfg.max_position_embeddings} positions"
+                f"max_model_len {self.config.max_model_len} is longer than the model's {limit} positions"
             )
         self.max_model_len = self.config.max_model_len or min(mcfg.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
         self.runner = ModelRunner(self.model, self.config, device, self.max_model_len)
@@ -194,7 +196,7 @@ class LLM:
         if seq.params.seed is None:
             return self._generator
         if seq.generator is None:
-            seq.generator = torch.Generator(self.device).manual_seed((seq.params.seed + seq.index) % 2**63)
+            seq.generator = torch.Generator(self.device).manual_seed((seq.params.seed + seq.index) % 2**64)
         return seq.generator
 
     # -- the step --------------------------------------------------------------------------------------------------
@@ -314,6 +316,8 @@ class LLM:
         prompt."""
         if isinstance(prompts, str):
             prompts = [prompts]
+        if isinstance(prompts, torch.Tensor | np.ndarray) and prompts.ndim == 2:
+            prompts = list(prompts)  # a batch of equal-length prompts, one per row
         if not isinstance(prompts, list | tuple):
             raise QuantkitError(f"prompts must be a string or a list of prompts, got {_shown(prompts)}")
         params = SamplingParams() if params is None else params
@@ -357,7 +361,11 @@ class LLM:
         their KV blocks back. A step already launched for them may still write those blocks; any step that reuses
         the blocks runs after it on the device, so that is harmless. Called while a step runs (a stream finalized
         by the garbage collector), it takes effect when that step ends."""
-        self._aborted.update(request_ids)
+        if isinstance(request_ids, int) and not isinstance(request_ids, bool):
+            request_ids = [request_ids]
+        if isinstance(request_ids, str | bytes) or not hasattr(request_ids, "__iter__"):
+            raise QuantkitError(f"abort takes a request id or a list of them, got {_shown(request_ids)}")
+        self._aborted.update(integer("a request id", r) for r in request_ids)
         if not self._stepping:
             self._apply_aborts()
 

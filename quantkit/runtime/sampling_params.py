@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from quantkit.checks import flag, integer, number
+from quantkit.checks import flag, integer, number, shown
 from quantkit.errors import QuantkitError
 
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (vLLM's threshold too)
@@ -32,21 +32,28 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        integer("n", self.n, low=1)
         t = self.temperature
-        if not isinstance(t, int | float) or isinstance(t, bool) or not 0 <= t < math.inf:
-            raise QuantkitError(f"temperature must be a finite number >= 0, got {t!r}")
-        integer("top_k", self.top_k, low=0)  # 0 = off
-        number("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        integer("seed", self.seed, low=0, high=2**63 - 1, none=True)
-        integer("max_tokens", self.max_tokens, low=1)
-        flag("ignore_eos", self.ignore_eos)
+        try:
+            t = number("temperature", t, 0.0, math.inf)
+        except QuantkitError:
+            t = math.nan
+        if not t < math.inf:  # nan too
+            raise QuantkitError(f"temperature must be a finite number >= 0, got {shown(self.temperature)}")
         stops = self.stop_token_ids
-        if isinstance(stops, int) or not isinstance(stops, list | tuple | set | frozenset | range):
-            raise QuantkitError(f"stop_token_ids must be a list of token ids, got {stops!r}")
-        for t in stops:
-            integer("a stop token id", t, low=0)
-        object.__setattr__(self, "stop_token_ids", tuple(stops))
+        if isinstance(stops, str | bytes) or not hasattr(stops, "__iter__"):
+            raise QuantkitError(f"stop_token_ids must be a list of token ids, got {shown(stops)}")
+        checked = {
+            "n": integer("n", self.n, low=1),
+            "temperature": t,
+            "top_k": integer("top_k", self.top_k, low=0),  # 0 = off
+            "top_p": number("top_p", self.top_p, 0.0, 1.0, low_open=True),
+            "seed": integer("seed", self.seed, low=0, high=2**64 - 1, none=True),
+            "max_tokens": integer("max_tokens", self.max_tokens, low=1),
+            "ignore_eos": flag("ignore_eos", self.ignore_eos),
+            "stop_token_ids": tuple(integer("a stop token id", i, low=0) for i in stops),
+        }
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:

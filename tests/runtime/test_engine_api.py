@@ -274,3 +274,44 @@ def test_a_stream_left_early_withdraws_its_requests(model, async_scheduling):
     again = [[c.token_ids for c in o.completions] for o in llm.generate(prompts[:2], params)]
     fresh = LLM(model, device="cpu", async_scheduling=async_scheduling)
     assert again == [[c.token_ids for c in o.completions] for o in fresh.generate(prompts[:2], params)]
+
+
+def test_numpy_and_torch_values_are_taken_as_plain_numbers(model):
+    import numpy as np
+
+    p = SamplingParams(stop_token_ids=np.array([1, 2]), temperature=np.float32(0.5), top_p=np.float32(0.5),
+                       seed=np.int64(3), max_tokens=torch.tensor(2))  # fmt: skip
+    assert p.stop_token_ids == (1, 2) and type(p.temperature) is float and type(p.max_tokens) is int
+    assert SamplingParams(stop_token_ids=torch.tensor([5, 6])).stop_token_ids == (5, 6)
+    cfg = EngineConfig(block_size=np.int64(16), gpu_memory_utilization=np.float32(0.5), device=torch.device("cpu"))
+    assert type(cfg.block_size) is int and cfg.device == "cpu" and cfg.to_dict()["device"] == "cpu"
+    llm = LLM(model, device=torch.device("cpu"))
+    rows = np.array([[5, 6, 7], [8, 9, 10]])
+    as_lists = llm.generate(rows.tolist(), SamplingParams(max_tokens=3))
+    for batch in (rows, torch.tensor(rows)):  # a 2-D batch of equal-length prompts, one per row
+        out = llm.generate(batch, SamplingParams(max_tokens=3))
+        assert [o.completions[0].token_ids for o in out] == [o.completions[0].token_ids for o in as_lists]
+    with pytest.raises(QuantkitError, match="top_p must be in"):
+        SamplingParams(top_p=10**400)
+
+
+def test_abort_takes_one_id_or_several(model):
+    llm = LLM(model, device="cpu")
+    first = llm.add_request([5, 6, 7], SamplingParams(max_tokens=8))
+    second = llm.add_request([8, 9], SamplingParams(max_tokens=8))
+    llm.step()
+    llm.abort(first)
+    assert [s.request_id for s in llm.scheduler.running] == [second]
+    llm.abort([second])
+    assert not llm.scheduler.has_unfinished() and llm.block_manager.num_free == llm.block_manager.num_blocks
+    with pytest.raises(QuantkitError, match="abort takes a request id or a list of them"):
+        llm.abort("12")
+
+
+def test_max_model_len_may_reach_what_rope_scaling_adds():
+    config = {**COMMON, "model_type": "llama", "max_position_embeddings": 64,
+              "rope_scaling": {"rope_type": "linear", "factor": 4.0}}  # fmt: skip
+    llm = LLM(config, device="cpu", max_model_len=256, num_kv_blocks=64)
+    assert llm.max_model_len == 256
+    with pytest.raises(QuantkitError, match="max_model_len 512 is longer than the model's 256 positions"):
+        LLM(config, device="cpu", max_model_len=512, num_kv_blocks=64)
