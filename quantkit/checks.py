@@ -48,6 +48,12 @@ def number(name: str, value, low: float, high: float, low_open: bool = False) ->
     return x
 
 
+def tokenizer(value, needs: str = "__call__") -> None:
+    """A tokenizer given in place of a Hugging Face one must have the method that will be used (``needs``)."""
+    if value is not None and not callable(getattr(value, needs, None)):
+        raise QuantkitError(f"tokenizer must be a Hugging Face tokenizer, got {type(value).__name__}")
+
+
 def flag(name: str, value) -> bool:
     """``value`` if it is True or False."""
     if not isinstance(value, bool):

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from quantkit import checks
 from quantkit.calib.data import calibration_windows
 from quantkit.calib.runner import run_layerwise
 from quantkit.devices import resolve_device
@@ -109,8 +110,7 @@ def quantize(
         if calib is None:
             if tokenizer is None:
                 raise QuantkitError("this recipe needs calibration data: pass calib windows or a tokenizer")
-            if not callable(tokenizer):
-                raise QuantkitError(f"tokenizer must be a Hugging Face tokenizer, got {type(tokenizer).__name__}")
+            checks.tokenizer(tokenizer)
             c = recipe.calibration
             check_window_length(c.seqlen, model)
             calib, fingerprint = calibration_windows(tokenizer, c.source, c.nsamples, c.seqlen, c.seed)

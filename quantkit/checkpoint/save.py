@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from quantkit import checks
 from quantkit.checkpoint.config import FORMAT_VERSION, QUANT_METHOD, layout_of
 from quantkit.checkpoint.smoothing import outlier_markdown, outlier_rows
 from quantkit.checks import flag, integer
@@ -218,8 +219,7 @@ def save_quantized(
     if not isinstance(model, nn.Module):
         raise QuantkitError(f"save_quantized needs the quantized torch.nn.Module, got {type(model).__name__}")
     integer("shard_bytes", shard_bytes, low=1)
-    if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
-        raise QuantkitError(f"tokenizer must be a Hugging Face tokenizer, got {type(tokenizer).__name__}")
+    checks.tokenizer(tokenizer, needs="save_pretrained")
     out = check_output(out_dir, overwrite)
     qc = quantization_config(model)
     with atomic_folder(out) as tmp:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from quantkit.checks import shown
 from quantkit.errors import QuantkitError
 
 WEIGHT_BITS = (2, 3, 4, 8)
@@ -85,7 +86,7 @@ class QuantScheme:
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "scheme") -> QuantScheme:
         if not isinstance(data, dict):
-            raise QuantkitError(f"{where} must be a mapping such as {{bits: 4, group_size: 128}}, got {data!r:.60}")
+            raise QuantkitError(f"{where} must be a mapping such as {{bits: 4, group_size: 128}}, got {shown(data)}")
         allowed = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - allowed)
         if unknown:

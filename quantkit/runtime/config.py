@@ -58,10 +58,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         checked = {
             name: integer(name, getattr(self, name), low=1)
-            for name in ("block_size", "cpu_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs")
+            for name in ("cpu_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs")
         }
-        if checked["block_size"] > 1024:  # a page of more tokens than this is no longer a page
-            raise QuantkitError(f"block_size must be in [1, 1024], got {self.block_size}")
+        checked["block_size"] = integer("block_size", self.block_size, low=1, high=1024)  # else no longer a page
         checked["num_kv_blocks"] = integer("num_kv_blocks", self.num_kv_blocks, low=1, none=True)
         checked["max_model_len"] = integer("max_model_len", self.max_model_len, low=1, none=True)
         checked["gpu_memory_utilization"] = number(

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
+from quantkit import checks
 from quantkit.checks import integer, shown
 from quantkit.devices import resolve_device
 from quantkit.errors import QuantkitError
@@ -108,8 +109,7 @@ class LLM:
     def __init__(self, model, tokenizer=None, **settings):
         self.config = EngineConfig.from_dict(settings)
         device = resolve_device(self.config.device)
-        if tokenizer is not None and not callable(tokenizer):
-            raise QuantkitError(f"tokenizer must be a Hugging Face tokenizer, got {type(tokenizer).__name__}")
+        checks.tokenizer(tokenizer)
         if isinstance(model, str | Path):
             loaded = loader.load_folder(model, self.config.dtype, device)
         elif isinstance(model, torch.nn.Module):
