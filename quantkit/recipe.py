@@ -14,12 +14,11 @@
 
 Every mapping is checked: an unknown key is an error naming the key and the allowed ones. Stages run in order
 on each decoder layer (e.g. smoothing, then weight quantization). Methods and their parameter classes live in
-:mod:`quantkit.stages`.
+:mod:`quantkit.stages`; what a stage is (:class:`Stage`, :class:`Override`) in :mod:`quantkit.stages.spec`.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
@@ -29,21 +28,22 @@ import yaml
 
 from quantkit.errors import QuantkitError
 from quantkit.quant.scheme import QuantScheme
+from quantkit.stages import parse_params, replace_params, stage_class, validate_stage
+from quantkit.stages.spec import Override, Stage, check_keys, check_selector, selector_matches
+
+__all__ = [
+    "RECIPE_VERSION",
+    "CalibrationConfig",
+    "Override",
+    "Recipe",
+    "Stage",
+    "check_keys",
+    "load_recipe",
+    "selector_matches",
+    "shipped_recipes",
+]
 
 RECIPE_VERSION = 1
-
-
-def check_keys(data: Any, cls, where: str) -> dict:
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise QuantkitError(f"{where} must be a mapping, got {type(data).__name__}")
-    allowed = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - allowed, key=str)
-    if unknown:
-        choices = f"allowed: {', '.join(sorted(allowed))}" if allowed else "it takes none"
-        raise QuantkitError(f"unknown key {unknown[0]!r} in {where}; {choices}")
-    return data
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -79,10 +79,16 @@ class CalibrationConfig:
     seqlen: int = 512
     seed: int = 0
     batch_size: int = 8
+    bos: bool | str = "auto"  # BOS at the start of every window: "auto" follows the tokenizer (quantkit.calib.data)
+    chat_template: bool = False  # render each window through the tokenizer's chat template (instruct models)
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, str):
             raise QuantkitError(f"calibration source must be a string, got {self.source!r}")
+        if not isinstance(self.bos, bool) and self.bos != "auto":
+            raise QuantkitError(f"calibration bos must be auto, true or false, got {self.bos!r}")
+        if not isinstance(self.chat_template, bool):
+            raise QuantkitError(f"calibration chat_template must be true or false, got {self.chat_template!r}")
         for name in ("nsamples", "seqlen", "seed", "batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -96,66 +102,6 @@ class CalibrationConfig:
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-@dataclass(frozen=True)
-class Override:
-    """Scheme changes for the modules whose name matches ``match`` (same syntax as targets)."""
-
-    match: str
-    scheme: dict
-
-    @classmethod
-    def from_dict(cls, data: dict, where: str) -> Override:
-        data = check_keys(data, cls, where)
-        if "match" not in data or "scheme" not in data:
-            raise QuantkitError(f"{where} needs both 'match' and 'scheme'")
-        scheme = check_keys(data["scheme"], QuantScheme, f"{where}.scheme")
-        _check_selector(str(data["match"]), f"{where}.match")
-        return cls(match=str(data["match"]), scheme=dict(scheme))
-
-
-def selector_matches(selector: str, name: str, module) -> bool:
-    """``re:<regex>`` full-matches the module name; otherwise a class name, or an exact module name."""
-    if selector.startswith("re:"):
-        return re.fullmatch(selector[3:], name) is not None
-    return selector == type(module).__name__ or selector == name
-
-
-@dataclass(frozen=True)
-class Stage:
-    method: str
-    scheme: QuantScheme | None = None
-    params: Any = None  # the method's parameter dataclass
-    targets: tuple[str, ...] = ("Linear",)
-    ignore: tuple[str, ...] = ()
-    overrides: tuple[Override, ...] = ()
-
-    def selects(self, name: str, module) -> bool:
-        return any(selector_matches(t, name, module) for t in self.targets) and not any(
-            selector_matches(i, name, module) for i in self.ignore
-        )
-
-    def scheme_for(self, name: str, module) -> QuantScheme:
-        if self.scheme is None:
-            raise QuantkitError(f"stage {self.method!r} has no scheme")
-        scheme = self.scheme
-        for o in self.overrides:
-            if selector_matches(o.match, name, module):
-                scheme = QuantScheme.from_dict({**scheme.to_dict(), **o.scheme}, f"override {o.match!r}")
-        return scheme
-
-    def to_dict(self) -> dict:
-        from quantkit.stages import params_to_dict
-
-        out: dict[str, Any] = {"method": self.method}
-        if self.scheme is not None:
-            out["scheme"] = self.scheme.to_dict()
-        out["params"] = params_to_dict(self.params)
-        out["targets"] = list(self.targets)
-        out["ignore"] = list(self.ignore)
-        out["overrides"] = [{"match": o.match, "scheme": o.scheme} for o in self.overrides]
-        return out
 
 
 @dataclass(frozen=True)
@@ -182,14 +128,10 @@ class Recipe:
 
     @property
     def needs_calibration(self) -> bool:
-        from quantkit.stages import stage_class
-
         return any(stage_class(s.method).needs_calibration(s) for s in self.stages)
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "recipe") -> Recipe:
-        from quantkit.stages import parse_params, validate_stage
-
         data = check_keys(data, cls, where)
         version = data.get("version", RECIPE_VERSION)
         if version != RECIPE_VERSION:
@@ -255,8 +197,6 @@ class Recipe:
     def with_overrides(self, scheme: dict | None = None, calibration: dict | None = None, params: dict | None = None):
         """A copy with CLI-level changes: scheme keys for every stage that has a scheme, calibration keys, and
         parameters for every stage whose parameter class has them (unknown ones are errors)."""
-        from quantkit.stages import replace_params
-
         stages = []
         for s in self.stages:
             new_scheme = s.scheme
@@ -278,16 +218,8 @@ def _str_list(value: Any, where: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise QuantkitError(f"{where} must be a string or a list of strings")
     for selector in value:
-        _check_selector(selector, where)
+        check_selector(selector, where)
     return value
-
-
-def _check_selector(selector: str, where: str) -> None:
-    if selector.startswith("re:"):
-        try:
-            re.compile(selector[3:])
-        except re.error as exc:
-            raise QuantkitError(f"{where}: bad regular expression {selector!r}: {exc}") from None
 
 
 def shipped_recipes() -> list[str]:

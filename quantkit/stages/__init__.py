@@ -7,11 +7,14 @@ and an ``apply(ctx)`` that works on one decoder layer. "weights" stages replace 
 
 from __future__ import annotations
 
-from dataclasses import asdict, fields, replace
+from dataclasses import fields, replace
 from typing import Any
 
 from quantkit.errors import QuantkitError
-from quantkit.recipe import Stage, check_keys
+from quantkit.stages.spec import Stage, check_keys, params_to_dict
+
+__all__ = ["METHODS", "build_stage", "params_to_dict", "parse_params", "register", "replace_params", "stage_class"]
+
 
 METHODS: dict[str, type] = {}
 
@@ -45,10 +48,6 @@ def stage_class(method: str) -> type:
 def parse_params(method: str, data: Any, where: str):
     cls = stage_class(method).Params
     return cls(**check_keys(data, cls, where))
-
-
-def params_to_dict(params) -> dict:
-    return asdict(params) if params is not None else {}
 
 
 def replace_params(method: str, params, changes: dict):

@@ -55,8 +55,8 @@ from quantkit.errors import QuantkitError
 from quantkit.models.fold import BoundGroup, bind_smooth_groups, fold_group
 from quantkit.models.layers import match
 from quantkit.quant.scheme import QuantScheme
-from quantkit.recipe import Stage
 from quantkit.stages import register
+from quantkit.stages.spec import Stage
 
 
 def _pattern_matches(pattern: str, name: str) -> bool:

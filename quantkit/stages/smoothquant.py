@@ -32,8 +32,8 @@ from quantkit.errors import QuantkitError
 from quantkit.models.fold import BoundGroup, bind_smooth_groups, column_scales, fold_group, to_channels
 from quantkit.nn.factory import quantized_module_types
 from quantkit.quant.scheme import QuantScheme
-from quantkit.recipe import Stage
 from quantkit.stages import register
+from quantkit.stages.spec import Stage
 
 DEFAULT_GRID = tuple(round(0.3 + 0.05 * i, 2) for i in range(13))  # 0.30, 0.35, ..., 0.90
 PRODUCERS = ("all", "norms")

@@ -14,8 +14,8 @@ from quantkit.nn.factory import make_quantized_linear
 from quantkit.nn.w8a8 import W8A8Linear, static_input_scale
 from quantkit.quant.scheme import QuantScheme
 from quantkit.quant.tensor import QuantizedWeight
-from quantkit.recipe import Stage
 from quantkit.stages import register
+from quantkit.stages.spec import Stage
 
 
 class WeightStage:
