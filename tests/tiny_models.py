@@ -91,3 +91,52 @@ def tiny_model_dir(path, arch: str = "llama", seed: int = 0):
     model.save_pretrained(path)
     tiny_tokenizer(model.config.vocab_size).save_pretrained(path)
     return path
+
+
+WORDS = [
+    "the",
+    "a",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "was",
+    "he",
+    "it",
+    "that",
+    "for",
+    "on",
+    "with",
+    "as",
+    "his",
+    "at",
+    "by",
+]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|> {{ m.content }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def word_tokenizer(adds_bos: bool, chat_template: str | None = None, bos_token: str | None = "<s>"):
+    """A word-level tokenizer over :data:`WORDS` (whitespace-split; ids 0..6 are special), built offline in a
+    millisecond. ``adds_bos``: a Llama-3 / Gemma style ``TemplateProcessing`` post-processor puts BOS in front of
+    every text; ``chat_template``: a Jinja chat template (:data:`CHAT_TEMPLATE` renders BOS and role markers)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|end|>"]
+    vocab = {t: i for i, t in enumerate([*specials, *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if adds_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])]
+        )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token=bos_token, eos_token="</s>", unk_token="<unk>"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": specials[4:]})
+    tokenizer.chat_template = chat_template
+    return tokenizer

@@ -7,9 +7,19 @@ A source is one of
   ``text`` column, or the only string column), several joined with commas,
 - ``hf:NAME[:CONFIG][:SPLIT]`` -- a Hugging Face hub dataset, for users who are online.
 
-The text is tokenized once without special tokens (no BOS) and cut into non-overlapping windows of ``seqlen``
-tokens. Calibration takes ``nsamples`` windows chosen at random with ``seed`` (reproducible); evaluation takes
-the first windows in order.
+The text is tokenized once without special tokens and cut into non-overlapping windows. Calibration takes
+``nsamples`` windows chosen at random with ``seed`` (reproducible); evaluation takes the first windows in order.
+
+BOS, one rule for every family: a window is always ``seqlen`` tokens. Where the tokenizer puts BOS in front of a
+text by default (Llama 3, Gemma, Mistral; found by tokenizing a probe with and without special tokens, so a
+post-processor counts as much as ``add_bos_token``), every window is BOS followed by ``seqlen - 1`` text tokens;
+where it does not (SmolLM2, Qwen2), every window is ``seqlen`` text tokens. ``bos=True`` / ``False`` overrides
+the tokenizer; the choice is recorded as ``bos`` in the calibration fingerprint and the evaluation protocol.
+
+Chat-formatted calibration (``chat_template=True``, for instruct models): each window's text is split in two,
+rendered through ``tokenizer.apply_chat_template`` as a user turn and the assistant's answer, tokenized and cut to
+``seqlen`` (a rendering shorter than that is completed with the text that follows the window). The template's own
+BOS counts; the BOS rule above then holds as for plain text.
 """
 
 from __future__ import annotations
@@ -134,21 +144,104 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def calibration_windows(tokenizer, source: str, nsamples: int, seqlen: int, seed: int = 0) -> tuple[torch.Tensor, dict]:
-    """``nsamples`` random non-overlapping windows [nsamples, seqlen] and the calibration fingerprint."""
+BOS_PROBE = "Hello"
+
+
+def default_bos(tokenizer) -> bool:
+    """Whether ``tokenizer`` puts its BOS in front of a text by default: a probe tokenized with special tokens
+    starts with ``bos_token_id`` and without them does not. This reads what the tokenizer does (``add_bos_token``,
+    a Llama-3 style ``TemplateProcessing`` post-processor, Gemma's), not what its config claims."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    with_special = tokenizer(BOS_PROBE, add_special_tokens=True, verbose=False)["input_ids"]
+    plain = tokenizer(BOS_PROBE, add_special_tokens=False, verbose=False)["input_ids"]
+    return with_special[:1] == [bos] and plain[:1] != [bos]
+
+
+def resolve_bos(tokenizer, bos: bool | str = "auto") -> int | None:
+    """The BOS id every window starts with, or None: ``"auto"`` follows :func:`default_bos`, True / False force it."""
+    if not isinstance(bos, bool) and bos != "auto":
+        raise QuantkitError(f"bos must be 'auto', true or false, got {bos!r}")
+    if bos == "auto":
+        bos = default_bos(tokenizer)
+    if not bos:
+        return None
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    if bos_id is None:
+        raise QuantkitError("bos is on but the tokenizer has no BOS token (bos_token_id is None); use bos: auto")
+    return int(bos_id)
+
+
+def text_windows(ids: torch.Tensor, seqlen: int, bos_id: int | None) -> torch.Tensor:
+    """Non-overlapping windows [n, seqlen] of the token stream ``ids`` [T]: ``seqlen`` text tokens each, or BOS
+    followed by ``seqlen - 1`` text tokens when ``bos_id`` is given."""
+    width = seqlen - (bos_id is not None)
+    n = ids.numel() // width
+    windows = ids[: n * width].view(n, width)
+    if bos_id is None:
+        return windows
+    return torch.cat([torch.full((n, 1), bos_id, dtype=ids.dtype), windows], dim=1)
+
+
+def check_chat_template(tokenizer) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise QuantkitError("chat_template calibration needs a tokenizer with a chat template; this one has none")
+
+
+def chat_window(tokenizer, text_ids: torch.Tensor, following: torch.Tensor, seqlen: int, bos_id: int | None):
+    """One calibration window [seqlen] rendered through the chat template: the first half of ``text_ids`` as the
+    user's turn, the second half as the assistant's answer; completed with ``following`` when shorter."""
+    half = text_ids.numel() // 2
+    messages = [
+        {"role": "user", "content": tokenizer.decode(text_ids[:half].tolist())},
+        {"role": "assistant", "content": tokenizer.decode(text_ids[half:].tolist())},
+    ]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    ids = tokenize(tokenizer, rendered)
+    starts_with_bos = ids.numel() > 0 and tokenizer.bos_token_id is not None and int(ids[0]) == tokenizer.bos_token_id
+    if bos_id is not None and not starts_with_bos:
+        ids = torch.cat([torch.tensor([bos_id]), ids])
+    elif bos_id is None and starts_with_bos:
+        ids = ids[1:]
+    if ids.numel() < seqlen:
+        ids = torch.cat([ids, following[: seqlen - ids.numel()]])
+    return ids[:seqlen]
+
+
+def calibration_windows(
+    tokenizer,
+    source: str,
+    nsamples: int,
+    seqlen: int,
+    seed: int = 0,
+    *,
+    bos: bool | str = "auto",
+    chat_template: bool = False,
+) -> tuple[torch.Tensor, dict]:
+    """``nsamples`` random non-overlapping windows [nsamples, seqlen] and the calibration fingerprint (see the
+    module docstring for ``bos`` and ``chat_template``)."""
     if nsamples < 1 or seqlen < 2:
         raise QuantkitError(f"need nsamples >= 1 and seqlen >= 2, got {nsamples} and {seqlen}")
+    if chat_template:
+        check_chat_template(tokenizer)
+    bos_id = resolve_bos(tokenizer, bos)
     text, src = load_text(source)
     ids = tokenize(tokenizer, text)
-    slots = ids.numel() // seqlen
-    if slots < nsamples:
+    # a chat window is made from seqlen text tokens (the template's own tokens then replace some of them)
+    slots = text_windows(ids, seqlen, None if chat_template else bos_id)  # [slots, seqlen]
+    if slots.shape[0] < nsamples:
         raise QuantkitError(
             f"calibration text {source!r} has {ids.numel()} tokens; {nsamples} samples of {seqlen} tokens "
             f"need {nsamples * seqlen}. Use a longer text or fewer/shorter samples"
         )
     g = torch.Generator().manual_seed(seed)
-    chosen = torch.randperm(slots, generator=g)[:nsamples].sort().values
-    windows = ids[: slots * seqlen].view(slots, seqlen)[chosen]
+    chosen = torch.randperm(slots.shape[0], generator=g)[:nsamples].sort().values
+    if chat_template:
+        following = slots.roll(-1, dims=0)  # the text after each slot (the first one after the last)
+        windows = torch.stack([chat_window(tokenizer, slots[i], following[i], seqlen, bos_id) for i in chosen])
+    else:
+        windows = slots[chosen]
     fingerprint = {
         "source": src.source,
         "sha256": src.sha256,
@@ -156,22 +249,30 @@ def calibration_windows(tokenizer, source: str, nsamples: int, seqlen: int, seed
         "seqlen": seqlen,
         "seed": seed,
         "tokens": nsamples * seqlen,
+        "bos": bos_id is not None,
     }
+    if chat_template:
+        fingerprint["chat_template"] = True
     return windows, fingerprint
 
 
-def evaluation_windows(tokenizer, source: str, seqlen: int, max_windows: int | None) -> tuple[torch.Tensor, dict]:
-    """The first ``max_windows`` non-overlapping windows [n, seqlen] of ``source`` (all when None)."""
+def evaluation_windows(
+    tokenizer, source: str, seqlen: int, max_windows: int | None, bos: bool | str = "auto"
+) -> tuple[torch.Tensor, dict]:
+    """The first ``max_windows`` non-overlapping windows [n, seqlen] of ``source`` (all when None); with BOS
+    (see the module docstring) each is BOS + ``seqlen - 1`` text tokens."""
+    bos_id = resolve_bos(tokenizer, bos)
     text, src = load_text(source)
     ids = tokenize(tokenizer, text)
-    n = ids.numel() // seqlen
+    windows = text_windows(ids, seqlen, bos_id)
     if max_windows is not None:
-        n = min(n, max_windows)
-    if n < 1:
+        windows = windows[:max_windows]
+    if windows.shape[0] < 1:
         raise QuantkitError(f"evaluation text {source!r} has {ids.numel()} tokens, fewer than seqlen {seqlen}")
-    return ids[: n * seqlen].view(n, seqlen), {
+    return windows, {
         "source": src.source,
         "sha256": src.sha256,
         "seqlen": seqlen,
-        "windows": n,
+        "windows": windows.shape[0],
+        "bos": bos_id is not None,
     }

@@ -1,10 +1,13 @@
 """Perplexity, KL divergence and top-1 agreement on an evaluation text.
 
 Protocol (the numbers in quantkit's tables use it):
-- The text (default: the shipped ``moby-dick``) is tokenized once without special tokens (no BOS) and cut into
+- The text (default: the shipped ``moby-dick``) is tokenized once without special tokens and cut into
   non-overlapping windows of ``seqlen`` tokens (default 512); the first ``max_windows`` (default 40, i.e.
   20,480 tokens) are used. Each window is evaluated independently, with no context carried between windows.
-- In each window, position t predicts token t+1: ``seqlen - 1`` predictions per window.
+- BOS follows the tokenizer (``bos="auto"``, :mod:`quantkit.calib.data`): where it adds BOS by default, each
+  window is BOS + ``seqlen - 1`` text tokens, otherwise ``seqlen`` text tokens; the protocol records ``bos``.
+- In each window, position t predicts token t+1: ``seqlen - 1`` predictions per window (with BOS, every one a
+  text token).
 - Perplexity = exp(mean negative log-likelihood over all predictions).
 - Against a float baseline on the same tokens: mean KL(P_baseline || P_model) of the next-token distributions,
   and top-1 agreement (fraction of positions where both models' most likely next token is the same).
@@ -86,7 +89,8 @@ def evaluate(
     seqlen: int = DEFAULT_SEQLEN,
     max_windows: int | None = DEFAULT_WINDOWS,
     progress=None,
+    bos: bool | str = "auto",
 ) -> tuple[EvalResult, dict]:
-    """(result, protocol) for ``model`` on ``source``; ``protocol`` records the text fingerprint and sizes."""
-    windows, protocol = evaluation_windows(tokenizer, source, seqlen, max_windows)
+    """(result, protocol) for ``model`` on ``source``; ``protocol`` records the text fingerprint, sizes and BOS."""
+    windows, protocol = evaluation_windows(tokenizer, source, seqlen, max_windows, bos=bos)
     return evaluate_windows(model, windows, baseline, progress), protocol
