@@ -1,32 +1,108 @@
-"""Software prefetch into L2 for weight-streaming kernels: PTX ``prefetch.global.L2``, one 128-byte line each.
+"""Device helpers shared by the kernel families: what the device is, Triton's interpreter, exact rounding, the
+precision of attention's dot products and software prefetch into L2.
 
-What it does
-    ``prefetch_l2(ptrs, on)`` asks L2 for the line holding each address of ``ptrs`` where ``on`` is non-zero. Nothing
-    is written to a register and nothing waits for it: the line travels from DRAM to L2 while the kernel goes on.
-    ``prefetch_block_l2`` covers a [ROWS, COLS] block of a row-major buffer with one address per line, spread so that
-    every thread of the CTA issues at most a few (a block smaller than the CTA gets one address per thread, the rest
-    predicated off, instead of Triton's copies of each element in several threads: no duplicate requests).
+``GPU`` describes a CUDA device by what the dispatch rules read (compute capability, SM count, shared memory per
+block), so that a rule can also be asked about a GPU this machine does not have (``quantkit.kernels.explain``).
+``device_of`` describes a real device: a ``GPU`` for a CUDA device, None for any other (the CPU, where the kernels
+run only under Triton's interpreter). ``num_sms`` is what the launchers size their grids by: 4 off CUDA, so that the
+small shapes of the interpreter's tests still split K.
 
-Where it pays (H200, results/l2-ahead-h200-2026-12-03.md)
-    The W8A8 GEMM with 64-row tiles (M 17-64) on layers of few output tiles: 4096 x 14336 runs 64 programs, each
-    streaming 917 KB of weight rows through a 4-stage pipeline, and a prefetch 4 K tiles ahead lifted it from 1.26x to
-    1.43x bf16 (int8; fp8 1.23x -> 1.38x). Where the grid covers the GPU several times it does not: every resident
-    program's look-ahead adds up, and the W4A16 gemv (whole grid resident, 7-8 CTAs per SM) ran 7-23% slower with it
-    (prefetched lines evicted from the 50 MB L2 before their use, most likely). The W4A16 path was measured and dropped
-    (commit da0e855 has it); ``w8a8.l2_ahead_for`` is the rule.
-
-Limits: CUDA only (inline PTX). Triton's interpreter cannot run inline assembly, so the launchers pass
-``L2_AHEAD = 0`` there; prefetching changes no result, only timing. Addresses are clamped into the buffer (the last
-valid row and column), so a block at the edge never names memory outside it.
+L2 prefetch
+    ``prefetch_l2(ptrs, on)`` asks L2 for the line holding each address of ``ptrs`` where ``on`` is non-zero
+    (PTX ``prefetch.global.L2``, one 128-byte line each). Nothing is written to a register and nothing waits for it:
+    the line travels from DRAM to L2 while the kernel goes on. ``prefetch_block_l2`` covers a [ROWS, COLS] block of
+    a row-major buffer with one address per line, spread so that every thread of the CTA issues at most a few (a
+    block smaller than the CTA gets one address per thread, the rest predicated off, instead of Triton's copies of
+    each element in several threads: no duplicate requests).
+    It pays where few programs stream long weight rows: the W8A8 GEMM with 64-row tiles (M 17-64) on layers of few
+    output tiles, whose 64 programs each stream close to a megabyte of weight rows through a 4-stage pipeline. Where
+    the grid covers the GPU several times it does not: every resident program's look-ahead adds up and evicts lines
+    before their use, which is why the W4A16 gemv does not prefetch (``w8a8.configs.l2_ahead_for`` is the rule).
+    Limits: CUDA only (inline PTX). Triton's interpreter cannot run inline assembly, so the launchers pass
+    ``L2_AHEAD = 0`` there; prefetching changes no result, only timing. Addresses are clamped into the buffer (the
+    last valid row and column), so a block at the edge never names memory outside it.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
 
 LINE_BYTES = tl.constexpr(128)
+HOPPER_SHARED_MEMORY = 232448  # bytes of shared memory one block may opt into on sm_90 (H100, H200)
 
+
+@dataclass(frozen=True)
+class GPU:
+    """A CUDA device as the dispatch rules see it: compute ``capability`` (major, minor), ``sms`` streaming
+    multiprocessors, ``shared_memory`` bytes per block (opt-in), and a ``name`` for messages."""
+
+    capability: tuple[int, int] = (9, 0)
+    sms: int = 132
+    shared_memory: int = HOPPER_SHARED_MEMORY
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        cap = self.capability
+        if not (isinstance(cap, tuple) and len(cap) == 2 and all(isinstance(v, int) and v >= 0 for v in cap)):
+            raise ValueError(f"capability must be a (major, minor) pair of ints, got {cap!r}")
+        if not isinstance(self.sms, int) or self.sms < 1:
+            raise ValueError(f"sms must be a positive int, got {self.sms!r}")
+        if not isinstance(self.shared_memory, int) or self.shared_memory < 1:
+            raise ValueError(f"shared_memory must be a positive int, got {self.shared_memory!r}")
+
+    def __str__(self) -> str:
+        return f"{self.name or 'GPU'} (sm_{self.capability[0]}{self.capability[1]}, {self.sms} SMs)"
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_gpu(index: int) -> GPU:
+    props = torch.cuda.get_device_properties(index)
+    return GPU(
+        (props.major, props.minor), props.multi_processor_count, props.shared_memory_per_block_optin, props.name
+    )
+
+
+def device_of(device: torch.device | str) -> GPU | None:
+    """The ``GPU`` of a CUDA device (the current one for a bare "cuda"), None for any other device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return _cuda_gpu(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def interpreting() -> bool:
+    """True under Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device; 4 under the interpreter (so small test shapes still split K)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def sms_of(gpu: GPU | None) -> int:
+    """``num_sms`` for a device description: the GPU's SMs, 4 off CUDA."""
+    return gpu.sms if gpu is not None else 4
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 attention stays fp32 on tensor cores ("ieee"); 16-bit inputs ignore the setting."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def round_half_even(v):
+    """Round fp32 to the nearest integer, ties to even (== torch.round); exact for |v| < 2**23."""
+    f = tl.floor(v)
+    d = v - f
+    f_is_odd = (f - 2.0 * tl.floor(0.5 * f)) != 0.0
+    return f + tl.where((d > 0.5) | ((d == 0.5) & f_is_odd), 1.0, 0.0)
 
 @triton.jit
 def prefetch_l2(ptrs, on):

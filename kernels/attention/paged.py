@@ -20,13 +20,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from quantkit.kernels._device import dot_precision
 
 LOG2E = 1.4426950408889634
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 attention stays fp32 on tensor cores ("ieee"); 16-bit inputs ignore the setting."""
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def store_kv_reference(k, v, k_cache, v_cache, slot_mapping) -> None:

@@ -39,7 +39,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from quantkit.kernels.paged_attention import LOG2E, dot_precision, gather_context
+from quantkit.kernels._device import dot_precision
+from quantkit.kernels.attention.paged import LOG2E, gather_context
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 

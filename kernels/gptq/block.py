@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from quantkit.kernels.w8a8 import _round_half_even
+from quantkit.kernels._device import round_half_even
 
 MAX_BLOCK = 256
 
@@ -70,7 +70,7 @@ def _gptq_block_kernel(
         wi = tl.sum(tl.where(cols[None, :] == i, w, 0.0), axis=1)  # column i, with every earlier update
         s = tl.load(s_ptr + row_offs + i, mask=rmask, other=1.0)
         z = tl.load(z_ptr + row_offs + i, mask=rmask, other=0.0)
-        q = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(wi, s)) + z, 0.0), maxq)
+        q = tl.minimum(tl.maximum(round_half_even(tl.math.div_rn(wi, s)) + z, 0.0), maxq)
         u_ii = tl.load(u_ptr + i * stride_u + i)
         err = tl.math.div_rn(wi - (q - z) * s, u_ii)
         tl.store(q_ptr + row_offs + i, q, mask=rmask)

@@ -1,8 +1,9 @@
-"""Launch configurations of the W4A16 kernel family (``quantkit.kernels.w4a16``) and the committed regime table.
+"""Launch configurations of the Triton W4A16 kernels (``gemm.py``, ``gemv.py``) and the regime table.
 
 A regime is a range of M (rows of x); each has one ``KernelConfig``. The split-K factor is not stored: it follows
-from the shape (``plan_launch``), so one table entry serves every layer shape. The block between the BEGIN/END
-markers is rewritten by ``python benchmarks/bench_w4a16.py --apply <sweep.json>`` from an H200 sweep.
+from the shape (``plan_launch``), so one table entry serves every layer shape. ``config_for`` reads the module's
+``CONFIG_TABLE`` when it is called, so a benchmark may try another table in memory (``config_for(m, n, table)``, or
+by assigning ``configs.CONFIG_TABLE``); the source is not rewritten by any tool.
 """
 
 from __future__ import annotations
@@ -25,21 +26,21 @@ def _pow2(v: int) -> bool:
 class KernelConfig:
     """One launch configuration.
 
-    ``method``: "gemv" (CUDA-core kernel, ``w4a16_gemv.py``: ``block_m`` rows of x per CTA, any power of two),
-    "fused" (dequantize in registers, tl.dot on tensor cores, ``w4a16.py``) or "dequant" (dequantize to [N, K],
+    ``method``: "gemv" (CUDA-core kernel, ``gemv.py``: ``block_m`` rows of x per CTA, any power of two),
+    "fused" (dequantize in registers, tl.dot on tensor cores, ``gemm.py``) or "dequant" (dequantize to [N, K],
     then cuBLAS through F.linear).
     ``split_waves``: split K until about ``split_waves * n_SMs`` CTAs exist (0: never split); scaled up in
     proportion where ``plan_launch`` caps BLOCK_K below ``block_k`` (groups smaller than the tile).
     ``fuse_scale`` (fused): W = (q - z) * s rounded in the tile, accumulated inside the dot, instead of scaling each
     tile's dot product. Either way BLOCK_K is capped so that a K tile never straddles groups (``plan_launch``).
     ``fold_zero`` (gemv, 4-bit): take the zero point and the unpacking offset out of the inner loop (no FADD per
-    code; ``w4a16_gemv._tile_mac_folded``).
+    code; ``gemv._tile_mac_folded``).
     ``prefetch`` (gemv, num_stages 1): issue the loads of K tile t + 1 before the arithmetic of tile t (the next
     tile's words wait in registers), so every thread keeps a whole tile of loads in flight.
     ``vector_x`` (gemv, with ``fold_zero``): read x four activations per 8-byte load (needs whole K tiles, unit
     column stride and 8-byte aligned rows; otherwise the kernel reads one activation per load).
     ``swap_ab`` (fused): compute y.T = W.T @ x.T so the weight tile is the MMA's M side (wgmma for M < 64).
-    ``fixup_unroll``: partial tiles the split-K fix-up loads per round (``w4a16_epilogue._finish_tile``); 0 picks
+    ``fixup_unroll``: partial tiles the split-K fix-up loads per round (``epilogue.finish_tile``); 0 picks
     the module function ``fixup_unroll``'s default from the tile's size.
     """
 
@@ -100,20 +101,10 @@ class KernelConfig:
         return asdict(self)
 
 
-# BEGIN CONFIG_TABLE -- rewritten by `python benchmarks/bench_w4a16.py --apply <sweep.json>`
-# Source: sweep of 2026-12-01 on NVIDIA H200 (torch 2.11.0+cu130, triton 3.6.0).
-# Largest M of each regime -> config. Geomean speedup over cuBLAS fp16 (shapes x groups x M):
-# m1 2.39x, m2 1.71x, m4 1.34x, skinny 1.35x, medium 0.89x, large 0.54x, huge 0.86x.
-# m1 with vector_x added by hand after benchmarks/probes/probe_gemv.py --vector (2026-12-02, H200): 0-7% faster on
-# 9 of 12 M = 1 cells, at most 1.3% slower on the rest (results/w4a16-h200-2026-12-02b.md).
-# m32 and medium set by hand after benchmarks/probes/probe_skinny_k128.py (two runs, 2026-12-02, H200): 64-wide N
-# tiles, 128 deep, with BLOCK_M matched to M; geomean over the six shapes x groups 128/64 at M = 32: 1.24x against
-# 0.86x; M = 64: 0.95x against 0.82x; and a fused regime up to M = 128 from its third run: 0.59x against 0.52x for
-# dequant + cuBLAS, which stays ahead from M = 256 (0.60x against 0.47x) (results/w4a16-medium-h200-2026-12-02.md).
-# m1 and m2 fix-up rounds set by hand after benchmarks/probes/probe_fixup.py (2026-12-02, H200): the last CTA of a
-# split output tile loads 32 (M = 1) / 8 (M = 2) partials per round instead of 4; geomean over 8 shapes x groups
-# 128/64: M = 1 2.16x against 1.99x (small layers +10-20%: a 4096 x 4096 layer runs 32 splits), M = 2 1.52x
-# against 1.45x; the same registers at M = 1 (results/w4a16-fixup-h200-2026-12-02.md).
+# Largest M of each regime -> config, from a sweep of every candidate over the benchmark's layer shapes and groups
+# (``benchmarks/bench_w4a16.py``; docs/results/w4a16.md). M = 1-2: the CUDA-core gemv with the zero folded out of the
+# inner loop, whole-tile split-K fix-ups and, at M = 1, x read four activations per load; M 4-128: swap-AB tensor-core
+# tiles whose BLOCK_M follows M (64-wide N tiles, 128 deep from M = 32); from M = 256 dequantize + cuBLAS.
 CONFIG_TABLE: tuple[tuple[int, KernelConfig], ...] = (
     (1, KernelConfig("gemv", 1, 512, 128, 4, 1, split_waves=4, fold_zero=True, vector_x=True, fixup_unroll=32)),
     (2, KernelConfig("gemv", 2, 512, 64, 4, 1, split_waves=8, fold_zero=True, prefetch=True, fixup_unroll=8)),
@@ -125,36 +116,32 @@ CONFIG_TABLE: tuple[tuple[int, KernelConfig], ...] = (
     (256, KernelConfig("dequant", 16, 128, 128, 4, 4)),
     (2**31, KernelConfig("dequant", 16, 128, 128, 4, 4)),
 )
-# END CONFIG_TABLE
 
 
 # M = 1 on wide layers (N >= WIDE_N): 64-deep K tiles (64 registers: 8 CTAs of 4 warps per SM instead of 5) and
-# twice the splits. benchmarks/probes/probe_fixup.py --set m1 (H200, 2026-12-02), speedup over cuBLAS fp16 at groups
-# 128 / 64: 14336 x 4096 2.02 / 2.14x -> 2.16 / 2.15x, 28672 x 4096 2.30 / 2.44x -> 2.50 / 2.45x, 28672 x 8192
-# 2.49 / 2.41x -> 2.54 / 2.41x; on N <= 8192 the table's config stayed ahead by 0-6%
-# (results/w4a16-fixup-h200-2026-12-02.md)
+# twice the splits; on N <= 8192 the table's config stayed ahead.
 WIDE_N = 14336
 WIDE_M1 = KernelConfig("gemv", 1, 512, 64, 4, 1, split_waves=8, fold_zero=True, vector_x=True, fixup_unroll=32)
 # 3-4 rows of the widest layers (N >= WIDE_M4_N): the m4 regime's tiles split twice as far (the same compiled kernel:
-# the split only changes the grid). benchmarks/probes/probe_fixup.py --set m4 (H200, 2026-12-03), speedup over
-# cuBLAS fp16 at groups 128 / 64: 28672 x 8192 1.14 / 1.00x -> 1.48 / 1.32x, 28672 x 4096 1.19 / 1.06x ->
-# 1.48 / 1.36x; on 14336 x 4096 it lost (1.29 / 1.24x -> 1.24 / 1.14x), so N = 14336 keeps the table's config
-# (results/w4a16-rega-h200-2026-12-03.md)
+# the split only changes the grid); on 14336-wide layers it lost, so they keep the table's config.
 WIDE_M4_N = 28672
 WIDE_M4 = KernelConfig("fused", 16, 128, 64, 4, 3, split_waves=8, fuse_scale=True, swap_ab=True)
 
 
-def config_for(m: int, n: int | None = None) -> KernelConfig:
-    """The committed configuration of the regime that ``m`` rows fall in; ``n`` (output features) picks
-    ``WIDE_M1`` for one row of a wide layer and ``WIDE_M4`` for 3-4 rows of the widest."""
+def config_for(
+    m: int, n: int | None = None, table: tuple[tuple[int, KernelConfig], ...] | None = None
+) -> KernelConfig:
+    """The configuration of the regime that ``m`` rows fall in (``table``, default ``CONFIG_TABLE``); ``n`` (output
+    features) picks ``WIDE_M1`` for one row of a wide layer and ``WIDE_M4`` for 3-4 rows of the widest."""
     if m == 1 and n is not None and n >= WIDE_N:
         return WIDE_M1
     if 2 < m <= 4 and n is not None and n >= WIDE_M4_N:
         return WIDE_M4
-    for max_m, cfg in CONFIG_TABLE:
+    table = CONFIG_TABLE if table is None else table
+    for max_m, cfg in table:
         if m <= max_m:
             return cfg
-    return CONFIG_TABLE[-1][1]
+    return table[-1][1]
 
 
 def fixup_unroll(cfg: KernelConfig) -> int:
@@ -185,9 +172,8 @@ def plan_launch(cfg: KernelConfig, m: int, n: int, k: int, group_size: int, num_
     k_tiles = _cdiv(k, block_k)
     tiles = _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n)
     # a tile capped below the config's BLOCK_K holds proportionally fewer registers, so proportionally more CTAs
-    # fit on an SM and are needed to fill it: the M = 1 gemv at group 64 ran 64 instead of 96 registers (8 CTAs
-    # per SM instead of 5) and gained 5-12% from twice the split on the larger H200 shapes (results/
-    # w4a16-h200-2026-12-02.md)
+    # fit on an SM and are needed to fill it: the M = 1 gemv at group 64 runs 64 instead of 96 registers (8 CTAs
+    # per SM instead of 5) and gained from twice the split on the larger layers
     waves = cfg.split_waves * (cfg.block_k // block_k)
     split = 1
     if waves and tiles <= LOCK_SLOTS:

@@ -1,7 +1,7 @@
-"""Output epilogue shared by the W4A16 kernels (``w4a16.py``, ``w4a16_gemv.py``): cast, bias, split-K fix-up.
+"""Output epilogue shared by the Triton W4A16 kernels (``gemm.py``, ``gemv.py``): cast, bias, split-K fix-up.
 
 What it does
-    ``_finish_tile`` takes a CTA's fp32 accumulator [BLOCK_M, BLOCK_N] and either stores it (+ bias, cast to the
+    ``finish_tile`` takes a CTA's fp32 accumulator [BLOCK_M, BLOCK_N] and either stores it (+ bias, cast to the
     output dtype) or, when K is split over grid axis 1, runs the serial fix-up: every CTA writes its partial tile
     to ``part`` [split, M, N] fp32, then counts itself in on a per-output-tile semaphore (``lock``); the last
     arrival sums the partials in split order (deterministic: the same bits on every run), adds the bias, stores
@@ -24,7 +24,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _to_act(v, ACT: tl.constexpr, EMULATE_BF16: tl.constexpr):
+def to_act(v, ACT: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """fp32 -> ACT. EMULATE_BF16 (interpreter only) rounds to nearest even by hand: its own cast truncates."""
     if EMULATE_BF16:
         bits = v.to(tl.int32, bitcast=True)
@@ -42,11 +42,11 @@ def _store_tile(acc, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(ptrs, _to_act(acc, out_ptr.dtype.element_ty, EMULATE_BF16), mask=mask)
+    tl.store(ptrs, to_act(acc, out_ptr.dtype.element_ty, EMULATE_BF16), mask=mask)
 
 
 @triton.jit
-def _finish_tile(acc, bias_ptr, out_ptr, part_ptr, lock_ptr, tile_id, offs_m, offs_n, M, N, stride_om, stride_on,
+def finish_tile(acc, bias_ptr, out_ptr, part_ptr, lock_ptr, tile_id, offs_m, offs_n, M, N, stride_om, stride_on,
                  SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EMULATE_BF16: tl.constexpr,
                  UNROLL: tl.constexpr = 4):  # fmt: skip
     """Store acc [BLOCK_M, BLOCK_N], or (SPLIT) add it to the other K splits' partials with the serial fix-up.

@@ -30,7 +30,7 @@ Kernels (this file: the tensor-core GEMM and the dequantize kernel; ``w4a16_gemv
     SWAP_AB computes y.T = W.T @ x.T: the weight tile becomes the MMA's M side, so a few rows of x (BLOCK_M 16)
     still run Hopper's wgmma (64 x 16 x 16) with the dequantized tile as the A operand, where tl.dot would fall
     back to mma.sync for M < 64.
-    Split-K (grid axis 1 > 1): ``w4a16_epilogue._finish_tile``'s deterministic serial fix-up, one launch.
+    Split-K (grid axis 1 > 1): ``w4a16_epilogue.finish_tile``'s deterministic serial fix-up, one launch.
     ``_w4a16_dequant_kernel`` writes W as [N, K] in x's dtype for the dequantize-then-cuBLAS path (large M):
     ``F.linear(x, W)`` then runs the same cuBLAS kernel as the fp16 baseline.
 
@@ -68,57 +68,13 @@ Hardware: tuned on the H200 (sm_90, 132 SMs, 60 MB L2); SASS checked offline wit
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
-from quantkit.kernels.w4a16_configs import (
-    CONFIG_TABLE,
-    KernelConfig,
-    LaunchPlan,
-    config_for,
-    fixup_unroll,
-    plan_launch,
-)
-from quantkit.kernels.w4a16_epilogue import _finish_tile, _to_act
-from quantkit.kernels.w4a16_gemv import w4a16_gemv, w4a16_gemv_reference
-from quantkit.kernels.w4a16_mma_gemv import launch as mma_launch
-from quantkit.kernels.w4a16_mma_gemv import mma_plan
-from quantkit.kernels.w4a16_rega import launch as rega_launch
-from quantkit.kernels.w4a16_rega import rega_plan
-from quantkit.kernels.w4a16_weight import (
-    ACT_DTYPES,
-    KERNEL_LAYOUT,
-    KERNEL_LAYOUT_VERSION,
-    W4A16Weight,
-    check_operands,
-    interpreting,
-    num_sms,
-    prepare_gptq_weight,
-    unpack_gptq_codes,
-    unsupported_reason,
-)
-from quantkit.kernels.w4a16_ws import launch as ws_launch
-from quantkit.kernels.w4a16_ws import ws_plan
+from quantkit.kernels._device import interpreting, num_sms
+from quantkit.kernels.w4a16.configs import KernelConfig, config_for, fixup_unroll, plan_launch
+from quantkit.kernels.w4a16.epilogue import finish_tile, to_act
+from quantkit.kernels.w4a16.weight import ACT_DTYPES, W4A16Weight, check_operands, unpack_gptq_codes
 
-__all__ = [
-    "CONFIG_TABLE",
-    "KERNEL_LAYOUT",
-    "KERNEL_LAYOUT_VERSION",
-    "KernelConfig",
-    "LaunchPlan",
-    "W4A16Weight",
-    "config_for",
-    "plan_launch",
-    "prepare_gptq_weight",
-    "unpack_gptq_codes",
-    "unsupported_reason",
-    "w4a16_dequantize",
-    "w4a16_gemm",
-    "w4a16_gemv",
-    "w4a16_gemv_reference",
-    "w4a16_linear",
-    "w4a16_reference",
-]
 MAGIC_F32 = tl.constexpr(0x4B000000)  # code | MAGIC_F32 read as fp32 is 2**23 + code
 MAGIC_16 = {torch.float16: 0x6400, torch.bfloat16: 0x4300}  # 1024 + code, 128 + code (exact for code < 128)
 
@@ -224,7 +180,7 @@ def _dequant_tile(words, zeros, scales, pair, ACT: tl.constexpr, COMPUTE: tl.con
         qf = (q | MAGIC_F32).to(tl.float32, bitcast=True)
         zf = (zeros | MAGIC_F32).to(tl.float32, bitcast=True)[:, None, :]
         if FUSE_SCALE:
-            w = _to_act((qf - zf) * scales.to(tl.float32)[:, None, :], ACT, EMULATE_BF16).to(COMPUTE)
+            w = to_act((qf - zf) * scales.to(tl.float32)[:, None, :], ACT, EMULATE_BF16).to(COMPUTE)
         else:
             w = (qf - zf).to(COMPUTE)
     return tl.reshape(w, (words.shape[0] * PF, words.shape[1]))
@@ -328,7 +284,7 @@ def _w4a16_gemm_kernel(
     if SWAP_AB:
         acc = tl.trans(acc)
 
-    _finish_tile(acc, bias_ptr, out_ptr, part_ptr, lock_ptr, pid_m * num_pid_n + pid_n, offs_m, offs_n, M, N,
+    finish_tile(acc, bias_ptr, out_ptr, part_ptr, lock_ptr, pid_m * num_pid_n + pid_n, offs_m, offs_n, M, N,
                  stride_om, stride_on, SPLIT, HAS_BIAS, EMULATE_BF16, FIXUP)  # fmt: skip
 
 
@@ -443,51 +399,3 @@ def w4a16_dequantize(
         EMULATE_BF16=interpreting() and dtype == torch.bfloat16,
     )  # fmt: skip
     return out
-
-
-def w4a16_linear(
-    x: torch.Tensor,
-    w: W4A16Weight,
-    bias: torch.Tensor | None = None,
-    config: KernelConfig | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ W.T + bias: permutes x for act-order, runs the regime's config for M rows.
-
-    Without ``config``, the products ``w4a16_mma_gemv.mma_plan`` accepts (M <= 16 on CUDA sm_90+, Triton 3.6,
-    4-bit, K a multiple of 128, M > 8 only for groups of 64, a multiple of 128 or one group) run the mma.sync gemv,
-    those ``w4a16_rega.rega_plan`` accepts (M 17-128 on the layers where it measured faster, sm_90, Triton 3.6,
-    4-bit, groups a multiple of 128 or of 64) the register-A wgmma kernel, those ``w4a16_ws.ws_plan`` accepts (M
-    rows of its table where its rule offers it and the operands suit it: Hopper, Triton 3.6, 4-bit, groups of 64 or
-    128, TMA-aligned) the warp-specialized Gluon kernel; the rest, and any explicit ``config``, the Triton regime
-    table."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    if w.perm is not None:
-        x2 = x2.index_select(1, w.perm)
-    skinny = None if config is not None else mma_plan(x2, w, out)
-    if skinny is not None:
-        check_operands(x2, w, bias, out)
-        return mma_launch(x2, w, bias, out, *skinny).view(*lead, w.out_features)
-    medium = None if config is not None else rega_plan(x2, w, out)
-    if medium is not None:
-        check_operands(x2, w, bias, out)
-        return rega_launch(x2, w, bias, out, *medium).view(*lead, w.out_features)
-    plan = None if config is not None else ws_plan(x2, w, out)
-    if plan is not None:
-        check_operands(x2, w, bias, out)
-        return ws_launch(x2, w, bias, out, *plan).view(*lead, w.out_features)
-    cfg = config or config_for(x2.shape[0], w.out_features)
-    if cfg.method == "dequant":
-        check_operands(x2, w, bias, out)
-        wt = w4a16_dequantize(w, x.dtype)  # [N, K]
-        b = bias.to(x.dtype) if bias is not None else None
-        if out is None:
-            y = F.linear(x2, wt, b)
-        else:
-            y = torch.addmm(b, x2, wt.t(), out=out) if b is not None else torch.mm(x2, wt.t(), out=out)
-    elif cfg.method == "gemv":
-        y, _ = w4a16_gemv(x2, w, cfg, bias, out)
-    else:
-        y, _ = w4a16_gemm(x2, w, bias, out, cfg)
-    return y.view(*lead, w.out_features)

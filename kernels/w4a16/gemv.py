@@ -10,7 +10,7 @@ How
     A CTA owns BLOCK_N output columns (threads and warps only along N, 16-byte loads of packed words: BLOCK_N =
     128 * num_warps keeps 4 columns per thread, so every thread holds whole columns of a K tile and the K
     reduction never leaves the thread) and a K slice of whole tiles (split-K over grid axis 1, fixed up by
-    ``w4a16_epilogue._finish_tile``). x (the same address in every thread) is read straight from L1, four
+    ``w4a16_epilogue.finish_tile``). x (the same address in every thread) is read straight from L1, four
     activations per 8-byte load with ``vector_x`` (folded path, aligned rows; ``_x_lane`` splits them exactly).
     A tile is BLOCK_K codes of one group, so the scale is applied once per tile and column:
     sum_k x_k s (q_k - z) = s * sum_k x_k (q_k - z).
@@ -68,9 +68,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from quantkit.kernels.w4a16_configs import KernelConfig, fixup_unroll, plan_launch
-from quantkit.kernels.w4a16_epilogue import _finish_tile
-from quantkit.kernels.w4a16_weight import W4A16Weight, check_operands, interpreting, num_sms, unpack_gptq_codes
+from quantkit.kernels._device import interpreting, num_sms
+from quantkit.kernels.w4a16.configs import KernelConfig, fixup_unroll, plan_launch
+from quantkit.kernels.w4a16.epilogue import finish_tile
+from quantkit.kernels.w4a16.weight import W4A16Weight, check_operands, unpack_gptq_codes
 
 MAGIC_F32 = 0x4B000000  # an integer v < 2**23 OR-ed into it reads as the fp32 2**23 + v
 
@@ -308,7 +309,7 @@ def _w4a16_gemv_kernel(
                                               BLOCK_K, EVEN_K)  # fmt: skip
             acc = _mac(acc, words, scales, zeros, x_ptr, t, m0, M, K, stride_xm, stride_xk, magic,
                        sixteen, BITS, BLOCK_K, EVEN_K, FOLD, X_VEC)  # fmt: skip
-    _finish_tile(acc, bias_ptr, out_ptr, part_ptr, lock_ptr, pid, offs_m, offs_n, M, N, stride_om, stride_on,
+    finish_tile(acc, bias_ptr, out_ptr, part_ptr, lock_ptr, pid, offs_m, offs_n, M, N, stride_om, stride_on,
                  SPLIT, HAS_BIAS, EMULATE_BF16, FIXUP)  # fmt: skip
 
 
@@ -343,14 +344,14 @@ def w4a16_gemv(
         SPLIT=plan.split_k > 1, STAGES=config.num_stages, FOLD=config.fold_zero and w.bits == 4,
         PREFETCH=config.prefetch,
         HAS_BIAS=bias is not None, EVEN_K=k % plan.block_k == 0,
-        EMULATE_BF16=interpreting() and x.dtype == torch.bfloat16, X_VEC=_vector_x(config, w.bits, x, plan.block_k),
+        EMULATE_BF16=interpreting() and x.dtype == torch.bfloat16, X_VEC=reads_x_by_four(config, w.bits, x, plan.block_k),
         FIXUP=fixup_unroll(config),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out, handle
 
 
-def _vector_x(config: KernelConfig, bits: int, x: torch.Tensor, block_k: int) -> bool:
+def reads_x_by_four(config: KernelConfig, bits: int, x: torch.Tensor, block_k: int) -> bool:
     """Whether the kernel may read x four activations per 8-byte load: asked for (``vector_x``, folded 4-bit
     path), whole K tiles, unit column stride and every row 8-byte aligned; otherwise one load per activation."""
     aligned = x.stride(1) == 1 and x.data_ptr() % 8 == 0 and (x.shape[0] == 1 or x.stride(0) % 4 == 0)

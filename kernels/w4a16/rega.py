@@ -35,12 +35,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 import triton
-from quantkit.kernels.w4a16_configs import LOCK_SLOTS
-from quantkit.kernels.w4a16_gemv import w4a16_gemv_reference
-from quantkit.kernels.w4a16_weight import W4A16Weight, check_operands, num_sms
+from quantkit.kernels._device import num_sms
+from quantkit.kernels.w4a16.configs import LOCK_SLOTS
+from quantkit.kernels.w4a16.gemv import w4a16_gemv_reference
+from quantkit.kernels.w4a16.problem import Plan, Product
+from quantkit.kernels.w4a16.weight import W4A16Weight, check_operands
 
 w4a16_rega_reference = w4a16_gemv_reference  # the same product
 
+KERNEL = "register-A wgmma GEMM (Gluon, w4a16/rega_kernel.py)"
 REGA_TRITON = "3.6."  # the Gluon API the kernel is written for
 REGA_MIN_M, REGA_MAX_M = 17, 128  # the rule's rows
 REGA_KERNEL_MAX_M = 128  # the kernel's: one tile of x rows, the wgmma's N up to 128
@@ -151,40 +154,44 @@ def permute_x(x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     return v.reshape(-1, k)
 
 
-def rega_unsupported_reason(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None, cfg: RegaConfig) -> str | None:
+def unsupported(p: Product, cfg: RegaConfig) -> str | None:
     """Why this kernel cannot run the product (None: it can). Operand shapes and dtypes are ``check_operands``'s
     job."""
-    m, k, n = x.shape[0], w.in_features, w.out_features
-    if w.bits != 4:
-        return f"4-bit weights only, got {w.bits}-bit"
+    m, k, n = p.m, p.k, p.n
+    if p.bits != 4:
+        return f"4-bit weights only, got {p.bits}-bit"
     if cfg.ahead not in (0, 1, 2):
         return f"operands are loaded 0, 1 or 2 tiles ahead, got ahead={cfg.ahead}"
     if not 1 <= m <= REGA_KERNEL_MAX_M:
         return f"M = {m} rows: this kernel takes 1..{REGA_KERNEL_MAX_M}"
-    if (w.group_size or k) % cfg.block_k:
-        return f"groups must be a multiple of {cfg.block_k} along K, got {w.group_size or 'one per column'}"
+    if (p.group_size or k) % cfg.block_k:
+        return f"groups must be a multiple of {cfg.block_k} along K, got {p.group_size or 'one per column'}"
     if k % cfg.block_k:
         return f"K = {k} must be a multiple of {cfg.block_k}"
     if n % cfg.block_n:
         return f"N = {n} must be a multiple of {cfg.block_n}"
-    if out is not None and out.stride(1) != 1:
+    if p.out_col_stride != 1:
         return "out needs unit column stride"
     if not triton.__version__.startswith(REGA_TRITON):
         return f"written for Triton {REGA_TRITON}x's Gluon, found Triton {triton.__version__}"
-    if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
+    if p.gpu is None or p.gpu.capability != (9, 0):
         return "needs a CUDA device of compute capability 9.0 (Hopper)"
     return None
 
 
-def rega_plan(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None = None) -> tuple[RegaConfig, int] | None:
-    """(config, split-K) when ``w4a16_linear`` runs this kernel for x [M, K] (kernel channel order), else None."""
-    if not x.is_cuda:
+def rega_unsupported_reason(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None, cfg: RegaConfig) -> str | None:
+    """``unsupported`` for the product as the tensors are."""
+    return unsupported(Product.of(x, w, out), cfg)
+
+
+def plan(p: Product) -> Plan | None:
+    """The plan when ``w4a16_linear`` runs this kernel for the product, else None."""
+    if not p.is_cuda:
         return None
-    n, k = w.out_features, w.in_features
-    cfg = rega_config_for(x.shape[0], n, k, w.group_size)
-    if cfg is None or rega_unsupported_reason(x, w, out, cfg) is not None:
+    cfg = rega_config_for(p.m, p.n, p.k, p.group_size)
+    if cfg is None or unsupported(p, cfg) is not None:
         return None
-    return cfg, rega_split(cfg, n, k, num_sms(x.device))
+    return Plan("rega", KERNEL, cfg, rega_split(cfg, p.n, p.k, p.sms))
 
 
 def w4a16_rega_gemm(
@@ -219,7 +226,7 @@ def launch(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, out: torc
            split: int) -> torch.Tensor:  # fmt: skip
     """The launch itself, for operands already checked (``w4a16_rega_gemm``, or ``rega_plan`` + ``check_operands``).
     ``rega_split`` splits only layers of fewer than 2 x SMs column tiles, far under the LOCK_SLOTS counters."""
-    from quantkit.kernels.w4a16_rega_kernel import _w4a16_rega_kernel, layouts, x_descriptor  # Gluon: GPU only
+    from quantkit.kernels.w4a16.rega_kernel import _w4a16_rega_kernel, layouts, x_descriptor  # Gluon: GPU only
 
     m, k = x.shape
     n = w.out_features

@@ -55,7 +55,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from quantkit.kernels.w4a16_ws_kernel import _ptx_pairs
+from quantkit.kernels.w4a16.ws_kernel import ptx_pairs
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -65,9 +65,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 def _pairs_ptx(bf16: bool) -> str:
     """PTX: word $4, zero pair $5 (two 16-bit magic + z), scale $6 (fp16 pair, or fp32 for bf16) -> $0..$3, the
     dequantized codes (j, j + 4) of the word as one 16-bit pair each (low half code j): the warp-specialized kernel's
-    unpacking (``_ptx_pairs``), then the scale product without its re-pairing into k-adjacent values."""
+    unpacking (``ptx_pairs``), then the scale product without its re-pairing into k-adjacent values."""
     kind, magic = ("bf16", 0x43004300) if bf16 else ("f16", 0x64006400)
-    lines = ["{", ".reg .b32 t0, t1, t2, t3, u, l, h;", _ptx_pairs(magic, kind)]
+    lines = ["{", ".reg .b32 t0, t1, t2, t3, u, l, h;", ptx_pairs(magic, kind)]
     for j in range(4):
         if bf16:  # exact q - z widened to fp32, times the fp32 scale, rounded once per value
             lines += [f"shl.b32 l, t{j}, 16;", f"and.b32 h, t{j}, 0xFFFF0000;", "mul.rn.f32 l, l, $6;",

@@ -1,7 +1,7 @@
 """Kernel-ready W4A16/W8A16 weights: GPTQ-v2 buffers checked, act-order sorted into contiguous groups, once.
 Also the operand checks every W4A16 launcher runs (``check_operands``).
 
-The kernel (``quantkit.kernels.w4a16``) needs each group's input channels to be contiguous along K. Checkpoints
+The kernels (``quantkit.kernels.w4a16``) need each group's input channels to be contiguous along K. Checkpoints
 quantized with act-order (``desc_act``) store a non-monotonic ``g_idx``; ``prepare_gptq_weight`` sorts K by group
 at load time, repacks the codes in that order and keeps the permutation, which the launcher applies to x's columns.
 The result is the in-memory layout ``KERNEL_LAYOUT`` (version ``KERNEL_LAYOUT_VERSION``); checkpoints keep gptq_v2.
@@ -9,11 +9,11 @@ The result is the in-memory layout ``KERNEL_LAYOUT`` (version ``KERNEL_LAYOUT_VE
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
-from quantkit.kernels.w4a16_configs import LOCK_SLOTS
+from quantkit.kernels._device import interpreting
+from quantkit.kernels.w4a16.configs import LOCK_SLOTS
 
 KERNEL_LAYOUT = "gptq_v2_sorted_groups"
 KERNEL_LAYOUT_VERSION = 1
@@ -116,16 +116,6 @@ def as_int32_words(words: torch.Tensor) -> torch.Tensor:
     """int64 tensor of 32-bit patterns (0 <= w < 2**32) -> int32 holding the same bits (the high half read as
     the sign)."""
     return (words - ((words >> 31) << 32)).to(torch.int32)
-
-
-def interpreting() -> bool:
-    """True under Triton's CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def num_sms(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device; 4 under the interpreter (so small test shapes still split K)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def check_operands(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, out: torch.Tensor | None) -> None:

@@ -13,8 +13,10 @@ from dataclasses import dataclass, replace
 
 import torch
 import triton
-from quantkit.kernels.w4a16_configs import LOCK_SLOTS
-from quantkit.kernels.w4a16_weight import W4A16Weight, check_operands, num_sms
+from quantkit.kernels._device import num_sms
+from quantkit.kernels.w4a16.configs import LOCK_SLOTS
+from quantkit.kernels.w4a16.problem import Plan, Product
+from quantkit.kernels.w4a16.weight import W4A16Weight, check_operands
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ WS_TABLE: tuple[tuple[int, WSConfig], ...] = (
     (128, WSConfig(128, 128, 128, 3, 4, dq_warps=8, dq_regs=128)),
     (512, WSConfig(256, 128, 64, 4, 8, min_slice=2048)),
 )
+KERNEL = "warp-specialized GEMM (Gluon, w4a16/ws_kernel.py)"
 WS_MIN_M = 65  # below: the swap-AB Triton tiles, whose 16-64 rows waste no MMA work
 WS_GROUPS = (64, 128)
 WS_TRITON = "3.6."  # the Gluon API the kernel is written for (3.7+ renamed its TMA load and shared-memory views)
@@ -99,39 +102,44 @@ def ws_offered(cfg: WSConfig | None, m: int, n: int, k: int, group_size: int, sm
     return cfg is not None and k // ws_split(cfg, m, n, k, group_size, sms) >= cfg.min_slice
 
 
-def ws_unsupported_reason(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None, cfg: WSConfig) -> str | None:
+def unsupported(p: Product, cfg: WSConfig) -> str | None:
     """Why this kernel cannot run the product (None: it can). Checks the device, the weight's format and the
     alignment rules of the TMA copies; operand shapes and dtypes are ``check_operands``'s job."""
-    if w.bits != 4:
-        return f"4-bit weights only, got {w.bits}-bit"
-    if w.group_size not in WS_GROUPS or w.group_size % cfg.block_k:
-        return f"groups of {' or '.join(map(str, WS_GROUPS))} along K, got {w.group_size or 'one per column'}"
-    if w.in_features % w.group_size:
-        return f"K = {w.in_features} must be a whole number of groups"
-    if w.out_features % 4:
-        return f"N = {w.out_features} must be a multiple of 4 (16-byte rows of packed words for TMA)"
-    if x.stride(1) != 1 or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
+    if p.bits != 4:
+        return f"4-bit weights only, got {p.bits}-bit"
+    if p.group_size not in WS_GROUPS or p.group_size % cfg.block_k:
+        return f"groups of {' or '.join(map(str, WS_GROUPS))} along K, got {p.group_size or 'one per column'}"
+    if p.k % p.group_size:
+        return f"K = {p.k} must be a whole number of groups"
+    if p.n % 4:
+        return f"N = {p.n} must be a multiple of 4 (16-byte rows of packed words for TMA)"
+    if p.x_stride[1] != 1 or (p.x_stride[0] * p.element_size) % 16 or not p.x_aligned:
         return "x needs unit column stride and 16-byte aligned rows (TMA)"
-    if out is not None and out.stride(1) != 1:
+    if p.out_col_stride != 1:
         return "out needs unit column stride"
     if not triton.__version__.startswith(WS_TRITON):
         return f"written for Triton {WS_TRITON}x's Gluon, found Triton {triton.__version__}"
-    if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
+    if p.gpu is None or p.gpu.capability != (9, 0):
         return "needs a CUDA device of compute capability 9.0 (Hopper)"
     return None
 
 
-def ws_plan(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None = None) -> tuple[WSConfig, int] | None:
-    """(config, split-K) when ``w4a16_linear`` runs this kernel for x [M, K] (kernel channel order), else None:
-    M in WS_TABLE's rows, the rule offers it (``ws_offered``) and the operands suit it (``ws_unsupported_reason``)."""
-    if not x.is_cuda:
+def ws_unsupported_reason(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None, cfg: WSConfig) -> str | None:
+    """``unsupported`` for the product as the tensors are."""
+    return unsupported(Product.of(x, w, out), cfg)
+
+
+def plan(p: Product) -> Plan | None:
+    """The plan when ``w4a16_linear`` runs this kernel for the product, else None: M in WS_TABLE's rows, the rule
+    offers it (``ws_offered``) and the operands suit it (``unsupported``)."""
+    if not p.is_cuda:
         return None
-    m, k, n, group = x.shape[0], w.in_features, w.out_features, w.group_size
-    cfg = ws_config_for(m, group)
-    if cfg is None or ws_unsupported_reason(x, w, out, cfg) is not None:
+    cfg = ws_config_for(p.m, p.group_size)
+    if cfg is None or unsupported(p, cfg) is not None:
         return None
-    sms = num_sms(x.device)
-    return (cfg, ws_split(cfg, m, n, k, group, sms)) if ws_offered(cfg, m, n, k, group, sms) else None
+    if not ws_offered(cfg, p.m, p.n, p.k, p.group_size, p.sms):
+        return None
+    return Plan("ws", KERNEL, cfg, ws_split(cfg, p.m, p.n, p.k, p.group_size, p.sms))
 
 
 def w4a16_ws_gemm(
@@ -165,7 +173,7 @@ def launch(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, out: torc
            split: int) -> torch.Tensor:  # fmt: skip
     """The launch itself, for operands already checked (``w4a16_ws_gemm``, or ``ws_plan`` + ``check_operands``).
     ``ws_split`` leaves a split only below WS_FILL x SMs tiles, far under the LOCK_SLOTS tile counters."""
-    from quantkit.kernels.w4a16_ws_kernel import _w4a16_ws_kernel, descriptors  # Gluon: GPU machines only
+    from quantkit.kernels.w4a16.ws_kernel import _w4a16_ws_kernel, descriptors  # Gluon: GPU machines only
 
     m, k = x.shape
     n = w.out_features

@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 
-def _ptx_pairs(magic: int, kind: str) -> str:
+def ptx_pairs(magic: int, kind: str) -> str:
     """PTX lines: t_j = codes (j, j + 4) of word $4 as two 16-bit floats magic + code, minus the zero pair $5."""
     lines = [f"lop3.b32 t0, $4, 0x000F000F, {magic:#010x}, 0xea;"]
     for j in (1, 2, 3):
@@ -60,7 +60,7 @@ def _ptx_pairs(magic: int, kind: str) -> str:
 # fp16: the product with the scale pair $6 rounded once, then PRMTs put k-adjacent values into one register.
 _F16_ASM = gl.constexpr(
     "{\n.reg .b32 t0, t1, t2, t3, u;\n"
-    + _ptx_pairs(0x64006400, "f16")
+    + ptx_pairs(0x64006400, "f16")
     + "".join(f"\nmul.rn.f16x2 t{j}, t{j}, $6;" for j in range(4))
     + "\nprmt.b32 $0, t0, t1, 0x5410;\nprmt.b32 $1, t2, t3, 0x5410;"
     + "\nprmt.b32 $2, t0, t1, 0x7632;\nprmt.b32 $3, t2, t3, 0x7632;\n}"
@@ -71,7 +71,7 @@ _F16_ASM = gl.constexpr(
 # operand first).
 _BF16_ASM = gl.constexpr(
     "{\n.reg .b32 t0, t1, t2, t3, u, l0, l1, l2, l3, h0, h1, h2, h3;\n"
-    + _ptx_pairs(0x43004300, "bf16")
+    + ptx_pairs(0x43004300, "bf16")
     + "".join(f"\nshl.b32 l{j}, t{j}, 16;\nand.b32 h{j}, t{j}, 0xFFFF0000;" for j in range(4))
     + "".join(f"\nmul.rn.f32 l{j}, l{j}, $6;\nmul.rn.f32 h{j}, h{j}, $6;" for j in range(4))
     + "\ncvt.rn.bf16x2.f32 $0, l1, l0;\ncvt.rn.bf16x2.f32 $1, l3, l2;"

@@ -1,0 +1,25 @@
+"""Attention over the runtime's paged KV cache: decode (``paged``, flash-decoding over block tables, and the KV
+store) and prefill (``prefill``, FlashAttention-2 tiling over packed chunks and their cached prefixes)."""
+
+from quantkit.kernels.attention.paged import (
+    default_num_splits,
+    gather_context,
+    paged_decode,
+    paged_decode_reference,
+    store_kv,
+    store_kv_reference,
+)
+from quantkit.kernels.attention.prefill import flash_prefill, flash_prefill_reference, prefill_config, tma_compatible
+
+__all__ = [
+    "default_num_splits",
+    "flash_prefill",
+    "flash_prefill_reference",
+    "gather_context",
+    "paged_decode",
+    "paged_decode_reference",
+    "prefill_config",
+    "store_kv",
+    "store_kv_reference",
+    "tma_compatible",
+]

@@ -1,0 +1,26 @@
+"""Kernels on plain (unquantized) tensors for the runtime: the one-row float GEMV of batch-1 decode (``gemv``) and
+the fused per-layer operations (``norm_rope``: residual add + RMSNorm, rotary embedding, KV store, SiLU gate)."""
+
+from quantkit.kernels.dense.gemv import gemv, gemv_reference, use_gemv
+from quantkit.kernels.dense.norm_rope import (
+    add_rms_norm,
+    add_rms_norm_reference,
+    rotary_,
+    rotary_reference_,
+    rotary_store_,
+    silu_mul,
+    silu_mul_reference,
+)
+
+__all__ = [
+    "add_rms_norm",
+    "add_rms_norm_reference",
+    "gemv",
+    "gemv_reference",
+    "rotary_",
+    "rotary_reference_",
+    "rotary_store_",
+    "silu_mul",
+    "silu_mul_reference",
+    "use_gemv",
+]
