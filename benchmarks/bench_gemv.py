@@ -2,31 +2,38 @@
 
     python benchmarks/bench_gemv.py [--out DIR]     committed launch against cuBLAS
     python benchmarks/bench_gemv.py --sweep         also the launch shapes (BLOCK_N, BLOCK_K, warps, stages) below
+    TRITON_INTERPRET=1 python benchmarks/bench_gemv.py --smoke    CPU plumbing check: tiny shapes, wall clock
 
 Shapes (N x K): the Llama-3-8B decoder's fused qkv, o, fused gate/up and down projections, two more Llama shapes, and
-the 128256-row lm_head; bf16 and fp16. Timing: bench_w4a16.py's (a CUDA graph of R calls over R rotated copies of the
+the 128256-row lm_head; bf16 and fp16. Timing: common.Timer (a CUDA graph of R calls over R rotated copies of the
 operands spanning more than 2x the L2, replayed under ``triton.testing.do_bench``, median, per call = replay / R);
 cuBLAS measured the same way in the same run. Each kernel output is checked against float64 (no worse than 2x cuBLAS's
-own error plus one output ulp). Writes gemv.json and gemv.md under --out (default $OUT or ./bench_out).
+own error plus one output ulp). Writes gemv.json and gemv.md under --out (default out/gemv).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
+from common import (
+    LLAMA3_8B,
+    Timer,
+    add_out_argument,
+    decoder_linears,
+    environment,
+    kernel_device,
+    out_folder,
+    rotations,
+)
 from quantkit.kernels import gemv as G
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_w4a16 import Timer, rotations
-
-SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (14336, 4096), (8192, 8192), (128256, 4096)]
+LAYERS = decoder_linears(LLAMA3_8B)
+SHAPES = [LAYERS["qkv"], LAYERS["o"], LAYERS["gate_up"], LAYERS["down"], (14336, 4096), (8192, 8192), LAYERS["lm_head"]]
+SMOKE_SHAPES = [(48, 96)]
 # --sweep: (BLOCK_N, BLOCK_K, num_warps, num_stages); the first is the committed launch (gemv.BLOCK_N, ...)
 SWEEP = [(4, 1024, 4, 1), (16, 512, 4, 1), (32, 256, 4, 1), (8, 1024, 4, 1), (16, 512, 4, 3), (64, 128, 4, 1),
          (16, 1024, 8, 1), (8, 512, 2, 1)]  # fmt: skip
@@ -39,15 +46,17 @@ def launch(x, w, out, bn: int, bk: int, warps: int, stages: int):
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench_out"))
     ap.add_argument("--sweep", action="store_true")
-    args = ap.parse_args()
-    dev, timer = "cuda", Timer(False, warmup_ms=10, rep_ms=50)
+    ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (needs TRITON_INTERPRET=1)")
+    add_out_argument(ap, "gemv")
+    args = ap.parse_args(argv)
+    dev = kernel_device(args.smoke)
+    timer = Timer(args.smoke, warmup_ms=10, rep_ms=50)
     rows, sweep = [], []
-    for dtype in (torch.bfloat16, torch.float16):
-        for n, k in SHAPES:
+    for dtype in (torch.float16,) if args.smoke else (torch.bfloat16, torch.float16):
+        for n, k in SMOKE_SHAPES if args.smoke else SHAPES:
             r = rotations(2 * n * k)
             g = torch.Generator(device=dev).manual_seed(n + k)
             ws = [(torch.randn(n, k, device=dev, generator=g) * 0.02).to(dtype) for _ in range(r)]
@@ -77,11 +86,12 @@ def main() -> None:
                     sweep.append({"n": n, "k": k, "cfg": cfg, "us": us, "cublas_us": cublas})
                     print(f"    {cfg}: {us:.1f} us ({cublas / us:.2f}x cuBLAS)", flush=True)
             del ws, xs, outs
-    args.out.mkdir(parents=True, exist_ok=True)
-    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
-    (args.out / "gemv.json").write_text(json.dumps({"env": env, "rows": rows, "sweep": sweep}, indent=1))
+    out = out_folder(args.out)
+    env = environment(dev)
+    (out / "gemv.json").write_text(json.dumps({"env": env, "rows": rows, "sweep": sweep}, indent=1))
     lines = [
-        f"# Float GEMV vs cuBLAS at M = 1 -- {env['gpu']}, torch {env['torch']}, triton {env['triton']}",
+        f"# Float GEMV vs cuBLAS at M = 1 -- {env['device']}, torch {env['torch']}, triton {env['triton']}, "
+        f"{env['date']}, commit {env['commit']}",
         "",
         "| dtype | N x K | cuBLAS us | gemv us | speedup | gemv TB/s | runtime uses it |",
         "|---|---|---|---|---|---|---|",
@@ -90,8 +100,8 @@ def main() -> None:
         used = "yes" if r["used_by_runtime"] else "no"
         lines.append(f"| {r['dtype']} | {r['n']}x{r['k']} | {r['cublas_us']:.1f} | {r['gemv_us']:.1f} | "
                      f"{r['speedup']:.2f}x | {r['gemv_tbs']:.2f} | {used} |")  # fmt: skip
-    (args.out / "gemv.md").write_text("\n".join(lines) + "\n")
-    print(f"{sum(r['ok'] for r in rows)}/{len(rows)} correct; wrote {args.out}/gemv.json and gemv.md")
+    (out / "gemv.md").write_text("\n".join(lines) + "\n")
+    print(f"{sum(r['ok'] for r in rows)}/{len(rows)} correct; wrote {out}/gemv.json and gemv.md")
 
 
 if __name__ == "__main__":

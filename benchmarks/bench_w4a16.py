@@ -17,15 +17,15 @@ Timing: a CUDA graph of R calls over R rotated copies of every operand (R chosen
 60 MB L2), replayed under ``triton.testing.do_bench(return_mode="median")``, which also flushes L2 before each
 replay; time per call = replay time / R. The graph removes Python launch overhead, as in a captured decode step.
 
-Modes (results under $OUT if set, else ./bench_out: JSON + markdown; a short table is printed last):
+Modes (JSON + markdown written under --out, default out/w4a16; a short table is printed last):
   python benchmarks/bench_w4a16.py                    full table: 6 shapes x 11 M x groups {128, 64}
   python benchmarks/bench_w4a16.py --quick            smoke test on the GPU: 2 shapes x 4 M, group 128
   python benchmarks/bench_w4a16.py --sweep            time SWEEP candidates per M regime, write sweep.json, print
-                                                      the winners as a CONFIG_TABLE literal
+                                                      the winners as a CONFIG_TABLE literal to commit
   python benchmarks/bench_w4a16.py --sweep --table    the sweep, then the full table with its winners (one run)
   python benchmarks/bench_w4a16.py --configs S.json   full table with a sweep's winners instead of CONFIG_TABLE
-  python benchmarks/bench_w4a16.py --apply S.json     (no GPU) write a sweep's winners into kernels/w4a16_configs.py
-  python benchmarks/bench_w4a16.py --summary T.json   (no GPU) a saved table's speedups and per-M geomeans
+  python benchmarks/bench_w4a16.py --summary T.json   (no GPU) the speedups and per-M geomeans of a table this
+                                                      benchmark wrote (e.g. out/w4a16/w4a16_full.json)
   python benchmarks/bench_w4a16.py --shapes 4096x11008,3584x18944 [--ms 1,4,64] [--groups 128]
                                                       the table on other layers / rows / groups (w4a16_full-custom)
   TRITON_INTERPRET=1 python benchmarks/bench_w4a16.py --smoke   CPU plumbing check: tiny shapes, wall clock
@@ -34,12 +34,9 @@ Modes (results under $OUT if set, else ./bench_out: JSON + markdown; a short tab
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import math
 import multiprocessing
 import os
-import re
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
@@ -47,19 +44,25 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.testing
-from graph_timing import seconds_per_call
+from common import (
+    LLAMA_SHAPES,
+    Timer,
+    add_out_argument,
+    copy_bandwidth,
+    environment,
+    geomean,
+    kernel_device,
+    out_folder,
+    rotations,
+    text_row,
+)
 from quantkit.kernels import w4a16 as K
 from quantkit.kernels import w4a16_configs as C
 from quantkit.kernels import w4a16_mma_gemv as MG
 from quantkit.kernels import w4a16_rega as RG
 from quantkit.kernels import w4a16_ws as WS
 
-L2_BYTES = 60 * 2**20
-ROTATE_SPAN = 2 * L2_BYTES
-MAX_ROTATIONS = 32
-SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]  # (N, K)
+SHAPES = LLAMA_SHAPES  # (N, K)
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 GROUPS = [128, 64]
 CHECK_MS = [1, 33, 130, 300]  # 130 and 300: the warp-specialized kernel's two configs on a GPU that has it
@@ -73,17 +76,15 @@ M1_TARGET_SHAPES = [(14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (
 # 128 only (the table then covers both groups). Decode (M <= 4) is weight-bandwidth bound: the CUDA-core gemv kernel
 # (no tensor cores; 3.7 SASS instructions per 4-bit weight at M = 1 with fold_zero, +1 FFMA per extra row) against
 # tensor-core tiles. From M ~ 4 the MMA path wins on instructions: BLOCK_M 16 with swap_ab (y.T = W.T @ x.T) runs
-# wgmma 64x16x16 with the dequantized weight as the A operand. The first H200 sweep (2026-11-29, results/
-# w4a16-h200-2026-11-29-sweep1.log) found both latency bound, not issue bound: gemv at ~2.4 TB/s (12% fewer
-# instructions gained 2%; ptxas issued each word row's load just before its use) and the MMA tiles fastest with
-# num_stages 2 (cp.async). So here the gemv candidates also pipeline their loads (tl.range num_stages) and the MMA
-# candidates vary the pipeline depth. Outcome (results/w4a16-h200-2026-11-29.log): pipelined gemv lost 10-25% to
-# the plain-load winner of the first sweep; the MMA tiles gained 10-30% from 3 stages. Large M is tensor-core bound:
-# dequantize to [N, K] + F.linear against the fused kernel. Every candidate compiles for sm_90 with Triton 3.6
-# without spills (benchmarks/sass_w4a16.py). Added 2026-12-01: gemv with the next K tile prefetched into registers
-# (won at M = 2, 1.50x -> 1.71x; lost at M = 1, 2.11-2.20x vs 2.36-2.39x), 8 columns per thread at M = 1 and 2
-# (lost), 2-warp tiles that run mma.sync instead of wgmma at M 8-64 (0.41-0.64x vs 0.89-1.35x): the losers stay as
-# the evidence (results/w4a16-h200-2026-12-01.log, -sweep2.log).
+# wgmma 64x16x16 with the dequantized weight as the A operand. Both turned out latency bound, not issue bound: gemv
+# at ~2.4 TB/s (12% fewer instructions gained 2%; ptxas issued each word row's load just before its use) and the MMA
+# tiles fastest with more pipeline stages. So the gemv candidates also pipeline their loads (tl.range num_stages)
+# and the MMA candidates vary the pipeline depth: pipelined gemv lost 10-25% to the plain-load winner; the MMA tiles
+# gained 10-30% from 3 stages. Large M is tensor-core bound: dequantize to [N, K] + F.linear against the fused
+# kernel. Every candidate compiles for sm_90 with Triton 3.6 without spills. Also tried: gemv with the next K tile
+# prefetched into registers (won at M = 2, 1.50x -> 1.71x; lost at M = 1, 2.11-2.20x vs 2.36-2.39x), 8 columns per
+# thread at M = 1 and 2 (lost), 2-warp tiles that run mma.sync instead of wgmma at M 8-64 (0.41-0.64x vs
+# 0.89-1.35x): the losers stay as the evidence (docs/results/w4a16.md).
 F_ = C.KernelConfig
 GEMV_M1 = F_("gemv", 1, 512, 128, 4, 2, split_waves=8, fold_zero=True)
 SWAP16 = F_("fused", 16, 128, 64, 4, 2, split_waves=4, fuse_scale=True, swap_ab=True)
@@ -106,7 +107,7 @@ SWEEP = {
         F_("gemv", 1, 2048, 64, 8, 1, split_waves=4, fold_zero=True),
         F_("gemv", 1, 512, 128, 4, 1, split_waves=4, fold_zero=True, vector_x=True),  # x 4 per 8-byte load
         F_("gemv", 1, 512, 128, 4, 1, split_waves=8, fold_zero=True, vector_x=True),
-        # the split-K fix-up loading 32 partials per round (benchmarks/probes/probe_fixup.py, 2026-12-02)
+        # the split-K fix-up loading 32 partials per round
         F_("gemv", 1, 512, 128, 4, 1, split_waves=4, fold_zero=True, vector_x=True, fixup_unroll=32),
     ]),
     "m2": (2, [2], [
@@ -135,23 +136,23 @@ SWEEP = {
         F_("fused", 16, 64, 64, 2, 3, split_waves=4, fuse_scale=True, swap_ab=True),  # 2 warps: mma.sync, not wgmma
         F_("fused", 16, 128, 64, 2, 3, split_waves=4, fuse_scale=True, swap_ab=True),
     ]),
-    # 64-wide N tiles 128 deep with BLOCK_M = M won both halves in benchmarks/probes/probe_skinny_k128.py (2026-12-02)
+    # 64-wide N tiles 128 deep with BLOCK_M = M won both halves of a probe at M 32 and 64
     "m32": (32, [32], [
         F_("fused", 32, 64, 128, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True),
         F_("fused", 64, 64, 128, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True),
         F_("fused", 32, 128, 64, 4, 2, split_waves=2, fuse_scale=True, swap_ab=True),  # first sweep's winner
-        F_("fused", 64, 128, 64, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True),  # 2026-12-01's winner
+        F_("fused", 64, 128, 64, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True),  # an earlier winner
         F_("fused", 32, 64, 64, 2, 3, split_waves=2, fuse_scale=True, swap_ab=True),
     ]),
     "medium": (64, [64], [
         F_("fused", 64, 64, 128, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True),
         F_("fused", 64, 64, 64, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True),
         F_("fused", 64, 64, 128, 4, 3, split_waves=1, fuse_scale=True, swap_ab=True),
-        F_("fused", 64, 128, 64, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True),  # 2026-12-01's winner
+        F_("fused", 64, 128, 64, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True),  # an earlier winner
         F_("fused", 64, 64, 128, 4, 2, split_waves=2, fuse_scale=True),
         F_("fused", 64, 128, 64, 4, 3, split_waves=2, fuse_scale=True),
     ]),
-    "m128": (128, [128], [  # probe_skinny_k128.py --ms 128,256: swap-AB 128 x 64 tiles ahead of dequant + cuBLAS
+    "m128": (128, [128], [  # swap-AB 128 x 64 tiles measured ahead of dequant + cuBLAS at M 128 and 256
         F_("fused", 128, 64, 128, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True),
         F_("fused", 64, 64, 128, 4, 3, split_waves=2, fuse_scale=True, swap_ab=True),
         F_("fused", 128, 128, 128, 8, 3, split_waves=1, fuse_scale=True, swap_ab=True),
@@ -184,7 +185,6 @@ KEYWORD_FIELDS = (
     "vector_x",
     "fixup_unroll",
 )
-TABLE_FILE = Path(__file__).resolve().parents[1] / "kernels" / "w4a16_configs.py"
 
 
 # -- operands ----------------------------------------------------------------------------------------------------
@@ -214,21 +214,6 @@ def dequant64(w: K.W4A16Weight) -> torch.Tensor:
     return (q - z[g]) * w.scales.double()[g]
 
 
-def rotations(per_call_bytes: int) -> int:
-    cap = 2 if os.environ.get("TRITON_INTERPRET") == "1" else MAX_ROTATIONS  # the interpreter is slow
-    return max(1, min(cap, math.ceil(ROTATE_SPAN / per_call_bytes)))
-
-
-class Timer:
-    """Microseconds per call of R rotated calls: CUDA graph + do_bench on a GPU, wall clock in --smoke."""
-
-    def __init__(self, smoke: bool, warmup_ms: int = 10, rep_ms: int = 40) -> None:
-        self.smoke, self.warmup_ms, self.rep_ms = smoke, warmup_ms, rep_ms
-
-    def per_call(self, calls: list) -> float:
-        return seconds_per_call(calls, self.smoke, self.warmup_ms, self.rep_ms) * 1e6
-
-
 class Layer:
     """R rotated copies of one (N, K, group) weight, fp16 baselines, and x/out buffers per M."""
 
@@ -245,22 +230,22 @@ class Layer:
             self._w64 = dequant64(self.weights[0])
         return self._w64
 
-    def calls(self, m: int, config, linear=K.w4a16_linear) -> list:
-        """One zero-argument callable per rotation (x, out and weights rotate together). ``linear(x, w, config=,
-        out=)``: the product under test (probes pass other kernels with the same signature)."""
+    def calls(self, m: int, config) -> list:
+        """One zero-argument callable per rotation (x, out and weights rotate together); ``config`` None: the
+        dispatcher's own choice."""
         r = len(self.weights)
         xs = [torch.randn(m, self.k, device=self.device, generator=self.gen).half() for _ in range(r)]
         outs = [torch.empty(m, self.n, device=self.device, dtype=torch.float16) for _ in range(r)]
         return [
-            (lambda x=x, w=w, o=o: linear(x, w, config=config, out=o))
+            (lambda x=x, w=w, o=o: K.w4a16_linear(x, w, config=config, out=o))
             for x, w, o in zip(xs, self.weights, outs, strict=True)
         ]
 
-    def check(self, m: int, config, linear=K.w4a16_linear) -> dict:
+    def check(self, m: int, config) -> dict:
         """Kernel error vs float64 against cuBLAS fp16's error on the same inputs (flash-attn's rule)."""
         x = torch.randn(m, self.k, device=self.device, generator=self.gen).half()
         ref = x.double() @ self.w64()
-        err = (linear(x, self.weights[0], config=config).double() - ref).abs().max().item()
+        err = (K.w4a16_linear(x, self.weights[0], config=config).double() - ref).abs().max().item()
         torch_err = ((x @ self.w64().half()).double() - ref).abs().max().item()
         ok = err <= 2 * torch_err + 2**-20 * ref.abs().max().item()
         return {"m": m, "err": err, "torch_err": torch_err, "ok": ok}
@@ -283,51 +268,6 @@ def layer_walk(shapes, groups, ms, timer: Timer, device: str, gen: torch.Generat
             yield n, k, group, Layer(n, k, group, device, seed=n + k + group), base
             if device == "cuda":
                 torch.cuda.empty_cache()
-
-
-def checked_time(layer: Layer, m: int, config: C.KernelConfig, timer: Timer) -> tuple[bool, float | None]:
-    """(ok, us): ``config`` checked against float64 at M rows, then timed if right. A config that fails to compile
-    or launch is reported and counted as failed, so that a probe's other candidates still run."""
-    try:
-        ok = layer.check(m, config)["ok"]
-        return ok, timer.per_call(layer.calls(m, config)) if ok else None
-    except Exception as e:
-        print(f"  {config.name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        return False, None
-
-
-def run_probe(shapes, groups, ms, out: Path, seed: int, candidates) -> None:
-    """A probe over ``shapes`` x ``groups`` x ``ms``: per cell, cuBLAS fp16 and ``candidates(m, n)`` (a list of
-    configs, the committed one first) each checked then timed (``checked_time``); prints a line of speedups per cell
-    and rewrites ``out`` (JSON: one row per cell, and the compiled metadata of every config that passed) as cells
-    come, so that a late failure keeps the earlier figures."""
-    timer = Timer(smoke=False)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    rows, meta = [], {}
-    for n, k, group, layer, base in layer_walk(shapes, groups, ms, timer, "cuda", gen):
-        for m in ms:
-            configs = candidates(m, n)
-            row = {"n": n, "k": k, "group": group, "m": m, "fp16_us": base[m], "committed": configs[0].name}
-            line = f"{n}x{k} g{group} M={m}: fp16 {base[m]:.1f} us"
-            for cfg in configs:
-                ok, us = checked_time(layer, m, cfg, timer)
-                if ok and cfg.method != "dequant" and cfg.name not in meta:
-                    meta[cfg.name] = kernel_metadata(layer, m, cfg)
-                row[cfg.name] = {"us": us, "ok": ok}
-                line += f" | {cfg.name} " + (f"{base[m] / us:.2f}x" if us else "FAILED")
-            print(line, flush=True)
-            rows.append(row)
-            out.write_text(json.dumps({"rows": rows, "kernels": meta}, indent=1))
-
-
-def copy_bandwidth(timer: Timer, device: str) -> float:
-    """Device-to-device copy, TB/s counting read + write bytes."""
-    if timer.smoke:
-        return float("nan")
-    src = torch.empty(2**30, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
-    return 2 * src.numel() / (ms * 1e-3) / 1e12
 
 
 # -- compiled metadata and parallel precompilation -----------------------------------------------------------------
@@ -432,7 +372,8 @@ def run_table(args, timer: Timer, device: str, table: list | None) -> dict:
         precompile(
             [(choose(m, n), n, k, m, g) for n, k in spec["shapes"] for g in spec["groups"] for m in ms], args.workers
         )
-    copy_bw = copy_bandwidth(timer, device)
+    # device-to-device copy, TB/s counting read + write bytes
+    copy_bw = float("nan") if args.smoke else copy_bandwidth(device, warmup_ms=10, rep_ms=50) / 1e12
     print(f"device copy bandwidth: {copy_bw:.2f} TB/s (read + write)")
     rows, checks, meta = [], [], {}
     gen = torch.Generator(device=device).manual_seed(1)
@@ -509,7 +450,7 @@ def markdown_table(result: dict) -> str:
 def print_short_table(result: dict) -> None:
     ms = sorted({r["m"] for r in result["rows"]})
     print(f"\nspeedup over cuBLAS fp16 (w4a16, {result['table']}); '*' = below the issue-6 target")
-    print(f"{'N x K':>12} {'G':>4} " + " ".join(f"{m:>6}" for m in ms))
+    print(text_row(["N x K", "G", *ms], [12, 4] + [6] * len(ms)))
     targets = dict(TARGETS)
     by_key: dict = {}
     for r in result["rows"]:
@@ -521,14 +462,14 @@ def print_short_table(result: dict) -> None:
             target = targets.get(m)
             if m == 1 and (n, k) not in M1_TARGET_SHAPES:
                 target = None
-            out.append(f"{s:5.2f}{'*' if target and s < target else ' '}" if s is not None else "      ")
-        print(f"{f'{n}x{k}':>12} {g:>4} " + " ".join(out))
+            out.append(f"{s:5.2f}{'*' if target and s < target else ' '}" if s is not None else "")
+        print(text_row([f"{n}x{k}", g, *out], [12, 4] + [6] * len(ms)))
     for label, groups in (("geomean", None), ("geomean g128", {128})):
         out = []
         for m in ms:
             cells = [r["speedup"] for r in result["rows"] if r["m"] == m and (groups is None or r["group"] in groups)]
-            out.append(f"{math.exp(sum(map(math.log, cells)) / len(cells)):5.2f} " if cells else "      ")
-        print(f"{label:>17} " + " ".join(out))
+            out.append(f"{geomean(cells):5.2f} " if cells else "")
+        print(text_row([label, *out], [17] + [6] * len(ms)))
     bad = [c for c in result["checks"] if not c["ok"]]
     print(f"correctness: {len(result['checks']) - len(bad)}/{len(result['checks'])} checks within 2x cuBLAS error")
 
@@ -576,7 +517,7 @@ def run_sweep(args, timer: Timer, device: str) -> dict:
         for i, cfg in enumerate(cands):
             sp = [t["speedup"] for t in timings if t["regime"] == regime and t["cand"] == i]
             valid = sp and all(s is not None for s in sp)
-            score = math.exp(sum(math.log(s) for s in sp) / len(sp)) if valid else None
+            score = geomean(sp) if valid else None
             scores.append({"config": cfg.to_dict(), "name": cfg.name, "geomean_speedup": score})
         best = max((s for s in scores if s["geomean_speedup"]), key=lambda s: s["geomean_speedup"], default=None)
         if best is None:
@@ -593,7 +534,7 @@ def print_sweep(sweep: dict) -> None:
             mark = "  <- winner" if s["name"] == w["name"] else ""
             score = f"{s['geomean_speedup']:.3f}" if s["geomean_speedup"] else "failed"
             print(f"    {s['name']:<32} {score}{mark}")
-    print("\nCONFIG_TABLE literal (or run: python benchmarks/bench_w4a16.py --apply <out>/sweep.json):")
+    print("\nCONFIG_TABLE literal (the winners, to commit in the W4A16 configs):")
     print(config_table_literal(sweep))
 
 
@@ -609,30 +550,6 @@ def config_table_literal(sweep: dict) -> str:
     return "\n".join([*lines, ")"])
 
 
-def apply_sweep(path: Path) -> None:
-    """Rewrite the CONFIG_TABLE block of kernels/w4a16_configs.py with a sweep's winners (no GPU needed)."""
-    data = json.loads(path.read_text())
-    sweep = data["sweep"]
-    env = data["env"]
-    summary = ", ".join(f"{w['regime']} {w['geomean_speedup']:.2f}x" for w in sweep["winners"])
-    block = "\n".join(
-        [
-            "# BEGIN CONFIG_TABLE -- rewritten by `python benchmarks/bench_w4a16.py --apply <sweep.json>`",
-            f"# Source: sweep of {env['date']} on {env['device']} (torch {env['torch']}, triton {env['triton']}).",
-            "# Largest M of each regime -> config. Geomean speedup over cuBLAS fp16 (shapes x groups x M):",
-            f"# {summary}.",
-            config_table_literal(sweep),
-            "# END CONFIG_TABLE",
-        ]
-    )
-    text = TABLE_FILE.read_text()
-    new, count = re.subn(r"# BEGIN CONFIG_TABLE.*?# END CONFIG_TABLE", lambda _: block, text, flags=re.S)
-    if count != 1:
-        raise SystemExit(f"{TABLE_FILE}: expected one CONFIG_TABLE block, found {count}")
-    TABLE_FILE.write_text(new)
-    print(f"wrote {len(sweep['winners'])} regimes into {TABLE_FILE}; run the tests, then commit it with {path}")
-
-
 def load_table(path: Path) -> list:
     winners = json.loads(path.read_text())["sweep"]["winners"]
     return [(w["max_m"], C.KernelConfig(**w["config"])) for w in winners]
@@ -641,44 +558,26 @@ def load_table(path: Path) -> list:
 # -- main ----------------------------------------------------------------------------------------------------------
 
 
-def environment(device: str) -> dict:
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
-    return {
-        "date": dt.date.today().isoformat(),
-        "device": name,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-    }
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--table", action="store_true", help="with --sweep: run the full table with the winners after")
     ap.add_argument("--configs", type=Path, help="sweep.json whose winners replace CONFIG_TABLE for this run")
-    ap.add_argument("--apply", type=Path, help="write a sweep.json's winners into kernels/w4a16_configs.py and exit")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (needs TRITON_INTERPRET=1)")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="precompile processes")
     ap.add_argument("--no-precompile", action="store_true", help="compile lazily in this process instead")
-    ap.add_argument("--summary", type=Path, help="print a saved table's speedups and per-M geomeans (results/*.json)")
+    ap.add_argument("--summary", type=Path, help="print the speedups and per-M geomeans of a JSON this benchmark wrote")
     ap.add_argument("--shapes", help="N x K pairs instead of the issue's six, e.g. 4096x11008,3584x18944")
     ap.add_argument("--ms", help="comma-separated M values instead of the table's")
     ap.add_argument("--groups", help="comma-separated group sizes instead of the table's (128,64)")
-    args = ap.parse_args()
-    if args.apply:
-        apply_sweep(args.apply)
-        return
+    add_out_argument(ap, "w4a16")
+    args = ap.parse_args(argv)
     if args.summary:
         print_short_table(json.loads(args.summary.read_text()))
         return
-    if args.smoke != (os.environ.get("TRITON_INTERPRET") == "1"):
-        raise SystemExit("--smoke runs in Triton's interpreter and only there: set TRITON_INTERPRET=1 with --smoke")
-    if not args.smoke and not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA device (or TRITON_INTERPRET=1 --smoke for a CPU plumbing check)")
-    device = "cpu" if args.smoke else "cuda"
-    out_dir = Path(os.environ.get("OUT", "bench_out"))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    device = kernel_device(args.smoke)
+    out_dir = out_folder(args.out)
     env = environment(device)
     print(f"{env['device']}  torch {env['torch']}  triton {env['triton']}  {env['date']}")
     timer = Timer(smoke=args.smoke)
@@ -697,7 +596,7 @@ def main() -> None:
     tag += "-custom" if args.shapes or args.ms or args.groups else ""
     (out_dir / f"w4a16_{tag}.json").write_text(json.dumps({"env": env, **result}, indent=1))
     header = f"# W4A16 vs cuBLAS fp16 -- {env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}\n"
-    header += f"\nDevice copy bandwidth {result['copy_tbps']:.2f} TB/s (read + write).\n\n"
+    header += f"\nCommit {env['commit']}. Device copy bandwidth {result['copy_tbps']:.2f} TB/s (read + write).\n\n"
     (out_dir / f"w4a16_{tag}.md").write_text(header + markdown_table(result))
     print("\ncompiled kernels (registers, spills, shared memory):")
     for md in result["metadata"]:

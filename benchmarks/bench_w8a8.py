@@ -18,12 +18,12 @@ the 60 MB L2), replayed under ``triton.testing.do_bench(return_mode="median")``,
 replay; the time per call is the replay time / R. The graph removes Python launch overhead, which would otherwise
 dominate the small-M figures.
 
-Modes (results under $OUT if set, else ./bench_out: JSON + markdown; a short table is printed last):
+Modes (JSON + markdown written under --out, default out/w8a8; a short table is printed last):
   python benchmarks/bench_w8a8.py                       full table, 6 shapes x 7 M
   python benchmarks/bench_w8a8.py --quick               2 shapes x 3 M
-  python benchmarks/bench_w8a8.py --sweep               time tile candidates per (format, M regime), print winners
+  python benchmarks/bench_w8a8.py --sweep               time tile candidates per (format, M regime), print the
+                                                        winners as a CONFIGS block to commit
   python benchmarks/bench_w8a8.py --configs SWEEP.json  full table with a sweep's winners instead of CONFIGS
-  python benchmarks/bench_w8a8.py --apply-sweep SWEEP.json   (no GPU) write the winners into kernels/w8a8.py
   TRITON_INTERPRET=1 python benchmarks/bench_w8a8.py --smoke  CPU plumbing check in Triton's interpreter: tiny
                                                         shapes, wall-clock timing, numbers meaningless
 """
@@ -31,12 +31,7 @@ Modes (results under $OUT if set, else ./bench_out: JSON + markdown; a short tab
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import math
-import os
-import re
-import subprocess
 import sys
 import time
 from functools import partial
@@ -44,17 +39,25 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.testing
-from graph_timing import seconds_per_call
+from common import (
+    L2_BYTES,
+    LLAMA_SHAPES,
+    Timer,
+    add_out_argument,
+    environment,
+    geomean,
+    kernel_device,
+    out_folder,
+    rotations,
+    text_row,
+)
 from quantkit.kernels import w8a8 as K
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
-L2_BYTES = 60 * 2**20
 ROTATE_SPAN = 3 * L2_BYTES
 MAX_ROTATIONS = 64
-SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]  # (N, K)
+SHAPES = LLAMA_SHAPES  # (N, K)
 MS = [1, 16, 64, 256, 1024, 4096, 16384]
 QUICK_SHAPES = [(4096, 4096), (28672, 8192)]
 QUICK_MS = [16, 1024, 4096]
@@ -111,55 +114,9 @@ SMOKE_SWEEP_CANDIDATES = {r: [(16, 32, 32, 1, 0, 4, 2), (16, 16, 64, 2, 1, 4, 2)
 SMOKE_SWEEP_MS = {"m16": [1], "m64": [20], "m256": [70], "large": [300]}
 
 
-# -- timing ------------------------------------------------------------------------------------------------------
-
-
-class Timer:
-    """Seconds per call of R rotated calls: CUDA graph + do_bench on a GPU, wall clock in --smoke."""
-
-    def __init__(self, smoke: bool, warmup_ms: int, rep_ms: int) -> None:
-        self.smoke, self.warmup_ms, self.rep_ms = smoke, warmup_ms, rep_ms
-
-    def per_call(self, calls: list) -> float:
-        return seconds_per_call(calls, self.smoke, self.warmup_ms, self.rep_ms)
-
-
-def probe_point(timer: Timer, label: str, row: dict, variants: dict[str, list], rows: list, out: Path) -> None:
-    """The probes' step for one point: each variant (name -> one call per rotation) runs once, its output compared
-    bit for bit with the first variant's, then is timed into ``row[name]`` ({"us", "exact"}); the line is printed
-    (speedups over ``row["bf16_us"]``), the row appended to ``rows`` and all rows saved to ``out`` (JSON), so a probe
-    cut short keeps its points. A variant that fails to build or run is reported and gets NaN."""
-    line, want = f"{label}: bf16 {row['bf16_us']:.1f}", None
-    for name, calls in variants.items():
-        try:
-            y = calls[0]()
-            want = y if want is None else want
-            us, exact = timer.per_call(calls) * 1e6, torch.equal(y, want)
-        except Exception as e:  # reported, and the probe goes on
-            print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            us, exact = float("nan"), False
-        row[name] = {"us": us, "exact": exact}
-        line += f" | {name} {row['bf16_us'] / us:.2f}x" + ("" if exact else " WRONG")
-    print(line, flush=True)
-    rows.append(row)
-    out.write_text(json.dumps(rows, indent=1))
-
-
-def probe_points(ms: str, timer: Timer):
-    """The probes' loop: (N, K, M, Problem, bf16 cuBLAS us) over SHAPES x ``ms`` (comma-separated M values), the
-    baseline timed first; each point's operands are freed before the next is built."""
-    for n, k in SHAPES:
-        for m in map(int, ms.split(",")):
-            p = Problem(n, k, m, "cuda", seed=0)
-            yield n, k, m, p, timer.per_call([partial(F.linear, p.x[i], p.w16[i]) for i in range(p.r)]) * 1e6
-            del p
-            torch.cuda.empty_cache()
-
-
-def rotations(m: int, n: int, k: int) -> int:
+def rotations_for(m: int, n: int, k: int) -> int:
     """How many operand copies make one pass over them span ROTATE_SPAN bytes (int8 weights, the smallest)."""
-    per_call = n * k + 2 * m * k + 2 * m * n
-    return max(1, min(MAX_ROTATIONS, math.ceil(ROTATE_SPAN / per_call)))
+    return rotations(n * k + 2 * m * k + 2 * m * n, span=ROTATE_SPAN, most=MAX_ROTATIONS)
 
 
 # -- operands and variants ---------------------------------------------------------------------------------------
@@ -170,7 +127,7 @@ class Problem:
 
     def __init__(self, n: int, k: int, m: int, device: str, seed: int, r: int | None = None) -> None:
         self.n, self.k, self.m = n, k, m
-        self.r = r if r is not None else rotations(m, n, k)
+        self.r = r if r is not None else rotations_for(m, n, k)
         g = torch.Generator(device=device).manual_seed(seed)
         self.x, self.w16, self.wq = [], [], {"int8": [], "fp8": []}
         self.w_scale = {"int8": [], "fp8": []}
@@ -303,7 +260,7 @@ def run_table(shapes, ms, timer: Timer, device: str, configs: dict | None, save)
                     continue
                 if variant not in ("bf16", "quant"):  # bf16 computes from unquantized operands: nothing to compare
                     row["err"][variant] = check(p, variant, y)
-                row["us"][variant] = timer.per_call(calls) * 1e6
+                row["us"][variant] = timer.per_call(calls)
             base = row["us"]["bf16"]
             row["speedup"] = {v: base / row["us"][v] for v in RATIO_VARIANTS if row["us"].get(v)}
             row["int8_tops"] = p.flops() / (row["us"]["int8"] * 1e-6) / 1e12
@@ -324,10 +281,6 @@ def run_table(shapes, ms, timer: Timer, device: str, configs: dict | None, save)
     return rows
 
 
-def geomean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
-
-
 def target_report(rows: list[dict]) -> list[str]:
     lines = []
     for variant, (lo, hi), goal in TARGETS:
@@ -343,7 +296,7 @@ def target_report(rows: list[dict]) -> list[str]:
 
 def table_markdown(rows: list[dict], env: dict) -> str:
     head = ["N", "K", "M", "bf16 us"] + [f"{v} us" for v in VARIANTS[1:]] + [f"{v} x" for v in RATIO_VARIANTS]
-    out = [f"# W8A8 vs bf16 cuBLAS, {env['gpu']}, {env['date']}", "", "```", json.dumps(env, indent=1), "```", ""]
+    out = [f"# W8A8 vs bf16 cuBLAS, {env['device']}, {env['date']}", "", "```", json.dumps(env, indent=1), "```", ""]
     out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         us = [f"{r['us'][v]:.1f}" if r["us"].get(v) else "n/a" for v in VARIANTS]
@@ -355,11 +308,12 @@ def table_markdown(rows: list[dict], env: dict) -> str:
 
 def short_table(rows: list[dict]) -> str:
     """Geomean speedup over bf16 across shapes, one line per M."""
-    lines = ["M        " + "".join(f"{v:>16s}" for v in RATIO_VARIANTS)]
+    widths = [-9] + [16] * len(RATIO_VARIANTS)
+    lines = [text_row(["M", *RATIO_VARIANTS], widths, sep="")]
     for m in sorted({r["M"] for r in rows}):
         at = [r for r in rows if r["M"] == m]
         cells = [geomean([r["speedup"][v] for r in at if v in r["speedup"]]) for v in RATIO_VARIANTS]
-        lines.append(f"{m:<9d}" + "".join(f"{c:>15.2f}x" for c in cells))
+        lines.append(text_row([m, *(f"{c:.2f}x" for c in cells)], widths, sep=""))
     return "\n".join(lines)
 
 
@@ -402,7 +356,7 @@ def run_sweep(shapes, timer: Timer, device: str, candidates: dict, sweep_ms: dic
                     err = rel_error(y, ref)
                     if not err <= MAX_REL_ERROR:
                         raise AssertionError(f"candidate {c} {fmt} N={n} K={k} M={m}: relative error {err:.3g}")
-                    us = timer.per_call(calls) * 1e6
+                    us = timer.per_call(calls)
                     times[(fmt, c)].append(us)
                     results.append({**record, "us": us})
             del p
@@ -419,7 +373,7 @@ def run_sweep(shapes, timer: Timer, device: str, candidates: dict, sweep_ms: dic
 
 
 def tuned_on(env: dict) -> str:
-    return f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}"
+    return f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}"
 
 
 def configs_block(winners: dict, label: str) -> str:
@@ -431,35 +385,7 @@ def configs_block(winners: dict, label: str) -> str:
     return "\n".join([*lines, "}"])
 
 
-BLOCK_RE = re.compile(r"(# BEGIN TUNED CONFIGS[^\n]*\n)(.*?)(# END TUNED CONFIGS)", re.S)
-
-
-def apply_sweep(path: Path) -> None:
-    sweep = json.loads(path.read_text())
-    target = Path(K.__file__)
-    text = target.read_text()
-    if not BLOCK_RE.search(text):
-        raise SystemExit(f"no '# BEGIN TUNED CONFIGS' ... '# END TUNED CONFIGS' block in {target}")
-    block = configs_block(sweep["winners"], tuned_on(sweep["env"]))
-    target.write_text(BLOCK_RE.sub(lambda mt: mt.group(1) + block + "\n" + mt.group(3), text, count=1))
-    print(f"wrote the winners of {path} into {target}; run ruff format on it, then the kernel tests")
-
-
 # -- main ----------------------------------------------------------------------------------------------------------
-
-
-def environment(device: str) -> dict:
-    rev = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, check=False
-    )
-    return {
-        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter, timings meaningless)",
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "commit": rev.stdout.strip() if rev.returncode == 0 else "unknown",
-        "configs_tuned_on": K.CONFIGS_TUNED_ON,
-    }
 
 
 def load_configs(path: Path) -> dict:
@@ -472,25 +398,15 @@ def main(argv: list[str] | None = None) -> int:
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="2 shapes x 3 M")
     mode.add_argument("--sweep", action="store_true", help="time tile candidates, print and save the winners")
-    mode.add_argument("--apply-sweep", type=Path, metavar="SWEEP_JSON", help="write a sweep's winners into CONFIGS")
     ap.add_argument("--configs", type=Path, metavar="SWEEP_JSON", help="use a sweep's winners instead of CONFIGS")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (needs TRITON_INTERPRET=1)")
+    add_out_argument(ap, "w8a8")
     args = ap.parse_args(argv)
 
-    if args.apply_sweep:
-        apply_sweep(args.apply_sweep)
-        return 0
-    if args.smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise SystemExit("--smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
-        device, timer = "cpu", Timer(smoke=True, warmup_ms=0, rep_ms=0)
-    else:
-        if not torch.cuda.is_available():
-            raise SystemExit("this benchmark needs a CUDA device (or --smoke with TRITON_INTERPRET=1)")
-        device, timer = "cuda", Timer(smoke=False, warmup_ms=10, rep_ms=50)
-    out_dir = Path(os.environ.get("OUT") or "bench_out")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    env = environment(device)
+    device = kernel_device(args.smoke)
+    timer = Timer(smoke=True, warmup_ms=0, rep_ms=0) if args.smoke else Timer(smoke=False, warmup_ms=10, rep_ms=50)
+    out_dir = out_folder(args.out)
+    env = {**environment(device), "configs_tuned_on": K.CONFIGS_TUNED_ON}
     t_start = time.perf_counter()
 
     if args.sweep:
@@ -522,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = run_table(shapes, ms, timer, device, configs, save_rows)
     (out_dir / "w8a8_results.md").write_text(table_markdown(rows, env))
-    print(f"\n{env['gpu']}, {env['date']}, {env['seconds']} s; full results in {out_dir}/w8a8_results.{{json,md}}")
+    print(f"\n{env['device']}, {env['date']}, {env['seconds']} s; full results in {out_dir}/w8a8_results.{{json,md}}")
     print("geomean speedup over bf16 cuBLAS across shapes (end to end: quantize + GEMM + epilogue):")
     print(short_table(rows))
     for line in target_report(rows):
