@@ -221,16 +221,33 @@ def test_yaml_recipe_loads(block, tmp_path):
         pytest.fail(f"{block.where}: {exc}")
 
 
-# Snippets that need a real model, a checkpoint on disk or a GPU compile here; the rest run.
-NEEDS_MORE = re.compile(r"out/|smollm2-135m|from_pretrained|\"cuda\"|\.gguf")
+# Snippets that need the real default model, a GGUF file or a GPU only compile here. Those that need no more than a
+# checkpoint at out/smollm2-gptq run against a tiny quantized model saved there; the rest run as they are.
+NEEDS_MORE = re.compile(r"smollm2-135m|\.gguf|\"cuda\"")
+CHECKPOINT = "out/smollm2-gptq"
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint_dir(tmp_path_factory):
+    """A folder holding out/smollm2-gptq: a tiny Llama, quantized with the default recipe (RTN, no calibration)."""
+    from tests.tiny_models import tiny_model, tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("docs")
+    model = tiny_model("llama")
+    quantkit.quantize(model, "default")
+    quantkit.save_quantized(model, root / CHECKPOINT, tokenizer=tiny_tokenizer())
+    return root
 
 
 @pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[b.where for b in PYTHON_BLOCKS])
-def test_python_snippet(block, tmp_path, monkeypatch, capsys):
+def test_python_snippet(block, tmp_path, monkeypatch, capsys, request):
     code = compile(block.text, block.where, "exec")
     if NEEDS_MORE.search(block.text):
         return
-    monkeypatch.chdir(tmp_path)
+    if CHECKPOINT in block.text:
+        monkeypatch.chdir(request.getfixturevalue("tiny_checkpoint_dir"))
+    else:
+        monkeypatch.chdir(tmp_path)
     exec(code, {"__name__": "__docs__"})
 
 
