@@ -21,25 +21,34 @@ and the best one found, so a better default can be committed from one run.
   python benchmarks/bench_attention.py --quick    target cases only; decode default config, small prefill sweep
   TRITON_INTERPRET=1 python benchmarks/bench_attention.py --smoke    CPU plumbing check (tiny shapes, wall clock)
 
-Results: JSON + markdown under $OUT if set, else ./bench_out; a short table is printed last.
+Results: JSON + markdown under --out (default out/attention); a short table is printed last.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
+import sys
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import (
+    LLAMA3_8B,
+    add_out_argument,
+    copy_bandwidth,
+    environment,
+    head_dim,
+    kernel_device,
+    median_seconds,
+    out_folder,
+)
 from quantkit.kernels.flash_prefill import LAZY_RESCALE, flash_prefill, flash_prefill_reference, prefill_config
 from quantkit.kernels.paged_attention import paged_decode, paged_decode_reference
 
-HQ, HKV, D, PAGE = 32, 8, 128, 16
+HQ, HKV, D = LLAMA3_8B["num_attention_heads"], LLAMA3_8B["num_key_value_heads"], head_dim(LLAMA3_8B)
+PAGE = 16
 DECODE_TARGET = (64, 4096, 0.70)  # batch, context, fraction of copy bandwidth
 PREFILL_TARGET = 0.80  # fraction of SDPA's TFLOP/s
 DECODE_CASES = [(64, 4096), (256, 1024), (8, 8192), (1, 32768)]
@@ -104,36 +113,15 @@ def paged_kv(lens: list[int], hkv: int, d: int, dtype, device, gen):
 
 
 def bench_config(fn, graph: bool, smoke: bool) -> float | None:
-    """Like ``bench`` for one sweep candidate; None when it does not fit the GPU (shared memory, registers)."""
+    """Median seconds per call of one sweep candidate; None when it does not fit the GPU (shared memory,
+    registers)."""
     from triton.runtime.errors import OutOfResources
 
     try:
-        return bench(fn, graph, smoke)
+        return median_seconds(fn, graph, smoke)
     except OutOfResources as exc:
         print(f"  skipped: {exc}")
         return None
-
-
-def bench(fn, graph: bool, smoke: bool) -> float:
-    """Median seconds per call."""
-    if smoke:
-        fn()
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-    import triton.testing
-
-    if graph:
-        return triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e-3
-    return triton.testing.do_bench(fn, return_mode="median") * 1e-3
-
-
-def copy_bandwidth(device, smoke: bool) -> float:
-    """Device-to-device copy, bytes read + written per second (1 GiB buffers)."""
-    n = (1 << 20) if smoke else (1 << 29)
-    src = torch.randn(n, device=device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * src.element_size() / bench(lambda: dst.copy_(src), graph=False, smoke=smoke)
 
 
 def check_decode(q, k, v, tables, ctx, scale, rows: int = 4) -> float:
@@ -171,9 +159,9 @@ def run_decode(cases, hq, hkv, d, copy_bw, sweep, smoke, device, gen, dtype) -> 
 def sdpa_seconds(q, k, v, smoke: bool) -> tuple[float, str]:
     """The faster of SDPA with enable_gqa and SDPA on K/V repeated to every query head."""
     group = q.shape[1] // k.shape[1]
-    gqa = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), False, smoke)
+    gqa = median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), False, smoke)
     kr, vr = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    mha = bench(lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True), False, smoke)
+    mha = median_seconds(lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True), False, smoke)
     return (gqa, "sdpa enable_gqa") if gqa <= mha else (mha, "sdpa repeated kv")
 
 
@@ -248,7 +236,8 @@ def summary(rows: list[dict]) -> list[dict]:
 
 
 def markdown(meta: dict, rows: list[dict], table: list[dict]) -> str:
-    lines = [f"# Paged attention kernels, {meta['device']}, {meta['date']}", "", f"Command: `{meta['command']}`", ""]
+    lines = [f"# Paged attention kernels, {meta['device']}, {meta['date']}, commit {meta['commit']}", ""]
+    lines += [f"Command: `{meta['command']}`", ""]
     lines += [f"Copy bandwidth (read + write): {meta['copy_TBps']:.2f} TB/s", ""]
     lines += ["| kernel | case | metric | default | best | best config | target |", "|---|---|---|---|---|---|---|"]
     for t in table:
@@ -263,16 +252,13 @@ def markdown(meta: dict, rows: list[dict], table: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="target cases; default decode, PREFILL_QUICK prefill configs")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (TRITON_INTERPRET=1), tiny shapes")
-    args = ap.parse_args()
-    if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
-        ap.error("--smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
-    if not args.smoke and not torch.cuda.is_available():
-        ap.error("needs a CUDA device (or --smoke with TRITON_INTERPRET=1)")
-    device = "cpu" if args.smoke else "cuda"
+    add_out_argument(ap, "attention")
+    args = ap.parse_args(argv)
+    device = kernel_device(args.smoke)
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     hq, hkv, d = (SMOKE["hq"], SMOKE["hkv"], SMOKE["d"]) if args.smoke else (HQ, HKV, D)
@@ -290,16 +276,12 @@ def main() -> None:
     rows += run_prefill(prefill_cases, hq, hkv, d, prefill_sweep, args.smoke, device, gen, dtype)
     table = summary(rows)
     meta = {
-        "date": dt.date.today().isoformat(),
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
-        "torch": torch.__version__,
-        "command": "python benchmarks/bench_attention.py"
-        + (" --quick" if args.quick else " --smoke" if args.smoke else ""),
+        **environment(device),
+        "command": " ".join(["python benchmarks/bench_attention.py", *(sys.argv[1:] if argv is None else argv)]),
         "copy_TBps": copy_bw / 1e12,
         "seconds": time.perf_counter() - start,
     }
-    out_dir = Path(os.environ.get("OUT", "bench_out"))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = out_folder(args.out)
     tag = "smoke" if args.smoke else "quick" if args.quick else "full"
     (out_dir / f"bench_attention_{tag}.json").write_text(
         json.dumps({"meta": meta, "rows": rows, "summary": table}, indent=2)

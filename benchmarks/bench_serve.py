@@ -24,7 +24,7 @@ One process, one set of random bf16 weights in Llama-3-8B shape (transformers' o
   python benchmarks/bench_serve.py --quick    GPU smoke test: 32 requests x 32 tokens, HF on 8
   python benchmarks/bench_serve.py --smoke    CPU plumbing check: tiny model, a handful of requests
 
-Results: JSON + markdown under $OUT if set, else ./bench_out, rewritten after every phase (a late failure keeps
+Results: JSON + markdown under --out (default out/serve), rewritten after every phase (a late failure keeps
 the earlier figures); a failing phase is recorded with its error and the run goes on. A short table is printed last.
 """
 
@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime as dt
 import gc
 import json
-import os
 import sys
 import time
 import traceback
@@ -43,6 +41,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from common import add_out_argument, copy_bandwidth, environment
 from torch import nn
 
 from quantkit.quant.scheme import QuantScheme
@@ -100,16 +99,6 @@ def free_memory() -> None:
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def copy_bandwidth(device) -> float:
-    """Device-to-device copy of 1 GiB, bytes read + written per second (median)."""
-    import triton.testing
-
-    src = torch.randn(1 << 29, device=device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    seconds = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3
-    return 2 * src.numel() * src.element_size() / seconds
 
 
 def build_hf_model(shape: str, device, dtype, seed: int):
@@ -445,7 +434,8 @@ def summary(report: Report) -> list[tuple[str, str, str]]:
 
 def markdown(report: Report, rows) -> str:
     m = report.meta
-    lines = [f"# Paged runtime serving benchmark, {m['device']}, {m['date']}", "", f"Command: `{m['command']}`", ""]
+    lines = [f"# Paged runtime serving benchmark, {m['device']}, {m['date']}, commit {m['commit']}", ""]
+    lines += [f"Command: `{m['command']}`", ""]
     lines.append(
         f"Random weights in {m['shape']} shape, {m['dtype']}; {m['requests']} requests, prompts {m['min_len']}-"
         f"{m['max_len']} tokens, {m['output_len']} new tokens each, EOS ignored, seed {m['seed']}. HF baselines on "
@@ -456,7 +446,7 @@ def markdown(report: Report, rows) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="GPU smoke test")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (tiny model)")
@@ -471,7 +461,8 @@ def main() -> None:
     ap.add_argument("--num-kv-blocks", type=int, default=None, help="default: from free memory (CPU: 1024)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--no-async-scheduling", action="store_true", help="read each step's tokens before the next")
-    args = ap.parse_args()
+    add_out_argument(ap, "serve")
+    args = ap.parse_args(argv)
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     n_req, min_len, max_len, out_len, hf_req, b1_tokens, shape = MODES[mode]
     hf_req = hf_req if args.hf_requests is None else args.hf_requests
@@ -483,15 +474,15 @@ def main() -> None:
         torch.set_num_threads(1)  # tiny tensors: threads only contend (50x slower on a shared 2-core machine)
     dtype = torch.float32 if args.smoke else torch.bfloat16
     variants = args.variants.split(",")
-    meta = {"date": dt.date.today().isoformat(), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "command": " ".join(["python benchmarks/bench_serve.py", *sys.argv[1:]]), "shape": shape,
+    command = " ".join(["python benchmarks/bench_serve.py", *(sys.argv[1:] if argv is None else argv)])
+    meta = {**environment(device), "command": command, "shape": shape,
             "dtype": str(dtype).removeprefix("torch."), "requests": n_req, "min_len": min_len, "max_len": max_len,
             "output_len": out_len, "hf_requests": min(hf_req, n_req), "seed": args.seed, "torch": torch.__version__,
-            "settings": vars(args)}  # fmt: skip
+            "settings": {k: v for k, v in vars(args).items() if k != "out"}}  # fmt: skip
     import transformers
 
     meta["transformers"] = transformers.__version__
-    report = Report(Path(os.environ.get("OUT", "bench_out")), mode, meta)
+    report = Report(args.out, mode, meta)
     start = time.perf_counter()
 
     if device == "cuda":
