@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 import triton
-from quantkit.kernels.w4a16_weight import num_sms
+from quantkit.kernels._device import num_sms
+from quantkit.kernels.w8a8.gemm import check_matmul_operands
+from quantkit.kernels.w8a8.problem import Plan, Product
 
 # M > 256 (the "large" regime of w8a8.CONFIGS): H200 probes at M = 1024 / 4096 / 16384 on the six issue-7 shapes
 # (results/w8a8-fp8-ws-h200-2026-12-04.md), end to end over bf16 cuBLAS, geomean 1.45x against 1.27-1.28x for the
@@ -19,6 +21,8 @@ from quantkit.kernels.w4a16_weight import num_sms
 # it led on every shape (0.73-1.46x against 0.66-1.24x); the Triton tiles led on four of six at M = 256 and five of
 # six at M = 128 (128 x 256 tiles leave most SMs idle there), so those rows keep them.
 WS_MIN_M = 257
+KERNEL = "warp-specialized fp8 GEMM (Gluon, w8a8/ws_kernel.py)"
+CONFIG_NAME = "ws-m128n256k128s4"  # the kernel's fixed tiles: two 64-row consumer warp groups, 4 stages
 WS_TRITON = "3.6."  # the Gluon API the kernel is written for (3.7+ renamed TMA loads and shared-memory views)
 
 
@@ -28,26 +32,35 @@ def ws_offered(m: int, fmt: str, fp8_fast_accum: bool, pdl: bool) -> bool:
     return fmt == "fp8" and not fp8_fast_accum and not pdl and m >= WS_MIN_M
 
 
-def tma_compatible(qa: torch.Tensor, qw: torch.Tensor) -> bool:
-    """TMA descriptors need 16-byte aligned base addresses and row strides (8-bit operands: K % 16 == 0), K
-    contiguous; ``w8a8.w8a8_matmul``'s Triton TMA path asks the same."""
-    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) == 1 for t in (qa, qw))
-
-
-def ws_unsupported_reason(qa: torch.Tensor, qw: torch.Tensor, out: torch.Tensor) -> str | None:
+def unsupported(p: Product) -> str | None:
     """Why the kernel cannot run this product (None: it can): the device, Triton's version, and the TMA copies'
     alignment (16-byte aligned base addresses and rows, K contiguous: 8-bit operands need K % 16 == 0)."""
-    if qa.dtype != torch.float8_e4m3fn or qw.dtype != torch.float8_e4m3fn:
-        return f"float8_e4m3fn operands only, got {qa.dtype} and {qw.dtype}"
-    if not tma_compatible(qa, qw):
+    if p.fmt != "fp8":
+        return f"float8_e4m3fn operands only, got {p.fmt}"
+    if not p.tma_ok:
         return "qa and qw need K contiguous, 16-byte aligned rows and base addresses (TMA; K % 16 == 0)"
-    if out.stride(1) != 1:
+    if p.out_col_stride != 1:
         return "out needs unit column stride"
     if not triton.__version__.startswith(WS_TRITON):
         return f"written for Triton {WS_TRITON}x's Gluon, found Triton {triton.__version__}"
-    if not qa.is_cuda or torch.cuda.get_device_capability(qa.device) != (9, 0):
+    if p.gpu is None or p.gpu.capability != (9, 0):
         return "needs a CUDA device of compute capability 9.0 (Hopper)"
     return None
+
+
+def ws_unsupported_reason(qa: torch.Tensor, qw: torch.Tensor, out: torch.Tensor) -> str | None:
+    """``unsupported`` for the product as the tensors are."""
+    if qa.dtype != torch.float8_e4m3fn or qw.dtype != torch.float8_e4m3fn:
+        return f"float8_e4m3fn operands only, got {qa.dtype} and {qw.dtype}"
+    return unsupported(Product.of(qa, qw, out, False, False))
+
+
+def plan(p: Product) -> Plan | None:
+    """The plan when ``w8a8_matmul`` runs this kernel for the product (``ws_offered`` and no ``unsupported``
+    reason), else None."""
+    if not ws_offered(p.m, p.fmt, p.fp8_fast_accum, p.pdl) or unsupported(p) is not None:
+        return None
+    return Plan("ws", KERNEL, CONFIG_NAME)
 
 
 def fp8_ws_matmul(
@@ -61,8 +74,6 @@ def fp8_ws_matmul(
 ) -> torch.Tensor:
     """qa [M, K] x qw [N, K] (float8_e4m3fn) -> y [M, N] with this kernel at any M (``w8a8_matmul`` uses it from
     WS_MIN_M rows). Operands as ``w8a8_matmul``'s; raises ValueError where ``ws_unsupported_reason`` names one."""
-    from quantkit.kernels.w8a8 import check_matmul_operands
-
     out = check_matmul_operands(qa, a_scale, qw, w_scale, bias, out_dtype, out)
     reason = ws_unsupported_reason(qa, qw, out)
     if reason:
@@ -72,7 +83,7 @@ def fp8_ws_matmul(
 
 def launch(qa, a_scale, qw, w_scale, bias, out) -> torch.Tensor:
     """The launch itself, for operands already checked; empty products return ``out`` as it is."""
-    from quantkit.kernels.w8a8_ws_kernel import launch as kernel_launch  # Gluon: GPU machines only
+    from quantkit.kernels.w8a8.ws_kernel import launch as kernel_launch  # Gluon: GPU machines only
 
     if out.numel() == 0:
         return out

@@ -37,6 +37,7 @@ no interpreter mode, so the CPU tests cover the dispatch rule and ``w8a8_ws_refe
 from __future__ import annotations
 
 import torch
+from quantkit.kernels.w8a8.gemm import scaled_epilogue_reference
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
@@ -63,8 +64,6 @@ def w8a8_ws_reference(
 ) -> torch.Tensor:
     """The kernel's arithmetic in PyTorch: fp32 partial sums over K chunks of BLOCK_K, added in fp32 in K order, then
     the fp32 epilogue (the tensor core's reduced-precision adder inside a chunk is not modelled)."""
-    from quantkit.kernels.w8a8 import scaled_epilogue_reference  # w8a8 imports this module's launcher
-
     acc = torch.zeros(qa.shape[0], qw.shape[0], dtype=torch.float32, device=qa.device)
     for k0 in range(0, qa.shape[1], BLOCK_K):
         acc += qa[:, k0 : k0 + BLOCK_K].float() @ qw[:, k0 : k0 + BLOCK_K].float().t()
