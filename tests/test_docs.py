@@ -48,22 +48,27 @@ FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)")
 
 
 def blocks(page: Path) -> list[Block]:
-    """The fenced code blocks of a Markdown page."""
+    """The code blocks of a Markdown page: fenced ones (with their language) and indented ones (language "")."""
     found, lines = [], page.read_text(encoding="utf-8").splitlines()
     i = 0
     while i < len(lines):
         m = FENCE.match(lines[i])
-        if not m:
+        if m:
+            fence, lang, start = m.group(2), m.group(3).lower(), i + 1
             i += 1
-            continue
-        fence, lang, start = m.group(2), m.group(3).lower(), i + 1
-        i += 1
-        while i < len(lines) and not lines[i].strip().startswith(fence):
+            while i < len(lines) and not lines[i].strip().startswith(fence):
+                i += 1
+            indent = len(m.group(1))
+            body = "\n".join(ln[indent:] if ln[:indent].isspace() else ln for ln in lines[start:i])
+            found.append(Block(page, start + 1, lang, body + "\n"))
             i += 1
-        indent = len(m.group(1))
-        body = "\n".join(ln[indent:] if ln[:indent].isspace() else ln for ln in lines[start:i])
-        found.append(Block(page, start + 1, lang, body + "\n"))
-        i += 1
+        elif lines[i].startswith("    ") and (i == 0 or not lines[i - 1].strip()):  # an indented block
+            start = i
+            while i < len(lines) and (lines[i].startswith("    ") or not lines[i].strip()):
+                i += 1
+            found.append(Block(page, start + 1, "", "\n".join(ln[4:] for ln in lines[start:i]) + "\n"))
+        else:
+            i += 1
     return found
 
 
@@ -85,14 +90,25 @@ SHELL = ("", "sh", "bash", "shell", "console")
 PROGRAMS = ("quantkit", "python", "python3", "make")
 
 
+def expand(argv: list[str]) -> list[list[str]]:
+    """A usage line's variants: ``[--bits 3]`` is written out, ``gptq|awq|rtn`` gives one line per choice."""
+    argv = [a.strip("[]") for a in argv if a not in ("[", "]")]
+    variants = [[]]
+    for arg in argv:
+        choices = arg.split("|") if "|" in arg and not arg.startswith("-") else [arg]
+        variants = [[*v, c] for v in variants for c in choices]
+    return variants
+
+
 def command_lines(page: Path) -> list[tuple[str, list[str]]]:
-    """(where, argv) of every command line (quantkit, python, make) in the page's shell blocks, ``$ `` prompts and
-    ``# comments`` removed."""
+    """(where, argv) of every command line (quantkit, python SCRIPT, make) in the page's shell blocks, ``$ ``
+    prompts and ``# comments`` removed, backslash continuations joined."""
     found = []
     for b in blocks(page):
         if b.lang not in SHELL:
             continue
-        for n, raw in enumerate(b.text.splitlines()):
+        text = b.text.replace("\\\n", " ")
+        for n, raw in enumerate(text.splitlines()):
             line = raw.strip().removeprefix("$ ")
             if not line or line.split()[0] not in PROGRAMS:
                 continue
@@ -100,16 +116,18 @@ def command_lines(page: Path) -> list[tuple[str, list[str]]]:
                 argv = shlex.split(line, comments=True)
             except ValueError as exc:
                 raise AssertionError(f"{b.page.name}:{b.line + n}: cannot split {line!r}: {exc}") from None
-            if argv:
-                found.append((f"{b.page.relative_to(ROOT)}:{b.line + n}", argv))
+            if argv[0].startswith("python") and not (argv[1:2] and argv[1].endswith(".py")):
+                continue  # python -m venv ..., python -c ...: not a command of this repository
+            variants = expand(argv)
+            for v, variant in enumerate(variants):
+                suffix = f"#{v + 1}" if len(variants) > 1 else ""
+                found.append((f"{b.page.relative_to(ROOT)}:{b.line + n}{suffix}", variant))
     return found
 
 
 ALL_COMMANDS = [c for p in PAGES for c in command_lines(p)]
 QUANTKIT_COMMANDS = [c for c in ALL_COMMANDS if c[1][0] == "quantkit"]
-SCRIPT_COMMANDS = [
-    c for c in ALL_COMMANDS if c[1][0] in ("python", "python3") and c[1][1:2] and c[1][1].endswith(".py")
-]
+SCRIPT_COMMANDS = [c for c in ALL_COMMANDS if c[1][0] in ("python", "python3")]
 MAKE_COMMANDS = [c for c in ALL_COMMANDS if c[1][0] == "make"]
 YAML_BLOCKS = [b for p in PAGES for b in blocks(p) if b.lang in ("yaml", "yml")]
 PYTHON_BLOCKS = [b for p in PAGES for b in blocks(p) if b.lang in ("python", "py")]
@@ -176,27 +194,41 @@ class _Parsed(Exception):
     """Raised once a script's argparse parser has accepted its arguments, to stop before any work."""
 
 
-@pytest.mark.parametrize("where,argv", SCRIPT_COMMANDS, ids=[w for w, _ in SCRIPT_COMMANDS])
-def test_script_command_parses(where, argv, monkeypatch):
-    """``python SCRIPT ARGS`` lines: the script exists and its own argparse parser accepts ARGS."""
+def parse_script(argv: list[str], monkeypatch) -> str | None:
+    """Run ``python SCRIPT ARGS`` in this process up to its argparse parser: None if it accepts ARGS, else why not."""
     script = ROOT / argv[1]
-    assert script.is_file(), f"{where}: {argv[1]} does not exist"
+    if not script.is_file():
+        return f"{argv[1]} does not exist"
     original = argparse.ArgumentParser.parse_args
 
     def parse_then_stop(self, args=None, namespace=None):
         original(self, args, namespace)
         raise _Parsed
 
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
-    monkeypatch.setattr(sys, "argv", [str(script), *argv[2:]])
-    monkeypatch.syspath_prepend(str(ROOT))
-    try:
-        runpy.run_path(str(script), run_name="__main__")
-    except _Parsed:
-        return
-    except SystemExit as exc:
-        pytest.fail(f"{where}: {shlex.join(argv)}: the script's parser refused it (exit {exc.code})")
-    pytest.fail(f"{where}: {shlex.join(argv)}: the script ended without parsing its arguments with argparse")
+    with monkeypatch.context() as m:
+        m.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+        m.setattr(sys, "argv", [str(script), *argv[2:]])
+        m.syspath_prepend(str(ROOT))
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+        except _Parsed:
+            return None
+        except SystemExit as exc:
+            return f"the script's parser refused it (exit {exc.code})"
+    return "the script ended without parsing its arguments with argparse"
+
+
+@pytest.mark.parametrize("where,argv", SCRIPT_COMMANDS, ids=[w for w, _ in SCRIPT_COMMANDS])
+def test_script_command_parses(where, argv, monkeypatch):
+    """``python SCRIPT ARGS`` lines: the script exists and its own argparse parser accepts ARGS."""
+    error = parse_script(argv, monkeypatch)
+    assert error is None, f"{where}: {shlex.join(argv)}: {error}"
+
+
+def test_a_bad_script_command_fails_to_parse(monkeypatch, capsys):
+    assert parse_script(["python", "examples/demo.py", "--windows", "2"], monkeypatch) is None
+    assert parse_script(["python", "examples/demo.py", "--no-such-option"], monkeypatch) is not None
+    assert parse_script(["python", "examples/no_such_script.py"], monkeypatch) is not None
 
 
 @pytest.mark.parametrize("where,argv", MAKE_COMMANDS, ids=[w for w, _ in MAKE_COMMANDS])
