@@ -7,7 +7,7 @@ With ``async_scheduling`` (the default) the engine schedules and launches step n
 tokens: the sequences that sampled in step n get a placeholder token, step n + 1 takes their real input ids from
 step n's tokens on the device, and the host reads step n's tokens (one copy, started when they were made) while
 the device runs step n + 1. So the device does not wait for the host's work between steps (a batch-1 decode step
-of an 8B model spent 0.3-0.45 ms of its ~3-5 ms with the GPU idle, results/serve-h200-2026-12-03*.md). Outputs are
+of an 8B model spent 0.3-0.45 ms of its ~3-5 ms with the GPU idle; docs/results/serve.md). Outputs are
 the same: a sequence that finishes in step n has one wasted row in step n + 1, whose token is dropped, and the K/V
 that step n + 1 wrote is committed (counted, entered in the prefix cache) only once step n's tokens are known.
 """
@@ -55,9 +55,16 @@ class Completion:
 
 @dataclass
 class RequestOutput:
+    """What one prompt produced: its ``n`` completions in ``outputs`` (vLLM's name: ``out.outputs[0].text``)."""
+
     request_id: int
     prompt_token_ids: list[int]
-    completions: list[Completion] = field(default_factory=list)
+    outputs: list[Completion] = field(default_factory=list)
+
+    @property
+    def completions(self) -> list[Completion]:
+        """The same list as ``outputs`` (this runtime's first name for it)."""
+        return self.outputs
 
 
 @dataclass(frozen=True)
@@ -382,5 +389,5 @@ class LLM:
         for seq in seqs:
             ids = seq.output_token_ids
             text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
-            out.completions.append(Completion(seq.index, ids, seq.finish_reason, text))
+            out.outputs.append(Completion(seq.index, ids, seq.finish_reason, text))
         return out
