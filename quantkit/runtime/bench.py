@@ -112,7 +112,7 @@ def _sync(llm: LLM) -> None:
 # (Triton compiles those and the others separately; the engine's start-up already ran a full-budget step and every
 # CUDA-graph batch size), so that no kernel is compiled inside a timed run. A timed run whose mixed prefill + decode
 # steps first met a ragged M > 256 paid the compile there: one int8 W8A8 run measured 5,109 instead of ~11,000
-# tok/s (benchmarks/probes/probe_serve_w8a8.py, 2026-12-02).
+# tok/s (docs/results/serve.md).
 WARM_UP_LENGTHS = (3, 8, 17, 40, 100, 200, 300, 1000)
 WARM_UP_BATCH = 17  # then this many prompts at once, more tokens than one step takes: several sequences per
 # kernel launch and steps that mix chunked prefills with decodes, like the timed run's
@@ -159,7 +159,7 @@ def offline_throughput(llm: LLM, prompts: list[list[int]], output_len: int) -> t
     compiles = sorted(compiled_kernels() - compiled)
     allocated = llm.stats.allocated_slots - allocated0
     used = llm.stats.used_slots - used0
-    tokens = [o.completions[0].token_ids for o in outputs]
+    tokens = [o.outputs[0].token_ids for o in outputs]
     result = Throughput(
         requests=len(prompts),
         prompt_tokens=sum(map(len, prompts)),

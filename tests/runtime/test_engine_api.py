@@ -8,6 +8,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime import LLM, EngineConfig, SamplingParams
+from quantkit.runtime.engine import RequestOutput
 from quantkit.runtime.sampler import filter_logits
 from tests.runtime.helpers import hf_greedy, random_prompts, sharpen
 from tests.tiny_models import COMMON, tiny_model
@@ -33,6 +34,16 @@ def test_stream_yields_the_generated_tokens_in_order(model):
         last[ev.request_id] = ev.finish_reason
     assert [got[0], got[1]] == expected
     assert last == {0: "length", 1: "length"}
+
+
+def test_request_output_holds_its_completions_in_outputs_as_vllm_does(model):
+    """``out.outputs[i]`` (vLLM's name) are the request's ``n`` completions; ``completions`` is the same list."""
+    params = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=4, ignore_eos=True)
+    (out,) = LLM(model, device="cpu", num_kv_blocks=16).generate(random_prompts([9], VOCAB, seed=13), params)
+    assert isinstance(out, RequestOutput) and [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 4 and c.finish_reason == "length" for c in out.outputs)
+    assert out.completions is out.outputs
+    assert [f.name for f in dataclasses.fields(out)] == ["request_id", "prompt_token_ids", "outputs"]
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(model):
