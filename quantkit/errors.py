@@ -10,6 +10,11 @@ class QuantkitError(Exception):
     """Bad input: the message alone tells the user what to fix."""
 
 
+class UnsupportedCheckpointError(QuantkitError):
+    """A well-formed checkpoint that the installed readers cannot load (a library's limit, not a damaged file);
+    the message names the way round it."""
+
+
 def one_line(text: object, limit: int = 400) -> str:
     """A library's message (often several lines: a summary, then a numbered list of causes) on one line, cut at
     ``limit`` characters: the first line alone can end in the middle of what it means ("... from one of:")."""

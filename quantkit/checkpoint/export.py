@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from quantkit.checkpoint.config import module_schemes
-from quantkit.checkpoint.load import read_tensors
+from quantkit.checkpoint.read import read_tensors
 from quantkit.checkpoint.save import (
     EXPORT_FORMATS,
     EXPORT_MARK,

@@ -42,7 +42,7 @@ from quantkit.checkpoint.export import (
     read_tensors,
     write_converted,
 )
-from quantkit.checkpoint.load import check_shapes
+from quantkit.checkpoint.read import check_shapes
 from quantkit.checkpoint.save import check_apart, check_output, versions
 from quantkit.checkpoint.swap import swap_in_quantized_modules
 from quantkit.errors import QuantkitError, one_line

@@ -18,7 +18,7 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from quantkit.checkpoint.config import QUANT_METHOD, module_schemes
-from quantkit.checkpoint.load import check_stored_shapes
+from quantkit.checkpoint.read import check_stored_shapes
 from quantkit.errors import QuantkitError
 
 

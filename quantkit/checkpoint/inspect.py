@@ -5,30 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from safetensors import safe_open
-
 from quantkit.checkpoint.config import layout_of, module_schemes
-from quantkit.checkpoint.load import read_quantization_config
+from quantkit.checkpoint.read import read_quantization_config, tensor_headers
 from quantkit.errors import QuantkitError
 
 DTYPE_BYTES = {"I32": 4, "F16": 2, "BF16": 2, "F32": 4, "I8": 1, "U8": 1, "F8_E4M3": 1, "I64": 8, "BOOL": 1}
-
-
-def tensor_headers(folder: Path) -> dict[str, tuple[list[int], str]]:
-    """name -> (shape, safetensors dtype) for every tensor of the checkpoint."""
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise QuantkitError(f"{folder} has no .safetensors files")
-    out = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    sl = st.get_slice(name)
-                    out[name] = (list(sl.get_shape()), sl.get_dtype())
-        except Exception as exc:
-            raise QuantkitError(f"{f} is not a readable safetensors file: {exc}") from None
-    return out
 
 
 def _nbytes(shape: list[int], dtype: str) -> int:

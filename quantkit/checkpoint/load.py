@@ -6,22 +6,32 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from quantkit.checkpoint.config import module_schemes
+from quantkit.checkpoint.compressed import load_compressed_tensors
+from quantkit.checkpoint.hf import register
+from quantkit.checkpoint.read import (
+    SAFETENSORS_DTYPES,
+    check_quantized_tensors,
+    check_shapes,
+    check_stored_shapes,
+    read_quantization_config,
+    read_tensors,
+    tensor_headers,
+)
 from quantkit.errors import QuantkitError, one_line
+from quantkit.models.loading import load_model, loading, read_config
+from quantkit.nn.factory import quantized_modules
 
-
-def read_quantization_config(folder: Path) -> dict:
-    from quantkit.models.loading import read_config
-
-    if not (folder / "config.json").is_file():
-        raise QuantkitError(f"{folder} is not a checkpoint folder (no config.json)")
-    qc = read_config(folder).get("quantization_config")
-    if not isinstance(qc, dict):
-        raise QuantkitError(f"{folder} is not quantized (config.json has no quantization_config)")
-    module_schemes(qc)  # validates
-    return qc
+__all__ = [  # the readers lived here before checkpoint/read.py; their old import path keeps working
+    "SAFETENSORS_DTYPES",
+    "check_quantized_tensors",
+    "check_shapes",
+    "check_stored_shapes",
+    "load_any",
+    "load_quantized",
+    "read_quantization_config",
+    "read_tensors",
+]
 
 
 def load_quantized(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str = "cpu"):
@@ -30,9 +40,6 @@ def load_quantized(path: str | os.PathLike, dtype: torch.dtype | None = None, de
     ``dtype`` applies to the float parts (embeddings, norms, biases); default: the dtype it was saved in.
     """
     from transformers import AutoModelForCausalLM
-
-    from quantkit.checkpoint.hf import register
-    from quantkit.nn.factory import quantized_modules
 
     register()
     if not isinstance(path, str | os.PathLike):
@@ -57,80 +64,25 @@ def load_quantized(path: str | os.PathLike, dtype: torch.dtype | None = None, de
     absent = sorted(set(qc["modules"]) - set(found))
     if absent:
         raise QuantkitError(f"checkpoint {folder}: quantized module {absent[0]} was not restored")
-    from quantkit.checkpoint.inspect import tensor_headers
-
     stored = {name: dtype for name, (_, dtype) in tensor_headers(folder).items()}
     check_quantized_tensors(folder, model, stored)
     model.eval()
     return model
 
 
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-                      torch.int32: "I32", torch.int8: "I8", torch.float8_e4m3fn: "F8_E4M3"}  # fmt: skip
+def load_any(spec: str | os.PathLike, dtype: torch.dtype, device: str):
+    """(model, tokenizer) for a quantkit or compressed-tensors checkpoint, or a float model spec (what
+    :func:`quantkit.load_model` takes): what ``quantkit eval`` compares."""
+    from transformers import AutoTokenizer
 
-
-def check_quantized_tensors(where, model: torch.nn.Module, stored: dict[str, str]) -> None:
-    """A checkpoint's integer and fp8 tensors must be stored in the dtype the layer reads (a cast would change the
-    codes), its scales must be finite and every ``g_idx`` must name one of its layer's groups. ``stored``: name ->
-    safetensors dtype."""
-    buffers = dict(model.named_buffers())
-    for name, buf in buffers.items():
-        if name.endswith((".scales", ".weight_scale")) and not bool(torch.isfinite(buf).all()):
-            raise QuantkitError(f"corrupt checkpoint {where}: {name} holds NaN or infinite scales")
-        if buf.dtype.is_floating_point and buf.dtype != torch.float8_e4m3fn:
-            continue
-        want = SAFETENSORS_DTYPES[buf.dtype]
-        if name in stored and stored[name] != want:
-            raise QuantkitError(f"corrupt checkpoint {where}: {name} is stored as {stored[name]}, expected {want}")
-        scales = buffers.get(name.removesuffix("g_idx") + "scales")
-        if name.endswith(".g_idx") and buf.numel() and scales is not None:
-            groups = scales.shape[0]
-            if int(buf.min()) < 0 or int(buf.max()) >= groups:
-                raise QuantkitError(f"corrupt checkpoint {where}: {name} names groups outside [0, {groups})")
-
-
-def check_stored_shapes(where, model: torch.nn.Module, files) -> None:
-    """Every tensor of a quantized module in the safetensors ``files`` must have the shape that module's scheme in
-    config.json gives it (``model``: the skeleton with quantized modules swapped in). Read from the files' headers,
-    before any weight is loaded, so that a config edited or copied from another checkpoint is named as such
-    instead of surfacing as transformers' size-mismatch report."""
-    shapes = {}
-    for f in files:
-        if not str(f).endswith(".safetensors"):
-            continue
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                shapes |= {key: tuple(st.get_slice(key).get_shape()) for key in st.keys()}  # noqa: SIM118
-        except Exception as exc:
-            raise QuantkitError(f"cannot load {f}: not a readable safetensors file: {exc}") from None
-    check_shapes(where, model, shapes)
-
-
-def check_shapes(where, model: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> None:
-    """The same check on ``shapes`` (tensor name -> shape)."""
-    from quantkit.nn.factory import quantized_modules
-
-    for name, module in quantized_modules(model).items():
-        for key, buf in module.named_buffers(recurse=False):
-            shape = shapes.get(f"{name}.{key}")
-            if shape is not None and tuple(shape) != tuple(buf.shape):
-                raise QuantkitError(
-                    f"corrupt checkpoint {where}: {name}.{key} is stored as {list(shape)}, but the scheme its "
-                    f"config gives the module ({module.scheme.name}) expects {list(buf.shape)}"
-                )
-
-
-def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's safetensors files; a missing or unreadable file is a one-line error."""
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise QuantkitError(f"{folder} has no .safetensors files")
-    tensors = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    tensors[name] = st.get_tensor(name)
-        except Exception as exc:
-            raise QuantkitError(f"cannot load {f}: not a readable safetensors file: {exc}") from None
-    return tensors
+    path = Path(spec).expanduser()
+    qc = read_config(path).get("quantization_config") if (path / "config.json").is_file() else None
+    if qc is None:
+        model, tokenizer, _ = load_model(spec, dtype=dtype, device=device)
+        return model, tokenizer
+    if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors":  # e.g. quantkit export's output
+        model = load_compressed_tensors(path, dtype, device)
+    else:
+        model = load_quantized(path, dtype=dtype, device=device)
+    with loading(f"the tokenizer of {path}"):
+        return model, AutoTokenizer.from_pretrained(path)

@@ -76,7 +76,7 @@ def assign_weights(model: CausalLM, tensors: dict[str, torch.Tensor], device: to
     for k, t in expected.items():
         if tuple(tensors[k].shape) != tuple(t.shape):
             raise QuantkitError(f"checkpoint tensor {k} has shape {tuple(tensors[k].shape)}, expected {tuple(t.shape)}")
-    from quantkit.checkpoint.load import SAFETENSORS_DTYPES, check_quantized_tensors
+    from quantkit.checkpoint.read import SAFETENSORS_DTYPES, check_quantized_tensors
 
     stored = {k: SAFETENSORS_DTYPES.get(v.dtype, str(v.dtype)) for k, v in tensors.items()}
     model.load_state_dict({k: tensors[k].to(device=device, dtype=t.dtype) for k, t in expected.items()}, assign=True,
@@ -110,7 +110,7 @@ def load_folder(path: str | Path, dtype_name: str, device: torch.device) -> Load
         absent = sorted(set(schemes) - names)
         if absent:
             raise QuantkitError(f"corrupt checkpoint {folder}: quantized module {absent[0]} is not in the model")
-    from quantkit.checkpoint.load import read_tensors
+    from quantkit.checkpoint.read import read_tensors
 
     with loading(folder):
         assign_weights(model, read_tensors(folder), device, folder)

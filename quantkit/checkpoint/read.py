@@ -1,0 +1,110 @@
+"""Read a quantkit checkpoint's files: its quantization config, its tensors' headers and data, and the checks that
+what is stored is what the config says (shapes, dtypes, finite scales, group indices)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from quantkit.checkpoint.config import module_schemes
+from quantkit.errors import QuantkitError
+from quantkit.models.loading import read_config
+from quantkit.nn.factory import quantized_modules
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+                      torch.int32: "I32", torch.int8: "I8", torch.float8_e4m3fn: "F8_E4M3"}  # fmt: skip
+
+
+def read_quantization_config(folder: Path) -> dict:
+    """The checked ``quantization_config`` of ``folder/config.json``."""
+    if not (folder / "config.json").is_file():
+        raise QuantkitError(f"{folder} is not a checkpoint folder (no config.json)")
+    qc = read_config(folder).get("quantization_config")
+    if not isinstance(qc, dict):
+        raise QuantkitError(f"{folder} is not quantized (config.json has no quantization_config)")
+    module_schemes(qc)  # validates
+    return qc
+
+
+def tensor_headers(folder: Path) -> dict[str, tuple[list[int], str]]:
+    """name -> (shape, safetensors dtype) for every tensor of the checkpoint (no tensor data is read)."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise QuantkitError(f"{folder} has no .safetensors files")
+    out = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    sl = st.get_slice(name)
+                    out[name] = (list(sl.get_shape()), sl.get_dtype())
+        except Exception as exc:
+            raise QuantkitError(f"{f} is not a readable safetensors file: {exc}") from None
+    return out
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors files; a missing or unreadable file is a one-line error."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise QuantkitError(f"{folder} has no .safetensors files")
+    tensors = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    tensors[name] = st.get_tensor(name)
+        except Exception as exc:
+            raise QuantkitError(f"cannot load {f}: not a readable safetensors file: {exc}") from None
+    return tensors
+
+
+def check_quantized_tensors(where, model: torch.nn.Module, stored: dict[str, str]) -> None:
+    """A checkpoint's integer and fp8 tensors must be stored in the dtype the layer reads (a cast would change the
+    codes), its scales must be finite and every ``g_idx`` must name one of its layer's groups. ``stored``: name ->
+    safetensors dtype."""
+    buffers = dict(model.named_buffers())
+    for name, buf in buffers.items():
+        if name.endswith((".scales", ".weight_scale")) and not bool(torch.isfinite(buf).all()):
+            raise QuantkitError(f"corrupt checkpoint {where}: {name} holds NaN or infinite scales")
+        if buf.dtype.is_floating_point and buf.dtype != torch.float8_e4m3fn:
+            continue
+        want = SAFETENSORS_DTYPES[buf.dtype]
+        if name in stored and stored[name] != want:
+            raise QuantkitError(f"corrupt checkpoint {where}: {name} is stored as {stored[name]}, expected {want}")
+        scales = buffers.get(name.removesuffix("g_idx") + "scales")
+        if name.endswith(".g_idx") and buf.numel() and scales is not None:
+            groups = scales.shape[0]
+            if int(buf.min()) < 0 or int(buf.max()) >= groups:
+                raise QuantkitError(f"corrupt checkpoint {where}: {name} names groups outside [0, {groups})")
+
+
+def check_stored_shapes(where, model: torch.nn.Module, files) -> None:
+    """Every tensor of a quantized module in the safetensors ``files`` must have the shape that module's scheme in
+    config.json gives it (``model``: the skeleton with quantized modules swapped in). Read from the files' headers,
+    before any weight is loaded, so that a config edited or copied from another checkpoint is named as such
+    instead of surfacing as transformers' size-mismatch report."""
+    shapes = {}
+    for f in files:
+        if not str(f).endswith(".safetensors"):
+            continue
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                shapes |= {key: tuple(st.get_slice(key).get_shape()) for key in st.keys()}  # noqa: SIM118
+        except Exception as exc:
+            raise QuantkitError(f"cannot load {f}: not a readable safetensors file: {exc}") from None
+    check_shapes(where, model, shapes)
+
+
+def check_shapes(where, model: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The same check on ``shapes`` (tensor name -> shape)."""
+    for name, module in quantized_modules(model).items():
+        for key, buf in module.named_buffers(recurse=False):
+            shape = shapes.get(f"{name}.{key}")
+            if shape is not None and tuple(shape) != tuple(buf.shape):
+                raise QuantkitError(
+                    f"corrupt checkpoint {where}: {name}.{key} is stored as {list(shape)}, but the scheme its "
+                    f"config gives the module ({module.scheme.name}) expects {list(buf.shape)}"
+                )
