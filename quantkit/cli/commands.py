@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 import time
@@ -10,63 +9,22 @@ from pathlib import Path
 
 import click
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from quantkit.cli.main import QuantkitCommand
-from quantkit.devices import resolve_device
+from quantkit.checkpoint.load import load_any
+from quantkit.cli.base import DTYPES, QuantkitCommand, device_name, stderr, stdout, torch_dtype
+from quantkit.cli.progress import progress_bar
 from quantkit.errors import QuantkitError
 
-stderr = Console(stderr=True)
-stdout = Console()
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class LoggedProgress(Progress):
-    """A rich progress bar that, when its console is not a terminal (a log file, CI), prints one plain line per
-    step instead (at most one every ``every`` seconds, and always the last): rich draws nothing there until the
-    work ends, and a 40-minute AWQ run would look hung."""
-
-    def __init__(self, *columns, console: Console, every: float = 5.0, **kwargs) -> None:
-        super().__init__(*columns, console=console, disable=not console.is_terminal, **kwargs)
-        self.every, self.last_line = every, float("-inf")
-
-    def update(self, task_id, **kwargs) -> None:
-        super().update(task_id, **kwargs)
-        if not self.disable:
-            return
-        task = next(t for t in self.tasks if t.id == task_id)
-        now = time.monotonic()
-        if task.finished or now - self.last_line >= self.every:
-            self.last_line = now
-            elapsed = time.strftime("%H:%M:%S", time.gmtime(task.elapsed or 0.0))
-            note = task.fields.get("note", "")
-            line = f"{task.description} {task.completed:g}/{task.total:g} {elapsed} {note}".rstrip()
-            self.console.print(line, markup=False, highlight=False)
-
-
-def progress_bar() -> Progress:
-    return LoggedProgress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[note]}"),
-        console=stderr,
-        transient=False,
-    )
-
-
-def _dtype(name: str, device: str) -> torch.dtype:
-    if name == "auto":
-        return torch.float32 if device == "cpu" else torch.bfloat16
-    return DTYPES[name]
-
-
-def _device(name: str | None) -> str:
-    return str(resolve_device(name))
+__all__ = [  # progress_bar lived here before cli/progress.py; examples import it from here
+    "eval_command",
+    "export_command",
+    "import_command",
+    "inspect_command",
+    "progress_bar",
+    "quantize_command",
+    "resolve_recipe",
+]
 
 
 # CLI flag -> (recipe section, key). Section "scheme" changes every stage's scheme, "calibration" the
@@ -202,8 +160,8 @@ def quantize_command(model, method, recipe_spec, out, device, dtype, offload, ov
     from quantkit.pipeline import check_window_length
 
     out = check_output(out, overwrite)  # before any work: a bad output path fails first
-    device = _device(device)
-    torch_dtype = _dtype(dtype, device)
+    device = device_name(device)
+    dtype = torch_dtype(dtype, device)
     recipe = resolve_recipe(method, recipe_spec, flags)
     folder = quantkit.models.loading.resolve_model(model)  # bad input fails here, before any heavy work
     check_apart(out, folder)
@@ -212,14 +170,14 @@ def quantize_command(model, method, recipe_spec, out, device, dtype, offload, ov
     if offload is None:
         offload = any(folder.glob("*.safetensors"))
     float_model, tokenizer, folder = quantkit.load_model(
-        folder, dtype=torch_dtype, offload=offload, scratch_dir=next(p for p in out.parents if p.is_dir())
+        folder, dtype=dtype, offload=offload, scratch_dir=next(p for p in out.parents if p.is_dir())
     )  # converted weights (fused experts) wait beside the output, on the disk the user chose
     calib = fingerprint = None
     if recipe.needs_calibration:  # cut the windows now so that too little text fails before any output
         c = recipe.calibration
         check_window_length(c.seqlen, float_model)
         calib, fingerprint = calibration_windows(tokenizer, c.source, c.nsamples, c.seqlen, c.seed)
-    stdout.print(summary_table(recipe, model, device, torch_dtype, out, offload))
+    stdout.print(summary_table(recipe, model, device, dtype, out, offload))
     n_layers = len(float_model.get_submodule(quantkit.models.arch_for(float_model).layers))
     with progress_bar() as bar:
         task = bar.add_task("quantizing", total=n_layers, note="")
@@ -252,72 +210,6 @@ def quantize_command(model, method, recipe_spec, out, device, dtype, offload, ov
         )
 
 
-def load_compressed_tensors(path: Path, dtype: torch.dtype, device: str):
-    """A compressed-tensors checkpoint, through transformers and the compressed-tensors package."""
-    from transformers import AutoModelForCausalLM
-
-    from quantkit.models.loading import loading
-
-    if importlib.util.find_spec("compressed_tensors") is None:
-        raise QuantkitError(f"{path} is a compressed-tensors checkpoint: pip install compressed-tensors to read it")
-    try:
-        with loading(str(path)):
-            model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device,
-                                                               output_loading_info=True)  # fmt: skip
-    except QuantkitError as exc:  # the library's empty model holds zero points unpacked: their shapes mismatch
-        if "mismatched" not in str(exc) or not _packed_zero_points(path):
-            raise
-        import compressed_tensors
-        import transformers
-
-        raise QuantkitError(
-            f"cannot load {path}: transformers {transformers.__version__} with compressed-tensors "
-            f"{compressed_tensors.__version__} cannot load pack-quantized layers with zero points (asymmetric); "
-            f"evaluate the output of 'quantkit import {path} --out DIR' instead"
-        ) from None
-    bad = sorted(info.get("missing_keys", [])) + [str(m) for m in info.get("mismatched_keys", [])]
-    if bad:
-        raise QuantkitError(f"cannot load {path}: {len(bad)} tensors missing or mismatched, e.g. {bad[0]}")
-    return model.eval()
-
-
-def _packed_zero_points(path: Path) -> bool:
-    """Whether a compressed-tensors config declares pack-quantized weights with zero points."""
-    from quantkit.models.loading import read_config
-
-    qc = read_config(path).get("quantization_config") or {}
-    groups = qc.get("config_groups") if isinstance(qc, dict) else None
-    if not isinstance(groups, dict):
-        return False
-    return any(
-        isinstance(g, dict)
-        and (g.get("format") or qc.get("format")) == "pack-quantized"
-        and isinstance(g.get("weights"), dict)
-        and g["weights"].get("symmetric") is False
-        for g in groups.values()
-    )
-
-
-def load_any(spec: str, dtype: torch.dtype, device: str):
-    """(model, tokenizer) for a quantkit or compressed-tensors checkpoint, or a float model spec."""
-    from transformers import AutoTokenizer
-
-    import quantkit
-    from quantkit.models.loading import loading, read_config
-
-    path = Path(spec).expanduser()
-    qc = read_config(path).get("quantization_config") if (path / "config.json").is_file() else None
-    if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors":  # e.g. quantkit export's output
-        model = load_compressed_tensors(path, dtype, device)
-    elif qc is not None:
-        model = quantkit.load_quantized(path, dtype=dtype, device=device)
-    if qc is not None:
-        with loading(f"the tokenizer of {path}"):
-            return model, AutoTokenizer.from_pretrained(path)
-    model, tokenizer, _ = quantkit.load_model(spec, dtype=dtype, device=device)
-    return model, tokenizer
-
-
 @click.command("eval", cls=QuantkitCommand)
 @click.option(
     "--model", required=True, help="quantkit or compressed-tensors checkpoint, HF folder, .gguf or built-in name."
@@ -336,10 +228,10 @@ def eval_command(model, baseline, source, seqlen, windows, device, dtype, as_jso
     from quantkit.calib.data import evaluation_windows
     from quantkit.eval import evaluate_windows
 
-    device = _device(device)
-    torch_dtype = _dtype(dtype, device)
-    m, tokenizer = load_any(model, torch_dtype, device)
-    base = load_any(baseline, torch_dtype, device)[0] if baseline else None
+    device = device_name(device)
+    dtype = torch_dtype(dtype, device)
+    m, tokenizer = load_any(model, dtype, device)
+    base = load_any(baseline, dtype, device)[0] if baseline else None
     if base is not None and base.config.vocab_size != m.config.vocab_size:
         raise QuantkitError(
             f"--baseline {baseline} has a vocabulary of {base.config.vocab_size} tokens, the model "

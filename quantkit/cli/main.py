@@ -8,57 +8,13 @@ from __future__ import annotations
 import importlib.util
 import logging
 import signal
-import sys
 
 import click
-from rich.console import Console
 from rich.logging import RichHandler
 
-from quantkit.errors import QuantkitError
-
-console = Console(stderr=True)
-_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2; 8.1 prints the help itself
-
-
-class QuantkitGroup(click.Group):
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        """Click's own handling, except that a usage error (an unknown option, a missing or malformed value) is one
-        line like every other bad input, instead of click's usage block, hint and message on four lines."""
-        if not standalone_mode:
-            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
-        try:
-            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except _NO_ARGS_IS_HELP as exc:  # bare `quantkit`: the help, as click shows it
-            exc.show()
-            sys.exit(exc.exit_code)
-        except click.UsageError as exc:
-            where = exc.ctx.command_path if exc.ctx is not None else (prog_name or "quantkit")
-            click.echo(f"quantkit: error: {exc.format_message()} (see '{where} --help')", err=True)
-            sys.exit(exc.exit_code)
-        except click.ClickException as exc:  # a file option that cannot be opened, say
-            click.echo(f"quantkit: error: {exc.format_message()}", err=True)
-            sys.exit(exc.exit_code)
-        except (click.Abort, KeyboardInterrupt, EOFError):
-            click.echo("\nquantkit: aborted", err=True)
-            sys.exit(130)
-        sys.exit(code if isinstance(code, int) else 0)
-
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except QuantkitError as exc:
-            click.echo(f"quantkit: error: {exc}", err=True)
-            sys.exit(2)
-
-
-class QuantkitCommand(click.Command):
-    def parse_args(self, ctx, args):
-        try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as exc:  # click's parser leaves some without a context: name this command's help
-            if exc.ctx is None:
-                exc.ctx = ctx
-            raise
+from quantkit.cli.base import QuantkitGroup, stderr
+from quantkit.cli.commands import eval_command, export_command, import_command, inspect_command, quantize_command
+from quantkit.cli.serve import bench_serve_command, generate_command
 
 
 @click.group(cls=QuantkitGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -69,7 +25,7 @@ def cli(verbose: bool) -> None:
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(message)s",
-        handlers=[RichHandler(console=console, show_path=False, show_time=False)],
+        handlers=[RichHandler(console=stderr, show_path=False, show_time=False)],
     )
     for noisy in ("transformers", "datasets", "httpx", "urllib3", "filelock", "huggingface_hub", "fsspec"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
@@ -86,17 +42,16 @@ def cli(verbose: bool) -> None:
         datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its read errors reach the user as our one line
 
 
-def _register_commands() -> None:
-    from quantkit.cli.commands import eval_command, export_command, import_command, inspect_command, quantize_command
-    from quantkit.cli.serve import bench_serve_command, generate_command
-
-    cli.add_command(quantize_command)
-    cli.add_command(eval_command)
-    cli.add_command(inspect_command)
-    cli.add_command(export_command)
-    cli.add_command(import_command)
-    cli.add_command(generate_command)
-    cli.add_command(bench_serve_command)
+for command in (
+    quantize_command,
+    eval_command,
+    inspect_command,
+    export_command,
+    import_command,
+    generate_command,
+    bench_serve_command,
+):
+    cli.add_command(command)
 
 
 def _terminate(signum, frame) -> None:
@@ -106,5 +61,4 @@ def _terminate(signum, frame) -> None:
 
 def main() -> None:
     signal.signal(signal.SIGTERM, _terminate)
-    _register_commands()
     cli(prog_name="quantkit")

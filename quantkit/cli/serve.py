@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from quantkit.cli.main import QuantkitCommand
+from quantkit.cli.base import QuantkitCommand, device_name
 from quantkit.errors import QuantkitError
 from quantkit.runtime.config import DTYPES, EngineConfig
 from quantkit.runtime.sampling_params import SamplingParams
@@ -26,13 +26,12 @@ SAMPLING = _defaults(SamplingParams)
 
 def _engine(model: str, **settings):
     """An LLM for a model folder, quantkit checkpoint, .gguf, built-in name, or ``dummy:<shape>``."""
-    from quantkit.cli.commands import _device
     from quantkit.runtime import LLM
     from quantkit.runtime.bench import DUMMY_MODELS
 
     settings = {k: v for k, v in settings.items() if v is not None}
     if "device" in settings:
-        settings["device"] = _device(settings["device"])
+        settings["device"] = device_name(settings["device"])
     if model.startswith(DUMMY_PREFIX):
         shape = model.removeprefix(DUMMY_PREFIX)
         if shape not in DUMMY_MODELS:
@@ -110,9 +109,9 @@ def generate_command(prompts, model, max_tokens, temperature, top_k, top_p, seed
         return
     for prompt, out in zip(prompts, llm.generate(list(prompts), params), strict=True):
         if as_json:
-            click.echo(json.dumps({"prompt": prompt, "completions": [asdict(c) for c in out.completions]}))
+            click.echo(json.dumps({"prompt": prompt, "completions": [asdict(c) for c in out.outputs]}))
         else:
-            for c in out.completions:
+            for c in out.outputs:
                 click.echo(f"[{c.index}] {c.text if c.text is not None else c.token_ids}")
 
 

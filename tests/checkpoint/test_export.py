@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, GPTQConfig
 
 import quantkit
 from quantkit.checkpoint.export import export_checkpoint
-from quantkit.cli.main import _register_commands, cli
+from quantkit.cli.main import cli
 from quantkit.errors import QuantkitError
 from tests.tiny_models import tiny_model, tiny_tokenizer
 
@@ -223,7 +223,6 @@ def test_what_a_format_cannot_hold_is_refused_and_nothing_is_written(tmp_path, f
 
 
 def test_export_command(tmp_path):
-    _register_commands()
     q = checkpoint(tmp_path, {"scheme": scheme(4, 32), "stages": [{"method": "rtn"}]})
 
     def run(*args):
@@ -249,7 +248,6 @@ def test_export_command(tmp_path):
 
 @needs_compressed_tensors
 def test_eval_reads_a_compressed_tensors_export(tmp_path):
-    _register_commands()
     q = checkpoint(tmp_path, {"scheme": scheme(4, 32), "stages": [{"method": "rtn"}]})
     export_checkpoint(q, tmp_path / "ct", "compressed-tensors")
     text = tmp_path / "text.txt"
@@ -267,7 +265,6 @@ def test_eval_reads_a_compressed_tensors_export(tmp_path):
 def test_eval_of_an_asymmetric_compressed_tensors_export_fails_in_one_line_or_matches(tmp_path):
     """transformers 5.25 with compressed-tensors 0.20.1 cannot load packed zero points (its empty model allocates
     them unpacked): eval says so in one line and names the way round it; a reader that loads them must match."""
-    _register_commands()
     q = checkpoint(tmp_path, {"scheme": scheme(4, 32, sym=False), "stages": [{"method": "rtn"}]})
     export_checkpoint(q, tmp_path / "ct", "compressed-tensors")
     text = tmp_path / "text.txt"

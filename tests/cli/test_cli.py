@@ -10,10 +10,8 @@ import torch
 from click.testing import CliRunner
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from quantkit.cli.main import _register_commands, cli
+from quantkit.cli.main import cli
 from tests.tiny_models import tiny_model_dir, tiny_tokenizer
-
-_register_commands()
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +239,6 @@ def test_the_cli_turns_sigterm_into_system_exit(monkeypatch):
     from quantkit.cli import main as cli_main
 
     before = signal.getsignal(signal.SIGTERM)
-    monkeypatch.setattr(cli_main, "_register_commands", lambda: None)
     monkeypatch.setattr(cli_main, "cli", lambda **kwargs: None)
     try:
         cli_main.main()

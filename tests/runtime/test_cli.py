@@ -4,13 +4,12 @@ import json
 
 from click.testing import CliRunner
 
-from quantkit.cli.main import _register_commands, cli
+from quantkit.cli.main import cli
 from quantkit.runtime import LLM, SamplingParams
 from quantkit.runtime.bench import DUMMY_MODELS
 
 
 def run(*args):
-    _register_commands()
     return CliRunner().invoke(cli, list(args), catch_exceptions=False)
 
 
