@@ -10,8 +10,7 @@
 Importing quantkit registers its Hugging Face quantizer, so ``from_pretrained`` understands its checkpoints.
 """
 
-__version__ = "0.1.0"
-
+from quantkit._version import __version__ as __version__
 from quantkit.checkpoint import load_quantized, save_quantized
 from quantkit.checkpoint.export import export_checkpoint
 from quantkit.checkpoint.foreign import import_checkpoint

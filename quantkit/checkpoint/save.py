@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from quantkit import checks
+from quantkit._version import __version__
 from quantkit.checkpoint.config import FORMAT_VERSION, QUANT_METHOD, layout_of
 from quantkit.checkpoint.smoothing import outlier_markdown, outlier_rows
 from quantkit.checks import flag, integer
@@ -36,8 +37,6 @@ INDEX_NAME = "model.safetensors.index.json"
 
 def versions() -> dict[str, str]:
     import transformers
-
-    from quantkit import __version__
 
     return {"quantkit": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
