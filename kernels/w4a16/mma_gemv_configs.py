@@ -216,7 +216,7 @@ def mma_config_for(n: int, k: int, group: int, sms: int, m: int = 1) -> MmaGemvC
     ``under_filled`` gives way to MMA_PREFETCH_WAVE or MMA_DEFAULT_WAVE (see there)."""
     if m > 8:
         return MMA_TWO_BLOCKS if group % 64 == 0 else None
-    cfg = _doubling_config(n, k, group, sms, m)
+    cfg = doubling_config(n, k, group, sms, m)
     if group % 128 == 0 and cfg is not MMA_PREFETCH_WAVE and under_filled(cfg, n, k, sms, m):
         if wave_fill(MMA_PREFETCH_WAVE, n, k, sms) >= MMA_PREFETCH_REFILL:
             return MMA_PREFETCH_WAVE
@@ -239,7 +239,7 @@ def wave_fill(cfg: MmaGemvConfig, n: int, k: int, sms: int) -> float:
     return ctas / ((cfg.wave or MMA_RESIDENT_4W) * sms)
 
 
-def _doubling_config(n: int, k: int, group: int, sms: int, m: int) -> MmaGemvConfig:
+def doubling_config(n: int, k: int, group: int, sms: int, m: int) -> MmaGemvConfig:
     """``mma_config_for`` at M <= 8 before its under-filled-grid fallback."""
     if m == 1 and group % 128 == 0 and wave_split_fits(n, k, sms):
         return MMA_PREFETCH_WAVE

@@ -7,8 +7,8 @@ that no sequence owns holds NaN, so reading one (or a padded block-table entry) 
 
 import pytest
 import torch
-from quantkit.kernels.flash_prefill import flash_prefill, flash_prefill_reference, tma_compatible
-from quantkit.kernels.paged_attention import (
+from quantkit.kernels.attention.prefill import flash_prefill, flash_prefill_reference, tma_compatible
+from quantkit.kernels.attention.paged import (
     MAX_SPLITS,
     default_num_splits,
     gather_context,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from quantkit.kernels import gemv as G
+from quantkit.kernels.dense.gemv import MAX_ROWS, gemv, gemv_reference, use_gemv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -25,9 +25,9 @@ def test_matches_float64(dtype, n, k, with_bias):
     w = (torch.randn(n, k, generator=g) * 0.05).to(dtype).to(DEVICE)
     b = torch.randn(n, generator=g).to(dtype).to(DEVICE) if with_bias else None
     out = torch.full((1, n), float("nan"), dtype=dtype, device=DEVICE)
-    y = G.gemv(x, w, b, out=out)
+    y = gemv(x, w, b, out=out)
     assert y.data_ptr() == out.data_ptr() and torch.isfinite(y).all()
-    ref = G.gemv_reference(x, w, b).double()
+    ref = gemv_reference(x, w, b).double()
     exact = x.double() @ w.double().t() + (b.double() if b is not None else 0)
     torch_err = (F.linear(x, w, b).double() - exact).abs().max().item()
     err = (y.double() - exact).abs()
@@ -40,7 +40,7 @@ def test_row_stride_and_slices():
     base = torch.randn(64, 520, device=DEVICE).half()
     w = base[:, :512]  # rows 520 apart, K contiguous
     x = torch.randn(1, 512, device=DEVICE).half()
-    y = G.gemv(x, w)
+    y = gemv(x, w)
     exact = x.double() @ w.double().t()
     assert (y.double() - exact).abs().max().item() <= 2 * (F.linear(x, w).double() - exact).abs().max().item() + 1e-3
 
@@ -49,24 +49,24 @@ def test_rejects_bad_operands():
     x = torch.randn(1, 64, device=DEVICE).half()
     w = torch.randn(8, 64, device=DEVICE).half()
     with pytest.raises(ValueError, match="one row"):
-        G.gemv(torch.randn(2, 64, device=DEVICE).half(), w)
+        gemv(torch.randn(2, 64, device=DEVICE).half(), w)
     with pytest.raises(ValueError, match="share K"):
-        G.gemv(x, torch.randn(8, 32, device=DEVICE).half())
+        gemv(x, torch.randn(8, 32, device=DEVICE).half())
     with pytest.raises(ValueError, match="both be fp16 or both bf16"):
-        G.gemv(x, w.bfloat16())
+        gemv(x, w.bfloat16())
     with pytest.raises(ValueError, match="bias must be"):
-        G.gemv(x, w, torch.zeros(4, device=DEVICE).half())
+        gemv(x, w, torch.zeros(4, device=DEVICE).half())
     with pytest.raises(ValueError, match="out must be"):
-        G.gemv(x, w, out=torch.empty(1, 8, device=DEVICE))
+        gemv(x, w, out=torch.empty(1, 8, device=DEVICE))
 
 
 def test_use_gemv_rule():
     w = torch.empty(16, 64, dtype=torch.bfloat16)
     x = torch.empty(1, 1, 64, dtype=torch.bfloat16)
-    assert not G.use_gemv(x, w)  # CPU tensors: F.linear
+    assert not use_gemv(x, w)  # CPU tensors: F.linear
     if torch.cuda.is_available():
         xc, wc = x.cuda(), w.cuda()
-        assert G.use_gemv(xc, wc)
-        assert not G.use_gemv(torch.empty(2, 64, dtype=torch.bfloat16, device="cuda"), wc)  # two rows
-        assert not G.use_gemv(xc, wc.half())  # dtypes differ
-        assert not G.use_gemv(xc, torch.empty(G.MAX_ROWS + 1, 64, dtype=torch.bfloat16, device="cuda"))
+        assert use_gemv(xc, wc)
+        assert not use_gemv(torch.empty(2, 64, dtype=torch.bfloat16, device="cuda"), wc)  # two rows
+        assert not use_gemv(xc, wc.half())  # dtypes differ
+        assert not use_gemv(xc, torch.empty(MAX_ROWS + 1, 64, dtype=torch.bfloat16, device="cuda"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
-from quantkit.kernels import fused_norm_rope as K
+from quantkit.kernels.dense import norm_rope as K
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -102,7 +102,7 @@ def test_shape_errors():
 def test_rotary_store_rotates_and_fills_the_cache_in_one_launch(dtype, t, hq, hkv, d, page, monkeypatch):
     """On the fused q/k/v views: q and k rotated in place as rotary_ does, the rotated k and v written into exactly
     the mapped cache slots (padding rows, slot -1, store nothing) as store_kv does, v untouched, one launch."""
-    from quantkit.kernels.paged_attention import store_kv_reference
+    from quantkit.kernels.attention.paged import store_kv_reference
 
     qkv = torch.randn(t, (hq + 2 * hkv) * d, device=DEVICE).to(dtype)
     q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quantkit.kernels.gptq_block import MAX_BLOCK, gptq_block, gptq_block_reference
+from quantkit.kernels.gptq.block import MAX_BLOCK, gptq_block, gptq_block_reference
 
 from quantkit.algorithms import gptq as gptq_module
 from quantkit.quant.scheme import QuantScheme

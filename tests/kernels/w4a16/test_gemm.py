@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from quantkit.kernels import w4a16 as K
-from quantkit.kernels import w4a16_configs as C
-from quantkit.kernels.w4a16_weight import num_sms
+from quantkit.kernels._device import num_sms
+from quantkit.kernels.w4a16 import configs as C
+from quantkit.kernels.w4a16.gemv import reads_x_by_four
 
 from quantkit.nn.dispatch import cuda_weight_only_linear
 from quantkit.nn.qlinear import QuantLinear
@@ -180,12 +181,10 @@ def test_vector_x_reads_only_aligned_rows():
     qw, buffers = make_layer(48, 512, 4, 128, False, seed=11)
     w = prepared(buffers, 4, 128)
     wide = torch.randn(2, 520, device=DEVICE).half()
-    from quantkit.kernels.w4a16_gemv import _vector_x
-
-    assert _vector_x(GEMV_VEC, 4, wide[:, :512], 64)
-    assert not _vector_x(GEMV_VEC, 4, wide[:, 1:513], 64)  # rows 2 bytes off 8-byte alignment
-    assert not _vector_x(GEMV_VEC, 8, wide[:, :512], 64)  # 8-bit codes: the unfolded path
-    assert not _vector_x(GEMV_FOLD, 4, wide[:, :512], 64)  # not asked for
+    assert reads_x_by_four(GEMV_VEC, 4, wide[:, :512], 64)
+    assert not reads_x_by_four(GEMV_VEC, 4, wide[:, 1:513], 64)  # rows 2 bytes off 8-byte alignment
+    assert not reads_x_by_four(GEMV_VEC, 8, wide[:, :512], 64)  # 8-bit codes: the unfolded path
+    assert not reads_x_by_four(GEMV_FOLD, 4, wide[:, :512], 64)  # not asked for
     for x in (wide[:, :512], wide[:, 1:513], wide[:, 3:515]):  # both paths give the same, right answer
         assert_close_to_float64(K.w4a16_linear(x, w, config=GEMV_VEC), x, qw, None)
 

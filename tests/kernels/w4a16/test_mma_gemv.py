@@ -15,10 +15,12 @@ import pytest
 import torch
 import triton
 from quantkit.kernels import w4a16 as K
-from quantkit.kernels import w4a16_mma_gemv as MG
-from quantkit.kernels.w4a16_weight import num_sms
+from quantkit.kernels._device import num_sms
+from quantkit.kernels.w4a16 import mma_gemv as MK
+from quantkit.kernels.w4a16 import mma_gemv_configs as MG
+from quantkit.kernels.w4a16.problem import Product
 
-from tests.kernels.test_w4a16 import (
+from tests.kernels.w4a16.test_gemm import (
     DEVICE,
     assert_close_to_float64,
     assert_kernel_case,
@@ -116,12 +118,12 @@ def test_prefetch_is_chosen_where_its_grid_keeps_the_warps(n, k, prefetch):
 
 @pytest.mark.parametrize("bf16,mb", [(False, 1), (True, 1), (False, 2), (True, 2)])
 def test_ptx_feeds_each_word_to_two_mma_per_row_block(bf16, mb):
-    asm = MG.mma_step_asm(bf16, mb)
+    asm = MK.mma_step_asm(bf16, mb)
     kind = "bf16" if bf16 else "f16"
     assert asm.count(f"m16n8k16.row.col.f32.{kind}.{kind}.f32") == 4 * mb  # 2 row blocks x 2 k16 steps
     assert asm.count("lop3.b32") == 16  # four per word
     assert asm.count("shr.u32") == (12 if bf16 else 4)  # fp16 reads odd codes at bit 4 (one FMA by 1/16)
-    operands = MG.mma_step_constraints(mb).split(",")
+    operands = MK.mma_step_constraints(mb).split(",")
     assert max(int(i) for i in re.findall(r"\$(\d+)", asm)) == len(operands) - 1  # pack=4: 4 registers each
 
 
@@ -149,7 +151,7 @@ GPU_CASES = [
 @pytest.mark.parametrize("m,n,k,group,dtype,act_order,with_bias,split", GPU_CASES)
 def test_kernel_matches_float64_reference(m, n, k, group, dtype, act_order, with_bias, split, cfg):
     qw, w = weight(n, k, group=group, act_order=act_order, seed=m + n)
-    assert_kernel_case(lambda x, b, o: MG.w4a16_mma_gemv(x, w, b, o, config=cfg, split=split), qw, w, m, dtype,
+    assert_kernel_case(lambda x, b, o: MK.w4a16_mma_gemv(x, w, b, o, config=cfg, split=split), qw, w, m, dtype,
                        with_bias)  # fmt: skip
 
 
@@ -157,7 +159,7 @@ def test_kernel_matches_float64_reference(m, n, k, group, dtype, act_order, with
 def test_split_k_is_deterministic_and_replays_in_a_cuda_graph():
     _, w = weight(1024, 4096, seed=3)
     x = torch.randn(3, 4096, device="cuda").half()
-    assert_split_k_replays(lambda out: MG.w4a16_mma_gemv(x, w, out=out, split=8), w)
+    assert_split_k_replays(lambda out: MK.w4a16_mma_gemv(x, w, out=out, split=8), w)
 
 
 @sm90
@@ -165,7 +167,7 @@ def test_launcher_rejects_more_parts_than_iterations():
     _, w = weight(256, 384, seed=6)  # three 128-deep iterations
     x = torch.randn(1, 384, device="cuda").half()
     with pytest.raises(ValueError, match="at least one per part"):
-        MG.w4a16_mma_gemv(x, w, config=MG.MMA_DEFAULT, split=4)
+        MK.w4a16_mma_gemv(x, w, config=MG.MMA_DEFAULT, split=4)
 
 
 @pytest.mark.parametrize("n,k,steps2_at_4", [(28672, 8192, False), (14336, 4096, False), (8192, 28672, True),
@@ -249,10 +251,10 @@ def test_dispatch_rule_takes_only_cuda_products_of_up_to_16_rows():
     _, w = weight(256, 512)
     for m in (1, 8, 9, 16, 17):
         x = torch.randn(m, 512, device=DEVICE).half()
-        plan = MG.mma_plan(x, w)
+        plan = MG.plan(Product.of(x, w))
         cfg = MG.mma_config_for(256, 512, 128, num_sms(x.device), m) if x.is_cuda else None
         if x.is_cuda and m <= MG.MMA_DISPATCH_M and MG.mma_gemv_unsupported_reason(x, w, None, cfg) is None:
-            assert plan == (cfg, MG.mma_gemv_split(cfg, 256, 512, num_sms(x.device)))
+            assert (plan.config, plan.split) == (cfg, MG.mma_gemv_split(cfg, 256, 512, num_sms(x.device)))
             narrow = MG.MMA_STEPS2_M1 if m == 1 else MG.mma_config_for(256, 512, 128, num_sms(x.device), 2)
             assert cfg == (MG.MMA_TWO_BLOCKS if m > 8 else narrow)
         else:
@@ -267,7 +269,7 @@ def test_w4a16_linear_runs_this_kernel_up_to_16_rows(m, group, dtype):
     x = torch.randn(m, 4096, device="cuda").to(dtype)
     bias = torch.randn(4096, device="cuda").to(dtype)
     y = K.w4a16_linear(x, w, bias)
-    assert torch.equal(y, MG.w4a16_mma_gemv(x, w, bias))
+    assert torch.equal(y, MK.w4a16_mma_gemv(x, w, bias))
     assert_close_to_float64(y, x, qw, bias)
 
 
@@ -294,13 +296,13 @@ def test_under_filled_odd_k_layers_take_the_measured_plan(n, k, m):
     cfg, split = ODD_K_PLANS[n, k, m]
     assert MG.mma_config_for(n, k, 128, 132, m) == cfg
     assert MG.mma_gemv_split(cfg, n, k, 132) == split
-    assert MG.under_filled(MG._doubling_config(n, k, 128, 132, m), n, k, 132, m)
-    assert MG.mma_config_for(n, k, 64, 132, m) == MG._doubling_config(n, k, 64, 132, m)  # groups of 64: not timed
+    assert MG.under_filled(MG.doubling_config(n, k, 128, 132, m), n, k, 132, m)
+    assert MG.mma_config_for(n, k, 64, 132, m) == MG.doubling_config(n, k, 64, 132, m)  # groups of 64: not timed
 
 
 @pytest.mark.parametrize("n,k,m", KEPT)
 def test_filled_or_power_of_two_layers_keep_the_doubling_plan(n, k, m):
-    assert MG.mma_config_for(n, k, 128, 132, m) == MG._doubling_config(n, k, 128, 132, m)
+    assert MG.mma_config_for(n, k, 128, 132, m) == MG.doubling_config(n, k, 128, 132, m)
 
 
 def test_wave_divisor_goes_past_the_wave_only_when_no_divisor_fills_half():

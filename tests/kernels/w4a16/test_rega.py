@@ -15,10 +15,11 @@ import pytest
 import torch
 import triton
 from quantkit.kernels import w4a16 as K
-from quantkit.kernels import w4a16_rega as R
-from quantkit.kernels.w4a16_weight import unpack_gptq_codes
+from quantkit.kernels.w4a16 import rega as R
+from quantkit.kernels.w4a16.problem import Product
+from quantkit.kernels.w4a16.weight import unpack_gptq_codes
 
-from tests.kernels.test_w4a16 import (
+from tests.kernels.w4a16.test_gemm import (
     DEVICE,
     assert_close_to_float64,
     assert_kernel_case,
@@ -141,7 +142,7 @@ def test_cpu_products_in_its_rows_run_the_triton_path():
     qw, w = weight(128, 256)
     x = torch.randn(40, 256, device=DEVICE).half()
     if not x.is_cuda:
-        assert R.rega_plan(x, w) is None
+        assert R.plan(Product.of(x, w)) is None
         with pytest.raises(ValueError, match=r"compute capability 9\.0|Triton"):
             R.w4a16_rega_gemm(x, w, config=R.REGA_M64)
     out = torch.full((40, 128), float("nan"), device=DEVICE, dtype=torch.float16)
@@ -198,7 +199,7 @@ def test_repeated_calls_through_the_dispatch_stay_right(m, group, monkeypatch):
     monkeypatch.setattr(R, "REGA_G64_MIN_WEIGHTS", 0)
     qw, w = weight(1024, 8192, group=group, seed=m)
     x = torch.randn(m, 8192, device="cuda").half()
-    assert R.rega_plan(x, w) is not None
+    assert R.plan(Product.of(x, w)) is not None
     assert torch.equal(K.w4a16_linear(x, w), R.w4a16_rega_gemm(x, w))
     for _ in range(15):
         x = torch.randn(m, 8192, device="cuda").half()

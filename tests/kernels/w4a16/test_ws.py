@@ -12,10 +12,11 @@ import pytest
 import torch
 import triton
 from quantkit.kernels import w4a16 as K
-from quantkit.kernels import w4a16_ws as WS
-from quantkit.kernels.w4a16_rega import rega_plan
+from quantkit.kernels.w4a16 import rega as R
+from quantkit.kernels.w4a16 import ws as WS
+from quantkit.kernels.w4a16.problem import Product
 
-from tests.kernels.test_w4a16 import (
+from tests.kernels.w4a16.test_gemm import (
     DEVICE,
     assert_close_to_float64,
     assert_kernel_case,
@@ -102,7 +103,7 @@ def test_cpu_products_in_its_rows_run_the_triton_path():
     if not x.is_cuda:
         reason = WS.ws_unsupported_reason(x, w, None, WS.ws_config_for(100, 128))
         assert "compute capability 9.0" in reason or "Triton" in reason
-        assert WS.ws_plan(x, w) is None
+        assert WS.plan(Product.of(x, w)) is None
     out = torch.full((100, 64), float("nan"), device=DEVICE, dtype=torch.float16)
     assert_close_to_float64(K.w4a16_linear(x, w, out=out), x, qw, None)
 
@@ -132,7 +133,7 @@ def test_kernel_matches_float64_reference(m, n, k, group, dtype, act_order, with
     via_linear = K.w4a16_linear(x, w, bias)  # the default dispatch: this kernel where its rule offers it and the
     # register-A kernel's (M <= 128, asked first) does not
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    if split is None and WS.ws_offered(WS.ws_config_for(m, group), m, n, k, group, sms) and not rega_plan(x, w):
+    if split is None and WS.ws_offered(WS.ws_config_for(m, group), m, n, k, group, sms) and not R.plan(Product.of(x, w)):
         assert torch.equal(via_linear, y)
     else:
         assert_close_to_float64(via_linear, x, qw, bias)

@@ -18,6 +18,10 @@ from __future__ import annotations
 import pytest
 import torch
 from quantkit.kernels import w8a8 as K
+from quantkit.kernels._device import interpreting
+from quantkit.kernels.w8a8 import configs as KC
+from quantkit.kernels.w8a8.gemm import tma_compatible
+from quantkit.kernels.w8a8.quant import quantize_launch_params
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FMTS = ["int8", "fp8"]
@@ -161,7 +165,7 @@ def test_matmul_small_tiles_grouped_order(fmt, use_tma, k):
     m, n = 40, 70  # 3 x 3 tiles of 16 x 32, GROUP_M=2 leaves a ragged last group
     x, qw, w_scale, bias = make_layer(m, n, k, fmt, seed=k)
     qa, a_scale = K.quantize_activations_reference(x.to(DEVICE), fmt)
-    assert K.tma_compatible(qa, qw) == (k % 16 == 0)  # K=100 takes the pointer kernel even when TMA is asked for
+    assert tma_compatible(qa, qw) == (k % 16 == 0)  # K=100 takes the pointer kernel even when TMA is asked for
     out = poisoned((m, n), torch.float16)
     y = K.w8a8_matmul(
         qa, a_scale, qw, w_scale, bias, torch.float16, out=out, config={**SMALL_TILES, "USE_TMA": use_tma}
@@ -226,35 +230,35 @@ def test_pdl_options_checked():
         K.w8a8_matmul(qa, sa, qw, sw, prefetch_k=1024)  # a prefetch only happens before the PDL wait
     with pytest.raises(ValueError, match="l2_ahead must be"):
         K.w8a8_matmul(qa, sa, qw, sw, l2_ahead=9)
-    if not qa.is_cuda or K.interpreting():
+    if not qa.is_cuda or interpreting():
         with pytest.raises(ValueError, match="pdl needs a CUDA device"):
             K.w8a8_matmul(qa, sa, qw, sw, pdl=True)
 
 
 def test_fp8_fast_accumulation_has_its_own_large_config():
-    assert K.pick_config(4096, "fp8", fp8_fast_accum=True) == dict(zip(K.CONFIG_KEYS, K.FP8_FAST_LARGE, strict=True))
-    assert K.pick_config(4096, "fp8") == dict(zip(K.CONFIG_KEYS, K.CONFIGS[("fp8", "large")], strict=True))
+    assert K.pick_config(4096, "fp8", fp8_fast_accum=True) == KC.FP8_FAST_LARGE.to_dict()
+    assert K.pick_config(4096, "fp8") == K.CONFIGS[("fp8", "large")].to_dict()
     assert K.pick_config(64, "fp8", fp8_fast_accum=True) == K.pick_config(64, "fp8")
     assert K.pick_config(4096, "int8", fp8_fast_accum=True) == K.pick_config(4096, "int8")
     # int8, M <= 16: wide layers (more than 2 x 132 tiles of the m16 config) take two persistent programs per SM
-    narrow = dict(zip(K.CONFIG_KEYS, K.CONFIGS[("int8", "m16")], strict=True))
-    wide = dict(zip(K.CONFIG_KEYS, K.INT8_WIDE_SKINNY, strict=True))
+    narrow = K.CONFIGS[("int8", "m16")].to_dict()
+    wide = KC.INT8_WIDE_SKINNY.to_dict()
     assert K.pick_config(16, "int8", n=8192) == narrow
     assert K.pick_config(1, "int8", n=14336) == K.pick_config(16, "int8", n=28672) == wide
-    assert K.pick_config(17, "int8", n=28672) == dict(zip(K.CONFIG_KEYS, K.CONFIGS[("int8", "m64")], strict=True))
+    assert K.pick_config(17, "int8", n=28672) == K.CONFIGS[("int8", "m64")].to_dict()
     assert K.pick_config(16, "fp8", n=28672) == K.pick_config(16, "fp8")
 
 
 @pytest.mark.parametrize("fmt", FMTS)
 def test_upper_half_of_m64_runs_persistent(fmt):
-    upper = dict(zip(K.CONFIG_KEYS, K.UPPER_M64, strict=True))
-    assert K.pick_config(K.UPPER_M64_FROM, fmt) == K.pick_config(64, fmt, n=28672) == upper
+    upper = KC.UPPER_M64.to_dict()
+    assert K.pick_config(KC.UPPER_M64_FROM, fmt) == K.pick_config(64, fmt, n=28672) == upper
     assert upper["USE_TMA"] == 2 and upper["BLOCK_M"] == 64
-    assert K.pick_config(K.UPPER_M64_FROM - 1, fmt) == dict(zip(K.CONFIG_KEYS, K.CONFIGS[(fmt, "m64")], strict=True))
+    assert K.pick_config(KC.UPPER_M64_FROM - 1, fmt) == K.CONFIGS[(fmt, "m64")].to_dict()
 
 
 def test_l2_prefetch_rule():
-    assert [K.l2_ahead_for(m) for m in (1, 16, 17, 64, 65, 4096)] == [0, 0, K.L2_AHEAD_M64, K.L2_AHEAD_M64, 0, 0]
+    assert [K.l2_ahead_for(m) for m in (1, 16, 17, 64, 65, 4096)] == [0, 0, KC.L2_AHEAD_M64, KC.L2_AHEAD_M64, 0, 0]
 
 
 def test_m_regimes_cover_every_m():
@@ -337,8 +341,8 @@ def test_gpu_fp8_fast_accumulation_is_as_close_as_cublas_fast(m):
     ],
 )
 def test_quantizer_launch_rule(k, fmt, m, want):
-    assert K._quantize_launch_params(k, None, fmt, m) == want
-    assert K._quantize_launch_params(k, 64, fmt, m)[:2] == (64, False)  # an explicit block is kept
+    assert quantize_launch_params(k, None, fmt, m) == want
+    assert quantize_launch_params(k, 64, fmt, m)[:2] == (64, False)  # an explicit block is kept
 
 
 @pytest.mark.gpu
@@ -356,7 +360,7 @@ def test_gpu_pdl_launch_is_bit_identical(fmt, m, prefetch_k, n):
     x = x.to(DEVICE, torch.bfloat16)
     want = K.w8a8_linear(x, qw, w_scale, bias, pdl=False)
     if fmt == "int8":  # integer sums: every tile config gives the same bits, the narrow one-tile-per-program too
-        narrow = dict(zip(K.CONFIG_KEYS, K.CONFIGS[("int8", K.m_regime(m))], strict=True))
+        narrow = K.CONFIGS[("int8", K.m_regime(m))].to_dict()
         assert torch.equal(K.w8a8_linear(x, qw, w_scale, bias, config=narrow, pdl=False), want)
 
     def pdl():
@@ -408,7 +412,7 @@ def test_gpu_l2_prefetch_is_bit_identical(fmt, m, ahead):
     x, qw, w_scale, bias = make_layer(m, n, k, fmt, seed=m + ahead)
     qa, a_scale = K.quantize_activations(x.to(DEVICE, torch.bfloat16), fmt)
     for use_tma in (0, 1, 2):
-        cfg = dict(zip(K.CONFIG_KEYS, K.CONFIGS[(fmt, K.m_regime(m))], strict=True)) | {"USE_TMA": use_tma}
+        cfg = K.CONFIGS[(fmt, K.m_regime(m))].to_dict() | {"USE_TMA": use_tma}
         want = K.w8a8_matmul(qa, a_scale, qw, w_scale, bias, config=cfg, l2_ahead=0)  # the rule prefetches at M = 64
         assert torch.equal(K.w8a8_matmul(qa, a_scale, qw, w_scale, bias, config=cfg, l2_ahead=ahead), want)
 

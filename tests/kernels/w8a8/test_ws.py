@@ -13,9 +13,9 @@ import pytest
 import torch
 import triton
 from quantkit.kernels import w8a8 as K
-from quantkit.kernels import w8a8_ws as WS
+from quantkit.kernels.w8a8 import ws as WS
 
-from tests.kernels.test_w8a8 import DEVICE, check_gemm, float64_reference, make_layer, poisoned
+from tests.kernels.w8a8.test_gemm import DEVICE, check_gemm, float64_reference, make_layer, poisoned
 
 hopper = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0))
@@ -55,7 +55,7 @@ def test_reference_sums_partials_of_128_in_fp32():
     _, qw, w_scale, bias = make_layer(m, n, k, "fp8", seed=5)
     qa, a_scale = K.quantize_rows_reference(torch.randn(m, k), "fp8")
     qw, w_scale, bias = qw.cpu(), w_scale.cpu(), bias.cpu()
-    from quantkit.kernels.w8a8_ws_kernel import w8a8_ws_reference  # Gluon's module imports on CPU too
+    from quantkit.kernels.w8a8.ws_kernel import w8a8_ws_reference  # Gluon's module imports on CPU too
 
     ours = w8a8_ws_reference(qa, a_scale, qw, w_scale, bias, torch.float32)
     exact = float64_reference(qa, a_scale, qw, w_scale, bias)
@@ -125,7 +125,7 @@ def test_gpu_matmul_dispatches_and_errs_like_the_triton_promoted_path(m):
     qa, a_scale = K.quantize_activations(x.to(DEVICE, torch.bfloat16), "fp8")
     y = K.w8a8_matmul(qa, a_scale, qw, w_scale, out_dtype=torch.float32)
     assert torch.equal(y, WS.fp8_ws_matmul(qa, a_scale, qw, w_scale, out_dtype=torch.float32))
-    triton_cfg = dict(zip(K.CONFIG_KEYS, K.CONFIGS[("fp8", "large")], strict=True))
+    triton_cfg = K.CONFIGS[("fp8", "large")].to_dict()
     y_triton = K.w8a8_matmul(qa, a_scale, qw, w_scale, out_dtype=torch.float32, config=triton_cfg)
     y_fast = K.w8a8_matmul(qa, a_scale, qw, w_scale, out_dtype=torch.float32, fp8_fast_accum=True)
     exact = float64_reference(qa, a_scale, qw, w_scale, None)
