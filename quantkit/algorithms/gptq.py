@@ -30,7 +30,7 @@ where F are the remaining columns. Paper notation below:
   with static groups ``g_idx[k] = k // G``.
 
 All math is fp32 on W's device. On CUDA the column loop of a block runs as one Triton kernel
-(:mod:`quantkit.kernels.gptq_block`; blocks of at most 256 columns, which gives the same result since lazy
+(:mod:`quantkit.kernels.gptq.block`; blocks of at most 256 columns, which gives the same result since lazy
 updates are exact), everywhere else as the PyTorch loop; a Llama-3-8B-shaped model (32 layers, 128 x 2048
 calibration tokens, act-order and clipped grids) takes 81 s on an H200 (results/gptq-8b-h200-2026-12-01.md).
 The returned :class:`QuantizedWeight` dequantizes exactly to the Q the algorithm chose (same codes, same
@@ -45,8 +45,8 @@ import torch
 
 from quantkit.algorithms.rtn import group_qparams
 from quantkit.errors import QuantkitError
-from quantkit.kernels.gptq_block import MAX_BLOCK as MAX_KERNEL_BLOCK
-from quantkit.kernels.gptq_block import gptq_block, gptq_block_reference
+from quantkit.kernels.gptq.block import MAX_BLOCK as MAX_KERNEL_BLOCK
+from quantkit.kernels.gptq.block import gptq_block, gptq_block_reference
 from quantkit.quant.scheme import QuantScheme
 from quantkit.quant.tensor import QuantizedWeight, compute_qparams, group_index, search_qparams
 
@@ -84,7 +84,7 @@ def inverse_hessian_factor(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, 
 
 
 def block_step(W1, U1, s1, z1, maxq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block of the column loop (see :mod:`quantkit.kernels.gptq_block`): a Triton kernel on CUDA, where the
+    """One block of the column loop (see :mod:`quantkit.kernels.gptq.block`): a Triton kernel on CUDA, where the
     PyTorch loop is launch-bound, and the PyTorch loop elsewhere."""
     if W1.is_cuda:
         return gptq_block(W1, U1, s1, z1, maxq)

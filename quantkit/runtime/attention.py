@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.kernels import flash_prefill as prefill_kernels
-from quantkit.kernels import paged_attention as decode_kernels
+from quantkit.kernels.attention import paged as decode_kernels
+from quantkit.kernels.attention import prefill as prefill_kernels
 
 
 @dataclass

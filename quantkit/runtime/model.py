@@ -6,9 +6,9 @@ a factory: ``FloatLinear`` for float weights, ``QuantLinear`` / ``W8A8Linear`` f
 follows transformers' modeling code step for step (RMSNorm in fp32, rotary tables in fp32 cast to the activation
 dtype), so fp32 greedy outputs match it token for token. On CUDA, RMSNorm (fused with the residual add before
 it), the rotary embedding (fused with the KV-cache store when q/k/v come from one fused projection) and the
-SiLU-gated product run as single Triton kernels (``quantkit.kernels.fused_norm_rope``): same arithmetic, a few
+SiLU-gated product run as single Triton kernels (``quantkit.kernels.dense.norm_rope``): same arithmetic, a few
 launches per layer instead of ~40; float linears
-take one row of x (batch-1 decode) through ``quantkit.kernels.gemv``, 6-31% faster than cuBLAS on these shapes.
+take one row of x (batch-1 decode) through ``quantkit.kernels.dense.gemv``, 6-31% faster than cuBLAS on these shapes.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantkit.errors import QuantkitError
-from quantkit.kernels.fused_norm_rope import add_rms_norm, add_rms_norm_reference, rotary_, rotary_store_, silu_mul
-from quantkit.kernels.gemv import gemv, use_gemv
+from quantkit.kernels.dense.norm_rope import add_rms_norm, add_rms_norm_reference, rotary_, rotary_store_, silu_mul
+from quantkit.kernels.dense.gemv import gemv, use_gemv
 from quantkit.runtime.attention import AttentionMetadata, paged_attention
 
 LinearFactory = Callable[[str, int, int, bool], nn.Module]  # (name, in_features, out_features, bias) -> module

@@ -15,7 +15,7 @@ import os
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.kernels.paged_attention import default_num_splits
+from quantkit.kernels.attention.paged import default_num_splits
 from quantkit.runtime.attention import AttentionMetadata
 from quantkit.runtime.config import EngineConfig
 from quantkit.runtime.inputs import StepInputs, StepLayout
