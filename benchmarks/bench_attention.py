@@ -3,11 +3,11 @@
 Shapes are Llama-3-8B's attention (32 query heads, 8 kv heads, head dim 128), bf16, 16-token pages scattered over
 a shuffled block pool:
 
-  decode   quantkit.kernels.paged_attention.paged_decode: one query per sequence over its paged context.
+  decode   quantkit.kernels.attention.paged.paged_decode: one query per sequence over its paged context.
            Minimum bytes = K + V of every context (+ q and out); "% copy" compares the achieved TB/s with the
            device-to-device copy bandwidth measured in the same run (read + write bytes, as in gpu.md).
            Target: >= 70% at batch 64, 4k context. Timed as a CUDA graph (do_bench_cudagraph, median).
-  prefill  quantkit.kernels.flash_prefill.flash_prefill: causal attention of packed sequences (first prefills: the
+  prefill  quantkit.kernels.attention.prefill.flash_prefill: causal attention of packed sequences (first prefills: the
            chunk's K/V packed, no cached prefix), against torch SDPA (is_causal, GQA via enable_gqa and via repeated
            K/V; the faster is the baseline) on the same tensors. FLOPs = 4 * L^2 / 2 * Hq * D per sequence.
            Target: >= 80% of SDPA. 16k tokens per case (L = 1k, 2k and 4k). Timed with do_bench (median, L2
@@ -44,8 +44,8 @@ from common import (
     median_seconds,
     out_folder,
 )
-from quantkit.kernels.flash_prefill import LAZY_RESCALE, flash_prefill, flash_prefill_reference, prefill_config
-from quantkit.kernels.paged_attention import paged_decode, paged_decode_reference
+from quantkit.kernels.attention.prefill import LAZY_RESCALE, flash_prefill, flash_prefill_reference, prefill_config
+from quantkit.kernels.attention.paged import paged_decode, paged_decode_reference
 
 HQ, HKV, D = LLAMA3_8B["num_attention_heads"], LLAMA3_8B["num_key_value_heads"], head_dim(LLAMA3_8B)
 PAGE = 16

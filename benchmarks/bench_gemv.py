@@ -29,7 +29,7 @@ from common import (
     out_folder,
     rotations,
 )
-from quantkit.kernels import gemv as G
+from quantkit.kernels.dense import gemv as G
 
 LAYERS = decoder_linears(LLAMA3_8B)
 SHAPES = [LAYERS["qkv"], LAYERS["o"], LAYERS["gate_up"], LAYERS["down"], (14336, 4096), (8192, 8192), LAYERS["lm_head"]]

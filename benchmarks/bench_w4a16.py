@@ -57,10 +57,7 @@ from common import (
     text_row,
 )
 from quantkit.kernels import w4a16 as K
-from quantkit.kernels import w4a16_configs as C
-from quantkit.kernels import w4a16_mma_gemv as MG
-from quantkit.kernels import w4a16_rega as RG
-from quantkit.kernels import w4a16_ws as WS
+from quantkit.kernels.w4a16 import configs as C
 
 SHAPES = LLAMA_SHAPES  # (N, K)
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
@@ -406,15 +403,10 @@ def run_table(args, timer: Timer, device: str, table: list | None) -> dict:
 
 def gluon_choice(layer: Layer, m: int) -> str | None:
     """Name and split-K of the Gluon kernel ``w4a16_linear`` runs for ``m`` rows of this layer without a config
-    (the dispatcher's own decisions: ``mma_plan``, ``rega_plan``, then ``ws_plan``), or None where the Triton table
-    decides."""
+    (the dispatch table's own decision, ``w4a16.choose``), or None where the Triton table decides."""
     x = torch.empty(m, layer.k, device=layer.device, dtype=torch.float16)
-    w = layer.weights[0]
-    for plan in (MG.mma_plan, RG.rega_plan, WS.ws_plan):
-        chosen = plan(x, w)
-        if chosen:
-            return f"{chosen[0].name}-sk{chosen[1]}"
-    return None
+    plan = K.choose(K.Product.of(x, layer.weights[0]))
+    return None if plan.path == "table" else f"{plan.config.name}-sk{plan.split}"
 
 
 def table_config(table: list, m: int) -> C.KernelConfig:
