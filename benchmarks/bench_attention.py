@@ -44,8 +44,8 @@ from common import (
     median_seconds,
     out_folder,
 )
-from quantkit.kernels.attention.prefill import LAZY_RESCALE, flash_prefill, flash_prefill_reference, prefill_config
 from quantkit.kernels.attention.paged import paged_decode, paged_decode_reference
+from quantkit.kernels.attention.prefill import LAZY_RESCALE, flash_prefill, flash_prefill_reference, prefill_config
 
 HQ, HKV, D = LLAMA3_8B["num_attention_heads"], LLAMA3_8B["num_key_value_heads"], head_dim(LLAMA3_8B)
 PAGE = 16
