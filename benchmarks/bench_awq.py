@@ -6,13 +6,13 @@
     python benchmarks/bench_awq.py --cpu-smollm2 --threads 1   # the real SmolLM2-135M (fp32) on CPU, Brown windows
     python benchmarks/bench_awq.py --cpu-smollm2 --layers 1 --search-samples 0 --search-tokens 8192   # old defaults
 
-The model is built on the meta device and materialised on the CPU in bf16 (weights ~ N(0, 0.02) drawn on the GPU,
-one tensor at a time; norms 1), as a real checkpoint would sit in host memory. ``quantkit.quantize`` with a recipe
-holding only the awq stage then moves one decoder layer at a time to the GPU: the timing covers the layer
-transfers, the captures, the scale search of every smoothing group (block re-runs with fake-quantized weights) and
-the clip search. Random weights and ids leave the cost unchanged: it depends on shapes, not values.
+The model is built on the meta device and materialised on the CPU in bf16 (``common.random_llama``: weights ~ N(0, 0.02)
+drawn on the GPU, one tensor at a time; norms 1), as a real checkpoint would sit in host memory. ``quantkit.quantize``
+with a recipe holding only the awq stage then moves one decoder layer at a time to the GPU: the timing covers the layer
+transfers, the captures, the scale search of every smoothing group (block re-runs with fake-quantized weights) and the
+clip search. Random weights and ids leave the cost unchanged: it depends on shapes, not values.
 
-Printed and written (``$OUT`` or ``--out``: ``bench_awq.json``): wall time, time per layer (median, max) and the
+Printed and written (``--out``, default out/awq: ``bench_awq.json``): wall time, time per layer (median, max) and the
 extrapolation to 32 layers, and the peak GPU memory (``torch.cuda.max_memory_allocated``). Needs only torch and
 transformers: no ``datasets``, no ``gguf``.
 """
@@ -21,52 +21,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
+from common import LLAMA3_8B, add_out_argument, out_folder, random_llama
 
-LLAMA3_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
 SMOKE = dict(LLAMA3_8B, hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2)
 SMOKE["vocab_size"] = 512
 
 
-def build(shapes: dict, layers: int, draw_on: torch.device, seed: int = 0):
-    """LlamaForCausalLM in bf16 on the CPU, random weights drawn on ``draw_on`` (fast on a GPU), norms 1."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**{**shapes, "num_hidden_layers": layers})
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.to_empty(device="cpu")
-    gen = torch.Generator(device=draw_on).manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.fill_(1.0)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen, device=draw_on, dtype=torch.bfloat16) * 0.02)
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # inv_freq was computed on meta
-    stray = [n for n, b in model.named_buffers() if b.is_meta]
-    if stray:
-        raise RuntimeError(f"buffers left on the meta device: {stray}")
-    return model.eval()
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--layers", type=int, default=None, help="decoder layers (the 8B model has 32; default 8, SmolLM2: all 30)"
@@ -95,8 +60,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, not speed")
     ap.add_argument("--cpu-smollm2", action="store_true", help="time SmolLM2-135M (real weights, Brown text) on CPU")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave the default)")
-    ap.add_argument("--out", type=Path, default=os.environ.get("OUT"), help="folder for bench_awq.json ($OUT)")
-    args = ap.parse_args()
+    add_out_argument(ap, "awq")
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.refine_steps is None and args.then_gptq:
@@ -153,7 +118,7 @@ def main() -> None:
         calib, calibration = calibration_windows(tokenizer, "brown", args.nsamples, args.seqlen)
     else:
         args.layers = args.layers or 8
-        model = build(shapes, args.layers, device)
+        model = random_llama({**shapes, "num_hidden_layers": args.layers}, device)
         calib = torch.randint(0, shapes["vocab_size"], (args.nsamples, args.seqlen), generator=torch.Generator())
         calibration = {"source": "random ids", "nsamples": args.nsamples, "seqlen": args.seqlen}
     build_seconds = time.perf_counter() - t0
@@ -211,10 +176,9 @@ def main() -> None:
         + (f", ~{extrapolated:.0f} s for 32 layers)" if extrapolated is not None else ")")
         + (f", peak GPU memory {peak / 2**30:.2f} GiB" if peak is not None else "")
     )
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_awq.json").write_text(json.dumps(info, indent=1) + "\n")
-        print(f"wrote {args.out / 'bench_awq.json'}")
+    out = out_folder(args.out)
+    (out / "bench_awq.json").write_text(json.dumps(info, indent=1) + "\n")
+    print(f"wrote {out / 'bench_awq.json'}")
 
 
 if __name__ == "__main__":

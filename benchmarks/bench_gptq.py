@@ -10,59 +10,21 @@ uniform random. ``quantkit.quantize`` then moves one decoder layer at a time to 
 so the timing includes layer transfers, Hessian accumulation (fp32), the true-sequential forwards and GPTQ itself.
 Random weights and tokens leave the arithmetic unchanged: GPTQ's cost depends on shapes, not values.
 
-Printed and written (``$OUT`` or ``--out``: ``bench_gptq.json`` and ``bench_gptq.md``): wall time of the build and of
-the quantization, time per layer, the GPTQ share (sum of the per-linear ``seconds`` of the report), and the peak
-GPU memory (``torch.cuda.max_memory_allocated``). Needs only torch and transformers (no datasets / gguf in GPU mode).
+Printed and written (``--out``, default out/gptq: ``bench_gptq.json`` and ``bench_gptq.md``): wall time of the build and
+of the quantization, time per layer, the GPTQ share (sum of the per-linear ``seconds`` of the report), and the peak GPU
+memory (``torch.cuda.max_memory_allocated``). Needs only torch and transformers (no datasets / gguf in GPU mode).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
-
-LLAMA3_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
-
-
-def random_llama(shapes: dict, device: torch.device, seed: int = 0):
-    """LlamaForCausalLM with ``shapes`` (LlamaConfig keys) in bf16 on the CPU, weights ~ N(0, 0.02), norms 1.
-    Random values are drawn on ``device`` (fast on a GPU) and copied into the CPU tensors one by one."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**shapes)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.to_empty(device="cpu")  # uninitialised bf16 storage, no fp32 copy, nothing written yet
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.dim() == 1:
-                p.fill_(1.0)  # RMSNorm weights
-            else:  # drawn where it is fast (the GPU), one tensor at a time
-                p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.bfloat16).mul_(0.02))
-        rotary = model.model.rotary_emb  # its inv_freq buffer was computed on meta: rebuild it for real
-        model.model.rotary_emb = type(rotary)(config=config)
-    for name, b in model.named_buffers():
-        if b.is_meta:
-            raise RuntimeError(f"buffer {name} is still on the meta device")
-    return model.eval()
+from common import LLAMA3_8B, add_out_argument, out_folder, random_llama
 
 
 def gptq_recipe(args):
@@ -119,7 +81,7 @@ def run(model, calib, args, device) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-smollm2", action="store_true", help="time SmolLM2-135M (real weights, Brown text) on CPU")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers to build (GPU mode; default 32)")
@@ -135,8 +97,8 @@ def main() -> None:
     ap.add_argument("--mse", action=argparse.BooleanOptionalAction, default=True, help="clipped grids (default: on)")
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave the default)")
-    ap.add_argument("--out", type=Path, default=os.environ.get("OUT"), help="folder for JSON/markdown (default $OUT)")
-    args = ap.parse_args()
+    add_out_argument(ap, "gptq")
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     seed = 0
@@ -183,11 +145,10 @@ def main() -> None:
         f"{info['seconds_per_layer_median']} s/layer median"
         + (f", peak GPU memory {peak / 2**30:.2f} GiB" if peak is not None else "")
     )
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_gptq.json").write_text(json.dumps(info, indent=1) + "\n")
-        (args.out / "bench_gptq.md").write_text(markdown(info))
-        print(f"wrote {args.out / 'bench_gptq.json'} and .md")
+    out = out_folder(args.out)
+    (out / "bench_gptq.json").write_text(json.dumps(info, indent=1) + "\n")
+    (out / "bench_gptq.md").write_text(markdown(info))
+    print(f"wrote {out / 'bench_gptq.json'} and .md")
 
 
 def markdown(info: dict) -> str:

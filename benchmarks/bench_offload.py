@@ -4,11 +4,11 @@ saved as safetensors, quantized in fp32 (what a CPU computes in) by one child pr
     python benchmarks/bench_offload.py                                   # Llama-3.2-1B shapes, RTN
     python benchmarks/bench_offload.py --method gptq --nsamples 8 --seqlen 256 --layers 4
 
-Each child loads the folder with ``quantkit.load_model(dtype=float32, offload=...)``, quantizes it on the CPU and
-hashes the resulting state dict; a thread samples /proc/self/status every 10 ms. Printed and written (``$OUT`` or
-``--out``: ``bench_offload.json`` and ``.md``): peak anonymous memory (what must fit in RAM; pages of the mapped
-weights files are cache the kernel can drop), peak resident memory (both), wall time, and whether the two
-checkpoints are identical. Linux only (/proc).
+Each child loads the folder with ``quantkit.load_model(dtype=float32, offload=...)``, quantizes it on the CPU and hashes
+the resulting state dict; a thread samples /proc/self/status every 10 ms. Printed and written (``--out``, default
+out/offload: ``bench_offload.json`` and ``.md``): peak anonymous memory (what must fit in RAM; pages of the mapped
+weights files are cache the kernel can drop), peak resident memory (both), wall time, and whether the two checkpoints
+are identical. Linux only (/proc).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -25,38 +24,16 @@ import time
 from pathlib import Path
 
 import torch
-
-LLAMA32_1B = dict(
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-)
+from common import LLAMA32_1B, add_out_argument, out_folder, random_llama
 
 
 def save_random_model(folder: Path, layers: int) -> None:
     """Random N(0, 0.02) bf16 weights in Llama-3.2-1B shapes (``layers`` decoder layers) and a one-word tokenizer
     (the calibration ids are random: nothing is tokenized) as a Hugging Face folder."""
     from tokenizers import Tokenizer, models
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    torch.manual_seed(0)
-    config = LlamaConfig(**{**LLAMA32_1B, "num_hidden_layers": layers})
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.to_empty(device="cpu")
-    model.tie_weights()  # to_empty gave lm_head storage of its own
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(1.0) if p.dim() == 1 else p.normal_(0, 0.02)
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # computed on meta: rebuild
-    model.save_pretrained(folder)
+    random_llama({**LLAMA32_1B, "num_hidden_layers": layers}, "cpu").save_pretrained(folder)
     tok = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(folder)
 
@@ -128,7 +105,7 @@ def main() -> None:
     parser.add_argument("--method", default="rtn", choices=["rtn", "gptq"])
     parser.add_argument("--nsamples", type=int, default=8)
     parser.add_argument("--seqlen", type=int, default=256)
-    parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    add_out_argument(parser, "offload")
     parser.add_argument("--child", choices=["whole", "offload"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -158,10 +135,9 @@ def main() -> None:
     }
     text = markdown(info)
     print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_offload.json").write_text(json.dumps(info, indent=1) + "\n")
-        (args.out / "bench_offload.md").write_text(text)
+    out = out_folder(args.out)
+    (out / "bench_offload.json").write_text(json.dumps(info, indent=1) + "\n")
+    (out / "bench_offload.md").write_text(text)
 
 
 if __name__ == "__main__":

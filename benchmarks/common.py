@@ -57,6 +57,32 @@ def decoder_linears(config: dict) -> dict[str, tuple[int, int]]:
     }
 
 
+def random_llama(config: dict, draw_on: torch.device | str, seed: int = 0):
+    """LlamaForCausalLM of ``config`` (LlamaConfig keys) in bf16 on the CPU, as a real checkpoint would sit in host
+    memory: weights ~ N(0, 0.02), norms 1. Built on the meta device (no fp32 copy); the random values are drawn on
+    ``draw_on`` (fast on a GPU) and copied into the CPU tensors one at a time. Random weights leave the cost of
+    quantizing unchanged: it depends on shapes, not values."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaConfig(**config)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama).to(torch.bfloat16)
+    model.to_empty(device="cpu")  # uninitialised bf16 storage, nothing written yet
+    model.tie_weights()  # to_empty gave a tied lm_head storage of its own
+    gen = torch.Generator(device=draw_on).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)  # RMSNorm weights
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, device=draw_on, dtype=torch.bfloat16).mul_(0.02))
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=llama)  # inv_freq was computed on meta
+    stray = [n for n, b in model.named_buffers() if b.is_meta]
+    if stray:
+        raise RuntimeError(f"buffers left on the meta device: {stray}")
+    return model.eval()
+
+
 # -- where a benchmark runs --------------------------------------------------------------------------------------
 
 
