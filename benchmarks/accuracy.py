@@ -1,10 +1,15 @@
 """Accuracy tables on a real model: methods x bits x group sizes, perplexity and KL against float.
 
-    python benchmarks/accuracy.py --methods rtn,gptq --bits 8,4,3 --groups -1,128,64 --out results/acc.json
+    python benchmarks/accuracy.py --methods rtn,gptq --bits 8,4,3 --groups -1,128,64 --out out/accuracy/acc.json
+    python benchmarks/accuracy.py --jobs benchmarks/accuracy_jobs.yaml [--only rtn,calibrated] --device cuda
 
 The float model is loaded once; its next-token log-probabilities on the evaluation windows are computed once
 and kept in memory (fp16), so each cell costs one quantization and one forward pass over the windows. The
-calibration windows are the same for every cell. Protocol: see quantkit.eval.perplexity.
+calibration windows are the same for every cell of a calibration draw. Protocol: see quantkit.eval.perplexity.
+
+``--jobs FILE``: the cells come from a YAML list of jobs (see accuracy_jobs.yaml), each with the per-cell options
+below (methods, bits, groups, params, label, nsamples, calib_seed, sym, act_static); the command line gives the
+rest. Rows accumulate in ``--out``: a later run replaces the rows of the cells it ran and keeps the others.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 from rich.console import Console
 from rich.table import Table
 
@@ -27,8 +33,11 @@ from quantkit.eval import evaluate_windows, window_log_probs
 from quantkit.models.loading import cache_dir, resolve_model
 from quantkit.presets import preset_recipe
 
+JOB_KEYS = ("name", "methods", "bits", "groups", "params", "label", "nsamples", "calib_seed", "sym", "act_static")
+JOB_REQUIRED = ("name", "methods", "bits", "groups")
 
-def main() -> None:
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--methods", default="rtn", help="comma-separated presets (quantkit.presets)")
@@ -47,6 +56,8 @@ def main() -> None:
         action="store_true",
         help="W8A8 presets: one calibrated per-tensor activation scale instead of per-token scales",
     )
+    ap.add_argument("--jobs", type=Path, help="YAML list of jobs, each a set of cells (replaces the options above)")
+    ap.add_argument("--only", help="with --jobs: comma-separated names of the jobs to run (default: all)")
     ap.add_argument("--calib", default="brown")
     ap.add_argument("--nsamples", type=int, default=128)
     ap.add_argument("--calib-seed", type=int, default=0, help="which random calibration windows (run-to-run spread)")
@@ -60,10 +71,19 @@ def main() -> None:
         default="cpu",
         help="where layers are quantized and windows evaluated (cpu, cuda); fp32 on either, TF32 off",
     )
-    ap.add_argument("--out", type=Path, required=True, help="JSON results; a .md table is written beside it")
-    args = ap.parse_args()
-    if args.label and "," in args.methods:
-        ap.error("--label names a single method; run one method per --label")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=Path("out/accuracy/accuracy.json"),
+        help="JSON results; a .md table is written beside it (default: out/accuracy/accuracy.json)",
+    )
+    args = ap.parse_args(argv)
+    if args.only and not args.jobs:
+        ap.error("--only selects jobs of a --jobs file")
+    jobs = read_jobs(args.jobs, args.only) if args.jobs else [job_from_args(args)]
+    for job in jobs:
+        if job.get("label") and len(job["methods"]) > 1:
+            ap.error(f"job {job['name']}: a label names a single method; run one method per label")
     if args.threads:
         torch.set_num_threads(args.threads)
     console = Console()
@@ -74,52 +94,62 @@ def main() -> None:
     float_model, tokenizer, _ = quantkit.load_model(args.model)
     float_model.to(device)
     windows, protocol = evaluation_windows(tokenizer, args.eval, args.eval_seqlen, args.windows)
-    calib, fingerprint = calibration_windows(tokenizer, args.calib, args.nsamples, args.seqlen, args.calib_seed)
     t0 = time.perf_counter()
     baseline = cached_baseline(float_model, args.model, windows, protocol)
     float_result = evaluate_windows(float_model, windows, baseline, float_from_baseline=True)
     console.print(
         f"float: ppl {float_result.perplexity:.3f} on {float_result.tokens} tokens ({time.perf_counter() - t0:.0f}s)"
     )
+    draws: dict[tuple[int, int], tuple] = {}  # (nsamples, seed) -> (windows, fingerprint)
     rows = []
     previous = json.loads(args.out.read_text()) if args.out.exists() else None
-    for method in args.methods.split(","):
-        for bits in map(int, args.bits.split(",")):
-            for group in map(int, args.groups.split(",")):
-                scheme = {"bits": bits, "group_size": group, "sym": args.sym}
-                if args.act_static:
-                    scheme["act_dynamic"] = False
-                recipe = preset_recipe(method, scheme, params=json.loads(args.params) or None)
-                model = copy.deepcopy(float_model)
-                t0 = time.perf_counter()
-                quantkit.quantize(model, recipe, calib if recipe.needs_calibration else None, device=device)
-                q_seconds = time.perf_counter() - t0
-                res = evaluate_windows(model, windows, baseline)
-                row = {
-                    "method": args.label or method,
-                    **scheme,
-                    "perplexity": res.perplexity,
-                    "kl": res.kl,
-                    "top1": res.top1_agreement,
-                    "quantize_seconds": round(q_seconds, 1),
-                    "params": json.loads(args.params),
-                    "calibration": (
-                        f"{args.calib} {args.nsamples}x{args.seqlen}"
-                        + (f" seed {args.calib_seed}" if args.calib_seed else "")
-                        if recipe.needs_calibration
-                        else None
-                    ),
-                    "device": device.type,
-                }
-                rows.append(row)
-                console.print(row)
-                del model
+    for job in jobs:
+        nsamples, seed = job.get("nsamples", args.nsamples), job.get("calib_seed", args.calib_seed)
+        params = job.get("params") or {}
+        for method in job["methods"]:
+            for bits in job["bits"]:
+                for group in job["groups"]:
+                    scheme = {"bits": bits, "group_size": group, "sym": job.get("sym", args.sym)}
+                    if job.get("act_static", args.act_static):
+                        scheme["act_dynamic"] = False
+                    recipe = preset_recipe(method, scheme, params=params or None)
+                    calib = None
+                    if recipe.needs_calibration:
+                        if (nsamples, seed) not in draws:
+                            draws[nsamples, seed] = calibration_windows(
+                                tokenizer, args.calib, nsamples, args.seqlen, seed
+                            )
+                        calib = draws[nsamples, seed][0]
+                    model = copy.deepcopy(float_model)
+                    t0 = time.perf_counter()
+                    quantkit.quantize(model, recipe, calib, device=device)
+                    q_seconds = time.perf_counter() - t0
+                    res = evaluate_windows(model, windows, baseline)
+                    row = {
+                        "method": job.get("label") or method,
+                        **scheme,
+                        "perplexity": res.perplexity,
+                        "kl": res.kl,
+                        "top1": res.top1_agreement,
+                        "quantize_seconds": round(q_seconds, 1),
+                        "params": params,
+                        "calibration": (
+                            f"{args.calib} {nsamples}x{args.seqlen}" + (f" seed {seed}" if seed else "")
+                            if recipe.needs_calibration
+                            else None
+                        ),
+                        "device": device.type,
+                    }
+                    rows.append(row)
+                    console.print(row)
+                    del model
     report = {
         "model": args.model,
-        "baseline_note": "float baseline = dequantized Q4_1 GGUF weights (see models-and-data.md)",
+        "baseline_note": "float baseline = the model as loaded (for the built-in SmolLM2: dequantized Q4_1 GGUF "
+        "weights, see docs/evaluation.md)",
         "float_perplexity": float_result.perplexity,
         "eval": protocol,
-        "calibration": fingerprint,
+        "calibration": next(iter(draws.values()))[1] if draws else None,  # rows name their own draw
         "params": json.loads(args.params),
         "rows": rows,
         "torch_threads": torch.get_num_threads(),
@@ -131,7 +161,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(markdown(report))
-    table = Table(title=f"{args.model}: float ppl {float_result.perplexity:.3f} (dequantized GGUF baseline)")
+    table = Table(title=f"{args.model}: float ppl {float_result.perplexity:.3f}")
     for col in ("method", "bits", "group", "sym", "ppl", "Δppl", "KL", "top-1", "quantize s"):
         table.add_column(col)
     for r in report["rows"]:
@@ -147,6 +177,63 @@ def main() -> None:
             str(r["quantize_seconds"]),
         )
     console.print(table)
+
+
+def _list(value, cast) -> list:
+    """A job's methods / bits / groups: a YAML list, one value, or a comma-separated string."""
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else [value]
+    return [cast(v.strip() if isinstance(v, str) else v) for v in items]
+
+
+def job_from_args(args) -> dict:
+    """The one job the command-line options describe."""
+    job = {"name": "cli", "methods": _list(args.methods, str), "bits": _list(args.bits, int)}
+    job["groups"] = _list(args.groups, int)
+    job["params"] = json.loads(args.params)
+    if args.label:
+        job["label"] = args.label
+    return job
+
+
+def read_jobs(path: Path, only: str | None = None) -> list[dict]:
+    """The jobs of a YAML file (``jobs:`` a list of mappings with JOB_KEYS), those named in ``only`` if given; a
+    one-line exit naming what is wrong otherwise."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise SystemExit(f"{path}: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict) or set(data) != {"jobs"} or not isinstance(data["jobs"], list) or not data["jobs"]:
+        raise SystemExit(f"{path}: expected one key, 'jobs', holding a list of jobs")
+    jobs = []
+    for i, raw in enumerate(data["jobs"]):
+        where = f"{path}: job {i + 1}"
+        if not isinstance(raw, dict):
+            raise SystemExit(f"{where}: expected a mapping, got {type(raw).__name__}")
+        unknown = sorted(set(raw) - set(JOB_KEYS))
+        if unknown:
+            raise SystemExit(f"{where}: unknown key {unknown[0]!r}; allowed: {', '.join(JOB_KEYS)}")
+        missing = [k for k in JOB_REQUIRED if k not in raw]
+        if missing:
+            raise SystemExit(f"{where}: missing {', '.join(missing)}")
+        try:
+            job = {**raw, "methods": _list(raw["methods"], str), "bits": _list(raw["bits"], int)}
+            job["groups"] = _list(raw["groups"], int)
+        except (TypeError, ValueError) as exc:
+            raise SystemExit(f"{where} ({raw['name']}): {exc}") from None
+        if not isinstance(job.get("params", {}), dict):
+            raise SystemExit(f"{where} ({raw['name']}): params must be a mapping of stage parameters")
+        jobs.append(job)
+    names = [j["name"] for j in jobs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise SystemExit(f"{path}: job name {twice[0]!r} given twice")
+    if only:
+        wanted = [n.strip() for n in only.split(",")]
+        unknown = [n for n in wanted if n not in names]
+        if unknown:
+            raise SystemExit(f"--only: no job {unknown[0]!r} in {path}; jobs: {', '.join(names)}")
+        jobs = [j for j in jobs if j["name"] in wanted]
+    return jobs
 
 
 def row_key(row: dict) -> tuple:
@@ -187,8 +274,7 @@ def markdown(report: dict) -> str:
         f"# Accuracy on {report['model']} ({report['date']})",
         "",
         f"Float baseline perplexity {base:.3f} ({report['baseline_note']}). Evaluation: {report['eval']['source']}, "
-        f"{report['eval']['windows']} windows x {report['eval']['seqlen']} tokens. Calibration: "
-        f"{report['calibration']['source']}, {report['calibration']['nsamples']} x {report['calibration']['seqlen']}.",
+        f"{report['eval']['windows']} windows x {report['eval']['seqlen']} tokens. Calibration: per row.",
         "",
         "| method | bits | group | sym | ppl | Δppl | KL | top-1 | calibration | quantize s | device |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
