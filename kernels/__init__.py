@@ -5,6 +5,11 @@ folder is also importable as a top-level ``kernels``, the name of Hugging Face's
 >= 5.25 depends on and imports at start-up (``transformers.integrations.hub_kernels``). Imported under that name,
 this module steps aside: it loads the installed ``kernels`` from the rest of ``sys.path`` and puts it in
 ``sys.modules`` in its place, which the import statement then returns. Without such a package, nothing changes.
+
+The kernels by family: ``w4a16`` (weight-only GPTQ layers), ``w8a8`` (8-bit activations and weights, int8 or fp8),
+``attention`` (paged decode and prefill), ``dense`` (float GEMV, norm and rotary), ``gptq`` (GPTQ's column loop);
+``_device`` holds what they share. ``explain(m, n, k, scheme, device)`` names the kernel and config that serve a
+product; ``GPU`` describes a device to ask it about.
 """
 
 import importlib.machinery
@@ -20,3 +25,8 @@ if __name__ == "kernels":
         _module = importlib.util.module_from_spec(_spec)
         sys.modules["kernels"] = _module
         _spec.loader.exec_module(_module)
+else:
+    from quantkit.kernels._device import GPU
+    from quantkit.kernels.explain import explain
+
+    __all__ = ["GPU", "explain"]

@@ -63,9 +63,7 @@ class GPU:
 @functools.lru_cache(maxsize=16)
 def _cuda_gpu(index: int) -> GPU:
     props = torch.cuda.get_device_properties(index)
-    return GPU(
-        (props.major, props.minor), props.multi_processor_count, props.shared_memory_per_block_optin, props.name
-    )
+    return GPU((props.major, props.minor), props.multi_processor_count, props.shared_memory_per_block_optin, props.name)
 
 
 def device_of(device: torch.device | str) -> GPU | None:
@@ -103,6 +101,7 @@ def round_half_even(v):
     d = v - f
     f_is_odd = (f - 2.0 * tl.floor(0.5 * f)) != 0.0
     return f + tl.where((d > 0.5) | ((d == 0.5) & f_is_odd), 1.0, 0.0)
+
 
 @triton.jit
 def prefetch_l2(ptrs, on):

@@ -1,7 +1,8 @@
 """Kernels on plain (unquantized) tensors for the runtime: the one-row float GEMV of batch-1 decode (``gemv``) and
 the fused per-layer operations (``norm_rope``: residual add + RMSNorm, rotary embedding, KV store, SiLU gate)."""
 
-from quantkit.kernels.dense.gemv import gemv, gemv_reference, use_gemv
+# the GEMV itself stays ``dense.gemv.gemv``: re-exported here, the function would hide the module of the same name
+from quantkit.kernels.dense.gemv import gemv_reference, use_gemv
 from quantkit.kernels.dense.norm_rope import (
     add_rms_norm,
     add_rms_norm_reference,
@@ -15,7 +16,6 @@ from quantkit.kernels.dense.norm_rope import (
 __all__ = [
     "add_rms_norm",
     "add_rms_norm_reference",
-    "gemv",
     "gemv_reference",
     "rotary_",
     "rotary_reference_",

@@ -67,17 +67,19 @@ def _gemv_kernel(
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
 
 
+def serves(rows: int, n: int, dtype: torch.dtype, weight_dtype: torch.dtype, is_cuda: bool) -> bool:
+    """``use_gemv``'s rule on sizes alone: one row of fp16/bf16 x on CUDA, W of x's dtype, at most ``MAX_ROWS``
+    rows of W (``quantkit.kernels.explain`` asks it for contiguous operands)."""
+    return is_cuda and rows == 1 and dtype in _DTYPES and weight_dtype == dtype and n <= MAX_ROWS
+
+
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``gemv`` serves this product: one row of fp16/bf16 x on CUDA, W of x's dtype, both contiguous along
-    K, at most ``MAX_ROWS`` rows."""
+    """Whether ``gemv`` serves this product: ``serves`` for its sizes, x and W contiguous along K."""
     return (
-        x.is_cuda
-        and x.numel() == x.shape[-1]
+        x.numel() == x.shape[-1]  # one row
         and x.stride(-1) == 1
-        and x.dtype in _DTYPES
-        and weight.dtype == x.dtype
         and weight.stride(-1) == 1
-        and weight.shape[0] <= MAX_ROWS
+        and serves(1, weight.shape[0], x.dtype, weight.dtype, x.is_cuda)
     )
 
 

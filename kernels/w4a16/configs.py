@@ -128,9 +128,7 @@ WIDE_M4_N = 28672
 WIDE_M4 = KernelConfig("fused", 16, 128, 64, 4, 3, split_waves=8, fuse_scale=True, swap_ab=True)
 
 
-def config_for(
-    m: int, n: int | None = None, table: tuple[tuple[int, KernelConfig], ...] | None = None
-) -> KernelConfig:
+def config_for(m: int, n: int | None = None, table: tuple[tuple[int, KernelConfig], ...] | None = None) -> KernelConfig:
     """The configuration of the regime that ``m`` rows fall in (``table``, default ``CONFIG_TABLE``); ``n`` (output
     features) picks ``WIDE_M1`` for one row of a wide layer and ``WIDE_M4`` for 3-4 rows of the widest."""
     if m == 1 and n is not None and n >= WIDE_N:

@@ -344,7 +344,8 @@ def w4a16_gemv(
         SPLIT=plan.split_k > 1, STAGES=config.num_stages, FOLD=config.fold_zero and w.bits == 4,
         PREFETCH=config.prefetch,
         HAS_BIAS=bias is not None, EVEN_K=k % plan.block_k == 0,
-        EMULATE_BF16=interpreting() and x.dtype == torch.bfloat16, X_VEC=reads_x_by_four(config, w.bits, x, plan.block_k),
+        EMULATE_BF16=interpreting() and x.dtype == torch.bfloat16,
+        X_VEC=reads_x_by_four(config, w.bits, x, plan.block_k),
         FIXUP=fixup_unroll(config),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

@@ -254,7 +254,6 @@ def doubling_config(n: int, k: int, group: int, sms: int, m: int) -> MmaGemvConf
     return MMA_DEFAULT
 
 
-
 def plan(p: Product) -> Plan | None:
     """The plan when ``w4a16_linear`` runs this kernel for the product, else None: CUDA, M up to MMA_DISPATCH_M, a
     measured config (``mma_config_for``) and operands it takes (``unsupported``)."""
@@ -264,4 +263,3 @@ def plan(p: Product) -> Plan | None:
     if cfg is None or unsupported(p, cfg) is not None:
         return None
     return Plan("mma_gemv", KERNEL, cfg, mma_gemv_split(cfg, p.n, p.k, p.sms))
-

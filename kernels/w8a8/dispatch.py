@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
-from quantkit.kernels._device import interpreting
+from quantkit.kernels._device import GPU, device_of, interpreting
 from quantkit.kernels.w8a8 import ws
 from quantkit.kernels.w8a8.configs import TileConfig, config_for, l2_ahead_for
 from quantkit.kernels.w8a8.gemm import check_matmul_operands, launch_tiles, persistent_fits
@@ -150,19 +150,14 @@ def w8a8_linear(
     return y.reshape(*x.shape[:-1], qw.shape[0])
 
 
-def pdl_rule(m: int, gpu) -> bool:
-    """``use_pdl`` for M rows on a device description (``GPU`` or None)."""
-    return gpu is not None and m <= PDL_MAX_M and not interpreting() and gpu.capability >= (9, 0)
-
-
-def use_pdl(x: torch.Tensor) -> bool:
-    """Programmatic dependent launch on CUDA sm_90+ (never in the interpreter) for M <= PDL_MAX_M rows: the
+def pdl_rule(m: int, gpu: GPU | None) -> bool:
+    """Programmatic dependent launch for M rows on a device (``GPU``, None off CUDA): sm_90+ and M <= PDL_MAX_M. The
     quantizer's launch and run overlap the GEMM's start and its first weight lines (+3-4% geomean end to end at
     M <= 64 in every run, -11% to +12% per cell). At M = 256 it was 8-15% slower: the GEMM's programs then hold the
     SMs while they wait."""
-    return (
-        x.is_cuda
-        and x.shape[0] <= PDL_MAX_M
-        and not interpreting()
-        and torch.cuda.get_device_capability(x.device) >= (9, 0)
-    )
+    return gpu is not None and m <= PDL_MAX_M and gpu.capability >= (9, 0)
+
+
+def use_pdl(x: torch.Tensor) -> bool:
+    """``pdl_rule`` for x [M, K] on its device, never in Triton's interpreter."""
+    return x.is_cuda and not interpreting() and pdl_rule(x.shape[0], device_of(x.device))

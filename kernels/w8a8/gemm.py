@@ -49,6 +49,7 @@ INT32_SAFE_K = (2**31 - 1) // (128 * 128)  # 131_071: the int8 accumulator canno
 # Reference (plain PyTorch): defines the numerics the kernels reproduce.
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def scaled_epilogue_reference(
     acc: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
 ) -> torch.Tensor:

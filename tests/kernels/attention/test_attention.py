@@ -7,7 +7,6 @@ that no sequence owns holds NaN, so reading one (or a padded block-table entry) 
 
 import pytest
 import torch
-from quantkit.kernels.attention.prefill import flash_prefill, flash_prefill_reference, tma_compatible
 from quantkit.kernels.attention.paged import (
     MAX_SPLITS,
     default_num_splits,
@@ -16,6 +15,7 @@ from quantkit.kernels.attention.paged import (
     paged_decode_reference,
     store_kv,
 )
+from quantkit.kernels.attention.prefill import flash_prefill, flash_prefill_reference, tma_compatible
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.float16

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from quantkit.kernels.dense.gemv import MAX_ROWS, gemv, gemv_reference, use_gemv
+from quantkit.kernels.dense.gemv import MAX_ROWS, gemv, gemv_reference, serves, use_gemv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -70,3 +70,11 @@ def test_use_gemv_rule():
         assert not use_gemv(torch.empty(2, 64, dtype=torch.bfloat16, device="cuda"), wc)  # two rows
         assert not use_gemv(xc, wc.half())  # dtypes differ
         assert not use_gemv(xc, torch.empty(MAX_ROWS + 1, 64, dtype=torch.bfloat16, device="cuda"))
+
+
+def test_the_rule_on_sizes():
+    bf16 = torch.bfloat16
+    assert serves(1, MAX_ROWS, bf16, bf16, True)
+    assert not serves(1, MAX_ROWS + 1, bf16, bf16, True)  # the lm_head stays with cuBLAS
+    assert not serves(2, 64, bf16, bf16, True) and not serves(1, 64, bf16, bf16, False)
+    assert not serves(1, 64, torch.float32, torch.float32, True) and not serves(1, 64, bf16, torch.float16, True)

@@ -133,7 +133,11 @@ def test_kernel_matches_float64_reference(m, n, k, group, dtype, act_order, with
     via_linear = K.w4a16_linear(x, w, bias)  # the default dispatch: this kernel where its rule offers it and the
     # register-A kernel's (M <= 128, asked first) does not
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    if split is None and WS.ws_offered(WS.ws_config_for(m, group), m, n, k, group, sms) and not R.plan(Product.of(x, w)):
+    if (
+        split is None
+        and WS.ws_offered(WS.ws_config_for(m, group), m, n, k, group, sms)
+        and not R.plan(Product.of(x, w))
+    ):
         assert torch.equal(via_linear, y)
     else:
         assert_close_to_float64(via_linear, x, qw, bias)
