@@ -1,22 +1,17 @@
 """The offload benchmark end to end with tiny Llama shapes: both children run, the checkpoints match, the table is
 written (the figures themselves come from the real shapes, not from here)."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
+import bench_offload as bench
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_offload.py"
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="samples memory from /proc")
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
 def test_both_modes_run_and_agree(tmp_path, monkeypatch, method):
-    spec = importlib.util.spec_from_file_location("bench_offload", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     tiny = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
     monkeypatch.setattr(bench, "LLAMA32_1B", {**bench.LLAMA32_1B, **tiny})  # the children only read the folder
     argv = ["bench_offload.py", "--layers", "2", "--method", method, "--nsamples", "2", "--seqlen", "16"]

@@ -1,0 +1,71 @@
+"""The GPU benchmarks' CPU plumbing modes (``--smoke``, Triton's interpreter): the GPU runs cannot be tested here,
+but a script that fails on import or on its own bookkeeping would otherwise only be found on the GPU machine."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy
+import pytest
+import triton
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = text.split(".")[:2]
+    return int(major), int(minor)
+
+
+# Triton 3.6's interpreter converts one-element arrays to Python scalars, which NumPy 2.5 refuses ("only
+# 0-dimensional arrays can be converted to Python scalars"): a GPU machine may have both, CI's newer Triton has not.
+OLD_INTERPRETER = _version(triton.__version__) < (3, 7) and _version(numpy.__version__) >= (2, 5)
+
+
+interpreted = pytest.mark.skipif(OLD_INTERPRETER, reason="Triton < 3.7's interpreter fails under NumPy >= 2.5")
+
+
+def smoke(script: str, out: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, str(BENCHMARKS / script), *args, "--out", str(out)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run
+
+
+@pytest.mark.parametrize(
+    "script,written",
+    [
+        pytest.param("bench_w8a8.py", "w8a8_results.json", marks=interpreted),
+        pytest.param("bench_gemv.py", "gemv.json", marks=interpreted),
+        pytest.param("bench_attention.py", "bench_attention_smoke.json", marks=interpreted),
+    ],
+)
+def test_smoke_mode_runs_and_writes_its_results(script, written, tmp_path):
+    run = smoke(script, tmp_path, "--smoke")
+    assert "WRONG" not in run.stdout
+    assert (tmp_path / written).is_file() and (tmp_path / written.replace(".json", ".md")).is_file()
+
+
+@interpreted
+def test_w4a16_smoke_and_its_summary_print_the_same_table(tmp_path):
+    """``--summary`` re-prints a table from the JSON the benchmark wrote, as the run itself printed it."""
+    run = smoke("bench_w4a16.py", tmp_path, "--smoke")
+    assert "CORRECTNESS FAILURE" not in run.stdout
+    table = run.stdout[run.stdout.index("\nspeedup over cuBLAS fp16") :]
+    again = subprocess.run([sys.executable, str(BENCHMARKS / "bench_w4a16.py"), "--summary",
+                            str(tmp_path / "w4a16_smoke.json")], capture_output=True, text=True)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stdout == table
+    assert "geomean g128" in table and "checks within 2x cuBLAS error" in table
+
+
+def test_serve_smoke_agrees_with_hf(tmp_path):
+    smoke("bench_serve.py", tmp_path, "--smoke")
+    agree = json.loads((tmp_path / "bench_serve_smoke.json").read_text())["results"]["agreement_bf16"]
+    # on the CPU in fp32 the runtime's greedy tokens are HF's, also teacher forced
+    assert agree["positionwise"] == 1.0 and agree["teacher_forced"] == 1.0 and agree["gap_max"] == 0.0
+    assert agree["fp32_ours"]["teacher_forced"] == agree["fp32_hf"]["teacher_forced"] == 1.0  # fp32 is the model
+    assert "tokens" not in agree
