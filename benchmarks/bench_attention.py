@@ -5,7 +5,7 @@ a shuffled block pool:
 
   decode   quantkit.kernels.attention.paged.paged_decode: one query per sequence over its paged context.
            Minimum bytes = K + V of every context (+ q and out); "% copy" compares the achieved TB/s with the
-           device-to-device copy bandwidth measured in the same run (read + write bytes, as in gpu.md).
+           device-to-device copy bandwidth measured in the same run (read + write bytes).
            Target: >= 70% at batch 64, 4k context. Timed as a CUDA graph (do_bench_cudagraph, median).
   prefill  quantkit.kernels.attention.prefill.flash_prefill: causal attention of packed sequences (first prefills: the
            chunk's K/V packed, no cached prefix), against torch SDPA (is_causal, GQA via enable_gqa and via repeated
