@@ -364,7 +364,7 @@ def run_sweep(shapes, timer: Timer, device: str, candidates: dict, sweep_ms: dic
             scored = sorted((geomean(times[(fmt, c)]), c) for c in cands)
             best_score, best = scored[0]
             current = K.CONFIGS[(fmt, regime)]
-            cur_t = next((s for s, c in scored if tuple(c) == tuple(current)), None)
+            cur_t = next((s for s, c in scored if K.TileConfig(*c) == current), None)
             winners[f"{fmt}/{regime}"] = as_config(best)
             gain = f", {cur_t / best_score:.2f}x over the committed config" if cur_t else ""
             print(f"{fmt:5s} {regime:6s} winner {best}  geomean {best_score:.1f} us{gain}", flush=True)
@@ -377,11 +377,13 @@ def tuned_on(env: dict) -> str:
 
 
 def configs_block(winners: dict, label: str) -> str:
-    lines = [f"CONFIGS_TUNED_ON = {json.dumps(label)}", "CONFIGS = {  # (format, M regime): CONFIG_KEYS values"]
+    """The CONFIGS literal to commit: the sweep's winners, the committed config where a regime has none."""
+    lines = [f"# tuned on {label}", "CONFIGS: dict[tuple[str, str], TileConfig] = {"]
     for fmt, (regime, _) in ((f, r) for f in ("int8", "fp8") for r in K.M_REGIMES):
         cfg = winners.get(f"{fmt}/{regime}")
-        values = tuple(cfg[key] for key in K.CONFIG_KEYS) if cfg else tuple(K.CONFIGS[(fmt, regime)])
-        lines.append(f'    ("{fmt}", "{regime}"): {values},')
+        tile = K.TileConfig.from_dict(cfg) if cfg else K.CONFIGS[(fmt, regime)]
+        values = ", ".join(str(v) for v in tile.to_dict().values())
+        lines.append(f'    ("{fmt}", "{regime}"): TileConfig({values}),')
     return "\n".join([*lines, "}"])
 
 
@@ -406,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     device = kernel_device(args.smoke)
     timer = Timer(smoke=True, warmup_ms=0, rep_ms=0) if args.smoke else Timer(smoke=False, warmup_ms=10, rep_ms=50)
     out_dir = out_folder(args.out)
-    env = {**environment(device), "configs_tuned_on": K.CONFIGS_TUNED_ON}
+    env = {**environment(device), "configs": "committed CONFIGS"}
     t_start = time.perf_counter()
 
     if args.sweep:
@@ -430,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes, ms = SHAPES, MS
     configs = load_configs(args.configs) if args.configs else None
     if configs:
-        env["configs_tuned_on"] = f"sweep winners from {args.configs}"
+        env["configs"] = f"sweep winners from {args.configs}"
 
     def save_rows(rows: list[dict]) -> None:
         env["seconds"] = round(time.perf_counter() - t_start)
