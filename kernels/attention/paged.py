@@ -55,7 +55,7 @@ def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scal
     return out
 
 
-# The step's metadata (slot mapping, context lengths, block-table rows; also in flash_prefill.py) are slices of one
+# The step's metadata (slot mapping, context lengths, block-table rows; also in prefill.py) are slices of one
 # packed buffer whose offsets move with the step's row count: not specializing on their 16-byte alignment keeps one
 # compiled kernel for every step instead of one per alignment pattern, so a timed run never meets a new pattern and
 # compiles inside it.
@@ -232,8 +232,7 @@ def _decode_merge_kernel(
 
 # Only long contexts at batch <= 4 (8 kv heads) reach the cap. H200, bf16, 8 kv heads, batch 1 at 32k context:
 # 64 splits of 512 keys ran at 78% of copy bandwidth against 63% for 32 splits (256 programs: too few loads in
-# flight); batch 8 at 8k stays at its 17 splits (86%; 64 splits: 79%) (bench_attention.py, 2026-12-02, ninth
-# session, results/attention-h200-2026-12-02-prefixless.md)
+# flight); batch 8 at 8k stays at its 17 splits (86%; 64 splits: 79%) (bench_attention.py)
 MAX_SPLITS = 64
 
 

@@ -27,11 +27,10 @@ fused qkv output), q and the chunk's K/V tiles come through TMA descriptors over
 always takes pointer loads through the block table (Hopper's TMA cannot gather rows).
 Limits: D <= 256. Launch configuration by the longest chunk (``PREFILL_CONFIGS``); launches whose chunks all start
 at position 0 (``has_prefix=False``, which the runtime knows on the host) compile without the block-table loops.
-Measured on the H200, bf16, D = 128, GQA 4 (bench_attention.py, 2026-12-03, five runs,
-results/attention-h200-2026-12-03-seqmajor.md): 82.1-84.6% of SDPA's TFLOP/s at L = 1k x 16, 84.1-88.2% at
-2k x 8 and 87.0-93.4% at 4k x 4 (SDPA's own rate 436-468 / 491-513 / 528-568 TFLOP/s); the same tiles in the
-earlier grid order ran 73.6-78.5% / 79.0-81.7% / 81.9-86.8% in two of those runs (74-81% / 76-83% / 80-89% over
-ten runs before).
+Measured on the H200, bf16, D = 128, GQA 4 (bench_attention.py, five runs): 82.1-84.6% of SDPA's TFLOP/s at L = 1k x 16,
+84.1-88.2% at 2k x 8 and 87.0-93.4% at 4k x 4 (SDPA's own rate 436-468 / 491-513 / 528-568 TFLOP/s); the same tiles in
+the earlier grid order ran 73.6-78.5% / 79.0-81.7% / 81.9-86.8% in two of those runs (74-81% / 76-83% / 80-89% over ten
+runs before).
 """
 
 from __future__ import annotations
@@ -87,7 +86,7 @@ def _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, allowed, MASKED: tl.constexp
     p, l_i and acc term of a row shares that row's reference, and the final acc / l_i cancels it; between
     rescales p <= 2**RESCALE_MARGIN (far inside fp32 and bf16 range). Saves BLOCK_M x D multiplies per tile
     (the acc * alpha below), but the block-wide vote (a cross-warp reduction and a branch per tile) cost more on
-    the H200: 3-13% slower (results/attention-h200-2026-12-02.md), so ``LAZY_RESCALE`` is off.
+    the H200: 3-13% slower, so ``LAZY_RESCALE`` is off.
     """
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
     if MASKED:
@@ -395,10 +394,10 @@ def flash_prefill(
 
 
 # (block_m, block_n, num_warps, num_stages) by the longest chunk of the launch, from benchmarks/bench_attention.py's
-# sweeps on the H200 (bf16, D = 128, GQA 4, TMA on; results/attention-h200-2026-12-02-prefixless.md): chunks of
+# sweeps on the H200 (bf16, D = 128, GQA 4, TMA on): chunks of
 # up to 1024 queries want small tiles (64 x 64: one masked tile on the diagonal, two CTAs per SM at 158 registers
 # and 113 KB of shared memory without the prefix loops), longer ones the widest MMA tiles (2k x 8: 78-82% of SDPA
-# against 76-81% for 64 x 64; with the sequence-major grid, five runs on 2026-12-03: 428-438 against 426-433 TFLOP/s,
+# against 76-81% for 64 x 64; with the sequence-major grid, five runs: 428-438 against 426-433 TFLOP/s,
 # a tie, and at 1k x 16 64 x 64 366-388 against 342-346 for 128 x 128)
 PREFILL_CONFIGS = ((1024, (64, 64, 4, 3)), (2**31, (128, 128, 8, 3)))
 INTERPRETER_CONFIG = (16, 16, 4, 1)  # Triton's interpreter: small tiles run much faster there

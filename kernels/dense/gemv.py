@@ -10,7 +10,7 @@ How
     elementwise products in an fp32 tile; one reduction along K at the end. No split-K: with BLOCK_N = 4 even a
     4096-row weight gives 1024 CTAs, eight per SM.
 
-Why (measured, H200, M = 1, CUDA graphs, 2026-12-02; results/gemv-h200-2026-12-02.md)
+Why (measured, H200, M = 1, CUDA graphs)
     cuBLAS's one-row products leave bandwidth unused on the decoder's layer shapes (bf16: 2.3 TB/s on 4096x4096,
     2.6 on 6144x4096, 3.2-3.4 on the larger ones, against 4.25 TB/s of copy bandwidth). This kernel, bf16 / fp16:
     6144x4096 1.18x / 1.20x, 4096x4096 1.14x / 1.21x, 28672x4096 1.11x / 1.09x, 14336x4096 1.08x / 1.07x, 8192x8192

@@ -4,7 +4,7 @@ and SiLU-gated product.
 At batch 1 a decode step of an 8B model was ~40 launches per layer in PyTorch (counted from the modules), most
 of them element-wise pieces of RMSNorm (~7 launches) and rotary embeddings (~6 per tensor); inside a CUDA graph
 each still costs a few microseconds. With these kernels (and fused q/k/v, gate/up GEMMs) batch-1 bf16 decode on
-the H200 went from 50% to 72% of the bandwidth roofline (results/serve-h200-2026-12-01.md). These kernels do the same
+the H200 went from 50% to 72% of the bandwidth roofline. These kernels do the same
 arithmetic as the PyTorch modules of ``quantkit.runtime.model``:
 
 - ``add_rms_norm(x, weight, eps, residual)``: ``h = x + residual`` (rounded to x's dtype, as the PyTorch add), then
@@ -14,9 +14,9 @@ arithmetic as the PyTorch modules of ``quantkit.runtime.model``:
   NeoX / Llama convention) for every head of q [T, Hq, D] and k [T, Hkv, D]; cos, sin [T, D] in x's dtype. Computed
   in fp32 and rounded once (PyTorch rounds after each product and the sum: results can differ by an ulp). One
   launch for both when k's heads follow q's in memory (the fused q/k/v projection's output), else one each: a
-  batch-1 decode step of an 8B model spent 68 us in 64 rotary launches (results/decode-pdl-h200-2026-12-03.md).
+  batch-1 decode step of an 8B model spent 68 us in 64 rotary launches.
 - ``rotary_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)``: ``rotary_`` of q and k, and the rotated k
-  and v written into the paged KV cache at ``slot_mapping`` (``paged_attention.store_kv``'s layout and rule: slot -1
+  and v written into the paged KV cache at ``slot_mapping`` (``attention.paged.store_kv``'s layout and rule: slot -1
   stores nothing), in one launch when q, k and v are the fused q/k/v projection's split views; returns False (doing
   nothing) otherwise, and the caller rotates and stores separately. Saves the KV store's launch of every layer.
 - ``silu_mul(g, u)``: ``silu(g) * u`` computed in fp32, rounded once.
@@ -192,7 +192,7 @@ def _rotary_store_kernel(
 
 def rotary_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_h: int | None = None,
                   num_warps: int = 4) -> bool:  # fmt: skip
-    """``rotary_(q, k, cos, sin)`` and ``paged_attention.store_kv(k, v, k_cache, v_cache, slot_mapping)`` in one
+    """``rotary_(q, k, cos, sin)`` and ``attention.paged.store_kv(k, v, k_cache, v_cache, slot_mapping)`` in one
     launch, when q [T, Hq, D], k and v [T, Hkv, D] are consecutive heads of one buffer with equal strides (the fused
     q/k/v projection's output) and the caches [blocks, page, Hkv, D] are contiguous; returns False, having done
     nothing, when they are not."""

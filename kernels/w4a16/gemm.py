@@ -1,4 +1,4 @@
-"""Weight-only W4A16 / W8A16 linear: y = x @ W.T + bias with W dequantized from GPTQ-v2 buffers in registers.
+"""Tensor-core W4A16 / W8A16 GEMM (Triton): y = x @ W.T + bias with W dequantized from GPTQ-v2 buffers in registers.
 
 What it computes
     y[m, n] = sum_k x[m, k] * scales[g(k), n] * (q[k, n] - zeros[g(k), n]) + bias[n], accumulated in fp32 and
@@ -10,11 +10,11 @@ Layouts consumed (GPTQ-v2, ``quantkit.quant.packing``; b = 4 or 8 bits, pf = 32 
     qzeros  int32 [n_g, ceil(N/32)*b] zero points packed along N, stored as they are (v2)
     scales  fp16  [n_g, N]
     x [M, K] fp16/bf16 (any strides), bias [N] (any float dtype), y [M, N] in x's dtype.
-    Kernel layout: ``KERNEL_LAYOUT`` v``KERNEL_LAYOUT_VERSION`` (``w4a16_weight.py``) is gptq_v2 with K permuted
+    Kernel layout: ``KERNEL_LAYOUT`` v``KERNEL_LAYOUT_VERSION`` (``weight.py``) is gptq_v2 with K permuted
     so groups are contiguous (identity without act-order). It lives only in memory; checkpoints stay gptq_v2.
 
-Kernels (this file: the tensor-core GEMM and the dequantize kernel; ``w4a16_gemv.py``: the CUDA-core decode kernel;
-``w4a16_epilogue.py``: the store and split-K fix-up they share)
+Kernels (this file: the tensor-core GEMM and the dequantize kernel; ``gemv.py``: the CUDA-core decode kernel;
+``epilogue.py``: the store and split-K fix-up they share)
     ``_w4a16_gemm_kernel`` tiles [BLOCK_M, BLOCK_N] outputs and walks K in BLOCK_K steps, each K tile inside one
     group (``plan_launch`` caps BLOCK_K); tl.dot on fp16/bf16 operands, fp32 accumulation. Each tile of packed words
     [BLOCK_K/pf, BLOCK_N] is loaded once and unpacked two codes per 32-bit operation: (w >> s) & 0x000F000F |
@@ -30,33 +30,24 @@ Kernels (this file: the tensor-core GEMM and the dequantize kernel; ``w4a16_gemv
     SWAP_AB computes y.T = W.T @ x.T: the weight tile becomes the MMA's M side, so a few rows of x (BLOCK_M 16)
     still run Hopper's wgmma (64 x 16 x 16) with the dequantized tile as the A operand, where tl.dot would fall
     back to mma.sync for M < 64.
-    Split-K (grid axis 1 > 1): ``w4a16_epilogue.finish_tile``'s deterministic serial fix-up, one launch.
+    Split-K (grid axis 1 > 1): ``epilogue.finish_tile``'s deterministic serial fix-up, one launch.
     ``_w4a16_dequant_kernel`` writes W as [N, K] in x's dtype for the dequantize-then-cuBLAS path (large M):
     ``F.linear(x, W)`` then runs the same cuBLAS kernel as the fp16 baseline.
 
-Regimes (``CONFIG_TABLE`` in ``w4a16_configs.py``, chosen by ``benchmarks/bench_w4a16.py --sweep`` on the H200;
-``config_for(m, n)`` also looks at the layer's width): M <= 2 the gemv kernel (64-deep K tiles for one row of a
-layer with N >= 14336, ``WIDE_M1``), 4 <= M <= 128 this kernel with SWAP_AB (BLOCK_M 16-128, 3 stages, split-K to
-fill the 132 SMs; twice the split for 3-4 rows of N >= 28672, ``WIDE_M4``), larger M dequantize + cuBLAS.
-On Hopper, ``w4a16_linear`` without an explicit config runs M 65-512 on the warp-specialized Gluon kernel
-(``w4a16_ws.py``, ``w4a16_ws_kernel.py``: 0.85x cuBLAS fp16 at M = 256 against 0.60x for the table's path,
-results/w4a16-ws-h200-2026-12-03.md) where its rule offers it and the operands suit it, and M <= 16 on the
-mma.sync gemv (``w4a16_mma_gemv.py``: each thread dequantizes whole GPTQ words into mma fragments, 1.12-1.95x the
-table's path at M = 2-8 and 0.95-1.12x the CUDA-core gemv at M = 1, results/w4a16-mma-gemv-h200-2026-12-04.md;
-1.01-1.64x the m16 tiles at M = 16, results/w4a16-mma-split-probe-h200-2026-12-04.md), and M 17-128 of the larger
-layers on the register-A wgmma kernel (``w4a16_rega.py``, ``w4a16_rega_kernel.py``: GPTQ words unpacked
-straight into an asynchronous wgmma's A operand, 1.2-1.6x this kernel's tiles there,
-results/w4a16-rega-wgmma-h200-2026-12-04.md).
-The first H200 run (results/w4a16-h200-2026-11-29-first.md) showed 16 x 128 x 128 tiles with 4 stages latency bound
-at ~0.45 TB/s (162 registers and 71 KB of shared memory: 3 CTAs of 4 warps per SM, a synchronous scale load per
-tile); small BLOCK_K = 64 tiles with the scale fused into the tile and 3 stages run at 0.7-1.3 TB/s of weight bytes
-for M <= 16 (72-96 registers). Still far from the memory roofline: the dequantized tile makes a round trip through
-shared memory for the wgmma A operand (STS + LDSM). Up to 2026-12-03 ptxas also serialized the wgmma of the 64- and
-128-row tiles (C7515, from the K loop's possible zero-trip path; ``tl.assume`` in the kernel removes it, +6% at
-M = 64 and +8% at M = 128, geomean). Keeping the tile in registers as the wgmma's A operand (a fragment-ordered
-weight layout, ``benchmarks/probes/probe_rega.py``) removed the round trip: with zero and scale applied in PTX it ran
-11-18% faster at M = 4-128 but 31% slower than the gemv at M = 1, whose layout it cannot share; not adopted, as a
-second copy of every weight would double W4A16's weight memory (results/w4a16-rega-h200-2026-12-03.md).
+Where it runs (``dispatch.py``): the Triton regime table (``configs.CONFIG_TABLE``) gives this kernel M 3-128 with
+SWAP_AB (BLOCK_M 16-128, 3 stages, split-K to fill the SMs; twice the split for 3-4 rows of the widest layers,
+``WIDE_M4``), the gemv kernel M <= 2 and dequantize + cuBLAS larger M; on Hopper with Triton 3.6 the Gluon kernels
+take the products their rules claim first (the mma.sync gemv M <= 16, the register-A wgmma M 17-128 of the larger
+layers, the warp-specialized GEMM M 65-512).
+Why these tiles: 16 x 128 x 128 tiles with 4 stages were latency bound at ~0.45 TB/s (162 registers and 71 KB of
+shared memory: 3 CTAs of 4 warps per SM, a synchronous scale load per tile); small BLOCK_K = 64 tiles with the scale
+fused into the tile and 3 stages run at 0.7-1.3 TB/s of weight bytes for M <= 16 (72-96 registers). Still far from
+the memory roofline: the dequantized tile makes a round trip through shared memory for the wgmma A operand (STS +
+LDSM). ptxas serialized the wgmma of the 64- and 128-row tiles (C7515, from the K loop's possible zero-trip path);
+``tl.assume`` in the kernel removes it (+6% at M = 64 and +8% at M = 128, geomean). Keeping the tile in registers as
+the wgmma's A operand through a fragment-ordered copy of the weight ran 11-18% faster at M = 4-128 but 31% slower
+than the gemv at M = 1, whose layout it cannot share; not adopted, as a second copy of every weight would double
+W4A16's weight memory (the register-A kernel, ``rega.py``, later did it on the GPTQ layout itself).
 
 Limits: 4 or 8 bits; G a multiple of 32, or one group per column; int32 offsets (tensors < 2**31 elements);
 interpreter mode (TRITON_INTERPRET=1) computes bf16 tiles in fp32 and rounds to bf16 by hand, because the
@@ -144,7 +135,7 @@ def _unpack_magic(words, pair, BITS: tl.constexpr, ACT: tl.constexpr):
     Two codes per 32-bit operation: (w >> s) & 0x000F000F | pair holds codes j and j + 4 (4-bit; j and j + 2 for
     8-bit) as two 16-bit floats; the compiler then only splits the lanes. ``pair`` (MAGIC:MAGIC) is a run-time
     value so that it stays in a register and the mask is the LOP3's immediate: as a compile-time constant it was
-    re-materialized, two LOP3s per pair (sm_90 SASS, benchmarks/sass_w4a16.py).
+    re-materialized, two LOP3s per pair (sm_90 SASS).
     """
     if BITS == 4:
         l0, h0 = _lanes((words & 0x000F000F) | pair, ACT)
@@ -243,12 +234,11 @@ def _w4a16_gemm_kernel(
     t_begin = pid_k * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, k_tiles)
     if BLOCK_M >= 64:
-        # No split is empty (plan_launch), but without this the loop may run zero times as far as ptxas knows, and
-        # the zero accumulator of that path makes it serialize the wgmma (C7515: each wgmma waited for right after
-        # issue). Saying so pipelines them: +3-12% at M = 64 and +5-10% at M = 128 on the H200
-        # (results/w4a16-wgmma-serial-h200-2026-12-03.md). Not for 16-row tiles: the pipelined loop takes 103
-        # registers instead of 96 there, one CTA fewer per SM, and M = 4 ran up to 15% slower with it; the 32-row
-        # tile has no serialized wgmma to begin with.
+        # No split is empty (plan_launch), but without this the loop may run zero times as far as ptxas knows, and the
+        # zero accumulator of that path makes it serialize the wgmma (C7515: each wgmma waited for right after issue).
+        # Saying so pipelines them: +3-12% at M = 64 and +5-10% at M = 128 on the H200. Not for 16-row tiles: the
+        # pipelined loop takes 103 registers instead of 96 there, one CTA fewer per SM, and M = 4 ran up to 15% slower
+        # with it; the 32-row tile has no serialized wgmma to begin with.
         tl.assume(t_end > t_begin)
     if SWAP_AB:  # y.T = W.T @ x.T: the weight tile is the MMA's M side (>= 64 rows: wgmma even for a few rows of x)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)

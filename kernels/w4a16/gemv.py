@@ -2,7 +2,7 @@
 
 What it computes
     y[m, n] = sum_k x[m, k] * s[g(k), n] * (q[k, n] - z[g(k), n]) + bias[n] for M rows (any M; meant for M <= ~8),
-    fp32 accumulation, y in x's dtype. Same buffers as ``w4a16.py`` (``W4A16Weight``: GPTQ-v2 qweight int32
+    fp32 accumulation, y in x's dtype. Same buffers as ``gemm.py`` (``W4A16Weight``: GPTQ-v2 qweight int32
     [ceil(K/32)*b, N] packed along K lowest bits first, qzeros int32 [n_g, ceil(N/32)*b], scales fp16 [n_g, N],
     groups contiguous along K).
 
@@ -10,7 +10,7 @@ How
     A CTA owns BLOCK_N output columns (threads and warps only along N, 16-byte loads of packed words: BLOCK_N =
     128 * num_warps keeps 4 columns per thread, so every thread holds whole columns of a K tile and the K
     reduction never leaves the thread) and a K slice of whole tiles (split-K over grid axis 1, fixed up by
-    ``w4a16_epilogue.finish_tile``). x (the same address in every thread) is read straight from L1, four
+    ``epilogue.finish_tile``). x (the same address in every thread) is read straight from L1, four
     activations per 8-byte load with ``vector_x`` (folded path, aligned rows; ``_x_lane`` splits them exactly).
     A tile is BLOCK_K codes of one group, so the scale is applied once per tile and column:
     sum_k x_k s (q_k - z) = s * sum_k x_k (q_k - z).
@@ -21,46 +21,34 @@ How
     per 4-bit weight at M = 1 (Triton 3.6, sm_90). fold_zero (4-bit) takes the FADD and the zero out of the
     inner loop (``_tile_mac_folded``): 3.7. Magic constants are run-time arguments (see the kernel's signature).
     Rows of x are a tensor dimension, so each weight is loaded once for all rows; each extra row costs one FFMA
-    per weight, which is why tensor cores (``w4a16.py``) take over from M ~ 4.
+    per weight, which is why tensor cores (``gemm.py``) take over from M ~ 4.
 
-Measured (H200, 2026-11-29, results/w4a16-h200-2026-11-29.md): M = 1 at 2.3 TB/s of weight bytes on 28672 x 8192
-(55% of the 4.2 TB/s copy bandwidth; 2.3-2.4x cuBLAS fp16), 1.7 TB/s on 8192 x 8192. The loop is latency bound,
-not issue bound: fold_zero's 12% fewer instructions gained ~2%. ptxas issues each word row's load just before its
-use (96 registers, 5 CTAs of 4 warps per SM), so each carries an exposed memory latency; the K loop is a tl.range
-with num_stages, and num_stages >= 2 makes Triton pipeline the loads through shared memory (cp.async, 64 registers)
-but measured 10-25% slower (two CTA barriers per tile, 36-71 KB of shared memory per CTA), so the committed table
-runs num_stages = 1. Small layers also pay ~7 us of fixed cost (launch, first loads, split-K fix-up).
-Nsight Compute on 28672 x 8192 g128 (2026-12-02, results/w4a16-h200-2026-12-02.md): 2.6 TB/s of DRAM traffic,
-issue slots 63% busy, 5.8 cycles between a warp's instructions (2.3 of them waiting on global loads), 5 CTAs of
-4 warps per SM: bounded by instruction issue and load latency together. Filling the waves better did not help at
-group 128; a K-major weight layout (32 codes of one column per 16-byte load) needed 4.6-6.0 instructions per
-weight and ran 25-35% slower on the large shapes (probe: benchmarks/probes/).
-2026-12-02, third session (results/w4a16-h200-2026-12-02b.md): vector_x cut the x loads 3x (LDG 149 -> 53 per
-tile) for 0-7% (geomean ~2%), so x's L1 latency was not the limit either. ptxas sinks the prefetched loads
-(``prefetch``) to the last ~15% of the loop body, so that option never prefetched much; forcing every weight load
-of a tile to issue first (a CTA barrier after the prefetch, or a data dependency on all the tile's words) moved
-them to the top of the loop and raised registers (96 -> 128); the best such variant per cell ran 0.89-1.04x the
-committed config's speed, most variants slower: code dropped.
-2026-12-02, sixth and seventh sessions: 16-bit pair arithmetic (two codes per LOP3, HSUB2 and HFMA2, each word's
-8 products summed in fp16 / bf16 before fp32; inline PTX) cut the loop to 3.01 (fp16) / 3.00 (bf16) SASS
-instructions per weight against 3.65 / 3.53 and 96 -> 80 registers, at 1.1-1.4x PyTorch's same-dtype error on
-average and up to 2.9x in some draws. Timed on the H200 (results/w4a16-medium-h200-2026-12-02.md), four variants
-at M = 1 ran 0.71-1.02x the committed config's speed per cell (geomean 0.80-0.89x); the best at M = 2 1.01-1.08x
-(geomean 1.03x) -- the third instruction cut that bought nothing, so the loop is bound by load latency, not
-issue: code dropped (it is in commit 25d34b6).
-2026-12-02, eighth session: part of the small layers' fixed cost was the split-K fix-up. The M = 1 plan splits K
-until ~4 x 132 CTAs exist (a 4096 x 4096 layer: 8 output tiles x 32 splits of one 128-deep tile), and the last
-CTA of each tile summed the 32 partials four per round, eight dependent L2 round trips after the weights were
-read. Loading all 32 at once (``fixup_unroll``, the same 96 registers) made the small layers 10-20% faster
-(geomean over 8 shapes 1.99x -> 2.16x cuBLAS fp16; results/w4a16-fixup-h200-2026-12-02.md).
-2026-12-03, fourteenth session: asking L2 for the tile 1, 2 or 4 steps ahead (``prefetch.global.L2`` per line, no
-registers for the data) ran 7-23% slower at M = 1, the farther ahead the slower, with or without a register cap:
-with the whole grid resident, every CTA's look-ahead adds up to the size of the L2 (results/l2-ahead-h200-2026-12-03.md;
-code in commit da0e855). Splits that fill exactly one wave of resident CTAs gained nothing either
-(results/w4a16-waves-h200-2026-12-03.md).
+Why it looks like this (H200)
+    M = 1 streams 2.3 TB/s of weight bytes on 28672 x 8192 (55% of the copy bandwidth; 2.3-2.4x cuBLAS fp16),
+    1.7 TB/s on 8192 x 8192. The loop is bound by load latency and instruction issue together, not by either alone
+    (Nsight Compute: issue slots 63% busy, 5.8 cycles between a warp's instructions, 2.3 of them waiting on global
+    loads, 5 CTAs of 4 warps per SM). ptxas issues each word row's load just before its use (96 registers), so
+    each carries an exposed memory latency. What was tried and dropped:
+    - num_stages >= 2 (Triton pipelines the loads through shared memory, cp.async): 10-25% slower (two CTA
+      barriers per tile, 36-71 KB of shared memory per CTA), so the table runs num_stages = 1.
+    - a K-major weight layout (32 codes of one column per 16-byte load): 4.6-6.0 instructions per weight, 25-35%
+      slower on the large shapes.
+    - forcing every weight load of a tile to issue first (``prefetch`` alone: ptxas sinks the prefetched loads to
+      the last ~15% of the loop body): registers 96 -> 128, 0.89-1.04x per cell, most variants slower.
+    - 16-bit pair arithmetic (two codes per LOP3, HSUB2 and HFMA2, each word's 8 products summed in 16 bits before
+      fp32): 3.0 instead of 3.6 SASS instructions per weight, 80 registers, yet 0.80-0.89x at M = 1 (geomean)
+      and 1.03x at M = 2, at 1.1-1.4x PyTorch's same-dtype error: a third instruction cut that bought nothing.
+    - asking L2 for the tile 1, 2 or 4 steps ahead (``prefetch.global.L2``): 7-23% slower at M = 1, the farther
+      ahead the slower: with the whole grid resident, every CTA's look-ahead adds up to the size of the L2; splits
+      that fill exactly one wave of resident CTAs gained nothing either.
+    Kept: fold_zero (12% fewer instructions, ~2%), vector_x (x loads 3x fewer, 0-7%, so x's L1 latency was not the
+    limit either) and ``fixup_unroll``: the M = 1 plan splits K until ~4 x SMs CTAs exist (a 4096 x 4096 layer: 8
+    output tiles x 32 splits of one 128-deep tile), and the last CTA of each tile summed the 32 partials four per
+    round, eight dependent L2 round trips; loading all 32 at once made the small layers 10-20% faster. Small
+    layers still pay ~7 us of fixed cost (launch, first loads, split-K fix-up).
 
-Limits: 4 or 8 bits; BLOCK_K must divide the group size (``w4a16_configs.plan_launch`` sees to it); int32 offsets.
-Hardware: written for the H200 (sm_90, 132 SMs); register and SASS counts from ``benchmarks/sass_w4a16.py``.
+Limits: 4 or 8 bits; BLOCK_K must divide the group size (``configs.plan_launch`` sees to it); int32 offsets.
+Hardware: written for the H200 (sm_90, 132 SMs); register and SASS counts from offline sm_90 compiles.
 """
 
 from __future__ import annotations

@@ -3,16 +3,15 @@ for M = 1-16 rows (decode), reading the GPTQ buffers in place.
 
 What it computes
     y[m, n] = sum_k x[m, k] * s[g(k), n] * (q[k, n] - z[g(k), n]) + bias[n], fp32 accumulation, y in x's dtype.
-    Same buffers as ``w4a16_gemv.py`` (``W4A16Weight``: qweight int32 [K / 8, N] packed along K lowest bits first,
+    Same buffers as ``gemv.py`` (``W4A16Weight``: qweight int32 [K / 8, N] packed along K lowest bits first,
     qzeros int32 [n_g, N / 8], scales fp16 [n_g, N], groups contiguous along K). The difference q - z is exact in
     fp16 / bf16, the tensor cores add the products x (q - z) in fp32, and each group's partial sum is multiplied by
     its fp32 scale: no rounding of the weight at all (PyTorch's dequantize rounds (q - z) s to 16 bits first).
 
 Why
-    The CUDA-core gemv spends ~3.7 instructions per weight (unpack, FFMA per row of x) and keeps few loads in flight
-    (results/w4a16-h200-2026-12-03b.md: 1.0-1.9 TB/s of the 4.25 TB/s copy bandwidth at M = 1). Here unpacking costs
-    ~1.1 instructions per weight (per packed word of eight fp16 codes: 1 shift, 4 LOP3 with the magic exponent, 2
-    subtractions and 2 FMAs of the zero pairs), plus one mma per 32 codes of a thread.
+    The CUDA-core gemv spends ~3.7 instructions per weight (unpack, FFMA per row of x) and keeps few loads in flight.
+    Here unpacking costs ~1.1 instructions per weight (per packed word of eight fp16 codes: 1 shift, 4 LOP3 with the
+    magic exponent, 2 subtractions and 2 FMAs of the zero pairs), plus one mma per 32 codes of a thread.
     This is Marlin's idea (Frantar et al., 2024: dequantize in registers straight into mma fragments) without its
     re-laid-out weight: the product over K does not care in which order the K positions meet, so each thread takes
     whole packed words of the ordinary GPTQ layout and feeds x to the mma in the same permuted K order.
@@ -31,21 +30,21 @@ How (one warp = 32 output columns; a CTA = num_warps warps side by side along N;
     ``W4A16Weight.locks``) adds them in split order (deterministic). Parts are whole loop iterations; where the split
     does not divide their count the parts differ by one iteration (``MmaGemvConfig.uneven``).
 
-Measured (H200, Triton 3.6, results/w4a16-mma-gemv-h200-2026-12-04.md): 2.2 SASS instructions per weight (fp16;
+Measured (H200, Triton 3.6): 2.2 SASS instructions per weight (fp16;
 bf16 2.4: three shifts per word), 58 registers. Against the previous choices over eight layer shapes, geomean of
 speedups over cuBLAS fp16 at M = 1 / 2 / 4 / 8: 2.43x / 2.18x / 2.15x / 2.01x where the CUDA-core gemv and the
 Triton m16 tiles gave 2.31x / 1.56x / 1.42x / 1.36x. At M = 16 (two mma row blocks) the first split rule lost to
 the Triton tiles (1.16x against 1.32x); with fewer CTAs per SM (``MMA_TWO_BLOCKS``) it wins on all eight shapes
 (1.78x against 1.29x), so the dispatcher runs M <= 16 here. The weights stream at 1.1-2.9 TB/s, where a plain read of
-the same words in the same grid reaches 1.75-3.45 TB/s (results/w4a16-mma-tma-ring-h200-2026-12-04.md). ptxas keeps
+the same words in the same grid reaches 1.75-3.45 TB/s. ptxas keeps
 about two K steps of loads in flight per thread, yet that is not the bound: a TMA ring keeping 16-64 KB per CTA in
 flight ran slower, and so did a K step with the zero folded out (5-10% fewer instructions, more registers); what
 remains is each warp's dependent chain at the occupancy its registers allow. ``prefetch`` (the next iteration's
 words loaded before this one's math, 66 registers, allocated as 72) helps where the grid keeps its warps
 (``mma_config_for``; 28672 x 8192 at M = 1: 3.0x).
 A per-thread cp.async ring in shared memory (3-4 iterations ahead, no registers held) ran at about half the speed:
-Triton's barrier analysis puts CTA barriers around the ring although each thread reads only what it copied (code in
-commit 21b3bd4); two column blocks per thread (98 registers) lost to occupancy.
+Triton's barrier analysis puts CTA barriers around the ring although each thread reads only what it copied; two
+column blocks per thread (98 registers) lost to occupancy.
 
 Limits: 4-bit codes; K a multiple of 32 x ``steps``; group size a multiple of 32 (or one group); N a multiple of 4;
 x with unit column stride and an even row stride (read as 32-bit pairs); M <= 16. CUDA compute capability 9.0+

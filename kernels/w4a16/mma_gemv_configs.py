@@ -53,8 +53,7 @@ class MmaGemvConfig:
 MMA_MAX_M = 16
 MMA_TRITON = "3.6."  # the Gluon API the kernel is written for
 # ``w4a16_linear`` runs this kernel up to MMA_DISPATCH_M rows (H200, eight layer shapes): against the previous choice
-# 0.95-1.12x at M = 1 (the CUDA-core gemv; 7 of 8 shapes faster), 1.12-1.95x at M = 2-8
-# (results/w4a16-mma-gemv-h200-2026-12-04.md); M = 9-16 see MMA_TWO_BLOCKS.
+# 0.95-1.12x at M = 1 (the CUDA-core gemv; 7 of 8 shapes faster), 1.12-1.95x at M = 2-8; M = 9-16 see MMA_TWO_BLOCKS.
 MMA_DISPATCH_M = 16
 MMA_DEFAULT = MmaGemvConfig()
 # Loading the next iteration's words first holds 66 registers instead of 58 (groups of 128, one row block; offline
@@ -63,26 +62,25 @@ MMA_DEFAULT = MmaGemvConfig()
 # fp16 against 2.61x; 4096 x 14336 2.23x against 1.96x) and lost where the wave cap halves them (8192 x 8192 2.65x
 # against 3.00x), hence ``mma_config_for``. With groups of 64 the loop holds 72 registers (76 were read on the GPU
 # for the revision timed then), a wave holds fewer CTAs than the cap assumes, and the full table lost up to a third at
-# M = 2-8 (results/w4a16-h200-2026-12-04b.md; 28672 x 8192 at M = 4: 1.30x against 2.08x): groups of 64 never take it.
+# M = 2-8: groups of 64 never take it.
 MMA_PREFETCH = MmaGemvConfig(2, 4, 8.0, prefetch=True, wave=14)
 # Groups of 64, M <= 8: two K steps per iteration (one group each), no prefetch. At M = 1 it beat MMA_DEFAULT on 7
 # of 8 shapes (1.06-1.19x; 14336 x 4096 0.88x); at M = 4 on the five whose split reaches max_split (1.03-1.50x) and
 # lost on the three of N >= 14336 split 4-8 ways (0.87-0.89x): ``mma_config_for`` keeps it to M = 1 and to the
-# layers it splits max_split ways (results/w4a16-mma-split-probe-h200-2026-12-04.md).
+# layers it splits max_split ways.
 MMA_STEPS2 = MmaGemvConfig(4, 2, 4.0)
 # The same loop at M = 1 (groups of 64), with the split rule fitted to every split of it timed on eight shapes in two
-# runs (results/w4a16-mma-split-m1-h200-2026-12-04.md): 8-way splits ran 1.25-1.91x cuBLAS fp16 where 4 or 16 ran
+# runs: 8-way splits ran 1.25-1.91x cuBLAS fp16 where 4 or 16 ran
 # 2.2-3.0x on every shape, so the rule steps over 8 (14336 x 4096: 1.81x -> 2.17x), and the layers of N = 4096 fill
 # the GPU only at 32 slices (4096 x 14336: 2.00x -> 2.22x; 4096 x 4096 tied); the other shapes keep their split.
 MMA_STEPS2_M1 = MmaGemvConfig(4, 2, 4.0, max_split=32, skip_split=8)
 # It also serves groups of 128 (and, as for MMA_PREFETCH, other multiples or one group) at M = 1 on layers of at most
-# MMA_STEPS2_M1_MAX_N columns (64 column tiles, K split 16-32 ways): against the prefetch / default choice, two runs
-# (results/w4a16-mma-split-m1-h200-2026-12-04.md's run 2, results/w4a16-mma-tma-ring-h200-2026-12-04.md section 3):
+# MMA_STEPS2_M1_MAX_N columns (64 column tiles, K split 16-32 ways): against the prefetch / default choice, two runs:
 # 4096 x 14336 +7% / +7%, 4096 x 4096 +5% / +5%, 6144 x 4096 +3% / +4%, 8192 x 8192 and 8192 x 28672 +1% / +1%;
 # on the wider layers it lost 3-7% (14336 x 4096, 28672 x 4096, 28672 x 8192), which keep the prefetch loop.
 MMA_STEPS2_M1_MAX_N = 8192
 # Groups of a multiple of 128 (or one group) at M = 2-8: MMA_STEPS2 on layers of 33-64 column tiles (4096 < N <= 8192),
-# where two runs of every shape at M = 2 / 4 / 8 (results/w4a16-mma-tma-ring-h200-2026-12-04.md, section 4) had it
+# where two runs of every shape at M = 2 / 4 / 8 had it
 # 3-5% ahead of the default loop (8192 x 8192, 8192 x 28672) and 5-13% ahead of the prefetch loop (6144 x 4096); at 32
 # tiles it was within 2% or lost (4096 x 14336 at M = 2: 0.93x), on the wider layers it lost 7-24%.
 MMA_STEPS2_TILES = (33, 64)
@@ -92,34 +90,31 @@ MMA_STEPS2_TILES = (33, 64)
 # K slices pay the fp32 partial sums of 16 rows. Every split timed at M = 16: this
 # rule picks the fastest on all 16 (shape, group 128 / 64) cells; against the Triton m16 tiles that served these rows
 # before, 1.01-1.64x (geomean over cuBLAS fp16 1.29x -> 1.78x at group 128, 1.27x -> 1.62x at group 64, 1.29x ->
-# 1.79x with one group per column; results/w4a16-mma-split-probe-h200-2026-12-04.md).
+# 1.79x with one group per column).
 # Its parts need not divide K evenly (``uneven``): on the layers the split is the one timed above, and on
 # layers whose K has few factors of two the doubling no longer stops at 1-4 slices (4096 x 11008: 2 -> 16, 8192 x
-# 29568: 1 -> 8; results/w4a16-mma-two-blocks-uneven-h200-2026-12-04.md).
+# 29568: 1 -> 8).
 MMA_TWO_BLOCKS = MmaGemvConfig(2, 4, 8.0, prefetch=True, wave=8, min_depth=512, uneven=True)
 # M = 1, groups of a multiple of 128 (or one group): the prefetch loop split into the largest whole number of slices
-# whose grid fits one wave of 14 CTAs per SM, any divisor of the loop count, where that split is not a power of two
-# and fills at least MMA_WAVE_FILL of the wave (K = 7 x 2^j layers). Same run, every split of four configs
-# (results/w4a16-mma-wave-split-h200-2026-12-04.md): 8192 x 28672 split 14 3.00x cuBLAS fp16 against 2.86x for the
-# two-step loop's 16 (and 2.52x for the prefetch loop's power-of-two 8); 4096 x 14336 split 28 2.47x against 2.38x.
-# With groups of 64 the same splits lost (2.31x against 2.62x, 2.01x against 2.22x): not taken there.
+# whose grid fits one wave of 14 CTAs per SM, any divisor of the loop count, where that split is not a power of two and
+# fills at least MMA_WAVE_FILL of the wave (K = 7 x 2^j layers). Same run, every split of four configs: 8192 x 28672
+# split 14 3.00x cuBLAS fp16 against 2.86x for the two-step loop's 16 (and 2.52x for the prefetch loop's power-of-two
+# 8); 4096 x 14336 split 28 2.47x against 2.38x. With groups of 64 the same splits lost (2.31x against 2.62x, 2.01x
+# against 2.22x): not taken there.
 MMA_PREFETCH_WAVE = MmaGemvConfig(2, 4, 8.0, max_split=32, prefetch=True, wave=14, wave_divisor=True)
 MMA_WAVE_FILL = 0.9
 # M <= 8, groups of a multiple of 128 (or one group), when the rules above leave the grid under MMA_REFILL of one
 # wave (MMA_REFILL_ROWS at M = 2-8) on a layer whose K is no power of two (``under_filled``: the down projections
-# of Llama-2 and Qwen2.5, whose K has few factors of two, so the doubling stops early): MMA_PREFETCH_WAVE if its
-# split fills at least MMA_PREFETCH_REFILL of its wave, else the default loop with the divisor rule
-# (MMA_DEFAULT_WAVE, 8 CTAs per SM; when it fills more), which goes one divisor past the wave when no divisor fills
-# half of it. Fitted on every divisor split of three configs on four such layers at M = 1 and 4
-# (results/w4a16-mma-odd-k-split-h200-2026-12-04.md), then checked old rule against new through the same kernel on
-# seven layers (results/w4a16-mma-rule-ab-h200-2026-12-04.txt), e.g. at M = 1 4096 x 11008 0.91x -> 1.99x cuBLAS
-# fp16 (split 4 -> 43), 8192 x 29568 0.71x -> 2.52x (2 -> 11, prefetch), 3584 x 3584 1.03x -> 1.94x; at M = 4
-# 0.41-1.02x -> 1.16-2.31x.
+# of Llama-2 and Qwen2.5, whose K has few factors of two, so the doubling stops early): MMA_PREFETCH_WAVE if its split
+# fills at least MMA_PREFETCH_REFILL of its wave, else the default loop with the divisor rule (MMA_DEFAULT_WAVE, 8 CTAs
+# per SM; when it fills more), which goes one divisor past the wave when no divisor fills half of it. Fitted on every
+# divisor split of three configs on four such layers at M = 1 and 4, then checked old rule against new through the same
+# kernel on seven layers, e.g. at M = 1 4096 x 11008 0.91x -> 1.99x cuBLAS fp16 (split 4 -> 43), 8192 x 29568 0.71x ->
+# 2.52x (2 -> 11, prefetch), 3584 x 3584 1.03x -> 1.94x; at M = 4 0.41-1.02x -> 1.16-2.31x.
 MMA_RESIDENT_4W = 8  # CTAs per SM of the four-warp loops (58-64 registers a thread)
 MMA_REFILL = 0.625  # M = 1: the four layers switched filled 6-61%; 6144 x 4096 (73%) keeps its measured best
 # M = 2-8: the one-wave prefetch split lost where the doubling rule already filled 55% (4096 x 14336, split 16 -> 28:
 # 2.03x -> 1.65x at M = 2, 1.84x -> 1.33x at M = 8), so below half a wave only
-# (results/w4a16-mma-rule-ab-h200-2026-12-04.txt)
 MMA_REFILL_ROWS = 0.5
 MMA_PREFETCH_REFILL = 0.75
 MMA_DEFAULT_WAVE = MmaGemvConfig(4, 4, 4.0, max_split=64, wave=MMA_RESIDENT_4W, wave_divisor=True)

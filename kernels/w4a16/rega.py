@@ -1,15 +1,15 @@
-"""Launch side of the register-A wgmma W4A16 product (``w4a16_rega_kernel.py``, Gluon, sm_90 only) for M = 17-128:
+"""Launch side of the register-A wgmma W4A16 product (``rega_kernel.py``, Gluon, sm_90 only) for M = 17-128:
 configs, the rule that picks one by M and layer shape, the split-K plan, the x permutation, what the kernel cannot
 take, and the launcher.
 
-``w4a16.w4a16_linear`` asks ``rega_plan`` after the mma.sync path and before the warp-specialized one; where it
+``dispatch.w4a16_linear`` asks ``rega_plan`` after the mma.sync path and before the warp-specialized one; where it
 returns a plan, this kernel runs, otherwise the other paths decide as before. Everything here but the launch runs
 without a GPU (the CPU tests check the rules and ``permute_x``); the Gluon kernel module is imported on the first
 launch only.
 
 The rule (``rega_config_for``) follows A/Bs of ``w4a16_linear`` with and without this kernel on the H200, fp16 and
 bf16, eight layer shapes including the runtime's fused 6144 x 4096 and 28672 x 4096 (speedups over cuBLAS of the same
-dtype; results/w4a16-rega-dispatch-ab-h200-2026-12-04.json, ...-ab2-..., ...-ab5-...):
+dtype, ...-ab2-..., ...-ab5-...):
 - M 17-32 on layers at least 6144 wide (e.g. fp16 28672 x 8192 1.27x -> 1.74x, 14336 x 4096 1.25x -> 1.43x,
   6144 x 4096 1.12x -> 1.26x; bf16 8192 x 28672 1.09x -> 1.50x; the one loss 28672 x 4096 bf16 1.08x -> 1.03x).
 - M 33-64 on layers of at least 16 M weights: 128-row tiles where the layer is at least 8192 wide, 64-row tiles with
@@ -22,10 +22,10 @@ dtype; results/w4a16-rega-dispatch-ab-h200-2026-12-04.json, ...-ab2-..., ...-ab5
   0.79-1.02x -> 0.84-1.39x, bf16 0.74-0.89x -> 0.76-1.29x against the Triton tiles; 6144 x 4096 at M = 40 tied);
   M 17-32 64-row tiles (fp16 at M = 32: 0.99-1.28x -> 1.12-1.55x); M 65-128 64-row tiles, 128-row ones on layers at
   least 16384 wide (fp16 at M = 128: 0.53-0.85x on the warp-specialized kernel -> 0.74-1.16x). The M 17-32 and
-  65-128 cells were timed at M = 32 and 128 in fp16 only (results/w4a16-rega-g64-probe-h200-2026-12-04.txt).
+  65-128 cells were timed at M = 32 and 128 in fp16 only.
 Not taken: M <= 16 (the mma.sync gemv is faster), M 17-32 and 65-128 on 4096-wide layers (4096 x 4096 1.29x ->
 0.91x at M = 17), M > 128 (a 256-row tile, timed: 0.54-0.78x cuBLAS fp16 at M = 256 where the warp-specialized
-kernel runs 0.74-0.92x; results/w4a16-rega-ahead-h200-2026-12-04.md).
+kernel runs 0.74-0.92x).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ REGA_G64_WIDE_N = 16384  # groups of 64, M 65-128: layers at least this wide tak
 # K of an odd number of tiles (the kernel adds a zero tile past K): timed on 8192 x 29568 (Qwen2.5-72B's down
 # projection, 242 M weights) at M 17-128, 1.08-1.33x faster than the Triton tiles / warp-specialized kernel that
 # served it, and on 9728 x 896 (Qwen2.5-0.5B's gate/up, 8.7 M) at M = 32, where it lost to the Triton tile (0.81x
-# against 0.95x cuBLAS fp16; results/w4a16-rega-odd-tiles-h200-2026-12-04.txt): only layers of this many weights
+# against 0.95x cuBLAS fp16): only layers of this many weights
 REGA_ODD_MIN_WEIGHTS = 16 * 2**20
 
 

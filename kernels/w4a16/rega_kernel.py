@@ -8,7 +8,7 @@ What it computes
     cores, y in x's dtype. Same GPTQ buffers as the other W4A16 kernels (``W4A16Weight``: qweight int32 [K / 8, N],
     packed zeros, fp16 scales, groups contiguous along K), read in place.
 
-How (``w4a16_rega.py`` is the launch side)
+How (``rega.py`` is the launch side)
     - The wgmma's A operand is a [BLOCK_N, BLOCK_K] tile of weight rows; its N is BLOCK_M = M rounded up to 16, 32,
       64 or 128 rows of x (x is padded with zero rows to BLOCK_M: TMA's out-of-bounds fill was 15-35% slower).
       Thread (warp w, lane 4 g + c) holds A rows 16 w + g and 16 w + g + 8 (and the same + 16 num_warps for taller
@@ -17,7 +17,7 @@ How (``w4a16_rega.py`` is the launch side)
       ``convert_layout(..., assert_trivial=True)``: the unpacked tile reaches the wgmma without moving between threads.
     - A word's eight codes are eight K positions of one row, but a fragment register holds positions (2c, 2c + 1),
       (2c + 8, 2c + 9) of each 16. The product over K does not care about order, so x is permuted instead
-      (``w4a16_rega.permute_x``, once per call): logical 16 t + 8 h + 2 c + e of each 32-block holds physical
+      (``rega.permute_x``, once per call): logical 16 t + 8 h + 2 c + e of each 32-block holds physical
       8 c + 4 e + 2 t + h. Then codes (j, j + 4) of word c, j = 2 t + h, are one fragment register: one LOP3 with the
       16-bit magic (1024 + code in fp16, 128 + code in bf16, Marlin's trick: Frantar et al. 2024), minus the zero
       pair, times the scale pair (fp16) or, for bf16, times the fp32 scale and one cvt per pair.
@@ -28,16 +28,16 @@ How (``w4a16_rega.py`` is the launch side)
       after a load waits for it (a first version unpacked the zeros on arrival and ran up to 50% slower than AHEAD 0).
       Two tiles ahead gained -2% to +4% (fp16) and 10-15% (bf16) at M = 65-128 and made 64-row tiles the better
       choice on 4096-wide layers at M = 33-64; one tile ahead (more registers than AHEAD 0, fewer than 2 in flight)
-      gained nothing (results/w4a16-rega-ahead-h200-2026-12-04.md).
+      gained nothing.
     - Register hazard: PTX leaves rewriting the A registers of a wgmma before the wait that retires it undefined, and
       ptxas 12.8 (Triton 3.6's) does rewrite them when the next tile's fragment is computed (triton-lang/triton#9433;
-      measured: NaN / wrong results at M > 16 with a single fragment; results/w4a16-rega-wgmma-h200-2026-12-04.md).
+      measured: NaN / wrong results at M > 16 with a single fragment).
       So the loop is unrolled by two, one fragment for even and one for odd tiles, and ``_keep`` puts a use of each
       fragment's registers (a store predicated on N < 0) after the wait that retires its wgmma.
     - split-K (grid axis 1): fp32 partial tiles in a workspace [split, M, N]; the last CTA of a column tile (a counter
       in ``W4A16Weight.locks``, reset by that CTA) adds them in split order (deterministic), adds the bias, stores y.
 
-Measured (H200, Triton 3.6, results/w4a16-rega-wgmma-h200-2026-12-04.md, w4a16-h200-2026-12-04f/g.md): at M = 64,
+Measured (H200, Triton 3.6): at M = 64,
 1.45-1.49x / 1.55-1.60x / 1.45-1.50x cuBLAS fp16 on 28672 x 8192 / 8192 x 28672 / 8192 x 8192 (the Triton tiles:
 0.89-1.25x), 1.66-1.84x at M = 32, 1.01-1.13x at M = 128 (the warp-specialized kernel: 0.89-1.10x); 3.3-3.9 SASS
 instructions per weight (fp16; bf16 5.2-5.8), 127-255 registers. Behind the mma.sync gemv at M <= 16 and on

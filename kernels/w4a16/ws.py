@@ -1,8 +1,8 @@
-"""Launch side of the warp-specialized W4A16 GEMM (``w4a16_ws_kernel.py``, Gluon, sm_90 only): configs, the rule
+"""Launch side of the warp-specialized W4A16 GEMM (``ws_kernel.py``, Gluon, sm_90 only): configs, the rule
 that picks one by M and layer shape, the split-K plan, what the kernel cannot take, and the launcher.
 
-``w4a16.w4a16_linear`` asks ``ws_plan`` first; where it returns a plan, this kernel runs, otherwise the Triton
-regime table (``w4a16_configs.CONFIG_TABLE``) decides as before.
+``dispatch.w4a16_linear`` asks ``ws_plan`` first; where it returns a plan, this kernel runs, otherwise the Triton
+regime table (``configs.CONFIG_TABLE``) decides as before.
 Everything here but the launch runs without a GPU (the CPU tests check the rules); the Gluon kernel module is
 imported on the first launch only.
 """
@@ -44,7 +44,7 @@ class WSConfig:
         )
 
 
-# M range -> config, from benchmarks/probes/probe_gluon_w4a16.py on the H200 (results/w4a16-ws-h200-2026-12-03.md):
+# M range -> config, from every candidate timed on the H200:
 # 128-row tiles with 128-deep K steps and eight dequantizing warps up to M = 128, 256-row tiles above; above 512
 # rows, dequantize + cuBLAS (the regime table), which led at M = 1024 (0.83x against 0.80x; no M between 256 and
 # 1024 was timed, so the bound is a guess). With 256-row tiles, a layer split into K slices

@@ -1,7 +1,7 @@
 """Warp-specialized W4A16 GEMM for Hopper (sm_90), written in Gluon: y = x @ W.T + bias for M ~ 65-512 rows.
 
 What it computes
-    The product of ``w4a16.py`` (same GPTQ-v2 buffers in the kernel layout, ``W4A16Weight``; 4-bit codes, groups of
+    The product of ``gemm.py`` (same GPTQ-v2 buffers in the kernel layout, ``W4A16Weight``; 4-bit codes, groups of
     64 or 128 contiguous along K, fp16 scales, packed zeros, optional bias of any float dtype) with W rounded once
     as PyTorch's dequantize does (fp16: (q - z) * s in fp16; bf16: the exact q - z times the fp32 scale, rounded to
     bf16), fp32 accumulation in the tensor cores, y in x's dtype.
@@ -15,7 +15,7 @@ How (one CTA per output tile [BLOCK_M, BLOCK_N] and K slice; three warp partitio
       loaded once per group, a group ahead (the K loop is unrolled over the GROUP // BLOCK_K tiles of a group).
     - MMA (the default partition, num_warps warps): asynchronous wgmma of x (shared, A) by the dequantized tile
       (shared, B); after issuing tile t it waits for wgmma t - 1 only, then releases t - 1's slot and buffer. So
-      unpacking, copying and MMA overlap, which a single-partition kernel (``w4a16.py``'s swap-AB tile, and the
+      unpacking, copying and MMA overlap, which a single-partition kernel (``gemm.py``'s swap-AB tile, and the
       Gluon probe without partitions) could not do: there dequantization and MMA add up.
     - split-K (``SPLIT_K`` > 1, picked so that narrow layers still fill the GPU): each CTA stores its fp32 partial
       tile into a workspace; the last of the tile's CTAs (a counter in ``W4A16Weight.locks``, reset by that CTA)
@@ -23,13 +23,13 @@ How (one CTA per output tile [BLOCK_M, BLOCK_N] and K slice; three warp partitio
 
 Layouts: x [M, K] fp16/bf16, unit column stride, 16-byte aligned rows (TMA); qweight int32 [K / 8, N] (N % 4 == 0 for
 its TMA descriptor); y [M, N] with unit column stride. ``ws_unsupported_reason`` names what does not fit; the
-dispatcher (``w4a16.w4a16_linear``) then runs the Triton path instead.
+dispatcher (``dispatch.w4a16_linear``) then runs the Triton path instead.
 
-Measured (H200, results/w4a16-ws-h200-2026-12-03.md): at M = 128-256 0.6-1.07x cuBLAS fp16 where the committed
+Measured (H200): at M = 128-256 0.6-1.07x cuBLAS fp16 where the committed
 Triton path ran 0.55-0.75x; dequantize + cuBLAS stays ahead from M ~ 1024.
 
 Limits: CUDA sm_90 only (TMA, wgmma, setmaxnreg); Gluon has no interpreter mode, so CPU tests cover the dispatch
-rules and the Triton kernels, and the GPU tests (``tests/kernels/test_w4a16_ws.py``) this kernel. Written for
+rules and the Triton kernels, and the GPU tests (``tests/kernels/w4a16/test_ws.py``) this kernel. Written for
 Triton 3.6 (the default partition cannot return a tensor there, so it stores the tile itself). int32 offsets.
 """
 

@@ -99,7 +99,7 @@ def _await_activations(w_ptr, stride_wn, stride_wk, pid_n, N, K,
 @triton.jit
 def _prefetch_ahead_start(w_ptr, stride_wn, pid_n, N, K, L2_AHEAD: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, THREADS: tl.constexpr):  # fmt: skip
-    """L2 prefetch (``l2_prefetch.py``) of this tile's weight K tiles 1 .. L2_AHEAD - 1, before the K loop."""
+    """L2 prefetch (``_device.py``) of this tile's weight K tiles 1 .. L2_AHEAD - 1, before the K loop."""
     for d in tl.static_range(1, L2_AHEAD):
         prefetch_block_l2(w_ptr, pid_n * BLOCK_N, N, stride_wn, d * BLOCK_K, K, d * BLOCK_K < K, BLOCK_N, BLOCK_K,
                           THREADS)  # fmt: skip

@@ -171,7 +171,7 @@ def _quantize_rows_kernel(
 
 
 def quantize_launch_params(k: int, block_k: int | None, fmt: str, m: int) -> tuple[int, bool, int]:
-    """(block_k, one_pass, num_warps) for rows of length k, from an H200 probe (results/w8a8-quant-h200-2026-12-02.md).
+    """(block_k, one_pass, num_warps) for rows of length k, from an H200 probe.
 
     Rows up to 16384 are read once. Longer rows are read once only for int8 with few rows (M <= 64): the registers
     of a 32768-wide block (32 warps) spill little there, while fp8's rounding code spilled at 16 warps and, with many

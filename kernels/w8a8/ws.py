@@ -1,7 +1,7 @@
-"""Launch side of the warp-specialized fp8 GEMM (``w8a8_ws_kernel.py``, Gluon, sm_90 only): the rule that offers it,
+"""Launch side of the warp-specialized fp8 GEMM (``ws_kernel.py``, Gluon, sm_90 only): the rule that offers it,
 what it cannot take, and the checked launcher.
 
-``w8a8.w8a8_matmul`` asks ``ws_offered`` and ``ws_unsupported_reason`` before its Triton tile configs: fp8 with the
+``dispatch.w8a8_matmul`` asks ``ws_offered`` and ``ws_unsupported_reason`` before its Triton tile configs: fp8 with the
 default promoted accumulation, more than ``WS_MIN_M`` rows, no tile config or programmatic dependent launch asked
 for, and operands the TMA copies can read. Everything here but the launch runs without a GPU (the CPU tests check
 the rule); the Gluon kernel module is imported on the first launch only.
@@ -15,11 +15,11 @@ from quantkit.kernels._device import num_sms
 from quantkit.kernels.w8a8.gemm import check_matmul_operands
 from quantkit.kernels.w8a8.problem import Plan, Product
 
-# M > 256 (the "large" regime of w8a8.CONFIGS): H200 probes at M = 1024 / 4096 / 16384 on the six issue-7 shapes
-# (results/w8a8-fp8-ws-h200-2026-12-04.md), end to end over bf16 cuBLAS, geomean 1.45x against 1.27-1.28x for the
-# Triton promoted config in the same runs; slower in no cell (4096 x 4096 at M = 1024: 1.07-1.08x both). At M = 512
-# it led on every shape (0.73-1.46x against 0.66-1.24x); the Triton tiles led on four of six at M = 256 and five of
-# six at M = 128 (128 x 256 tiles leave most SMs idle there), so those rows keep them.
+# M > 256 (the "large" regime of configs.CONFIGS): on the H200 at M = 1024 / 4096 / 16384 on the six benchmark layers,
+# end to end over bf16 cuBLAS, geomean 1.45x against 1.27-1.28x for the Triton promoted config in the same runs; slower
+# in no cell (4096 x 4096 at M = 1024: 1.07-1.08x both). At M = 512 it led on every shape (0.73-1.46x against
+# 0.66-1.24x); the Triton tiles led on four of six at M = 256 and five of six at M = 128 (128 x 256 tiles leave most SMs
+# idle there), so those rows keep them.
 WS_MIN_M = 257
 KERNEL = "warp-specialized fp8 GEMM (Gluon, w8a8/ws_kernel.py)"
 CONFIG_NAME = "ws-m128n256k128s4"  # the kernel's fixed tiles: two 64-row consumer warp groups, 4 stages

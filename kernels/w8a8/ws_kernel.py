@@ -1,19 +1,19 @@
 """Warp-specialized fp8 GEMM for Hopper (sm_90), written in Gluon: W8A8 fp8 with DeepSeek-V3's promotion, M > 256.
 
 What it computes
-    ``w8a8.w8a8_matmul``'s product for float8_e4m3fn operands: y[m, n] = (acc[m, n] * a_scale[m or 0]) * w_scale[n]
+    ``dispatch.w8a8_matmul``'s product for float8_e4m3fn operands: y[m, n] = (acc[m, n] * a_scale[m or 0]) * w_scale[n]
     (+ bias[n]) with acc = sum over K chunks of 128 of the chunk's partial sum qa[m, chunk] . qw[n, chunk]. Each
     128-long partial sum runs in the tensor core (whose fp8 adder keeps ~14 mantissa bits, DeepSeek-V3, arXiv
     2412.19437, sec. 3.3.2) and is then added to a full fp32 accumulator: the promotion interval of 128 that the
     Triton kernel's default (``max_num_imprecise_acc=BLOCK_K``) also has, so both err alike (~1.3e-4 of the largest
-    output against the float64 product of the same codes on the issue-7 shapes).
+    output against the float64 product of the same codes on the benchmark's layer shapes).
 
 Why a second kernel
     In Triton's single-partition loop each promotion waits for the tile's wgmma, and the tensor cores idle while the
-    64 additions run (offline SASS: benchmarks/probes/sass_fp8_promote.py). Here the tile's rows belong to two
+    64 additions run (offline SASS). Here the tile's rows belong to two
     consumer warp groups in their own partitions, so one group's additions overlap the other's wgmma. H200, end to
-    end with the quantizer, geomean of the six issue-7 shapes x M in {1024, 4096, 16384} over bf16 cuBLAS: 1.45x
-    against 1.27-1.28x for the Triton promoted path in the same runs (two runs; results/w8a8-fp8-ws-h200-2026-12-04.md).
+    end with the quantizer, geomean of the six benchmark layers x M in {1024, 4096, 16384} over bf16 cuBLAS: 1.45x
+    against 1.27-1.28x for the Triton promoted path in the same runs (two runs).
 
 How (persistent: min(tiles, SMs) programs walk the tiles SMs apart, GROUP_M row tiles at a time for L2 reuse)
     - loader (1 warp, 24 registers): TMA copies of the two 64-row activation tiles [64, 128] and the weight tile
@@ -29,7 +29,7 @@ Layouts: qa [M, K] and qw [N, K] float8_e4m3fn, K contiguous, 16-byte aligned ro
 rows and the K tail are zero-filled); a_scale fp32 [M] or [1]; w_scale fp32 [N]; bias [N] any float dtype; y [M, N]
 with unit column stride.
 
-Limits: CUDA sm_90 only (TMA, wgmma, setmaxnreg); written for Triton 3.6's Gluon (``w8a8_ws.WS_TRITON``); Gluon has
+Limits: CUDA sm_90 only (TMA, wgmma, setmaxnreg); written for Triton 3.6's Gluon (``ws.WS_TRITON``); Gluon has
 no interpreter mode, so the CPU tests cover the dispatch rule and ``w8a8_ws_reference``, the GPU tests the kernel.
 192 KB of shared memory per program (four stages of 48 KB). int32 offsets.
 """
@@ -184,7 +184,7 @@ def descriptors(qa: torch.Tensor, qw: torch.Tensor) -> tuple[TensorDescriptor, T
 
 
 def launch(qa, a_scale, qw, w_scale, bias, out, sms: int) -> torch.Tensor:
-    """The launch for operands ``w8a8_ws.fp8_ws_matmul`` checked: min(tiles, sms) persistent programs."""
+    """The launch for operands ``ws.fp8_ws_matmul`` checked: min(tiles, sms) persistent programs."""
     m, k = qa.shape
     n = qw.shape[0]
     tiles = -(-m // BLOCK_M) * -(-n // BLOCK_N)
