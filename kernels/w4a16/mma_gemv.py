@@ -353,7 +353,7 @@ def w4a16_mma_gemv(
 
 def launch(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, out: torch.Tensor | None, cfg: MmaGemvConfig,
            split: int) -> torch.Tensor:  # fmt: skip
-    """The launch itself, for operands already checked (``w4a16_mma_gemv``, or ``mma_plan`` + ``check_operands``).
+    """The launch for operands already checked (``w4a16_mma_gemv``, or the dispatch after ``check_operands``).
     The automatic split leaves at most N / 64 column tiles to count, far under LOCK_SLOTS for any layer here."""
     m, k = x.shape
     n = w.out_features

@@ -2,8 +2,8 @@
 configs, the rule that picks one by M and layer shape, the split-K plan, the x permutation, what the kernel cannot
 take, and the launcher.
 
-``dispatch.w4a16_linear`` asks ``rega_plan`` after the mma.sync path and before the warp-specialized one; where it
-returns a plan, this kernel runs, otherwise the other paths decide as before. Everything here but the launch runs
+``dispatch.PATHS`` asks ``plan`` after the mma.sync path and before the warp-specialized one; where it
+returns a plan, this kernel runs, otherwise the paths after it decide. Everything here but the launch runs
 without a GPU (the CPU tests check the rules and ``permute_x``); the Gluon kernel module is imported on the first
 launch only.
 
@@ -224,9 +224,9 @@ def w4a16_rega_gemm(
 
 def launch(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, out: torch.Tensor | None, cfg: RegaConfig,
            split: int) -> torch.Tensor:  # fmt: skip
-    """The launch itself, for operands already checked (``w4a16_rega_gemm``, or ``rega_plan`` + ``check_operands``).
+    """The launch for operands already checked (``w4a16_rega_gemm``, or the dispatch after ``check_operands``).
     ``rega_split`` splits only layers of fewer than 2 x SMs column tiles, far under the LOCK_SLOTS counters."""
-    from quantkit.kernels.w4a16.rega_kernel import _w4a16_rega_kernel, layouts, x_descriptor  # Gluon: GPU only
+    from quantkit.kernels.w4a16.rega_kernel import layouts, w4a16_rega_kernel, x_descriptor  # Gluon: GPU only
 
     m, k = x.shape
     n = w.out_features
@@ -237,7 +237,7 @@ def launch(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, out: torc
     part = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
     bf16 = x.dtype == torch.bfloat16
     acc_layout, a_layout, w_layout = layouts(bm, cfg.block_n, cfg.block_k, cfg.num_warps)
-    _w4a16_rega_kernel[(n // cfg.block_n, split)](
+    w4a16_rega_kernel[(n // cfg.block_n, split)](
         x_descriptor(xp, bm, cfg.block_k), w.qweight, w.qzeros, w.scales if bf16 else w.scales.view(torch.int16),
         bias if bias is not None else out, out, part, w.locks,
         m, n, k, w.qweight.stride(0), w.qzeros.stride(0), w.scales.stride(0), out.stride(0),

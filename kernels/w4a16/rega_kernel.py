@@ -238,7 +238,7 @@ def _epilogue(acc, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, off_n, stride_om, a
 
 
 @gluon.jit
-def _w4a16_rega_kernel(
+def w4a16_rega_kernel(
     x_desc, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, stride_qwk, stride_qzg, stride_sg, stride_om,
     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,

@@ -1,8 +1,8 @@
 """Launch side of the warp-specialized W4A16 GEMM (``ws_kernel.py``, Gluon, sm_90 only): configs, the rule
 that picks one by M and layer shape, the split-K plan, what the kernel cannot take, and the launcher.
 
-``dispatch.w4a16_linear`` asks ``ws_plan`` first; where it returns a plan, this kernel runs, otherwise the Triton
-regime table (``configs.CONFIG_TABLE``) decides as before.
+``dispatch.PATHS`` asks ``plan`` after the mma.sync and register-A paths; where it returns a plan, this kernel runs,
+otherwise the Triton regime table (``configs.CONFIG_TABLE``) decides.
 Everything here but the launch runs without a GPU (the CPU tests check the rules); the Gluon kernel module is
 imported on the first launch only.
 """
@@ -171,9 +171,9 @@ def w4a16_ws_gemm(
 
 def launch(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, out: torch.Tensor | None, cfg: WSConfig,
            split: int) -> torch.Tensor:  # fmt: skip
-    """The launch itself, for operands already checked (``w4a16_ws_gemm``, or ``ws_plan`` + ``check_operands``).
+    """The launch for operands already checked (``w4a16_ws_gemm``, or the dispatch after ``check_operands``).
     ``ws_split`` leaves a split only below WS_FILL x SMs tiles, far under the LOCK_SLOTS tile counters."""
-    from quantkit.kernels.w4a16.ws_kernel import _w4a16_ws_kernel, descriptors  # Gluon: GPU machines only
+    from quantkit.kernels.w4a16.ws_kernel import descriptors, w4a16_ws_kernel  # Gluon: GPU machines only
 
     m, k = x.shape
     n = w.out_features
@@ -184,7 +184,7 @@ def launch(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, out: torc
     x_desc, qw_desc = descriptors(x, w.qweight, cfg.block_m, cfg.block_n, cfg.block_k)
     bf16 = x.dtype == torch.bfloat16
     scales = w.scales if bf16 else w.scales.view(torch.int16)  # fp16 scales enter the PTX as raw 16-bit pairs
-    _w4a16_ws_kernel[(tiles, split)](
+    w4a16_ws_kernel[(tiles, split)](
         x_desc, qw_desc, w.qzeros, scales, bias if bias is not None else out, out, part, w.locks,
         m, n, k, w.qzeros.stride(0), w.scales.stride(0), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages, DQ=cfg.dq_buffers,

@@ -245,7 +245,7 @@ def _ws_mma(x_smem, d_smem, ready, empty, d_ready, d_empty, k_tiles, bias_ptr, o
 
 
 @gluon.jit
-def _w4a16_ws_kernel(
+def w4a16_ws_kernel(
     x_desc, qw_desc, qz_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, stride_qzg, stride_sg, stride_om,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, DQ: gl.constexpr,
