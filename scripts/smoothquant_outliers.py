@@ -2,7 +2,7 @@
 abs-max of the consumers' input divided by the median channel abs-max, before and after smoothing.
 
     quantkit quantize --method smoothquant --alpha 0.5 --out out/smollm2-sq
-    python scripts/smoothquant_outliers.py out/smollm2-sq --layers 0,1,15,29 --out results/outliers.md
+    python scripts/smoothquant_outliers.py out/smollm2-sq --layers 0,1,15,29 --out out/smollm2-sq/outliers.md
 
 The numbers come from the checkpoint's ``quant_report.json`` (the smoothquant stage records them while
 quantizing, from the abs-max over all calibration tokens); a path to that file works too. ``--out`` writes the
