@@ -42,7 +42,7 @@ def release_host_memory() -> None:
 
     glibc keeps what a multi-threaded process frees in its arenas, so the float weights, activations and statistics
     of layer after layer stayed resident until the runner called this after every layer (measured in
-    results/offload-cpu-2026-12-05.md). A few milliseconds a call."""
+    docs/results/quantize-time.md). A few milliseconds a call."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

@@ -11,7 +11,8 @@ through (:func:`ste_fake_quantize`), kept only when the exact error is lower. A 
 code shrinks each group's clipping range to minimise that group's share of the output error.
 
 Search and apply are separate, as in the reference implementation: :func:`search_scales` and :func:`search_clip`
-return plain tensors; :func:`quantkit.models.fold.fold_scales` and :func:`clip_weight` replay them;
+(in :mod:`quantkit.algorithms.awq_clip`) return plain tensors; :func:`quantkit.models.fold.fold_scales` and
+:func:`clip_weight` replay them;
 :class:`LayerSearch` holds one decoder layer's results and converts them to and from a flat tensor dict (for
 saving and re-applying later).
 """
@@ -23,15 +24,39 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from quantkit.algorithms.awq_clip import clip_ratios, clip_weight, clipped_fake_quantize, group_range, search_clip
 from quantkit.algorithms.gptq import gptq
 from quantkit.algorithms.rtn import rtn
 from quantkit.errors import QuantkitError
 from quantkit.models.fold import column_scales, to_channels
 from quantkit.quant.scheme import QuantScheme
-from quantkit.quant.tensor import compute_qparams, quantize_with_qparams
+from quantkit.quant.tensor import grouped
+
+__all__ = [  # the clip search moved to awq_clip.py; its names stay importable from here
+    "BlockObjective",
+    "ClippedRTNCandidate",
+    "GPTQCandidate",
+    "GroupScales",
+    "LayerSearch",
+    "LinearObjective",
+    "ScaleSearch",
+    "candidate_loss",
+    "candidate_scales",
+    "clip_ratios",
+    "clip_weight",
+    "clipped_fake_quantize",
+    "fake_quantize",
+    "group_range",
+    "refine_scales",
+    "rtn_candidate",
+    "search_clip",
+    "search_scales",
+    "ste_fake_quantize",
+    "temper_scales",
+    "weight_magnitude",
+]
 
 SEARCH_FORMAT = "quantkit-awq-search"
 SEARCH_VERSION = 1
@@ -46,7 +71,7 @@ def ste_fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """:func:`fake_quantize` that gradients pass through: the same values, with every rounding (codes, zero
     points, the fp16 scales) treated as the identity in the backward pass. w [N, K] -> [N, K] (fp32)."""
     k = w.shape[1]
-    wg = _grouped(w.float(), scheme.group_of(k))  # [N, n_g, G]
+    wg = grouped(w.float(), scheme.group_of(k))  # [N, n_g, G]
     lo = wg.amin(dim=-1, keepdim=True).clamp(max=0)
     hi = wg.amax(dim=-1, keepdim=True).clamp(min=0)
     maxq = scheme.maxq
@@ -66,18 +91,10 @@ def _ste(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return x + (value - x).detach()
 
 
-def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
-    """w [N, K] -> [N, n_g, G], the ragged last group zero-padded (a zero never changes a range that holds 0)."""
-    n, k = w.shape
-    g = k if group_size == -1 else min(group_size, k)
-    n_g = -(-k // g)
-    return F.pad(w, (0, n_g * g - k)).view(n, n_g, g)
-
-
 def weight_magnitude(w: torch.Tensor, group_size: int) -> torch.Tensor:
     """mean|w| of each input channel, each weight measured relative to its group's max |w|: w [N, K] -> [K]."""
     k = w.shape[1]
-    a = _grouped(w.float().abs(), group_size)  # [N, n_g, G]
+    a = grouped(w.float().abs(), group_size)  # [N, n_g, G]
     rel = a / a.amax(dim=-1, keepdim=True).clamp(min=1e-12)
     return rel.flatten(1)[:, :k].mean(dim=0)
 
@@ -213,12 +230,12 @@ class ClippedRTNCandidate:
         k = w.shape[1]
         g = scheme.group_of(k)
         ws = w.float() * s
-        wg = _grouped(ws, g)  # [N, n_g, G]
-        h = _grouped((self.x_sq / (s * s))[None], g)[0]  # the scaled input's mean square, [n_g, G]
+        wg = grouped(ws, g)  # [N, n_g, G]
+        h = grouped((self.x_sq / (s * s))[None], g)[0]  # the scaled input's mean square, [n_g, G]
         lo0, hi0 = group_range(ws, g, scheme.sym)
         best, best_err = None, None
         for r in self.ratios:
-            wq = _clipped_fake_quantize(wg, lo0 * r, hi0 * r, scheme)
+            wq = clipped_fake_quantize(wg, lo0 * r, hi0 * r, scheme)
             err = ((wq - wg).pow(2) * h).sum(dim=-1)  # [N, n_g]
             if best is None:
                 best, best_err = wq, err
@@ -363,101 +380,6 @@ def temper_scales(
     if margin and math.isfinite(losses[low]) and best_loss > (1 - margin) * losses[low]:
         best_p = low
     return scales.float().pow(best_p), best_p, losses
-
-
-def clip_ratios(grid: int, min_ratio: float) -> list[float]:
-    """The clip search's shrink factors: 1, 1 - 1/grid, ... down to ``min_ratio``."""
-    return [1 - i / grid for i in range(int(grid * (1 - min_ratio) + 1e-6) + 1)]
-
-
-def group_range(w: torch.Tensor, group_size: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The min-max quantizer's range of each group, always holding 0: w [N, K] -> (lo, hi) fp32 [N, n_g]."""
-    wg = _grouped(w.float(), group_size)  # [N, n_g, G]
-    if sym:
-        hi = wg.abs().amax(dim=-1)
-        return -hi, hi
-    return wg.amin(dim=-1).clamp(max=0), wg.amax(dim=-1).clamp(min=0)
-
-
-@torch.no_grad()
-def search_clip(
-    w: torch.Tensor,
-    x: torch.Tensor,
-    scheme: QuantScheme,
-    grid: int = 20,
-    min_ratio: float = 0.5,
-    separate_ends: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per output channel and group, the clipping range minimising the error of that group's share of the output.
-
-    ``w`` [N, K], ``x`` [T, K] a sample of the layer's inputs. The range [min, max] of each group (always holding
-    0; [-absmax, absmax] when symmetric) is shrunk by r = 1, 1 - 1/grid, ... down to ``min_ratio``; each candidate
-    is quantized with the min-max grid of the clipped weights. ``separate_ends`` (asymmetric schemes): then shrink
-    the top end alone, then the bottom end alone, from the best common ratio (never worse than it). Returns
-    (lo, hi), fp32 [N, n_g].
-    """
-    n, k = w.shape
-    gsize = scheme.group_of(k)
-    xg = _grouped(x.float(), gsize).permute(1, 2, 0)  # x [T, K] -> [n_g, G, T]
-    n_g, _, t = xg.shape
-    ratios = clip_ratios(grid, min_ratio)
-    rows = max(1, (1 << 24) // max(n_g * t, 1))  # keeps each [n_g, rows, T] product near 64 MB
-    lo_out, hi_out = [], []
-    for start in range(0, n, rows):
-        wb = _grouped(w[start : start + rows].float(), gsize)  # [r, n_g, G]
-        lo0, hi0 = group_range(w[start : start + rows], gsize, scheme.sym)  # [r, n_g]
-        lo, hi = _clip_rows(wb, xg, lo0, hi0, scheme, ratios, separate_ends and not scheme.sym)
-        lo_out.append(lo)
-        hi_out.append(hi)
-    return torch.cat(lo_out), torch.cat(hi_out)
-
-
-def _clipped_fake_quantize(wg: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    """Groups wg [..., n_g, G] clamped to [lo, hi] [..., n_g], then RTN on the min-max grid of the clamped values,
-    dequantized (fp32, same shape)."""
-    wc = torch.maximum(torch.minimum(wg, hi[..., None]), lo[..., None])
-    scale, zero = compute_qparams(wc, scheme.bits, scheme.sym)
-    scale, zero = scale[..., None], zero[..., None]
-    return (quantize_with_qparams(wc, scale, zero, scheme.maxq) - zero) * scale
-
-
-def _clip_rows(wb, xg, lo0, hi0, scheme: QuantScheme, ratios: list[float], separate_ends: bool):
-    """search_clip on a chunk of rows: wb [r, n_g, G], xg [n_g, G, T], full ranges lo0 / hi0 [r, n_g]."""
-    ref = torch.matmul(wb.transpose(0, 1), xg)  # [n_g, r, G] @ [n_g, G, T] -> [n_g, r, T]
-    best_err = torch.full_like(hi0, float("inf"))
-    best_lo, best_hi = lo0.clone(), hi0.clone()
-
-    def consider(lo: torch.Tensor, hi: torch.Tensor) -> None:
-        wq = _clipped_fake_quantize(wb, lo, hi, scheme)
-        err = (torch.matmul(wq.transpose(0, 1), xg) - ref).pow(2).mean(dim=-1).t()  # [n_g, r, T] -> [r, n_g]
-        better = err < best_err
-        best_err.copy_(torch.where(better, err, best_err))
-        best_lo.copy_(torch.where(better, lo, best_lo))
-        best_hi.copy_(torch.where(better, hi, best_hi))
-
-    for r in ratios:
-        consider(lo0 * r, hi0 * r)
-    if separate_ends:
-        fixed_lo = best_lo.clone()
-        for r in ratios:
-            consider(fixed_lo, hi0 * r)
-        fixed_hi = best_hi.clone()
-        for r in ratios:
-            consider(lo0 * r, fixed_hi)
-    return best_lo, best_hi
-
-
-@torch.no_grad()
-def clip_weight(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, group_size: int) -> None:
-    """Clamp w [N, K] in place to its groups' ranges lo, hi [N, n_g] (contiguous groups of ``group_size``, the
-    last maybe ragged), so that a later min-max quantizer (RTN, GPTQ) sees the clipped range."""
-    n, k = w.shape
-    g = k if group_size == -1 else min(group_size, k)
-    if lo.shape != (n, -(-k // g)) or hi.shape != lo.shape:
-        raise QuantkitError(f"clip ranges of shape {tuple(lo.shape)} do not fit a weight {(n, k)} in groups of {g}")
-    g_idx = torch.arange(k, device=w.device) // g
-    lo, hi = lo.to(w.device)[:, g_idx], hi.to(w.device)[:, g_idx]
-    w.copy_(torch.maximum(torch.minimum(w.float(), hi), lo).to(w.dtype))
 
 
 @dataclass

@@ -23,7 +23,7 @@ reduced-precision adder, as cuBLAS ``use_fast_accum=True`` and vLLM's sm90 fp8 k
 promoting each 128-long partial sum into fp32 (DeepSeek-V3's rule, the default). Faster at large batches (H200,
 M >= 1024: 1.62-1.65x bf16 against 1.28-1.32x), with an accumulation error 10-35x larger (RMS 1.3e-3 of the output
 at K = 4096, 4.4e-3 at K = 28672) that adds only 0.06-0.65% to the 3.7% RMS error e4m3 rounding already puts
-between the output and the unquantized product (results/fp8-promote256-h200-2026-12-03.md); int8 accumulates
+between the output and the unquantized product (docs/results/w8a8.md); int8 accumulates
 exactly either way.
 
 The two paths see identical quantized operands; they differ only by fp32 rounding (summation order and where the

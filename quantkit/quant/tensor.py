@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from quantkit.quant.packing import pack_cols, pack_rows, unpack_cols, unpack_rows
 from quantkit.quant.scheme import QuantScheme
@@ -95,6 +96,15 @@ def search_qparams(
 def quantize_with_qparams(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
     """Codes q = clamp(round(w / scale) + zero, 0, maxq); scale and zero broadcast against w."""
     return torch.clamp(torch.round(w / scale) + zero, 0, maxq)
+
+
+def grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """w [N, K] -> [N, n_g, G] in contiguous groups of ``group_size`` (-1: one group), the ragged last group
+    zero-padded (a zero never changes a range that holds 0)."""
+    n, k = w.shape
+    g = k if group_size == -1 else min(group_size, k)
+    n_g = -(-k // g)
+    return F.pad(w, (0, n_g * g - k)).view(n, n_g, g)
 
 
 def group_index(in_features: int, scheme: QuantScheme, device=None) -> torch.Tensor:

@@ -14,7 +14,7 @@ GPTQ in the objective: s^p for p in ``temper_powers``, p = 0 being plain GPTQ, e
 calibration batches than those it is judged on (``temper_holdout``). On two SmolLM2-135M layers (3- and
 4-bit, groups of 128: 12 groups) full AWQ scales raised GPTQ's block-output error in 11 groups; s^0.5 lowered it
 in 6, by up to 6%: GPTQ already spends the Hessian on the channels that AWQ protects. Powers {0, 0.25, 0.5, 0.75}
-beat {0, 0.5} in the four grouped SmolLM2 cells (results/accuracy-h200-2026-12-01.md; 4-bit g64 51.73 -> 50.37).
+beat {0, 0.5} in the four grouped SmolLM2 cells (4-bit g64 51.73 -> 50.37; docs/results/accuracy.md).
 
 Token-wise blocks (MLPs, MoE blocks) are judged on ``search_tokens`` rows evenly strided over every calibration
 window rather than on whole windows: the same cost buys more varied tokens, and attention keeps its windows.
@@ -56,6 +56,7 @@ from quantkit.models.fold import BoundGroup, bind_smooth_groups, fold_group
 from quantkit.models.layers import match
 from quantkit.quant.scheme import QuantScheme
 from quantkit.stages import register
+from quantkit.stages.awq_inputs import input_stats, sample_inputs, token_count, token_sample, tokenwise
 from quantkit.stages.spec import Stage
 
 
@@ -84,7 +85,7 @@ class AWQStage:
         clip_separate_ends: bool = False
         # calibration windows the scale objective runs on (None: all). 16 windows and 4096 tokens below are the
         # protocol of every AWQ figure in the README; twice both changed nothing (4-bit g128, two calibration
-        # draws: 55.67 / 56.70 against 55.46 / 56.88, results/accuracy-awq.md), all 128 default windows and 8192
+        # draws: 55.67 / 56.70 against 55.46 / 56.88, docs/results/accuracy.md), all 128 default windows and 8192
         # tokens took twice as long on the CPU (SmolLM2-135M: 88 s a layer against 44 s, bench_awq.py --cpu-smollm2)
         search_samples: int | None = 16
         # token-wise blocks (MLPs, MoE blocks: called with nothing but their input) are judged on this many tokens
@@ -106,12 +107,12 @@ class AWQStage:
         # does not see), and Phi-3's fused qkv_proj, which holds q and k rows; names or "re:<regex>" in the layer.
         # AutoAWQ's default; on SmolLM2-135M clipping them too (clip_skip: []) was better in every cell measured:
         # with separate ends and refinement 0.58x RTN's perplexity increase at 4-bit g128 over three calibration
-        # draws, against 0.63x with these defaults (results/accuracy-h200-2026-12-02c.md)
+        # draws, against 0.63x with these defaults (docs/results/accuracy.md)
         clip_skip: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "qkv_proj"])
         # v_proj -> o_proj under grouped-query heads (fewer value channels than o_proj columns): search one scale
         # per value channel, shared by the o_proj columns that read it (the fold stays exact). Off by default, as
         # in AutoAWQ: on SmolLM2-135M (3 value heads for 9 query heads) it was mixed -- AWQ + RTN worse in 4 of 6
-        # cells (3-bit g128 108.6 -> 117.2), AWQ + GPTQ better in 4 of 6 (results/accuracy-h200-2026-12-02.md)
+        # cells (3-bit g128 108.6 -> 117.2), AWQ + GPTQ better in 4 of 6 (docs/results/accuracy.md)
         scale_grouped_values: bool = False
         # judge the scale candidates of clipped consumers with each group's range shrunk as the diagonal output
         # error prefers (the clip search's grid), not with the full range the clip search will not keep
@@ -119,7 +120,7 @@ class AWQStage:
         # after the grid: Adam steps on each channel's log scale against the same block error, rounding passed
         # straight through; kept only when the exact error is lower (0: the paper's grid search alone). On
         # SmolLM2-135M, 4-bit, mean of three calibration draws: perplexity increase over RTN's 0.72x -> 0.63x at
-        # g128, 0.61x -> 0.59x at g64 (results/accuracy-h200-2026-12-02b.md); ~3x the search time on a CPU
+        # g128, 0.61x -> 0.59x at g64 (docs/results/accuracy.md); ~3x the search time on a CPU
         refine_steps: int = 50
         refine_lr: float = 0.01
         save_search: str | None = None  # directory for the search results, one file per layer
@@ -240,16 +241,16 @@ class AWQStage:
         block = ctx.layer.get_submodule(group.block)
         search_ctx = self._search_context(ctx)
         calls = search_ctx.capture_calls(block)
-        sampled = self.params.search_tokens is not None and _tokenwise(calls)
+        sampled = self.params.search_tokens is not None and tokenwise(calls)
         if sampled:
-            calls = _token_sample(calls if search_ctx is ctx else ctx.capture_calls(block), self.params.search_tokens)
+            calls = token_sample(calls if search_ctx is ctx else ctx.capture_calls(block), self.params.search_tokens)
         # the consumers' input width: under grouped-query heads (v_proj -> o_proj) wider than the producer's output,
         # each value channel read by several o_proj columns (group.channel_map)
         width = consumers[0].in_features
-        gram = consumers == [block] and width < _tokens(calls)  # a lone linear: the Gram matrix is cheaper
+        gram = consumers == [block] and width < token_count(calls)  # a lone linear: the Gram matrix is cheaper
         tempered = self.params.quantizer == "gptq"
         # the in-sample Gram matrix: the lone linear's objective, and GPTQ's Hessian unless held-out batches fit it
-        x_mean, x_sq, xtx, n_tokens = _input_stats(
+        x_mean, x_sq, xtx, n_tokens = input_stats(
             calls, width, ctx.device, gram or (tempered and not self.params.temper_holdout)
         )
         if n_tokens == 0:  # no calibration token reached the block (an expert nobody was routed to)
@@ -296,7 +297,7 @@ class AWQStage:
                     for n in group.consumers:
                         ctx.record(n, awq_temper_in_sample=why)
                     if hessian is None:
-                        hessian = _input_stats(calls, width, ctx.device, True)[2]
+                        hessian = input_stats(calls, width, ctx.device, True)[2]
                 else:
                     judge, hessian = held
             scales, power, losses = temper_scales(
@@ -348,18 +349,18 @@ class AWQStage:
         if used == 0:
             return None
         rest = replace(ctx, hidden=ctx.hidden[used:], kwargs=ctx.kwargs[used:])
-        _, _, hessian, n_fit = _input_stats(rest.capture_calls(block), width, ctx.device, True)
+        _, _, hessian, n_fit = input_stats(rest.capture_calls(block), width, ctx.device, True)
         if n_fit == 0:  # an expert that tokens reached in one part only
             return None
         if reuse:
             return objective, hessian
         calls = search_ctx.capture_calls(block)
         if sampled:
-            calls = _token_sample(calls, self.params.search_tokens)
-        if _tokens(calls) == 0:
+            calls = token_sample(calls, self.params.search_tokens)
+        if token_count(calls) == 0:
             return None
-        if consumers == [block] and width < _tokens(calls):
-            _, _, gram, n = _input_stats(calls, width, ctx.device, True)
+        if consumers == [block] and width < token_count(calls):
+            _, _, gram, n = input_stats(calls, width, ctx.device, True)
             return LinearObjective(block.weight, gram, n), hessian
         return BlockObjective(block, calls, consumers), hessian
 
@@ -384,7 +385,7 @@ class AWQStage:
         }
         if not targets:
             return
-        samples = _sample_inputs(ctx, targets, self.params.clip_tokens)
+        samples = sample_inputs(ctx, targets, self.params.clip_tokens)
         for name, module in targets.items():
             x = samples.get(name)
             if x is None:
@@ -451,83 +452,6 @@ class AWQStage:
                 f"{self.stage.scheme.name}"
             )
         return search
-
-
-def _block_input(args: tuple, kwargs: dict) -> torch.Tensor:
-    return args[0] if args else kwargs["hidden_states"]
-
-
-def _tokenwise(calls) -> bool:
-    """A block called with its input alone (no positions, no mask) maps each token by itself: an MLP or MoE block
-    in the architecture table (attention always receives position embeddings or a mask)."""
-    return bool(calls) and all(
-        len(args) == 1 and isinstance(args[0], torch.Tensor) and not _holds_tensor(kwargs) for args, kwargs in calls
-    )
-
-
-def _holds_tensor(v) -> bool:
-    if isinstance(v, torch.Tensor):
-        return True
-    if isinstance(v, dict):
-        return any(_holds_tensor(x) for x in v.values())
-    return isinstance(v, (tuple, list)) and any(_holds_tensor(x) for x in v)
-
-
-def _token_sample(calls, n_tokens: int) -> list[tuple[tuple, dict]]:
-    """One call of a token-wise block on ``n_tokens`` input rows evenly strided over all ``calls`` (all rows
-    when there are fewer)."""
-    x = torch.cat([args[0].reshape(-1, args[0].shape[-1]) for args, _ in calls])
-    if x.shape[0] > n_tokens:
-        x = x[torch.linspace(0, x.shape[0] - 1, n_tokens, device=x.device).round().long()]
-    return [((x.unsqueeze(0),), dict(calls[0][1]))]
-
-
-def _tokens(calls) -> int:
-    inputs = [_block_input(args, kwargs) for args, kwargs in calls]
-    return sum(x.numel() // max(x.shape[-1], 1) for x in inputs)
-
-
-def _input_stats(calls, width: int, device, gram: bool):
-    """Over every call of the block: mean |x| and mean x^2 per input channel [width], the Gram matrix sum x^T x
-    [width, width] (fp32, only when ``gram``) and the number of tokens."""
-    total = torch.zeros(width, dtype=torch.float64, device=device)
-    squares = torch.zeros(width, dtype=torch.float64, device=device)
-    xtx = torch.zeros(width, width, dtype=torch.float32, device=device) if gram else None
-    count = 0
-    for args, kwargs in calls:
-        x = _block_input(args, kwargs)
-        if x.shape[-1] != width:
-            raise QuantkitError(f"awq: the block's input has {x.shape[-1]} channels, the consumers take {width}")
-        x = x.reshape(-1, width).float()
-        total += x.abs().sum(dim=0).double()
-        squares += x.pow(2).sum(dim=0).double()
-        if xtx is not None:
-            xtx.addmm_(x.t(), x)
-        count += x.shape[0]
-    return (total / max(count, 1)).float(), (squares / max(count, 1)).float(), xtx, count
-
-
-def _sample_inputs(ctx: LayerContext, modules: dict[str, nn.Linear], n_tokens: int) -> dict[str, torch.Tensor]:
-    """Up to ``n_tokens`` input rows of each module, evenly strided within each calibration batch: {name: [T, K]}."""
-    per_call = -(-n_tokens // max(len(ctx.hidden), 1))
-    rows: dict[str, list[torch.Tensor]] = {}
-
-    def hook(name: str):
-        def fn(module, args):
-            x = args[0].reshape(-1, module.in_features)
-            step = max(1, x.shape[0] // per_call)
-            if x.shape[0]:
-                rows.setdefault(name, []).append(x[::step][:per_call].float())
-
-        return fn
-
-    handles = [m.register_forward_pre_hook(hook(n)) for n, m in modules.items()]
-    try:
-        ctx.forward()
-    finally:
-        for h in handles:
-            h.remove()
-    return {n: torch.cat(r)[:n_tokens] for n, r in rows.items()}
 
 
 def _mean_ratio(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: QuantScheme) -> float:

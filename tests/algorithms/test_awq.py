@@ -16,16 +16,14 @@ from quantkit.algorithms.awq import (
     LayerSearch,
     LinearObjective,
     candidate_loss,
-    clip_weight,
     fake_quantize,
-    group_range,
     refine_scales,
     rtn_candidate,
-    search_clip,
     search_scales,
     ste_fake_quantize,
     temper_scales,
 )
+from quantkit.algorithms.awq_clip import clip_weight, group_range, search_clip
 from quantkit.algorithms.rtn import group_qparams, rtn
 from quantkit.errors import QuantkitError
 from quantkit.models.arch import arch_for
@@ -34,7 +32,7 @@ from quantkit.nn.factory import quantized_modules
 from quantkit.pipeline import prepare_model
 from quantkit.quant import QuantScheme
 from quantkit.recipe import Recipe, load_recipe
-from quantkit.stages.awq import _token_sample, _tokenwise
+from quantkit.stages.awq_inputs import token_sample, tokenwise
 from tests.tiny_models import COMMON, CONFIGS, tiny_model
 
 SCHEME = {"bits": 4, "group_size": 32, "sym": False}
@@ -597,12 +595,12 @@ def test_token_wise_blocks_are_sampled_over_every_window():
     x = torch.arange(4 * 10 * 3, dtype=torch.float32).reshape(4, 10, 3)
     mlp_calls = [((x[:2],), {}), ((x[2:],), {})]
     attention_calls = [((x,), {"position_embeddings": (x, x), "attention_mask": None})]
-    assert _tokenwise(mlp_calls) and not _tokenwise(attention_calls)
-    [(args, kwargs)] = _token_sample(mlp_calls, 5)
+    assert tokenwise(mlp_calls) and not tokenwise(attention_calls)
+    [(args, kwargs)] = token_sample(mlp_calls, 5)
     rows = args[0][0]
     assert rows.shape == (5, 3) and kwargs == {}
     assert rows[0, 0] == 0 and rows[-1, 0] == x[-1, -1, 0]  # first and last token of all windows
-    assert _token_sample(mlp_calls, 1000)[0][0][0].shape == (1, 40, 3)
+    assert token_sample(mlp_calls, 1000)[0][0][0].shape == (1, 40, 3)
 
 
 # a real layer --------------------------------------------------------------------------------------------------
