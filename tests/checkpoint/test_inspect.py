@@ -1,0 +1,43 @@
+"""checkpoint/inspect.py: the per-module bytes, shapes and ratios it reports from the headers alone equal the
+sizes of the tensors actually stored."""
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from quantkit.checkpoint.inspect import inspect_checkpoint
+from quantkit.errors import QuantkitError
+
+
+def test_the_report_adds_up_to_the_stored_tensors(rtn_checkpoint):
+    folder, model = rtn_checkpoint
+    stored = load_file(folder / "model.safetensors")
+    info = inspect_checkpoint(folder)
+    assert info["architecture"] == "llama" and info["format_version"] == 1
+    assert info["stages"] == ["rtn"] and info["versions"]["quantkit"]
+    assert len(info["modules"]) == 14
+    for row in info["modules"]:
+        linear = model.get_submodule(row["name"])
+        n, k = linear.out_features, linear.in_features
+        own = [t for key, t in stored.items() if key.startswith(row["name"] + ".")]
+        assert row["shape"] == [n, k] and row["scheme"] == "w4a16-g32-asym" and row["layout"] == "gptq_v2"
+        assert row["bytes"] == sum(t.numel() * t.element_size() for t in own)
+        assert row["fp16_bytes"] == 2 * n * k and row["ratio"] == pytest.approx(2 * n * k / row["bytes"])
+    totals = info["totals"]
+    assert totals["file_bytes"] == sum(t.numel() * t.element_size() for t in stored.values())
+    assert totals["quantized_bytes"] == sum(r["bytes"] for r in info["modules"])
+    assert totals["ratio"] == pytest.approx(totals["fp16_bytes"] / totals["quantized_bytes"])
+    assert 2.5 < totals["ratio"] < 4  # 4-bit codes plus a fp16 scale and a 4-bit zero point per 32 weights
+
+
+def test_a_missing_tensor_or_folder_is_named(rtn_checkpoint, tmp_path):
+    folder, _ = rtn_checkpoint
+    with pytest.raises(QuantkitError, match="checkpoint not found"):
+        inspect_checkpoint(tmp_path / "nothing")
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "config.json").write_text((folder / "config.json").read_text())
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.0.mlp.gate_proj.scales"]
+    save_file(tensors, damaged / "model.safetensors")
+    with pytest.raises(QuantkitError, match=r"corrupt .*layers\.0\.mlp\.gate_proj\.scales is missing"):
+        inspect_checkpoint(damaged)
