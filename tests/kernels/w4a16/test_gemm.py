@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from quantkit.kernels import w4a16 as K
 from quantkit.kernels._device import num_sms
 from quantkit.kernels.w4a16 import configs as C
+from quantkit.kernels.w4a16 import dispatch, gemm
 from quantkit.kernels.w4a16.gemv import reads_x_by_four
 
 from quantkit.nn.dispatch import cuda_weight_only_linear
@@ -408,3 +409,8 @@ def test_split_k_replays_inside_a_cuda_graph():
     graph.replay()
     assert torch.equal(first, out)
     assert_close_to_float64(out, x, qw, None)
+
+
+def test_the_family_exports_its_kernels():
+    assert K.w4a16_gemm is gemm.w4a16_gemm and K.w4a16_dequantize is gemm.w4a16_dequantize
+    assert K.w4a16_linear is dispatch.w4a16_linear and K.choose is dispatch.choose
