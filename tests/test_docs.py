@@ -209,6 +209,7 @@ def parse_script(argv: list[str], monkeypatch) -> str | None:
         m.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
         m.setattr(sys, "argv", [str(script), *argv[2:]])
         m.syspath_prepend(str(ROOT))
+        m.syspath_prepend(str(script.parent))  # as `python SCRIPT` does: its folder's modules import by name
         try:
             runpy.run_path(str(script), run_name="__main__")
         except _Parsed:
