@@ -5,6 +5,7 @@ import json
 from click.testing import CliRunner
 
 from quantkit.cli.main import cli
+from quantkit.cli.serve import DUMMY_PREFIX
 from quantkit.runtime import LLM, SamplingParams
 from quantkit.runtime.bench import DUMMY_MODELS
 
@@ -41,6 +42,13 @@ def test_generate_takes_the_async_scheduling_switch(monkeypatch):
     assert run("generate", *args, "5 6 7").exit_code == 0
     assert run("generate", *args, "--no-async-scheduling", "5 6 7").exit_code == 0
     assert seen == [True, False]
+
+
+def test_an_unknown_dummy_model_names_the_known_ones():
+    result = run("generate", "--model", f"{DUMMY_PREFIX}nope", "--device", "cpu", "--token-ids", "1 2")
+    assert result.exit_code == 2
+    line = result.output.strip().splitlines()[-1]
+    assert line.startswith("quantkit: error: unknown dummy model 'nope'; available: ") and "tiny-llama" in line
 
 
 def test_bad_prompt_is_a_one_line_error():
