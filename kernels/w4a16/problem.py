@@ -64,7 +64,7 @@ class Product:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
 
 @dataclass(frozen=True)

@@ -50,8 +50,7 @@ def tiles_plan(p: Product, config: TileConfig | None = None) -> Plan:
     shared memory allow."""
     cfg = config or config_for(p.m, p.fmt, p.fp8_fast_accum, p.n, p.sms)
     mode = cfg.use_tma
-    out_bytes = torch.empty((), dtype=p.out_dtype).element_size()
-    if mode >= 2 and not persistent_fits(cfg, out_bytes, p.gpu):
+    if mode >= 2 and not persistent_fits(cfg, p.out_dtype.itemsize, p.gpu):
         mode = 1  # one tile per program: its epilogue reuses the pipeline's shared memory
     return Plan("tiles", TILES_KERNEL, cfg, mode if cfg.use_tma > 0 and p.tma_ok else 0)
 

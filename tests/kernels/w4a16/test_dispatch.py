@@ -48,13 +48,14 @@ def test_choices_match_the_dispatch_before_the_table(triton_version):
 
 def test_the_first_path_with_a_plan_serves(triton_version, monkeypatch):
     triton.__version__ = "3.6.0"
-    p = Product.dense(64, 8192, 8192, 4, 128, torch.float16, GPU())
-    assert dispatch.choose(p).path == "rega"
-    monkeypatch.setattr(dispatch, "PATHS", (dispatch.PATHS[2], *dispatch.PATHS[:2], dispatch.PATHS[3]))
-    first = dispatch.PATHS[0].plan(p)
-    assert first is None or dispatch.choose(p) == first
+    p = Product.dense(96, 8192, 8192, 4, 128, torch.float16, GPU())  # both the rega and the ws paths take it
+    rega, ws, table = (path.plan(p) for path in dispatch.PATHS[1:])
+    assert rega is not None and ws is not None and table is not None
+    assert dispatch.choose(p) == rega
+    monkeypatch.setattr(dispatch, "PATHS", (dispatch.PATHS[2], dispatch.PATHS[1], dispatch.PATHS[3]))
+    assert dispatch.choose(p) == ws
     monkeypatch.setattr(dispatch, "PATHS", (dispatch.PATHS[-1],))
-    assert dispatch.choose(p).path == "table"
+    assert dispatch.choose(p) == table
 
 
 def test_off_cuda_and_with_another_triton_only_the_table_serves(triton_version):
