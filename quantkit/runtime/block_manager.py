@@ -154,6 +154,16 @@ class BlockManager:
         seq.table_version += 1
         seq.num_computed_tokens = 0
 
+    def truncate(self, seq: Sequence) -> None:
+        """Give back the blocks past the sequence's computed tokens: the slots of rejected drafted tokens. Those
+        blocks were appended for this step alone (private, never keyed), so nothing shared is touched."""
+        keep = _cdiv(seq.num_computed_tokens, self.block_size)
+        if len(seq.block_table) > keep:
+            for block in reversed(seq.block_table[keep:]):
+                self._release(block)
+            del seq.block_table[keep:]
+            seq.table_version += 1
+
     def commit(self, seq: Sequence, start: int) -> None:
         """Record K/V written at positions ``start .. num_computed_tokens - 1``: fill counts, and prefix keys of
         the blocks that became full."""

@@ -38,7 +38,8 @@ from quantkit.runtime.model_runner import ModelRunner
 from quantkit.runtime.sampler import sample
 from quantkit.runtime.sampling_params import SamplingParams
 from quantkit.runtime.scheduler import ScheduledBatch, Scheduler
-from quantkit.runtime.sequence import Sequence, Status
+from quantkit.runtime.sequence import Sequence, SpecStats, Status
+from quantkit.runtime.speculative.config import SpeculativeConfig
 
 MAX_DEFAULT_MODEL_LEN = 32768
 PLACEHOLDER = -1  # token id of a sampled token the host has not read yet (async scheduling)
@@ -51,6 +52,7 @@ class Completion:
     token_ids: list[int]
     finish_reason: str | None
     text: str | None = None
+    spec: SpecStats | None = None  # speculative decoding's figures for this completion (None without it)
 
 
 @dataclass
@@ -111,10 +113,16 @@ def _shown(value) -> str:
 
 class LLM:
     """``model``: a float HF folder, a quantkit checkpoint folder, an HF model object (its modules are shared), or a
-    config (dict with ``model_type``, or an HF config) for random weights. Settings are ``EngineConfig`` fields."""
+    config (dict with ``model_type``, or an HF config) for random weights. Settings are ``EngineConfig`` fields.
+    ``speculative``: a ``SpeculativeConfig`` (or its dict) to draft and verify tokens (``runtime.speculative``);
+    its steps run with synchronous scheduling."""
 
-    def __init__(self, model, tokenizer=None, **settings):
+    def __init__(self, model, tokenizer=None, speculative: SpeculativeConfig | dict | None = None, **settings):
         self.config = EngineConfig.from_dict(settings)
+        if isinstance(speculative, dict):
+            speculative = SpeculativeConfig.from_dict(speculative)
+        elif speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise QuantkitError(f"speculative must be a SpeculativeConfig or a dict, got {_shown(speculative)}")
         device = resolve_device(self.config.device)
         checks.tokenizer(tokenizer)
         if isinstance(model, str | Path):
@@ -131,12 +139,18 @@ class LLM:
         self.model = loaded.model
         self.tokenizer = tokenizer or loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
+        draft = None
+        if speculative is not None:
+            from quantkit.runtime.speculative.build import load_draft
+
+            draft = load_draft(speculative, self.model, self.tokenizer, self.config.dtype, device)
         if device.type == "cuda":
             from quantkit.nn.w8a8 import set_execution
 
-            # W8A8 layers run the 8-bit kernels, not the fp32 simulation
-            set_execution(self.model, "integer", fp8_fast_accum=self.config.fp8_fast_accum)
-            fuse_projections(self.model)  # q/k/v and gate/up (float, W4A16 or W8A8): one GEMM each
+            for m in (self.model, draft):  # W8A8 layers run the 8-bit kernels, not the fp32 simulation
+                if m is not None:
+                    set_execution(m, "integer", fp8_fast_accum=self.config.fp8_fast_accum)
+                    fuse_projections(m)  # q/k/v and gate/up (float, W4A16 or W8A8): one GEMM each
         mcfg = self.model.config
         limit = position_limit(mcfg)
         if limit is not None and (self.config.max_model_len or 0) > limit:
@@ -144,7 +158,13 @@ class LLM:
                 f"max_model_len {self.config.max_model_len} is longer than the model's {limit} positions"
             )
         self.max_model_len = self.config.max_model_len or min(mcfg.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
-        self.runner = ModelRunner(self.model, self.config, device, self.max_model_len)
+        from quantkit.runtime.speculative.build import draft_block_bytes, make_decoder
+
+        extra = draft_block_bytes(draft, self.config.block_size)
+        self.runner = ModelRunner(self.model, self.config, device, self.max_model_len, extra_block_bytes=extra)
+        self.spec = None
+        if speculative is not None:
+            self.spec = make_decoder(speculative, draft, self.runner, self.config, device, self.max_model_len)
         self.block_manager = BlockManager(
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
@@ -221,6 +241,8 @@ class LLM:
                 self._apply_aborts()
 
     def _step(self) -> list[tuple[Sequence, int]]:
+        if self.spec is not None:
+            return self._spec_step()
         launched, self._pending = self._pending, None
         if launched is None:
             launched = self._launch(self.scheduler.schedule())
@@ -240,6 +262,53 @@ class LLM:
             self.scheduler.commit(ahead.batch)  # its input tokens are all known now
             if any(not s.is_finished for s in ahead.seqs):
                 self._pending = ahead  # else it only holds rows of sequences that just finished: dropped
+        if any(s.is_finished for s, _ in results):
+            self.scheduler.drop_finished()
+        return results
+
+    def _spec_step(self) -> list[tuple[Sequence, int]]:
+        """One synchronous step with drafts: propose, schedule, score, verify, commit only what was accepted."""
+        spec = self.spec
+        spec.propose(self.scheduler.running, self._generator_for)
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            raise RuntimeError("scheduler produced an empty step with requests pending")  # a bug, not bad input
+        usage = self.block_manager.kv_usage()
+        logits = self.runner.run(batch)
+        starts = np.cumsum([0] + [1 + s.num_draft_tokens for s in batch.sampled]).tolist()
+        plain = [j for j, s in enumerate(batch.sampled) if not s.num_draft_tokens]
+        emitted: list[tuple[Sequence, list[int]]] = []
+        if plain:
+            seqs, rows = self._split_forks([batch.sampled[j] for j in plain])
+            rows = [plain[r] for r in rows] if rows is not None else plain
+            sub = logits[[starts[j] for j in rows]]
+            if all(s.params.greedy for s in seqs):
+                tokens = sub.argmax(-1)
+            else:
+                tokens = sample(sub, [s.params for s in seqs], [self._generator_for(s) for s in seqs])
+            emitted += [(s, [t]) for s, t in zip(seqs, tokens.tolist(), strict=True)]
+        verified = set()
+        for j, seq in enumerate(batch.sampled):
+            if seq.num_draft_tokens:
+                a, b = starts[j], starts[j + 1]
+                emitted.append((seq, spec.verify(seq, logits[a:b], self._generator_for(seq))))
+                verified.add(seq.seq_id)
+        results = []
+        for seq, tokens in emitted:
+            for token in tokens:  # a stop token, EOS or max_tokens ends the completion there
+                seq.token_ids.append(token)
+                results.append((seq, token))
+                self._check_finished(seq, token)
+                if seq.is_finished:
+                    break
+        # verified sequences keep the K/V of their accepted positions only: all tokens but the newest
+        kept = {s.seq_id: s.num_tokens - 1 - s.num_computed_tokens for s in batch.seqs if s.seq_id in verified}
+        self.scheduler.commit(batch, kept)
+        spec.step_done(len(results) / max(len(emitted), 1))
+        self.stats.allocated_slots += usage[0]
+        self.stats.used_slots += usage[1]
+        self.stats.steps += 1
+        self.stats.output_tokens += len(results)
         if any(s.is_finished for s, _ in results):
             self.scheduler.drop_finished()
         return results
@@ -343,8 +412,12 @@ class LLM:
         request_ids = self._add_all(prompts, params)
         try:
             while self.scheduler.has_unfinished():
-                for seq, token in self.step():
-                    yield StreamEvent(seq.request_id, seq.index, token, seq.finish_reason)
+                results = self.step()
+                last = {id(seq): i for i, (seq, _) in enumerate(results)}  # a verify step gives several tokens
+                for i, (seq, token) in enumerate(results):
+                    yield StreamEvent(
+                        seq.request_id, seq.index, token, seq.finish_reason if last[id(seq)] == i else None
+                    )
         finally:
             self.abort(request_ids)
 
@@ -355,9 +428,10 @@ class LLM:
         finished: dict[int, list[Sequence]] = {r: [] for r in request_ids}
         try:
             while self.scheduler.has_unfinished():
-                for seq, _ in self.step():
-                    if seq.is_finished and seq.request_id in finished:
-                        finished[seq.request_id].append(seq)
+                for seq, _ in self.step():  # a verify step lists a sequence once per token it gained
+                    done = finished.get(seq.request_id)
+                    if seq.is_finished and done is not None and seq not in done:
+                        done.append(seq)
         except BaseException:
             self.abort(request_ids)
             raise
@@ -389,5 +463,6 @@ class LLM:
         for seq in seqs:
             ids = seq.output_token_ids
             text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
-            out.outputs.append(Completion(seq.index, ids, seq.finish_reason, text))
+            spec = seq.spec if self.spec is not None else None
+            out.outputs.append(Completion(seq.index, ids, seq.finish_reason, text, spec))
         return out

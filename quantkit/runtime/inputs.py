@@ -105,7 +105,7 @@ class StepInputs:
         rows = graph_rows or t
         n_ctx = graph_rows or n_seq
         n_cu = 0 if graph_rows else n_seq - nd + 1
-        n_sample = len(batch.sampled)
+        n_sample = sum(1 + s.num_draft_tokens for s in batch.sampled)
         parts = (("ids", rows), ("pos", rows), ("slots", rows), ("ctx", n_ctx), ("cu", n_cu), ("sample", n_sample))
         offsets, at = {}, 0
         for name, size in parts:
@@ -144,7 +144,9 @@ class StepInputs:
         for seq, n in zip(seqs, num_new, strict=True):
             row += n
             last_row[seq.seq_id] = row - 1
-        sample_rows = [last_row[s.seq_id] for s in batch.sampled]
+        # a sequence verifying k drafted tokens takes the logits of its last k + 1 rows
+        sample_rows = [r for s in batch.sampled for r in range(last_row[s.seq_id] - s.num_draft_tokens,
+                                                                last_row[s.seq_id] + 1)]  # fmt: skip
         if sample_rows == list(range(t)):
             sample_rows = None  # a pure decode step samples every row: no gather
         else:

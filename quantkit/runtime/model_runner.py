@@ -28,8 +28,22 @@ GRAPH_MEMORY_RESERVE = 1 << 30  # bytes kept free for CUDA-graph pools and alloc
 _PROFILE_PARAMS = SamplingParams(max_tokens=1)
 
 
+def kv_block_bytes(model: CausalLM, block_size: int) -> int:
+    """Bytes of one KV-cache block of ``model``: K and V of ``block_size`` tokens in every layer."""
+    cfg = model.config
+    head_dim = model.model.layers[0].self_attn.head_dim
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim
+    return per_token * block_size * torch.empty(0, dtype=model.dtype).element_size()
+
+
 class ModelRunner:
-    def __init__(self, model: CausalLM, config: EngineConfig, device: torch.device, max_model_len: int):
+    """``extra_block_bytes``: bytes that every KV block of this runner must leave free elsewhere on the device (a
+    speculative draft model's cache of as many blocks), counted when the cache is sized from free memory."""
+
+    def __init__(
+        self, model: CausalLM, config: EngineConfig, device: torch.device, max_model_len: int,
+        extra_block_bytes: int = 0,
+    ):  # fmt: skip
         self.model = model
         self.config = config
         self.device = device
@@ -40,9 +54,8 @@ class ModelRunner:
         self.head_dim = model.model.layers[0].self_attn.head_dim
         self.backend = self._backend()
         model.set_rope(max_model_len, device)
-        block_bytes = 2 * cfg.num_hidden_layers * self.block_size * self.num_kv_heads * self.head_dim
-        block_bytes *= torch.empty(0, dtype=model.dtype).element_size()
-        self.block_bytes = block_bytes
+        self.block_bytes = kv_block_bytes(model, self.block_size)
+        self.extra_block_bytes = extra_block_bytes
         self.table_width = -(-max_model_len // self.block_size)
         self.inputs = StepInputs(self.block_size, self.table_width, pin=device.type == "cuda")
         self._copied = torch.cuda.Event() if device.type == "cuda" else None  # recorded after the input copies
@@ -219,7 +232,7 @@ class ModelRunner:
         activations = self._profile_step()
         free, total = torch.cuda.mem_get_info()
         budget = total * self.config.gpu_memory_utilization - (total - free) - activations - GRAPH_MEMORY_RESERVE
-        blocks = int(budget // self.block_bytes)
+        blocks = int(budget // (self.block_bytes + self.extra_block_bytes))
         need = -(-self.max_model_len // self.block_size)
         if blocks < need:
             raise QuantkitError(

@@ -69,7 +69,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, self.bm.appendable_tokens(seq))
+            want = seq.num_tokens - seq.num_computed_tokens
+            num_new = min(want, budget, self.bm.appendable_tokens(seq))
+            if seq.num_draft_tokens and num_new < want:  # verify fewer drafted tokens rather than split the check
+                seq.drop_draft(want - num_new)
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, num_new)
             while num_new == 0 and seq.status is Status.RUNNING:  # out of blocks: preempt the newest
                 self._preempt(self.running.pop())
                 preempted = True
@@ -93,6 +97,7 @@ class Scheduler:
         return batch
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.drop_draft()
         self.bm.free_seq(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -105,12 +110,17 @@ class Scheduler:
             self.bm.fork(parent, child)
         self.running[at:at] = children
 
-    def commit(self, batch: ScheduledBatch) -> None:
-        """Account for the K/V the step wrote."""
+    def commit(self, batch: ScheduledBatch, kept: dict[int, int] | None = None) -> None:
+        """Account for the K/V the step wrote. ``kept`` (seq_id -> tokens) limits a verify step's sequences to the
+        positions that held accepted tokens; the blocks past them go back (speculative decoding's rollback)."""
         for seq, num_new in zip(batch.seqs, batch.num_new, strict=True):
             start = seq.num_computed_tokens
+            if kept is not None and seq.seq_id in kept:
+                num_new = kept[seq.seq_id]
             seq.num_computed_tokens += num_new
             self.bm.commit(seq, start)
+            if kept is not None and seq.seq_id in kept:
+                self.bm.truncate(seq)
 
     def drop_finished(self) -> None:
         """Free the finished sequences' blocks and forget them. A finished one can also be waiting: preempted by

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 
 import torch
@@ -13,6 +14,26 @@ class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding of one completion: verify steps, drafted and accepted tokens, tokens emitted by verify
+    steps (accepted drafts plus the target's own token)."""
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_emitted(self) -> float:
+        """tau: tokens emitted per verify step."""
+        return self.emitted / self.steps if self.steps else 0.0
 
 
 class Sequence:
@@ -37,6 +58,27 @@ class Sequence:
         self.finish_reason: str | None = None
         self.pending_forks = params.n - 1 if index == 0 else 0
         self.generator: torch.Generator | None = None
+        # speculative decoding: the last ``num_draft_tokens`` of token_ids are drafted, not yet verified;
+        # ``draft_probs`` [k, V] is the proposer's distribution at each (None: greedy or a deterministic proposer)
+        self.num_draft_tokens = 0
+        self.draft_probs: torch.Tensor | None = None
+        self.spec = SpecStats()
+
+    def add_draft(self, tokens: list[int], probs: torch.Tensor | None) -> None:
+        self.token_ids += tokens
+        self.num_draft_tokens = len(tokens)
+        self.draft_probs = probs
+
+    def drop_draft(self, count: int | None = None) -> None:
+        """Forget the last ``count`` drafted tokens (all by default)."""
+        count = self.num_draft_tokens if count is None else min(count, self.num_draft_tokens)
+        if count:
+            del self.token_ids[-count:]
+            self.num_draft_tokens -= count
+            if self.draft_probs is not None:
+                self.draft_probs = self.draft_probs[: self.num_draft_tokens]
+        if not self.num_draft_tokens:
+            self.draft_probs = None
 
     @property
     def num_tokens(self) -> int:

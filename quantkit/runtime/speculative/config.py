@@ -1,0 +1,72 @@
+"""How the runtime speculates: which proposer drafts tokens, how many, and when speculation is worth its cost."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from quantkit.checks import flag, integer
+from quantkit.errors import QuantkitError
+
+METHODS = ("draft", "self", "ngram")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """- ``method``: ``draft`` (a smaller model with the same vocabulary: ``draft`` is its folder, float or a quantkit
+      checkpoint), ``self`` (the target's own weights quantized: ``draft`` is a quantkit checkpoint of the same
+      model, or None to quantize the target in memory with RTN to ``draft_scheme``; ``draft_layers`` keeps only the
+      first L decoder layers), ``ngram`` (prompt lookup: the tokens that followed the last ``prompt_lookup_max`` ..
+      ``prompt_lookup_min`` tokens where they occurred before in prompt + output; no model).
+    - ``num_speculative_tokens``: k, the most tokens drafted per sequence and step.
+    - ``adaptive``: k follows each sequence's recent acceptance, and speculation pauses for a batch size whose
+      measured verify + draft cost exceeds what the accepted tokens save; False drafts k tokens every step.
+    - ``disable_by_batch_size``: no speculation while this many sequences or more are decoding (None: no fixed cap).
+    """
+
+    method: str
+    num_speculative_tokens: int = 4
+    draft: str | None = None
+    draft_scheme: str = "w4a16-g128"
+    draft_layers: int | None = None
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    adaptive: bool = True
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise QuantkitError(f"unknown speculative method {self.method!r}; available: {', '.join(METHODS)}")
+        checked = {
+            "num_speculative_tokens": integer("num_speculative_tokens", self.num_speculative_tokens, low=1, high=64),
+            "draft_layers": integer("draft_layers", self.draft_layers, low=1, none=True),
+            "prompt_lookup_max": integer("prompt_lookup_max", self.prompt_lookup_max, low=1),
+            "prompt_lookup_min": integer("prompt_lookup_min", self.prompt_lookup_min, low=1),
+            "disable_by_batch_size": integer("disable_by_batch_size", self.disable_by_batch_size, low=1, none=True),
+            "adaptive": flag("adaptive", self.adaptive),
+        }
+        if checked["prompt_lookup_min"] > checked["prompt_lookup_max"]:
+            raise QuantkitError("prompt_lookup_min must not exceed prompt_lookup_max")
+        if self.method == "draft" and not self.draft:
+            raise QuantkitError("speculative method 'draft' needs a draft model (a folder)")
+        if self.method == "ngram" and (self.draft or self.draft_layers):
+            raise QuantkitError("speculative method 'ngram' takes no draft model")
+        if self.method != "self" and self.draft_layers is not None:
+            raise QuantkitError("draft_layers applies to method 'self' only")
+        if self.draft is not None and not isinstance(self.draft, str):
+            object.__setattr__(self, "draft", str(self.draft))
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SpeculativeConfig:
+        allowed = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - allowed)
+        if unknown:
+            raise QuantkitError(f"unknown speculative setting {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}")
+        if "method" not in data:
+            raise QuantkitError(f"speculative settings need a method ({', '.join(METHODS)})")
+        return cls(**data)

@@ -1,0 +1,203 @@
+"""The engine's side of speculative decoding: attach drafts before a step, verify them after it, and decide how
+many tokens to draft.
+
+Before scheduling, every running sequence that is decoding (all but its last token computed) gets up to k drafted
+tokens appended to its ``token_ids``; the scheduler then gives it k + 1 new tokens, scored in one forward pass over
+its paged prefix by the prefill path, next to plain decodes and prefill chunks of other sequences. After the pass
+the target's logits at those k + 1 positions verify the drafts (``rejection``), the rejected ones are dropped from
+``token_ids``, and the scheduler commits only the positions of accepted tokens and gives the rest of the step's
+blocks back. Steps with speculation run synchronously (the host reads each step's tokens before it schedules the
+next: how many tokens a step keeps decides the next step's input).
+
+How many tokens to draft (``adaptive``): each sequence keeps a running mean of its acceptance rate a, and drafts
+the k in 1..K that maximise the expected tokens per step, (1 - a^(k+1)) / (1 - a), per unit of cost 1 + c k, with c
+the proposer's cost per token relative to a decode step. For each batch-size bucket the decoder also times plain
+decode steps and speculative steps (draft + verify) and keeps speculation off where the tokens it gains do not pay
+for the time it costs (re-measured every ``PROBE_EVERY`` steps), e.g. at large batches, where a decode step is no
+longer memory-bound and scoring k + 1 tokens costs nearly k + 1 times as much.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from quantkit.runtime.sampler import filter_logits
+from quantkit.runtime.sequence import Sequence
+from quantkit.runtime.speculative.config import SpeculativeConfig
+from quantkit.runtime.speculative.proposer import Proposer
+from quantkit.runtime.speculative.rejection import verify_greedy, verify_sampled
+
+EMA = 0.2  # weight of a new measurement in every running mean
+PRIOR_ACCEPTANCE = 0.6
+PROBE_EVERY = 32  # steps between re-measurements of the mode not in use for a batch-size bucket
+MIN_SAMPLES = 2
+
+
+@dataclass
+class SpecTotals:
+    """Engine-wide figures: verify steps, drafted / accepted / emitted tokens, and seconds spent drafting and in
+    speculative steps (draft included), plus steps where the adaptive rule kept speculation off."""
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    draft_time: float = 0.0
+    step_time: float = 0.0
+    paused_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+@dataclass
+class _Bucket:
+    plain_time: float = 0.0
+    plain_samples: int = 0
+    spec_time: float = 0.0  # per step, draft included
+    spec_tokens: float = 0.0  # tokens emitted per sequence per speculative step
+    spec_samples: int = 0
+    since_probe: int = 0
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens a verify step emits on average when each draft is accepted with probability a."""
+    return k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+@dataclass
+class SpeculativeDecoder:
+    config: SpeculativeConfig
+    proposer: Proposer
+    max_model_len: int
+    totals: SpecTotals = field(default_factory=SpecTotals)
+    acceptance: dict[int, float] = field(default_factory=dict)  # seq_id -> running mean
+    buckets: dict[int, _Bucket] = field(default_factory=dict)
+    _mode: tuple[int, bool] | None = None  # (bucket, speculating) of the step in flight
+    _t0: float = 0.0
+
+    # -- before the step ---------------------------------------------------------------------------------------
+
+    def _num_tokens(self, seq: Sequence) -> int:
+        k = self.config.num_speculative_tokens
+        # never draft past max_tokens (a verify step emits accepted + 1 tokens) nor the model's length
+        k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+        if k <= 0 or not self.config.adaptive:
+            return max(k, 0)
+        a = self.acceptance.get(seq.seq_id, PRIOR_ACCEPTANCE)
+        c = self.proposer.cost_per_token
+        return max(range(1, k + 1), key=lambda j: expected_tokens(a, j) / (1.0 + c * j))
+
+    def _speculate_now(self, bucket: int) -> bool:
+        if not self.config.adaptive:
+            return True
+        b = self.buckets.setdefault(bucket, _Bucket())
+        if b.plain_samples < MIN_SAMPLES:
+            return False
+        if b.spec_samples < MIN_SAMPLES:
+            return True
+        pays = b.spec_tokens * b.plain_time > b.spec_time
+        b.since_probe += 1
+        if b.since_probe >= PROBE_EVERY:  # measure the other mode again: the acceptance may have changed
+            b.since_probe = 0
+            return not pays
+        return pays
+
+    def propose(self, running: list[Sequence], generator_for: Callable[[Sequence], torch.Generator | None]) -> None:
+        """Append drafted tokens to the decoding sequences of ``running`` (when speculation pays at this size)."""
+        self._t0 = time.perf_counter()
+        self.proposer.release({s.seq_id for s in running})
+        decoding = [s for s in running if not s.is_finished and s.num_computed_tokens == s.num_tokens - 1
+                    and not s.pending_forks]  # fmt: skip
+        self._mode = None
+        if not decoding or len(decoding) != len(running):  # prefills in the step: not timed
+            pass
+        else:
+            self._mode = (_bucket(len(decoding)), False)
+        cap = self.config.disable_by_batch_size
+        if not decoding or (cap is not None and len(decoding) >= cap):
+            return
+        if self._mode is not None and not self._speculate_now(self._mode[0]):
+            self.totals.paused_steps += 1
+            return
+        seqs, ks = [], []
+        for seq in decoding:
+            k = self._num_tokens(seq)
+            if k > 0:
+                seqs.append(seq)
+                ks.append(k)
+        if not seqs:
+            return
+        drafts = self.proposer.propose(seqs, ks, [generator_for(s) for s in seqs])
+        for seq, draft in zip(seqs, drafts, strict=True):
+            if draft.tokens:
+                seq.add_draft(draft.tokens, draft.probs)
+        if self._mode is not None:
+            self._mode = (self._mode[0], True)
+        self.totals.draft_time += time.perf_counter() - self._t0
+
+    # -- after the step ----------------------------------------------------------------------------------------
+
+    def verify(self, seq: Sequence, logits: torch.Tensor, generator: torch.Generator | None) -> list[int]:
+        """``logits`` [k + 1, V] of the target at the sequence's last k + 1 positions -> the tokens to emit (the
+        accepted drafts, then the target's own). Drops the drafts from ``seq.token_ids``."""
+        k = seq.num_draft_tokens
+        draft = torch.tensor(seq.token_ids[-k:], device=logits.device).unsqueeze(0)
+        params = seq.params
+        if params.greedy:
+            verdict = verify_greedy(draft, logits.unsqueeze(0))
+        else:
+            p = torch.stack([filter_logits(row, params).softmax(-1) for row in logits]).unsqueeze(0)
+            q = seq.draft_probs
+            if q is None:  # a deterministic proposer: one-hot on its tokens
+                q = torch.nn.functional.one_hot(draft[0], logits.shape[-1]).to(p.dtype)
+            uniform = torch.rand(1, k, generator=generator, device=logits.device)
+            noise = torch.empty(1, logits.shape[-1], device=logits.device).exponential_(generator=generator)
+            verdict = verify_sampled(draft, q.unsqueeze(0).to(p.dtype), p, uniform, noise)
+        accepted = int(verdict.num_accepted[0])
+        tokens = verdict.tokens[0, : accepted + 1].tolist()
+        seq.drop_draft()
+        stats = seq.spec
+        stats.steps += 1
+        stats.drafted += k
+        stats.accepted += accepted
+        stats.emitted += accepted + 1
+        t = self.totals
+        t.steps += 1
+        t.drafted += k
+        t.accepted += accepted
+        t.emitted += accepted + 1
+        rate = accepted / k
+        self.acceptance[seq.seq_id] = (1 - EMA) * self.acceptance.get(seq.seq_id, PRIOR_ACCEPTANCE) + EMA * rate
+        return tokens
+
+    def step_done(self, tokens_per_seq: float) -> None:
+        """Time the step that just ended (its tokens were read, so the device is done with it)."""
+        elapsed = time.perf_counter() - self._t0
+        if self._mode is None:
+            return
+        bucket, speculated = self._mode
+        b = self.buckets.setdefault(bucket, _Bucket())
+        if speculated:
+            self.totals.step_time += elapsed
+            b.spec_time = elapsed if not b.spec_samples else (1 - EMA) * b.spec_time + EMA * elapsed
+            b.spec_tokens = tokens_per_seq if not b.spec_samples else (1 - EMA) * b.spec_tokens + EMA * tokens_per_seq
+            b.spec_samples += 1
+        else:
+            b.plain_time = elapsed if not b.plain_samples else (1 - EMA) * b.plain_time + EMA * elapsed
+            b.plain_samples += 1
+        self._mode = None
+
+    def forget(self, seq_ids: set[int]) -> None:
+        for seq_id in seq_ids:
+            self.acceptance.pop(seq_id, None)

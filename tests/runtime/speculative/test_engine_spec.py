@@ -1,0 +1,200 @@
+"""Speculative decoding in the engine: greedy output equals non-speculative greedy with every proposer, in mixed
+batches, under preemption, with n > 1 and shared prefixes; sampled output keeps the target's distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.runtime import LLM, SamplingParams
+from quantkit.runtime.speculative.config import SpeculativeConfig
+from tests.runtime.helpers import random_prompts
+
+
+def tiny(model_type: str = "llama", layers: int = 4, hidden: int = 64, vocab: int = 96) -> dict:
+    cfg = dict(model_type=model_type, vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+               num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               initializer_range=0.2)  # fmt: skip
+    return cfg
+
+
+def sharp(llm: LLM) -> LLM:
+    """Sharpen attention (random init is nearly uniform) so that a wrong position or cache slot shows."""
+    with torch.no_grad():
+        for layer in llm.model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4.0)
+    return llm
+
+
+def repetitive_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a phrase, so prompt lookup finds matches; mixed lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        phrase = torch.randint(3, vocab, (3 + i % 4,), generator=gen).tolist()
+        out.append((phrase * (2 + i % 3))[: 4 + 3 * i])
+    return out
+
+
+def greedy(llm: LLM, prompts, max_tokens: int = 20, **kw):
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, **kw))
+    return [[c.token_ids for c in o.completions] for o in outs], outs
+
+
+def assert_no_leaks(llm: LLM) -> None:
+    bm = llm.block_manager
+    assert bm.num_free == bm.num_blocks and bm.used_slots == 0
+    draft = getattr(llm.spec.proposer, "bm", None)
+    if draft is not None:
+        llm.spec.proposer.release(set())
+        assert draft.num_free == draft.num_blocks
+
+
+SPECS = {
+    "ngram": dict(method="ngram", prompt_lookup_max=3),
+    "self-w4": dict(method="self", draft_scheme="w4a16-g32"),
+    "self-w8-skip": dict(method="self", draft_scheme="w8a16-pc", draft_layers=2),
+}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_equals_plain_greedy(model_type, name, k):
+    cfg = tiny(model_type)
+    prompts = repetitive_prompts(6, cfg["vocab_size"]) + random_prompts([5, 17, 30], cfg["vocab_size"], seed=1)
+    expected, _ = greedy(sharp(LLM(cfg, cpu_kv_blocks=128, seed=3)), prompts)
+    spec = SpeculativeConfig(**SPECS[name], num_speculative_tokens=k, adaptive=False)
+    llm = sharp(LLM(cfg, cpu_kv_blocks=128, seed=3, speculative=spec))
+    got, outs = greedy(llm, prompts)
+    assert got == expected
+    assert llm.spec.totals.steps > 0
+    assert all(len(c.token_ids) == 20 for o in outs for c in o.completions)  # never past max_tokens
+    assert_no_leaks(llm)
+
+
+def test_draft_model_folder(tmp_path):
+    """A smaller random model of the same vocabulary, saved as an HF folder, drafts for a larger one."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    small = tiny(layers=2, hidden=32)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**small))
+    hf.save_pretrained(tmp_path / "draft")
+    cfg = tiny()
+    prompts = repetitive_prompts(5, cfg["vocab_size"])
+    expected, _ = greedy(sharp(LLM(cfg, cpu_kv_blocks=128)), prompts)
+    spec = SpeculativeConfig(method="draft", draft=str(tmp_path / "draft"), num_speculative_tokens=3, adaptive=False)
+    llm = sharp(LLM(cfg, cpu_kv_blocks=128, speculative=spec))
+    got, _ = greedy(llm, prompts)
+    assert got == expected
+    assert llm.spec.totals.drafted > 0
+    assert_no_leaks(llm)
+    with pytest.raises(QuantkitError, match="vocabulary"):
+        LLM(tiny(vocab=97), cpu_kv_blocks=64, speculative=spec)
+
+
+def test_preemption_parallel_sampling_and_shared_prefixes():
+    """A cache too small for the batch forces preemption mid-speculation; n = 3 completions share their prompt's
+    blocks (copy-on-write) and two prompts share a prefix; greedy output is unchanged and nothing leaks."""
+    cfg = tiny()
+    prefix = repetitive_prompts(1, cfg["vocab_size"], seed=5)[0] * 3
+    prompts = [[*prefix, 7, 8], [*prefix, 9], *repetitive_prompts(4, cfg["vocab_size"], seed=6)]
+    params = dict(max_tokens=24, n=3)
+    expected, _ = greedy(sharp(LLM(cfg, cpu_kv_blocks=256, block_size=4)), prompts, **params)
+    spec = SpeculativeConfig(method="self", draft_scheme="w4a16-g32", num_speculative_tokens=4, adaptive=False)
+    llm = sharp(LLM(cfg, cpu_kv_blocks=40, block_size=4, speculative=spec, async_scheduling=False))
+    got, _ = greedy(llm, prompts, **params)
+    assert got == expected
+    assert llm.scheduler.num_preemptions > 0
+    assert_no_leaks(llm)
+
+
+def test_stop_token_inside_accepted_drafts():
+    """A stop token met among accepted drafts ends the completion there (later accepted tokens are dropped)."""
+    cfg = tiny()
+    prompts = repetitive_prompts(4, cfg["vocab_size"], seed=2)
+    plain, _ = greedy(sharp(LLM(cfg, cpu_kv_blocks=128)), prompts, max_tokens=16)
+    stop = plain[0][0][5]  # a token the first completion produces mid-way
+    expected, _ = greedy(sharp(LLM(cfg, cpu_kv_blocks=128)), prompts, max_tokens=16, stop_token_ids=[stop])
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=False)
+    got, outs = greedy(sharp(LLM(cfg, cpu_kv_blocks=128, speculative=spec)), prompts, max_tokens=16,
+                       stop_token_ids=[stop])  # fmt: skip
+    assert got == expected
+    assert outs[0].completions[0].finish_reason == "stop"
+
+
+def test_stream_marks_only_the_last_token_finished():
+    cfg = tiny()
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=False)
+    llm = sharp(LLM(cfg, cpu_kv_blocks=128, speculative=spec))
+    events = list(llm.stream(repetitive_prompts(3, cfg["vocab_size"]), SamplingParams(max_tokens=12)))
+    for request in {e.request_id for e in events}:
+        mine = [e for e in events if e.request_id == request]
+        assert len(mine) == 12
+        assert [e.finish_reason for e in mine] == [None] * 11 + ["length"]
+
+
+def test_sampled_first_tokens_keep_the_target_distribution():
+    """1,200 seeded requests of one prompt at temperature 1: the histogram of the second and third generated tokens
+    with a self draft matches the one without (total variation within sampling noise)."""
+    cfg = tiny(vocab=16)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    n = 1200
+
+    def histograms(llm):
+        params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
+        outs = llm.generate([prompt] * n, params)
+        return [torch.bincount(torch.tensor([o.completions[0].token_ids[i] for o in outs]), minlength=16).double() / n
+                for i in (1, 2)]  # fmt: skip
+
+    plain = histograms(LLM(cfg, cpu_kv_blocks=512, max_num_seqs=512))
+    spec = SpeculativeConfig(method="self", draft_scheme="w3a16-g16", num_speculative_tokens=2, adaptive=False)
+    llm = LLM(cfg, cpu_kv_blocks=512, max_num_seqs=512, speculative=spec)
+    drafted = histograms(llm)
+    assert llm.spec.totals.accepted > 0 and llm.spec.totals.accepted < llm.spec.totals.drafted
+    for a, b in zip(plain, drafted, strict=True):
+        # two independent samples of 1,200: the total variation between them stays well under 0.1 when equal
+        assert 0.5 * (a - b).abs().sum() < 0.1
+
+
+def test_metrics_in_outputs():
+    cfg = tiny()
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False)
+    llm = sharp(LLM(cfg, cpu_kv_blocks=128, speculative=spec))
+    _, outs = greedy(llm, repetitive_prompts(3, cfg["vocab_size"]))
+    stats = [c.spec for o in outs for c in o.completions]
+    assert all(s is not None and s.steps > 0 for s in stats)
+    for s in stats:
+        assert 0.0 <= s.acceptance_rate <= 1.0 and 1.0 <= s.mean_emitted <= 4.0
+        assert s.emitted == s.accepted + s.steps
+    assert sum(s.drafted for s in stats) == llm.spec.totals.drafted
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(method="medusa"), "unknown speculative method"),
+        (dict(method="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
+        (dict(method="draft"), "needs a draft model"),
+        (dict(method="ngram", draft_layers=2), "takes no draft"),
+        (dict(method="self", draft_scheme="int4"), "draft scheme"),
+        (dict(method="self", draft_layers=9), "exceeds the model's 4 layers"),
+    ],
+)
+def test_bad_settings(settings, message):
+    with pytest.raises(QuantkitError, match=message):
+        LLM(tiny(), cpu_kv_blocks=64, speculative=settings)
+
+
+def test_self_draft_needs_a_quantizable_target(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import quantkit
+
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny()))
+    recipe = quantkit.Recipe.from_dict({"scheme": {"bits": 4, "group_size": 32}, "stages": [{"method": "rtn"}]})
+    quantkit.quantize(hf, recipe)
+    quantkit.save_quantized(hf, tmp_path / "q")
+    with pytest.raises(QuantkitError, match="already a weight-only"):
+        LLM(str(tmp_path / "q"), speculative=dict(method="self"), cpu_kv_blocks=64)
