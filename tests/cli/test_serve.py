@@ -23,10 +23,16 @@ def test_generate_prints_the_engine_tokens():
     assert got["completions"][0]["token_ids"] == expected[0].completions[0].token_ids
 
 
-def test_generate_accepts_fp8_fast_accumulation():
-    args = ["--model", "dummy:tiny-llama", "--device", "cpu", "--token-ids", "--max-tokens", "2", "--fp8-fast-accum"]
+def test_generate_passes_fp8_fast_accumulation_to_the_engine(monkeypatch):
+    import quantkit.runtime
+
+    engines = []
+    monkeypatch.setattr(quantkit.runtime, "LLM", lambda model, **settings: engines.append(LLM(model, **settings))
+                        or engines[-1])  # fmt: skip
+    args = ["--model", "dummy:tiny-llama", "--device", "cpu", "--token-ids", "--max-tokens", "2"]
+    assert run("generate", *args, "--fp8-fast-accum", "5 6 7").exit_code == 0
     assert run("generate", *args, "5 6 7").exit_code == 0
-    assert LLM(DUMMY_MODELS["tiny-llama"], device="cpu", fp8_fast_accum=True).config.fp8_fast_accum
+    assert [e.config.fp8_fast_accum for e in engines] == [True, False]
 
 
 def test_generate_takes_the_async_scheduling_switch(monkeypatch):
