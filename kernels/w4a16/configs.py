@@ -18,8 +18,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _pow2(v: int) -> bool:
-    return v > 0 and v & (v - 1) == 0
+def is_pow2(v: int) -> bool:
+    """A positive power of two (tile sizes, warp counts)."""
+    return isinstance(v, int) and v > 0 and v & (v - 1) == 0
 
 
 @dataclass(frozen=True)
@@ -63,14 +64,14 @@ class KernelConfig:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         for name in ("block_m", "block_n", "block_k", "num_warps", "group_m"):
-            if not _pow2(getattr(self, name)):
+            if not is_pow2(getattr(self, name)):
                 raise ValueError(f"{name} must be a power of two, got {getattr(self, name)}")
         min_m = 1 if self.method == "gemv" else 16
         if self.block_m < min_m or self.block_n < 16 or self.block_k < 32:
             raise ValueError(
                 f"tiles must be at least {min_m} (M), 16 (N) and 32 (K) wide: tl.dot's minimum, whole packed words"
             )
-        if self.fixup_unroll and not (_pow2(self.fixup_unroll) and self.fixup_unroll <= 32):
+        if self.fixup_unroll and not (is_pow2(self.fixup_unroll) and self.fixup_unroll <= 32):
             raise ValueError(f"fixup_unroll must be 0 (default) or a power of two <= 32, got {self.fixup_unroll}")
         if not 0 <= self.split_waves <= 32 or self.num_stages < 1:
             raise ValueError("split_waves must be in [0, 32] and num_stages >= 1")

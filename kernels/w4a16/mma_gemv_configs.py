@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from quantkit.kernels.w4a16.configs import is_pow2
 from quantkit.kernels.w4a16.problem import Plan, Product
 from quantkit.kernels.w4a16.weight import W4A16Weight
 
@@ -34,6 +35,14 @@ class MmaGemvConfig:
     skip_split: int = 0  # > 0: a split measured slow for this config; the rule goes one doubling on (or back)
     wave_divisor: bool = False  # the split: the largest divisor of the loop count whose grid fits one wave (``wave``)
     uneven: bool = False  # the doubling split need not divide the loop count (parts differ by at most one iteration)
+
+    def __post_init__(self) -> None:
+        if not is_pow2(self.num_warps) or not (isinstance(self.steps, int) and self.steps >= 1):
+            raise ValueError(f"num_warps must be a power of two and steps >= 1, got {self.num_warps}, {self.steps}")
+        if not self.fill > 0 or not (isinstance(self.max_split, int) and self.max_split >= 1):
+            raise ValueError(f"fill must be positive and max_split >= 1, got {self.fill}, {self.max_split}")
+        if min(self.wave, self.min_depth, self.skip_split) < 0:
+            raise ValueError("wave, min_depth and skip_split must be >= 0 (0: not used)")
 
     @property
     def block_n(self) -> int:

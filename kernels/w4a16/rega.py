@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 import triton
 from quantkit.kernels._device import num_sms
-from quantkit.kernels.w4a16.configs import LOCK_SLOTS
+from quantkit.kernels.w4a16.configs import LOCK_SLOTS, is_pow2
 from quantkit.kernels.w4a16.gemv import w4a16_gemv_reference
 from quantkit.kernels.w4a16.problem import Plan, Product
 from quantkit.kernels.w4a16.weight import W4A16Weight, check_operands
@@ -64,7 +64,14 @@ class RegaConfig:
     num_warps: int = 4
     split_waves: float = 1.0
     overlap: bool = True
-    ahead: int = 0
+    ahead: int = 0  # outside 0-2 the rule reports it (``unsupported``)
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            if not is_pow2(getattr(self, name)):
+                raise ValueError(f"{name} must be a power of two, got {getattr(self, name)}")
+        if not (isinstance(self.stages, int) and self.stages >= 1) or not self.split_waves > 0:
+            raise ValueError(f"stages must be >= 1 and split_waves positive, got {self.stages}, {self.split_waves}")
 
     @property
     def name(self) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 from quantkit.kernels._device import num_sms
-from quantkit.kernels.w4a16.configs import LOCK_SLOTS
+from quantkit.kernels.w4a16.configs import LOCK_SLOTS, is_pow2
 from quantkit.kernels.w4a16.problem import Plan, Product
 from quantkit.kernels.w4a16.weight import W4A16Weight, check_operands
 
@@ -36,6 +36,13 @@ class WSConfig:
     dq_regs: int = 160
     min_slice: int = 0  # the dispatcher declines a product whose split leaves K slices shorter than this
 
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k", "num_warps", "dq_warps"):
+            if not is_pow2(getattr(self, name)):
+                raise ValueError(f"{name} must be a power of two, got {getattr(self, name)}")
+        if min(self.stages, self.dq_buffers, self.dq_regs) < 1 or self.min_slice < 0:
+            raise ValueError("stages, dq_buffers and dq_regs must be >= 1 and min_slice >= 0")
+
     @property
     def name(self) -> str:
         return (
@@ -55,6 +62,8 @@ WS_TABLE: tuple[tuple[int, WSConfig], ...] = (
     (512, WSConfig(256, 128, 64, 4, 8, min_slice=2048)),
 )
 KERNEL = "warp-specialized GEMM (Gluon, w4a16/ws_kernel.py)"
+
+
 WS_MIN_M = 65  # below: the swap-AB Triton tiles, whose 16-64 rows waste no MMA work
 WS_GROUPS = (64, 128)
 WS_TRITON = "3.6."  # the Gluon API the kernel is written for (3.7+ renamed its TMA load and shared-memory views)

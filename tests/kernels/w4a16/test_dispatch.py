@@ -15,7 +15,7 @@ import pytest
 import torch
 import triton
 from quantkit.kernels._device import GPU
-from quantkit.kernels.w4a16 import dispatch
+from quantkit.kernels.w4a16 import dispatch, mma_gemv_configs, rega, ws
 from quantkit.kernels.w4a16.configs import WIDE_M1, config_for
 from quantkit.kernels.w4a16.problem import Plan, Product
 
@@ -87,3 +87,19 @@ def test_bf16_chooses_as_fp16(triton_version, cap):
 def test_devices_cover_the_rules():
     assert {cap for cap, _, _ in DEVICES} == {(8, 0), (9, 0), (10, 0)}
     assert "ws:" in CHOICES.read_text() and "rega:" in CHOICES.read_text() and "mma_gemv:" in CHOICES.read_text()
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: mma_gemv_configs.MmaGemvConfig(num_warps=3), "num_warps"),
+        (lambda: mma_gemv_configs.MmaGemvConfig(max_split=0), "max_split"),
+        (lambda: rega.RegaConfig(block_n=96), "block_n"),
+        (lambda: rega.RegaConfig(stages=0), "stages"),
+        (lambda: ws.WSConfig(128, 128, 128, 3, 4, dq_warps=6), "dq_warps"),
+        (lambda: ws.WSConfig(128, 128, 128, 0, 4), "stages"),
+    ],
+)
+def test_path_configs_are_checked(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()

@@ -15,7 +15,7 @@ import torch
 import triton
 from quantkit.kernels._device import GPU
 from quantkit.kernels.w8a8 import dispatch
-from quantkit.kernels.w8a8.configs import config_for
+from quantkit.kernels.w8a8.configs import TileConfig, config_for
 from quantkit.kernels.w8a8.problem import Product
 
 from tests.kernels.w8a8.dispatch_grid import LAYERS, MS, choice_lines
@@ -76,3 +76,14 @@ def test_pdl_rule():
     assert not dispatch.pdl_rule(16, GPU((8, 0), 108))
     assert dispatch.pdl_rule(64, GPU()) and dispatch.pdl_rule(1, GPU((10, 0), 148))
     assert not dispatch.pdl_rule(65, GPU())
+
+
+def test_tile_configs_are_checked():
+    with pytest.raises(ValueError, match="config keys"):
+        TileConfig.from_dict({"BLOCK_M": 16})
+    with pytest.raises(ValueError, match="USE_TMA must be one of"):
+        TileConfig(16, 32, 256, 1, 5, 4, 6)
+    with pytest.raises(ValueError, match="BLOCK_N must be a power of two"):
+        TileConfig(16, 48, 256, 1, 0, 4, 6)
+    cfg = config_for(1, "int8")
+    assert TileConfig.from_dict(cfg.to_dict()) == cfg
