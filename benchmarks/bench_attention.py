@@ -63,7 +63,7 @@ DECODE_SWEEP = [  # (block_n, num_warps, num_stages, splits or None = default)
     (64, 4, 2, 1),
     (64, 4, 2, 2),
     (64, 4, 2, 6),
-    (64, 4, 2, 64),  # the default's cap on splits since the ninth session (32 before: batch 1 at 32k context)
+    (64, 4, 2, 64),  # the default's cap on splits (it was 32: batch 1 at 32k context gained from 64)
     (64, 4, 2, 128),
     (128, 4, 2, 32),
     (128, 4, 2, 64),
@@ -73,9 +73,9 @@ PREFILL_SWEEP = [  # (block_m, block_n, num_warps, num_stages, TMA for q and the
     # the cached-prefix loops compiled in): first prefills, so the runtime launches them without (has_prefix=False)
     (64, 64, 4, 3, True, False, False),  # the committed default up to 1024 queries a chunk (PREFILL_CONFIGS)
     (128, 128, 8, 3, True, False, False),  # ... and for longer chunks
-    (64, 64, 4, 3, True, False, True),  # the same with the prefix loops (every launch before the ninth session)
+    (64, 64, 4, 3, True, False, True),  # the same with the prefix loops (every launch, before they became optional)
     (128, 128, 8, 3, True, False, True),
-    (128, 32, 4, 4, True, False, False),  # the default up to 2048 queries before the ninth session
+    (128, 32, 4, 4, True, False, False),  # the former default up to 2048 queries
     (128, 32, 4, 4, True, False, True),
     (128, 64, 8, 2, True, False, False),  # 162 registers without the prefix loops (Triton 3.6, sm_90)
     (64, 64, 4, 2, True, False, False),  # 158
@@ -84,7 +84,7 @@ PREFILL_SWEEP = [  # (block_m, block_n, num_warps, num_stages, TMA for q and the
     (128, 128, 8, 2, True, False, False),  # 216
     (64, 128, 4, 2, True, False, False),  # 210
     (128, 32, 4, 3, True, False, False),
-    (64, 64, 4, 3, True, True, False),  # lazy rescaling (slower on the H200, 2026-12-02)
+    (64, 64, 4, 3, True, True, False),  # lazy rescaling (slower on the H200)
     (128, 128, 8, 3, True, True, False),
     (64, 64, 4, 3, False, False, False),  # without TMA
     (128, 128, 8, 3, False, False, False),
