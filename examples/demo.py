@@ -18,7 +18,7 @@ from transformers.utils import logging as hf_logging
 
 import quantkit
 from quantkit.calib.data import evaluation_windows
-from quantkit.cli.commands import progress_bar
+from quantkit.cli.progress import progress_bar
 from quantkit.eval import evaluate_windows
 
 
