@@ -22,9 +22,10 @@ where F are the remaining columns. Paper notation below:
   columns quantized before it. Blocks are cut at group starts, so the group's columns are up to date at that point
   (lazy updates of earlier blocks all applied). ``static_groups`` instead computes every group's grid up front from
   the original W, in the original column order.
-- ``mse`` (off by default here, as in the paper; the gptq recipe stage turns it on): grids clip each group's
-  range where that lowers the group's own rounding error, searched over 80 shrink factors; it matters most per
-  channel, where a few outliers set the grid.
+- ``mse`` (off by default here, as in the paper): grids clip each group's range where that lowers the group's own
+  rounding error, searched over 80 shrink factors; it matters most per channel, where a few outliers set the grid.
+  Whether it helps a layer depends on the layer: :func:`choose_grid` decides by the output error on held-out
+  calibration tokens (the gptq recipe stage's default).
 - Act-order (``desc_act``): columns are processed by decreasing diag(H). Without static groups, groups are runs of
   G consecutive columns in processing order, so ``g_idx`` (the group of each ORIGINAL column) is non-monotonic;
   with static groups ``g_idx[k] = k // G``.
@@ -187,3 +188,24 @@ def gptq(
         "dead_columns": n_dead,
     }
     return qw, info
+
+
+GRIDS = {"minmax": False, "mse": True}  # grid name -> gptq's ``mse``
+
+
+@torch.no_grad()
+def choose_grid(W: torch.Tensor, H_fit: torch.Tensor, H_held: torch.Tensor, scheme: QuantScheme, **kwargs):
+    """``(mse, losses)``: whether GPTQ should use MSE-clipped grids for W [N, K] rather than min-max ones.
+
+    GPTQ is fitted with each grid on the Hessian ``H_fit`` of some calibration tokens and judged by the output
+    error (:func:`reconstruction_loss`) on the Hessian ``H_held`` of other tokens, which neither fit saw: a grid
+    that only lowers the in-sample error does not win. Min-max wins ties (the simpler grid, the paper's).
+    ``losses`` maps each grid name to its held-out error; ``kwargs`` go to :func:`gptq`.
+    """
+    W0 = W.float()
+    H_held = H_held.to(device=W0.device, dtype=torch.float32)
+    losses = {}
+    for name, mse in GRIDS.items():
+        qw, _ = gptq(W, H_fit, scheme, mse=mse, **kwargs)
+        losses[name] = reconstruction_loss(W0, qw.dequantize(), H_held)
+    return losses["mse"] < losses["minmax"], losses

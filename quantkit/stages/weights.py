@@ -48,6 +48,10 @@ class WeightStage:
         """Collect the statistics of all groups in one pass (False: group by group, true-sequential)."""
         return False
 
+    def collect(self, ctx: LayerContext, modules: dict) -> dict[str, LinearStats]:
+        """The statistics of ``modules``' inputs over the calibration batches (a stage may gather more)."""
+        return ctx.collect(modules, hessian=self.needs_hessian)
+
     def apply(self, ctx: LayerContext) -> None:
         chosen_groups = []
         for group in ctx.sequential_groups():
@@ -63,12 +67,12 @@ class WeightStage:
         )
         if wants_stats and self.collect_together():
             everything = {n: m for g in chosen_groups for n, m, _ in g}
-            stats_all = ctx.collect(everything, hessian=self.needs_hessian)
+            stats_all = self.collect(ctx, everything)
         sequential = wants_stats and not self.collect_together()
         for i, chosen in enumerate(chosen_groups):
             stats = {}
             if sequential:
-                stats = ctx.collect({n: m for n, m, _ in chosen}, self.needs_hessian)
+                stats = self.collect(ctx, {n: m for n, m, _ in chosen})
             elif wants_stats:
                 stats = stats_all
             for name, module, scheme in chosen:

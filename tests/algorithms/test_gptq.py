@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from quantkit.algorithms.gptq import block_bounds, gptq, reconstruction_loss
+from quantkit.algorithms.gptq import block_bounds, choose_grid, gptq, reconstruction_loss
 from quantkit.algorithms.rtn import group_qparams, rtn
 from quantkit.errors import QuantkitError
 from quantkit.nn.qlinear import QuantLinear
@@ -250,3 +250,39 @@ def test_mse_grids_lower_the_output_error_with_outliers(group):
     _, plain = gptq(w, h, scheme)
     _, clipped = gptq(w, h, scheme, mse=True)
     assert clipped["loss"] < plain["loss"]
+
+
+def held_out_problem(seed: int, n_fit: int = 2048, n_held: int = 1024):
+    """W [64, 96] and the Hessians of two disjoint sets of correlated inputs from one distribution (fit, held)."""
+    g = torch.Generator().manual_seed(seed)
+    k = 96
+    mix = torch.randn(k, k, generator=g) / k**0.5
+    x = torch.randn(n_fit + n_held, k, generator=g) @ mix * (0.2 + 3 * torch.rand(k, generator=g))
+    w = 0.05 * torch.randn(64, k, generator=g)
+    fit, held = x[:n_fit], x[n_fit:]
+    return w, 2 * fit.t() @ fit / n_fit, 2 * held.t() @ held / n_held
+
+
+def test_choose_grid_picks_the_grid_with_the_lower_held_out_error():
+    """choose_grid fits GPTQ with both grids on one Hessian and judges them on the other: its answer is the
+    grid whose held-out output error is lower, and it reports both errors."""
+    scheme = QuantScheme(bits=4, group_size=-1, sym=False)
+    w, h_fit, h_held = held_out_problem(7)
+    w[:, ::23] *= 6
+    mse, losses = choose_grid(w, h_fit, h_held, scheme)
+    assert set(losses) == {"minmax", "mse"} and mse is (losses["mse"] < losses["minmax"])
+    for grid, flag in (("minmax", False), ("mse", True)):
+        q, _ = gptq(w, h_fit, scheme, mse=flag)
+        assert losses[grid] == pytest.approx(reconstruction_loss(w, q.dequantize(), h_held), rel=1e-6)
+    assert mse, "per-channel 4-bit with outlying weights: clipping lowers the held-out error"
+
+
+def test_choose_grid_prefers_min_max_on_a_tie():
+    """Weights on the 4-bit grid of step 1/64 with both ends present in every group: min-max reproduces them
+    exactly (error 0), clipping cannot do better, so both held-out errors are 0 and min-max wins the tie."""
+    scheme = QuantScheme(bits=4, group_size=32, sym=False)
+    _, h_fit, h_held = held_out_problem(3)
+    w = (torch.randint(0, 16, (64, 96), generator=torch.Generator().manual_seed(0)) - 8) / 64
+    w[:, ::32], w[:, 1::32] = -8 / 64, 7 / 64  # every group spans the whole grid
+    mse, losses = choose_grid(w, h_fit, h_held, scheme)
+    assert losses == {"minmax": 0.0, "mse": 0.0} and not mse

@@ -30,7 +30,7 @@ def calib_ids(n=16, length=32, seed=0) -> torch.Tensor:
 def test_params_defaults_and_validation():
     p = parse_params("gptq", None, "params")
     assert (p.damp, p.block_size, p.act_order, p.static_groups, p.true_sequential, p.mse) == (
-        0.01, 128, True, False, True, True
+        0.01, 128, True, True, True, "auto"
     )  # fmt: skip
     bad = [
         ({"damp": -0.1}, "damp"),
@@ -41,7 +41,8 @@ def test_params_defaults_and_validation():
         ({"act_order": "yes"}, "act_order"),
         ({"static_groups": 1}, "static_groups"),
         ({"true_sequential": None}, "true_sequential"),
-        ({"mse": "on"}, "mse"),
+        ({"mse": "on"}, "mse must be auto, true or false"),
+        ({"mse": 1}, "mse must be auto, true or false"),
         ({"desc_act": True}, "unknown key 'desc_act'"),
     ]
     for data, message in bad:
@@ -55,7 +56,7 @@ def test_act_order_checkpoint_reloads_with_identical_logits(arch, tmp_path):
     ids = calib_ids(2, 12, seed=1)
     with torch.no_grad():
         float_logits = model(ids).logits
-    result = quantkit.quantize(model, gptq_recipe(act_order=True, block_size=16), calib_ids())
+    result = quantkit.quantize(model, gptq_recipe(act_order=True, static_groups=False, block_size=16), calib_ids())
     report = result.layers
     assert all(r["method"] == "gptq" and r["loss"] >= 0 and r["damp"] == 0.01 for r in report.values())
     modules = quantized_modules(model)
@@ -173,3 +174,68 @@ def test_act_order_with_static_groups_reloads_with_identical_logits(tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(quantkit.save_quantized(model, tmp_path / "q")).eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, q_logits, rtol=0, atol=0)
+
+
+def test_default_grid_is_chosen_per_linear_on_held_out_windows():
+    """mse "auto": every 4th calibration window judges min-max against MSE-clipped grids; the report says which
+    won and by how much, and the linear is quantized with the winner on all windows: the weights of a run that
+    fixes that grid (compared in layer 0 without true-sequential, where every linear sees the float inputs)."""
+    model = tiny_model("llama")
+    report = quantkit.quantize(model, gptq_recipe(block_size=16, true_sequential=False), calib_ids(16, 32)).layers
+    assert all(r["tokens"] == 16 * 32 and r["heldout_tokens"] == 4 * 32 for r in report.values())
+    for r in report.values():
+        losses = r["heldout_loss"]
+        assert r["grid"] == ("mse" if losses["mse"] < losses["minmax"] else "minmax")
+    chosen = {n: r["grid"] == "mse" for n, r in report.items() if n.startswith("model.layers.0.")}
+    assert sum(chosen.values()) > 0, "random weights with 4-bit groups of 32: clipping helps some linears"
+    for grid in (False, True):
+        fixed = tiny_model("llama")
+        quantkit.quantize(fixed, gptq_recipe(block_size=16, true_sequential=False, mse=grid), calib_ids(16, 32))
+        fixed_modules = quantized_modules(fixed)
+        for name, m in quantized_modules(model).items():
+            if chosen.get(name) == grid:
+                assert torch.equal(m.qweight, fixed_modules[name].qweight), name
+
+
+def test_default_grid_falls_back_to_min_max_without_held_out_windows():
+    """Batches of fewer than four windows hold none out: min-max, and the report says why."""
+    recipe = Recipe.from_dict({"scheme": SCHEME, "calibration": {"batch_size": 2}, "stages": [{"method": "gptq"}]})
+    report = quantkit.quantize(tiny_model("llama"), recipe, calib_ids(4, 32)).layers
+    assert {r["grid"] for r in report.values()} == {"minmax"}
+    assert {r["grid_reason"] for r in report.values()} == {"no held-out calibration windows"}
+
+
+def test_default_checkpoint_exports_to_compressed_tensors_and_reads_back_bit_identically(tmp_path):
+    """Static groups by default: g_idx is k // G, so the checkpoint exports to compressed-tensors (which has no
+    g_idx) and imports back as the same integers and the same logits."""
+    import importlib.util
+
+    from safetensors.torch import load_file
+
+    from quantkit.checkpoint.export import export_checkpoint
+    from quantkit.checkpoint.foreign import import_checkpoint
+
+    if importlib.util.find_spec("compressed_tensors") is None:
+        pytest.skip("needs the compressed-tensors package")
+    model = tiny_model("llama")
+    quantkit.quantize(model, Recipe.from_dict({"scheme": SCHEME, "stages": [{"method": "gptq"}]}), calib_ids())
+    q = quantkit.save_quantized(model, tmp_path / "q")
+    exported = export_checkpoint(q, tmp_path / "ct", "compressed-tensors")
+    back = import_checkpoint(exported.path, tmp_path / "back")
+    assert back.method == "compressed-tensors" and back.scale_change == 0.0
+
+    def tensors(folder):
+        out = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            out.update(load_file(f))
+        return out
+
+    original, again = tensors(q), tensors(back.path)
+    assert set(original) == set(again)
+    for name, t in original.items():
+        assert t.dtype == again[name].dtype and torch.equal(t, again[name]), name
+    ids = calib_ids(2, 12, seed=1)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            quantkit.load_quantized(back.path)(ids).logits, quantkit.load_quantized(q)(ids).logits, rtol=0, atol=0
+        )
