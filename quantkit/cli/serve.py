@@ -24,12 +24,30 @@ ENGINE = _defaults(EngineConfig)
 SAMPLING = _defaults(SamplingParams)
 
 
+def _speculative(settings: dict):
+    """The ``SpeculativeConfig`` the --speculative options ask for (None without --speculative); takes them out of
+    ``settings``."""
+    from quantkit.runtime.speculative.config import SpeculativeConfig
+
+    spec = {name: settings.pop(option) for option, name in SPEC_OPTIONS.items()}
+    method = spec.pop("method")
+    given = sorted(option for option, name in SPEC_OPTIONS.items() if name != "method" and spec[name] is not None)
+    if method is None:
+        if given:
+            raise QuantkitError(f"--{given[0].replace('_', '-')} needs --speculative")
+        return None
+    return SpeculativeConfig(method=method, **{k: v for k, v in spec.items() if v is not None})
+
+
 def _engine(model: str, **settings):
     """An LLM for a model folder, quantkit checkpoint, .gguf, built-in name, or ``dummy:<shape>``."""
     from quantkit.runtime import LLM
     from quantkit.runtime.bench import DUMMY_MODELS
 
+    speculative = _speculative(settings)
     settings = {k: v for k, v in settings.items() if v is not None}
+    if speculative is not None:
+        settings["speculative"] = speculative
     if "device" in settings:
         settings["device"] = device_name(settings["device"])
     if model.startswith(DUMMY_PREFIX):
@@ -73,9 +91,33 @@ def engine_options(f):
             help="Launch each step before the previous step's tokens reach the host (same outputs).",
         ),
     ]
+    options += [
+        click.option("--speculative", "spec_method", type=click.Choice(["draft", "self", "ngram"]), default=None,
+                     help="Speculative decoding: draft tokens with a draft model (--draft-model), the target's own "
+                     "weights quantized (self), or prompt lookup (ngram), and verify them losslessly."),
+        click.option("--num-spec-tokens", type=int, default=None, help="Most tokens drafted per step (default 4)."),
+        click.option("--draft-model", default=None,
+                     help="draft: the draft model's folder; self: a quantkit checkpoint of the same model "
+                     "(default: quantize the target in memory to --draft-scheme)."),
+        click.option("--draft-scheme", default=None, help="self: RTN scheme of the draft (default w4a16-g128)."),
+        click.option("--draft-layers", type=int, default=None, help="self: keep only the first L layers."),
+        click.option("--spec-adaptive/--spec-fixed", "spec_adaptive", default=None,
+                     help="Adapt k to the acceptance and pause speculation where it costs more than it gains "
+                     "(default), or draft k tokens every step."),
+    ]  # fmt: skip
     for option in reversed(options):
         f = option(f)
     return f
+
+
+SPEC_OPTIONS = {  # option name -> SpeculativeConfig field
+    "spec_method": "method",
+    "num_spec_tokens": "num_speculative_tokens",
+    "draft_model": "draft",
+    "draft_scheme": "draft_scheme",
+    "draft_layers": "draft_layers",
+    "spec_adaptive": "adaptive",
+}
 
 
 @click.command("generate", cls=QuantkitCommand)
@@ -140,6 +182,16 @@ def bench_serve_command(num_requests, min_input_len, max_input_len, output_len, 
         f"{result.seconds:.2f} s: {result.output_tok_s:.1f} output tok/s, {result.total_tok_s:.1f} total tok/s, "
         f"KV waste {100 * result.kv_waste:.2f}%, {result.preemptions} preemptions"
     )
+    if llm.spec is not None:
+        t = llm.spec.totals
+        row["speculative"] = {"acceptance_rate": t.acceptance_rate, "tokens_per_verify": t.emitted / max(t.steps, 1),
+                              "verify_steps": t.steps, "paused_steps": t.paused_steps, "draft_seconds": t.draft_time,
+                              "speculative_step_seconds": t.step_time}  # fmt: skip
+        click.echo(
+            f"speculative: acceptance {100 * t.acceptance_rate:.1f}%, {t.emitted / max(t.steps, 1):.2f} tokens per "
+            f"verify step over {t.steps} steps ({t.paused_steps} paused), drafting {t.draft_time:.2f} s of "
+            f"{t.step_time:.2f} s in speculative steps"
+        )
     if result.compiles:
         names = kernel_names(result.compiled)
         click.echo(

@@ -147,6 +147,8 @@ def offline_throughput(llm: LLM, prompts: list[list[int]], output_len: int) -> t
     """Generate ``output_len`` tokens for every prompt (EOS ignored, greedy), all submitted at once; returns the
     measurement and the generated tokens. ``warm_up`` first compiles the kernels outside the timing."""
     warm_up(llm)
+    if llm.spec is not None:  # count the timed run's speculation only
+        llm.spec.totals = type(llm.spec.totals)()
     preemptions, steps0, allocated0, used0 = (
         llm.scheduler.num_preemptions, llm.stats.steps, llm.stats.allocated_slots, llm.stats.used_slots
     )  # fmt: skip

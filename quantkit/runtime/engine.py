@@ -123,6 +123,8 @@ class LLM:
             speculative = SpeculativeConfig.from_dict(speculative)
         elif speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise QuantkitError(f"speculative must be a SpeculativeConfig or a dict, got {_shown(speculative)}")
+        if speculative is not None and speculative.draft is not None and not Path(speculative.draft).is_dir():
+            raise QuantkitError(f"draft model folder not found: {speculative.draft}")  # before any weight loads
         device = resolve_device(self.config.device)
         checks.tokenizer(tokenizer)
         if isinstance(model, str | Path):
