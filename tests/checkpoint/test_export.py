@@ -23,6 +23,7 @@ needs_compressed_tensors = pytest.mark.skipif(
     importlib.util.find_spec("compressed_tensors") is None,
     reason="needs the compressed-tensors package (the test extra: pip install -e '.[test]')",
 )
+ACT_ORDER = {"act_order": True, "static_groups": False}  # groups follow the permutation: g_idx is not k // G
 IDS = torch.randint(3, 320, (2, 12), generator=torch.Generator().manual_seed(0))
 CALIB = torch.randint(3, 320, (4, 32), generator=torch.Generator().manual_seed(1))
 
@@ -166,7 +167,7 @@ def gptq_v1_weights(folder, bits):
 def test_gptq_v1_export_decodes_by_the_format_rules(tmp_path, bits, group_size, sym, act_order):
     recipe = {
         "scheme": scheme(bits, group_size, sym),
-        "stages": [{"method": "gptq", "params": {"act_order": act_order}}],
+        "stages": [{"method": "gptq", "params": {"act_order": act_order, "static_groups": False}}],
     }
     q = checkpoint(tmp_path, recipe)
     done = export_checkpoint(q, tmp_path / "gptq", "gptq")
@@ -209,8 +210,8 @@ def _nonnegative_down_proj(model):
         ("awq", {"scheme": scheme(4, 128), "stages": [{"method": "rtn"}]}, None, "group size 128 does not divide"),
         ("compressed-tensors", {"scheme": scheme(4, 48), "stages": [{"method": "rtn"}]}, None,
          "no shorter last group"),
-        ("compressed-tensors", {"scheme": scheme(4, 32), "stages": [{"method": "gptq", "params": {
-            "act_order": True}}]}, None, "act-order groups"),
+        ("compressed-tensors", {"scheme": scheme(4, 32), "stages": [{"method": "gptq", "params": ACT_ORDER}]}, None,
+         "act-order groups"),
     ],
     ids=["gptq-mixed", "gptq-w8a8", "gptq-v1-zero-0", "gptq-ragged", "awq-group-above-k", "ct-ragged",
          "ct-act-order"],
@@ -325,7 +326,7 @@ def test_awq_gemm_export_decodes_by_the_format_rules(tmp_path, sym):
         ({"scheme": scheme(8, -1), "stages": [{"method": "rtn"}]}, "AWQ holds 4-bit weight-only groups"),
         ({"scheme": scheme(4, -1), "stages": [{"method": "rtn"}]}, "AWQ holds 4-bit weight-only groups"),
         ({"scheme": scheme(4, 48), "stages": [{"method": "rtn"}]}, "does not divide its 64 inputs"),
-        ({"scheme": scheme(4, 32), "stages": [{"method": "gptq", "params": {"act_order": True}}]}, "act-order"),
+        ({"scheme": scheme(4, 32), "stages": [{"method": "gptq", "params": ACT_ORDER}]}, "act-order"),
     ],
     ids=["8-bit", "per-channel", "ragged", "act-order"],
 )
