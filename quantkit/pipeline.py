@@ -34,6 +34,17 @@ class QuantizeResult:
     source_model: str | None = None  # where the float model came from (set by the caller, recorded on save)
 
 
+def recipe_windows(recipe: Recipe, model: nn.Module, tokenizer) -> tuple[torch.Tensor, dict]:
+    """(windows, fingerprint): the calibration windows ``recipe.calibration`` asks for, cut from its text with
+    ``tokenizer``; windows longer than the model's positions are refused first."""
+    checks.tokenizer(tokenizer)
+    c = recipe.calibration
+    check_window_length(c.seqlen, model)
+    return calibration_windows(
+        tokenizer, c.source, c.nsamples, c.seqlen, c.seed, bos=c.bos, chat_template=c.chat_template
+    )
+
+
 def prepare_model(model: nn.Module) -> None:
     """Make every expert an ordinary linear (transformers 5 fuses them into 3-D parameters)."""
     arch = arch_for(model)
@@ -110,10 +121,7 @@ def quantize(
         if calib is None:
             if tokenizer is None:
                 raise QuantkitError("this recipe needs calibration data: pass calib windows or a tokenizer")
-            checks.tokenizer(tokenizer)
-            c = recipe.calibration
-            check_window_length(c.seqlen, model)
-            calib, fingerprint = calibration_windows(tokenizer, c.source, c.nsamples, c.seqlen, c.seed)
+            calib, fingerprint = recipe_windows(recipe, model, tokenizer)
         else:
             calib = check_calibration_windows(calib, model)
         if fingerprint is None:

@@ -155,9 +155,8 @@ def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out:
 def quantize_command(model, method, recipe_spec, out, device, dtype, offload, overwrite, **flags) -> None:
     """Quantize a model and save a self-describing checkpoint."""
     import quantkit
-    from quantkit.calib.data import calibration_windows
     from quantkit.checkpoint.save import check_apart, check_output
-    from quantkit.pipeline import check_window_length
+    from quantkit.pipeline import recipe_windows
 
     out = check_output(out, overwrite)  # before any work: a bad output path fails first
     device = device_name(device)
@@ -174,9 +173,7 @@ def quantize_command(model, method, recipe_spec, out, device, dtype, offload, ov
     )  # converted weights (fused experts) wait beside the output, on the disk the user chose
     calib = fingerprint = None
     if recipe.needs_calibration:  # cut the windows now so that too little text fails before any output
-        c = recipe.calibration
-        check_window_length(c.seqlen, float_model)
-        calib, fingerprint = calibration_windows(tokenizer, c.source, c.nsamples, c.seqlen, c.seed)
+        calib, fingerprint = recipe_windows(recipe, float_model, tokenizer)
     stdout.print(summary_table(recipe, model, device, dtype, out, offload))
     n_layers = len(float_model.get_submodule(quantkit.models.arch_for(float_model).layers))
     with progress_bar() as bar:
