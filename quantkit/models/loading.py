@@ -125,14 +125,14 @@ def convert_gguf(gguf: Path) -> Path:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "SOURCE").write_text(f"converted from {gguf} (dequantized GGUF weights)\n")
-        _publish(tmp, target)
+        publish_conversion(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
 
 
-def _publish(tmp: Path, target: Path) -> None:
+def publish_conversion(tmp: Path, target: Path) -> None:
     """Move a finished conversion into place. Another process (a parallel test worker, a second CLI run) may have
     finished the same conversion first: its folder is complete (the move is atomic), so keep it and drop ours."""
     try:

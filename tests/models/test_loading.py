@@ -2,7 +2,7 @@
 
 import pytest
 
-from quantkit.models.loading import _publish
+from quantkit.models.loading import publish_conversion
 
 
 def _folder(path, files):
@@ -15,7 +15,7 @@ def _folder(path, files):
 def test_publish_moves_a_finished_conversion_into_place(tmp_path):
     tmp = _folder(tmp_path / ".convert-a", ["config.json", "model.safetensors"])
     target = tmp_path / "model"
-    _publish(tmp, target)
+    publish_conversion(tmp, target)
     assert (target / "model.safetensors").is_file() and not tmp.exists()
 
 
@@ -23,7 +23,7 @@ def test_publish_keeps_a_conversion_another_process_finished_first(tmp_path):
     """Two test workers on a fresh cache convert the GGUF at once: the second one's move finds the folder there."""
     target = _folder(tmp_path / "model", ["config.json", "theirs"])
     tmp = _folder(tmp_path / ".convert-b", ["config.json", "ours"])
-    _publish(tmp, target)
+    publish_conversion(tmp, target)
     assert (target / "theirs").is_file() and not (target / "ours").exists() and not tmp.exists()
 
 
@@ -31,4 +31,4 @@ def test_publish_refuses_to_hide_a_broken_target(tmp_path):
     target = _folder(tmp_path / "model", ["stray"])  # not a finished conversion: no config.json
     tmp = _folder(tmp_path / ".convert-c", ["config.json"])
     with pytest.raises(OSError):
-        _publish(tmp, target)
+        publish_conversion(tmp, target)
