@@ -95,6 +95,27 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, fmt: str, 
     return Exported(path, fmt, len(schemes))
 
 
+def export_formats(src: str | os.PathLike) -> dict[str, str | None]:
+    """Format -> None where the checkpoint in ``src`` can be exported to it, else why not: the checks
+    :func:`export_checkpoint` makes, run in memory on the stored tensors; nothing is written."""
+    folder, config, qc = read_quantized_folder(src)
+    schemes = module_schemes(qc)
+    if qc.get("split_experts"):
+        return dict.fromkeys(EXPORT_FORMATS, "its experts are split (mixture-of-experts)")
+    tensors = read_tensors(folder)
+    float_linears = sorted(set(linear_names(model_skeleton(config))) - set(schemes))
+    converters = {"compressed-tensors": _to_compressed_tensors, "gptq": _to_gptq, "awq": _to_awq}
+    reasons: dict[str, str | None] = {}
+    for fmt in EXPORT_FORMATS:
+        trial = dict(tensors)  # the converters replace entries of the dict, never a tensor's contents
+        try:
+            converters[fmt](trial, {name: module_tensors(name, trial) for name in schemes}, schemes, float_linears)
+            reasons[fmt] = None
+        except QuantkitError as exc:
+            reasons[fmt] = str(exc)
+    return reasons
+
+
 LEGACY_CONFIGS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}  # AutoGPTQ's, AutoAWQ's own files
 
 

@@ -38,6 +38,8 @@ FLAG_MAP = {
     "nsamples": ("calibration", "nsamples"),
     "seqlen": ("calibration", "seqlen"),
     "seed": ("calibration", "seed"),
+    "bos": ("calibration", "bos"),
+    "calib_chat_template": ("calibration", "chat_template"),
     "damp": ("params", "damp"),
     "block_size": ("params", "block_size"),
     "act_order": ("params", "act_order"),
@@ -97,7 +99,9 @@ def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out:
         table.add_row(f"stage {i + 1}", f"{s.method}  scheme={scheme}  {params if params else ''}")
     if recipe.needs_calibration:
         c = recipe.calibration
-        table.add_row("calibration", f"{c.source}: {c.nsamples} x {c.seqlen} tokens, seed {c.seed}")
+        bos = {"auto": "BOS where the tokenizer adds it", True: "BOS", False: "no BOS"}[c.bos]
+        chat = ", chat template" if c.chat_template else ""
+        table.add_row("calibration", f"{c.source}: {c.nsamples} x {c.seqlen} tokens, seed {c.seed}, {bos}{chat}")
     else:
         table.add_row("calibration", "not needed")
     return table
@@ -117,11 +121,32 @@ def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out:
 @click.option("--nsamples", type=int, default=None)
 @click.option("--seqlen", type=int, default=None)
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=None)
+@click.option(
+    "--bos/--no-bos",
+    default=None,
+    help="Start every calibration window with BOS (default: where the tokenizer adds it, e.g. Llama 3, Gemma).",
+)
+@click.option(
+    "--calib-chat-template",
+    is_flag=True,
+    default=None,
+    help="Render calibration text through the tokenizer's chat template (user / assistant turns; instruct models).",
+)
 @click.option("--damp", type=float, default=None, help="GPTQ dampening (fraction of mean diag H).")
 @click.option("--block-size", type=int, default=None, help="GPTQ lazy-update block size.")
 @click.option("--act-order/--no-act-order", default=None, help="GPTQ: columns by decreasing diag(H).")
-@click.option("--static-groups/--no-static-groups", default=None, help="GPTQ: group grids fixed up front.")
-@click.option("--mse/--no-mse", default=None, help="GPTQ: clip each group's grid where that lowers its error.")
+@click.option(
+    "--static-groups/--no-static-groups",
+    default=None,
+    help="GPTQ: groups of consecutive inputs with grids fixed up front (default; exports to every format), or "
+    "groups formed in act-order (g_idx; exports to gptq only).",
+)
+@click.option(
+    "--mse/--no-mse",
+    default=None,
+    help="GPTQ: clip every group's grid where that lowers its error, or never (default: chosen per linear by the "
+    "output error on held-out calibration windows).",
+)
 @click.option("--alpha", type=float, default=None, help="SmoothQuant migration strength.")
 @click.option("--alpha-search/--no-alpha-search", default=None, help="SmoothQuant: search alpha per layer.")
 @click.option("--act-static", is_flag=True, default=None, help="W8A8: static per-tensor activation scales.")
@@ -192,6 +217,12 @@ def quantize_command(model, method, recipe_spec, out, device, dtype, offload, ov
         f"[green]saved[/] {path}  ({len(result.layers)} linears quantized in {result.seconds:.1f}s, "
         f"total {time.perf_counter() - t0:.1f}s)"
     )
+    from quantkit.checkpoint.export import export_formats
+
+    formats = export_formats(path)
+    can = [f for f, reason in formats.items() if reason is None]
+    cannot = "; ".join(f"not {f}: {reason}" for f, reason in formats.items() if reason is not None)
+    stdout.print(f"exports to: {', '.join(can) or 'no other format'}" + (f" ({cannot})" if cannot else ""))
     from quantkit.checkpoint.smoothing import outlier_rows
 
     ratios = [
@@ -219,8 +250,11 @@ def quantize_command(model, method, recipe_spec, out, device, dtype, offload, ov
 )
 @click.option("--device", default=None)
 @click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True)
+@click.option(
+    "--bos/--no-bos", default=None, help="Start every window with BOS (default: where the tokenizer adds it)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of a table.")
-def eval_command(model, baseline, source, seqlen, windows, device, dtype, as_json) -> None:
+def eval_command(model, baseline, source, seqlen, windows, device, dtype, bos, as_json) -> None:
     """Perplexity (and KL / top-1 agreement against a float baseline) on an evaluation text."""
     from quantkit.calib.data import evaluation_windows
     from quantkit.eval import evaluate_windows
@@ -237,7 +271,7 @@ def eval_command(model, baseline, source, seqlen, windows, device, dtype, as_jso
     limit = getattr(m.config, "max_position_embeddings", None)
     if limit is not None and seqlen > limit:
         raise QuantkitError(f"--seqlen {seqlen} is longer than the model's {limit} positions")
-    ids, protocol = evaluation_windows(tokenizer, source, seqlen, windows or None)
+    ids, protocol = evaluation_windows(tokenizer, source, seqlen, windows or None, bos="auto" if bos is None else bos)
     t0 = time.perf_counter()
     with progress_bar() as bar:
         task = bar.add_task("evaluating", total=len(ids), note="")
