@@ -1,12 +1,9 @@
 """A quantkit checkpoint of the tiny Llama, shared by the checkpoint tests of one module."""
 
 import pytest
-import torch
 
 import quantkit
 from tests.tiny_models import tiny_model, tiny_tokenizer
-
-IDS = torch.randint(3, 320, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 import quantkit
 from quantkit.checkpoint.hf import QuantkitConfig, QuantkitHfQuantizer, register
 from quantkit.errors import QuantkitError
-from tests.checkpoint.conftest import IDS
+
+IDS = torch.randint(3, 320, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
 def test_the_hook_is_registered_once_under_quant_method_quantkit():

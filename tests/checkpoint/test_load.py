@@ -13,12 +13,13 @@ from quantkit.checkpoint.export import export_checkpoint
 from quantkit.checkpoint.load import load_any, load_quantized
 from quantkit.errors import QuantkitError, UnsupportedCheckpointError
 from quantkit.nn.factory import quantized_modules
-from tests.checkpoint.conftest import IDS
 from tests.tiny_models import tiny_model, tiny_model_dir, tiny_tokenizer
 
 needs_compressed_tensors = pytest.mark.skipif(
     importlib.util.find_spec("compressed_tensors") is None, reason="needs the compressed-tensors package"
 )
+
+IDS = torch.randint(3, 320, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
 def logits(model):
