@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantkit.errors import QuantkitError
-from quantkit.kernels.dense.norm_rope import add_rms_norm, add_rms_norm_reference, rotary_, rotary_store_, silu_mul
 from quantkit.kernels.dense.gemv import gemv, use_gemv
+from quantkit.kernels.dense.norm_rope import add_rms_norm, add_rms_norm_reference, rotary_, rotary_store_, silu_mul
 from quantkit.runtime.attention import AttentionMetadata, paged_attention
 
 LinearFactory = Callable[[str, int, int, bool], nn.Module]  # (name, in_features, out_features, bias) -> module
