@@ -171,6 +171,31 @@ def test_no_file_over_500_lines(package):
     assert not over, f"files over {MAX_LINES} lines (split them by noun):\n" + "\n".join(over)
 
 
+# Imports point downstream: the kernels know nothing of the package around them; the building blocks (schemes,
+# algorithms, calibration, modules, architecture tables) know nothing of what assembles them; only the CLI knows it.
+KERNELS = ("quantkit.kernels",)
+BLOCKS = ("quantkit.quant", "quantkit.algorithms", "quantkit.calib", "quantkit.nn", "quantkit.models")
+ASSEMBLY = ("quantkit.checkpoint", "quantkit.stages", "quantkit.recipe", "quantkit.presets", "quantkit.pipeline",
+            "quantkit.eval", "quantkit.runtime", "quantkit.cli")  # fmt: skip
+
+
+def within(module: str, parts: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in parts)
+
+
+def test_imports_point_downstream():
+    wrong = []
+    for a, targets in GRAPH.edges.items():
+        for b, lines in targets.items():
+            if (
+                (within(a, KERNELS) and not within(b, KERNELS))
+                or (within(a, BLOCKS) and within(b, ASSEMBLY))
+                or (within(b, ("quantkit.cli",)) and not within(a, ("quantkit.cli", "quantkit.__main__")))
+            ):
+                wrong.append(f"  {shown(GRAPH.files[a])}:{','.join(map(str, lines))} imports {b}")
+    assert not wrong, "imports against the flow (kernels <- blocks <- assembly <- cli):\n" + "\n".join(wrong)
+
+
 def test_the_walker_finds_loops_lazy_imports_and_private_names(tmp_path):
     """The checks above can fail: on a small package written here, a loop closed by a function-level import, a
     relative import, a private name taken from another file and a private module are each seen as described."""
