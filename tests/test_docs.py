@@ -205,6 +205,7 @@ def parse_script(argv: list[str], monkeypatch) -> str | None:
         original(self, args, namespace)
         raise _Parsed
 
+    before = set(sys.modules)
     with monkeypatch.context() as m:
         m.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
         m.setattr(sys, "argv", [str(script), *argv[2:]])
@@ -216,6 +217,10 @@ def parse_script(argv: list[str], monkeypatch) -> str | None:
             return None
         except SystemExit as exc:
             return f"the script's parser refused it (exit {exc.code})"
+        finally:  # the script's sibling modules (benchmarks' `common`) leave with it
+            for name in set(sys.modules) - before:
+                if script.parent in Path(getattr(sys.modules[name], "__file__", None) or "/").parents:
+                    del sys.modules[name]
     return "the script ended without parsing its arguments with argparse"
 
 
