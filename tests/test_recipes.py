@@ -55,6 +55,19 @@ def test_awq_then_gptq_presets_do_not_clip_before_gptq():
         ("scheme: {group_size: 64.5}\nstages: [{method: rtn}]\n", "scheme group_size must be an integer"),
         ("scheme: {sym: 'no'}\nstages: [{method: rtn}]\n", "scheme sym must be true or false"),
         ("calibration: {nsamples: '10'}\nscheme: {bits: 4}\nstages: [{method: gptq}]\n", "nsamples must be an integer"),
+        ("calibration: {bos: 'yes'}\nscheme: {bits: 4}\nstages: [{method: gptq}]\n", "bos must be auto, true or false"),
+        (
+            "calibration: {chat_template: 1}\nscheme: {bits: 4}\nstages: [{method: gptq}]\n",
+            "chat_template must be true or false",
+        ),
+        (
+            "calibration: {chat: true}\nscheme: {bits: 4}\nstages: [{method: gptq}]\n",
+            "allowed: batch_size, bos, chat_template, nsamples",
+        ),
+        (
+            "scheme: {bits: 4}\nstages: [{method: gptq, params: {mse: sometimes}}]\n",
+            "gptq mse must be auto, true or false",
+        ),
         ("stages: [{method: rtn, targets: ['re:[unclosed']}]\n", "bad regular expression"),
         ("stages: [{method: rtn, overrides: [{match: 're:(', scheme: {bits: 8}}]}]\n", "bad regular expression"),
         (
@@ -97,3 +110,13 @@ def test_merge_keys_override_and_a_repeated_key_is_refused(tmp_path):
     twice.write_text("scheme: {bits: 4, bits: 8}\nstages: [{method: rtn}]\n")
     with pytest.raises(QuantkitError, match="line 1, column 19: key 'bits' given twice"):
         load_recipe(twice)
+
+
+def test_calibration_bos_and_chat_template_round_trip(tmp_path):
+    """The calibration section's bos (auto / true / false) and chat_template keys are read and written back."""
+    path = tmp_path / "r.yaml"
+    path.write_text("calibration: {bos: false, chat_template: true}\nscheme: {bits: 4}\nstages: [{method: gptq}]\n")
+    recipe = load_recipe(str(path))
+    assert (recipe.calibration.bos, recipe.calibration.chat_template) == (False, True)
+    assert load_recipe(str(path)).to_dict()["calibration"]["bos"] is False
+    assert load_recipe("default").calibration.bos == "auto"
