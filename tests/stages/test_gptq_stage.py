@@ -13,7 +13,8 @@ from quantkit.errors import QuantkitError
 from quantkit.nn.factory import quantized_modules
 from quantkit.quant import QuantScheme
 from quantkit.recipe import Recipe
-from quantkit.stages import parse_params
+from quantkit.stages import parse_params, stage_class
+from quantkit.stages.gptq import GPTQStage
 from tests.tiny_models import tiny_model
 
 SCHEME = {"bits": 4, "group_size": 32, "sym": False}
@@ -29,6 +30,7 @@ def calib_ids(n=16, length=32, seed=0) -> torch.Tensor:
 
 def test_params_defaults_and_validation():
     p = parse_params("gptq", None, "params")
+    assert stage_class("gptq") is GPTQStage and isinstance(p, GPTQStage.Params)  # registered under its method name
     assert (p.damp, p.block_size, p.act_order, p.static_groups, p.true_sequential, p.mse) == (
         0.01, 128, True, True, True, "auto"
     )  # fmt: skip
