@@ -18,8 +18,10 @@ the tokenizer; the choice is recorded as ``bos`` in the calibration fingerprint 
 
 Chat-formatted calibration (``chat_template=True``, for instruct models): each window's text is split in two,
 rendered through ``tokenizer.apply_chat_template`` as a user turn and the assistant's answer, tokenized and cut to
-``seqlen`` (a rendering shorter than that is completed with the text that follows the window). The template's own
-BOS counts; the BOS rule above then holds as for plain text.
+``seqlen`` (a rendering shorter than that is completed with the text that follows the window). What the template
+renders is kept as it is (a template that starts with BOS keeps it; SmolLM2's BOS token is its ``<|im_start|>``);
+BOS is put in front only where the rule above asks for it and the rendering does not start with it. The
+fingerprint's ``bos`` then says whether every window starts with the BOS token.
 """
 
 from __future__ import annotations
@@ -199,11 +201,8 @@ def chat_window(tokenizer, text_ids: torch.Tensor, following: torch.Tensor, seql
     ]
     rendered = tokenizer.apply_chat_template(messages, tokenize=False)
     ids = tokenize(tokenizer, rendered)
-    starts_with_bos = ids.numel() > 0 and tokenizer.bos_token_id is not None and int(ids[0]) == tokenizer.bos_token_id
-    if bos_id is not None and not starts_with_bos:
+    if bos_id is not None and (ids.numel() == 0 or int(ids[0]) != bos_id):
         ids = torch.cat([torch.tensor([bos_id]), ids])
-    elif bos_id is None and starts_with_bos:
-        ids = ids[1:]
     if ids.numel() < seqlen:
         ids = torch.cat([ids, following[: seqlen - ids.numel()]])
     return ids[:seqlen]
@@ -242,6 +241,7 @@ def calibration_windows(
         windows = torch.stack([chat_window(tokenizer, slots[i], following[i], seqlen, bos_id) for i in chosen])
     else:
         windows = slots[chosen]
+    bos_token = getattr(tokenizer, "bos_token_id", None)
     fingerprint = {
         "source": src.source,
         "sha256": src.sha256,
@@ -249,7 +249,8 @@ def calibration_windows(
         "seqlen": seqlen,
         "seed": seed,
         "tokens": nsamples * seqlen,
-        "bos": bos_id is not None,
+        "bos": bos_id is not None
+        or (chat_template and bos_token is not None and bool((windows[:, 0] == bos_token).all())),
     }
     if chat_template:
         fingerprint["chat_template"] = True

@@ -121,8 +121,20 @@ def test_chat_template_windows_render_user_and_assistant_turns(tmp_path):
     stream = data.tokenize(tok, data.load_text(source)[0])
     slots = {tuple(stream[k : k + 8].tolist()) for k in range(0, 400, 16)}  # the first half of every slot
     assert all(tuple(w[2:10].tolist()) in slots for w in chat)
-    no_bos, fingerprint = data.calibration_windows(tok, source, 4, 16, seed=1, chat_template=True, bos=False)
-    assert no_bos[:, 0].tolist() == [user] * 4 and fingerprint["bos"] is False
+    kept, fingerprint = data.calibration_windows(tok, source, 4, 16, seed=1, chat_template=True, bos=False)
+    assert torch.equal(kept, chat) and fingerprint["bos"] is True  # the template's own BOS stays
+
+
+def test_chat_template_windows_get_bos_only_where_the_rule_asks_for_it(tmp_path):
+    from tests.tiny_models import CHAT_TEMPLATE, word_tokenizer
+
+    no_bos_template = CHAT_TEMPLATE.removeprefix("{{ bos_token }}")
+    tok, source = word_tokenizer(False, no_bos_template), word_text(tmp_path)
+    user = tok.convert_tokens_to_ids("<|user|>")
+    plain, fingerprint = data.calibration_windows(tok, source, 4, 16, chat_template=True)
+    assert plain[:, 0].tolist() == [user] * 4 and fingerprint["bos"] is False
+    forced, fingerprint = data.calibration_windows(tok, source, 4, 16, chat_template=True, bos=True)
+    assert forced[:, :2].tolist() == [[BOS, user]] * 4 and fingerprint["bos"] is True
 
 
 def test_chat_template_shorter_than_a_window_is_completed_with_the_following_text(tmp_path):
