@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
+
 from quantkit.checkpoint.config import layout_of, module_schemes
 from quantkit.checkpoint.read import read_quantization_config, tensor_headers
 from quantkit.errors import QuantkitError
@@ -70,3 +72,38 @@ def inspect_checkpoint(folder: str | os.PathLike) -> dict:
         "source_model": qc.get("source_model"),
         "versions": qc.get("versions"),
     }
+
+
+GPUS = {"h100": ("H100", 132), "h200": ("H200", 132)}  # Hopper sm_90 cards: the dispatch rules see the same
+
+
+def kernel_choices(info: dict, ms: list[int], device: str = "auto", dtype: torch.dtype = torch.float16) -> list[dict]:
+    """Which kernel and config serve each distinct (scheme, shape) of ``inspect_checkpoint``'s modules at each M,
+    on ``device``: "cuda" (this machine's GPU), "cpu", "h100" / "h200" (asked on any machine), or "auto" (cuda
+    when there is one, else an H100's rules). One row per (scheme, shape, M), with the modules it covers."""
+    from quantkit.kernels import GPU, explain
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "h100"
+    if device in GPUS:
+        name, sms = GPUS[device]
+        target = GPU((9, 0), sms, name=name)
+    elif device in ("cuda", "cpu"):
+        if device == "cuda" and not torch.cuda.is_available():
+            raise QuantkitError("--gpu cuda: no CUDA device here; ask about h100 or h200 instead")
+        target = device
+    else:
+        raise QuantkitError(f"unknown device {device!r}; use auto, cuda, cpu, h100 or h200")
+    by_name = module_schemes(read_quantization_config(Path(info["folder"])))
+    groups: dict[tuple[str, int, int], list[str]] = {}
+    schemes = {}
+    for row in info["modules"]:
+        key = (row["scheme"], *row["shape"])
+        groups.setdefault(key, []).append(row["name"])
+        schemes[key] = by_name[row["name"]]
+    rows = []
+    for (scheme, n, k), names in groups.items():
+        for m in ms:
+            line = explain(m, n, k, schemes[(scheme, n, k)], target, dtype)
+            rows.append({"scheme": scheme, "shape": [n, k], "m": m, "modules": len(names), "kernel": line})
+    return rows

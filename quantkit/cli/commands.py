@@ -303,11 +303,31 @@ def eval_command(model, baseline, source, seqlen, windows, device, dtype, bos, a
 @click.command("inspect", cls=QuantkitCommand)
 @click.argument("folder", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True)
-def inspect_command(folder: Path, as_json: bool) -> None:
-    """Per-layer scheme, bytes and compression ratio of a quantkit checkpoint (reads only metadata)."""
-    from quantkit.checkpoint.inspect import inspect_checkpoint
+@click.option("--kernels", is_flag=True, help="Which kernel and config serve each layer shape at a few M.")
+@click.option("--ms", default="1,16,64,256,1024", show_default=True, help="With --kernels: rows per product.")
+@click.option(
+    "--gpu", default="auto", show_default=True, type=click.Choice(["auto", "cuda", "cpu", "h100", "h200"]),
+    help="With --kernels: the device asked about (auto: this GPU, else an H100's rules).",
+)  # fmt: skip
+def inspect_command(folder: Path, as_json: bool, kernels: bool, ms: str, gpu: str) -> None:
+    """Per-layer scheme, bytes and compression ratio of a quantkit checkpoint (reads only metadata); with
+    --kernels, the kernel that serves each layer shape (quantkit.kernels.explain)."""
+    from quantkit.checkpoint.inspect import inspect_checkpoint, kernel_choices
 
     info = inspect_checkpoint(folder)
+    if kernels:
+        try:
+            m_values = [int(m) for m in ms.split(",")]
+        except ValueError:
+            raise QuantkitError(f"--ms must be comma-separated integers, got {ms!r}") from None
+        if any(m < 1 for m in m_values):
+            raise QuantkitError(f"--ms values must be >= 1, got {ms!r}")
+        rows = kernel_choices(info, m_values, gpu)
+        if as_json:
+            click.echo(json.dumps(rows, indent=2))
+        for row in [] if as_json else rows:
+            click.echo(f"[{row['modules']} modules] {row['kernel']}")
+        return
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
