@@ -6,7 +6,9 @@ clip: AWQ's clip ranges are searched for round-to-nearest, and clamping the weig
 what GPTQ's own clipped grids and error feedback would use (SmolLM2-135M, 3-bit g128: 96.7 perplexity with the clip,
 79.1 without; results/accuracy-awq.md). It re-judges its scales under GPTQ (``quantizer: gptq``), with GPTQ fitted
 on other calibration batches than those it is judged on: 51.9 at 4-bit g128 and 70.0 at 3-bit g64 (mean of three
-calibration draws) against 54.9 and 72.1 for GPTQ alone (results/accuracy-h200-2026-12-02.md).
+calibration draws) against 54.9 and 72.1 for GPTQ alone (results/accuracy-h200-2026-12-02.md). Its GPTQ stage keeps
+the settings those figures were measured with (act-order groups, MSE-clipped grids: ``AWQ_GPTQ``), which its AWQ
+stage also judges with; plain ``gptq`` takes the stage's defaults (static groups, grids chosen on held-out windows).
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from quantkit.recipe import Recipe
 
 W4A16 = {"bits": 4, "group_size": 128, "sym": True}
 W8A8 = {"bits": 8, "group_size": -1, "sym": True, "act_bits": 8, "act_dynamic": True}
+AWQ_GPTQ = {"static_groups": False, "mse": True}  # the GPTQ that awq+gptq's figures and its AWQ stage's judge use
 
 PRESETS: dict[str, tuple[list, dict]] = {  # stages: a method name, or (name, its parameters)
     "rtn": (["rtn"], W4A16),
     "gptq": (["gptq"], W4A16),
     "awq": (["awq", "rtn"], W4A16),
-    "awq+gptq": ([("awq", {"clip": False, "quantizer": "gptq", "refine_steps": 0}), "gptq"], W4A16),
+    "awq+gptq": ([("awq", {"clip": False, "quantizer": "gptq", "refine_steps": 0}), ("gptq", AWQ_GPTQ)], W4A16),
     "w8a8": (["rtn"], W8A8),
     "smoothquant": (["smoothquant", "rtn"], W8A8),
     "smoothquant+gptq": (["smoothquant", "gptq"], W8A8),
