@@ -241,3 +241,37 @@ def test_default_checkpoint_exports_to_compressed_tensors_and_reads_back_bit_ide
         torch.testing.assert_close(
             quantkit.load_quantized(back.path)(ids).logits, quantkit.load_quantized(q)(ids).logits, rtol=0, atol=0
         )
+
+
+def held_out_output_error(float_model, model, ids) -> float:
+    """Mean over quantized linears of ||X (W - Q)^T||^2 / ||X W^T||^2, X the float model's inputs on ``ids``."""
+    inputs = {}
+    linears = {n: m for n, m in float_model.named_modules() if isinstance(m, torch.nn.Linear)}
+    hooks = [m.register_forward_pre_hook(lambda m, a, n=n: inputs.setdefault(n, a[0])) for n, m in linears.items()]
+    with torch.no_grad():
+        float_model(ids)
+    for h in hooks:
+        h.remove()
+    errors = []
+    for name, q in quantized_modules(model).items():
+        w, x = linears[name].weight.detach(), inputs[name].reshape(-1, inputs[name].shape[-1])
+        errors.append(float(((x @ (w - q.dequantize_weight()).t()) ** 2).sum() / ((x @ w.t()) ** 2).sum()))
+    return sum(errors) / len(errors)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "mistral", "phi3", "opt"])
+def test_default_against_the_old_default_on_held_out_output_error(arch):
+    """The default (static groups, grid chosen on held-out windows) against the old one (act-order groups, MSE
+    grids) on random-weight models, judged on windows neither saw. Act-order groups fit random Gaussian weights
+    better: static groups cost up to 3.6% of this error on these families (measured: 0.999x-1.036x, 4-bit g32, two
+    model seeds), the price of checkpoints every format holds; the bound is 5%. The grid choice must beat
+    min-max grids everywhere (random weights have tails that clipping helps)."""
+    base = tiny_model(arch)
+    calib, held = calib_ids(32, 64, seed=100), calib_ids(16, 64, seed=200)
+    errors = {}
+    for label, params in (("old", {"static_groups": False, "mse": True}), ("new", {}), ("minmax", {"mse": False})):
+        model = tiny_model(arch)
+        quantkit.quantize(model, gptq_recipe(**params), calib)
+        errors[label] = held_out_output_error(base, model, held)
+    assert errors["new"] <= 1.05 * errors["old"], errors
+    assert errors["new"] < errors["minmax"], errors
