@@ -22,8 +22,12 @@ def tokens(result):
 def test_generate_with_each_proposer_gives_the_plain_tokens():
     prompts = ["5 6 7 5 6 7 5 6", "9 10 11 12"]
     plain = tokens(run("generate", *BASE, *prompts))
-    for extra in (["--speculative", "ngram"], ["--speculative", "self", "--draft-scheme", "w8a16-pc"],
-                  ["--speculative", "self", "--draft-layers", "1", "--num-spec-tokens", "2", "--spec-fixed"]):  # fmt: skip
+    settings = [
+        ["--speculative", "ngram"],
+        ["--speculative", "self", "--draft-scheme", "w8a16-pc"],
+        ["--speculative", "self", "--draft-layers", "1", "--num-spec-tokens", "2", "--spec-fixed"],
+    ]
+    for extra in settings:
         assert tokens(run("generate", *BASE, *extra, *prompts)) == plain, extra
 
 

@@ -1,0 +1,277 @@
+"""Speculative decoding: acceptance, tokens per verify step and end-to-end speed per proposer, and the measured cost
+of draft, verify and decode steps of a Llama-3-8B-shaped model with the batch-1 speed-up they project.
+
+  python benchmarks/bench_spec.py --model smollm2-135m --device cpu     acceptance / tau (fp32), CPU tokens/s
+  python benchmarks/bench_spec.py --model FOLDER --dtype float16        the same on a GPU (fp16)
+  python benchmarks/bench_spec.py --costs --acceptance out/spec/acceptance.json   8B-shaped step costs (GPU)
+
+Part 1 (a real model): for each proposer (``self-g128``: the target's weights rounded to w4a16-g128; ``self-gptq``:
+a GPTQ checkpoint of the same model given by ``--gptq-draft``; ``self-half``: w4a16-g128 with the first half of the
+layers; ``ngram``: prompt lookup), each k and each temperature, generate from held-out prompts of three kinds
+(``narrative``: passages of the evaluation text, which no calibration saw; ``chat``: questions through the chat
+template; ``grounded``: a passage and a request to quote from it) and report the acceptance rate and tau (tokens
+emitted per verify step); then tokens/s against the same target without speculation at batch 1 (one prompt at a time)
+and batch 16. Every run draws k tokens every step (``adaptive=False``) except the rows marked adaptive.
+
+Part 2 (``--costs``, random weights in the Llama-3-8B shape, so acceptance is not meaningful there): median time of a
+decode step, of a verify step of k + 1 tokens per sequence and of one draft step (W4A16 self, and with half the
+layers), at batch 1 and 16, each on a 512-token context; then the projected batch-1 speed-up at the acceptance
+measured in part 1: speed-up = E(a, k) * t_decode / (k * t_draft + t_verify(k)), E(a, k) = (1 - a^(k+1)) / (1 - a)
+(a projection: labelled so in the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import add_out_argument, environment, out_folder, text_row
+
+from quantkit.runtime import LLM, SamplingParams
+from quantkit.runtime.speculative.config import SpeculativeConfig
+from quantkit.runtime.speculative.decoder import expected_tokens
+
+QUESTIONS = [
+    "What is the capital of France, and why is it famous?",
+    "Explain in two sentences why the sky is blue.",
+    "Give three tips for writing clear emails.",
+    "What is the difference between a list and a tuple in Python?",
+    "Why do leaves change colour in autumn?",
+    "How does a bicycle stay upright when it moves?",
+    "Write a short poem about the sea.",
+    "What are the main causes of inflation?",
+    "Describe how to make a cup of tea.",
+    "What is photosynthesis?",
+    "Name three famous painters and one work by each.",
+    "How do vaccines train the immune system?",
+    "What should I pack for a weekend hiking trip?",
+    "Explain what a prime number is with examples.",
+    "Why is exercise good for the brain?",
+    "Summarise the plot of Romeo and Juliet in three sentences.",
+]
+
+
+def passages(n: int, words: int, skip: int = 0) -> list[str]:
+    """``n`` passages of about ``words`` words, spread over the shipped evaluation text (Moby Dick)."""
+    from quantkit.calib.data import load_text
+
+    text = load_text("moby-dick")[0].split()
+    step = len(text) // (n + skip + 1)
+    return [" ".join(text[(i + 1 + skip) * step : (i + 1 + skip) * step + words]) for i in range(n)]
+
+
+def prompt_sets(tokenizer, n: int) -> dict[str, list]:
+    def chat(message: str) -> list[int]:
+        return tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False)  # fmt: skip
+
+    grounded = [
+        chat(f"Here is a passage:\n\n{p}\n\nRepeat the passage above word for word.") for p in passages(n, 60, skip=n)
+    ]
+    return {
+        "narrative": [tokenizer(p)["input_ids"] for p in passages(n, 120)],
+        "chat": [chat(q) for q in (QUESTIONS * 2)[:n]],
+        "grounded": grounded,
+    }
+
+
+def proposers(args, layers: int) -> dict[str, dict]:
+    out = {
+        "self-g128": dict(method="self", draft_scheme="w4a16-g128"),
+        "self-half": dict(method="self", draft_scheme="w4a16-g128", draft_layers=max(1, layers // 2)),
+        "ngram": dict(method="ngram"),
+    }
+    if args.gptq_draft:
+        out["self-gptq"] = dict(method="self", draft=str(args.gptq_draft))
+    return {k: v for k, v in out.items() if k in args.proposers.split(",")}
+
+
+def sync(llm: LLM) -> None:
+    if llm.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(llm: LLM, prompts, params: SamplingParams, batch: int) -> tuple[float, int]:
+    """Seconds and output tokens to complete ``prompts`` ``batch`` at a time."""
+    sync(llm)
+    start, tokens = time.perf_counter(), 0
+    for i in range(0, len(prompts), batch):
+        outs = llm.generate(prompts[i : i + batch], params)
+        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+    sync(llm)
+    return time.perf_counter() - start, tokens
+
+
+def acceptance(args, folder: str, settings: dict) -> dict:
+    """Part 1."""
+    plain = LLM(folder, **settings)
+    sets = prompt_sets(plain.tokenizer, args.num_prompts)
+    layers = plain.model.config.num_hidden_layers
+    rows, speed = [], []
+    for name, spec in proposers(args, layers).items():
+        llm = LLM(folder, **settings, speculative=SpeculativeConfig(**spec, adaptive=False))
+        for kind, prompts in sets.items():
+            for temperature in args.temperatures:
+                params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=0, ignore_eos=True)
+                for k in args.ks:
+                    llm.spec.config = dataclasses.replace(llm.spec.config, num_speculative_tokens=k)
+                    llm.spec.totals = type(llm.spec.totals)()
+                    llm.generate(prompts, params)
+                    t = llm.spec.totals
+                    rows.append(dict(proposer=name, prompts=kind, temperature=temperature, k=k,
+                                     acceptance=t.acceptance_rate, tau=t.emitted / max(t.steps, 1)))  # fmt: skip
+                    print(text_row([name, kind, temperature, k, f"{t.acceptance_rate:.3f}", f"{rows[-1]['tau']:.2f}"],
+                                   [10, 10, 4, 2, 6, 5]), flush=True)  # fmt: skip
+        # end to end, greedy, at the k the table's greedy narrative and chat rows favour (args.speed_k)
+        for kind in args.speed_sets:
+            prompts = sets[kind]
+            params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+            for batch in args.batches:
+                for adaptive in (False, True):
+                    llm.spec.config = dataclasses.replace(llm.spec.config, num_speculative_tokens=args.speed_k,
+                                                          adaptive=adaptive)  # fmt: skip
+                    timed(llm, prompts[:batch], params, batch)  # warm-up: compiles the verify shapes
+                    base_s, base_n = timed(plain, prompts, params, batch)
+                    spec_s, spec_n = timed(llm, prompts, params, batch)
+                    speed.append(dict(proposer=name, prompts=kind, batch=batch, k=args.speed_k, adaptive=adaptive,
+                                      plain_tok_s=base_n / base_s, spec_tok_s=spec_n / spec_s,
+                                      speedup=(spec_n / spec_s) / (base_n / base_s)))  # fmt: skip
+                    r = speed[-1]
+                    print(
+                        f"{name} {kind} batch {batch} k {args.speed_k} {'adaptive' if adaptive else 'fixed'}: "
+                        f"{r['plain_tok_s']:.1f} -> {r['spec_tok_s']:.1f} tok/s = {r['speedup']:.2f}x",
+                        flush=True,
+                    )
+        del llm
+    return {"acceptance": rows, "speed": speed}
+
+
+def step_costs(args, settings: dict) -> dict:
+    """Part 2: median seconds of decode, verify and draft steps on random Llama-3-8B-shaped weights."""
+    from quantkit.runtime.bench import DUMMY_MODELS
+    from quantkit.runtime.scheduler import ScheduledBatch
+    from quantkit.runtime.sequence import Sequence
+
+    config = DUMMY_MODELS["llama-3-8b"]
+    context = 512
+    out = {}
+
+    def batch_of(llm_runner, bm, b: int, new: int, seed: int) -> ScheduledBatch:
+        gen = torch.Generator().manual_seed(seed)
+        batch = ScheduledBatch()
+        params = SamplingParams(max_tokens=64)
+        for i in range(b):
+            seq = Sequence(10_000 + seed * 1000 + i, i, torch.randint(3, 1000, (context + new,), generator=gen).tolist(),
+                           params)  # fmt: skip
+            bm.admit(seq, [], context + new)
+            seq.num_computed_tokens = context
+            seq.num_draft_tokens = new - 1  # the step scores new tokens and returns the logits of all of them
+            batch.add(seq, new, [])
+        return batch
+
+    def median_step(runner, batch, reps: int = 20) -> float:
+        for _ in range(3):
+            runner.run(batch)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            runner.run(batch)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    for name, spec in (("self-g128", dict(method="self", draft_scheme="w4a16-g128")),
+                       ("self-half", dict(method="self", draft_scheme="w4a16-g128", draft_layers=16))):  # fmt: skip
+        llm = LLM(config, **settings, max_model_len=2048, speculative=SpeculativeConfig(**spec, adaptive=False))
+        draft = llm.spec.proposer
+        for b in args.batches:
+            if name == "self-g128":
+                out[f"decode b{b}"] = median_step(llm.runner, batch_of(llm.runner, llm.block_manager, b, 1, 1))
+                for k in args.ks:
+                    out[f"verify k{k} b{b}"] = median_step(
+                        llm.runner, batch_of(llm.runner, llm.block_manager, b, k + 1, 2 + k)
+                    )
+            out[f"draft {name} b{b}"] = median_step(draft.runner, batch_of(draft.runner, draft.bm, b, 1, 50 + b))
+            for key in [k for k in out if k.endswith(f"b{b}")]:
+                print(f"{key}: {1e3 * out[key]:.3f} ms", flush=True)
+        del llm, draft
+        torch.cuda.empty_cache()
+    return out
+
+
+def project(costs: dict, accepted: list[dict], ks, batches) -> list[dict]:
+    """Projected speed-up per proposer, k and batch from measured costs and measured acceptance (greedy)."""
+    rows = []
+    for name in ("self-g128", "self-half"):
+        rates = [r["acceptance"] for r in accepted if r["proposer"] == name and r["temperature"] == 0]
+        if not rates:
+            continue
+        for kind in sorted({r["prompts"] for r in accepted}):
+            for k in ks:
+                a = next((r["acceptance"] for r in accepted if (r["proposer"], r["prompts"], r["k"], r["temperature"])
+                          == (name, kind, k, 0)), None)  # fmt: skip
+                if a is None:
+                    continue
+                for b in batches:
+                    spec_s = k * costs[f"draft {name} b{b}"] + costs[f"verify k{k} b{b}"]
+                    speedup = expected_tokens(a, k) * costs[f"decode b{b}"] / spec_s
+                    rows.append(
+                        dict(proposer=name, prompts=kind, k=k, batch=b, acceptance=a, projected_speedup=speedup)
+                    )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m", help="target: a float folder or built-in name (part 1)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--proposers", default="self-g128,self-gptq,self-half,ngram")
+    ap.add_argument("--gptq-draft", type=Path, help="a quantkit GPTQ checkpoint of the target (proposer self-gptq)")
+    ap.add_argument("--ks", default="2,4,6")
+    ap.add_argument("--temperatures", default="0,0.7")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--speed-k", type=int, default=4)
+    ap.add_argument("--speed-sets", default="narrative,chat,grounded")
+    ap.add_argument("--costs", action="store_true", help="part 2 on random Llama-3-8B-shaped weights (GPU)")
+    ap.add_argument("--acceptance", type=Path, help="part 1's JSON, for the projection of part 2")
+    add_out_argument(ap, "spec")
+    args = ap.parse_args()
+    args.ks = [int(k) for k in args.ks.split(",")]
+    args.temperatures = [float(t) for t in args.temperatures.split(",")]
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.speed_sets = [s for s in args.speed_sets.split(",") if s]
+    out = out_folder(args.out)
+    settings = {k: v for k, v in dict(device=args.device, dtype=args.dtype).items() if v is not None}
+    device = "cuda" if torch.cuda.is_available() and args.device in (None, "cuda") else "cpu"
+    result = {"environment": environment(device)}
+    if args.costs:
+        costs = step_costs(args, settings)
+        result["costs_s"] = costs
+        accepted = json.loads(args.acceptance.read_text())["acceptance"] if args.acceptance else []
+        result["projection"] = project(costs, accepted, args.ks, args.batches)
+        for r in result["projection"]:
+            print(
+                f"PROJECTION {r['proposer']} {r['prompts']} k {r['k']} batch {r['batch']}: acceptance "
+                f"{r['acceptance']:.3f} -> {r['projected_speedup']:.2f}x over plain decode"
+            )
+        (out / "costs.json").write_text(json.dumps(result, indent=2))
+        return
+    from quantkit.models.loading import resolve_model
+
+    result.update(acceptance(args, str(resolve_model(args.model)), settings))
+    (out / "acceptance.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
