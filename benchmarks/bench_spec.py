@@ -168,8 +168,8 @@ def step_costs(args, settings: dict) -> dict:
         batch = ScheduledBatch()
         params = SamplingParams(max_tokens=64)
         for i in range(b):
-            seq = Sequence(10_000 + seed * 1000 + i, i, torch.randint(3, 1000, (context + new,), generator=gen).tolist(),
-                           params)  # fmt: skip
+            ids = torch.randint(3, 1000, (context + new,), generator=gen).tolist()
+            seq = Sequence(10_000 + seed * 1000 + i, i, ids, params)
             bm.admit(seq, [], context + new)
             seq.num_computed_tokens = context
             seq.num_draft_tokens = new - 1  # the step scores new tokens and returns the logits of all of them
