@@ -6,7 +6,7 @@ STAMP := $(VENV)/.quantkit-installed
 
 # transformers 5.17 (the GPU machine's version), layered over the venv for the hook tests
 HF_COMPAT := .venv/hf-5.17
-HOOK_TESTS := tests/checkpoint tests/test_w8a8_pipeline.py tests/test_recipes.py
+HOOK_TESTS := tests/checkpoint tests/nn/test_w8a8_linear.py tests/test_recipes.py
 
 .PHONY: demo test test-fast test-hf-compat lint clean
 

@@ -143,7 +143,7 @@ class LLM:
         self.eos_token_ids = loaded.eos_token_ids
         draft = None
         if speculative is not None:
-            from quantkit.runtime.speculative.build import load_draft
+            from quantkit.runtime.speculative.draft_model import load_draft
 
             draft = load_draft(speculative, self.model, self.tokenizer, self.config.dtype, device)
         if device.type == "cuda":
@@ -160,7 +160,8 @@ class LLM:
                 f"max_model_len {self.config.max_model_len} is longer than the model's {limit} positions"
             )
         self.max_model_len = self.config.max_model_len or min(mcfg.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
-        from quantkit.runtime.speculative.build import draft_block_bytes, make_decoder
+        from quantkit.runtime.speculative.decoder import make_decoder
+        from quantkit.runtime.speculative.draft_model import draft_block_bytes
 
         extra = draft_block_bytes(draft, self.config.block_size)
         self.runner = ModelRunner(self.model, self.config, device, self.max_model_len, extra_block_bytes=extra)

@@ -13,13 +13,17 @@ import pytest
 import torch
 from quantkit.kernels import w8a8 as K
 from torch import nn
+from transformers import AutoModelForCausalLM
 
+import quantkit
 from quantkit.algorithms.fp8 import dequantize_fp8, quantize_fp8
 from quantkit.algorithms.rtn import rtn
 from quantkit.errors import QuantkitError
 from quantkit.nn.w8a8 import Execution, W8A8Linear, set_execution, static_input_scale
+from quantkit.presets import preset_recipe
 from quantkit.quant.packing import Layout
 from quantkit.quant.scheme import QuantScheme
+from tests.tiny_models import tiny_model
 
 F32_EPS = torch.finfo(torch.float32).eps
 
@@ -216,3 +220,27 @@ def test_gpu_triton_integer_path_agrees_with_simulated(fmt, fast, dynamic):
     x2 = x.reshape(-1, x.shape[-1])
     assert_within_contract(y_sim.reshape(x2.shape[0], -1), mod, x2)
     assert_within_contract(y_int.reshape(x2.shape[0], -1), mod, x2)
+
+
+# W8A8 through the pipeline: int8 and fp8, dynamic and static activations, saved and reloaded.
+
+
+@pytest.mark.parametrize("fmt", ["int", "fp8"])
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_w8a8_quantize_save_reload(fmt, dynamic, tmp_path):
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, 320, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits
+    calib = torch.randint(3, 320, (4, 32), generator=torch.Generator().manual_seed(1))
+    recipe = preset_recipe("w8a8", {"fmt": fmt, "act_dynamic": dynamic})
+    quantkit.quantize(model, recipe, calib if recipe.needs_calibration else None)
+    layers = [m for m in model.modules() if isinstance(m, W8A8Linear)]
+    assert len(layers) == 14 and all(m.scheme.fmt == fmt for m in layers)
+    assert all((m.input_scale is None) == dynamic for m in layers)
+    with torch.no_grad():
+        out = model(ids).logits
+    assert (out - ref).abs().mean() < 0.05 * ref.abs().mean()  # 8-bit weights and activations stay close
+    reloaded = AutoModelForCausalLM.from_pretrained(quantkit.save_quantized(model, tmp_path / "q")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, out, rtol=0, atol=0)

@@ -19,6 +19,7 @@ longer memory-bound and scoring k + 1 tokens costs nearly k + 1 times as much.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -26,10 +27,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from quantkit.runtime.config import EngineConfig
+from quantkit.runtime.model import CausalLM
+from quantkit.runtime.model_runner import ModelRunner
 from quantkit.runtime.sampler import filter_logits
 from quantkit.runtime.sequence import Sequence
 from quantkit.runtime.speculative.config import SpeculativeConfig
-from quantkit.runtime.speculative.proposer import Proposer
+from quantkit.runtime.speculative.draft_model import DraftModelProposer, draft_cost
+from quantkit.runtime.speculative.proposers import NgramProposer, Proposer
 from quantkit.runtime.speculative.rejection import verify_greedy, verify_sampled
 
 EMA = 0.2  # weight of a new measurement in every running mean
@@ -201,3 +206,20 @@ class SpeculativeDecoder:
     def forget(self, seq_ids: set[int]) -> None:
         for seq_id in seq_ids:
             self.acceptance.pop(seq_id, None)
+
+
+def make_decoder(
+    spec: SpeculativeConfig,
+    draft: CausalLM | None,
+    target_runner: ModelRunner,
+    config: EngineConfig,
+    device: torch.device,
+    max_model_len: int,
+) -> SpeculativeDecoder:
+    if draft is None:
+        proposer = NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
+    else:
+        draft_config = dataclasses.replace(config, num_kv_blocks=target_runner.num_blocks)
+        runner = ModelRunner(draft, draft_config, device, max_model_len)
+        proposer = DraftModelProposer(draft, runner, cost_per_token=draft_cost(draft, target_runner.model))
+    return SpeculativeDecoder(spec, proposer, max_model_len)
