@@ -168,6 +168,7 @@ class LLM:
         self.spec = None
         if speculative is not None:
             self.spec = make_decoder(speculative, draft, self.runner, self.config, device, self.max_model_len)
+            self.runner.capture_verify_graphs(speculative.num_speculative_tokens + 1)
         self.block_manager = BlockManager(
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )

@@ -164,3 +164,50 @@ class StepInputs:
             max_prefill_len=max_prefill,
             prefill_has_prefix=has_prefix,
         )
+
+    def write_verify(self, batch: ScheduledBatch, rows: int, width: int) -> StepLayout:
+        """Pack a step where every sequence verifies drafted tokens for the verify graph of ``rows`` sequences of
+        ``width`` tokens each: sequence i's d + 1 tokens start at row i * width, the rest of its rows (and the rows
+        of padding sequences) are padding that stores nothing (slot -1) and comes after every real token of its
+        chunk, so the causal attention of the real tokens never sees it. Layout: [ids R*W | positions R*W | slots
+        R*W | context lens R | cu_seqlens R + 1 | sample rows S]."""
+        bs, seqs = self.block_size, batch.seqs
+        n = rows * width
+        parts = (("ids", n), ("pos", n), ("slots", n), ("ctx", rows), ("cu", rows + 1),
+                 ("sample", sum(batch.num_new)))  # fmt: skip
+        offsets, at = {}, 0
+        for name, size in parts:
+            offsets[name] = (at, at + size)
+            at += size
+        self.flat.reserve(at)
+        flat = self.flat.array
+        ids, pos, slots, ctx, cu, sample = (flat[a:b] for a, b in offsets.values())
+        tables = self.tables.fill(seqs)
+        ids[:], slots[:], ctx[:] = 0, -1, width
+        cu[:] = np.arange(rows + 1, dtype=np.int32) * width
+        pos[:] = np.tile(np.arange(width, dtype=np.int32), rows)
+        last_row, at = {}, 0
+        for i, (seq, count) in enumerate(zip(seqs, batch.num_new, strict=True)):
+            start, base = seq.num_computed_tokens, i * width
+            p = np.arange(start, start + count, dtype=np.int32)
+            ids[base : base + count] = seq.token_ids[start : start + count]
+            pos[base : base + count] = p
+            pos[base + count : base + width] = start + count - 1  # padding: any position the rotary tables hold
+            slots[base : base + count] = tables[i, p // bs] * bs + p % bs
+            ctx[i] = start + width
+            sample[at : at + count] = np.arange(base, base + count, dtype=np.int32)
+            at += count
+            last_row[seq.seq_id] = base + count - 1
+        return StepLayout(
+            num_tokens=n,
+            num_decodes=0,
+            num_seqs=len(seqs),  # block-table rows to copy; the graph's padding sequences read none
+            rows=n,
+            offsets=offsets,
+            size=at + offsets["sample"][0],
+            sample_rows=list(sample[:at]),
+            last_rows=last_row,
+            max_decode_context=0,
+            max_prefill_len=width,
+            prefill_has_prefix=True,
+        )

@@ -25,6 +25,7 @@ from quantkit.runtime.scheduler import ScheduledBatch
 from quantkit.runtime.sequence import Sequence
 
 GRAPH_MEMORY_RESERVE = 1 << 30  # bytes kept free for CUDA-graph pools and allocator slack
+VERIFY_GRAPH_MAX_BS = 32  # speculative verify steps of up to this many sequences replay a CUDA graph
 _PROFILE_PARAMS = SamplingParams(max_tokens=1)
 
 
@@ -63,6 +64,9 @@ class ModelRunner:
         self.kv = self._empty_cache(self.num_blocks)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_hidden_layers)]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.verify_width = 0
+        self.graph_pool = None
         if device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs()
 
@@ -159,6 +163,10 @@ class ModelRunner:
         bucket = None
         if len(batch.seqs) == n:  # one token per sequence: every one is a decode
             bucket = next((b for b in self.graphs if b >= n), None)
+        elif ids_from is None and self.verify_graphs and self._all_verify(batch):
+            rows = next((b for b in self.verify_graphs if b >= len(batch.seqs)), None)
+            if rows is not None:
+                return self._run_verify_graph(batch, rows)
         layout = self._write(batch, graph_rows=bucket)
         graph_buffers = (self.static["flat"], self.static["tables"]) if bucket is not None else (None, None)
         flat, tables = self._to_device(layout, *graph_buffers)
@@ -177,6 +185,79 @@ class ModelRunner:
         return self.model.logits(hidden).float()
 
     # -- CUDA graphs -----------------------------------------------------------------------------------------------
+
+    def _all_verify(self, batch: ScheduledBatch) -> bool:
+        """Whether every sequence of ``batch`` scores its last token and up to verify_width - 1 drafted ones (a
+        plain decode among them is a verify of none), so the step fits a verify graph."""
+        return all(
+            num_new == seq.num_draft_tokens + 1 <= self.verify_width
+            and seq.num_computed_tokens + num_new == seq.num_tokens
+            for seq, num_new in zip(batch.seqs, batch.num_new, strict=True)
+        )
+
+    def _run_verify_graph(self, batch: ScheduledBatch, rows: int) -> torch.Tensor:
+        if self._copied is not None:
+            self._copied.synchronize()
+        layout = self.inputs.write_verify(batch, rows, self.verify_width)
+        flat, _ = self._to_device(layout, self.vstatic["flat"], self.vstatic["tables"])
+        graph, out = self.verify_graphs[rows]
+        graph.replay()
+        a, b = layout.offsets["sample"]
+        return self.model.logits(out[flat[a:b]]).float()
+
+    def alloc_verify_static(self, width: int, most: int) -> None:
+        """The fixed device buffers that captured verify steps of up to ``most`` sequences of ``width`` read."""
+        self.verify_width = width
+        self.vstatic = {
+            "flat": torch.zeros(most * (4 * width + 2) + 1, dtype=torch.int32, device=self.device),
+            "tables": torch.zeros(most, self.table_width, dtype=torch.int32, device=self.device),
+        }
+
+    def static_verify_forward(self, b: int, width: int):
+        """The verify step of ``b`` sequences of ``width`` tokens each over the static buffers (``write_verify``'s
+        layout), as a callable; until real inputs arrive every chunk starts at position 0 and stores nothing."""
+        flat, n = self.vstatic["flat"], b * width
+        ids, pos, slots = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n]
+        ctx, cu = flat[3 * n : 3 * n + b], flat[3 * n + b : 3 * n + 2 * b + 1]
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            num_decodes=0,
+            prefill_block_tables=self.vstatic["tables"][:b],
+            prefill_cu_seqlens=cu,
+            prefill_context_lens=ctx,
+            max_prefill_len=width,
+            prefill_has_prefix=True,
+            backend=self.backend,
+        )
+        ids.zero_()
+        pos.zero_()
+        slots.fill_(-1)
+        ctx.fill_(width)
+        cu.copy_(torch.arange(b + 1, dtype=torch.int32, device=self.device) * width)
+        return lambda: self.model(ids, pos, meta, self.kv_caches)
+
+    def capture_verify_graphs(self, width: int) -> None:
+        """CUDA graphs of speculative verify steps: every sequence scores up to ``width`` tokens (its last token and
+        up to width - 1 drafted ones, padded to width), at the decode graphs' batch sizes up to
+        ``VERIFY_GRAPH_MAX_BS``. Eager, a verify step of an 8B model spent more time launching kernels than running
+        them (bench_spec.py --costs). No-op off CUDA or with ``enforce_eager``."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        sizes = [b for b in self.graph_sizes() if b <= VERIFY_GRAPH_MAX_BS]
+        self.alloc_verify_static(width, sizes[-1])
+        pool = self.graph_pool
+        with torch.inference_mode():
+            for b in reversed(sizes):
+                forward = self.static_verify_forward(b, width)
+                forward()  # warm-up: compiles the prefill kernel for this width outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool):
+                    out = forward()
+                pool = graph.pool()
+                self.verify_graphs[b] = (graph, out)
+        self.verify_graphs = dict(sorted(self.verify_graphs.items()))
+        self.graph_pool = pool
+        torch.cuda.synchronize()
 
     def graph_sizes(self) -> list[int]:
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_num_seqs)
@@ -219,6 +300,7 @@ class ModelRunner:
                 pool = graph.pool()
                 self.graphs[b] = (graph, out)
         self.graphs = dict(sorted(self.graphs.items()))
+        self.graph_pool = pool
         torch.cuda.synchronize()
 
     # -- sizing the cache ------------------------------------------------------------------------------------------

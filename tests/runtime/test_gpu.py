@@ -86,3 +86,23 @@ def test_cache_sized_from_free_memory():
     assert llm.runner.num_blocks >= 2048 // llm.config.block_size
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out[0].completions[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("spec", [dict(method="ngram"), dict(method="self", draft_scheme="w4a16-g32")])
+def test_speculative_verify_graphs_match_hf_fp32(spec):
+    """fp32 with speculation: verify steps replay their CUDA graphs (padded to k + 1 tokens and to a batch bucket),
+    the self draft replays its decode graphs; greedy tokens equal HF's."""
+    from quantkit.runtime.speculative import SpeculativeConfig
+
+    model = sharpen(tiny_model("llama")).cuda()
+    prompts = [p * 3 for p in random_prompts([4, 7, 3, 9, 5], VOCAB, seed=3)] + random_prompts([11, 2], VOCAB, seed=4)
+    reference = hf_greedy(model, prompts, 24)
+    llm = LLM(model, num_kv_blocks=64, cuda_graph_max_bs=8,
+              speculative=SpeculativeConfig(**spec, num_speculative_tokens=3, adaptive=False))  # fmt: skip
+    assert llm.runner.verify_graphs and llm.runner.verify_width == 4
+    replays = []
+    run = llm.runner._run_verify_graph
+    llm.runner._run_verify_graph = lambda batch, rows: (replays.append(rows), run(batch, rows))[1]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=24))
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert replays and llm.spec.totals.accepted > 0

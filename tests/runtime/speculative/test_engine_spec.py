@@ -332,3 +332,37 @@ def test_soak_1000_requests_with_speculation():
     totals = llm.spec.totals
     assert llm.scheduler.num_preemptions > 50 and runner.copies > 50
     assert totals.steps > 1000 and 0.2 < totals.acceptance_rate < 0.9  # rollbacks of every length happened
+
+
+class EagerGraph:
+    """Stands in for a captured CUDA graph on the CPU: ``replay`` runs the captured callable again into the same
+    output tensor, so the runner's graph path (static buffers, padded layout, sample rows) runs as on a GPU."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.out = fn()
+
+    def replay(self):
+        self.out.copy_(self.fn())
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_verify_graph_layout_gives_plain_greedy(k):
+    """Verify steps through the graph path's padded layout (every sequence padded to k + 1 tokens, batches padded to
+    a bucket) give the tokens of plain greedy decoding, with drafts of every length up to k."""
+    cfg = tiny()
+    prompts = repetitive_prompts(6, cfg["vocab_size"], seed=4) + random_prompts([9, 21], cfg["vocab_size"], seed=2)
+    expected, _ = greedy(sharp(LLM(cfg, cpu_kv_blocks=128)), prompts)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=k, adaptive=False)
+    llm = sharp(LLM(cfg, cpu_kv_blocks=128, speculative=spec))
+    runner = llm.runner
+    runner.alloc_verify_static(k + 1, 8)
+    replays = []
+    for b in (1, 2, 4, 8):
+        graph = EagerGraph(runner.static_verify_forward(b, k + 1))
+        graph.replay = lambda g=graph, b=b: (replays.append(b), EagerGraph.replay(g))
+        runner.verify_graphs[b] = (graph, graph.out)
+    got, _ = greedy(llm, prompts)
+    assert got == expected
+    assert len(replays) > 5 and {2, 4, 8} & set(replays)
+    assert_no_leaks(llm)
