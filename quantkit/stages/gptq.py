@@ -9,7 +9,8 @@ window (``HOLDOUT_EVERY``) is held out: GPTQ is fitted with min-max and with MSE
 the other windows, and the grid whose output error is lower on the held-out windows is kept (min-max on ties);
 the linear is then quantized with that grid on the Hessian of all windows. The choice and both held-out errors
 are recorded in the layer report (``grid``, ``heldout_loss``). Static groups (``g_idx[k] = k // G``) keep the
-checkpoint exportable to every format (compressed-tensors has no ``g_idx``).
+checkpoint exportable to every format (compressed-tensors has no ``g_idx``). The choice costs two more GPTQ passes
+per linear and X^T X of the held-out windows; the grid search of static groups runs on the original weights.
 
 Why: the earlier defaults (act-order with groups formed in activation order, MSE-clipped grids everywhere) were
 chosen on SmolLM2-135M, whose weights already sit on a Q4_1 grid, and overfit it: on another family's real model
