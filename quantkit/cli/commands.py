@@ -315,6 +315,9 @@ def inspect_command(folder: Path, as_json: bool, kernels: bool, ms: str, gpu: st
     from quantkit.checkpoint.inspect import inspect_checkpoint, kernel_choices
 
     info = inspect_checkpoint(folder)
+    given = click.get_current_context().get_parameter_source
+    if not kernels and any(given(name).name == "COMMANDLINE" for name in ("ms", "gpu")):
+        raise QuantkitError("--ms and --gpu go with --kernels")
     if kernels:
         try:
             m_values = [int(m) for m in ms.split(",")]

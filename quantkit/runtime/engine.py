@@ -273,7 +273,7 @@ class LLM:
     def _spec_step(self) -> list[tuple[Sequence, int]]:
         """One synchronous step with drafts: propose, schedule, score, verify, commit only what was accepted."""
         spec = self.spec
-        spec.propose(self.scheduler.running, self._generator_for)
+        spec.propose(self.scheduler.running, self._generator_for, self.config.max_num_batched_tokens)
         batch = self.scheduler.schedule()
         if not batch.seqs:
             raise RuntimeError("scheduler produced an empty step with requests pending")  # a bug, not bad input

@@ -152,7 +152,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, ids_from: tuple[dict[int, int], torch.Tensor] | None = None) -> torch.Tensor:
-        """Execute one step; returns fp32 logits [len(batch.sampled), vocab]. ``ids_from`` (seq_id -> index, tokens
+        """Execute one step; returns fp32 logits [sum over batch.sampled of 1 + num_draft_tokens, vocab] (a sequence
+        verifying k drafted tokens gets the rows of its last k + 1 positions). ``ids_from`` (seq_id -> index, tokens
         int32 on the device): the input ids of those sequences' decode rows come from ``tokens`` instead of their
         ``token_ids``, whose last entry is then a placeholder (the engine runs a step before the previous one's
         tokens reached the host)."""

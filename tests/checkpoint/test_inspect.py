@@ -84,3 +84,5 @@ def test_cpu_and_bad_values(checkpoint):
     assert result.exit_code == 0 and "on the CPU" in result.output
     result = CliRunner().invoke(cli, ["inspect", str(checkpoint), "--kernels", "--ms", "0"])
     assert result.exit_code == 2 and "--ms values must be >= 1" in result.output
+    result = CliRunner().invoke(cli, ["inspect", str(checkpoint), "--ms", "1"])
+    assert result.exit_code == 2 and "--ms and --gpu go with --kernels" in result.output

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from quantkit.checks import flag, integer
 from quantkit.errors import QuantkitError
+from quantkit.quant.scheme import QuantScheme
 
 METHODS = ("draft", "self", "ngram")
+_SCHEME = re.compile(r"w(\d)a16-(g\d+|pc)(?:-(sym|asym))?")
+
+
+def weight_scheme(name: str) -> QuantScheme:
+    """``w4a16-g128``, ``w3a16-g64-asym``, ``w8a16-pc`` (per channel) ... -> a weight-only QuantScheme (sym default)."""
+    m = _SCHEME.fullmatch(name)
+    if m is None:
+        raise QuantkitError(f"draft scheme must look like w4a16-g128, w3a16-g64-asym or w8a16-pc, got {name!r}")
+    group = -1 if m[2] == "pc" else int(m[2][1:])
+    return QuantScheme(bits=int(m[1]), group_size=group, sym=m[3] != "asym")
 
 
 @dataclass(frozen=True)
@@ -20,7 +32,9 @@ class SpeculativeConfig:
       ``prompt_lookup_min`` tokens where they occurred before in prompt + output; no model).
     - ``num_speculative_tokens``: k, the most tokens drafted per sequence and step.
     - ``adaptive``: k follows each sequence's recent acceptance, and speculation pauses for a batch size whose
-      measured verify + draft cost exceeds what the accepted tokens save; False drafts k tokens every step.
+      measured verify + draft cost exceeds what the accepted tokens save; False drafts k tokens every step. Either
+      way the output follows the target's distribution; a seeded sampled request draws the same tokens run after
+      run only with ``adaptive=False`` (the adaptive choices depend on measured times).
     - ``disable_by_batch_size``: no speculation while this many sequences or more are decoding (None: no fixed cap).
     """
 
@@ -51,6 +65,7 @@ class SpeculativeConfig:
             raise QuantkitError("speculative method 'draft' needs a draft model (a folder)")
         if self.method == "ngram" and (self.draft or self.draft_layers):
             raise QuantkitError("speculative method 'ngram' takes no draft model")
+        weight_scheme(self.draft_scheme)  # a bad name fails here, before any weight loads
         if self.method != "self" and self.draft_layers is not None:
             raise QuantkitError("draft_layers applies to method 'self' only")
         if self.draft is not None and not isinstance(self.draft, str):

@@ -31,7 +31,7 @@ from quantkit.runtime.config import EngineConfig
 from quantkit.runtime.model import CausalLM
 from quantkit.runtime.model_runner import ModelRunner
 from quantkit.runtime.sampler import filter_logits
-from quantkit.runtime.sequence import Sequence
+from quantkit.runtime.sequence import Sequence, SpecStats
 from quantkit.runtime.speculative.config import SpeculativeConfig
 from quantkit.runtime.speculative.draft_model import DraftModelProposer, draft_cost
 from quantkit.runtime.speculative.proposers import NgramProposer, Proposer
@@ -44,21 +44,13 @@ MIN_SAMPLES = 2
 
 
 @dataclass
-class SpecTotals:
-    """Engine-wide figures: verify steps, drafted / accepted / emitted tokens, and seconds spent drafting and in
-    speculative steps (draft included), plus steps where the adaptive rule kept speculation off."""
+class SpecTotals(SpecStats):
+    """Engine-wide figures: ``SpecStats`` over every completion, and seconds spent drafting and in speculative
+    steps (draft included), plus steps where the adaptive rule kept speculation off."""
 
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    emitted: int = 0
     draft_time: float = 0.0
     step_time: float = 0.0
     paused_steps: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
 
 
 @dataclass
@@ -118,17 +110,21 @@ class SpeculativeDecoder:
             return not pays
         return pays
 
-    def propose(self, running: list[Sequence], generator_for: Callable[[Sequence], torch.Generator | None]) -> None:
-        """Append drafted tokens to the decoding sequences of ``running`` (when speculation pays at this size)."""
+    def propose(
+        self, running: list[Sequence], generator_for: Callable[[Sequence], torch.Generator | None], token_budget: int
+    ) -> None:
+        """Append drafted tokens to the decoding sequences of ``running`` (when speculation pays at this size). The
+        drafts fit in what ``token_budget`` (the step's) leaves after every running sequence's own tokens, so a
+        sequence's drafts never push another out of the step."""
         self._t0 = time.perf_counter()
-        self.proposer.release({s.seq_id for s in running})
+        keep = {s.seq_id for s in running}
+        self.proposer.release(keep)
+        self.acceptance = {i: a for i, a in self.acceptance.items() if i in keep}
         decoding = [s for s in running if not s.is_finished and s.num_computed_tokens == s.num_tokens - 1
                     and not s.pending_forks]  # fmt: skip
-        self._mode = None
-        if not decoding or len(decoding) != len(running):  # prefills in the step: not timed
-            pass
-        else:
-            self._mode = (_bucket(len(decoding)), False)
+        # a step without prefills is timed, for the choice between speculating and not at its batch size
+        self._mode = (_bucket(len(decoding)), False) if decoding and len(decoding) == len(running) else None
+        room = token_budget - sum(s.num_tokens - s.num_computed_tokens for s in running if not s.is_finished)
         cap = self.config.disable_by_batch_size
         if not decoding or (cap is not None and len(decoding) >= cap):
             return
@@ -137,10 +133,11 @@ class SpeculativeDecoder:
             return
         seqs, ks = [], []
         for seq in decoding:
-            k = self._num_tokens(seq)
+            k = min(self._num_tokens(seq), room)
             if k > 0:
                 seqs.append(seq)
                 ks.append(k)
+                room -= k
         if not seqs:
             return
         drafts = self.proposer.propose(seqs, ks, [generator_for(s) for s in seqs])
@@ -203,10 +200,6 @@ class SpeculativeDecoder:
             b.plain_samples += 1
         self._mode = None
 
-    def forget(self, seq_ids: set[int]) -> None:
-        for seq_id in seq_ids:
-            self.acceptance.pop(seq_id, None)
-
 
 def make_decoder(
     spec: SpeculativeConfig,
@@ -221,5 +214,6 @@ def make_decoder(
     else:
         draft_config = dataclasses.replace(config, num_kv_blocks=target_runner.num_blocks)
         runner = ModelRunner(draft, draft_config, device, max_model_len)
-        proposer = DraftModelProposer(draft, runner, cost_per_token=draft_cost(draft, target_runner.model))
+        cost = draft_cost(draft, target_runner.model)
+        proposer = DraftModelProposer(draft, runner, cost, config.max_num_batched_tokens)
     return SpeculativeDecoder(spec, proposer, max_model_len)

@@ -11,7 +11,6 @@ The draft's cache has as many blocks as the target's and no prefix caching; a mi
 from __future__ import annotations
 
 import copy
-import re
 
 import torch
 
@@ -23,19 +22,8 @@ from quantkit.runtime.model_runner import ModelRunner, kv_block_bytes
 from quantkit.runtime.sampler import filter_logits
 from quantkit.runtime.scheduler import ScheduledBatch
 from quantkit.runtime.sequence import Sequence
-from quantkit.runtime.speculative.config import SpeculativeConfig
+from quantkit.runtime.speculative.config import SpeculativeConfig, weight_scheme
 from quantkit.runtime.speculative.proposers import Draft
-
-_SCHEME = re.compile(r"w(\d)a16-(g\d+|pc)(?:-(sym|asym))?")
-
-
-def weight_scheme(name: str) -> QuantScheme:
-    """``w4a16-g128``, ``w3a16-g64-asym``, ``w8a16-pc`` (per channel) ... -> a weight-only QuantScheme (sym default)."""
-    m = _SCHEME.fullmatch(name)
-    if m is None:
-        raise QuantkitError(f"draft scheme must look like w4a16-g128, w3a16-g64-asym or w8a16-pc, got {name!r}")
-    group = -1 if m[2] == "pc" else int(m[2][1:])
-    return QuantScheme(bits=int(m[1]), group_size=group, sym=m[3] != "asym")
 
 
 def config_with_layers(config, num_layers: int):
@@ -102,9 +90,14 @@ def check_vocabulary(target: CausalLM, draft: CausalLM, target_tok, draft_tok) -
 
 
 class DraftModelProposer:
-    def __init__(self, model: CausalLM, runner: ModelRunner, cost_per_token: float):
+    """``token_budget``: the most tokens one draft forward pass takes (the engine's ``max_num_batched_tokens``): a
+    mirror with more to catch up on (a new or preempted sequence's prompt) prefills in chunks over several steps and
+    drafts once it has caught up."""
+
+    def __init__(self, model: CausalLM, runner: ModelRunner, cost_per_token: float, token_budget: int):
         self.model = model
         self.runner = runner
+        self.token_budget = token_budget
         self.bm = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
         self.mirrors: dict[int, Sequence] = {}
         self.cost_per_token = cost_per_token
@@ -135,19 +128,21 @@ class DraftModelProposer:
         active = [i for i, k in enumerate(ks) if k > 0]
         while active:
             batch = ScheduledBatch()
-            stepped = []
+            stepped, budget = [], self.token_budget
             for i in active:
                 m = mirrors[i]
-                num_new = m.num_tokens - m.num_computed_tokens
-                if not self._fits(m, num_new):
+                num_new = min(m.num_tokens - m.num_computed_tokens, budget)
+                if num_new <= 0 or not self._fits(m, num_new):
                     continue
                 if m.block_table or m.num_computed_tokens:
                     batch.add(m, num_new, self.bm.append(m, num_new))
                 else:
                     self.bm.admit(m, [], num_new)
                     batch.add(m, num_new, [])
-                stepped.append(i)
-            if not stepped:
+                budget -= num_new
+                if batch.sampled and batch.sampled[-1] is m:  # a chunk that does not reach the end drafts nothing
+                    stepped.append(i)
+            if not batch.seqs:
                 break
             logits = self.runner.run(batch)
             for row, i in enumerate(stepped):
@@ -166,7 +161,7 @@ class DraftModelProposer:
                 self.bm.commit(seq, start)
             for i in stepped:
                 mirrors[i].token_ids.append(tokens[i][-1])
-            active = [i for i in stepped if len(tokens[i]) < ks[i]]
+            active = [i for i in stepped if len(tokens[i]) < ks[i]]  # a mirror still catching up waits a step
         return [Draft(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs, strict=True)]
 
     def release(self, keep: set[int]) -> None:

@@ -292,7 +292,7 @@ class AgreeingShadow(ShadowRunner):
                     extra[token] += 50.0
                 rows.append(extra)
             rows.append(row)
-        return torch.stack(rows)
+        return torch.stack(rows) if rows else plain
 
 
 def test_soak_1000_requests_with_speculation():
@@ -366,3 +366,24 @@ def test_verify_graph_layout_gives_plain_greedy(k):
     assert got == expected
     assert len(replays) > 5 and {2, 4, 8} & set(replays)
     assert_no_leaks(llm)
+
+
+def test_drafts_fit_the_step_budget_and_long_prompts_prefill_the_draft_in_chunks():
+    """With a budget of 12 tokens a step and four decoding sequences, drafts take only what the sequences' own
+    tokens leave, so every sequence gains a token every step; prompts longer than the budget reach the draft model
+    in chunks; greedy output is unchanged."""
+    cfg = tiny()
+    prompts = random_prompts([30, 41, 25, 33], cfg["vocab_size"], seed=9)
+    expected, _ = greedy(sharp(LLM(cfg, cpu_kv_blocks=128, max_num_batched_tokens=12)), prompts)
+    spec = SpeculativeConfig(method="self", draft_scheme="w8a16-pc", num_speculative_tokens=4, adaptive=False)
+    llm = sharp(LLM(cfg, cpu_kv_blocks=128, max_num_batched_tokens=12, speculative=spec))
+    llm._add_all(prompts, SamplingParams(max_tokens=20))
+    starved = 0
+    while llm.scheduler.has_unfinished():
+        decoding = [s for s in llm.scheduler.running if s.num_computed_tokens == s.num_tokens - 1]
+        gained = {s.seq_id for s, _ in llm.step()}
+        starved += len(decoding) == 4 and len(gained) < 4
+    assert starved == 0
+    assert llm.spec.totals.drafted > 0
+    got, _ = greedy(llm, prompts)
+    assert got == expected
