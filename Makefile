@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.quantkit-installed
 
-# transformers 5.17 (the GPU machine's version), layered over the venv for the hook tests
+# transformers 5.17 (the version on the CUDA hosts the kernels are measured on), layered over the venv for the hook tests
 HF_COMPAT := .venv/hf-5.17
 HOOK_TESTS := tests/checkpoint tests/nn/test_w8a8_linear.py tests/test_recipes.py
 

@@ -584,7 +584,7 @@ def test_temper_holdout_hessian_comes_from_the_windows_past_the_search(monkeypat
             ],
         }
     )
-    quantkit.quantize(model, recipe, ids, device="cpu")  # the CPU reference above, also on a GPU machine
+    quantkit.quantize(model, recipe, ids, device="cpu")  # the CPU reference above, also where CUDA is present
     held_out, judged = (x[a:b].reshape(-1, x.shape[-1]) for a, b in ((4, 8), (0, 4)))
     held_out, judged = held_out.t() @ held_out, judged.t() @ judged
     torch.testing.assert_close(hessians[0], held_out, rtol=1e-4, atol=1e-3)

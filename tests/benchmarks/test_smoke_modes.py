@@ -1,5 +1,5 @@
 """The GPU benchmarks' CPU plumbing modes (``--smoke``, Triton's interpreter): the GPU runs cannot be tested here,
-but a script that fails on import or on its own bookkeeping would otherwise only be found on the GPU machine."""
+but a script that fails on import or on its own bookkeeping would otherwise only be found on a CUDA host."""
 
 import json
 import os
@@ -20,7 +20,7 @@ def _version(text: str) -> tuple[int, int]:
 
 
 # Triton 3.6's interpreter converts one-element arrays to Python scalars, which NumPy 2.5 refuses ("only
-# 0-dimensional arrays can be converted to Python scalars"): a GPU machine may have both, CI's newer Triton has not.
+# 0-dimensional arrays can be converted to Python scalars"): a CUDA host may have both, CI's newer Triton has not.
 OLD_INTERPRETER = _version(triton.__version__) < (3, 7) and _version(numpy.__version__) >= (2, 5)
 
 

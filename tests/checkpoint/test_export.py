@@ -18,7 +18,7 @@ from quantkit.errors import QuantkitError
 from tests.tiny_models import tiny_model, tiny_tokenizer
 
 # the independent reader is the test extra's compressed-tensors; where only the runtime's packages are installed
-# (the GPU machine) these tests say so instead of failing on the missing import
+# (a CUDA host without it) these tests say so instead of failing on the missing import
 needs_compressed_tensors = pytest.mark.skipif(
     importlib.util.find_spec("compressed_tensors") is None,
     reason="needs the compressed-tensors package (the test extra: pip install -e '.[test]')",

@@ -94,7 +94,7 @@ def test_two_row_blocks_split_odd_k_layers_unevenly():
     assert MG.mma_gemv_split(MG.MMA_TWO_BLOCKS, 8192, 29568, 132) == 8
 
 
-# the fastest split of every timed one at M = 16, groups of 128 (results/w4a16-mma-split-probe-h200-2026-12-04.md)
+# the fastest split of every timed one at M = 16, groups of 128 (docs/results/w4a16.md)
 TWO_BLOCK_BEST = {(28672, 8192): 2, (8192, 28672): 8, (8192, 8192): 8, (14336, 4096): 4, (4096, 14336): 16,
                   (4096, 4096): 8, (6144, 4096): 8, (28672, 4096): 2}  # fmt: skip
 
@@ -179,7 +179,7 @@ def test_groups_of_64_take_two_steps_at_one_row_or_the_deepest_split(n, k, steps
 
 
 # M = 1, groups of 64, the two-step loop: the fastest split of every timed one on the H200 in both runs of
-# results/w4a16-mma-split-m1-h200-2026-12-04.md (4096 x 4096: 16 and 32 within 1%)
+# docs/results/w4a16.md (4096 x 4096: 16 and 32 within 1%)
 STEPS2_M1_BEST = {(28672, 8192): 4, (8192, 28672): 16, (8192, 8192): 16, (14336, 4096): 16, (4096, 14336): 32,
                   (4096, 4096): 32, (6144, 4096): 16, (28672, 4096): 4}  # fmt: skip
 
@@ -192,11 +192,11 @@ def test_one_row_groups_of_64_split_as_measured(n, k):
 
 
 # M = 1, groups of 128: the two-step loop where it was faster in both runs (layers of N <= 8192), else the prefetch
-# or default choice (results/w4a16-mma-tma-ring-h200-2026-12-04.md, section 3)
+# or default choice (docs/results/w4a16.md)
 G128_M1_STEPS2 = {(28672, 8192): False, (8192, 28672): False, (8192, 8192): True, (14336, 4096): False,
                   (4096, 14336): False, (4096, 4096): True, (6144, 4096): True, (28672, 4096): False}  # fmt: skip
 # ... except where the prefetch loop's one-wave split is no power of two (K = 7 x 2^j): the fastest split timed
-# (results/w4a16-mma-wave-split-h200-2026-12-04.md); None: not taken
+# (docs/results/w4a16.md); None: not taken
 G128_M1_WAVE = {(28672, 8192): None, (8192, 28672): 14, (8192, 8192): None, (14336, 4096): None, (4096, 14336): 28,
                 (4096, 4096): None, (6144, 4096): None, (28672, 4096): None, (4096, 12288): None}  # fmt: skip
 
@@ -274,7 +274,7 @@ def test_w4a16_linear_runs_this_kernel_up_to_16_rows(m, group, dtype):
 
 
 # Layers whose K is no power of two, groups of 128: the plan of every cell timed on the H200 after the fallback for
-# under-filled grids (results/w4a16-mma-odd-k-split-h200-2026-12-04.md, results/w4a16-mma-rule-ab-h200-2026-12-04.txt)
+# under-filled grids (docs/results/w4a16.md)
 ODD_K_PLANS = {
     (4096, 11008, 1): (MG.MMA_DEFAULT_WAVE, 43), (4096, 11008, 4): (MG.MMA_DEFAULT_WAVE, 43),
     (5120, 13824, 1): (MG.MMA_PREFETCH_WAVE, 18), (5120, 13824, 2): (MG.MMA_PREFETCH_WAVE, 18),
