@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -131,3 +133,25 @@ def prefetch_block_l2(base, row0, n_rows, stride_row, col0, n_cols, on, ROWS: tl
 def threads(num_warps: int) -> int:
     """THREADS for ``prefetch_block_l2``."""
     return num_warps * 32
+
+
+# -- dispatch tables -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DispatchPath:
+    """One way a family serves a product: ``plan(product)`` says whether it does (the family's plan) or not
+    (None); ``launch(plan, *operands)`` runs it on operands its family checked."""
+
+    name: str
+    plan: Callable[[Any], Any]
+    launch: Callable[..., torch.Tensor]
+
+
+def first_plan(paths: tuple[DispatchPath, ...], product):
+    """The plan of the first path that serves ``product``; the last path of every table serves them all."""
+    for path in paths:
+        plan = path.plan(product)
+        if plan is not None:
+            return plan
+    raise AssertionError(f"unreachable: the {paths[-1].name} path plans every product")

@@ -20,10 +20,10 @@ The three Gluon paths need Triton 3.6's Gluon API; with another Triton they decl
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from quantkit.kernels._device import DispatchPath, first_plan
 from quantkit.kernels.w4a16 import mma_gemv, mma_gemv_configs, rega, ws
 from quantkit.kernels.w4a16.configs import KernelConfig, config_for, plan_launch
 from quantkit.kernels.w4a16.gemm import w4a16_dequantize, w4a16_gemm
@@ -36,16 +36,6 @@ TABLE_KERNELS = {
     "fused": "tensor-core GEMM (Triton, w4a16/gemm.py)",
     "dequant": "dequantize (Triton, w4a16/gemm.py) + cuBLAS",
 }
-
-
-@dataclass(frozen=True)
-class Path:
-    """One way to serve a product: ``plan`` says whether it does (a ``Plan``) or not (None); ``launch(plan, x, w,
-    bias, out)`` runs it on operands ``check_operands`` accepted."""
-
-    name: str
-    plan: Callable[[Product], Plan | None]
-    launch: Callable[..., torch.Tensor]
 
 
 def table_plan(p: Product, config: KernelConfig | None = None) -> Plan:
@@ -80,22 +70,18 @@ def _checked(launch: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
     return run
 
 
-PATHS: tuple[Path, ...] = (
-    Path("mma_gemv", mma_gemv_configs.plan, _checked(mma_gemv.launch)),
-    Path("rega", rega.plan, _checked(rega.launch)),
-    Path("ws", ws.plan, _checked(ws.launch)),
-    Path("table", table_plan, _launch_table),
+PATHS: tuple[DispatchPath, ...] = (
+    DispatchPath("mma_gemv", mma_gemv_configs.plan, _checked(mma_gemv.launch)),
+    DispatchPath("rega", rega.plan, _checked(rega.launch)),
+    DispatchPath("ws", ws.plan, _checked(ws.launch)),
+    DispatchPath("table", table_plan, _launch_table),
 )
 _BY_NAME = {path.name: path for path in PATHS}
 
 
 def choose(p: Product) -> Plan:
     """The plan of the first path in ``PATHS`` that serves the product (the table always does)."""
-    for path in PATHS:
-        plan = path.plan(p)
-        if plan is not None:
-            return plan
-    raise AssertionError("unreachable: the table path plans every product")
+    return first_plan(PATHS, p)
 
 
 def w4a16_linear(

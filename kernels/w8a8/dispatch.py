@@ -18,12 +18,9 @@ M 17-64 (``configs.l2_ahead_for``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 import triton
-from quantkit.kernels._device import GPU, device_of, interpreting
+from quantkit.kernels._device import GPU, DispatchPath, device_of, first_plan, interpreting
 from quantkit.kernels.w8a8 import ws
 from quantkit.kernels.w8a8.configs import TileConfig, config_for, l2_ahead_for
 from quantkit.kernels.w8a8.gemm import check_matmul_operands, launch_tiles, persistent_fits
@@ -33,16 +30,6 @@ from quantkit.kernels.w8a8.quant import FORMAT_OF_DTYPE, quantize_activations, r
 PDL_MAX_M = 64  # w8a8_linear launches the GEMM with programmatic dependent launch up to this many rows (use_pdl)
 PDL_PREFETCH_K = 1024  # bytes of each weight row asked from L2 before the GEMM waits for the quantizer
 TILES_KERNEL = "tiled GEMM (Triton, w8a8/gemm.py)"
-
-
-@dataclass(frozen=True)
-class Path:
-    """One way to serve a product: ``plan`` says whether it does (a ``Plan``) or not (None); ``launch(plan, qa,
-    a_scale, qw, w_scale, bias, out, fp8_fast_accum, pdl, prefetch_k, l2_ahead)`` runs it on checked operands."""
-
-    name: str
-    plan: Callable[[Product], Plan | None]
-    launch: Callable[..., torch.Tensor]
 
 
 def tiles_plan(p: Product, config: TileConfig | None = None) -> Plan:
@@ -63,17 +50,16 @@ def _launch_tiles(plan: Plan, qa, a_scale, qw, w_scale, bias, out, *options) -> 
     return launch_tiles(qa, a_scale, qw, w_scale, bias, out, plan.config, plan.fetch, *options)
 
 
-PATHS: tuple[Path, ...] = (Path("ws", ws.plan, _launch_ws), Path("tiles", tiles_plan, _launch_tiles))
+PATHS: tuple[DispatchPath, ...] = (
+    DispatchPath("ws", ws.plan, _launch_ws),
+    DispatchPath("tiles", tiles_plan, _launch_tiles),
+)
 _BY_NAME = {path.name: path for path in PATHS}
 
 
 def choose(p: Product) -> Plan:
     """The plan of the first path in ``PATHS`` that serves the product (the tiles always do)."""
-    for path in PATHS:
-        plan = path.plan(p)
-        if plan is not None:
-            return plan
-    raise AssertionError("unreachable: the tiles path plans every product")
+    return first_plan(PATHS, p)
 
 
 def w8a8_matmul(
