@@ -1,5 +1,6 @@
 """Randomized soak of the engine's bookkeeping: 1,000 requests of random lengths arriving over time into a cache
-too small for them, with common prefixes, n > 1, sampling, stop tokens and preemption.
+too small for them, with common prefixes, n > 1, sampling, stop tokens and preemption; with synchronous and
+asynchronous scheduling, and with speculative decoding (drafts, partial acceptance, rollback).
 
 The model is replaced by a shadow runner that records, for every cache slot, which token's K/V it would hold. Each
 step it checks that no scheduled write lands in a block another sequence shares (or in an immutable cached block),
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 from quantkit.runtime import LLM, SamplingParams
+from quantkit.runtime.speculative import SpeculativeConfig
+from quantkit.runtime.speculative.proposers import Draft
 
 P = 16
 VOCAB = 64
@@ -85,13 +88,52 @@ def random_request(rng: np.random.Generator, prefixes):
     return prompt, params
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_soak_1000_requests_with_preemption(async_scheduling):
+# With speculation every decoding sequence drafts 1-4 random tokens each step, which the shadow model accepts often
+# but not always: rejected drafts' slots must be rewritten before they are read again.
+
+
+class RandomProposer:
+    cost_per_token = 0.0
+
+    def __init__(self, rng: np.random.Generator):
+        self.rng = rng
+
+    def propose(self, seqs, ks, generators):
+        return [Draft(self.rng.integers(3, VOCAB, int(self.rng.integers(1, k + 1))).tolist()) for k in ks]
+
+    def release(self, keep):
+        pass
+
+
+class AgreeingShadow(ShadowRunner):
+    """Logits rows for every verified position: peaked on the drafted token with probability 0.7."""
+
+    def run(self, batch, ids_from=None):
+        plain = super().run(batch, ids_from)
+        rows = []
+        for seq, row in zip(batch.sampled, plain, strict=True):
+            drafted = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens :]
+            for token in drafted:
+                extra = torch.randn(VOCAB, generator=self.gen)
+                if torch.rand((), generator=self.gen) < 0.7:
+                    extra[token] += 50.0
+                rows.append(extra)
+            rows.append(row)
+        return torch.stack(rows) if rows else plain
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "speculative"])
+def test_soak_1000_requests_with_preemption(mode):
     rng = np.random.default_rng(0)
+    spec = (
+        SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=False) if mode == "speculative" else None
+    )
     llm = LLM(TINY, device="cpu", num_kv_blocks=24, block_size=P, max_num_seqs=16, max_num_batched_tokens=128,
-              async_scheduling=async_scheduling)  # fmt: skip
+              async_scheduling=mode == "async", speculative=spec)  # fmt: skip
     bm = llm.block_manager
-    runner = llm.runner = ShadowRunner(bm, seed=1)
+    runner = llm.runner = (AgreeingShadow if spec else ShadowRunner)(bm, seed=1)
+    if spec:
+        llm.spec.proposer = RandomProposer(np.random.default_rng(2))
     hits = []
     match = bm.match_prefix
     bm.match_prefix = lambda seq: (lambda h: (hits.append(len(h)), h)[1])(match(seq))
@@ -103,9 +145,9 @@ def test_soak_1000_requests_with_preemption(async_scheduling):
             requests[llm.add_request(prompt, params)] = (prompt, params)
         if not llm.scheduler.has_unfinished():
             continue
-        for seq, _ in llm.step():
-            if seq.is_finished:
-                done.setdefault(seq.request_id, []).append(seq)
+        for seq, _ in llm.step():  # a verify step lists a sequence once per token it gained
+            if seq.is_finished and seq not in done.setdefault(seq.request_id, []):
+                done[seq.request_id].append(seq)
 
     assert sorted(done) == sorted(requests)
     for rid, seqs in done.items():
@@ -117,9 +159,11 @@ def test_soak_1000_requests_with_preemption(async_scheduling):
             if s.finish_reason == "length":
                 assert len(out) == params.max_tokens
             elif s.finish_reason == "stop":
-                assert out[-1] in params.stop_token_ids
+                assert out[-1] in params.stop_token_ids and not set(out[:-1]) & set(params.stop_token_ids)
             else:
                 assert s.finish_reason == "eos" and out[-1] == EOS and not params.ignore_eos
     assert bm.num_free == bm.num_blocks and not any(bm.ref_counts) and bm.used_slots == 0
     assert llm.scheduler.num_preemptions > 50 and runner.copies > 50 and sum(h > 0 for h in hits) > 50
-    assert (runner.ahead > runner.steps // 2) if async_scheduling else runner.ahead == 0
+    assert (runner.ahead > runner.steps // 2) if mode == "async" else runner.ahead == 0
+    if spec:  # rollbacks of every length happened
+        assert llm.spec.totals.steps > 1000 and 0.2 < llm.spec.totals.acceptance_rate < 0.9
