@@ -219,10 +219,14 @@ def quantize_command(model, method, recipe_spec, out, device, dtype, offload, ov
     )
     from quantkit.checkpoint.export import export_formats
 
-    formats = export_formats(path)
-    can = [f for f, reason in formats.items() if reason is None]
-    cannot = "; ".join(f"not {f}: {reason}" for f, reason in formats.items() if reason is not None)
-    stdout.print(f"exports to: {', '.join(can) or 'no other format'}" + (f" ({cannot})" if cannot else ""))
+    stored = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+    if stored > EXPORT_CHECK_BYTES:  # the check converts every tensor in memory: too much after a large model
+        stdout.print("exports to: run `quantkit export` to check each format (the check reads the whole checkpoint)")
+    else:
+        formats = export_formats(path)
+        can = [f for f, reason in formats.items() if reason is None]
+        cannot = "; ".join(f"not {f}: {reason}" for f, reason in formats.items() if reason is not None)
+        stdout.print(f"exports to: {', '.join(can) or 'no other format'}" + (f" ({cannot})" if cannot else ""))
     from quantkit.checkpoint.smoothing import outlier_rows
 
     ratios = [
@@ -298,6 +302,9 @@ def eval_command(model, baseline, source, seqlen, windows, device, dtype, bos, a
         f"{result.top1_agreement:.3f}" if result.top1_agreement is not None else "-",
     )
     stdout.print(table)
+
+
+EXPORT_CHECK_BYTES = 2 << 30  # quantize reports the formats a checkpoint exports to up to this size of tensors
 
 
 @click.command("inspect", cls=QuantkitCommand)

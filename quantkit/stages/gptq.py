@@ -48,6 +48,7 @@ class HeldOut:
 
     xtx: torch.Tensor
     n_tokens: int = 0
+    windows: int = 0  # calibration windows seen so far, whichever batch they came in
 
 
 @register("gptq")
@@ -109,8 +110,15 @@ class GPTQStage(WeightStage):
                     k = module.in_features
                     acc = held[name] = HeldOut(torch.zeros(k, k, dtype=torch.float32, device=x.device))
                 last[:] = [x, acc]
-                # windows are dim 0 of a layer's input [b, L, K]; an expert sees routed tokens [t, K]
-                xh = x.detach()[HOLDOUT_EVERY - 1 :: HOLDOUT_EVERY].reshape(-1, module.in_features).float()
+                # windows are dim 0 of a layer's input [b, L, K], numbered across batches so that any batch size
+                # holds out every HOLDOUT_EVERY-th window; an expert sees routed tokens [t, K]
+                if x.dim() == 3:
+                    index = torch.arange(acc.windows, acc.windows + x.shape[0], device=x.device)
+                    acc.windows += x.shape[0]
+                    xh = x.detach()[index % HOLDOUT_EVERY == HOLDOUT_EVERY - 1]
+                else:
+                    xh = x.detach()[HOLDOUT_EVERY - 1 :: HOLDOUT_EVERY]
+                xh = xh.reshape(-1, module.in_features).float()
                 acc.xtx.addmm_(xh.t(), xh)
                 acc.n_tokens += xh.shape[0]
 
@@ -141,7 +149,7 @@ class GPTQStage(WeightStage):
 
     def choose_grid(self, w, stats, scheme, kwargs) -> tuple[bool, dict]:
         """(mse, report entries) for one linear: the grid with the lower held-out error (min-max when no
-        window could be held out: fewer than HOLDOUT_EVERY windows per batch, or an expert's tokens all in one
+        window could be held out: fewer than HOLDOUT_EVERY windows in all, or an expert's tokens all in one
         part)."""
         held = self._held.get(id(stats))
         n_fit = stats.n_tokens - (held.n_tokens if held else 0)

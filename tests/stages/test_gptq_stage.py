@@ -199,10 +199,13 @@ def test_default_grid_is_chosen_per_linear_on_held_out_windows():
                 assert torch.equal(m.qweight, fixed_modules[name].qweight), name
 
 
-def test_default_grid_falls_back_to_min_max_without_held_out_windows():
-    """Batches of fewer than four windows hold none out: min-max, and the report says why."""
+def test_default_grid_holds_out_every_fourth_window_whatever_the_batch_size():
+    """Windows are numbered across batches: batches of 2 hold out windows 3 and 7 of 8; fewer than four windows in
+    all hold none out: min-max, and the report says why."""
     recipe = Recipe.from_dict({"scheme": SCHEME, "calibration": {"batch_size": 2}, "stages": [{"method": "gptq"}]})
-    report = quantkit.quantize(tiny_model("llama"), recipe, calib_ids(4, 32)).layers
+    report = quantkit.quantize(tiny_model("llama"), recipe, calib_ids(8, 32)).layers
+    assert {r["heldout_tokens"] for r in report.values()} == {2 * 32}
+    report = quantkit.quantize(tiny_model("llama"), recipe, calib_ids(3, 32)).layers
     assert {r["grid"] for r in report.values()} == {"minmax"}
     assert {r["grid_reason"] for r in report.values()} == {"no held-out calibration windows"}
 
