@@ -38,7 +38,12 @@ def gptq_recipe(args):
             "stages": [
                 {
                     "method": "gptq",
-                    "params": {"act_order": args.act_order, "mse": args.mse, "block_size": args.block_size},
+                    "params": {
+                        "act_order": args.act_order,
+                        "mse": args.mse,
+                        "block_size": args.block_size,
+                        "static_groups": args.static_groups,
+                    },
                 }
             ],
         },
@@ -95,6 +100,12 @@ def main(argv: list[str] | None = None) -> None:
         "--act-order", action=argparse.BooleanOptionalAction, default=True, help="default: on (as the stage)"
     )
     ap.add_argument("--mse", action=argparse.BooleanOptionalAction, default=True, help="clipped grids (default: on)")
+    ap.add_argument(
+        "--static-groups",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="groups in natural order (quantize's default); off: act-order groups, as the table of record",
+    )
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave the default)")
     add_out_argument(ap, "gptq")
