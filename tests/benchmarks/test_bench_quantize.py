@@ -22,7 +22,16 @@ TINY = dict(common.LLAMA3_8B, hidden_size=64, intermediate_size=160, num_hidden_
 def test_run_quantizes_every_layer_and_reports():
     model = common.random_llama(TINY, torch.device("cpu"), seed=0)
     args = argparse.Namespace(
-        bits=4, group_size=32, asym=False, nsamples=4, seqlen=32, batch_size=2, act_order=True, mse=True, block_size=16
+        bits=4,
+        group_size=32,
+        asym=False,
+        nsamples=4,
+        seqlen=32,
+        batch_size=2,
+        act_order=True,
+        mse=True,
+        block_size=16,
+        static_groups=False,
     )
     calib = torch.randint(0, 300, (4, 32), generator=torch.Generator().manual_seed(0))
     info = bench_gptq.run(model, calib, args, torch.device("cpu"))
