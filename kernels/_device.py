@@ -155,3 +155,20 @@ def first_plan(paths: tuple[DispatchPath, ...], product):
         if plan is not None:
             return plan
     raise AssertionError(f"unreachable: the {paths[-1].name} path plans every product")
+
+
+# -- Gluon kernels ---------------------------------------------------------------------------------------------------
+
+GLUON_TRITON = "3.6."  # the Gluon API the Hopper kernels are written for (3.7+ renamed TMA loads and shared views)
+
+
+def gluon_unsupported(gpu: GPU | None, hopper_only: bool = True) -> str | None:
+    """Why a Gluon kernel cannot run on ``gpu`` with this Triton (None: it can): it needs Triton GLUON_TRITON and a
+    Hopper GPU (``hopper_only``: compute capability 9.0 exactly, for wgmma and TMA; else 9.0 or newer)."""
+    if not triton.__version__.startswith(GLUON_TRITON):
+        return f"written for Triton {GLUON_TRITON}x's Gluon, found Triton {triton.__version__}"
+    if gpu is None or (gpu.capability != (9, 0) if hopper_only else gpu.capability < (9, 0)):
+        return f"needs a CUDA device of compute capability 9.0{'' if hopper_only else ' or newer'}" + (
+            " (Hopper)" if hopper_only else ""
+        )
+    return None

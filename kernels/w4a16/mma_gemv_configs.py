@@ -12,7 +12,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
+from quantkit.kernels._device import GLUON_TRITON, gluon_unsupported
 from quantkit.kernels.w4a16.configs import is_pow2
 from quantkit.kernels.w4a16.problem import Plan, Product
 from quantkit.kernels.w4a16.weight import W4A16Weight
@@ -60,7 +60,7 @@ class MmaGemvConfig:
 
 
 MMA_MAX_M = 16
-MMA_TRITON = "3.6."  # the Gluon API the kernel is written for
+MMA_TRITON = GLUON_TRITON  # the Gluon API the kernel is written for
 # ``w4a16_linear`` runs this kernel up to MMA_DISPATCH_M rows (H200, eight layer shapes): against the previous choice
 # 0.95-1.12x at M = 1 (the CUDA-core gemv; 7 of 8 shapes faster), 1.12-1.95x at M = 2-8; M = 9-16 see MMA_TWO_BLOCKS.
 MMA_DISPATCH_M = 16
@@ -182,11 +182,7 @@ def unsupported(p: Product, cfg: MmaGemvConfig) -> str | None:
         return "x needs unit column stride and an even row stride (read as 32-bit pairs)"
     if p.out_col_stride != 1:
         return "out needs unit column stride"
-    if not triton.__version__.startswith(MMA_TRITON):
-        return f"written for Triton {MMA_TRITON}x's Gluon, found Triton {triton.__version__}"
-    if p.gpu is None or p.gpu.capability < (9, 0):
-        return "needs a CUDA device of compute capability 9.0 or newer"
-    return None
+    return gluon_unsupported(p.gpu, hopper_only=False)
 
 
 def mma_gemv_unsupported_reason(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None,

@@ -34,8 +34,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
-from quantkit.kernels._device import num_sms
+from quantkit.kernels._device import GLUON_TRITON, gluon_unsupported, num_sms
 from quantkit.kernels.w4a16.configs import LOCK_SLOTS, is_pow2
 from quantkit.kernels.w4a16.gemv import w4a16_gemv_reference
 from quantkit.kernels.w4a16.problem import Plan, Product
@@ -44,7 +43,7 @@ from quantkit.kernels.w4a16.weight import W4A16Weight, check_operands
 w4a16_rega_reference = w4a16_gemv_reference  # the same product
 
 KERNEL = "register-A wgmma GEMM (Gluon, w4a16/rega_kernel.py)"
-REGA_TRITON = "3.6."  # the Gluon API the kernel is written for
+REGA_TRITON = GLUON_TRITON  # the Gluon API the kernel is written for
 REGA_MIN_M, REGA_MAX_M = 17, 128  # the rule's rows
 REGA_KERNEL_MAX_M = 128  # the kernel's: one tile of x rows, the wgmma's N up to 128
 REGA_MAX_SPLIT = 8
@@ -179,11 +178,7 @@ def unsupported(p: Product, cfg: RegaConfig) -> str | None:
         return f"N = {n} must be a multiple of {cfg.block_n}"
     if p.out_col_stride != 1:
         return "out needs unit column stride"
-    if not triton.__version__.startswith(REGA_TRITON):
-        return f"written for Triton {REGA_TRITON}x's Gluon, found Triton {triton.__version__}"
-    if p.gpu is None or p.gpu.capability != (9, 0):
-        return "needs a CUDA device of compute capability 9.0 (Hopper)"
-    return None
+    return gluon_unsupported(p.gpu)
 
 
 def rega_unsupported_reason(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None, cfg: RegaConfig) -> str | None:

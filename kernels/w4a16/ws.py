@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import triton
-from quantkit.kernels._device import num_sms
+from quantkit.kernels._device import GLUON_TRITON, gluon_unsupported, num_sms
 from quantkit.kernels.w4a16.configs import LOCK_SLOTS, is_pow2
 from quantkit.kernels.w4a16.problem import Plan, Product
 from quantkit.kernels.w4a16.weight import W4A16Weight, check_operands
@@ -66,7 +65,7 @@ KERNEL = "warp-specialized GEMM (Gluon, w4a16/ws_kernel.py)"
 
 WS_MIN_M = 65  # below: the swap-AB Triton tiles, whose 16-64 rows waste no MMA work
 WS_GROUPS = (64, 128)
-WS_TRITON = "3.6."  # the Gluon API the kernel is written for (3.7+ renamed its TMA load and shared-memory views)
+WS_TRITON = GLUON_TRITON  # the Gluon API the kernel is written for
 WS_MAX_SPLIT = 8
 WS_FILL = 0.75  # split K until tiles x split reaches this fraction of the SMs
 
@@ -126,11 +125,7 @@ def unsupported(p: Product, cfg: WSConfig) -> str | None:
         return "x needs unit column stride and 16-byte aligned rows (TMA)"
     if p.out_col_stride != 1:
         return "out needs unit column stride"
-    if not triton.__version__.startswith(WS_TRITON):
-        return f"written for Triton {WS_TRITON}x's Gluon, found Triton {triton.__version__}"
-    if p.gpu is None or p.gpu.capability != (9, 0):
-        return "needs a CUDA device of compute capability 9.0 (Hopper)"
-    return None
+    return gluon_unsupported(p.gpu)
 
 
 def ws_unsupported_reason(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None, cfg: WSConfig) -> str | None:

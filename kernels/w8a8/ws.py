@@ -10,8 +10,7 @@ the rule); the Gluon kernel module is imported on the first launch only.
 from __future__ import annotations
 
 import torch
-import triton
-from quantkit.kernels._device import num_sms
+from quantkit.kernels._device import GLUON_TRITON, gluon_unsupported, num_sms
 from quantkit.kernels.w8a8.gemm import check_matmul_operands
 from quantkit.kernels.w8a8.problem import Plan, Product
 
@@ -23,7 +22,7 @@ from quantkit.kernels.w8a8.problem import Plan, Product
 WS_MIN_M = 257
 KERNEL = "warp-specialized fp8 GEMM (Gluon, w8a8/ws_kernel.py)"
 CONFIG_NAME = "ws-m128n256k128s4"  # the kernel's fixed tiles: two 64-row consumer warp groups, 4 stages
-WS_TRITON = "3.6."  # the Gluon API the kernel is written for (3.7+ renamed TMA loads and shared-memory views)
+WS_TRITON = GLUON_TRITON  # the Gluon API the kernel is written for
 
 
 def ws_offered(m: int, fmt: str, fp8_fast_accum: bool, pdl: bool) -> bool:
@@ -41,11 +40,7 @@ def unsupported(p: Product) -> str | None:
         return "qa and qw need K contiguous, 16-byte aligned rows and base addresses (TMA; K % 16 == 0)"
     if p.out_col_stride != 1:
         return "out needs unit column stride"
-    if not triton.__version__.startswith(WS_TRITON):
-        return f"written for Triton {WS_TRITON}x's Gluon, found Triton {triton.__version__}"
-    if p.gpu is None or p.gpu.capability != (9, 0):
-        return "needs a CUDA device of compute capability 9.0 (Hopper)"
-    return None
+    return gluon_unsupported(p.gpu)
 
 
 def ws_unsupported_reason(qa: torch.Tensor, qw: torch.Tensor, out: torch.Tensor) -> str | None:
