@@ -17,25 +17,19 @@ from pathlib import Path
 
 import torch
 
+from quantkit.runtime.bench import DUMMY_MODELS
+
 L2_BYTES = 60 * 2**20  # the H200's L2 (the H100 has 50 MB): rotated operands span a multiple of it
 
 # (N, K) of a linear layer y [M, N] = x [M, K] @ W.T: Llama-3-8B's q/o, gate (or up) and down projections, then
 # Llama-3-70B's
 LLAMA_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]
 
-# transformers LlamaConfig keys (quantkit.runtime.bench.DUMMY_MODELS holds the same shape for `quantkit bench-serve`)
-LLAMA3_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
+# transformers LlamaConfig keys of the Llama-3-8B shape that `quantkit bench-serve --model dummy:llama-3-8b` serves
+LLAMA3_8B = {
+    k: v for k, v in DUMMY_MODELS["llama-3-8b"].items()
+    if k not in ("model_type", "architectures", "bos_token_id", "eos_token_id", "dtype")
+}  # fmt: skip
 LLAMA32_1B = dict(LLAMA3_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, tie_word_embeddings=True)
 
 

