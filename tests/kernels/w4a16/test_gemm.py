@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from quantkit.kernels import w4a16 as K
-from quantkit.kernels._device import interpreting, num_sms
+from quantkit.kernels._device import device_of, gluon_unsupported, interpreting, num_sms
 from quantkit.kernels.w4a16 import configs as C
 from quantkit.kernels.w4a16 import dispatch, gemm
 from quantkit.kernels.w4a16.epilogue import to_act
@@ -30,6 +30,11 @@ from quantkit.quant import QuantizedWeight, QuantScheme
 from quantkit.quant.tensor import group_index
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the Gluon kernels' tests: a Hopper GPU and the Triton they are written for
+hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or gluon_unsupported(device_of(torch.device("cuda"))) is not None,
+    reason="needs a Hopper (sm_90) GPU and the Triton the Gluon kernel is written for",
+)
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 SKINNY = K.KernelConfig("fused", 16, 32, 64, 4, 2, split_waves=0)

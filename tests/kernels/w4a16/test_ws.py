@@ -21,13 +21,8 @@ from tests.kernels.w4a16.test_gemm import (
     assert_close_to_float64,
     assert_kernel_case,
     assert_split_k_replays,
+    hopper,
     weight,
-)
-
-hopper = pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0))
-    or not triton.__version__.startswith(WS.WS_TRITON),
-    reason="needs a Hopper (sm_90) GPU and the Triton the Gluon kernel is written for",
 )
 
 
