@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--nsamples", type=int, default=128)
     ap.add_argument("--calib-seed", type=int, default=0, help="which random calibration windows (run-to-run spread)")
     ap.add_argument("--seqlen", type=int, default=512)
-    ap.add_argument("--eval", default="moby-dick")
+    ap.add_argument("--eval", nargs="+", default=["moby-dick"], help="evaluation text(s): a row per text")
     ap.add_argument("--eval-seqlen", type=int, default=512)
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
@@ -93,13 +93,17 @@ def main(argv: list[str] | None = None) -> None:
         torch.backends.cudnn.allow_tf32 = False
     float_model, tokenizer, _ = quantkit.load_model(args.model)
     float_model.to(device)
-    windows, protocol = evaluation_windows(tokenizer, args.eval, args.eval_seqlen, args.windows)
-    t0 = time.perf_counter()
-    baseline = cached_baseline(float_model, args.model, windows, protocol)
-    float_result = evaluate_windows(float_model, windows, baseline, float_from_baseline=True)
-    console.print(
-        f"float: ppl {float_result.perplexity:.3f} on {float_result.tokens} tokens ({time.perf_counter() - t0:.0f}s)"
-    )
+    evals = []  # (text, windows, protocol, baseline log-probs, float result)
+    for text in args.eval:
+        windows, protocol = evaluation_windows(tokenizer, text, args.eval_seqlen, args.windows)
+        t0 = time.perf_counter()
+        baseline = cached_baseline(float_model, args.model, windows, protocol)
+        float_result = evaluate_windows(float_model, windows, baseline, float_from_baseline=True)
+        evals.append((text, windows, protocol, baseline, float_result))
+        console.print(
+            f"float on {text}: ppl {float_result.perplexity:.3f} on {float_result.tokens} tokens "
+            f"({time.perf_counter() - t0:.0f}s)"
+        )
     draws: dict[tuple[int, int], tuple] = {}  # (nsamples, seed) -> (windows, fingerprint)
     rows = []
     previous = json.loads(args.out.read_text()) if args.out.exists() else None
@@ -124,45 +128,48 @@ def main(argv: list[str] | None = None) -> None:
                     t0 = time.perf_counter()
                     quantkit.quantize(model, recipe, calib, device=device)
                     q_seconds = time.perf_counter() - t0
-                    res = evaluate_windows(model, windows, baseline)
-                    row = {
-                        "method": job.get("label") or method,
-                        **scheme,
-                        "perplexity": res.perplexity,
-                        "kl": res.kl,
-                        "top1": res.top1_agreement,
-                        "quantize_seconds": round(q_seconds, 1),
-                        "params": params,
-                        "calibration": (
-                            f"{args.calib} {nsamples}x{args.seqlen}" + (f" seed {seed}" if seed else "")
-                            if recipe.needs_calibration
-                            else None
-                        ),
-                        "device": device.type,
-                    }
-                    rows.append(row)
-                    console.print(row)
+                    for text, windows, _, baseline, float_result in evals:
+                        res = evaluate_windows(model, windows, baseline)
+                        row = {
+                            "method": job.get("label") or method,
+                            **scheme,
+                            "eval": text,
+                            "float_perplexity": float_result.perplexity,
+                            "perplexity": res.perplexity,
+                            "kl": res.kl,
+                            "top1": res.top1_agreement,
+                            "quantize_seconds": round(q_seconds, 1),
+                            "params": params,
+                            "calibration": (
+                                f"{args.calib} {nsamples}x{args.seqlen}" + (f" seed {seed}" if seed else "")
+                                if recipe.needs_calibration
+                                else None
+                            ),
+                            "device": device.type,
+                        }
+                        rows.append(row)
+                        console.print(row)
                     del model
     report = {
         "model": args.model,
         "baseline_note": "float baseline = the model as loaded (for the built-in SmolLM2: dequantized Q4_1 GGUF "
         "weights, see docs/evaluation.md)",
-        "float_perplexity": float_result.perplexity,
-        "eval": protocol,
+        "float_perplexity": {text: float_result.perplexity for text, *_, float_result in evals},
+        "eval": [protocol for _, _, protocol, *_ in evals],
         "calibration": next(iter(draws.values()))[1] if draws else None,  # rows name their own draw
         "params": json.loads(args.params),
         "rows": rows,
         "torch_threads": torch.get_num_threads(),
         "date": time.strftime("%Y-%m-%d"),
     }
-    if previous and previous.get("eval") == protocol:  # append to an earlier run of other cells
+    if previous and previous.get("eval") == report["eval"]:  # append to an earlier run of other cells
         keep = [r for r in previous["rows"] if not any(row_key(r) == row_key(n) for n in rows)]
         report["rows"] = keep + rows
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(markdown(report))
-    table = Table(title=f"{args.model}: float ppl {float_result.perplexity:.3f}")
-    for col in ("method", "bits", "group", "sym", "ppl", "Δppl", "KL", "top-1", "quantize s"):
+    table = Table(title=f"{args.model}")
+    for col in ("method", "bits", "group", "sym", "eval", "ppl", "Δppl", "KL", "top-1", "quantize s"):
         table.add_column(col)
     for r in report["rows"]:
         table.add_row(
@@ -170,8 +177,9 @@ def main(argv: list[str] | None = None) -> None:
             str(r["bits"]),
             str(r["group_size"]),
             str(r["sym"]),
+            r["eval"],
             f"{r['perplexity']:.3f}",
-            f"{r['perplexity'] - float_result.perplexity:+.3f}",
+            f"{r['perplexity'] - r['float_perplexity']:+.3f}",
             f"{r['kl']:.4f}",
             f"{r['top1']:.3f}",
             str(r["quantize_seconds"]),
@@ -246,6 +254,7 @@ def row_key(row: dict) -> tuple:
         row.get("act_dynamic", True),
         row.get("calibration"),
         row.get("device", "cpu"),
+        row.get("eval"),
     )
 
 
@@ -269,20 +278,21 @@ def cached_baseline(model, model_spec: str, windows: torch.Tensor, protocol: dic
 
 
 def markdown(report: dict) -> str:
-    base = report["float_perplexity"]
+    floats = ", ".join(f"{text} {ppl:.3f}" for text, ppl in report["float_perplexity"].items())
+    texts = "; ".join(f"{e['source']}, {e['windows']} windows x {e['seqlen']} tokens" for e in report["eval"])
     lines = [
         f"# Accuracy on {report['model']} ({report['date']})",
         "",
-        f"Float baseline perplexity {base:.3f} ({report['baseline_note']}). Evaluation: {report['eval']['source']}, "
-        f"{report['eval']['windows']} windows x {report['eval']['seqlen']} tokens. Calibration: per row.",
+        f"Float baseline perplexity {floats} ({report['baseline_note']}). Evaluation: {texts}. Calibration: per row.",
         "",
-        "| method | bits | group | sym | ppl | Δppl | KL | top-1 | calibration | quantize s | device |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | bits | group | sym | eval | ppl | Δppl | KL | top-1 | calibration | quantize s | device |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         lines.append(
-            f"| {method_cell(r)} | {r['bits']} | {r['group_size']} | {r['sym']} | {r['perplexity']:.3f} | "
-            f"{r['perplexity'] - base:+.3f} | {r['kl']:.4f} | {r['top1']:.3f} | {r.get('calibration') or '-'} | "
+            f"| {method_cell(r)} | {r['bits']} | {r['group_size']} | {r['sym']} | {r['eval']} | "
+            f"{r['perplexity']:.3f} | {r['perplexity'] - r['float_perplexity']:+.3f} | {r['kl']:.4f} | "
+            f"{r['top1']:.3f} | {r.get('calibration') or '-'} | "
             f"{r['quantize_seconds']} | {r.get('device', 'cpu')} |"
         )
     return "\n".join(lines) + "\n"

@@ -15,7 +15,7 @@ JOBS = Path(accuracy.__file__).with_name("accuracy_jobs.yaml")
 
 def test_shipped_jobs_build_their_recipes():
     jobs = accuracy.read_jobs(JOBS)
-    assert [j["name"] for j in jobs] == ["rtn", "calibrated", "draw-1", "draw-2"]
+    assert [j["name"] for j in jobs][:4] == ["rtn", "calibrated", "draw-1", "draw-2"]
     for job in jobs:
         for method in job["methods"]:
             for bits in job["bits"]:
@@ -63,3 +63,7 @@ def test_jobs_run_and_later_runs_keep_earlier_rows(tmp_path, monkeypatch):
     assert [(r["method"], r["bits"], r["sym"]) for r in rows] == [("rtn", 4, False), ("rtn", 3, False),
                                                                    ("rtn (sym)", 4, True)]  # fmt: skip
     assert "| rtn (sym) | 4 | 32 | True |" in out.with_suffix(".md").read_text()
+    two = tmp_path / "two.json"
+    accuracy.main([*common[:-1], str(two), "--only", "plain", "--eval", "moby-dick", "brown"])
+    rows = json.loads(two.read_text())["rows"]
+    assert [(r["bits"], r["eval"]) for r in rows] == [(4, "moby-dick"), (4, "brown"), (3, "moby-dick"), (3, "brown")]
