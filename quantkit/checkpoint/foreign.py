@@ -74,20 +74,9 @@ def import_checkpoint(src: str | os.PathLike, out: str | os.PathLike, overwrite:
     if method not in IMPORT_METHODS:
         raise QuantkitError(f"cannot import {method!r} checkpoints (quantkit imports {', '.join(IMPORT_METHODS)})")
     check_apart(check_output(out, overwrite), folder)  # refuse a bad output before the work
-    skeleton = model_skeleton(config)
-    arch = arch_for(skeleton)
-    tensors = read_tensors(folder)
-    linears = set(linear_names(skeleton))
-    change = [0.0]
-    convert = {"gptq": _from_gptq, "awq": _from_awq, "compressed-tensors": _from_compressed_tensors}[method]
-    try:
-        schemes = convert(tensors, qc, linears, change)
-    except (KeyError, IndexError, ValueError, RuntimeError, TypeError, AttributeError) as exc:  # malformed input
-        raise QuantkitError(f"malformed {method} checkpoint {folder}: {type(exc).__name__}: {one_line(exc)}") from None
-    if not schemes:
-        raise QuantkitError(f"{folder}: no quantized linear found in its tensors")
-    swap_in_quantized_modules(skeleton, schemes, split_experts=False)  # what a load will build: shapes must agree
+    skeleton, schemes, tensors, change = convert_foreign(folder, config, qc, read_tensors(folder))
     check_shapes(folder, skeleton, {key: tuple(t.shape) for key, t in tensors.items()})
+    arch = arch_for(skeleton)
     by_name = {s.name: s for s in schemes.values()}
     layouts = {name: layout_of(s) for name, s in by_name.items()}
     new_qc = {
@@ -107,6 +96,27 @@ def import_checkpoint(src: str | os.PathLike, out: str | os.PathLike, overwrite:
     }
     path = write_converted(folder, out, overwrite, config, new_qc, tensors)
     return Imported(path, method, len(schemes), change[0])
+
+
+def convert_foreign(folder: Path, config: dict, qc: dict, tensors: dict[str, torch.Tensor]):
+    """(skeleton, schemes, tensors, scale change) of another tool's checkpoint: ``tensors`` (its stored tensors,
+    rewritten in place) in quantkit's layouts, the scheme of each quantized linear, and the meta-device model a
+    load builds for them; what cannot be read exactly is a QuantkitError. Shared by import and ``quantkit verify``."""
+    method = qc.get("quant_method")
+    if method not in IMPORT_METHODS:
+        raise QuantkitError(f"cannot read {method!r} checkpoints (quantkit reads {', '.join(IMPORT_METHODS)})")
+    skeleton = model_skeleton(config)
+    linears = set(linear_names(skeleton))
+    change = [0.0]
+    convert = {"gptq": _from_gptq, "awq": _from_awq, "compressed-tensors": _from_compressed_tensors}[method]
+    try:
+        schemes = convert(tensors, qc, linears, change)
+    except (KeyError, IndexError, ValueError, RuntimeError, TypeError, AttributeError) as exc:  # malformed input
+        raise QuantkitError(f"malformed {method} checkpoint {folder}: {type(exc).__name__}: {one_line(exc)}") from None
+    if not schemes:
+        raise QuantkitError(f"{folder}: no quantized linear found in its tensors")
+    swap_in_quantized_modules(skeleton, schemes, split_experts=False)  # what a load will build: shapes must agree
+    return skeleton, schemes, tensors, change
 
 
 def _check_linear(name: str, linears: set[str]) -> None:
@@ -294,6 +304,8 @@ def _ct_weight_only(tensors, name: str, weights: dict, change) -> QuantScheme:
         zeros = unpack_rows(_pad_words(zp, b, n, dim=0), b, n).to(torch.int64)  # [N, n_g]
     else:  # one signed zero point per element
         zeros = zp.reshape(n, -1).to(torch.int64) + 2 ** (b - 1)
+    if zeros.numel() and (int(zeros.min()) < 0 or int(zeros.max()) >= 2**b):
+        raise QuantkitError(f"{name}: weight_zero_point outside the {b}-bit range")
     if scheme.sym and not bool((zeros == 2 ** (b - 1)).all()):
         scheme = QuantScheme(bits=b, group_size=scheme.group_size, sym=False)
     g_idx = layer.get("weight_g_idx")

@@ -24,6 +24,7 @@ __all__ = [  # progress_bar lived here before cli/progress.py; examples import i
     "progress_bar",
     "quantize_command",
     "resolve_recipe",
+    "verify_command",
 ]
 
 
@@ -398,3 +399,25 @@ def import_command(folder: Path, out: Path, overwrite: bool) -> None:
     if done.scale_change:
         note = f"; scales stored as fp16 moved by up to {done.scale_change:.2e} (relative)"
     stdout.print(f"wrote {done.path} (from {done.method}, {done.modules} quantized linears{note})")
+
+
+@click.command("verify", cls=QuantkitCommand)
+@click.argument("folder", type=click.Path(path_type=Path))
+@click.option("--baseline", default=None, help="Float model to compare with on a few windows (KL, top-1 agreement).")
+@click.option("--max-kl", type=float, default=0.5, show_default=True, help="With --baseline: largest mean KL (nats).")
+@click.option("--min-top1", type=float, default=0.75, show_default=True, help="With --baseline: least top-1 agreement.")
+@click.option("--windows", type=click.IntRange(min=1), default=4, show_default=True, help="With --baseline.")
+@click.option("--seqlen", type=click.IntRange(min=2), default=256, show_default=True, help="With --baseline.")
+@click.option("--device", default=None, help="With --baseline: where both models run (default: cuda if available).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of the one-line verdict.")
+def verify_command(folder, baseline, max_kl, min_top1, windows, seqlen, device, as_json) -> None:
+    """Check that a quantkit, GPTQ, AWQ or compressed-tensors checkpoint holds what its config says (exit 0: it
+    passes, 1: a check fails, 2: it cannot be verified)."""
+    from quantkit.checkpoint.verify import verify_checkpoint
+
+    device = device_name(device) if baseline else "cpu"
+    verdict = verify_checkpoint(folder, baseline, windows=windows, seqlen=seqlen, max_kl=max_kl, min_top1=min_top1,
+                                device=device)  # fmt: skip
+    click.echo(json.dumps(verdict.to_dict(), indent=2) if as_json else verdict.line())
+    if not verdict.ok:
+        raise SystemExit(1)

@@ -13,7 +13,14 @@ import click
 from rich.logging import RichHandler
 
 from quantkit.cli.base import QuantkitGroup, stderr
-from quantkit.cli.commands import eval_command, export_command, import_command, inspect_command, quantize_command
+from quantkit.cli.commands import (
+    eval_command,
+    export_command,
+    import_command,
+    inspect_command,
+    quantize_command,
+    verify_command,
+)
 from quantkit.cli.serve import bench_serve_command, generate_command
 
 
@@ -48,6 +55,7 @@ for command in (
     inspect_command,
     export_command,
     import_command,
+    verify_command,
     generate_command,
     bench_serve_command,
 ):
