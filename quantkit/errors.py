@@ -10,6 +10,13 @@ class QuantkitError(Exception):
     """Bad input: the message alone tells the user what to fix."""
 
 
+class GateFailedError(QuantkitError):
+    """The quantized model missed its recipe's quality gate; the checkpoint was written beside its destination, as
+    ``OUT.rejected``, with the measured figures. The CLI exits with status 3."""
+
+    exit_code = 3
+
+
 class UnsupportedCheckpointError(QuantkitError):
     """A well-formed checkpoint that the installed readers cannot load (a library's limit, not a damaged file);
     the message names the way round it."""

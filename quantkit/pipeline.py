@@ -17,7 +17,7 @@ from quantkit.errors import QuantkitError
 from quantkit.models import offload
 from quantkit.models.arch import arch_for, position_limit
 from quantkit.models.experts import split_all_fused_experts
-from quantkit.recipe import Recipe, load_recipe
+from quantkit.recipe import Gate, Recipe, load_recipe
 from quantkit.stages import build_stage
 
 
@@ -32,6 +32,7 @@ class QuantizeResult:
     peak_device_bytes: int | None = None
     device: str = "cpu"
     source_model: str | None = None  # where the float model came from (set by the caller, recorded on save)
+    gate: dict | None = None  # the recipe's quality gate: passed, failures, and the figures measured
 
 
 def recipe_windows(recipe: Recipe, model: nn.Module, tokenizer) -> tuple[torch.Tensor, dict]:
@@ -43,6 +44,33 @@ def recipe_windows(recipe: Recipe, model: nn.Module, tokenizer) -> tuple[torch.T
     return calibration_windows(
         tokenizer, c.source, c.nsamples, c.seqlen, c.seed, bos=c.bos, chat_template=c.chat_template
     )
+
+
+def gate_reference(gate: Gate, model: nn.Module, tokenizer) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(windows, the float model's next-token log-probs on each): what :func:`check_gate` compares with, taken
+    before the model is quantized in place."""
+    from quantkit.calib.data import evaluation_windows
+    from quantkit.eval.perplexity import window_log_probs
+
+    if tokenizer is None:
+        raise QuantkitError("the recipe's gate needs a tokenizer (pass tokenizer=...)")
+    checks.tokenizer(tokenizer)
+    check_window_length(gate.seqlen, model)
+    windows, _ = evaluation_windows(tokenizer, gate.source, gate.seqlen, gate.windows)
+    with torch.no_grad():
+        return windows, [window_log_probs(model, ids) for ids in windows]
+
+
+def check_gate(gate: Gate, model: nn.Module, windows: torch.Tensor, reference: list[torch.Tensor]) -> dict:
+    """The gate's verdict on the quantized ``model``: passed, the bounds it broke, and the figures measured."""
+    from quantkit.eval.perplexity import evaluate_windows
+
+    r = evaluate_windows(model, windows, reference)
+    figures = {"kl": r.kl, "top1_agreement": r.top1_agreement, "perplexity": r.perplexity,
+               "baseline_perplexity": r.baseline_perplexity, "ppl_increase": r.perplexity / r.baseline_perplexity - 1,
+               "tokens": r.tokens}  # fmt: skip
+    failures = gate.failures(figures)
+    return {"passed": not failures, "failures": failures, **figures, "gate": gate.to_dict()}
 
 
 def prepare_model(model: nn.Module) -> None:
@@ -107,6 +135,10 @@ def quantize(
     model itself stays where it is. A model dispatched by accelerate with offloaded layers (``load_model(...,
     offload=True)``, or a ``device_map`` with "disk") loses its hooks: each layer is read in when its turn comes
     and stays in host memory, quantized.
+
+    A recipe with a ``gate`` needs ``tokenizer``: the float model's next-token distributions on the gate's windows
+    are taken first, and the quantized model's figures against them end up in ``result.gate``; ``save_quantized``
+    writes a checkpoint that missed its gate to ``OUT.rejected`` and raises :class:`GateFailedError`.
     """
     if not isinstance(model, nn.Module):
         raise QuantkitError(f"quantize needs a torch.nn.Module (quantkit.load_model), got {type(model).__name__}")
@@ -127,6 +159,8 @@ def quantize(
         if fingerprint is None:
             fingerprint = {"source": "tensor", "nsamples": calib.shape[0], "seqlen": calib.shape[1]}
         batches = list(calib.split(recipe.calibration.batch_size))
+    if recipe.gate is not None:  # the float model's figures, before it changes
+        gate_windows, reference = gate_reference(recipe.gate, model, tokenizer)
     offload.take_over(model, model.get_submodule(arch.layers))  # accelerate's offload, if any: layers load one by one
     stages = [build_stage(s) for s in recipe.stages]
     if device.type == "cuda":
@@ -153,5 +187,7 @@ def quantize(
         result.peak_device_bytes = torch.cuda.max_memory_allocated(device)
     if not layers:
         raise QuantkitError("the recipe selected no linear layer to quantize (check targets / ignore)")
+    if recipe.gate is not None:
+        result.gate = check_gate(recipe.gate, model, gate_windows, reference)
     model.quantkit = result
     return result

@@ -34,6 +34,7 @@ from quantkit.stages.spec import Override, Stage, check_keys, check_selector, se
 __all__ = [
     "RECIPE_VERSION",
     "CalibrationConfig",
+    "Gate",
     "Override",
     "Recipe",
     "Stage",
@@ -105,6 +106,54 @@ class CalibrationConfig:
 
 
 @dataclass(frozen=True)
+class Gate:
+    """A quality gate checked at the end of ``quantize``: the quantized model against the float model on the first
+    ``windows`` windows of ``seqlen`` tokens of ``source`` (held out: use a text other than the calibration's).
+    ``max_kl``: largest mean KL (nats per token); ``max_ppl_increase``: largest relative rise of perplexity (0.05:
+    5%); ``min_top1``: least top-1 agreement. A bound left out is not checked; at least one is needed."""
+
+    max_kl: float | None = None
+    max_ppl_increase: float | None = None
+    min_top1: float | None = None
+    source: str = "moby-dick"
+    windows: int = 4
+    seqlen: int = 256
+
+    def __post_init__(self) -> None:
+        bounds = ("max_kl", "max_ppl_increase", "min_top1")
+        for name in bounds:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value < 0):
+                raise QuantkitError(f"gate {name} must be a number >= 0, got {value!r}")
+        if all(getattr(self, name) is None for name in bounds):
+            raise QuantkitError(f"a gate needs at least one of {', '.join(bounds)}")
+        if not isinstance(self.source, str):
+            raise QuantkitError(f"gate source must be a string, got {self.source!r}")
+        for name, low in (("windows", 1), ("seqlen", 2)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise QuantkitError(f"gate {name} must be an integer >= {low}, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict | None, where: str = "gate") -> Gate:
+        return cls(**check_keys(data, cls, where))
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def failures(self, figures: dict) -> list[str]:
+        """What ``figures`` (kl, top1_agreement, ppl_increase) break, one phrase each."""
+        out = []
+        if self.max_kl is not None and figures["kl"] > self.max_kl:
+            out.append(f"KL {figures['kl']:.4g} > {self.max_kl}")
+        if self.max_ppl_increase is not None and figures["ppl_increase"] > self.max_ppl_increase:
+            out.append(f"perplexity +{figures['ppl_increase']:.2%} > +{self.max_ppl_increase:.2%}")
+        if self.min_top1 is not None and figures["top1_agreement"] < self.min_top1:
+            out.append(f"top-1 agreement {figures['top1_agreement']:.3f} < {self.min_top1}")
+        return out
+
+
+@dataclass(frozen=True)
 class Recipe:
     stages: tuple[Stage, ...]
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
@@ -112,6 +161,7 @@ class Recipe:
     description: str = ""
     version: int = RECIPE_VERSION
     scheme: dict | None = None  # the default stage scheme as written (kept for round trips)
+    gate: Gate | None = None  # checked at the end of quantize
 
     def __post_init__(self) -> None:
         if not isinstance(self.stages, tuple | list) or not all(isinstance(s, Stage) for s in self.stages):
@@ -124,6 +174,8 @@ class Recipe:
         if not isinstance(self.calibration, CalibrationConfig):
             got = type(self.calibration).__name__
             raise QuantkitError(f"Recipe(calibration=...) takes a CalibrationConfig, got {got}")
+        if self.gate is not None and not isinstance(self.gate, Gate):
+            raise QuantkitError(f"Recipe(gate=...) takes a Gate, got {type(self.gate).__name__}")
         object.__setattr__(self, "stages", tuple(self.stages))
 
     @property
@@ -181,6 +233,7 @@ class Recipe:
             description=str(data.get("description", "")),
             version=version,
             scheme=default_scheme,
+            gate=Gate.from_dict(data["gate"], f"{where}.gate") if data.get("gate") is not None else None,
         )
 
     def to_dict(self) -> dict:
@@ -189,6 +242,8 @@ class Recipe:
             out["description"] = self.description
         out["calibration"] = self.calibration.to_dict()
         out["stages"] = [s.to_dict() for s in self.stages]
+        if self.gate is not None:
+            out["gate"] = self.gate.to_dict()
         return out
 
     def to_yaml(self) -> str:
@@ -207,7 +262,7 @@ class Recipe:
         calib = self.calibration
         if calibration:
             calib = CalibrationConfig.from_dict({**calib.to_dict(), **calibration})
-        return Recipe(tuple(stages), calib, self.name, self.description, self.version, self.scheme)
+        return Recipe(tuple(stages), calib, self.name, self.description, self.version, self.scheme, self.gate)
 
 
 def _str_list(value: Any, where: str) -> list[str]:

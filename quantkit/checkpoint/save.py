@@ -19,7 +19,7 @@ from quantkit._version import __version__
 from quantkit.checkpoint.config import FORMAT_VERSION, QUANT_METHOD, layout_of
 from quantkit.checkpoint.smoothing import outlier_markdown, outlier_rows
 from quantkit.checks import flag, integer
-from quantkit.errors import QuantkitError
+from quantkit.errors import GateFailedError, QuantkitError
 from quantkit.nn.factory import quantized_modules
 from quantkit.quant.packing import LAYOUT_VERSIONS
 
@@ -213,7 +213,8 @@ def save_quantized(
 
     The folder appears atomically: everything is written next to it and renamed into place; an existing path is
     refused unless ``overwrite`` and it is an empty folder or a quantkit checkpoint (``check_output``). A failure
-    leaves nothing behind, the parent folders it created included.
+    leaves nothing behind, the parent folders it created included. A model that missed its recipe's quality gate is
+    written to ``OUT.rejected`` instead (replacing an earlier one), and :class:`GateFailedError` names the figures.
     """
     if not isinstance(model, nn.Module):
         raise QuantkitError(f"save_quantized needs the quantized torch.nn.Module, got {type(model).__name__}")
@@ -221,6 +222,10 @@ def save_quantized(
     checks.tokenizer(tokenizer, needs="save_pretrained")
     out = check_output(out_dir, overwrite)
     qc = quantization_config(model)
+    gate = model.quantkit.gate
+    rejected = gate is not None and not gate["passed"]
+    if rejected:  # never at the destination, where a pipeline would ship it
+        out = check_output(out.with_name(out.name + ".rejected"), overwrite=True)
     with atomic_folder(out) as tmp:
         config = model.config.to_dict()
         config["quantization_config"] = qc
@@ -238,8 +243,12 @@ def save_quantized(
             "peak_device_bytes": result.peak_device_bytes,
             "layers": result.layers,
         }
+        if result.gate is not None:
+            report["gate"] = result.gate
         (tmp / "quant_report.json").write_text(json.dumps(report, indent=1) + "\n")
         smoothing = outlier_rows(result.layers)
         if smoothing:  # what smoothing did to the activation outliers, readable without tools
             (tmp / "smoothing.md").write_text(SMOOTHING_HEADER + outlier_markdown(smoothing))
+    if rejected:
+        raise GateFailedError(f"quality gate failed ({'; '.join(gate['failures'])}): the checkpoint is at {out}")
     return out

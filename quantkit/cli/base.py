@@ -47,7 +47,7 @@ class QuantkitGroup(click.Group):
             return super().invoke(ctx)
         except QuantkitError as exc:
             click.echo(f"quantkit: error: {exc}", err=True)
-            sys.exit(2)
+            sys.exit(getattr(exc, "exit_code", 2))  # 3: a quality gate failed (GateFailedError)
 
 
 class QuantkitCommand(click.Command):

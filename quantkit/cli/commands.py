@@ -209,10 +209,16 @@ def quantize_command(model, method, recipe_spec, out, device, dtype, offload, ov
             recipe,
             calib,
             fingerprint=fingerprint,
+            tokenizer=tokenizer,
             device=device,
             progress=lambda done, total, note: bar.update(task, completed=done, note=note),
         )
     float_model.quantkit.source_model = str(folder)
+    if result.gate is not None:
+        g = result.gate
+        verdict = "passed" if g["passed"] else "FAILED"
+        stdout.print(f"gate: {verdict} (KL {g['kl']:.4f}, top-1 {g['top1_agreement']:.3f}, perplexity "
+                     f"{g['ppl_increase']:+.2%} on {g['tokens']} tokens)")  # fmt: skip
     path = quantkit.save_quantized(float_model, out, tokenizer=tokenizer, overwrite=overwrite)
     stdout.print(
         f"[green]saved[/] {path}  ({len(result.layers)} linears quantized in {result.seconds:.1f}s, "
