@@ -33,6 +33,7 @@ class QuantizeResult:
     device: str = "cpu"
     source_model: str | None = None  # where the float model came from (set by the caller, recorded on save)
     gate: dict | None = None  # the recipe's quality gate: passed, failures, and the figures measured
+    state: object | None = field(default=None, repr=False)  # the run's resume state (quantkit.resume.RunState)
 
 
 def recipe_windows(recipe: Recipe, model: nn.Module, tokenizer) -> tuple[torch.Tensor, dict]:
@@ -125,6 +126,8 @@ def quantize(
     device: str | torch.device | None = None,
     progress=None,
     fingerprint: dict | None = None,
+    state_dir: str | Path | None = None,
+    resume: bool = False,
 ) -> QuantizeResult:
     """Quantize ``model`` in place following ``recipe`` (a Recipe, a mapping shaped like a recipe's YAML, a YAML
     file or a shipped recipe's name); returns what was done.
@@ -139,6 +142,10 @@ def quantize(
     A recipe with a ``gate`` needs ``tokenizer``: the float model's next-token distributions on the gate's windows
     are taken first, and the quantized model's figures against them end up in ``result.gate``; ``save_quantized``
     writes a checkpoint that missed its gate to ``OUT.rejected`` and raises :class:`GateFailedError`.
+
+    ``state_dir``: persist after every decoder layer what the run needs to go on (:mod:`quantkit.resume`); with
+    ``resume``, continue from the state there when its fingerprint matches this run (refused when it does not).
+    ``save_quantized`` deletes the state once the checkpoint is written.
     """
     if not isinstance(model, nn.Module):
         raise QuantkitError(f"quantize needs a torch.nn.Module (quantkit.load_model), got {type(model).__name__}")
@@ -162,6 +169,13 @@ def quantize(
     if recipe.gate is not None:  # the float model's figures, before it changes
         gate_windows, reference = gate_reference(recipe.gate, model, tokenizer)
     offload.take_over(model, model.get_submodule(arch.layers))  # accelerate's offload, if any: layers load one by one
+    state = None
+    if state_dir is not None:
+        from quantkit.resume import RunState, run_fingerprint
+
+        key = run_fingerprint(model, recipe, calib if batches else None, fingerprint if batches else None, device)
+        state = RunState.open(state_dir, key, resume)
+        state.restore(model.get_submodule(arch.layers), lambda layer: prepare_layer(model, arch, layer))
     stages = [build_stage(s) for s in recipe.stages]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -177,7 +191,7 @@ def quantize(
 
     try:
         with torch.no_grad():
-            layers = run_layerwise(model, arch, batches, device, on_layer, progress, prepare=prepare)
+            layers = run_layerwise(model, arch, batches, device, on_layer, progress, prepare=prepare, state=state)
     finally:
         offload.finish(model)
     result = QuantizeResult(
@@ -185,6 +199,7 @@ def quantize(
     )
     if device.type == "cuda":
         result.peak_device_bytes = torch.cuda.max_memory_allocated(device)
+    result.state = state
     if not layers:
         raise QuantkitError("the recipe selected no linear layer to quantize (check targets / ignore)")
     if recipe.gate is not None:

@@ -4,6 +4,7 @@ plan, determinism, and faults injected while writing (one line each, nothing hal
 import json
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 
@@ -76,3 +77,102 @@ def test_cli_exits_3_on_a_failing_gate(tmp_path, tiny_dir):
 def test_bad_gates_are_refused_when_the_recipe_is_read(gate, fragment):
     with pytest.raises(QuantkitError, match=fragment):
         quantkit.Recipe.from_dict({"scheme": W8, "stages": [{"method": "rtn"}], "gate": gate})
+
+
+# -- resume -------------------------------------------------------------------------------------------------------
+
+CALIB = torch.randint(3, 320, (8, 32), generator=torch.Generator().manual_seed(1))
+W4 = {"bits": 4, "group_size": 32, "sym": False}
+METHODS = {
+    "rtn": [{"method": "rtn"}],
+    "gptq": [{"method": "gptq"}],
+    "awq": [{"method": "awq", "params": {"grid": 4, "refine_steps": 5}}, {"method": "rtn"}],
+}
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_after(k):
+    def progress(done, total, note):
+        if done == k:  # called once layer k-1's state is saved
+            raise Crash
+
+    return progress
+
+
+def recipe_of(method, **scheme):
+    return {"scheme": {**W4, **scheme}, "stages": METHODS[method], "calibration": {"batch_size": 4}}
+
+
+def same_bytes(a, b, names=("model.safetensors", "config.json", "recipe.yaml")):
+    return all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
+
+
+@pytest.mark.parametrize("arch, method", [("llama", "rtn"), ("llama", "gptq"), ("llama", "awq"), ("mixtral", "gptq")])
+def test_resume_after_a_crash_writes_the_same_bytes(tmp_path, tokenizer, arch, method):
+    model = tiny_model(arch)
+    quantkit.quantize(model, recipe_of(method), CALIB)
+    whole = quantkit.save_quantized(model, tmp_path / "whole", tokenizer=tokenizer)
+    state = tmp_path / "state"
+    with pytest.raises(Crash):
+        quantkit.quantize(tiny_model(arch), recipe_of(method), CALIB, state_dir=state, progress=crash_after(1))
+    assert json.loads((state / "state.json").read_text())["done"] == 1
+    model = tiny_model(arch)
+    result = quantkit.quantize(model, recipe_of(method), CALIB, state_dir=state, resume=True)
+    assert result.state.resumed == 1 and set(result.layers) == set(model.quantkit.layers)
+    resumed = quantkit.save_quantized(model, tmp_path / "resumed", tokenizer=tokenizer)
+    assert same_bytes(whole, resumed)
+    assert not state.exists()  # the checkpoint is written: nothing left to resume
+
+
+def test_resume_refuses_a_changed_recipe_or_calibration(tmp_path):
+    state = tmp_path / "state"
+    with pytest.raises(Crash):
+        quantkit.quantize(tiny_model("llama"), recipe_of("gptq"), CALIB, state_dir=state, progress=crash_after(1))
+    with pytest.raises(QuantkitError, match=r"cannot resume from .*: the recipe differs from the interrupted run's"):
+        quantkit.quantize(tiny_model("llama"), recipe_of("gptq", bits=8), CALIB, state_dir=state, resume=True)
+    with pytest.raises(QuantkitError, match=r"the calibration data differs"):
+        quantkit.quantize(tiny_model("llama"), recipe_of("gptq"), CALIB.flip(0), state_dir=state, resume=True)
+    with pytest.raises(QuantkitError, match=r"the model differs"):
+        quantkit.quantize(tiny_model("llama", seed=1), recipe_of("gptq"), CALIB, state_dir=state, resume=True)
+    assert json.loads((state / "state.json").read_text())["done"] == 1  # a refusal leaves the state as it was
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(QuantkitError, match="not a resume state folder"):
+        quantkit.quantize(tiny_model("llama"), recipe_of("rtn"), state_dir=tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+
+KILL_AFTER_FIRST_LAYER = """
+import os, signal, sys
+import quantkit.calib.runner as runner
+def killed():  # the runner calls this right after a layer's state is saved
+    os.kill(os.getpid(), signal.SIGKILL)
+runner.release_host_memory = killed
+from quantkit.cli.main import main
+sys.argv = ["quantkit", *sys.argv[1:]]
+main()
+"""
+
+
+def test_cli_resume_after_sigkill(tmp_path, tiny_dir):
+    import subprocess
+    import sys
+
+    args = ["quantize", "--model", str(tiny_dir), "--method", "gptq", "--bits", "4", "--group-size", "32",
+            "--nsamples", "8", "--seqlen", "32"]  # fmt: skip
+    assert run(*args, "--out", tmp_path / "whole", "--no-resume-state").exit_code == 0
+    assert not (tmp_path / ".whole.resume").exists()
+    out = tmp_path / "q"
+    killed = subprocess.run([sys.executable, "-c", KILL_AFTER_FIRST_LAYER, *args, "--out", str(out)],
+                            capture_output=True, text=True)  # fmt: skip
+    assert killed.returncode == -9, killed.stderr
+    assert not out.exists() and json.loads((tmp_path / ".q.resume" / "state.json").read_text())["done"] == 1
+    r = run(*args, "--out", out, "--resume")
+    assert r.exit_code == 0, r.output
+    assert "resumed: 1 of 2 layers restored" in r.stdout
+    assert same_bytes(tmp_path / "whole", out) and not (tmp_path / ".q.resume").exists()
+    bad = run(*args, "--out", tmp_path / "other", "--resume", "--no-resume-state")
+    assert bad.exit_code == 2 and "--no-resume-state turns off" in bad.stderr

@@ -256,12 +256,16 @@ def run_layerwise(
     on_layer,
     progress=None,
     prepare=None,
+    state=None,
 ) -> dict[str, dict]:
     """Call ``on_layer(ctx)`` for every decoder layer in order; return the merged per-linear report.
 
     ``batches`` are input-id tensors [b, L]; ``None`` runs without calibration data (e.g. RTN).
-    ``progress`` is an optional callable ``(done, total, description)``. ``prepare(layer)`` runs on each layer
-    where it lives, before it moves to ``device`` (the pipeline reads offloaded layers in there).
+    ``progress`` is an optional callable ``(done, total, description)``, called once a layer is done (and saved).
+    ``prepare(layer)`` runs on each layer where it lives, before it moves to ``device`` (the pipeline reads
+    offloaded layers in there). ``state`` resumes and records the run (:class:`quantkit.resume.RunState`): its first
+    ``state.done`` layers are already quantized, ``state.hidden(device)`` are the next one's inputs,
+    ``state.report`` the report so far, and ``state.save(i, layer, hidden, report)`` runs after every layer.
     """
     layers = decoder_layers(model, arch)
     if batches:
@@ -269,7 +273,13 @@ def run_layerwise(
     else:
         hidden, layer_kwargs = [], [[] for _ in layers]
     report: dict[str, dict] = {}
+    first = 0
+    if state is not None and state.done:
+        first, report = state.done, dict(state.report)
+        hidden = state.hidden(device) if batches else []
     for i, layer in enumerate(layers):
+        if i < first:
+            continue
         if prepare is not None:
             prepare(layer)
         home = next(layer.parameters(), torch.empty(0)).device
@@ -285,6 +295,8 @@ def run_layerwise(
         layer.to(home)
         report.update(ctx.report)
         del ctx  # with it the layer's input hidden states
+        if state is not None:
+            state.save(i, layer, hidden if i + 1 < len(layers) else [], report)
         release_host_memory()  # the layer's float weights and statistics: freed, but kept by the allocator
         if progress is not None:
             progress(i + 1, len(layers), f"layer {i} ({time.perf_counter() - t0:.1f}s)")

@@ -249,6 +249,8 @@ def save_quantized(
         smoothing = outlier_rows(result.layers)
         if smoothing:  # what smoothing did to the activation outliers, readable without tools
             (tmp / "smoothing.md").write_text(SMOOTHING_HEADER + outlier_markdown(smoothing))
+    if result.state is not None:  # the run is complete and written: nothing to resume
+        result.state.clear()
     if rejected:
         raise GateFailedError(f"quality gate failed ({'; '.join(gate['failures'])}): the checkpoint is at {out}")
     return out

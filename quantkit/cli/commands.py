@@ -14,7 +14,7 @@ from rich.table import Table
 from quantkit.checkpoint.load import load_any
 from quantkit.cli.base import DTYPES, QuantkitCommand, device_name, stderr, stdout, torch_dtype
 from quantkit.cli.progress import progress_bar
-from quantkit.errors import QuantkitError
+from quantkit.errors import GateFailedError, QuantkitError
 
 __all__ = [  # progress_bar lived here before cli/progress.py; examples import it from here
     "eval_command",
@@ -178,13 +178,20 @@ def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out:
     help="Read each decoder layer from the model's files only when its turn comes (default: on for safetensors).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
-def quantize_command(model, method, recipe_spec, out, device, dtype, offload, overwrite, **flags) -> None:
+@click.option("--resume", is_flag=True, help="Continue an interrupted run from its last complete layer.")
+@click.option("--no-resume-state", is_flag=True, help="Do not save resume state (beside --out) after each layer.")
+def quantize_command(
+    model, method, recipe_spec, out, device, dtype, offload, overwrite, resume, no_resume_state, **flags
+) -> None:
     """Quantize a model and save a self-describing checkpoint."""
     import quantkit
     from quantkit.checkpoint.save import check_apart, check_output
     from quantkit.pipeline import recipe_windows
 
     out = check_output(out, overwrite)  # before any work: a bad output path fails first
+    if resume and no_resume_state:
+        raise QuantkitError("--resume continues from the resume state that --no-resume-state turns off")
+    state_dir = None if no_resume_state else out.with_name(f".{out.name}.resume")
     device = device_name(device)
     dtype = torch_dtype(dtype, device)
     recipe = resolve_recipe(method, recipe_spec, flags)
@@ -211,15 +218,28 @@ def quantize_command(model, method, recipe_spec, out, device, dtype, offload, ov
             fingerprint=fingerprint,
             tokenizer=tokenizer,
             device=device,
+            state_dir=state_dir,
+            resume=resume,
             progress=lambda done, total, note: bar.update(task, completed=done, note=note),
         )
     float_model.quantkit.source_model = str(folder)
+    state = result.state
+    if state is not None and state.resumed:
+        stdout.print(f"resumed: {state.resumed} of {n_layers} layers restored from {state.folder}")
+    if state is not None and state.saves:
+        stdout.print(f"resume state: {state.bytes_written / state.saves / 2**20:.1f} MiB and "
+                     f"{state.seconds / state.saves:.2f}s a layer")  # fmt: skip
     if result.gate is not None:
         g = result.gate
         verdict = "passed" if g["passed"] else "FAILED"
         stdout.print(f"gate: {verdict} (KL {g['kl']:.4f}, top-1 {g['top1_agreement']:.3f}, perplexity "
                      f"{g['ppl_increase']:+.2%} on {g['tokens']} tokens)")  # fmt: skip
-    path = quantkit.save_quantized(float_model, out, tokenizer=tokenizer, overwrite=overwrite)
+    try:
+        path = quantkit.save_quantized(float_model, out, tokenizer=tokenizer, overwrite=overwrite)
+    except QuantkitError as exc:
+        if state is None or isinstance(exc, GateFailedError):
+            raise
+        raise QuantkitError(f"{exc} (the quantized layers stay in {state.folder}: rerun with --resume)") from None
     stdout.print(
         f"[green]saved[/] {path}  ({len(result.layers)} linears quantized in {result.seconds:.1f}s, "
         f"total {time.perf_counter() - t0:.1f}s)"
