@@ -176,3 +176,65 @@ def test_cli_resume_after_sigkill(tmp_path, tiny_dir):
     assert same_bytes(tmp_path / "whole", out) and not (tmp_path / ".q.resume").exists()
     bad = run(*args, "--out", tmp_path / "other", "--resume", "--no-resume-state")
     assert bad.exit_code == 2 and "--no-resume-state turns off" in bad.stderr
+
+
+# -- preflight plan -----------------------------------------------------------------------------------------------
+
+OVERRIDDEN = {"scheme": W4, "stages": [{"method": "gptq", "overrides": [{"match": "re:.*1\\.mlp\\.down_proj",
+                                                                          "scheme": {"bits": 8}}]}],
+              "calibration": {"nsamples": 8, "seqlen": 32}}  # fmt: skip
+
+
+def test_dry_run_prints_the_plan_without_reading_weights(tmp_path, tiny_dir):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_dir, folder)
+    (folder / "model.safetensors").write_bytes(b"not read")  # a dry run never opens the weights
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(OVERRIDDEN))
+    r = run("quantize", "--model", folder, "--recipe", recipe, "--out", tmp_path / "q", "--dry-run")
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[0].endswith("(llama), 2 decoder layers, processed on cpu")
+    assert "  self_attn.q_proj [64 x 64]: gptq w4a16-g32-asym (layers 0-1)" in lines
+    assert "  mlp.down_proj [64 x 96]: gptq w4a16-g32-asym (layers 0)" in lines
+    assert "  mlp.down_proj [64 x 96]: gptq w8a16-g32-asym (layers 1)" in lines
+    assert lines[-3].startswith("memory: host ~") and lines[-2].startswith("disk: output ~")
+    assert lines[-1].startswith("time: ~")
+    assert not list(tmp_path.glob("*q*"))  # no output, no resume state
+
+
+def test_the_plan_estimates_the_checkpoint_size(tmp_path, tiny_dir, tokenizer):
+    from quantkit.checkpoint.inspect import inspect_checkpoint
+    from quantkit.plan import make_plan
+
+    recipe = quantkit.Recipe.from_dict(OVERRIDDEN)
+    plan = make_plan(tiny_dir, recipe, "cpu", torch.float32, offload=True, resume_state=True)
+    model = tiny_model("llama")
+    quantkit.quantize(model, recipe, CALIB)
+    out = quantkit.save_quantized(model, tmp_path / "q", tokenizer=tokenizer)
+    stored = inspect_checkpoint(out)["totals"]["file_bytes"]  # the tensors' bytes
+    assert plan.output_bytes == stored
+    hidden = 8 * 32 * 64 * 4  # nsamples x seqlen x hidden size, fp32
+    assert 2 * hidden < plan.scratch_bytes < 2 * hidden + plan.output_bytes  # hidden states and quantized layers
+
+
+@pytest.mark.parametrize(
+    "patch, fragment",
+    [("disk", "GiB of disk in"), ("host", "GiB of host memory, 0.0 available")],
+)
+def test_a_run_that_does_not_fit_stops_before_loading(tmp_path, tiny_dir, monkeypatch, patch, fragment):
+    import collections
+
+    from quantkit import plan
+
+    if patch == "disk":
+        usage = collections.namedtuple("usage", "total used free")
+        monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: usage(1, 1, 0))
+    else:
+        monkeypatch.setattr(plan, "_free_host_bytes", lambda: 0)
+    r = run("quantize", "--model", tiny_dir, "--out", tmp_path / "q")
+    assert r.exit_code == 2 and r.stderr.strip().startswith("quantkit: error: needs ~")
+    assert fragment in r.stderr and "quantizing" not in r.stderr
+    assert not list(tmp_path.iterdir())

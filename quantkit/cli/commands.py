@@ -180,8 +180,9 @@ def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out:
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its last complete layer.")
 @click.option("--no-resume-state", is_flag=True, help="Do not save resume state (beside --out) after each layer.")
+@click.option("--dry-run", is_flag=True, help="Print the plan and its estimates, read no weights, write nothing.")
 def quantize_command(
-    model, method, recipe_spec, out, device, dtype, offload, overwrite, resume, no_resume_state, **flags
+    model, method, recipe_spec, out, device, dtype, offload, overwrite, resume, no_resume_state, dry_run, **flags
 ) -> None:
     """Quantize a model and save a self-describing checkpoint."""
     import quantkit
@@ -198,9 +199,17 @@ def quantize_command(
     folder = quantkit.models.loading.resolve_model(model)  # bad input fails here, before any heavy work
     check_apart(out, folder)
     quantkit.models.loading.check_supported(folder)
-    t0 = time.perf_counter()
     if offload is None:
         offload = any(folder.glob("*.safetensors"))
+    from quantkit.plan import check_fits, make_plan, probe_seconds
+
+    plan = make_plan(folder, recipe, device, dtype, offload, resume_state=state_dir is not None)
+    if dry_run:
+        plan.seconds = probe_seconds(folder, recipe, plan, dtype)
+        click.echo("\n".join(plan.lines()))
+        return
+    check_fits(plan, out)  # stop now, not hours later, when the memory or the disk cannot hold the run
+    t0 = time.perf_counter()
     float_model, tokenizer, folder = quantkit.load_model(
         folder, dtype=dtype, offload=offload, scratch_dir=next(p for p in out.parents if p.is_dir())
     )  # converted weights (fused experts) wait beside the output, on the disk the user chose
