@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import sys
 import time
@@ -77,7 +78,7 @@ def prompt_sets(tokenizer, n: int) -> dict[str, list]:
     ]
     return {
         "narrative": [tokenizer(p)["input_ids"] for p in passages(n, 120)],
-        "chat": [chat(q) for q in (QUESTIONS * 2)[:n]],
+        "chat": [chat(q) for q in (QUESTIONS * (n // len(QUESTIONS) + 1))[:n]],
         "grounded": grounded,
     }
 
@@ -116,7 +117,8 @@ def acceptance(args, folder: str, settings: dict) -> dict:
     layers = plain.model.config.num_hidden_layers
     rows, speed = [], []
     for name, spec in proposers(args, layers).items():
-        llm = LLM(folder, **settings, speculative=SpeculativeConfig(**spec, adaptive=False))
+        spec_settings = {**settings, **({"gpu_memory_utilization": 0.65} if "gpu_memory_utilization" in settings else {})}
+        llm = LLM(folder, **spec_settings, speculative=SpeculativeConfig(**spec, adaptive=False))
         for kind, prompts in sets.items():
             for temperature in args.temperatures:
                 params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=0, ignore_eos=True)
@@ -150,6 +152,8 @@ def acceptance(args, folder: str, settings: dict) -> dict:
                         flush=True,
                     )
         del llm
+        gc.collect()
+        torch.cuda.empty_cache()
     return {"acceptance": rows, "speed": speed}
 
 
@@ -254,6 +258,8 @@ def main() -> None:
     out = out_folder(args.out)
     settings = {k: v for k, v in dict(device=args.device, dtype=args.dtype).items() if v is not None}
     device = "cuda" if torch.cuda.is_available() and args.device in (None, "cuda") else "cpu"
+    if device == "cuda" and not args.costs:  # the plain target (0.3 of the card) and a speculative engine share it
+        settings["gpu_memory_utilization"] = 0.3
     result = {"environment": environment(device)}
     if args.costs:
         costs = step_costs(args, settings)

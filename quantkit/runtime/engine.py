@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -245,15 +246,23 @@ class LLM:
                 self._apply_aborts()
 
     def _step(self) -> list[tuple[Sequence, int]]:
-        if self.spec is not None:
+        spec = self.spec
+        if spec is not None and self._pending is None and spec.wants_draft(self.scheduler.running):
             return self._spec_step()
+        start = time.perf_counter()
         launched, self._pending = self._pending, None
         if launched is None:
             launched = self._launch(self.scheduler.schedule())
             self.scheduler.commit(launched.batch)
         usage = self.block_manager.kv_usage()  # after this step's K/V, before the next step allocates
         ahead = None
-        if self.config.async_scheduling and self.scheduler.running:
+        # with speculation configured, a plain step launches the next one ahead only while that one will not draft
+        # (a speculative step needs every token of the step before it)
+        if (
+            self.config.async_scheduling
+            and self.scheduler.running
+            and not (spec is not None and spec.wants_draft(self.scheduler.running))
+        ):
             for seq in launched.seqs:
                 if not seq.is_finished:  # a finished one's row is dropped when the step is read
                     seq.token_ids.append(PLACEHOLDER)
@@ -262,6 +271,9 @@ class LLM:
             if batch.seqs:
                 ahead = self._launch(batch, ({s.seq_id: i for i, s in enumerate(launched.seqs)}, launched.tokens))
         results = self._finish_step(launched, usage)
+        batch = launched.batch
+        if spec is not None and batch.num_tokens == len(batch.seqs) == len(self.scheduler.running):
+            spec.plain_step_done(len(batch.seqs), time.perf_counter() - start)  # a decode of every running sequence
         if ahead is not None:
             self.scheduler.commit(ahead.batch)  # its input tokens are all known now
             if any(not s.is_finished for s in ahead.seqs):

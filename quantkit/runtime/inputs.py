@@ -167,14 +167,15 @@ class StepInputs:
 
     def write_verify(self, batch: ScheduledBatch, rows: int, width: int) -> StepLayout:
         """Pack a step where every sequence verifies drafted tokens for the verify graph of ``rows`` sequences of
-        ``width`` tokens each: sequence i's d + 1 tokens start at row i * width, the rest of its rows (and the rows
-        of padding sequences) are padding that stores nothing (slot -1) and comes after every real token of its
-        chunk, so the causal attention of the real tokens never sees it. Layout: [ids R*W | positions R*W | slots
-        R*W | context lens R | cu_seqlens R + 1 | sample rows S]."""
+        ``width`` tokens each: sequence i's tokens (up to ``width``, of which the last d + 1 are sampled: its d drafted
+        tokens and the one before them) start at row i * width, the rest of its rows (and the rows of padding
+        sequences) are padding that stores nothing (slot -1) and comes after every real token of its chunk, so the
+        causal attention of the real tokens never sees it. Layout: [ids R*W | positions R*W | slots R*W | context
+        lens R | cu_seqlens R + 1 | sample rows S]."""
         bs, seqs = self.block_size, batch.seqs
         n = rows * width
         parts = (("ids", n), ("pos", n), ("slots", n), ("ctx", rows), ("cu", rows + 1),
-                 ("sample", sum(batch.num_new)))  # fmt: skip
+                 ("sample", sum(seq.num_draft_tokens + 1 for seq in seqs)))  # fmt: skip
         offsets, at = {}, 0
         for name, size in parts:
             offsets[name] = (at, at + size)
@@ -195,8 +196,9 @@ class StepInputs:
             pos[base + count : base + width] = start + count - 1  # padding: any position the rotary tables hold
             slots[base : base + count] = tables[i, p // bs] * bs + p % bs
             ctx[i] = start + width
-            sample[at : at + count] = np.arange(base, base + count, dtype=np.int32)
-            at += count
+            keep = seq.num_draft_tokens + 1
+            sample[at : at + keep] = np.arange(base + count - keep, base + count, dtype=np.int32)
+            at += keep
             last_row[seq.seq_id] = base + count - 1
         return StepLayout(
             num_tokens=n,

@@ -188,10 +188,11 @@ class ModelRunner:
     # -- CUDA graphs -----------------------------------------------------------------------------------------------
 
     def _all_verify(self, batch: ScheduledBatch) -> bool:
-        """Whether every sequence of ``batch`` scores its last token and up to verify_width - 1 drafted ones (a
-        plain decode among them is a verify of none), so the step fits a verify graph."""
+        """Whether every sequence of ``batch`` computes at most verify_width tokens up to its end, sampling its last
+        d + 1 of them (d drafted tokens; a plain decode is a verify of none, a draft model catching up on the
+        target's verified tokens samples its last one), so the step fits a verify graph."""
         return all(
-            num_new == seq.num_draft_tokens + 1 <= self.verify_width
+            seq.num_draft_tokens + 1 <= num_new <= self.verify_width
             and seq.num_computed_tokens + num_new == seq.num_tokens
             for seq, num_new in zip(batch.seqs, batch.num_new, strict=True)
         )

@@ -88,21 +88,28 @@ def test_cache_sized_from_free_memory():
     assert len(out[0].completions[0].token_ids) == 4
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("spec", [dict(method="ngram"), dict(method="self", draft_scheme="w4a16-g32")])
-def test_speculative_verify_graphs_match_hf_fp32(spec):
+def test_speculative_verify_graphs_match_hf_fp32(spec, adaptive):
     """fp32 with speculation: verify steps replay their CUDA graphs (padded to k + 1 tokens and to a batch bucket),
-    the self draft replays its decode graphs; greedy tokens equal HF's."""
+    the self draft replays its decode graphs and catches up on verified tokens through its own verify graphs;
+    greedy tokens equal HF's, also when adaptive speculation mixes in plain steps of the asynchronous path."""
     from quantkit.runtime.speculative import SpeculativeConfig
 
     model = sharpen(tiny_model("llama")).cuda()
     prompts = [p * 3 for p in random_prompts([4, 7, 3, 9, 5], VOCAB, seed=3)] + random_prompts([11, 2], VOCAB, seed=4)
     reference = hf_greedy(model, prompts, 24)
     llm = LLM(model, num_kv_blocks=64, cuda_graph_max_bs=8,
-              speculative=SpeculativeConfig(**spec, num_speculative_tokens=3, adaptive=False))  # fmt: skip
+              speculative=SpeculativeConfig(**spec, num_speculative_tokens=3, adaptive=adaptive))  # fmt: skip
     assert llm.runner.verify_graphs and llm.runner.verify_width == 4
-    replays = []
-    run = llm.runner._run_verify_graph
-    llm.runner._run_verify_graph = lambda batch, rows: (replays.append(rows), run(batch, rows))[1]
+    runners = [llm.runner] + ([llm.spec.proposer.runner] if spec["method"] == "self" else [])
+    replays = [[] for _ in runners]
+
+    def counted(run, log):
+        return lambda batch, rows: (log.append(rows), run(batch, rows))[1]
+
+    for r, log in zip(runners, replays, strict=True):
+        r._run_verify_graph = counted(r._run_verify_graph, log)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=24))
     assert [o.outputs[0].token_ids for o in outputs] == reference
-    assert replays and llm.spec.totals.accepted > 0
+    assert all(replays) and llm.spec.totals.accepted > 0

@@ -90,3 +90,19 @@ def test_graph_layout_pads_rows_that_write_nothing():
     assert flat[4:8].tolist() == [5, 8, 3, 0]
     assert flat[8:12].tolist()[3] == -1 and np.all(flat[8:11] >= 0)
     assert flat[12:16].tolist() == [6, 9, 4, 0]
+
+
+def test_verify_layout_samples_each_sequences_drafted_tokens_and_the_one_before():
+    """A verify graph step: a sequence verifying 2 drafted tokens samples its last 3 rows; a draft model catching up
+    on 3 verified tokens (nothing drafted) samples only its last; rows past each chunk are padding."""
+    inputs = StepInputs(block_size=4, width=8, pin=False)
+    batch = decode_batch([(7, 4), (9, 6)])
+    batch.seqs[0].num_draft_tokens = 2
+    layout = inputs.write_verify(batch, rows=2, width=4)
+    flat = inputs.flat.array
+    part = {k: flat[a:b].tolist() for k, (a, b) in layout.offsets.items()}
+    assert part["ids"] == [104, 105, 106, 0, 116, 117, 118, 0]
+    assert part["pos"] == [4, 5, 6, 6, 6, 7, 8, 8]
+    assert part["slots"][3] == -1 and part["slots"][7] == -1
+    assert part["sample"] == [0, 1, 2, 6]
+    assert layout.last_rows == {0: 2, 1: 6}

@@ -62,6 +62,10 @@ class _Bucket:
     spec_samples: int = 0
     since_probe: int = 0
 
+    def pays(self) -> bool:
+        """Whether speculative steps emit more tokens per second than plain ones, as measured so far."""
+        return self.spec_tokens * self.plain_time > self.spec_time
+
 
 def _bucket(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
@@ -96,6 +100,9 @@ class SpeculativeDecoder:
         return max(range(1, k + 1), key=lambda j: expected_tokens(a, j) / (1.0 + c * j))
 
     def _speculate_now(self, bucket: int) -> bool:
+        """Whether a step of ``bucket`` decoding sequences should draft: the mode that pays, except every
+        ``PROBE_EVERY`` steps, when the other one is measured again (the acceptance may have changed). Pure: the
+        engine may ask twice about the same step."""
         if not self.config.adaptive:
             return True
         b = self.buckets.setdefault(bucket, _Bucket())
@@ -103,17 +110,27 @@ class SpeculativeDecoder:
             return False
         if b.spec_samples < MIN_SAMPLES:
             return True
-        pays = b.spec_tokens * b.plain_time > b.spec_time
-        b.since_probe += 1
-        if b.since_probe >= PROBE_EVERY:  # measure the other mode again: the acceptance may have changed
-            b.since_probe = 0
-            return not pays
-        return pays
+        return b.pays() != (b.since_probe >= PROBE_EVERY)
+
+    def wants_draft(self, running: list[Sequence]) -> bool:
+        """Whether the engine's next step should be a speculative one (synchronous, with drafts), judged by the
+        number of running sequences; if not, it runs as a plain step through the engine's asynchronous path,
+        whose time ``plain_step_done`` records."""
+        n = sum(not s.is_finished for s in running)
+        cap = self.config.disable_by_batch_size
+        if not n or (cap is not None and n >= cap):
+            return False
+        return self._speculate_now(_bucket(n))
+
+    def plain_step_done(self, num_seqs: int, elapsed: float) -> None:
+        """Record a plain decode step of ``num_seqs`` sequences run by the engine's asynchronous path."""
+        self.totals.paused_steps += 1
+        self._record(_bucket(num_seqs), False, elapsed, 1.0)
 
     def propose(
         self, running: list[Sequence], generator_for: Callable[[Sequence], torch.Generator | None], token_budget: int
     ) -> None:
-        """Append drafted tokens to the decoding sequences of ``running`` (when speculation pays at this size). The
+        """Append drafted tokens to the decoding sequences of ``running`` (the engine asked ``wants_draft``). The
         drafts fit in what ``token_budget`` (the step's) leaves after every running sequence's own tokens, so a
         sequence's drafts never push another out of the step."""
         self._t0 = time.perf_counter()
@@ -127,9 +144,6 @@ class SpeculativeDecoder:
         room = token_budget - sum(s.num_tokens - s.num_computed_tokens for s in running if not s.is_finished)
         cap = self.config.disable_by_batch_size
         if not decoding or (cap is not None and len(decoding) >= cap):
-            return
-        if self._mode is not None and not self._speculate_now(self._mode[0]):
-            self.totals.paused_steps += 1
             return
         seqs, ks = [], []
         for seq in decoding:
@@ -189,16 +203,22 @@ class SpeculativeDecoder:
         if self._mode is None:
             return
         bucket, speculated = self._mode
-        b = self.buckets.setdefault(bucket, _Bucket())
         if speculated:
             self.totals.step_time += elapsed
+        self._record(bucket, speculated, elapsed, tokens_per_seq)
+        self._mode = None
+
+    def _record(self, bucket: int, speculated: bool, elapsed: float, tokens_per_seq: float) -> None:
+        b = self.buckets.setdefault(bucket, _Bucket())
+        if speculated:
             b.spec_time = elapsed if not b.spec_samples else (1 - EMA) * b.spec_time + EMA * elapsed
             b.spec_tokens = tokens_per_seq if not b.spec_samples else (1 - EMA) * b.spec_tokens + EMA * tokens_per_seq
             b.spec_samples += 1
         else:
             b.plain_time = elapsed if not b.plain_samples else (1 - EMA) * b.plain_time + EMA * elapsed
             b.plain_samples += 1
-        self._mode = None
+        if b.plain_samples >= MIN_SAMPLES and b.spec_samples >= MIN_SAMPLES:
+            b.since_probe = b.since_probe + 1 if speculated == b.pays() else 0  # a step of the other mode: probed
 
 
 def make_decoder(
@@ -214,6 +234,8 @@ def make_decoder(
     else:
         draft_config = dataclasses.replace(config, num_kv_blocks=target_runner.num_blocks)
         runner = ModelRunner(draft, draft_config, device, max_model_len)
+        # the draft catches up on at most k + 1 verified tokens per step: as wide as the target's verify steps
+        runner.capture_verify_graphs(spec.num_speculative_tokens + 1)
         cost = draft_cost(draft, target_runner.model)
         proposer = DraftModelProposer(draft, runner, cost, config.max_num_batched_tokens)
     return SpeculativeDecoder(spec, proposer, max_model_len)

@@ -309,3 +309,37 @@ def test_drafts_fit_the_step_budget_and_long_prompts_prefill_the_draft_in_chunks
     assert llm.spec.totals.drafted > 0
     got, _ = greedy(llm, prompts)
     assert got == expected
+
+
+def test_adaptive_speculation_runs_the_mode_that_pays_and_probes_the_other():
+    """The decoder drafts at a batch size only while its measured speculative steps emit more tokens per second than
+    plain ones; paused, it measures a speculative step again every PROBE_EVERY steps. Plain steps are timed by the
+    engine's asynchronous path (``plain_step_done``)."""
+    from quantkit.runtime.sequence import Sequence
+    from quantkit.runtime.speculative.decoder import MIN_SAMPLES, PROBE_EVERY, SpeculativeDecoder
+    from quantkit.runtime.speculative.proposers import NgramProposer
+
+    dec = SpeculativeDecoder(SpeculativeConfig(method="ngram"), NgramProposer(3, 1), max_model_len=64)
+    running = [Sequence(0, 0, [1, 2, 3], SamplingParams(max_tokens=8))]
+
+    def spec_step(seconds: float, tokens: float) -> None:
+        dec._mode = (1, True)
+        dec._t0 = 0.0
+        dec._record(1, True, seconds, tokens)
+
+    assert not dec.wants_draft(running)  # plain steps are measured first
+    for _ in range(MIN_SAMPLES):
+        dec.plain_step_done(1, 0.010)
+    assert dec.wants_draft(running)  # then speculative ones
+    for _ in range(MIN_SAMPLES):
+        spec_step(0.030, 2.0)  # 2 tokens in 30 ms against 1 in 10 ms: a loss
+    choices = []
+    for _ in range(2 * PROBE_EVERY + 2):
+        draft = dec.wants_draft(running)
+        choices.append(draft)
+        spec_step(0.030, 2.0) if draft else dec.plain_step_done(1, 0.010)
+    assert choices.count(True) == 2 and not choices[0]  # paused, with one probe per PROBE_EVERY plain steps
+    for _ in range(6 * PROBE_EVERY):  # the acceptance rose: probes find that speculation pays, and it stays on
+        spec_step(0.012, 3.0) if dec.wants_draft(running) else dec.plain_step_done(1, 0.010)
+    assert dec.wants_draft(running)
+    assert not dec.wants_draft([]) and dec.totals.paused_steps > 0
