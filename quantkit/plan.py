@@ -28,7 +28,14 @@ from quantkit.quant.scheme import QuantScheme
 from quantkit.recipe import Recipe
 from quantkit.stages import stage_class
 
-GiB = 2**30
+
+def size(n: float) -> str:
+    """Bytes as people read them: 812 KiB, 3.4 MiB, 71.2 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit in ("B", "KiB") else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
 
 
 @dataclass
@@ -48,10 +55,9 @@ class Plan:
     def lines(self) -> list[str]:
         out = [f"plan: {self.model} ({self.architecture}), {self.layers} decoder layers, processed on {self.device}"]
         out += [f"  {name} [{shape}]: {what} (layers {where})" for name, shape, what, where in self.rows]
-        gpu = "" if self.device_bytes is None else f", GPU ~{self.device_bytes / GiB:.2f} GiB"
-        weights = f"float weights {self.float_bytes / GiB:.2f} GiB"
-        out.append(f"memory: host ~{self.host_bytes / GiB:.2f} GiB{gpu} ({weights})")
-        out.append(f"disk: output ~{self.output_bytes / GiB:.2f} GiB, resume state ~{self.scratch_bytes / GiB:.2f} GiB")
+        gpu = "" if self.device_bytes is None else f", GPU ~{size(self.device_bytes)}"
+        out.append(f"memory: host ~{size(self.host_bytes)}{gpu} (float weights {size(self.float_bytes)})")
+        out.append(f"disk: output ~{size(self.output_bytes)}, resume state ~{size(self.scratch_bytes)}")
         if self.seconds is not None:
             out.append(f"time: ~{self.seconds / 60:.1f} min (a timing probe on one layer of this shape)")
         return out
@@ -160,17 +166,17 @@ def check_fits(plan: Plan, out: Path) -> None:
     free = shutil.disk_usage(where).free
     need = plan.output_bytes + plan.scratch_bytes
     if need > free:
-        saves = f"--no-resume-state saves ~{plan.scratch_bytes / GiB:.1f}"
-        raise QuantkitError(f"needs ~{need / GiB:.1f} GiB of disk in {where} for the output and the resume state, "
-                            f"{free / GiB:.1f} free ({saves})")  # fmt: skip
+        saves = f"; --no-resume-state saves ~{size(plan.scratch_bytes)}" if plan.scratch_bytes else ""
+        raise QuantkitError(f"needs ~{size(need)} of disk in {where} for the output and the resume state, "
+                            f"{size(free)} free{saves}")  # fmt: skip
     host = _free_host_bytes()
     if host is not None and plan.host_bytes > host:
-        raise QuantkitError(f"needs ~{plan.host_bytes / GiB:.1f} GiB of host memory, {host / GiB:.1f} available "
+        raise QuantkitError(f"needs ~{size(plan.host_bytes)} of host memory, {size(host)} available "
                             "(--offload keeps the float layers on disk)")  # fmt: skip
     if plan.device_bytes is not None:
         gpu = torch.cuda.mem_get_info(torch.device(plan.device))[0]
         if plan.device_bytes > gpu:
-            raise QuantkitError(f"needs ~{plan.device_bytes / GiB:.1f} GiB of GPU memory, {gpu / GiB:.1f} free "
+            raise QuantkitError(f"needs ~{size(plan.device_bytes)} of GPU memory, {size(gpu)} free "
                                 "(fewer or shorter calibration windows need less)")  # fmt: skip
 
 

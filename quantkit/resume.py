@@ -27,10 +27,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
-from quantkit.checkpoint.save import versions
+from quantkit.checkpoint.save import versions, write_safetensors
 from quantkit.errors import QuantkitError
 from quantkit.nn.factory import empty_quantized_linear, quantized_modules
 from quantkit.quant.scheme import QuantScheme
@@ -172,21 +171,28 @@ class RunState:
         import time
 
         t0 = time.perf_counter()
-        schemes = {name: m.scheme.to_dict() for name, m in quantized_modules(layer).items()}
-        tensors = {k: t.detach().to("cpu").contiguous() for k, t in layer.state_dict().items()}
-        _replace(self._layer_file(i), lambda p: save_file(tensors, p, metadata={"schemes": json.dumps(schemes)}))
-        carried = {f"batch.{b}": h.detach().to("cpu").contiguous() for b, h in enumerate(hidden)}
-        carried["rng.cpu"] = torch.get_rng_state()
-        if torch.cuda.is_available():
-            carried["rng.cuda"] = torch.cuda.get_rng_state()
-        _replace(self._hidden_file(i + 1), lambda p: save_file(carried, p))
-        state = {"version": STATE_VERSION, "fingerprint": self.fingerprint, "done": i + 1, "report": report}
-        _replace(self.folder / STATE_FILE, lambda p: p.write_text(json.dumps(state)))
-        self._hidden_file(i).unlink(missing_ok=True)
+        try:
+            self._write(i, layer, hidden, report)
+        except OSError as exc:  # a full disk: the state stays at the last layer written whole
+            raise QuantkitError(f"cannot write resume state in {self.folder}: {exc.strerror or exc} "
+                                "(--no-resume-state runs without it)") from None  # fmt: skip
         self.done = i + 1
         self.saves += 1
         self.bytes_written += self._layer_file(i).stat().st_size + self._hidden_file(i + 1).stat().st_size
         self.seconds += time.perf_counter() - t0
+
+    def _write(self, i: int, layer: nn.Module, hidden: list[torch.Tensor], report: dict) -> None:
+        schemes = {name: m.scheme.to_dict() for name, m in quantized_modules(layer).items()}
+        tensors = {k: t.detach().to("cpu").contiguous() for k, t in layer.state_dict().items()}
+        _replace(self._layer_file(i), lambda p: write_safetensors(tensors, p, {"schemes": json.dumps(schemes)}))
+        carried = {f"batch.{b}": h.detach().to("cpu").contiguous() for b, h in enumerate(hidden)}
+        carried["rng.cpu"] = torch.get_rng_state()
+        if torch.cuda.is_available():
+            carried["rng.cuda"] = torch.cuda.get_rng_state()
+        _replace(self._hidden_file(i + 1), lambda p: write_safetensors(carried, p))
+        state = {"version": STATE_VERSION, "fingerprint": self.fingerprint, "done": i + 1, "report": report}
+        _replace(self.folder / STATE_FILE, lambda p: p.write_text(json.dumps(state)))
+        self._hidden_file(i).unlink(missing_ok=True)
 
     def clear(self) -> None:
         """Delete the state (the checkpoint is written)."""

@@ -2,6 +2,7 @@
 plan, determinism, and faults injected while writing (one line each, nothing half-written)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,7 +223,7 @@ def test_the_plan_estimates_the_checkpoint_size(tmp_path, tiny_dir, tokenizer):
 
 @pytest.mark.parametrize(
     "patch, fragment",
-    [("disk", "GiB of disk in"), ("host", "GiB of host memory, 0.0 available")],
+    [("disk", "of disk in"), ("host", "of host memory, 0 B available")],
 )
 def test_a_run_that_does_not_fit_stops_before_loading(tmp_path, tiny_dir, monkeypatch, patch, fragment):
     import collections
@@ -238,3 +239,120 @@ def test_a_run_that_does_not_fit_stops_before_loading(tmp_path, tiny_dir, monkey
     assert r.exit_code == 2 and r.stderr.strip().startswith("quantkit: error: needs ~")
     assert fragment in r.stderr and "quantizing" not in r.stderr
     assert not list(tmp_path.iterdir())
+
+
+# -- determinism and faults ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_the_same_inputs_give_the_same_bytes(tmp_path, tokenizer, method):
+    outs = []
+    for name in ("a", "b"):
+        model = tiny_model("llama")
+        quantkit.quantize(model, recipe_of(method), CALIB)
+        outs.append(quantkit.save_quantized(model, tmp_path / name, tokenizer=tokenizer))
+    assert same_bytes(*outs)
+    qc = json.loads((outs[0] / "config.json").read_text())["quantization_config"]
+    assert qc["determinism"] == {"device": "cpu", "gpu": None, "cuda": None, "tf32_matmul": None, "tf32_cudnn": None,
+                                 "deterministic_algorithms": False}  # fmt: skip
+
+
+def full_disk(*names):
+    """A stand-in for safetensors' writer that fails as it does on a full disk, for files named ``names``: half the
+    file written, then its error."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    def write(tensors, path, metadata=None):
+        if not any(n in Path(path).name for n in names):
+            return save_file(tensors, path, metadata=metadata)
+        Path(path).write_bytes(b"\0" * 100)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    return write
+
+
+def snapshot(folder):
+    return {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir()) if p.is_file()}
+
+
+GPTQ_ARGS = ["--method", "gptq", "--bits", "4", "--group-size", "32", "--nsamples", "8", "--seqlen", "32"]
+
+
+def test_a_full_disk_while_saving_keeps_the_resume_state(tmp_path, tiny_dir, monkeypatch):
+    from quantkit.checkpoint import save
+
+    before = snapshot(tiny_dir)
+    assert (
+        run("quantize", "--model", tiny_dir, *GPTQ_ARGS, "--out", tmp_path / "whole", "--no-resume-state").exit_code
+        == 0
+    )
+    out = tmp_path / "deeper" / "q"
+    monkeypatch.setattr(save, "save_file", full_disk("model"))
+    r = run("quantize", "--model", tiny_dir, *GPTQ_ARGS, "--out", out)
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    state = tmp_path / "deeper" / ".q.resume"
+    assert r.stderr.splitlines()[-1] == (f"quantkit: error: cannot write checkpoint {out}: No space left on device "
+                                         f"(the quantized layers stay in {state}: rerun with --resume)")  # fmt: skip
+    assert not out.exists() and sorted(p.name for p in out.parent.iterdir()) == [".q.resume"]
+    assert json.loads((state / "state.json").read_text())["done"] == 2
+    monkeypatch.undo()
+    r = run("quantize", "--model", tiny_dir, *GPTQ_ARGS, "--out", out, "--resume")
+    assert r.exit_code == 0 and "resumed: 2 of 2 layers" in r.stdout
+    assert same_bytes(tmp_path / "whole", out) and snapshot(tiny_dir) == before
+
+
+def test_a_full_disk_while_writing_resume_state(tmp_path, tiny_dir, monkeypatch):
+    from quantkit.checkpoint import save
+
+    monkeypatch.setattr(save, "save_file", full_disk("layer-00001"))
+    r = run("quantize", "--model", tiny_dir, *GPTQ_ARGS, "--out", tmp_path / "q")
+    state = tmp_path / ".q.resume"
+    assert r.exit_code == 2 and r.stderr.splitlines()[-1] == (
+        f"quantkit: error: cannot write resume state in {state}: No space left on device (--no-resume-state runs "
+        "without it)"
+    )
+    assert sorted(p.name for p in state.iterdir()) == ["hidden-00001.safetensors", "layer-00000.safetensors",
+                                                       "state.json"]  # fmt: skip
+    assert json.loads((state / "state.json").read_text())["done"] == 1 and not (tmp_path / "q").exists()
+
+
+def test_a_truncated_safetensors_input(tmp_path, tiny_dir, rtn_checkpoint):
+    import shutil
+
+    for source, command in ((tiny_dir, ["quantize", "--model"]), (rtn_checkpoint[0], ["export"])):
+        cut = tmp_path / f"cut-{command[0]}"
+        shutil.copytree(source, cut)
+        data = (cut / "model.safetensors").read_bytes()
+        (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
+        before = snapshot(cut)
+        out = tmp_path / f"out-{command[0]}"
+        extra = ["--format", "gptq"] if command[0] == "export" else []
+        r = run(*command, cut, *extra, "--out", out)
+        lines = [ln for ln in r.stderr.splitlines() if ln.startswith("quantkit")]
+        assert r.exit_code == 2 and len(lines) == 1 and "Traceback" not in r.output, r.output
+        assert "safetensors" in lines[0].lower() and str(cut) in lines[0], lines[0]
+        assert not out.exists() and snapshot(cut) == before
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(f".out-{command[0]}")]
+
+
+@pytest.mark.parametrize("crash", [KeyboardInterrupt, RuntimeError])
+def test_a_crash_during_export_leaves_nothing(tmp_path, rtn_checkpoint, monkeypatch, crash):
+    from quantkit.checkpoint import export
+
+    source = rtn_checkpoint[0]
+    before = snapshot(source)
+
+    def crashing(tensors, folder, shard_bytes):
+        (folder / "model.safetensors").write_bytes(b"\0" * 100)  # half-written
+        raise crash("crash")
+
+    monkeypatch.setattr(export, "write_shards", crashing)
+    out = tmp_path / "ct"
+    if crash is KeyboardInterrupt:
+        r = run("export", source, "--format", "compressed-tensors", "--out", out)
+        assert r.exit_code == 130 and r.stderr.strip() == "quantkit: aborted"
+    else:
+        with pytest.raises(RuntimeError):
+            export.export_checkpoint(source, out, "compressed-tensors")
+    assert list(tmp_path.iterdir()) == [] and snapshot(source) == before

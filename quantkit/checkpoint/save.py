@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
 
@@ -64,6 +66,22 @@ def quantization_config(model: nn.Module) -> dict:
         "calibration": result.calibration,
         "source_model": result.source_model,
         "versions": versions(),
+        "determinism": determinism(result.device),
+    }
+
+
+def determinism(device: str) -> dict:
+    """What can make a run on ``device`` give other numbers than another run of the same inputs: the device and its
+    GPU, the CUDA build, TF32 matmuls and torch's deterministic-algorithms switch (a CPU run is reproducible bit for
+    bit on the same machine and versions)."""
+    on_gpu = device.startswith("cuda") and torch.cuda.is_available()
+    return {
+        "device": device,
+        "gpu": torch.cuda.get_device_name(torch.device(device)) if on_gpu else None,
+        "cuda": torch.version.cuda if on_gpu else None,
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32 if on_gpu else None,
+        "tf32_cudnn": torch.backends.cudnn.allow_tf32 if on_gpu else None,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
     }
 
 
@@ -83,6 +101,24 @@ def _tensors_to_save(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def os_error(exc: BaseException) -> OSError | None:
+    """``exc`` as the OSError it is: itself, or one that a Rust library (safetensors, tokenizers) raised as a plain
+    exception whose message ends in "(os error 28)"; None for anything else."""
+    if isinstance(exc, OSError):
+        return exc
+    code = re.search(r"\(os error (\d+)\)", str(exc)) if isinstance(exc, Exception) else None
+    return OSError(int(code.group(1)), os.strerror(int(code.group(1)))) if code else None
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' ``save_file``, whose write errors (a full disk) are OSErrors here, as every other write error
+    is, so that callers clean up and name them in one line."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as exc:
+        raise os_error(exc) or OSError(str(exc)) from None
+
+
 def write_shards(tensors: dict[str, torch.Tensor], folder: Path, shard_bytes: int) -> None:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -94,12 +130,12 @@ def write_shards(tensors: dict[str, torch.Tensor], folder: Path, shard_bytes: in
         shards[-1][name] = t
         size += nbytes
     if len(shards) == 1:
-        save_file(shards[0], str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+        write_safetensors(shards[0], folder / WEIGHTS_NAME, metadata={"format": "pt"})
         return
     weight_map = {}
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        write_safetensors(shard, folder / fname, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, fname))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (folder / INDEX_NAME).write_text(
@@ -197,8 +233,9 @@ def atomic_folder(out: Path) -> Iterator[Path]:
         for parent in created:  # innermost first; only the ones this call made, and only if still empty
             if parent.is_dir() and not any(parent.iterdir()):
                 parent.rmdir()
-        if isinstance(exc, OSError):
-            raise QuantkitError(f"cannot write checkpoint {out}: {exc.strerror or exc}") from exc
+        error = os_error(exc)  # the tokenizer's writer raises a full disk as a plain Exception
+        if error is not None:
+            raise QuantkitError(f"cannot write checkpoint {out}: {error.strerror or error}") from exc
         raise
 
 
