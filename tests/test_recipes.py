@@ -7,6 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import quantkit
+from quantkit.checkpoint.export import export_formats
+from quantkit.checkpoint.verify import verify_checkpoint
 from quantkit.errors import QuantkitError
 from quantkit.nn.factory import quantized_modules
 from quantkit.recipe import load_recipe, shipped_recipes
@@ -29,9 +31,32 @@ def test_shipped_recipe_runs(name, tmp_path):
     ids = torch.randint(3, 320, (1, 16))
     with torch.no_grad():
         before = model(ids).logits
-    reloaded = AutoModelForCausalLM.from_pretrained(quantkit.save_quantized(model, tmp_path / name)).eval()
+    folder = quantkit.save_quantized(model, tmp_path / name)
+    reloaded = AutoModelForCausalLM.from_pretrained(folder).eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", shipped_recipes())
+def test_quantkit_verify_passes_every_shipped_recipes_output_and_export(name, tmp_path):
+    """On a Llama whose widths hold groups of 128, so that weight-only recipes export too."""
+    import transformers as T
+
+    from tests.tiny_models import COMMON
+
+    torch.manual_seed(0)
+    config = T.LlamaConfig(**{**COMMON, "hidden_size": 256, "intermediate_size": 512})
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    calib = torch.randint(3, 320, (4, 32), generator=torch.Generator().manual_seed(0))
+    quantkit.quantize(model, load_recipe(name), calib)
+    folders = [quantkit.save_quantized(model, tmp_path / name)]
+    for fmt, reason in export_formats(folders[0]).items():
+        if reason is None:
+            folders.append(quantkit.export_checkpoint(folders[0], tmp_path / fmt, fmt).path)
+    assert len(folders) > 1  # something to export to
+    for folder in folders:
+        verdict = verify_checkpoint(folder)
+        assert verdict.ok, verdict.line()
 
 
 def test_awq_then_gptq_presets_do_not_clip_before_gptq():
