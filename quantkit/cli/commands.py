@@ -139,8 +139,8 @@ def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out:
 @click.option(
     "--static-groups/--no-static-groups",
     default=None,
-    help="GPTQ: groups of consecutive inputs with grids fixed up front (default; exports to every format), or "
-    "groups formed in act-order (g_idx; exports to gptq only).",
+    help="GPTQ: groups of consecutive inputs with grids fixed up front (exports to every format), or groups formed "
+    "in act-order (g_idx; exports to gptq only). Default: static at 4 and 8 bits.",
 )
 @click.option(
     "--mse/--no-mse",
