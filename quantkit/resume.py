@@ -44,9 +44,11 @@ def _digest(data: bytes | str) -> str:
 
 
 def model_digest(model: nn.Module) -> str:
-    """The model's files (name, size, modification time), or its weights when it has no folder, and its config."""
+    """The model's files (name, size, modification time), or its weights when it has no folder, its config and the
+    dtypes it was loaded in."""
     config = getattr(model, "config", None)
-    parts = [json.dumps(config.to_dict(), sort_keys=True, default=str) if config is not None else ""]
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})  # what it was loaded as
+    parts = [json.dumps(config.to_dict(), sort_keys=True, default=str) if config is not None else "", *dtypes]
     folder = Path(str(getattr(config, "_name_or_path", "") or ""))
     if str(folder) not in ("", ".") and folder.is_dir():
         for f in sorted(folder.iterdir()):
