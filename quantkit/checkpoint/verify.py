@@ -7,7 +7,8 @@ conversion, :func:`quantkit.checkpoint.foreign.convert_foreign`, for GPTQ, AWQ a
 compares it with what is stored:
 
 - ``files``: every safetensors file is readable.
-- ``loader``: the quantization config parses, names linears the model has and agrees with the architecture, and
+- ``loader``: the quantization config parses, names linears the model has, agrees with the architecture and names
+  each scheme by what it says, and
   (other tools' folders) the conversion accepts every module's tensors (a GPTQ v1 zero point that wraps, ...).
 - ``coverage``: every stored tensor is consumed by the loader and every tensor the loader fills is stored (the
   names are listed); a tied head may be absent.
@@ -130,7 +131,12 @@ def verify_checkpoint(
 
 def _check_architecture(skeleton, qc: dict, found: list[str]) -> None:
     from quantkit.models.arch import arch_for
+    from quantkit.quant.scheme import QuantScheme
 
+    for name, data in qc["schemes"].items():  # a scheme edited in place keeps its old name
+        described = QuantScheme.from_dict(data).name
+        if described != name:
+            found.append(f"quantization_config scheme {name} describes {described}")
     recorded = qc.get("architecture")
     actual = arch_for(skeleton).name
     if recorded is not None and recorded != actual:

@@ -24,6 +24,8 @@ SCHEMES = {
                       {"method": "gptq", "params": {"static_groups": False}}),
     "gptq-moe": ("mixtral", {"bits": 4, "group_size": 32, "sym": True}, {"method": "gptq"}),
     "w8a8": ("llama", {"bits": 8, "group_size": -1, "sym": True, "act_bits": 8}, {"method": "rtn"}),
+    "fp8-static": ("qwen3", {"bits": 8, "group_size": -1, "sym": True, "act_bits": 8, "fmt": "fp8",
+                             "act_dynamic": False}, {"method": "rtn"}),
 }  # fmt: skip
 
 
@@ -64,7 +66,7 @@ def failures(folder) -> dict[str, list[str]]:
 
 def test_every_valid_checkpoint_and_export_passes(folders):
     assert {"rtn-asym/gptq", "rtn-asym/awq", "rtn-asym/compressed-tensors", "gptq-actorder/gptq",
-            "w8a8/compressed-tensors", "gptq-moe"} <= set(folders)  # fmt: skip
+            "w8a8/compressed-tensors", "gptq-moe", "fp8-static/compressed-tensors"} <= set(folders)  # fmt: skip
     for name, folder in folders.items():
         verdict = verify_checkpoint(folder)
         assert verdict.ok, (name, verdict.line())
@@ -128,10 +130,24 @@ def test_a_config_edited_to_another_group_size(folders, tmp_path, name):
             qc["group_size"] = 64
 
     found = failures(damaged(folders, tmp_path, name, change_config=edit))
-    assert "shapes" in found
+    if name == "rtn-asym":
+        assert found["loader"] == ["quantization_config scheme w4a16-g32-asym describes w4a16-g64-asym"]
     assert "model.layers.0.self_attn.q_proj.scales is [2, 64], expected [1, 64] by its scheme w4a16-g64" in " ".join(
         found["shapes"]
     )
+
+
+def test_a_scale_of_zero_and_a_scale_stored_in_another_dtype(folders, tmp_path):
+    name = "model.layers.1.mlp.gate_proj"
+
+    def change(t):
+        t[f"{name}.weight_scale"][5] = 0.0
+        t[f"{name}.weight"] = t[f"{name}.weight"].to(torch.int32)
+
+    assert failures(damaged(folders, tmp_path, "w8a8", change_tensors=change)) == {
+        "dtypes": [f"{name}.weight is torch.int32, the layer reads torch.int8"],
+        "scales": [f"{name}.weight_scale holds scales <= 0"],
+    }
 
 
 def test_a_g_idx_that_is_no_group_map(folders, tmp_path):
