@@ -8,8 +8,8 @@ compares it with what is stored:
 
 - ``files``: every safetensors file is readable.
 - ``loader``: the quantization config parses, names linears the model has, agrees with the architecture and names
-  each scheme by what it says, and
-  (other tools' folders) the conversion accepts every module's tensors (a GPTQ v1 zero point that wraps, ...).
+  each scheme by what it says, and (other tools' folders) the conversion accepts every module's tensors (a GPTQ v1
+  zero point that wraps, ...).
 - ``coverage``: every stored tensor is consumed by the loader and every tensor the loader fills is stored (the
   names are listed); a tied head may be absent.
 - ``shapes`` and ``dtypes``: each stored tensor has the shape the config gives it (the scheme's for quantized
