@@ -3,6 +3,7 @@ what is stored is what the config says (shapes, dtypes, finite scales, group ind
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -43,6 +44,33 @@ def tensor_headers(folder: Path) -> dict[str, tuple[list[int], str]]:
         except Exception as exc:
             raise QuantkitError(f"{f} is not a readable safetensors file: {exc}") from None
     return out
+
+
+class StoredTensors(Mapping):
+    """The tensors of a folder's safetensors files as a read-only mapping that reads each one when it is asked for
+    (memory for one tensor at a time, not the checkpoint); the headers are read, and checked, at once."""
+
+    def __init__(self, folder: Path) -> None:
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise QuantkitError(f"{folder} has no .safetensors files")
+        self._where: dict[str, Path] = {}
+        for f in files:
+            try:
+                with safe_open(str(f), framework="pt") as st:
+                    self._where.update(dict.fromkeys(st.keys(), f))
+            except Exception as exc:
+                raise QuantkitError(f"cannot load {f}: not a readable safetensors file: {exc}") from None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        with safe_open(str(self._where[name]), framework="pt") as st:
+            return st.get_tensor(name)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:

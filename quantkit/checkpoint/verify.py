@@ -37,7 +37,7 @@ import torch
 from quantkit.checkpoint.config import QUANT_METHOD, module_schemes
 from quantkit.checkpoint.export import model_skeleton, read_quantized_folder
 from quantkit.checkpoint.foreign import IMPORT_METHODS, convert_foreign
-from quantkit.checkpoint.read import read_tensors
+from quantkit.checkpoint.read import StoredTensors, read_tensors
 from quantkit.checkpoint.swap import swap_in_quantized_modules
 from quantkit.errors import QuantkitError
 from quantkit.nn.factory import quantized_modules
@@ -100,8 +100,8 @@ def verify_checkpoint(
         raise QuantkitError(f"cannot verify {method!r} checkpoints (quantkit reads {readable})")
     verdict = Verdict(str(folder), str(method), {name: [] for name in CHECKS})
     problems = verdict.problems
-    try:
-        tensors = read_tensors(folder)
+    try:  # quantkit's own folders are read a tensor at a time; other tools' are converted in memory, as on import
+        tensors = StoredTensors(folder) if method == QUANT_METHOD else read_tensors(folder)
     except QuantkitError as exc:
         problems["files"].append(str(exc))
         return verdict
