@@ -41,36 +41,49 @@ PRODUCERS = ("all", "norms")
 
 @dataclass(frozen=True)
 class SmoothQuantParams:
-    """- ``alpha``: migration strength used for every group when not searching (the paper's default 0.5).
+    """- ``alpha``: migration strength used for every group when not searching (None: the paper's 0.5).
     - ``alpha_search``: per group, the grid point with the smallest W8A8 output error on calibration samples.
+      None (default): search unless ``alpha`` is given. Searching gave 30% less KL than alpha 0.5 on SmolLM2-135M
+      (two held-out texts) for twice SmoothQuant's time, which is small beside any weight stage's.
     - ``alpha_grid``: the candidates, each in [0, 1].
     - ``search_tokens``: input rows sampled per consumer for the search (the abs-max always uses every token).
     - ``producers``: ``"all"`` smoothing groups of the architecture table, or ``"norms"``: only groups fed by a
       norm (q/k/v and gate/up or fc1), the paper's choice.
     """
 
-    alpha: float = 0.5
-    alpha_search: bool = False
+    alpha: float | None = None
+    alpha_search: bool | None = None
     alpha_grid: tuple[float, ...] = DEFAULT_GRID
     search_tokens: int = 2048
     producers: str = "all"
 
     def __post_init__(self) -> None:
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or not 0 <= self.alpha <= 1:
-            raise QuantkitError(f"smoothquant alpha must be a number in [0, 1], got {self.alpha!r}")
-        if not isinstance(self.alpha_search, bool):
+        alpha = self.alpha
+        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 <= alpha <= 1):
+            raise QuantkitError(f"smoothquant alpha must be a number in [0, 1], got {alpha!r}")
+        if self.alpha_search is not None and not isinstance(self.alpha_search, bool):
             raise QuantkitError(f"smoothquant alpha_search must be true or false, got {self.alpha_search!r}")
         grid = self.alpha_grid
         if not isinstance(grid, list | tuple) or not grid:
             raise QuantkitError(f"smoothquant alpha_grid must be a non-empty list of numbers, got {grid!r}")
         if any(isinstance(a, bool) or not isinstance(a, int | float) or not 0 <= a <= 1 for a in grid):
             raise QuantkitError(f"smoothquant alpha_grid values must be numbers in [0, 1], got {list(grid)}")
-        object.__setattr__(self, "alpha", float(self.alpha))
+        if alpha is not None:
+            object.__setattr__(self, "alpha", float(alpha))
         object.__setattr__(self, "alpha_grid", tuple(float(a) for a in grid))
         if isinstance(self.search_tokens, bool) or not isinstance(self.search_tokens, int) or self.search_tokens < 1:
             raise QuantkitError(f"smoothquant search_tokens must be a positive integer, got {self.search_tokens!r}")
         if self.producers not in PRODUCERS:
             raise QuantkitError(f"smoothquant producers must be one of {PRODUCERS}, got {self.producers!r}")
+
+    @property
+    def search(self) -> bool:
+        """Whether alpha is searched per group: as asked, else when no alpha was given."""
+        return self.alpha is None if self.alpha_search is None else self.alpha_search
+
+    @property
+    def fixed_alpha(self) -> float:
+        return 0.5 if self.alpha is None else self.alpha
 
 
 class _InputSampler:
@@ -148,10 +161,10 @@ class SmoothQuantStage:
             return
         total = sum(h.shape[0] * h.shape[1] for h in ctx.hidden)
         p = self.params
-        fraction = min(1.0, p.search_tokens / max(total, 1)) if p.alpha_search else 0.0
+        fraction = min(1.0, p.search_tokens / max(total, 1)) if p.search else 0.0
         with (
             StatsCollector(consumers, hessian=False) as stats,
-            _InputSampler(consumers if p.alpha_search else {}, fraction, seed=ctx.index) as sampler,
+            _InputSampler(consumers if p.search else {}, fraction, seed=ctx.index) as sampler,
         ):
             ctx.forward()
         for g in groups:
@@ -167,7 +180,7 @@ class SmoothQuantStage:
         act = to_channels(col_act, g.channel_map, n_channels)  # [C]
         p = self.params
         info: dict = {"consumers": [ctx.full_name(c) for c in g.consumers]}
-        if p.alpha_search:
+        if p.search:
             inputs = [sampler.samples(c, p.search_tokens, k, ctx.device) for c in g.consumers]
             found = search_alpha(
                 inputs,
@@ -188,7 +201,7 @@ class SmoothQuantStage:
             }
         else:
             w_absmax = to_channels(weight_absmax([m.weight for m in layer_consumers]), g.channel_map, n_channels)
-            alpha, s = p.alpha, smoothing_scales(act, w_absmax, p.alpha)
+            alpha, s = p.fixed_alpha, smoothing_scales(act, w_absmax, p.fixed_alpha)
         fold_group(ctx.layer, g, s, ctx.arch.norm)
         # of the consumers' input columns (under GQA several columns read one channel, each with its own abs-max)
         before, after = outlier_ratio(col_act), outlier_ratio(col_act / column_scales(s, g.channel_map))

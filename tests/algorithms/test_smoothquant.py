@@ -170,7 +170,8 @@ def test_simulated_and_integer_paths_agree(arch, dynamic):
     ids = calib_ids(4, 32, seed=1)
     with torch.no_grad():
         float_logits = model(ids).logits
-    quantkit.quantize(model, preset_recipe("smoothquant", {"act_dynamic": dynamic}), calib_ids())
+    recipe = preset_recipe("smoothquant", {"act_dynamic": dynamic}, params={"alpha": 0.5})  # the bound's alpha
+    quantkit.quantize(model, recipe, calib_ids())
     with torch.no_grad():
         simulated = model(ids).logits
         assert set_execution(model, "integer") == len(quantized_modules(model)) > 0
@@ -300,7 +301,7 @@ def test_shipped_recipe_runs(name):
     assert all((m.input_scale is not None) == static for m in modules.values())
     rows = outlier_rows(result.layers)
     assert len(rows) == 2 * len(arch_for(model).smooth)
-    search = recipe.stages[0].params.alpha_search
+    search = recipe.stages[0].params.search
     assert all(("search" in result.layers[r["producer"]]["smoothquant"]) == search for r in rows)
     with torch.no_grad():
         logits = model(ids).logits
