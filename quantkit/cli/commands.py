@@ -12,6 +12,7 @@ import torch
 from rich.table import Table
 
 from quantkit.checkpoint.load import load_any
+from quantkit.checkpoint.verify import DEFAULT_MAX_KL, DEFAULT_MIN_TOP1
 from quantkit.cli.base import DTYPES, QuantkitCommand, device_name, stderr, stdout, torch_dtype
 from quantkit.cli.progress import progress_bar
 from quantkit.errors import GateFailedError, QuantkitError
@@ -439,8 +440,8 @@ def import_command(folder: Path, out: Path, overwrite: bool) -> None:
 @click.command("verify", cls=QuantkitCommand)
 @click.argument("folder", type=click.Path(path_type=Path))
 @click.option("--baseline", default=None, help="Float model to compare with on a few windows (KL, top-1 agreement).")
-@click.option("--max-kl", type=float, default=0.5, show_default=True, help="With --baseline: largest mean KL (nats).")
-@click.option("--min-top1", type=float, default=0.75, show_default=True, help="With --baseline: least top-1 agreement.")
+@click.option("--max-kl", type=float, default=DEFAULT_MAX_KL, show_default=True, help="With --baseline: largest KL.")
+@click.option("--min-top1", type=float, default=DEFAULT_MIN_TOP1, show_default=True, help="With --baseline.")
 @click.option("--windows", type=click.IntRange(min=1), default=4, show_default=True, help="With --baseline.")
 @click.option("--seqlen", type=click.IntRange(min=2), default=256, show_default=True, help="With --baseline.")
 @click.option("--device", default=None, help="With --baseline: where both models run (default: cuda if available).")
