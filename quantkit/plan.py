@@ -43,7 +43,7 @@ class Plan:
     model: str
     architecture: str
     layers: int
-    rows: list[tuple[str, str, str, str]]  # (linear in a layer, [N x K], what runs on it, which layers)
+    rows: list[tuple[str, str, int, str, str]]  # (linear in a layer, N x K, how many a layer, what runs, which layers)
     float_bytes: int  # the float model's weights in the run's dtype
     output_bytes: int  # the checkpoint's tensors
     scratch_bytes: int  # the resume state at its largest
@@ -54,7 +54,8 @@ class Plan:
 
     def lines(self) -> list[str]:
         out = [f"plan: {self.model} ({self.architecture}), {self.layers} decoder layers, processed on {self.device}"]
-        out += [f"  {name} [{shape}]: {what} (layers {where})" for name, shape, what, where in self.rows]
+        for name, shape, count, what, where in self.rows:
+            out.append(f"  {name} [{shape}]{f' x{count}' if count > 1 else ''}: {what} (layers {where})")
         gpu = "" if self.device_bytes is None else f", GPU ~{size(self.device_bytes)}"
         out.append(f"memory: host ~{size(self.host_bytes)}{gpu} (float weights {size(self.float_bytes)})")
         out.append(f"disk: output ~{size(self.output_bytes)}, resume state ~{size(self.scratch_bytes)}")
@@ -102,7 +103,7 @@ def make_plan(folder: Path, recipe: Recipe, device: str, dtype: torch.dtype, off
     skeleton, arch = skeleton_of(folder)
     size = torch.empty(0, dtype=dtype).element_size()
     layers = skeleton.get_submodule(arch.layers)
-    rows: dict[tuple[str, str, str], list[int]] = {}
+    rows: dict[tuple[str, str, str], dict[int, int]] = {}  # (name, shape, what) -> layer -> modules
     layer_float, layer_out, stats = [], [], []
     for i, layer in enumerate(layers):
         params = sum(p.numel() for p in layer.parameters())
@@ -123,8 +124,8 @@ def make_plan(folder: Path, recipe: Recipe, device: str, dtype: torch.dtype, off
                 if scheme is not None:
                     out_bytes += quantized_bytes(scheme, n, k) - n * k * size
                 key = (re.sub(r"experts\.\d+\.", "experts.*.", name), f"{n} x {k}", " -> ".join(what) or "float")
-                if i not in rows.setdefault(key, []):
-                    rows[key].append(i)
+                per_layer = rows.setdefault(key, {})
+                per_layer[i] = per_layer.get(i, 0) + 1  # experts: how many a layer
         layer_float.append(params * size)
         layer_out.append(out_bytes)
         stats.append(max(group_stats))
@@ -140,7 +141,7 @@ def make_plan(folder: Path, recipe: Recipe, device: str, dtype: torch.dtype, off
     on_gpu = torch.device(device).type == "cuda"
     return Plan(
         model=str(folder), architecture=arch.name, layers=len(layers),
-        rows=[(name, shape, what, _spans(where)) for (name, shape, what), where in rows.items()],
+        rows=[(name, shape, max(n.values()), what, _spans(list(n))) for (name, shape, what), n in rows.items()],
         float_bytes=total, output_bytes=outside + sum(layer_out),
         scratch_bytes=(2 * hidden + sum(layer_out)) if resume_state else 0,
         host_bytes=host + (0 if on_gpu else work),

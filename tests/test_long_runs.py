@@ -221,6 +221,20 @@ def test_the_plan_estimates_the_checkpoint_size(tmp_path, tiny_dir, tokenizer):
     assert 2 * hidden < plan.scratch_bytes < 2 * hidden + plan.output_bytes  # hidden states and quantized layers
 
 
+def test_the_plan_of_a_mixture_of_experts(tmp_path, tokenizer):
+    from quantkit.checkpoint.inspect import inspect_checkpoint
+    from quantkit.plan import make_plan
+
+    recipe = quantkit.Recipe.from_dict(recipe_of("gptq"))
+    plan = make_plan(tiny_model_dir(tmp_path / "moe", "qwen2_moe"), recipe, "cpu", torch.float32, True, True)
+    assert ("mlp.experts.*.gate_proj", "32 x 64", 4, "gptq w4a16-g32-asym", "0") in plan.rows
+    assert ("mlp.down_proj", "64 x 96", 1, "gptq w4a16-g32-asym", "1") in plan.rows  # mlp_only_layers: [1]
+    model = tiny_model("qwen2_moe")
+    quantkit.quantize(model, recipe, CALIB)
+    out = quantkit.save_quantized(model, tmp_path / "q", tokenizer=tokenizer)
+    assert plan.output_bytes == inspect_checkpoint(out)["totals"]["file_bytes"]
+
+
 @pytest.mark.parametrize(
     "patch, fragment",
     [("disk", "of disk in"), ("host", "of host memory, 0 B available")],
