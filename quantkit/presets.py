@@ -18,6 +18,7 @@ from quantkit.recipe import Recipe
 
 W4A16 = {"bits": 4, "group_size": 128, "sym": True}
 W8A8 = {"bits": 8, "group_size": -1, "sym": True, "act_bits": 8, "act_dynamic": True}
+FP8_BLOCK = {**W8A8, "fmt": "fp8", "block_size": 128}  # DeepSeek-V3's w8a8-fp8-block
 AWQ_GPTQ = {"static_groups": False, "mse": True}  # the GPTQ that awq+gptq's figures and its AWQ stage's judge use
 
 PRESETS: dict[str, tuple[list, dict]] = {  # stages: a method name, or (name, its parameters)
@@ -26,6 +27,7 @@ PRESETS: dict[str, tuple[list, dict]] = {  # stages: a method name, or (name, it
     "awq": (["awq", "rtn"], W4A16),
     "awq+gptq": ([("awq", {"clip": False, "quantizer": "gptq", "refine_steps": 0}), ("gptq", AWQ_GPTQ)], W4A16),
     "w8a8": (["rtn"], W8A8),
+    "fp8-block": (["rtn"], FP8_BLOCK),
     "smoothquant": (["smoothquant", "rtn"], W8A8),
     "smoothquant+gptq": (["smoothquant", "gptq"], W8A8),
 }

@@ -26,6 +26,8 @@ FORMAT_VERSION = 1
 def layout_of(scheme: QuantScheme) -> Layout:
     if scheme.weight_only:
         return Layout.GPTQ_V2
+    if scheme.block_size is not None:
+        return Layout.FP8_BLOCK
     return Layout.FP8_ROWMAJOR if scheme.fmt == "fp8" else Layout.INT8_ROWMAJOR
 
 

@@ -4,13 +4,17 @@
   ``compressed-tensors`` package. Every quantkit scheme maps onto it: weight-only integer schemes of 2-8 bits
   (``pack-quantized``: groups that divide the input width or per-channel, symmetric or with zero points; not
   act-order's ``g_idx``, which compressed-tensors 0.20 removed: export those as GPTQ), W8A8 int8
-  (``int-quantized``) and fp8 (``float-quantized``) with dynamic per-token or static per-tensor activations.
+  (``int-quantized``) and fp8 (``float-quantized``) with dynamic per-token or static per-tensor activations, and
+  block-wise fp8 (``float-quantized``, weights by ``block``, activations by ``group`` of the block's width).
   vLLM's weight-only path takes 4 and 8 bits; 2- and 3-bit exports are for the compressed-tensors package.
 - ``awq``: AutoAWQ's GEMM layout (4-bit groups with zero points, packed along the output in AWQ's interleaved
   order), read by vLLM, TGI and transformers + autoawq. One 4-bit scheme with groups, no act-order.
 - ``gptq``: GPTQ checkpoint format v1 (zero points stored minus one), read by vLLM, TGI, GPTQModel and
   transformers + optimum. It holds one weight-only integer scheme for the whole model, 2/3/4/8 bits, groups that
   divide the input width; layers left in float are declared in ``dynamic`` as ``-:`` patterns.
+- ``fp8``: DeepSeek-V3's own block-wise fp8 layout (``quant_method: fp8``, ``weight_block_size``), read by vLLM,
+  SGLang and transformers' fine-grained FP8 loader: ``weight`` float8_e4m3fn [N, K] and ``weight_scale_inv`` fp32
+  [ceil(N/B), ceil(K/B)] (the multiplier, despite its name). One block-wise scheme for the whole model.
 
 All re-encode the same integers and store the scales as quantkit holds them (fp16 for weight-only layers, fp32
 for W8A8): nothing is re-quantized or rounded, so the exported model computes what the quantkit checkpoint
@@ -84,12 +88,7 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, fmt: str, 
         if not need <= set(layer):
             raise QuantkitError(f"corrupt checkpoint {folder}: {name} lacks {', '.join(sorted(need - set(layer)))}")
     float_linears = sorted(set(linear_names(model_skeleton(config))) - set(schemes))
-    if fmt == "gptq":
-        new_qc = _to_gptq(tensors, layers, schemes, float_linears)
-    elif fmt == "awq":
-        new_qc = _to_awq(tensors, layers, schemes, float_linears)
-    else:
-        new_qc = _to_compressed_tensors(tensors, layers, schemes, float_linears)
+    new_qc = CONVERTERS[fmt](tensors, layers, schemes, float_linears)
     config = {**config, EXPORT_MARK: {"format": fmt, "source": str(folder), "quantkit": versions()["quantkit"]}}
     path = write_converted(folder, out, overwrite, config, new_qc, tensors)
     return Exported(path, fmt, len(schemes))
@@ -104,12 +103,11 @@ def export_formats(src: str | os.PathLike) -> dict[str, str | None]:
         return dict.fromkeys(EXPORT_FORMATS, "its experts are split (mixture-of-experts)")
     tensors = read_tensors(folder)
     float_linears = sorted(set(linear_names(model_skeleton(config))) - set(schemes))
-    converters = {"compressed-tensors": _to_compressed_tensors, "gptq": _to_gptq, "awq": _to_awq}
     reasons: dict[str, str | None] = {}
     for fmt in EXPORT_FORMATS:
         trial = dict(tensors)  # the converters replace entries of the dict, never a tensor's contents
         try:
-            converters[fmt](trial, {name: module_tensors(name, trial) for name in schemes}, schemes, float_linears)
+            CONVERTERS[fmt](trial, {name: module_tensors(name, trial) for name in schemes}, schemes, float_linears)
             reasons[fmt] = None
         except QuantkitError as exc:
             reasons[fmt] = str(exc)
@@ -216,13 +214,14 @@ def _dims(layer: dict[str, torch.Tensor], scheme: QuantScheme) -> tuple[int, int
 def _ct_args(scheme: QuantScheme) -> dict:
     """The ``weights`` / ``input_activations`` arguments of one config group."""
     per_channel = scheme.group_size == -1
+    b = scheme.block_size
     weights = {
         "num_bits": scheme.bits,
         "type": "float" if scheme.fmt == "fp8" else "int",
         "symmetric": scheme.sym,
-        "strategy": "channel" if per_channel else "group",
+        "strategy": "block" if b else "channel" if per_channel else "group",
         "group_size": None if per_channel else scheme.group_size,
-        "block_structure": None,
+        "block_structure": [b, b] if b else None,
         "dynamic": False,
         "actorder": None,
         "observer": "minmax",
@@ -233,8 +232,8 @@ def _ct_args(scheme: QuantScheme) -> dict:
             "num_bits": 8,
             "type": weights["type"],
             "symmetric": True,
-            "strategy": "token" if scheme.act_dynamic else "tensor",
-            "group_size": None,
+            "strategy": "group" if b else "token" if scheme.act_dynamic else "tensor",
+            "group_size": b,
             "block_structure": None,
             "dynamic": scheme.act_dynamic,
             "actorder": None,
@@ -267,7 +266,8 @@ def _to_compressed_tensors(tensors, layers, schemes, float_linears) -> dict:
                 tensors[f"{name}.weight_zero_point"] = layer["qzeros"].t()[: -(-n * b // 32)].contiguous()
         else:
             tensors[f"{name}.weight"] = layer["weight"]
-            tensors[f"{name}.weight_scale"] = layer["weight_scale"].reshape(n, 1)  # fp32, as quantkit holds them
+            scale = layer["weight_scale"]  # fp32, as quantkit holds them; block-wise: [ceil(N/B), ceil(K/B)] already
+            tensors[f"{name}.weight_scale"] = scale if scheme.block_size else scale.reshape(n, 1)
             if "input_scale" in layer:
                 tensors[f"{name}.input_scale"] = layer["input_scale"].reshape(1)
         if "bias" in layer:
@@ -379,3 +379,27 @@ def _to_awq(tensors, layers, schemes, float_linears) -> dict:
         "zero_point": True,
         "modules_to_not_convert": inner or None,
     }
+
+
+# -- DeepSeek-V3's block-wise fp8 ----------------------------------------------------------------------------------
+
+
+def _to_fp8_block(tensors, layers, schemes, float_linears) -> dict:
+    scheme = _one_scheme(schemes, "fp8")
+    if not scheme.block_size:
+        raise QuantkitError(f"fp8 (DeepSeek-V3's layout) holds block-wise fp8 weights, not {scheme.name} "
+                            "(use compressed-tensors)")  # fmt: skip
+    for name, layer in layers.items():
+        tensors[f"{name}.weight_scale_inv"] = layer["weight_scale"]
+        del tensors[f"{name}.weight_scale"]
+    b = scheme.block_size
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [b, b],
+        "modules_to_not_convert": float_linears or None,
+    }
+
+
+CONVERTERS = {"compressed-tensors": _to_compressed_tensors, "gptq": _to_gptq, "awq": _to_awq, "fp8": _to_fp8_block}

@@ -1,4 +1,5 @@
-"""Import checkpoints other tools wrote, GPTQ (v1 and v2), AWQ (GEMM) and compressed-tensors, as quantkit ones.
+"""Import checkpoints other tools wrote, GPTQ (v1 and v2), AWQ (GEMM), compressed-tensors and block-wise fp8
+(DeepSeek-V3's own ``quant_method: fp8``), as quantkit ones.
 
 The other direction of ``export.py``: the integers are copied into quantkit's layouts (nothing is re-quantized),
 so an llm-compressor, GPTQModel, AutoGPTQ or AutoAWQ checkpoint can be evaluated, inspected, served by quantkit's
@@ -10,8 +11,11 @@ runtime and its kernels. What quantkit's layouts cannot hold exactly is refused 
 - AWQ: versions other than GEMM (GEMV, exllama and marlin re-layouts), no zero points.
 - compressed-tensors: formats other than ``pack-quantized``, ``int-quantized``, ``float-quantized`` and
   ``naive-quantized``; a quantized KV cache, weight transforms, sparsity; asymmetric activations; weight-only
-  strategies other than group / channel, W8A8 weight strategies other than channel / tensor (a per-tensor scale
-  is repeated per channel, exactly). Config groups are matched to modules as the library ranks them (an exact
+  strategies other than group / channel, W8A8 weight strategies other than channel / tensor / square blocks (a
+  per-tensor scale is repeated per channel, exactly; blocks need activations by groups of the block's width).
+- fp8 (DeepSeek-V3): static activations, non-square blocks or blocks that are not a power of two from 16 to 512
+  (the block GEMM's K tile); an fp8 weight without its ``weight_scale_inv`` or with one of another shape than
+  [ceil(N/B), ceil(K/B)]. Config groups are matched to modules as the library ranks them (an exact
   name, then a ``re:`` pattern matched at the start, then the class Linear), and each layer's packed width must
   fit its group's bits.
 - Every weight-only format: scales that change when stored as fp16 (quantkit's weight-only scales) by more than
@@ -47,9 +51,9 @@ from quantkit.checkpoint.save import check_apart, check_output, versions
 from quantkit.checkpoint.swap import swap_in_quantized_modules
 from quantkit.errors import QuantkitError, one_line
 from quantkit.quant.packing import LAYOUT_VERSIONS, pack_cols, pack_rows, packed_rows, unpack_cols, unpack_rows
-from quantkit.quant.scheme import QuantScheme
+from quantkit.quant.scheme import BLOCK_SIZES, QuantScheme
 
-IMPORT_METHODS = ("gptq", "awq", "compressed-tensors")
+IMPORT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
 CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
 
 
@@ -108,7 +112,8 @@ def convert_foreign(folder: Path, config: dict, qc: dict, tensors: dict[str, tor
     skeleton = model_skeleton(config)
     linears = set(linear_names(skeleton))
     change = [0.0]
-    convert = {"gptq": _from_gptq, "awq": _from_awq, "compressed-tensors": _from_compressed_tensors}[method]
+    convert = {"gptq": _from_gptq, "awq": _from_awq, "compressed-tensors": _from_compressed_tensors,
+               "fp8": _from_fp8_block}[method]  # fmt: skip
     try:
         schemes = convert(tensors, qc, linears, change)
     except (KeyError, IndexError, ValueError, RuntimeError, TypeError, AttributeError) as exc:  # malformed input
@@ -351,6 +356,16 @@ def _ct_w8a8(tensors, name: str, weights: dict, inputs: dict) -> QuantScheme:
     if not weights.get("symmetric", True) or not inputs.get("symmetric", True):
         raise QuantkitError(f"{name}: asymmetric 8-bit weights or activations are not importable")
     dynamic = bool(inputs.get("dynamic"))
+    if weights.get("strategy") == "block":
+        block = _block_size(name, weights.get("block_structure"))
+        if kind != "float" or not dynamic or inputs.get("strategy") != "group" or inputs.get("group_size") != block:
+            raise QuantkitError(f"{name}: fp8 weight blocks need dynamic fp8 activations by groups of {block} "
+                                f"(got {kind}, {inputs.get('strategy')} of {inputs.get('group_size')})")  # fmt: skip
+        layer = module_tensors(name, tensors)
+        for short in layer:
+            del tensors[f"{name}.{short}"]
+        return _fp8_block_layer(tensors, name, layer.get("weight"), layer.get("weight_scale"), block, "weight_scale",
+                                layer.get("bias"))  # fmt: skip
     if weights.get("strategy") not in ("channel", "tensor") or inputs.get("strategy") != (
         "token" if dynamic else "tensor"
     ):
@@ -375,3 +390,54 @@ def _ct_w8a8(tensors, name: str, weights: dict, inputs: dict) -> QuantScheme:
     if "bias" in layer:
         tensors[f"{name}.bias"] = layer["bias"]
     return scheme
+
+
+def _block_size(where: str, structure) -> int:
+    """B of a square ``[B, B]`` weight block, or a one-line error."""
+    ok = isinstance(structure, list | tuple) and len(structure) == 2 and structure[0] == structure[1]
+    if not ok or structure[0] not in BLOCK_SIZES or isinstance(structure[0], bool):
+        raise QuantkitError(f"{where}: weight block {structure!r} is not importable (square blocks of a power of two "
+                            f"from {BLOCK_SIZES[0]} to {BLOCK_SIZES[-1]}: the block GEMM's K tile)")  # fmt: skip
+    return structure[0]
+
+
+def _fp8_block_layer(tensors, name: str, weight, scale, block: int, scale_name: str, bias=None) -> QuantScheme:
+    """Store one block-wise fp8 layer in quantkit's ``fp8_block`` layout (the same bytes); returns its scheme."""
+    if weight is None or weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        got = "nothing" if weight is None else f"{weight.dtype} {list(weight.shape)}"
+        raise QuantkitError(f"{name}: a block-wise fp8 layer needs a 2-D float8_e4m3fn weight, found {got}")
+    n, k = weight.shape
+    want = [-(-n // block), -(-k // block)]
+    if scale is None:
+        raise QuantkitError(f"{name}: fp8 weight without its {scale_name} (fp32 {want})")
+    if list(scale.shape) != want:
+        raise QuantkitError(f"{name}: {scale_name} {list(scale.shape)} does not fit a [{n}, {k}] weight in "
+                            f"{block} x {block} blocks (expected {want})")  # fmt: skip
+    if scale.dtype != torch.float32:
+        raise QuantkitError(f"{name}: {scale_name} is stored as {scale.dtype}, expected torch.float32")
+    tensors[f"{name}.weight"] = weight
+    tensors[f"{name}.weight_scale"] = scale.contiguous()
+    if bias is not None:
+        tensors[f"{name}.bias"] = bias
+    return QuantScheme(bits=8, group_size=-1, sym=True, fmt="fp8", act_bits=8, block_size=block)
+
+
+def _from_fp8_block(tensors, qc: dict, linears: set[str], change: list[float]) -> dict[str, QuantScheme]:
+    """DeepSeek-V3's layout: ``X.weight`` float8_e4m3fn [N, K] and ``X.weight_scale_inv`` fp32 [ceil(N/B),
+    ceil(K/B)] for every quantized linear X, config ``weight_block_size: [B, B]``, dynamic activations."""
+    block = _block_size("fp8 config", qc.get("weight_block_size"))
+    if qc.get("activation_scheme", "dynamic") != "dynamic" or qc.get("fmt", "e4m3") != "e4m3":
+        raise QuantkitError(f"fp8 checkpoints with {qc.get('activation_scheme')} {qc.get('fmt', 'e4m3')} "
+                            "activations are not importable (dynamic e4m3 are)")  # fmt: skip
+    scale_names = {k.removesuffix(".weight_scale_inv") for k in tensors if k.endswith(".weight_scale_inv")}
+    fp8_names = {k.removesuffix(".weight") for k, t in tensors.items()
+                 if k.endswith(".weight") and t.dtype == torch.float8_e4m3fn}  # fmt: skip
+    orphans = sorted(scale_names - fp8_names)
+    if orphans:
+        raise QuantkitError(f"{orphans[0]}: a weight_scale_inv without an fp8 weight")
+    schemes = {}
+    for name in sorted(fp8_names):
+        _check_linear(name, linears)
+        scale = tensors.pop(f"{name}.weight_scale_inv", None)
+        schemes[name] = _fp8_block_layer(tensors, name, tensors[f"{name}.weight"], scale, block, "weight_scale_inv")
+    return schemes

@@ -31,7 +31,7 @@ SMOOTHING_HEADER = (
 )
 
 SHARD_BYTES = 4 << 30
-EXPORT_FORMATS = ("compressed-tensors", "gptq", "awq")  # quant_method of the formats checkpoint/export.py writes
+EXPORT_FORMATS = ("compressed-tensors", "gptq", "awq", "fp8")  # quant_method of the formats checkpoint/export.py writes
 EXPORT_MARK = "quantkit_export"  # config.json key of a folder quantkit exported (what --overwrite may replace)
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"

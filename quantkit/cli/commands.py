@@ -111,7 +111,7 @@ def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out:
 
 @click.command("quantize", cls=QuantkitCommand)
 @click.option("--model", default="smollm2-135m", show_default=True, help="HF folder, .gguf file or built-in name.")
-@click.option("--method", default=None, help="A preset: rtn, gptq, awq, awq+gptq, w8a8, smoothquant, ...")
+@click.option("--method", default=None, help="A preset: rtn, gptq, awq, awq+gptq, w8a8, fp8-block, smoothquant, ...")
 @click.option("--recipe", "recipe_spec", default=None, help="A YAML recipe file or shipped recipe name.")
 @click.option(
     "--out", type=click.Path(path_type=Path), required=True, help="Output checkpoint folder (made with its parents)."
@@ -405,9 +405,10 @@ def inspect_command(folder: Path, as_json: bool, kernels: bool, ms: str, gpu: st
 @click.command("export", cls=QuantkitCommand)
 @click.argument("folder", type=click.Path(path_type=Path))
 @click.option(
-    "--format", "fmt", type=click.Choice(["compressed-tensors", "gptq", "awq"]), required=True,
+    "--format", "fmt", type=click.Choice(["compressed-tensors", "gptq", "awq", "fp8"]), required=True,
     help="compressed-tensors (vLLM, transformers + compressed-tensors; every scheme but act-order), gptq"
-    " (checkpoint format v1: one weight-only integer scheme, act-order included) or awq (GEMM: 4-bit groups).",
+    " (checkpoint format v1: one weight-only integer scheme, act-order included), awq (GEMM: 4-bit groups) or fp8"
+    " (DeepSeek-V3's block-wise layout, for w8a8-fp8-block).",
 )  # fmt: skip
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder to write (made with its parents).")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it holds a checkpoint (or is empty).")

@@ -3,11 +3,13 @@
 Buffers (N = out_features, K = in_features):
 
 - ``weight``       int8 [N, K] (``fmt="int"``) or float8_e4m3fn [N, K] (``fmt="fp8"``), row-major, K contiguous
-- ``weight_scale`` fp32 [N]: per-output-channel scale, ``W ~= weight * weight_scale[:, None]``
+- ``weight_scale`` fp32 [N]: per-output-channel scale, ``W ~= weight * weight_scale[:, None]``; block-wise fp8
+  (scheme ``block_size`` B, DeepSeek-V3's ``w8a8-fp8-block``): fp32 [ceil(N/B), ceil(K/B)], one per B x B block,
+  with activations quantized per 1 x B tile of each token (``quantkit.kernels.w8a8.block``)
 - ``input_scale``  fp32 [1]: calibrated per-tensor activation scale; registered only for static activations
 - ``bias``         [N] in the model dtype, when the layer has one
 
-Layout: ``Layout.INT8_ROWMAJOR`` or ``Layout.FP8_ROWMAJOR`` (``quantkit.quant.packing``), by the scheme's format.
+Layout: ``Layout.INT8_ROWMAJOR``, ``Layout.FP8_ROWMAJOR`` or ``Layout.FP8_BLOCK`` (``quantkit.quant.packing``).
 
 Numerics (one contract, two execution paths): activations are quantized per token (dynamic: scale = row abs-max /
 QMAX) or per tensor (static: ``input_scale``), symmetric, QMAX = 127 (int8) or 448 (e4m3), rounding half to even;
@@ -16,7 +18,9 @@ QMAX) or per tensor (static: ``input_scale``), symmetric, QMAX = 127 (int8) or 4
 - ``"simulated"`` (default): fake-quantized activations times the dequantized weight, an fp32 matmul; any device,
   both formats.
 - ``"integer"``: the 8-bit product itself. CUDA: the Triton kernels (int8 and fp8). CPU: ``torch._int_mm``
-  (int8 x int8 -> int32) then the fp32 epilogue; fp8 has no CPU integer path and raises.
+  (int8 x int8 -> int32) then the fp32 epilogue; fp8 has no CPU integer path and raises. Block-wise fp8: the block
+  GEMM on CUDA, its reference elsewhere (each B-long partial sum in fp32, scaled by its two scales, then summed:
+  DeepSeek-V3's promotion every B products).
 
 ``fp8_fast_accum`` (fp8 on CUDA only; default off): let Hopper's tensor cores accumulate the whole K loop in their
 reduced-precision adder, as cuBLAS ``use_fast_accum=True`` and vLLM's sm90 fp8 kernels for this scheme do, instead of
@@ -37,8 +41,10 @@ from enum import Enum
 import torch
 from torch import nn
 
+from quantkit.algorithms.fp8 import dequantize_fp8, quantize_fp8
 from quantkit.errors import QuantkitError
 from quantkit.kernels import w8a8 as kernels
+from quantkit.kernels.w8a8 import block as block_kernels
 from quantkit.quant.packing import Layout
 from quantkit.quant.scheme import QuantScheme
 from quantkit.quant.tensor import QuantizedWeight
@@ -83,13 +89,16 @@ class W8A8Linear(nn.Module):
         self.out_features = out_features
         self.scheme = scheme
         self.dtype = dtype
-        self.layout = LAYOUT_OF_FORMAT[scheme.fmt]
+        self.block = scheme.block_size  # None: per channel
+        self.layout = Layout.FP8_BLOCK if self.block else LAYOUT_OF_FORMAT[scheme.fmt]
         self.fmt = KERNEL_FORMAT[scheme.fmt]
         self.execution = Execution.SIMULATED
         self.fp8_fast_accum = False
         wdtype = kernels.DTYPE_OF_FORMAT[self.fmt]
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=wdtype, device=device))
-        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        b = self.block
+        scale_shape = (out_features,) if not b else (-(-out_features // b), -(-in_features // b))
+        self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
         if scheme.act_dynamic:
             self.input_scale = None
         else:
@@ -129,7 +138,7 @@ class W8A8Linear(nn.Module):
         n, k = q.shape
         mod = cls(k, n, scheme, bias=bias is not None, dtype=dtype, device=q.device)
         mod.weight.copy_(q)
-        mod.weight_scale.copy_(scale.reshape(n))
+        mod.weight_scale.copy_(scale.reshape(mod.weight_scale.shape))
         if input_scale is not None:
             s = torch.as_tensor(input_scale, dtype=torch.float32).reshape(-1)
             if s.numel() != 1 or not bool(s[0] > 0):
@@ -148,7 +157,10 @@ class W8A8Linear(nn.Module):
         the scheme's activations are static."""
         _check_scheme(scheme)
         w = linear.weight.detach()
-        q, scale = kernels.quantize_rows_reference(w, KERNEL_FORMAT[scheme.fmt])  # [N, K], [N]
+        if scheme.block_size:  # [N, K], [ceil(N/B), ceil(K/B)]
+            q, scale = quantize_fp8(w, "block", scheme.block_size)
+        else:
+            q, scale = kernels.quantize_rows_reference(w, KERNEL_FORMAT[scheme.fmt])  # [N, K], [N]
         bias = linear.bias.detach() if linear.bias is not None else None
         return cls._build(q, scale, scheme, bias, w.dtype, input_scale)
 
@@ -191,6 +203,9 @@ class W8A8Linear(nn.Module):
                 raise ValueError("only layers with one scheme, input width, dtype and execution can be concatenated")
             if p.input_scale is not None and not torch.equal(p.input_scale, first.input_scale):
                 raise ValueError("the layers' static input scales differ")
+        if first.block and any(p.out_features % first.block for p in parts[:-1]):
+            raise ValueError(f"block-wise layers concatenate only when each part but the last fills whole "
+                             f"{first.block}-row blocks")  # fmt: skip
         n = sum(p.out_features for p in parts)
         with torch.device("meta"):  # no storage: the buffers are assigned below
             out = cls(
@@ -212,24 +227,39 @@ class W8A8Linear(nn.Module):
         return out
 
     def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """W [N, K] = weight * weight_scale[:, None], computed in fp32."""
+        """W [N, K] = weight * weight_scale[:, None] (block-wise: weight_scale[n // B, k // B]), computed in fp32."""
+        if self.block:
+            return dequantize_fp8(self.weight, self.weight_scale, dtype, block_size=self.block)
         return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
 
     # -- forward -----------------------------------------------------------------------------------------------
 
     def quantize_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [M, K] -> (qa [M, K], a_scale fp32 [M] or [1]) with the plain PyTorch reference quantizer."""
+        """x [M, K] -> (qa [M, K], a_scale fp32 [M] or [1]; block-wise: [M, ceil(K/B)]) with the plain PyTorch
+        reference quantizer."""
+        if self.block:
+            return block_kernels.quantize_tiles_reference(x2, self.block)
         return kernels.quantize_activations_reference(x2, self.fmt, self.input_scale)
 
     def _forward_simulated(self, x2: torch.Tensor) -> torch.Tensor:
         qa, a_scale = self.quantize_input(x2)
-        x_fq = qa.float() * a_scale.reshape(-1, 1)  # [M, K] fake-quantized activations, fp32
+        if self.block:  # [M, K] fake-quantized activations, fp32
+            x_fq = qa.float() * a_scale.repeat_interleave(self.block, 1)[:, : self.in_features]
+        else:
+            x_fq = qa.float() * a_scale.reshape(-1, 1)
         y = x_fq @ self.dequantize_weight(torch.float32).t()
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x2.dtype)
 
     def _forward_integer(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.block:  # CUDA: the block GEMM; elsewhere its reference (fp32 partial sums per tile, scaled, summed)
+            if x2.is_cuda:
+                return block_kernels.fp8_block_linear(x2, self.weight, self.weight_scale, self.block, self.bias)
+            qa, a_scale = self.quantize_input(x2)
+            return block_kernels.fp8_block_matmul_reference(
+                qa, a_scale, self.weight, self.weight_scale, self.block, self.bias, x2.dtype
+            )
         if x2.is_cuda:
             return kernels.w8a8_linear(
                 x2, self.weight, self.weight_scale, self.bias, self.input_scale, fp8_fast_accum=self.fp8_fast_accum

@@ -30,14 +30,18 @@ class Layout(str, Enum):
 
     ``fp8_rowmajor``: W8A8 fp8 e4m3: ``weight`` float8_e4m3fn [N, K], ``weight_scale`` fp32 [N],
     optional ``input_scale`` fp32 [1], optional ``bias`` [N].
+
+    ``fp8_block``: block-wise W8A8 fp8 (block B): ``weight`` float8_e4m3fn [N, K], ``weight_scale`` fp32
+    [ceil(N/B), ceil(K/B)] with ``W[n, k] ~= weight[n, k] * weight_scale[n // B, k // B]``, optional ``bias`` [N].
     """
 
     GPTQ_V2 = "gptq_v2"
     INT8_ROWMAJOR = "int8_rowmajor"
     FP8_ROWMAJOR = "fp8_rowmajor"
+    FP8_BLOCK = "fp8_block"
 
 
-LAYOUT_VERSIONS = {Layout.GPTQ_V2: 1, Layout.INT8_ROWMAJOR: 1, Layout.FP8_ROWMAJOR: 1}
+LAYOUT_VERSIONS = {Layout.GPTQ_V2: 1, Layout.INT8_ROWMAJOR: 1, Layout.FP8_ROWMAJOR: 1, Layout.FP8_BLOCK: 1}
 
 
 def packed_rows(n: int, bits: int) -> int:

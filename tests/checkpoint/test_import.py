@@ -3,6 +3,8 @@ as the same model, a layer written by compressed-tensors' own compressor comes b
 and what quantkit's layouts cannot hold is refused."""
 
 import json
+import re
+import shutil
 
 import pytest
 import torch
@@ -18,6 +20,8 @@ from quantkit.errors import QuantkitError
 from tests.checkpoint.test_export import checkpoint, logits, needs_compressed_tensors, scheme
 from tests.tiny_models import tiny_model, tiny_tokenizer
 
+# block 64 over the tiny Llama's 64 x 96 layers: ragged blocks along K (96 = 64 + 32) and along N (96 outputs)
+FP8_BLOCK64 = scheme(8, -1, act_bits=8, fmt="fp8", block_size=64)
 ROUND_TRIPS = [
     ("compressed-tensors", {"scheme": scheme(4, 32), "stages": [{"method": "rtn"}]}),
     ("compressed-tensors", {"scheme": scheme(4, 32, sym=False), "stages": [{"method": "rtn"}]}),
@@ -34,6 +38,8 @@ ROUND_TRIPS = [
     ("gptq", {"scheme": scheme(8, -1), "stages": [{"method": "rtn", "ignore": ["re:.*k_proj"]}]}),
     ("awq", {"scheme": scheme(4, 32, sym=False), "stages": [{"method": "awq"}, {"method": "rtn"}]}),
     ("awq", {"scheme": scheme(4, 32), "stages": [{"method": "rtn", "ignore": ["re:.*k_proj"]}]}),
+    ("compressed-tensors", {"scheme": FP8_BLOCK64, "stages": [{"method": "rtn"}]}),
+    ("fp8", {"scheme": FP8_BLOCK64, "stages": [{"method": "rtn", "ignore": ["re:.*k_proj"]}]}),
 ]  # fmt: skip
 
 
@@ -41,7 +47,7 @@ ROUND_TRIPS = [
     "fmt, recipe",
     ROUND_TRIPS,
     ids=["ct-w4", "ct-w4-asym", "ct-w3-pc-asym", "ct-mixed", "ct-w8a8-int8", "ct-w8a8-fp8-static", "gptq-w4-act-order",
-         "gptq-w3", "gptq-w8-float-k", "awq-asym", "awq-sym-float-k"],
+         "gptq-w3", "gptq-w8-float-k", "awq-asym", "awq-sym-float-k", "ct-fp8-block", "fp8-block-float-k"],
 )  # fmt: skip
 def test_an_export_imports_back_to_the_same_model(tmp_path, fmt, recipe):
     q = checkpoint(tmp_path, recipe)
@@ -53,6 +59,43 @@ def test_an_export_imports_back_to_the_same_model(tmp_path, fmt, recipe):
     assert qc["modules"] == original["modules"] and qc["schemes"] == original["schemes"]
     assert qc["recipe"]["name"] == f"imported-{fmt}" and qc["imported_from"]["quant_method"] == fmt
     assert torch.equal(logits(quantkit.load_quantized(done.path)), logits(quantkit.load_quantized(q)))
+
+
+def test_fp8_block_round_trips_bit_for_bit_and_refuses_bad_scales(tmp_path):
+    q = checkpoint(tmp_path, {"scheme": FP8_BLOCK64, "stages": [{"method": "rtn"}]})
+    for fmt in ("fp8", "compressed-tensors"):
+        exported = export_checkpoint(q, tmp_path / fmt, fmt).path
+        stored = load_file(exported / "model.safetensors")
+        qc = json.loads((exported / "config.json").read_text())["quantization_config"]
+        if fmt == "fp8":
+            assert qc["weight_block_size"] == [64, 64] and qc["activation_scheme"] == "dynamic"
+            assert stored["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (1, 2)  # [64 out, 96 in]
+        else:
+            (group,) = qc["config_groups"].values()
+            assert group["weights"]["strategy"] == "block" and group["weights"]["block_structure"] == [64, 64]
+            assert group["input_activations"]["strategy"] == "group" and group["input_activations"]["group_size"] == 64
+        back = import_checkpoint(exported, tmp_path / f"{fmt}-back").path
+        want, got = load_file(q / "model.safetensors"), load_file(back / "model.safetensors")
+        assert want.keys() == got.keys()
+        for key, t in want.items():
+            assert got[key].dtype == t.dtype and torch.equal(got[key].view(torch.uint8), t.view(torch.uint8)), key
+    exported = tmp_path / "fp8"
+    key = "model.layers.1.self_attn.o_proj.weight_scale_inv"
+    for edit, fragment in [
+        ({"tensor_update": lambda t: t.pop(key)}, "o_proj: fp8 weight without its weight_scale_inv"),
+        ({"tensor_update": lambda t: t.update({key: torch.ones(2, 2)})}, r"weight_scale_inv \[2, 2\] does not fit"),
+        ({"qc_update": {"weight_block_size": [96, 96]}}, r"weight block \[96, 96\] is not importable"),
+        ({"qc_update": {"weight_block_size": [64, 128]}}, "is not importable"),
+        ({"qc_update": {"activation_scheme": "static"}}, "static e4m3 activations are not importable"),
+    ]:
+        broken = tmp_path / "broken"
+        if broken.exists():
+            shutil.rmtree(broken)
+        shutil.copytree(exported, broken)
+        _edit(broken, **edit)
+        r = CliRunner().invoke(cli, ["import", str(broken), "--out", str(tmp_path / "x")])
+        assert r.exit_code == 2 and re.search(fragment, r.stderr) and len(r.stderr.strip().splitlines()) == 1, r.output
+        assert not (tmp_path / "x").exists()
 
 
 def test_gptq_v2_imports_with_its_zero_points_as_stored(tmp_path):

@@ -111,7 +111,9 @@ def test_fp8_quantizer_is_the_module_grid_and_round_trips():
     assert st.shape == (1,) and st.item() == pytest.approx(w.abs().max().item() / 448)
     assert (dequantize_fp8(qt, st) - w).abs().max() <= w.abs().max() * 2**-4
     with pytest.raises(ValueError, match="granularity"):
-        quantize_fp8(w, granularity="block")
+        quantize_fp8(w, granularity="row")
+    with pytest.raises(ValueError, match="block_size"):
+        quantize_fp8(w, granularity="block", block_size=0)
 
 
 def test_zero_rows_quantize_to_zero_without_nan():
@@ -244,3 +246,25 @@ def test_w8a8_quantize_save_reload(fmt, dynamic, tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(quantkit.save_quantized(model, tmp_path / "q")).eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, out, rtol=0, atol=0)
+
+
+def test_block_fp8_module_paths_agree_and_track_the_float_layer():
+    lin = make_linear(160, 70, bias=True)
+    mod = W8A8Linear.from_float(lin, QuantScheme(bits=8, group_size=-1, fmt="fp8", act_bits=8, block_size=32))
+    assert mod.scheme.name == "w8a8-fp8-block32" and mod.weight_scale.shape == (3, 5)
+    q, s = quantize_fp8(lin.weight.detach(), "block", 32)
+    assert torch.equal(q.view(torch.uint8), mod.weight.view(torch.uint8)) and torch.equal(s, mod.weight_scale)
+    x = torch.randn(6, 160)
+    y_sim = mod(x)
+    mod.execution = "integer"
+    y_int = mod(x)
+    # the same codes in both paths: they differ by fp32 summation order only
+    assert torch.allclose(y_sim, y_int, rtol=1e-5, atol=1e-5)
+    ref = lin(x)
+    assert ((y_int - ref).norm() / ref.norm()) < 0.05  # e4m3 rounding of both operands: ~3-4% RMS
+    even = W8A8Linear.from_float(make_linear(160, 64, seed=1), mod.scheme)
+    even.execution = "integer"
+    both = W8A8Linear.concat([even, mod])  # a ragged last part is fine: its blocks stay its own
+    assert torch.allclose(both(x), torch.cat([even(x), y_int], dim=1))
+    with pytest.raises(ValueError, match="whole 32-row blocks"):
+        W8A8Linear.concat([mod, even])

@@ -1,0 +1,86 @@
+"""Block-wise fp8 GEMM (``kernels/w8a8/block.py``) against its PyTorch reference and a float64 one, in Triton's
+interpreter on CPU machines (on CUDA where present).
+
+Tolerances. The tile quantizer is checked bit for bit (the family's row quantizer rounds exactly as the reference).
+For the GEMM both sides form each B-long partial sum of e4m3 products in fp32, scale it and add it per tile: against
+float64 from the same codes the error is a few fp32 roundings per tile of the accumulated magnitude,
+(K/B + 2) * 4 * eps(fp32) * sum |terms| (Higham's bound, per tile), plus one rounding to the output dtype (fp16:
+2**-10 relative; the interpreter's dot goes through fp16, exact for e4m3 codes).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from quantkit.kernels.w8a8 import block as KB
+
+from quantkit.algorithms.fp8 import dequantize_fp8, quantize_fp8
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+F32_EPS = torch.finfo(torch.float32).eps
+SMALL = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+
+
+def layer(m, n, k, block, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g).add(0.1) * 4
+    x[:, :5] *= 30  # an outlier column: only its tile's scale grows
+    w = torch.randn(n, k, generator=g) * 0.05
+    qw, ws = quantize_fp8(w, "block", block)
+    return x, w, qw, ws
+
+
+def test_tile_quantizer_matches_reference_bit_for_bit():
+    x = torch.randn(5, 80) * 3
+    x[2] = 0
+    qa, s = KB.quantize_tiles(x.to(DEVICE), 32)
+    rq, rs = KB.quantize_tiles_reference(x, 32)
+    assert rs.shape == (5, 3) and torch.equal(s.cpu(), rs)
+    assert torch.equal(qa.cpu().view(torch.uint8), rq.view(torch.uint8))
+    assert torch.equal(rs[2], torch.full((3,), 1e-30 / 448))  # an all-zero row: tiny scales, zero codes, no NaN
+
+
+SHAPES = [(1, 40, 64, 16), (5, 70, 80, 32), (33, 48, 96, 32), (3, 16, 16, 16)]  # ragged M, N and K included
+
+
+@pytest.mark.parametrize(("m", "n", "k", "block"), SHAPES)
+def test_gemm_matches_reference(m, n, k, block):
+    x, _, qw, ws = layer(m, n, k, block, seed=m + n + k)
+    bias = torch.randn(n)
+    qa, a_s = KB.quantize_tiles_reference(x, block)
+    ref = KB.fp8_block_matmul_reference(qa, a_s, qw, ws, block, bias, torch.float32)
+    # float64 from the quantized operands, scaled per (token tile, weight block)
+    w64 = dequantize_fp8(qw, ws, torch.float64, block_size=block)
+    x64 = qa.double() * a_s.double().repeat_interleave(block, 1)[:, :k]
+    exact = x64 @ w64.t() + bias.double()
+    mag = x64.abs() @ w64.abs().t() + bias.double().abs()
+    bound = mag * (k / block + 2) * 4 * F32_EPS
+    assert ((ref.double() - exact).abs() <= bound).all()
+    d = lambda t: t.to(DEVICE)
+    y = KB.fp8_block_matmul(d(qa), d(a_s), d(qw), d(ws), block, d(bias), torch.float32, config=SMALL).cpu()
+    assert not y.isnan().any() and ((y.double() - exact).abs() <= bound).all()
+    y16 = KB.fp8_block_linear(d(x.half()), d(qw), d(ws), block, d(bias.half())).cpu()
+    qa16, as16 = KB.quantize_tiles_reference(x.half(), block)
+    exact16 = KB.fp8_block_matmul_reference(qa16, as16, qw, ws, block, bias.half(), torch.float32)
+    assert y16.dtype == torch.float16
+    assert ((y16.float() - exact16).abs() <= exact16.abs() * 2**-10 + bound.float() + 1e-3).all()
+
+
+def test_block_weights_round_trip_within_e4m3_rounding():
+    w = torch.randn(70, 100) * 0.1
+    w[3, 7] = 5.0  # one outlier only coarsens its own block
+    q, s = quantize_fp8(w, "block", 32)
+    assert s.shape == (3, 4) and q.dtype == torch.float8_e4m3fn
+    assert s[0, 0] == pytest.approx(5.0 / 448) and s[1, 1] < 0.5 / 448 * 2
+    err = (dequantize_fp8(q, s, block_size=32) - w).abs()
+    per = s.repeat_interleave(32, 0).repeat_interleave(32, 1)[:70, :100]
+    assert (err <= torch.maximum(w.abs() * 2**-4, per * 2**-10) * (1 + 1e-5)).all()
+
+
+def test_bad_operands_are_refused_with_the_reason():
+    _, _, qw, ws = layer(2, 32, 64, 32, seed=0)
+    qa, a_s = KB.quantize_tiles_reference(torch.randn(2, 64), 32)
+    with pytest.raises(ValueError, match="w_scale must be fp32"):
+        KB.fp8_block_matmul(qa, a_s, qw, ws[:, :1].contiguous(), 32)
+    with pytest.raises(ValueError, match="block must be one of"):
+        KB.fp8_block_matmul(qa, a_s, qw, ws, 48)
