@@ -49,6 +49,22 @@ CONFIGS = {
     "qwen3_moe": lambda: T.Qwen3MoeConfig(
         **COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16
     ),
+    # MLA with low-rank queries, one dense layer, then routed experts (grouped top-k) and a shared expert
+    "deepseek_v3": lambda: T.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4},
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+    ),
 }
 
 

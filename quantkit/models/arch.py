@@ -140,6 +140,36 @@ ARCHITECTURES: tuple[ArchSpec, ...] = (
     ),
 )
 
+# DeepSeek-V3 (and V2): multi-head latent attention, whose queries and keys/values go through low-rank projections
+# with a norm between (q_a_proj -> q_a_layernorm -> q_b_proj; kv_a_proj_with_mqa -> kv_a_layernorm (its first
+# kv_lora_rank outputs) -> kv_b_proj; q_proj without q_lora_rank), the first ``first_k_dense_replace`` layers dense,
+# the others routed experts plus shared experts. The router (``mlp.gate``, with its ``e_score_correction_bias``) is
+# not a Linear and stays float. kv_b_proj's value rows mix with the keys' rows per head: o_proj is not smoothed.
+MLA_IN = ("self_attn.q_a_proj", "self_attn.q_proj", "self_attn.kv_a_proj_with_mqa")
+MLA_UP = ("self_attn.q_b_proj", "self_attn.kv_b_proj")
+DS_SHARED_GATE_UP = ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj")
+DS_MLP_IN = (*EXPERT_GATE_UP, *DS_SHARED_GATE_UP, *MOE_DENSE_MLP)
+DEEPSEEK_V3 = ArchSpec(
+    "deepseek_v3",
+    ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"),
+    "model.layers",
+    (MLA_IN, MLA_UP, ("self_attn.o_proj",), DS_MLP_IN, (*EXPERT_DOWN, "mlp.shared_experts.down_proj", "mlp.down_proj")),
+    (
+        SmoothGroup("input_layernorm", MLA_IN, block="self_attn"),
+        SmoothGroup("self_attn.q_a_layernorm", ("self_attn.q_b_proj",), block="self_attn.q_b_proj"),
+        SmoothGroup("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",), block="self_attn.kv_b_proj"),
+        SmoothGroup("post_attention_layernorm", DS_MLP_IN, block="mlp"),
+        SmoothGroup("mlp.experts.*.up_proj", EXPERT_DOWN, block="mlp.experts.*.down_proj"),
+        SmoothGroup(
+            "mlp.shared_experts.up_proj", ("mlp.shared_experts.down_proj",), block="mlp.shared_experts.down_proj"
+        ),
+        SmoothGroup("mlp.up_proj", ("mlp.down_proj",), block="mlp.down_proj"),
+    ),
+    never_quantize=("mlp.gate",),
+    fused_experts="mlp.experts",
+)
+ARCHITECTURES = (*ARCHITECTURES, DEEPSEEK_V3)
+
 _BY_CLASS = {cls: spec for spec in ARCHITECTURES for cls in spec.hf_classes}
 
 

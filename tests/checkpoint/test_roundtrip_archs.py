@@ -45,3 +45,45 @@ def test_never_quantized_modules_stay_float(arch):
     spec = arch_for(model)
     for pattern in spec.never_quantize:
         assert not any(n.endswith(pattern) for n in names), pattern
+
+
+DEEPSEEK_RECIPES = {
+    "gptq": {"scheme": {"bits": 4, "group_size": 16}, "stages": [{"method": "gptq"}]},
+    "awq": {"scheme": {"bits": 4, "group_size": 16}, "stages": [{"method": "awq"}, {"method": "rtn"}]},
+    "fp8-block": {"scheme": {"bits": 8, "group_size": -1, "fmt": "fp8", "act_bits": 8, "block_size": 16},
+                  "stages": [{"method": "rtn"}]},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("method", sorted(DEEPSEEK_RECIPES))
+def test_deepseek_v3_quantizes_saves_and_reloads(method, tmp_path):
+    """MLA projections (q_a/q_b, kv_a_proj_with_mqa, kv_b, o) and experts quantized; the router and its correction
+    bias untouched in float; the reloaded model computes the quantized model's logits exactly."""
+    model = tiny_model("deepseek_v3")
+    gate = model.model.layers[1].mlp.gate
+    with torch.no_grad():
+        gate.e_score_correction_bias.copy_(torch.linspace(-0.1, 0.1, 4))
+    router = (gate.weight.detach().clone(), gate.e_score_correction_bias.clone())
+    ids = torch.randint(3, 320, (2, 12), generator=torch.Generator().manual_seed(1))
+    calib = torch.randint(3, 320, (4, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        float_logits = model(ids).logits
+    result = quantkit.quantize(model, Recipe.from_dict(DEEPSEEK_RECIPES[method]), calib=calib)
+    names = set(quantized_modules(model))
+    for short in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+        assert f"model.layers.1.self_attn.{short}" in names
+    assert {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.experts.3.down_proj",
+            "model.layers.1.mlp.shared_experts.up_proj"} <= names  # fmt: skip
+    assert len(result.layers) == len(names) == 28  # 8 in the dense layer, 5 + 4 x 3 + 3 in the MoE layer
+    with torch.no_grad():
+        q_logits = model(ids).logits
+    assert (q_logits - float_logits).abs().mean() < 0.5 * float_logits.abs().mean()
+    out = quantkit.save_quantized(model, tmp_path / "q")
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    gate = reloaded.model.layers[1].mlp.gate
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    if method != "awq":  # AWQ folds its scales into the norms, never into the router
+        assert torch.equal(gate.weight, router[0])
+    assert torch.equal(gate.e_score_correction_bias, router[1])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, q_logits, rtol=0, atol=0)
