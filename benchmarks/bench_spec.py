@@ -7,7 +7,8 @@ of draft, verify and decode steps of a Llama-3-8B-shaped model with the batch-1 
 
 Part 1 (a real model): for each proposer (``self-g128``: the target's weights rounded to w4a16-g128; ``self-gptq``:
 a GPTQ checkpoint of the same model given by ``--gptq-draft``; ``self-half``: w4a16-g128 with the first half of the
-layers; ``ngram``: prompt lookup), each k and each temperature, generate from held-out prompts of three kinds
+layers; ``ngram``: prompt lookup; ``eagle`` / ``medusa``: draft heads from ``quantkit train-draft`` given by
+``--eagle-heads`` / ``--medusa-heads``), each k and each temperature, generate from held-out prompts of three kinds
 (``narrative``: passages of the evaluation text, which no calibration saw; ``chat``: questions through the chat
 template; ``grounded``: a passage and a request to quote from it) and report the acceptance rate and tau (tokens
 emitted per verify step); then tokens/s against the same target without speculation at batch 1 (one prompt at a time)
@@ -91,6 +92,9 @@ def proposers(args, layers: int) -> dict[str, dict]:
     }
     if args.gptq_draft:
         out["self-gptq"] = dict(method="self", draft=str(args.gptq_draft))
+    for method in ("eagle", "medusa"):  # draft heads made by quantkit train-draft
+        if getattr(args, f"{method}_heads"):
+            out[method] = dict(method=method, draft=str(getattr(args, f"{method}_heads")))
     return {k: v for k, v in out.items() if k in args.proposers.split(",")}
 
 
@@ -117,7 +121,8 @@ def acceptance(args, folder: str, settings: dict) -> dict:
     layers = plain.model.config.num_hidden_layers
     rows, speed = [], []
     for name, spec in proposers(args, layers).items():
-        spec_settings = {**settings, **({"gpu_memory_utilization": 0.65} if "gpu_memory_utilization" in settings else {})}
+        gpu = {"gpu_memory_utilization": 0.65} if "gpu_memory_utilization" in settings else {}
+        spec_settings = {**settings, **gpu}
         llm = LLM(folder, **spec_settings, speculative=SpeculativeConfig(**spec, adaptive=False))
         for kind, prompts in sets.items():
             for temperature in args.temperatures:
@@ -238,8 +243,10 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m", help="target: a float folder or built-in name (part 1)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--proposers", default="self-g128,self-gptq,self-half,ngram")
+    ap.add_argument("--proposers", default="self-g128,self-gptq,self-half,ngram,eagle,medusa")
     ap.add_argument("--gptq-draft", type=Path, help="a quantkit GPTQ checkpoint of the target (proposer self-gptq)")
+    ap.add_argument("--eagle-heads", type=Path, help="EAGLE heads of the target from train-draft (proposer eagle)")
+    ap.add_argument("--medusa-heads", type=Path, help="Medusa heads of the target from train-draft (proposer medusa)")
     ap.add_argument("--ks", default="2,4,6")
     ap.add_argument("--temperatures", default="0,0.7")
     ap.add_argument("--batches", default="1,16")

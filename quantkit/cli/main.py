@@ -21,7 +21,7 @@ from quantkit.cli.commands import (
     quantize_command,
     verify_command,
 )
-from quantkit.cli.serve import bench_serve_command, generate_command
+from quantkit.cli.serve import bench_serve_command, generate_command, train_draft_command
 
 
 @click.group(cls=QuantkitGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -58,6 +58,7 @@ for command in (
     verify_command,
     generate_command,
     bench_serve_command,
+    train_draft_command,
 ):
     cli.add_command(command)
 

@@ -12,6 +12,7 @@ from quantkit.cli.base import QuantkitCommand, device_name
 from quantkit.errors import QuantkitError
 from quantkit.runtime.config import DTYPES, EngineConfig
 from quantkit.runtime.sampling_params import SamplingParams
+from quantkit.train_draft import TrainDraftConfig
 
 DUMMY_PREFIX = "dummy:"
 
@@ -92,13 +93,14 @@ def engine_options(f):
         ),
     ]
     options += [
-        click.option("--speculative", "spec_method", type=click.Choice(["draft", "self", "ngram"]), default=None,
-                     help="Speculative decoding: draft tokens with a draft model (--draft-model), the target's own "
-                     "weights quantized (self), or prompt lookup (ngram), and verify them losslessly."),
+        click.option("--speculative", "spec_method", type=click.Choice(["draft", "self", "ngram", "eagle", "medusa"]),
+                     default=None, help="Speculative decoding: draft tokens with a draft model (--draft-model), the "
+                     "target's own weights quantized (self), prompt lookup (ngram), or draft heads made by train-draft "
+                     "(eagle, medusa: --draft-model is their folder), and verify them losslessly."),
         click.option("--num-spec-tokens", type=int, default=None, help="Most tokens drafted per step (default 4)."),
         click.option("--draft-model", default=None,
                      help="draft: the draft model's folder; self: a quantkit checkpoint of the same model "
-                     "(default: quantize the target in memory to --draft-scheme)."),
+                     "(default: quantize the target in memory to --draft-scheme); eagle, medusa: the heads' folder."),
         click.option("--draft-scheme", default=None, help="self: RTN scheme of the draft (default w4a16-g128)."),
         click.option("--draft-layers", type=int, default=None, help="self: keep only the first L layers."),
         click.option("--spec-adaptive/--spec-fixed", "spec_adaptive", default=None,
@@ -199,3 +201,75 @@ def bench_serve_command(num_requests, min_input_len, max_input_len, output_len, 
         )
     if out_path is not None:
         out_path.write_text(json.dumps(row, indent=2))
+
+
+TRAIN = _defaults(TrainDraftConfig)
+
+
+@click.command("train-draft", cls=QuantkitCommand)
+@click.option("--model", required=True, help="The target: HF folder, quantkit checkpoint, .gguf or built-in name.")
+@click.option("--method", type=click.Choice(["eagle", "medusa"]), required=True, help="Which draft heads.")
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="The heads' folder.")
+@click.option(
+    "--data",
+    multiple=True,
+    default=TRAIN["data"],
+    show_default=True,
+    help="Training text (repeatable): a shipped name, local files, or hf:NAME[:CONFIG][:SPLIT].",
+)
+@click.option(
+    "--tokens",
+    type=click.IntRange(min=1),
+    default=TRAIN["tokens"],
+    show_default=True,
+    help="Training tokens (a held-out share comes on top).",
+)
+@click.option(
+    "--num-heads",
+    type=click.IntRange(min=1),
+    default=TRAIN["num_heads"],
+    show_default=True,
+    help="medusa: heads K (tokens t+2 .. t+K+1).",
+)
+@click.option("--seqlen", type=click.IntRange(min=2), default=TRAIN["seqlen"], show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=TRAIN["batch_size"], show_default=True)
+@click.option("--epochs", type=click.IntRange(min=1), default=TRAIN["epochs"], show_default=True)
+@click.option("--lr", type=float, default=TRAIN["lr"], show_default=True)
+@click.option(
+    "--val-fraction",
+    type=float,
+    default=TRAIN["val_fraction"],
+    show_default=True,
+    help="Held-out windows, as a share of the training ones.",
+)
+@click.option(
+    "--save-every",
+    type=click.IntRange(min=1),
+    default=TRAIN["save_every"],
+    show_default=True,
+    help="Steps between resume states.",
+)
+@click.option("--resume", is_flag=True, help="Continue the run whose state is in --out.")
+@click.option("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available).")
+@click.option("--seed", type=click.IntRange(min=0), default=TRAIN["seed"], show_default=True)
+def train_draft_command(model, method, out, resume, device, **settings):
+    """Train Medusa or EAGLE draft heads on the target's own hidden states (self-distilled), for --speculative."""
+    from quantkit.cli.progress import progress_bar
+    from quantkit.train_draft import train_draft
+
+    config = TrainDraftConfig(method=method, **settings)
+    with progress_bar() as bar:
+        tasks = {}
+
+        def progress(stage, done, total, note):
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total, note="")
+            bar.update(tasks[stage], completed=done, note=note)
+
+        record = train_draft(model, config, out, resume=resume, device=device_name(device), progress=progress)
+    before, after = record["before"], record["after"]
+    click.echo(
+        f"{method} heads in {out}: {record['train_tokens']} training tokens, {record['steps']} steps, "
+        f"{record['seconds']:.0f} s; held-out loss {before['loss']:.3f} -> {after['loss']:.3f}, top-1 agreement "
+        f"{' '.join(f'{a:.3f}' for a in before['top1'])} -> {' '.join(f'{a:.3f}' for a in after['top1'])}"
+    )

@@ -11,6 +11,7 @@ a step is the engine's read of the sampled tokens.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -67,6 +68,9 @@ class ModelRunner:
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verify_width = 0
         self.graph_pool = None
+        # a proposer that reads the target's features (draft heads) sets this: called with each step's batch and
+        # the final hidden states of all its tokens [T, hidden], in packed order (decodes first, then chunks)
+        self.on_hidden: Callable[[ScheduledBatch, torch.Tensor], None] | None = None
         if device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs()
 
@@ -164,7 +168,7 @@ class ModelRunner:
         bucket = None
         if len(batch.seqs) == n:  # one token per sequence: every one is a decode
             bucket = next((b for b in self.graphs if b >= n), None)
-        elif ids_from is None and self.verify_graphs and self._all_verify(batch):
+        elif ids_from is None and self.verify_graphs and self.on_hidden is None and self._all_verify(batch):
             rows = next((b for b in self.verify_graphs if b >= len(batch.seqs)), None)
             if rows is not None:
                 return self._run_verify_graph(batch, rows)
@@ -180,6 +184,8 @@ class ModelRunner:
         else:
             ids, pos = (flat[a:b] for a, b in (layout.offsets["ids"], layout.offsets["pos"]))
             hidden = self.model(ids, pos, self.metadata(layout, flat, tables), self.kv_caches)
+        if self.on_hidden is not None:
+            self.on_hidden(batch, hidden)
         if layout.sample_rows is not None:
             a, b = layout.offsets["sample"]
             hidden = hidden[flat[a:b]]

@@ -10,7 +10,8 @@ from quantkit.checks import flag, integer
 from quantkit.errors import QuantkitError
 from quantkit.quant.scheme import QuantScheme
 
-METHODS = ("draft", "self", "ngram")
+METHODS = ("draft", "self", "ngram", "eagle", "medusa")
+HEAD_METHODS = ("eagle", "medusa")  # draft heads on the target's features (``heads``)
 _SCHEME = re.compile(r"w(\d)a16-(g\d+|pc)(?:-(sym|asym))?")
 
 
@@ -29,7 +30,8 @@ class SpeculativeConfig:
       checkpoint), ``self`` (the target's own weights quantized: ``draft`` is a quantkit checkpoint of the same
       model, or None to quantize the target in memory with RTN to ``draft_scheme``; ``draft_layers`` keeps only the
       first L decoder layers), ``ngram`` (prompt lookup: the tokens that followed the last ``prompt_lookup_max`` ..
-      ``prompt_lookup_min`` tokens where they occurred before in prompt + output; no model).
+      ``prompt_lookup_min`` tokens where they occurred before in prompt + output; no model), ``eagle`` / ``medusa``
+      (draft heads on the target's own hidden states, trained by ``quantkit train-draft``: ``draft`` is their folder).
     - ``num_speculative_tokens``: k, the most tokens drafted per sequence and step.
     - ``adaptive``: k follows each sequence's recent acceptance, and speculation pauses for a batch size whose
       measured verify + draft cost exceeds what the accepted tokens save; False drafts k tokens every step. Either
@@ -63,6 +65,8 @@ class SpeculativeConfig:
             raise QuantkitError("prompt_lookup_min must not exceed prompt_lookup_max")
         if self.method == "draft" and not self.draft:
             raise QuantkitError("speculative method 'draft' needs a draft model (a folder)")
+        if self.method in HEAD_METHODS and not self.draft:
+            raise QuantkitError(f"speculative method {self.method!r} needs draft heads (a folder from train-draft)")
         if self.method == "ngram" and (self.draft or self.draft_layers):
             raise QuantkitError("speculative method 'ngram' takes no draft model")
         weight_scheme(self.draft_scheme)  # a bad name fails here, before any weight loads

@@ -229,7 +229,11 @@ def make_decoder(
     device: torch.device,
     max_model_len: int,
 ) -> SpeculativeDecoder:
-    if draft is None:
+    if spec.method in ("eagle", "medusa"):
+        from quantkit.runtime.speculative.heads import head_proposer
+
+        proposer = head_proposer(spec, target_runner)
+    elif draft is None:
         proposer = NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
     else:
         draft_config = dataclasses.replace(config, num_kv_blocks=target_runner.num_blocks)

@@ -1,0 +1,366 @@
+"""Draft heads on the target's own features: Medusa and EAGLE, their saved form, and the proposers that draft with them.
+
+- Medusa (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads"):
+  K heads; head j is a residual block f + SiLU(W_j f + b_j) on the target's last hidden state f_t, read out by the
+  target's own lm_head, and predicts the token at t + j + 1 (the lm_head itself predicts t + 1).
+- EAGLE (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty"): one decoder layer of
+  the target's own architecture (the runtime's ``DecoderLayer`` built from the target's config) on
+  fc(concat(f_t, e(x_{t+1}))), then an RMSNorm, predicts the next feature f_{t+1}; the target's lm_head gives the
+  token. It drafts autoregressively on its own predicted features, with a dense KV cache per sequence.
+
+Both read the target's post-norm hidden states: the model runner hands every step's hidden rows to
+``FeatureStore.record`` (``ModelRunner.on_hidden``), which keeps them by position per sequence. Drafts are chains
+(the argmax for greedy requests, a sample of the head's filtered distribution for sampled ones), verified by the
+lossless rule of ``rejection``. A sequence whose recent features are missing (its prefix came from the prefix cache,
+or it was forked from another) drafts from the features it has, or not at all.
+
+A heads folder holds ``heads.safetensors`` and ``config.json``: the method, the sizes, the training data's
+fingerprint and the base model's (architecture, sizes, and a probe of its embedding: the sums of 32 rows), so heads
+made for another model are refused when they load.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantkit.errors import QuantkitError
+from quantkit.kernels.dense.norm_rope import add_rms_norm_reference
+from quantkit.runtime.model import DecoderLayer, RMSNorm, architecture, decoder_spec, rope_tables, rotate
+from quantkit.runtime.sampler import filter_logits
+from quantkit.runtime.scheduler import ScheduledBatch
+from quantkit.runtime.sequence import Sequence
+from quantkit.runtime.speculative.proposers import Draft
+
+FORMAT, VERSION = "quantkit-draft-heads", 1
+METHODS = ("eagle", "medusa")
+PROBE_ROWS = 32
+PROBE_RTOL = 1e-2  # probe sums may differ by this fraction of their mean size (the same weights in another dtype)
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "heads.safetensors"
+
+
+# -- the base model's fingerprint -----------------------------------------------------------------------------------
+
+
+def base_fingerprint(config, embedding: torch.Tensor) -> dict:
+    """What identifies the model heads are made for: its class, sizes, and the sums of 32 rows of its embedding."""
+    rows = torch.linspace(0, embedding.shape[0] - 1, PROBE_ROWS).long()
+    probe = embedding.detach()[rows.to(embedding.device)].double().sum(dim=1)
+    return {
+        "architecture": architecture(config),
+        "hidden_size": int(config.hidden_size),
+        "vocab_size": int(config.vocab_size),
+        "num_hidden_layers": int(config.num_hidden_layers),
+        "embedding_probe": [round(float(x), 6) for x in probe],
+    }
+
+
+def check_base(saved: dict, actual: dict, folder) -> None:
+    """A QuantkitError naming the first difference between the heads' base model and this one."""
+    for key in ("architecture", "hidden_size", "vocab_size", "num_hidden_layers"):
+        if saved.get(key) != actual[key]:
+            raise QuantkitError(
+                f"draft heads {folder} were made for another model: {key} {saved.get(key)} there, {actual[key]} here"
+            )
+    a, b = torch.tensor(saved["embedding_probe"]), torch.tensor(actual["embedding_probe"])
+    if (a - b).abs().max() > PROBE_RTOL * a.abs().mean():
+        raise QuantkitError(f"draft heads {folder} were made for another model: its embedding weights differ")
+
+
+# -- the modules ----------------------------------------------------------------------------------------------------
+
+
+def _norm(module: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    return add_rms_norm_reference(x, module.weight, module.eps)[0]  # plain torch: differentiable on every device
+
+
+class MedusaHeads(nn.Module):
+    """``forward(f [..., H]) -> [K, ..., H]``: head j's feature, whose lm_head logits predict the token at t + j + 1.
+    The blocks start at zero, so an untrained head repeats the target's own next-token prediction."""
+
+    def __init__(self, hidden_size: int, num_heads: int, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size, dtype=dtype) for _ in range(num_heads))
+        for block in self.blocks:
+            nn.init.zeros_(block.weight)
+            nn.init.zeros_(block.bias)
+
+    def forward(self, f: torch.Tensor) -> torch.Tensor:
+        return torch.stack([f + F.silu(block(f)) for block in self.blocks])
+
+
+class EagleHead(nn.Module):
+    """``forward(features, embeds [B, T, H], positions [T], past) -> (next features [B, T, H], (k, v))``: position t
+    takes (f_t, e(x_{t+1})) and predicts f_{t+1}; ``past`` (k, v) [B, T0, Hkv, D] are the earlier positions' keys and
+    values (returned extended). The decoder layer is the runtime's own class; its forward here is plain torch (dense
+    causal attention), so the same module trains and drafts on any device."""
+
+    def __init__(self, config, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        hidden = config.hidden_size
+
+        def linear(name, n_in, n_out, bias):
+            return nn.Linear(n_in, n_out, bias=bias, dtype=dtype)
+
+        self.config = config
+        self.fc = nn.Linear(2 * hidden, hidden, bias=True, dtype=dtype)
+        self.layer = DecoderLayer(config, decoder_spec(config), 0, linear, 0, dtype)
+        self.norm = RMSNorm(hidden, config.rms_norm_eps, dtype)
+        self.cos = self.sin = None
+
+    def set_rope(self, max_len: int, device) -> None:
+        self.cos, self.sin = rope_tables(self.config, max_len, device)
+
+    def forward(self, features, embeds, positions, past=None):
+        x = self.fc(torch.cat([features, embeds], dim=-1))
+        attn, mlp = self.layer.self_attn, self.layer.mlp
+        b, t, _ = x.shape
+        h = _norm(self.layer.input_layernorm, x)
+        q = attn.q_proj(h).view(b, t, attn.num_heads, attn.head_dim)
+        k = attn.k_proj(h).view(b, t, attn.num_kv_heads, attn.head_dim)
+        v = attn.v_proj(h).view(b, t, attn.num_kv_heads, attn.head_dim)
+        if attn.q_norm is not None:
+            q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
+        cos, sin = self.cos[positions].to(q.dtype), self.sin[positions].to(q.dtype)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=1), torch.cat([past[1], v], dim=1)
+        t0, rep = k.shape[1] - t, attn.num_heads // attn.num_kv_heads
+        mask = torch.arange(t0 + t, device=x.device)[None, :] <= t0 + torch.arange(t, device=x.device)[:, None]
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.repeat_interleave(rep, dim=2).transpose(1, 2),
+            v.repeat_interleave(rep, dim=2).transpose(1, 2),
+            attn_mask=mask,
+            scale=attn.scale,
+        )
+        x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        h = _norm(self.layer.post_attention_layernorm, x)
+        x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+        return _norm(self.norm, x), (k, v)
+
+
+def make_heads(method: str, config, num_heads: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+    if method == "medusa":
+        return MedusaHeads(config.hidden_size, num_heads, dtype)
+    if method == "eagle":
+        return EagleHead(config, dtype)
+    raise QuantkitError(f"unknown draft head method {method!r}; available: {', '.join(METHODS)}")
+
+
+# -- saving and loading ---------------------------------------------------------------------------------------------
+
+
+def save_heads(folder: Path, heads: nn.Module, meta: dict) -> None:
+    """``meta``: method, num_heads, base (``base_fingerprint``), training ... -> config.json beside the weights."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().float().cpu().contiguous() for k, v in heads.state_dict().items()}
+    tmp = folder / f".{WEIGHTS_FILE}.tmp"
+    save_file(state, str(tmp), metadata={"format": FORMAT})
+    tmp.replace(folder / WEIGHTS_FILE)
+    (folder / f".{CONFIG_FILE}.tmp").write_text(json.dumps({"format": FORMAT, "version": VERSION, **meta}, indent=2))
+    (folder / f".{CONFIG_FILE}.tmp").replace(folder / CONFIG_FILE)
+
+
+def read_meta(folder) -> dict:
+    path = Path(folder) / CONFIG_FILE
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise QuantkitError(f"{folder} is not a draft heads folder ({CONFIG_FILE}: {exc})") from None
+    if meta.get("format") != FORMAT:
+        raise QuantkitError(f"{folder} is not a draft heads folder (made by quantkit train-draft)")
+    if meta.get("version") != VERSION:
+        raise QuantkitError(
+            f"draft heads version {meta.get('version')} is not supported (this quantkit reads {VERSION})"
+        )
+    return meta
+
+
+def load_heads(folder, method: str, config, embedding: torch.Tensor, dtype, device) -> tuple[nn.Module, dict]:
+    """The heads in ``folder`` for the model of ``config`` / ``embedding``; refused if made for another model."""
+    from safetensors.torch import load_file
+
+    meta = read_meta(folder)
+    if meta["method"] != method:
+        raise QuantkitError(f"draft heads {folder} are {meta['method']} heads, not {method}")
+    check_base(meta["base"], base_fingerprint(config, embedding), folder)
+    heads = make_heads(method, config, meta.get("num_heads", 1))
+    heads.load_state_dict(load_file(str(Path(folder) / WEIGHTS_FILE)))
+    return heads.to(device=device, dtype=dtype).eval(), meta
+
+
+# -- the target's features ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Features:
+    buf: torch.Tensor  # [capacity, H], indexed by position
+    lo: int = 0  # positions lo .. hi - 1 hold features of the sequence's tokens (as of the step that computed them)
+    hi: int = 0
+
+
+class FeatureStore:
+    """The target's last hidden state at each computed position of each running sequence."""
+
+    def __init__(self) -> None:
+        self.seqs: dict[int, _Features] = {}
+
+    def record(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
+        """``hidden`` [batch tokens, H] in the runner's packed order: decodes first, then prefill chunks."""
+        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new[i] != 1)  # StepInputs.write's order
+        row = 0
+        for i in order:
+            seq, n = batch.seqs[i], batch.num_new[i]
+            self._write(seq.seq_id, seq.num_computed_tokens, hidden[row : row + n])
+            row += n
+
+    def _write(self, seq_id: int, start: int, h: torch.Tensor) -> None:
+        f = self.seqs.get(seq_id)
+        end = start + h.shape[0]
+        if f is None or f.buf.shape[0] < end:
+            buf = torch.empty(max(end, 256, 2 * (f.buf.shape[0] if f else 0)), h.shape[1], dtype=h.dtype,
+                              device=h.device)  # fmt: skip
+            if f is not None:
+                buf[: f.hi] = f.buf[: f.hi]
+                f.buf = buf
+            else:
+                f = self.seqs[seq_id] = _Features(buf, start, start)
+        if start > f.hi or start < f.lo:  # a gap (prefix-cache hit) or a recomputation from an earlier position
+            f.lo = start
+        f.buf[start:end] = h
+        f.hi = end
+
+    def span(self, seq: Sequence) -> tuple[int, int]:
+        """Positions [lo, hi) whose features are known and verified for ``seq`` (hi <= its computed tokens)."""
+        f = self.seqs.get(seq.seq_id)
+        if f is None:
+            return 0, 0
+        return f.lo, min(f.hi, seq.num_computed_tokens)
+
+    def release(self, keep: set[int]) -> None:
+        for seq_id in [s for s in self.seqs if s not in keep]:
+            del self.seqs[seq_id]
+
+
+# -- the proposers --------------------------------------------------------------------------------------------------
+
+
+def _choose(logits: torch.Tensor, seq: Sequence, generator) -> tuple[int, torch.Tensor | None]:
+    """A drafted token from head logits [V]: the argmax (greedy), else a draw from the filtered distribution q."""
+    if seq.params.greedy:
+        return int(logits.argmax()), None
+    q = filter_logits(logits.float(), seq.params).softmax(-1)
+    noise = torch.empty_like(q).exponential_(generator=generator)
+    return int((q / noise).argmax()), q
+
+
+def _draft(tokens: list[int], probs: list) -> Draft:
+    return Draft(tokens, torch.stack(probs) if probs and probs[0] is not None else None)
+
+
+class MedusaProposer:
+    """Drafts min(k, K) tokens from the K heads on the feature of the sequence's last computed position."""
+
+    def __init__(self, target, heads: MedusaHeads, store: FeatureStore, cost_per_token: float):
+        self.target, self.heads, self.store = target, heads, store
+        self.cost_per_token = cost_per_token
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int], generators: list[torch.Generator | None]) -> list[Draft]:
+        out = [Draft([]) for _ in seqs]
+        spans = [self.store.span(s) for s in seqs]
+        ready = [i for i, (s, (lo, hi)) in enumerate(zip(seqs, spans, strict=True)) if hi == s.num_computed_tokens > lo]
+        if not ready:
+            return out
+        f = torch.stack([self.store.seqs[seqs[i].seq_id].buf[seqs[i].num_computed_tokens - 1] for i in ready])
+        logits = self.target.logits(self.heads(f.to(self.target.dtype))).float()  # [K, n, V]
+        for row, i in enumerate(ready):
+            chosen = [_choose(logits[j, row], seqs[i], generators[i]) for j in range(min(ks[i], logits.shape[0]))]
+            out[i] = _draft([t for t, _ in chosen], [q for _, q in chosen])
+        return out
+
+    def release(self, keep: set[int]) -> None:
+        self.store.release(keep)
+
+
+@dataclass
+class _EagleCache:
+    lo: int  # the first position of the cache (the feature store's lo when it was made)
+    length: int = 0  # positions lo .. lo + length - 1 are in k, v
+    kv: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class EagleProposer:
+    """For each sequence: the EAGLE layer catches up on the verified positions (features from the target, tokens of
+    the sequence) into its KV cache, then drafts k tokens on its own predicted features (those K/V are dropped)."""
+
+    def __init__(self, target, head: EagleHead, store: FeatureStore, cost_per_token: float):
+        self.target, self.head, self.store = target, head, store
+        self.cost_per_token = cost_per_token
+        self.caches: dict[int, _EagleCache] = {}
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int], generators: list[torch.Generator | None]) -> list[Draft]:
+        return [self._propose(s, k, g) for s, k, g in zip(seqs, ks, generators, strict=True)]
+
+    def _propose(self, seq: Sequence, k: int, generator) -> Draft:
+        lo, hi = self.store.span(seq)
+        n = seq.num_computed_tokens  # the features of positions < n are the target's; token n is the newest
+        if hi != n or hi <= lo or k <= 0:
+            return Draft([])
+        cache = self.caches.get(seq.seq_id)
+        if cache is None or cache.lo != lo:
+            cache = self.caches[seq.seq_id] = _EagleCache(lo)
+        keep = min(cache.length, n - lo - 1)  # at least the last position runs again: its output drafts
+        if cache.kv is not None:
+            cache.kv = (cache.kv[0][:, :keep], cache.kv[1][:, :keep])
+        start = lo + keep  # catch up on positions start .. n - 1: (f_t, x_{t+1})
+        embed = self.target.model.embed_tokens
+        device = self.store.seqs[seq.seq_id].buf.device
+        feats = self.store.seqs[seq.seq_id].buf[start:n].unsqueeze(0).to(self.target.dtype)
+        ids = torch.tensor(seq.token_ids[start + 1 : n + 1], device=device)
+        g, cache.kv = self.head(feats, embed(ids).unsqueeze(0), torch.arange(start, n, device=device), cache.kv)
+        cache.length = n - lo
+        g, kv = g[:, -1:], cache.kv
+        tokens, probs = [], []
+        for j in range(k):
+            token, q = _choose(self.target.logits(g[0, 0]).float(), seq, generator)
+            tokens.append(token)
+            probs.append(q)
+            if j + 1 < k:
+                pos = torch.tensor([n + j], device=device)
+                g, kv = self.head(g, embed(torch.tensor([[token]], device=device)), pos, kv)
+        return _draft(tokens, probs)
+
+    def release(self, keep: set[int]) -> None:
+        self.store.release(keep)
+        for seq_id in [s for s in self.caches if s not in keep]:
+            del self.caches[seq_id]
+
+
+def head_proposer(spec, runner):
+    """The proposer of ``spec`` (method eagle or medusa, ``draft`` the heads folder) for the target of ``runner``,
+    which from now on hands its hidden states to the proposer's feature store."""
+    target = runner.model
+    heads, _ = load_heads(spec.draft, spec.method, target.config, target.model.embed_tokens.weight, target.dtype,
+                          runner.device)  # fmt: skip
+    store = FeatureStore()
+    runner.on_hidden = store.record
+
+    def params(m: nn.Module) -> int:
+        return sum(p.numel() for p in m.parameters())
+
+    head_cost = target.config.vocab_size * target.config.hidden_size  # the lm_head's product, once per token
+    if spec.method == "eagle":
+        heads.set_rope(runner.max_model_len + spec.num_speculative_tokens + 1, runner.device)
+        cost = (params(heads) + head_cost) / params(target)
+        return EagleProposer(target, heads, store, cost)
+    return MedusaProposer(target, heads, store, (params(heads) / len(heads.blocks) + head_cost) / params(target))

@@ -1,0 +1,268 @@
+"""Training draft heads (Medusa, EAGLE) on the target's own hidden states: ``train_draft(model, config, out)``.
+
+The target reads token windows of calibration text once (its final hidden states f [n, T, H] are kept; its logits
+are the lm_head of them, recomputed per batch, so no [T, V] tensor is stored). The heads are then self-distilled:
+
+- Medusa: head j at position t minimises KL(p_{t+j} || q_j(t)), p_{t+j} the target's next-token distribution at
+  t + j and q_j(t) = softmax(lm_head(head_j(f_t))) (Cai et al. 2024, self-distillation).
+- EAGLE: the layer reads (f_t + noise, e(x_{t+1})) and predicts g_{t+1}; the loss is SmoothL1(g_{t+1}, f_{t+1}) +
+  KL(p_{t+1} || softmax(lm_head(g_{t+1}))) (Li et al. 2024; the noise, a fraction of the features' RMS, stands in
+  for the error of the draft's own features, on which it drafts after its first token).
+
+A held-out share of the windows measures the loss and each head's top-1 agreement with the target's argmax before
+and after training. The run saves its state every ``save_every`` steps in ``OUT/.resume.pt`` (heads, optimizer,
+step, and the fingerprint of what the result depends on); ``resume=True`` continues from it and refuses a state of
+another run. The heads folder (``runtime.speculative.heads``) is written only when training ends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from quantkit.checks import integer, number
+from quantkit.errors import QuantkitError
+from quantkit.runtime.speculative.heads import METHODS, WEIGHTS_FILE, base_fingerprint, make_heads, save_heads
+
+RESUME_FILE = ".resume.pt"
+Progress = Callable[[str, int, int, str], None]  # (stage, done, total, note)
+
+
+@dataclass(frozen=True)
+class TrainDraftConfig:
+    """- ``method``: ``eagle`` or ``medusa``; ``num_heads``: Medusa's K (EAGLE has one layer).
+    - ``data``: text sources (``calib.data.load_text``: shipped names, local files, ``hf:`` datasets), joined.
+    - ``tokens``: training tokens (windows of ``seqlen``); ``val_fraction``: held-out windows, on top.
+    - ``batch_size`` windows per step, ``epochs`` passes, AdamW at ``lr`` (20-step warm-up, cosine to lr / 10).
+    - ``feature_noise``: EAGLE's input noise, as a fraction of the features' RMS.
+    - ``loss_positions``: positions per window where the loss is taken (its vocabulary-sized products are most of a
+      step's cost; None: all). Validation takes every position.
+    - ``save_every``: steps between resume states."""
+
+    method: str
+    num_heads: int = 4
+    data: tuple[str, ...] = ("brown",)
+    tokens: int = 200_000
+    val_fraction: float = 0.05
+    seqlen: int = 256
+    batch_size: int = 4
+    epochs: int = 1
+    lr: float = 1e-3
+    feature_noise: float = 0.1
+    loss_positions: int | None = 64
+    save_every: int = 50
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise QuantkitError(f"unknown draft head method {self.method!r}; available: {', '.join(METHODS)}")
+        for name, low in (("num_heads", 1), ("tokens", 1), ("seqlen", 2), ("batch_size", 1), ("epochs", 1),
+                          ("save_every", 1), ("seed", 0)):  # fmt: skip
+            integer(name, getattr(self, name), low=low)
+        number("val_fraction", self.val_fraction, 0.0, 0.5, low_open=True)
+        number("lr", self.lr, 0.0, 1.0, low_open=True)
+        number("feature_noise", self.feature_noise, 0.0, 10.0)
+        integer("loss_positions", self.loss_positions, low=1, none=True)
+        object.__setattr__(self, "data", tuple(self.data) if not isinstance(self.data, str) else (self.data,))
+
+
+def _digest(data: bytes | str) -> str:
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()[:16]
+
+
+def token_stream(data: tuple[str, ...], tokenizer) -> tuple[torch.Tensor, list[dict]]:
+    """All tokens of the sources, joined, and each source's fingerprint."""
+    from quantkit.calib.data import load_text, tokenize
+
+    if tokenizer is None:
+        raise QuantkitError("training draft heads on text needs the model's tokenizer")
+    parts, prints = [], []
+    for source in data:
+        text, where = load_text(source)
+        ids = tokenize(tokenizer, text)
+        parts.append(ids)
+        prints.append({"source": where.source, "sha256": where.sha256, "tokens": int(ids.numel())})
+    return torch.cat(parts), prints
+
+
+def split_windows(ids: torch.Tensor, config: TrainDraftConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shuffled non-overlapping windows of ``ids``: (training [n, T], held-out [m, T])."""
+    n_total = ids.numel() // config.seqlen
+    windows = ids[: n_total * config.seqlen].view(n_total, config.seqlen)
+    n_train = -(-config.tokens // config.seqlen)
+    n_val = max(1, round(n_train * config.val_fraction))
+    if n_total < n_train + n_val:
+        raise QuantkitError(
+            f"the text has {n_total} windows of {config.seqlen} tokens; {n_train} for training and {n_val} held out "
+            "need more text (or lower --tokens)"
+        )
+    order = torch.randperm(n_total, generator=torch.Generator().manual_seed(config.seed))
+    return windows[order[n_val : n_val + n_train]], windows[order[:n_val]]
+
+
+@torch.no_grad()
+def target_features(model, windows: torch.Tensor, batch_size: int, device, progress: Progress | None) -> torch.Tensor:
+    """The target's final (normed) hidden states [n, T, H], float32 on the CPU."""
+    decoder = model.get_decoder()
+    out = []
+    for i in range(0, windows.shape[0], batch_size):
+        out.append(decoder(input_ids=windows[i : i + batch_size].to(device)).last_hidden_state.float().cpu())
+        if progress is not None:
+            progress("target features", min(i + batch_size, windows.shape[0]), windows.shape[0], "")
+    return torch.cat(out)
+
+
+def _kl(target_logits: torch.Tensor, head_logits: torch.Tensor) -> torch.Tensor:
+    """Mean KL(p || q) over rows of logits [..., V]."""
+    p_log = target_logits.float().log_softmax(-1)
+    return (p_log.exp() * (p_log - head_logits.float().log_softmax(-1))).sum(-1).mean()
+
+
+def _pick(n: int, count: int | None, generator) -> torch.Tensor:
+    """``count`` of the positions 0 .. n - 1 at random (all, in order, when ``count`` is None or >= n)."""
+    if count is None or count >= n:
+        return torch.arange(n)
+    return torch.randperm(n, generator=generator)[:count].sort().values
+
+
+def head_losses(heads, method: str, lm_head, embed, f, ids, noise: float, positions: int | None, generator=None):
+    """(loss, [top-1 agreement of each head with the target's argmax]) for features f [B, T, H], tokens ids [B, T];
+    the vocabulary-sized products (the loss's cost) are taken at ``positions`` random positions per window."""
+    t = f.shape[1]
+    if method == "medusa":
+        outs = heads(f)
+        loss, agree = 0.0, []
+        for j in range(1, len(outs) + 1):  # head j at position t predicts the token the target gives at t + j
+            at = _pick(t - j, positions, generator).to(f.device)
+            logits = lm_head(outs[j - 1][:, at])
+            with torch.no_grad():
+                target_logits = lm_head(f[:, at + j])  # p_{t+j}, the target's next-token logits at t + j
+            loss = loss + _kl(target_logits, logits)
+            agree.append((logits.argmax(-1) == target_logits.argmax(-1)).float().mean().item())
+        return loss / len(outs), agree
+    inputs = f[:, :-1]
+    if noise > 0:
+        rms = inputs.pow(2).mean().sqrt()
+        inputs = inputs + noise * rms * torch.randn(inputs.shape, generator=generator).to(f.device)
+    g, _ = heads(inputs, embed(ids[:, 1:]), torch.arange(t - 1, device=f.device))
+    at = _pick(t - 1, positions, generator).to(f.device)
+    g, target = g[:, at], f[:, at + 1]
+    logits = lm_head(g)
+    with torch.no_grad():
+        target_logits = lm_head(target)
+    loss = F.smooth_l1_loss(g, target) + _kl(target_logits, logits)
+    return loss, [(logits.argmax(-1) == target_logits.argmax(-1)).float().mean().item()]
+
+
+def _evaluate(heads, method, lm_head, embed, feats, ids, batch_size: int, device) -> dict:
+    heads.eval()
+    losses, agree = [], []
+    with torch.no_grad():
+        for i in range(0, feats.shape[0], batch_size):
+            f, x = feats[i : i + batch_size].to(device), ids[i : i + batch_size].to(device)
+            loss, a = head_losses(heads, method, lm_head, embed, f, x, 0.0, None)
+            losses.append(float(loss))
+            agree.append(a)
+    heads.train()
+    return {"loss": round(sum(losses) / len(losses), 5),
+            "top1": [round(sum(col) / len(col), 4) for col in zip(*agree, strict=True)]}  # fmt: skip
+
+
+def train_draft(
+    model, config: TrainDraftConfig, out, tokenizer=None, ids: torch.Tensor | None = None, resume: bool = False,
+    device=None, progress: Progress | None = None,
+) -> dict:  # fmt: skip
+    """Train ``config.method`` heads for ``model`` (a spec ``quantkit.load_model`` takes, or a loaded HF causal LM
+    with ``tokenizer``) and write them to ``out``; ``ids`` [N] (token ids) replaces the text sources. Returns the
+    training record saved in the heads' config."""
+    from quantkit.devices import resolve_device
+
+    out = Path(out)
+    device = resolve_device(device)
+    if (out / WEIGHTS_FILE).exists() and not resume:
+        raise QuantkitError(f"{out} already holds draft heads; choose another --out")
+    if resume and not (out / RESUME_FILE).exists():
+        raise QuantkitError(f"nothing to resume in {out} (no {RESUME_FILE})")
+    if isinstance(model, str | Path):
+        from quantkit.checkpoint.load import load_any
+
+        model, tokenizer = load_any(str(model), torch.float32, str(device))
+    model.eval().requires_grad_(False)
+    if ids is None:
+        ids, data_print = token_stream(config.data, tokenizer)
+    else:
+        data_print = [{"source": "token ids", "sha256": _digest(ids.cpu().numpy().tobytes()), "tokens": ids.numel()}]
+    train_ids, val_ids = split_windows(ids.long(), config)
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    base = base_fingerprint(model.config, embed.weight)
+    settings = {k: v for k, v in asdict(config).items() if k != "save_every"}
+    fingerprint = _digest(repr((sorted(settings.items()), data_print, base)))
+    torch.manual_seed(config.seed)
+    heads = make_heads(config.method, model.config, config.num_heads).to(device)
+    if config.method == "eagle":
+        heads.set_rope(config.seqlen, device)
+    heads.train()
+    steps_per_epoch = -(-train_ids.shape[0] // config.batch_size)
+    total = steps_per_epoch * config.epochs
+    optim = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=0.0)
+
+    def lr_at(step: int) -> float:
+        warm = min(1.0, (step + 1) / 20)
+        return config.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / max(total, 1))))
+
+    step, record = 0, {}
+    if resume:
+        state = torch.load(out / RESUME_FILE, weights_only=False)
+        if state["fingerprint"] != fingerprint:
+            raise QuantkitError(f"the resume state in {out} is of another run (model, data or settings differ)")
+        heads.load_state_dict(state["heads"])
+        optim.load_state_dict(state["optim"])
+        step, record = state["step"], state["record"]
+    t0 = time.perf_counter()
+    train_f = target_features(model, train_ids, config.batch_size, device, progress)
+    val_f = target_features(model, val_ids, config.batch_size, device, None)
+    if "before" not in record:
+        record["before"] = _evaluate(heads, config.method, lm_head, embed, val_f, val_ids, config.batch_size, device)
+    while step < total:
+        epoch, i = divmod(step, steps_per_epoch)
+        order = torch.randperm(train_ids.shape[0], generator=torch.Generator().manual_seed(config.seed + 1 + epoch))
+        rows = order[i * config.batch_size : (i + 1) * config.batch_size]
+        for group in optim.param_groups:
+            group["lr"] = lr_at(step)
+        noise_gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
+        loss, agree = head_losses(heads, config.method, lm_head, embed, train_f[rows].to(device),
+                                  train_ids[rows].to(device), config.feature_noise, config.loss_positions,
+                                  noise_gen)  # fmt: skip
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
+        optim.step()
+        step += 1
+        if progress is not None:
+            progress("training", step, total, f"loss {loss.item():.3f} top-1 {' '.join(f'{a:.2f}' for a in agree)}")
+        if step % config.save_every == 0 and step < total:
+            state = {"fingerprint": fingerprint, "step": step, "heads": heads.state_dict(),
+                     "optim": optim.state_dict(), "record": record}  # fmt: skip
+            out.mkdir(parents=True, exist_ok=True)
+            torch.save(state, out / f"{RESUME_FILE}.tmp")
+            (out / f"{RESUME_FILE}.tmp").replace(out / RESUME_FILE)  # whole or not at all
+    record["after"] = _evaluate(heads, config.method, lm_head, embed, val_f, val_ids, config.batch_size, device)
+    record.update(steps=total, train_tokens=int(train_ids.numel()), val_tokens=int(val_ids.numel()),
+                  seconds=round(time.perf_counter() - t0, 1), device=str(device))  # fmt: skip
+    cfg = model.config
+    sizes = {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size}
+    if config.method == "eagle":
+        sizes.update(intermediate_size=cfg.intermediate_size, num_attention_heads=cfg.num_attention_heads,
+                     num_key_value_heads=cfg.num_key_value_heads)  # fmt: skip
+    meta = {"method": config.method, "num_heads": config.num_heads if config.method == "medusa" else 1,
+            "sizes": sizes, "base": base, "data": data_print, "settings": settings, "training": record}  # fmt: skip
+    save_heads(out, heads, meta)
+    (out / RESUME_FILE).unlink(missing_ok=True)
+    return record

@@ -1,0 +1,207 @@
+"""Draft heads (Medusa, EAGLE): training lowers the held-out loss, heads save and load (and refuse another model),
+and speculative greedy output with them equals plain greedy, in mixed batches and under preemption."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from quantkit.cli.main import cli
+from quantkit.errors import QuantkitError
+from quantkit.runtime import LLM, SamplingParams
+from quantkit.runtime.scheduler import ScheduledBatch
+from quantkit.runtime.sequence import Sequence
+from quantkit.runtime.speculative.config import SpeculativeConfig
+from quantkit.runtime.speculative.heads import FeatureStore, read_meta
+from quantkit.train_draft import RESUME_FILE, TrainDraftConfig, split_windows, train_draft
+from tests.runtime.helpers import random_prompts
+
+VOCAB = 96
+
+
+def tiny_model(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      initializer_range=0.2, tie_word_embeddings=False)  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)  # a peaked next-token distribution, as a trained model's
+    return model
+
+
+def markov_ids(n: int, seed: int = 0) -> torch.Tensor:
+    """A token stream with structure: mostly x -> 7x + 3 mod VOCAB, sometimes a random token."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = [5]
+    for _ in range(n - 1):
+        jump = torch.rand(1, generator=gen).item() < 0.2
+        ids.append(int(torch.randint(VOCAB, (1,), generator=gen)) if jump else (7 * ids[-1] + 3) % VOCAB)
+    return torch.tensor(ids)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("target")
+    model = tiny_model()
+    model.save_pretrained(folder)
+    return model, folder
+
+
+@pytest.fixture(scope="module", params=["eagle", "medusa"])
+def trained(request, target, tmp_path_factory):
+    model, _ = target
+    out = tmp_path_factory.mktemp(request.param)
+    config = TrainDraftConfig(method=request.param, tokens=4096, seqlen=64, batch_size=2, epochs=10, lr=3e-3)
+    record = train_draft(model, config, out, ids=markov_ids(6000))
+    return request.param, out, record
+
+
+def test_training_lowers_the_held_out_loss(trained):
+    method, out, record = trained
+    before, after = record["before"], record["after"]
+    assert after["loss"] < 0.8 * before["loss"], (before, after)
+    meta = read_meta(out)
+    assert meta["method"] == method and meta["training"]["train_tokens"] == 4096
+    assert not (out / RESUME_FILE).exists()
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_equals_plain_greedy(trained, target, k):
+    method, heads, _ = trained
+    _, folder = target
+    prompts = [markov_ids(n, seed=n).tolist() for n in (3, 9, 20, 33)] + random_prompts([5, 17], VOCAB, seed=1)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(str(folder), cpu_kv_blocks=64).generate(prompts, params)]
+    spec = SpeculativeConfig(method=method, draft=str(heads), num_speculative_tokens=k, adaptive=False)
+    llm = LLM(str(folder), cpu_kv_blocks=64, speculative=spec)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == expected
+    t = llm.spec.totals
+    assert t.steps > 0 and t.drafted > 0 and t.accepted > 0
+
+
+def test_greedy_under_preemption(trained, target):
+    """A cache too small for all sequences at once: preempted sequences recompute, their features are rewritten."""
+    method, heads, _ = trained
+    _, folder = target
+    prompts = [markov_ids(n, seed=n).tolist() for n in (30, 31, 32, 33, 34, 35)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    settings = dict(cpu_kv_blocks=12, block_size=8, enable_prefix_caching=False)
+    expected = [o.outputs[0].token_ids for o in LLM(str(folder), **settings).generate(prompts, params)]
+    spec = SpeculativeConfig(method=method, draft=str(heads), num_speculative_tokens=3, adaptive=False)
+    llm = LLM(str(folder), **settings, speculative=spec)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.scheduler.num_preemptions > 0
+
+
+def test_sampled_requests_run_and_stay_in_vocabulary(trained, target):
+    method, heads, _ = trained
+    _, folder = target
+    spec = SpeculativeConfig(method=method, draft=str(heads), num_speculative_tokens=3, adaptive=False)
+    llm = LLM(str(folder), cpu_kv_blocks=64, speculative=spec)
+    outs = llm.generate(
+        [markov_ids(12).tolist()] * 3, SamplingParams(max_tokens=30, temperature=0.8, seed=1, ignore_eos=True)
+    )
+    assert all(len(o.outputs[0].token_ids) == 30 for o in outs)
+    assert llm.spec.totals.drafted > 0
+
+
+def test_trained_heads_beat_untrained_on_acceptance(target, tmp_path):
+    """EAGLE trained on the target's own greedy continuations accepts more of them than an untrained one (lr so
+    small that nothing moves): the training reaches the drafts."""
+    model, folder = target
+    prompts = [markov_ids(8, seed=s).tolist() for s in range(20)]
+    outs = LLM(str(folder), cpu_kv_blocks=64).generate(prompts, SamplingParams(max_tokens=56, ignore_eos=True))
+    ids = torch.tensor([t for p, o in zip(prompts, outs, strict=True) for t in p + o.outputs[0].token_ids])
+    config = TrainDraftConfig(method="eagle", tokens=1024, seqlen=64, batch_size=2, epochs=20, loss_positions=None)
+    seen = [w[:8].tolist() for w in split_windows(ids, config)[0][:6]]  # prompts of training windows
+    rates = []
+    for name, lr in (("untrained", 1e-12), ("trained", 3e-3)):
+        train_draft(model, dataclasses.replace(config, lr=lr), tmp_path / name, ids=ids)
+        spec = SpeculativeConfig(method="eagle", draft=str(tmp_path / name), num_speculative_tokens=4, adaptive=False)
+        llm = LLM(str(folder), cpu_kv_blocks=64, speculative=spec)
+        llm.generate(seen, SamplingParams(max_tokens=56, ignore_eos=True))
+        rates.append(llm.spec.totals.acceptance_rate)
+    assert rates[1] > rates[0] + 0.2, rates
+
+
+def test_heads_of_another_model_are_refused(trained, tmp_path):
+    method, heads, _ = trained
+    other = tmp_path / "other"
+    tiny_model(seed=1).save_pretrained(other)
+    with pytest.raises(QuantkitError, match="made for another model: its embedding"):
+        LLM(str(other), cpu_kv_blocks=64, speculative=SpeculativeConfig(method=method, draft=str(heads)))
+    with pytest.raises(QuantkitError, match=r"are \w+ heads, not"):
+        wrong = "medusa" if method == "eagle" else "eagle"
+        LLM(str(other), cpu_kv_blocks=64, speculative=SpeculativeConfig(method=wrong, draft=str(heads)))
+    with pytest.raises(QuantkitError, match="needs draft heads"):
+        SpeculativeConfig(method=method)
+
+
+def test_resume_continues_to_the_same_heads(target, tmp_path):
+    model, _ = target
+    ids = markov_ids(3000)
+    config = TrainDraftConfig(
+        method="medusa", num_heads=2, tokens=1024, seqlen=64, batch_size=4, epochs=3, save_every=2
+    )
+    whole = train_draft(model, config, tmp_path / "whole", ids=ids)
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_5(stage, done, total, note):
+        if stage == "training" and done == 5:
+            raise Stop
+
+    with pytest.raises(Stop):
+        train_draft(model, config, tmp_path / "cut", ids=ids, progress=stop_at_5)
+    assert (tmp_path / "cut" / RESUME_FILE).exists()
+    resumed = train_draft(model, config, tmp_path / "cut", ids=ids, resume=True)
+    assert resumed["after"] == whole["after"]
+    with pytest.raises(QuantkitError, match="already holds draft heads"):
+        train_draft(model, config, tmp_path / "whole", ids=ids)
+    with pytest.raises(QuantkitError, match="nothing to resume"):
+        train_draft(model, config, tmp_path / "none", ids=ids, resume=True)
+
+
+def test_feature_store_keeps_positions_and_gaps():
+    store = FeatureStore()
+    params = SamplingParams(max_tokens=4)
+    a, b = Sequence(0, 0, list(range(10)), params), Sequence(1, 1, [1, 2], params)
+    batch = ScheduledBatch()
+    batch.add(a, 10, [])  # a prefill chunk
+    b.num_computed_tokens = 1
+    batch.add(b, 1, [])  # a decode: packed first
+    hidden = torch.arange(11.0).unsqueeze(1).expand(11, 3)
+    store.record(batch, hidden)
+    assert store.seqs[1].buf[1, 0] == 0 and store.seqs[0].buf[:10, 0].tolist() == list(range(1, 11))
+    a.num_computed_tokens = 10
+    assert store.span(a) == (0, 10)
+    store._write(0, 14, torch.zeros(2, 3))  # a gap: positions 10 .. 13 were never computed here
+    a.num_computed_tokens = 16
+    assert store.span(a) == (14, 16)
+    store.release({1})
+    assert set(store.seqs) == {1}
+
+
+def test_cli_trains_on_text_and_generate_uses_the_heads(target, tmp_path):
+    _, folder = target
+    text = tmp_path / "text.txt"
+    text.write_text("x")
+    result = CliRunner().invoke(cli, ["train-draft", "--model", str(folder), "--method", "eagle", "--out",
+                                      str(tmp_path / "h"), "--data", str(text)])  # fmt: skip
+    assert result.exit_code == 2 and "tokenizer" in result.output  # a folder without a tokenizer cannot read text
+    assert not (tmp_path / "h").exists()
+    model, _ = target
+    train_draft(model, TrainDraftConfig(method="medusa", tokens=512, seqlen=32), tmp_path / "h", ids=markov_ids(800))
+    result = CliRunner().invoke(cli, ["generate", "--model", str(folder), "--device", "cpu", "--token-ids", "--json",
+                                      "--speculative", "medusa", "--draft-model", str(tmp_path / "h"),
+                                      "--max-tokens", "8", "5 38 77"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.output.splitlines()[0])["completions"][0]["token_ids"]) == 8
