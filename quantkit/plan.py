@@ -82,6 +82,11 @@ def quantized_bytes(scheme: QuantScheme, n: int, k: int) -> int:
     return 4 * packed_rows(k, scheme.bits) * n + 4 * n_g * packed_rows(n, scheme.bits) + 2 * n_g * n + 4 * k
 
 
+def stored_elements(module: torch.nn.Module) -> int:
+    """Elements of what a checkpoint stores of ``module``: parameters and persistent buffers, a tied one once."""
+    return sum(t.numel() for t in {id(t): t for t in module.state_dict(keep_vars=True).values()}.values())
+
+
 def skeleton_of(folder: Path):
     """The meta-device model of ``folder``'s config, its fused experts split as a run splits them."""
     from quantkit.checkpoint.export import model_skeleton
@@ -106,7 +111,7 @@ def make_plan(folder: Path, recipe: Recipe, device: str, dtype: torch.dtype, off
     rows: dict[tuple[str, str, str], dict[int, int]] = {}  # (name, shape, what) -> layer -> modules
     layer_float, layer_out, stats = [], [], []
     for i, layer in enumerate(layers):
-        params = sum(p.numel() for p in layer.parameters())
+        params = stored_elements(layer)
         out_bytes, group_stats = params * size, [0]
         for group in arch.sequential:
             group_stats.append(0)
@@ -129,7 +134,7 @@ def make_plan(folder: Path, recipe: Recipe, device: str, dtype: torch.dtype, off
         layer_float.append(params * size)
         layer_out.append(out_bytes)
         stats.append(max(group_stats))
-    total = sum(p.numel() for p in skeleton.parameters()) * size
+    total = stored_elements(skeleton) * size
     outside = total - sum(layer_float)
     c, config = recipe.calibration, skeleton.config
     hidden = c.nsamples * c.seqlen * config.hidden_size * size if recipe.needs_calibration else 0

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 import quantkit
 from quantkit.cli.main import cli
 from quantkit.errors import GateFailedError, QuantkitError
-from tests.tiny_models import tiny_model, tiny_model_dir, tiny_tokenizer
+from tests.tiny_models import CONFIGS, tiny_model, tiny_model_dir, tiny_tokenizer
 
 W8 = {"bits": 8, "group_size": -1, "sym": True}
 
@@ -219,6 +219,20 @@ def test_the_plan_estimates_the_checkpoint_size(tmp_path, tiny_dir, tokenizer):
     assert plan.output_bytes == stored
     hidden = 8 * 32 * 64 * 4  # nsamples x seqlen x hidden size, fp32
     assert 2 * hidden < plan.scratch_bytes < 2 * hidden + plan.output_bytes  # hidden states and quantized layers
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_the_plan_estimates_each_architectures_checkpoint_exactly(tmp_path, arch):
+    from quantkit.checkpoint.inspect import inspect_checkpoint
+    from quantkit.plan import make_plan
+
+    model = tiny_model(arch)
+    model.save_pretrained(tmp_path / "float")
+    recipe = quantkit.Recipe.from_dict({"scheme": W4, "stages": [{"method": "rtn"}]})
+    plan = make_plan(tmp_path / "float", recipe, "cpu", torch.float32, offload=True, resume_state=False)
+    quantkit.quantize(model, recipe)
+    out = quantkit.save_quantized(model, tmp_path / "q")
+    assert plan.output_bytes == inspect_checkpoint(out)["totals"]["file_bytes"]
 
 
 def test_the_plan_of_a_mixture_of_experts(tmp_path, tokenizer):
