@@ -3,8 +3,8 @@
 A checkpoint can load without an error and still compute garbage: a loader that skips a tensor it does not expect
 (an MoE expert dropped by a converter) leaves that module at its initial values. Verification builds, on the meta
 device, the model the checkpoint's loader builds (quantkit's own loader for quantkit checkpoints; the importer's
-conversion, :func:`quantkit.checkpoint.foreign.convert_foreign`, for GPTQ, AWQ and compressed-tensors folders) and
-compares it with what is stored:
+conversion, :func:`quantkit.checkpoint.foreign.convert_foreign`, for GPTQ, AWQ, compressed-tensors and DeepSeek-style
+fp8 folders) and compares it with what is stored:
 
 - ``files``: every safetensors file is readable.
 - ``loader``: the quantization config parses, names linears the model has, agrees with the architecture and names

@@ -400,6 +400,9 @@ def inspect_command(folder: Path, as_json: bool, kernels: bool, ms: str, gpu: st
         f"whole checkpoint: {t['file_bytes']:,} bytes of tensors; recipe: {info['recipe']}; "
         f"calibration: {info['calibration']}; versions: {info['versions']}"
     )
+    for row in info["experts"]:  # calibration coverage of MoE experts (quant_report.json)
+        stdout.print(f"{row['experts']}.{row['expert']}: {row['tokens']} calibration tokens routed, "
+                     f"statistics: {row['statistics']}")  # fmt: skip
 
 
 @click.command("export", cls=QuantkitCommand)
@@ -448,7 +451,7 @@ def import_command(folder: Path, out: Path, overwrite: bool) -> None:
 @click.option("--device", default=None, help="With --baseline: where both models run (default: cuda if available).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of the one-line verdict.")
 def verify_command(folder, baseline, max_kl, min_top1, windows, seqlen, device, as_json) -> None:
-    """Check that a quantkit, GPTQ, AWQ or compressed-tensors checkpoint holds what its config says (exit 0: it
+    """Check that a quantkit, GPTQ, AWQ, compressed-tensors or fp8 checkpoint holds what its config says (exit 0: it
     passes, 1: a check fails, 2: it cannot be verified)."""
     from quantkit.checkpoint.verify import verify_checkpoint
 

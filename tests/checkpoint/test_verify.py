@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import quantkit
 from quantkit.checkpoint.export import export_checkpoint
+from quantkit.checkpoint.save import EXPORT_FORMATS
 from quantkit.checkpoint.verify import verify_checkpoint
 from quantkit.cli.main import cli
 from quantkit.errors import QuantkitError
@@ -26,6 +27,8 @@ SCHEMES = {
     "w8a8": ("llama", {"bits": 8, "group_size": -1, "sym": True, "act_bits": 8}, {"method": "rtn"}),
     "fp8-static": ("qwen3", {"bits": 8, "group_size": -1, "sym": True, "act_bits": 8, "fmt": "fp8",
                              "act_dynamic": False}, {"method": "rtn"}),
+    "fp8-block": ("llama", {"bits": 8, "group_size": -1, "sym": True, "act_bits": 8, "fmt": "fp8",
+                            "block_size": 32}, {"method": "rtn"}),
 }  # fmt: skip
 
 
@@ -39,7 +42,7 @@ def folders(tmp_path_factory):
         model = tiny_model(arch)
         quantkit.quantize(model, {"scheme": scheme, "stages": [stage]}, calib=CALIB)
         out[name] = quantkit.save_quantized(model, root / name, tokenizer=tokenizer)
-        for fmt in ("compressed-tensors", "gptq", "awq"):
+        for fmt in EXPORT_FORMATS:
             with contextlib.suppress(QuantkitError):  # a format that cannot hold this scheme
                 out[f"{name}/{fmt}"] = export_checkpoint(out[name], root / f"{name}-{fmt}", fmt).path
     return out
@@ -65,8 +68,9 @@ def failures(folder) -> dict[str, list[str]]:
 
 
 def test_every_valid_checkpoint_and_export_passes(folders):
-    assert {"rtn-asym/gptq", "rtn-asym/awq", "rtn-asym/compressed-tensors", "gptq-actorder/gptq",
-            "w8a8/compressed-tensors", "gptq-moe", "fp8-static/compressed-tensors"} <= set(folders)  # fmt: skip
+    assert {"rtn-asym/gptq", "rtn-asym/awq", "rtn-asym/compressed-tensors", "gptq-actorder/gptq", "gptq-moe",
+            "w8a8/compressed-tensors", "fp8-static/compressed-tensors", "fp8-block/fp8",
+            "fp8-block/compressed-tensors"} <= set(folders)  # fmt: skip
     for name, folder in folders.items():
         verdict = verify_checkpoint(folder)
         assert verdict.ok, (name, verdict.line())
@@ -95,6 +99,16 @@ def test_a_nan_scale(folders, tmp_path):
     assert failures(damaged(folders, tmp_path, "rtn-asym", change_tensors=poison)) == {
         "finite": [f"{name} holds NaN or infinity"]
     }
+
+
+def test_a_nan_block_scale_in_a_deepseek_style_fp8_folder(folders, tmp_path):
+    name = "model.layers.0.mlp.down_proj.weight_scale_inv"
+
+    def poison(t):
+        t[name].view(-1)[0] = float("nan")
+
+    found = failures(damaged(folders, tmp_path, "fp8-block/fp8", change_tensors=poison))
+    assert len(found) == 1 and "model.layers.0.mlp.down_proj" in " ".join(next(iter(found.values())))
 
 
 def test_zero_points_out_of_range(folders, tmp_path):
