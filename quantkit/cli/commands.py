@@ -400,9 +400,6 @@ def inspect_command(folder: Path, as_json: bool, kernels: bool, ms: str, gpu: st
         f"whole checkpoint: {t['file_bytes']:,} bytes of tensors; recipe: {info['recipe']}; "
         f"calibration: {info['calibration']}; versions: {info['versions']}"
     )
-    for row in info["experts"]:  # calibration coverage of MoE experts (quant_report.json)
-        stdout.print(f"{row['experts']}.{row['expert']}: {row['tokens']} calibration tokens routed, "
-                     f"statistics: {row['statistics']}")  # fmt: skip
 
 
 @click.command("export", cls=QuantkitCommand)
