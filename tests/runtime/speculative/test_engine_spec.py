@@ -178,7 +178,7 @@ def test_metrics_in_outputs():
 @pytest.mark.parametrize(
     "settings, message",
     [
-        (dict(method="medusa"), "unknown speculative method"),
+        (dict(method="lookahead"), "unknown speculative method"),
         (dict(method="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
         (dict(method="draft"), "needs a draft model"),
         (dict(method="ngram", draft_layers=2), "takes no draft"),
