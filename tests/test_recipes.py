@@ -72,13 +72,14 @@ def test_awq_then_gptq_presets_do_not_clip_before_gptq():
 
 
 def test_gptq_presets_and_recipes_say_which_gptq_they_run():
-    """--method gptq takes the stage's defaults (static groups: exportable; grid chosen on held-out windows);
+    """--method gptq takes the stage's defaults (groups static at 4 and 8 bits: exportable; grid chosen on held-out
+    windows);
     awq+gptq and the recipes whose descriptions cite figures keep the GPTQ those figures were measured with."""
     from quantkit.presets import preset_recipe
     from quantkit.recipe import load_recipe
 
     gptq = preset_recipe("gptq").stages[0].params
-    assert (gptq.act_order, gptq.static_groups, gptq.mse) == (True, True, "auto")
+    assert (gptq.act_order, gptq.static_groups, gptq.mse) == (True, "auto", "auto")
     awq_gptq = preset_recipe("awq+gptq").stages[1].params
     assert (awq_gptq.act_order, awq_gptq.static_groups, awq_gptq.mse) == (True, False, True)
     for name in ("awq-gptq-w4g128", "gptq-w3g64", "gptq-w4g128-actorder", "gptq-w4g128"):
