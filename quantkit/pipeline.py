@@ -191,7 +191,9 @@ def quantize(
 
     try:
         with torch.no_grad():
-            layers = run_layerwise(model, arch, batches, device, on_layer, progress, prepare=prepare, state=state)
+            layers = run_layerwise(
+                model, arch, batches, device, on_layer, progress, prepare=prepare, state=state, experts=recipe.experts
+            )
     finally:
         offload.finish(model)
     result = QuantizeResult(

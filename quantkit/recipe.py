@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from quantkit.errors import QuantkitError
+from quantkit.models.experts import ExpertCalibration
 from quantkit.quant.scheme import QuantScheme
 from quantkit.stages import parse_params, replace_params, stage_class, validate_stage
 from quantkit.stages.spec import Override, Stage, check_keys, check_selector, selector_matches
@@ -162,6 +163,8 @@ class Recipe:
     version: int = RECIPE_VERSION
     scheme: dict | None = None  # the default stage scheme as written (kept for round trips)
     gate: Gate | None = None  # checked at the end of quantize
+    experts: ExpertCalibration = field(default_factory=ExpertCalibration)  # MoE experts' calibration tokens
+    mtp: str = "keep"  # multi-token-prediction layers of the source checkpoint: keep (bit for bit) or quantize (RTN)
 
     def __post_init__(self) -> None:
         if not isinstance(self.stages, tuple | list) or not all(isinstance(s, Stage) for s in self.stages):
@@ -176,6 +179,10 @@ class Recipe:
             raise QuantkitError(f"Recipe(calibration=...) takes a CalibrationConfig, got {got}")
         if self.gate is not None and not isinstance(self.gate, Gate):
             raise QuantkitError(f"Recipe(gate=...) takes a Gate, got {type(self.gate).__name__}")
+        if self.mtp not in ("keep", "quantize"):
+            raise QuantkitError(f"recipe mtp must be keep or quantize, got {self.mtp!r}")
+        if not isinstance(self.experts, ExpertCalibration):
+            raise QuantkitError(f"Recipe(experts=...) takes an ExpertCalibration, got {type(self.experts).__name__}")
         object.__setattr__(self, "stages", tuple(self.stages))
 
     @property
@@ -234,6 +241,8 @@ class Recipe:
             version=version,
             scheme=default_scheme,
             gate=Gate.from_dict(data["gate"], f"{where}.gate") if data.get("gate") is not None else None,
+            experts=ExpertCalibration(**check_keys(data.get("experts") or {}, ExpertCalibration, f"{where}.experts")),
+            mtp=data.get("mtp", "keep"),
         )
 
     def to_dict(self) -> dict:
@@ -244,6 +253,10 @@ class Recipe:
         out["stages"] = [s.to_dict() for s in self.stages]
         if self.gate is not None:
             out["gate"] = self.gate.to_dict()
+        if self.experts != ExpertCalibration():
+            out["experts"] = self.experts.to_dict()
+        if self.mtp != "keep":
+            out["mtp"] = self.mtp
         return out
 
     def to_yaml(self) -> str:
@@ -262,7 +275,17 @@ class Recipe:
         calib = self.calibration
         if calibration:
             calib = CalibrationConfig.from_dict({**calib.to_dict(), **calibration})
-        return Recipe(tuple(stages), calib, self.name, self.description, self.version, self.scheme, self.gate)
+        return Recipe(
+            tuple(stages),
+            calib,
+            self.name,
+            self.description,
+            self.version,
+            self.scheme,
+            self.gate,
+            self.experts,
+            self.mtp,
+        )
 
 
 def _str_list(value: Any, where: str) -> list[str]:

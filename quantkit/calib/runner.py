@@ -9,11 +9,17 @@
 
 Peak compute-device memory is one decoder layer + the calibration hidden states (inputs and outputs) + the
 statistics of the linears being processed, never the whole model.
+
+Mixture-of-experts layers (split into one linear per expert projection) first run once on their calibration inputs
+to count the tokens routed to each expert; ``ExpertCalibration`` then says which tokens each expert's statistics
+see while the stages work, and every expert's linears carry ``expert_tokens`` and ``expert_statistics`` in the
+report (``routed``, ``all`` or ``none``: quantized without data).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -23,7 +29,11 @@ from torch import nn
 from quantkit.calib.stats import LinearStats, StatsCollector
 from quantkit.devices import release_host_memory
 from quantkit.models.arch import ArchSpec
+from quantkit.models.experts import ExpertCalibration, LinearExperts
 from quantkit.models.layers import linears
+
+log = logging.getLogger(__name__)
+REPORTED_MODE = {"routed": "routed", "all": "all", "unobserved": "none"}
 
 
 def _hidden_of(out) -> torch.Tensor:
@@ -209,6 +219,41 @@ class LayerContext:
         return calls
 
 
+@torch.no_grad()
+def expert_coverage(ctx: LayerContext, rule: ExpertCalibration) -> dict[str, dict]:
+    """Count the calibration tokens routed to each expert of the layer (one pass over its calibration inputs), set
+    each ``LinearExperts.calibration`` by ``rule`` and return {layer-relative linear name: what its report gets}."""
+    blocks = [(name, m) for name, m in ctx.layer.named_modules() if isinstance(m, LinearExperts)]
+    if not blocks or not ctx.has_data:
+        return {}
+    counts = {name: [0] * len(m) for name, m in blocks}
+
+    def counter(name: str, e: int):
+        def hook(module, args):
+            counts[name][e] += args[0].shape[0]
+
+        return hook
+
+    handles = [expert.register_forward_pre_hook(counter(name, e)) for name, m in blocks for e, expert in enumerate(m)]
+    try:
+        ctx.forward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    out = {}
+    for name, m in blocks:
+        m.calibration = [rule.mode(c) for c in counts[name]]
+        for e, (c, mode) in enumerate(zip(counts[name], m.calibration, strict=True)):
+            if mode != "routed" and rule.statistics != "all":
+                what = "statistics from every token" if mode == "all" else "quantized by RTN"
+                log.warning("%s.%s.%d: %d calibration tokens routed (min_tokens %d): %s", ctx.prefix, name, e, c,
+                            rule.min_tokens, what)  # fmt: skip
+            for short, _ in m[e].named_children():
+                reported = "none" if mode == "routed" and c == 0 else REPORTED_MODE[mode]
+                out[f"{name}.{e}.{short}"] = {"expert_tokens": c, "expert_statistics": reported}
+    return out
+
+
 def decoder_layers(model: nn.Module, arch: ArchSpec) -> nn.ModuleList:
     return model.get_submodule(arch.layers)
 
@@ -257,6 +302,7 @@ def run_layerwise(
     progress=None,
     prepare=None,
     state=None,
+    experts: ExpertCalibration | None = None,
 ) -> dict[str, dict]:
     """Call ``on_layer(ctx)`` for every decoder layer in order; return the merged per-linear report.
 
@@ -266,6 +312,7 @@ def run_layerwise(
     offloaded layers in there). ``state`` resumes and records the run (:class:`quantkit.resume.RunState`): its first
     ``state.done`` layers are already quantized, ``state.hidden(device)`` are the next one's inputs,
     ``state.report`` the report so far, and ``state.save(i, layer, hidden, report)`` runs after every layer.
+    ``experts``: which tokens MoE experts calibrate on (default: the routed ones), see :func:`expert_coverage`.
     """
     layers = decoder_layers(model, arch)
     if batches:
@@ -287,7 +334,16 @@ def run_layerwise(
         ctx = LayerContext(i, f"{arch.layers}.{i}", layer, arch, hidden, layer_kwargs[i], device)
         t0 = time.perf_counter()
         try:
-            on_layer(ctx)
+            coverage = expert_coverage(ctx, experts or ExpertCalibration())
+            try:
+                on_layer(ctx)
+            finally:
+                for m in layer.modules():
+                    if isinstance(m, LinearExperts):
+                        m.calibration = None
+            for name, values in coverage.items():  # for the experts' linears that were quantized
+                if ctx.full_name(name) in ctx.report:
+                    ctx.record(name, **values)
             if hidden and i + 1 < len(layers):
                 hidden = ctx.forward(last=True)  # the next layer sees this layer's quantized outputs
         finally:

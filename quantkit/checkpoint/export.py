@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from quantkit.checkpoint.config import module_schemes
+from quantkit.checkpoint.mtp import mtp_schemes
 from quantkit.checkpoint.read import read_tensors
 from quantkit.checkpoint.save import (
     EXPORT_FORMATS,
@@ -77,7 +78,7 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, fmt: str, 
     if fmt not in EXPORT_FORMATS:
         raise QuantkitError(f"unknown export format {fmt!r} (one of: {', '.join(EXPORT_FORMATS)})")
     folder, config, qc = read_quantized_folder(src)
-    schemes = module_schemes(qc)
+    schemes = {**module_schemes(qc), **mtp_schemes(qc)}  # quantized MTP layers are exported like the others
     if qc.get("split_experts"):
         raise QuantkitError("exporting a mixture-of-experts checkpoint is not supported (its experts are split)")
     check_apart(check_output(out, overwrite), folder)  # refuse a bad output before the work

@@ -24,7 +24,10 @@ runtime and its kernels. What quantkit's layouts cannot hold exactly is refused 
 Folders from before transformers carried the settings are read too: AutoGPTQ's ``quantize_config.json``, AutoAWQ's
 ``quant_config.json``. Malformed tensors or settings are one-line errors. Result: a quantkit checkpoint whose
 ``quantization_config`` has ``recipe`` ``imported-<method>`` and the source's quantization_config under
-``imported_from``.
+``imported_from``. Mixture-of-experts checkpoints that store one linear per expert (DeepSeek-V3's, llm-compressor's)
+import with their experts split, as quantkit quantizes them. Multi-token-prediction layers past the last decoder
+layer (DeepSeek-V3's ``model.layers.{num_hidden_layers}``, ``checkpoint/mtp.py``) are copied as they are, bit for
+bit, and listed under ``mtp``.
 """
 
 from __future__ import annotations
@@ -46,13 +49,17 @@ from quantkit.checkpoint.export import (
     read_tensors,
     write_converted,
 )
+from quantkit.checkpoint.mtp import mtp_config, mtp_layers, split_mtp
 from quantkit.checkpoint.read import check_shapes
 from quantkit.checkpoint.save import check_apart, check_output, versions
 from quantkit.checkpoint.swap import swap_in_quantized_modules
 from quantkit.errors import QuantkitError, one_line
+from quantkit.models.arch import arch_for
+from quantkit.models.experts import LinearExperts, split_all_fused_experts
 from quantkit.quant.packing import LAYOUT_VERSIONS, pack_cols, pack_rows, packed_rows, unpack_cols, unpack_rows
 from quantkit.quant.scheme import BLOCK_SIZES, QuantScheme
 
+PER_EXPERT = re.compile(r"\.experts\.\d+\.")
 IMPORT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
 CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
 
@@ -68,9 +75,7 @@ class Imported:
 
 
 def import_checkpoint(src: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Imported:
-    """Write the GPTQ, AWQ or compressed-tensors checkpoint in ``src`` to ``out`` as a quantkit checkpoint."""
-    from quantkit.models.arch import arch_for
-
+    """Write the GPTQ, AWQ, compressed-tensors or fp8 checkpoint in ``src`` to ``out`` as a quantkit checkpoint."""
     folder, config, qc = read_quantized_folder(src, legacy=True)
     method = qc.get("quant_method")
     if method == QUANT_METHOD:
@@ -80,6 +85,7 @@ def import_checkpoint(src: str | os.PathLike, out: str | os.PathLike, overwrite:
     check_apart(check_output(out, overwrite), folder)  # refuse a bad output before the work
     skeleton, schemes, tensors, change = convert_foreign(folder, config, qc, read_tensors(folder))
     check_shapes(folder, skeleton, {key: tuple(t.shape) for key, t in tensors.items()})
+    mtp = mtp_layers(config, tensors)
     arch = arch_for(skeleton)
     by_name = {s.name: s for s in schemes.values()}
     layouts = {name: layout_of(s) for name, s in by_name.items()}
@@ -90,7 +96,7 @@ def import_checkpoint(src: str | os.PathLike, out: str | os.PathLike, overwrite:
         "module_layouts": {name: lay.value for name, lay in layouts.items()},
         "layouts": {lay.value: LAYOUT_VERSIONS[lay] for lay in set(layouts.values())},
         "modules": {name: s.name for name, s in sorted(schemes.items())},
-        "split_experts": False,
+        "split_experts": any(isinstance(m, LinearExperts) for m in skeleton.modules()),
         "architecture": arch.name,
         "recipe": {"name": f"imported-{method}", "stages": []},
         "calibration": None,
@@ -98,6 +104,9 @@ def import_checkpoint(src: str | os.PathLike, out: str | os.PathLike, overwrite:
         "imported_from": qc,
         "versions": versions(),
     }
+    if mtp:
+        heads = tuple(p + "." for p in mtp)
+        new_qc["mtp"] = mtp_config(mtp, "keep", [k for k in tensors if k.startswith(heads)])
     path = write_converted(folder, out, overwrite, config, new_qc, tensors)
     return Imported(path, method, len(schemes), change[0])
 
@@ -110,6 +119,10 @@ def convert_foreign(folder: Path, config: dict, qc: dict, tensors: dict[str, tor
     if method not in IMPORT_METHODS:
         raise QuantkitError(f"cannot read {method!r} checkpoints (quantkit reads {', '.join(IMPORT_METHODS)})")
     skeleton = model_skeleton(config)
+    arch = arch_for(skeleton)
+    if arch.fused_experts and any(PER_EXPERT.search(k) for k in tensors):  # one linear per expert, as stored
+        split_all_fused_experts(skeleton, skeleton.get_submodule(arch.layers), arch.fused_experts, materialize=False)
+    _, mtp = split_mtp(config, tensors)  # copied as they are
     linears = set(linear_names(skeleton))
     change = [0.0]
     convert = {"gptq": _from_gptq, "awq": _from_awq, "compressed-tensors": _from_compressed_tensors,
@@ -118,9 +131,11 @@ def convert_foreign(folder: Path, config: dict, qc: dict, tensors: dict[str, tor
         schemes = convert(tensors, qc, linears, change)
     except (KeyError, IndexError, ValueError, RuntimeError, TypeError, AttributeError) as exc:  # malformed input
         raise QuantkitError(f"malformed {method} checkpoint {folder}: {type(exc).__name__}: {one_line(exc)}") from None
+    tensors.update(mtp)
     if not schemes:
         raise QuantkitError(f"{folder}: no quantized linear found in its tensors")
     swap_in_quantized_modules(skeleton, schemes, split_experts=False)  # what a load will build: shapes must agree
+    # (experts stored one linear each were split above, as a load splits them)
     return skeleton, schemes, tensors, change
 
 

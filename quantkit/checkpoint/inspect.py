@@ -1,8 +1,11 @@
-"""Describe a quantkit checkpoint from its config and safetensors headers (no tensor data is read)."""
+"""Describe a quantkit checkpoint from its config and safetensors headers (no tensor data is read), and from its
+``quant_report.json`` where it has one: the calibration tokens routed to each MoE expert."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -71,7 +74,29 @@ def inspect_checkpoint(folder: str | os.PathLike) -> dict:
         "calibration": qc.get("calibration"),
         "source_model": qc.get("source_model"),
         "versions": qc.get("versions"),
+        "experts": expert_tokens(folder),
+        "mtp": qc.get("mtp"),
     }
+
+
+EXPERT_LINEAR = re.compile(r"^(.*)\.(\d+)\.[^.]+$")  # <layer>.mlp.experts.<e>.<projection>
+
+
+def expert_tokens(folder: Path) -> list[dict]:
+    """One row per MoE expert from the checkpoint's quant_report.json: {"experts": the experts module, "expert": e,
+    "tokens": calibration tokens routed to it, "statistics": routed | all | none}; [] without a report or experts."""
+    try:
+        layers = json.loads((folder / "quant_report.json").read_text()).get("layers") or {}
+    except (OSError, ValueError, AttributeError):
+        return []
+    rows = {}
+    for name, values in layers.items():
+        found = EXPERT_LINEAR.match(name)
+        if isinstance(values, dict) and "expert_tokens" in values and found:
+            rows[(found[1], int(found[2]))] = {"experts": found[1], "expert": int(found[2]),
+                                               "tokens": values["expert_tokens"],
+                                               "statistics": values.get("expert_statistics")}  # fmt: skip
+    return [rows[key] for key in sorted(rows)]
 
 
 GPUS = {"h100": ("H100", 132), "h200": ("H200", 132)}  # Hopper sm_90 cards: the dispatch rules see the same

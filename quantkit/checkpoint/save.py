@@ -239,6 +239,28 @@ def atomic_folder(out: Path) -> Iterator[Path]:
         raise
 
 
+def _mtp_tensors(model: nn.Module, qc: dict) -> dict[str, torch.Tensor]:
+    """The source checkpoint's MTP layers (``checkpoint/mtp.py``), kept or quantized as the recipe says; ``qc``
+    gains their ``mtp`` entry (and the scheme of quantized ones). The source is the folder the caller recorded
+    (``QuantizeResult.source_model``), else the one transformers loaded the model from."""
+    from quantkit.checkpoint.mtp import mtp_config, quantize_mtp, source_mtp
+
+    result = model.quantkit
+    layers, tensors = source_mtp(result.source_model or getattr(model.config, "_name_or_path", None))
+    if not layers:
+        return {}
+    mode = result.recipe.mtp
+    modules = None
+    if mode == "quantize":
+        scheme = next(s.scheme for s in reversed(result.recipe.stages) if s.scheme is not None)
+        modules = quantize_mtp(tensors, scheme)
+        qc["schemes"].setdefault(scheme.name, scheme.to_dict())
+        qc["module_layouts"].setdefault(scheme.name, layout_of(scheme).value)
+        qc["layouts"].setdefault(layout_of(scheme).value, LAYOUT_VERSIONS[layout_of(scheme)])
+    qc["mtp"] = mtp_config(layers, mode, tensors, modules)
+    return tensors
+
+
 def save_quantized(
     model: nn.Module,
     out_dir: str | os.PathLike,
@@ -259,6 +281,9 @@ def save_quantized(
     checks.tokenizer(tokenizer, needs="save_pretrained")
     out = check_output(out_dir, overwrite)
     qc = quantization_config(model)
+    tensors = _tensors_to_save(model)
+    mtp = _mtp_tensors(model, qc)
+    tensors.update(mtp)
     gate = model.quantkit.gate
     rejected = gate is not None and not gate["passed"]
     if rejected:  # never at the destination, where a pipeline would ship it
@@ -269,7 +294,7 @@ def save_quantized(
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
-        write_shards(_tensors_to_save(model), tmp, shard_bytes)
+        write_shards(tensors, tmp, shard_bytes)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         result = model.quantkit

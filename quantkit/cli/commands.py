@@ -400,6 +400,13 @@ def inspect_command(folder: Path, as_json: bool, kernels: bool, ms: str, gpu: st
         f"whole checkpoint: {t['file_bytes']:,} bytes of tensors; recipe: {info['recipe']}; "
         f"calibration: {info['calibration']}; versions: {info['versions']}"
     )
+    if info["mtp"]:  # multi-token-prediction layers carried over from the source (checkpoint/mtp.py)
+        m = info["mtp"]
+        stdout.print(f"MTP layers {', '.join(m['layers'])}: {m['tensors']} tensors, {m['mode']}"
+                     + (f" ({len(m['modules'])} quantized linears)" if m.get("modules") else ""))  # fmt: skip
+    for row in info["experts"]:  # calibration coverage of MoE experts (quant_report.json)
+        stdout.print(f"{row['experts']}.{row['expert']}: {row['tokens']} calibration tokens routed, "
+                     f"statistics: {row['statistics']}")  # fmt: skip
 
 
 @click.command("export", cls=QuantkitCommand)

@@ -128,3 +128,48 @@ def test_last_forward_puts_outputs_in_the_inputs_place():
     ctx.stop_replaying()
     assert out is hidden and len(runs) == 3
     assert all(torch.equal(a, b) for a, b in zip(out, expected, strict=True))
+
+
+@pytest.mark.parametrize(
+    "experts, statistics",
+    [({}, "none"), ({"statistics": "all"}, "all"), ({"min_tokens": 1}, "all"), ({"min_tokens": 1, "below_min": "rtn"},
+                                                                                "none")],
+    ids=["routed", "all", "min-all", "min-rtn"],
+)  # fmt: skip
+def test_an_expert_without_tokens_is_reported_and_gets_the_chosen_rule(experts, statistics, tmp_path):
+    """DeepSeek-V3's correction bias steers every token away from the group of experts 2 and 3: they receive no
+    calibration token. Their count is reported; with statistics from every token GPTQ fits them on all tokens, else
+    they are quantized by round-to-nearest; the routed experts keep their own statistics."""
+    import quantkit
+    from quantkit.checkpoint.inspect import inspect_checkpoint
+    from quantkit.recipe import Recipe
+
+    model = tiny_model("deepseek_v3")
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.e_score_correction_bias.copy_(torch.tensor([0.0, 0.0, -100.0, -100.0]))
+    calib = torch.randint(3, 320, (2, 16), generator=torch.Generator().manual_seed(0))
+    recipe = Recipe.from_dict({"scheme": {"bits": 4, "group_size": 16}, "stages": [{"method": "gptq"}],
+                               "experts": experts})  # fmt: skip
+    layers = quantkit.quantize(model, recipe, calib=calib).layers
+    prefix = "model.layers.1.mlp.experts"
+    for e in range(4):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            row = layers[f"{prefix}.{e}.{proj}"]
+            want = 32 if e < 2 else 0  # every token goes to experts 0 and 1 (top-2 of the one chosen group)
+            assert row["expert_tokens"] == want
+            if e >= 2:
+                assert row["expert_statistics"] == statistics
+                assert row["tokens"] == (32 if statistics == "all" else 0)
+            else:
+                assert row["expert_statistics"] == ("all" if experts.get("statistics") == "all" else "routed")
+                assert row["tokens"] == 32
+    assert "expert_tokens" not in layers["model.layers.1.mlp.shared_experts.up_proj"]
+    out = quantkit.save_quantized(model, tmp_path / "q")
+    rows = inspect_checkpoint(out)["experts"]
+    assert [(r["expert"], r["tokens"], r["statistics"]) for r in rows][2:] == [(2, 0, statistics), (3, 0, statistics)]
+    from click.testing import CliRunner
+
+    from quantkit.cli.main import cli
+
+    r = CliRunner().invoke(cli, ["inspect", str(out)])
+    assert r.exit_code == 0 and f"{prefix}.3: 0 calibration tokens routed, statistics: {statistics}" in r.stdout

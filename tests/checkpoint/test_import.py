@@ -297,3 +297,67 @@ def test_a_config_that_disagrees_with_the_tensors_is_named_before_anything_loads
         quantkit.load_quantized(q)
     with pytest.raises(QuantkitError, match=r"corrupt checkpoint .* is stored as"):
         AutoModelForCausalLM.from_pretrained(q)  # the hook, too
+
+
+def deepseek_fp8_folder(path, block=16):
+    """A DeepSeek-V3-layout fp8 folder made from the tiny random config: one linear per expert as DeepSeek stores
+    them, every linear but the head in e4m3 with ``weight_scale_inv``, by the report's definition written out here
+    (one scale per block = its abs-max / 448, codes = round-to-nearest-even of w / scale), and an MTP layer
+    ``model.layers.2`` (after the dense layer 0 and the MoE layer 1) that transformers has no module for."""
+    model = tiny_model("deepseek_v3")
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for key in [k for k in state if k.endswith("mlp.experts.gate_up_proj")]:
+        base = key.removesuffix("gate_up_proj")
+        gate_up, down = state.pop(key), state.pop(base + "down_proj")
+        for e in range(gate_up.shape[0]):
+            gate, up = gate_up[e].chunk(2, dim=0)
+            state.update({f"{base}{e}.gate_proj.weight": gate, f"{base}{e}.up_proj.weight": up,
+                          f"{base}{e}.down_proj.weight": down[e]})  # fmt: skip
+    g = torch.Generator().manual_seed(7)
+    mtp = {"model.layers.2.eh_proj.weight": torch.randn(64, 128, generator=g), "model.layers.2.enorm.weight":
+           torch.rand(64, generator=g), "model.layers.2.self_attn.q_a_proj.weight": torch.randn(48, 64, generator=g),
+           "model.layers.2.shared_head.head.weight": torch.randn(320, 64, generator=g)}  # fmt: skip
+    state.update(mtp)
+    floats = {}
+    for key in sorted(state):
+        w = state[key]
+        if not key.endswith("proj.weight") or w.dim() != 2:
+            continue
+        n, k = w.shape
+        q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+        s = torch.empty(-(-n // block), -(-k // block))
+        for i in range(0, n, block):
+            for j in range(0, k, block):
+                tile = w[i : i + block, j : j + block]
+                s[i // block, j // block] = tile.abs().max() / 448
+                q[i : i + block, j : j + block] = (tile / s[i // block, j // block]).to(torch.float8_e4m3fn)
+        state[key], state[key.replace(".weight", ".weight_scale_inv")] = q, s
+        floats[key.removesuffix(".weight")] = (q, s)
+    path.mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, path / "model.safetensors", metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config["num_nextn_predict_layers"] = 1
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [block, block]}  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    return floats, {k: state[k] for k in state if k.startswith("model.layers.2.")}
+
+
+def test_a_deepseek_v3_fp8_folder_imports_to_its_reference_weights_with_its_mtp_layer(tmp_path):
+    blocks, mtp = deepseek_fp8_folder(tmp_path / "ds")
+    done = import_checkpoint(tmp_path / "ds", tmp_path / "back")
+    qc = json.loads((done.path / "config.json").read_text())["quantization_config"]
+    assert qc["split_experts"] and qc["mtp"] == {"layers": ["model.layers.2"], "mode": "keep", "tensors": len(mtp)}
+    assert set(qc["modules"]) == {n for n in blocks if not n.startswith("model.layers.2.")}
+    model = quantkit.load_quantized(done.path)
+    for name, (q, s) in blocks.items():
+        if name.startswith("model.layers.2."):
+            continue
+        want = q.float() * s.repeat_interleave(16, 0).repeat_interleave(16, 1)[: q.shape[0], : q.shape[1]]
+        assert torch.equal(model.get_submodule(name).dequantize_weight(), want), name
+    stored = load_file(done.path / "model.safetensors")
+    for key, t in mtp.items():  # the MTP layer as it was stored, fp8 codes and scales included
+        assert torch.equal(stored[key].view(torch.uint8), t.contiguous().view(torch.uint8)), key
+    assert model(torch.tensor([[5, 6, 7]])).logits.isfinite().all()
+    r = CliRunner().invoke(cli, ["inspect", str(done.path)])
+    assert r.exit_code == 0 and f"MTP layers model.layers.2: {len(mtp)} tensors, keep" in " ".join(r.stdout.split())

@@ -1,5 +1,8 @@
+import json
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import quantkit
@@ -87,3 +90,67 @@ def test_deepseek_v3_quantizes_saves_and_reloads(method, tmp_path):
     assert torch.equal(gate.e_score_correction_bias, router[1])
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, q_logits, rtol=0, atol=0)
+
+
+def float_folder_with_mtp(path, arch: str):
+    """A float checkpoint folder of ``arch`` whose safetensors also hold an MTP layer past the last decoder layer
+    (``model.layers.{num_hidden_layers}``: norms, eh_proj, one attention projection, the shared head)."""
+    model = tiny_model(arch)
+    model.save_pretrained(path)
+    n = model.config.num_hidden_layers
+    g = torch.Generator().manual_seed(5)
+    mtp = {f"model.layers.{n}.eh_proj.weight": torch.randn(64, 128, generator=g),
+           f"model.layers.{n}.enorm.weight": torch.rand(64, generator=g),
+           f"model.layers.{n}.self_attn.o_proj.weight": torch.randn(64, 64, generator=g),
+           f"model.layers.{n}.shared_head.head.weight": torch.randn(320, 64, generator=g)}  # fmt: skip
+    tensors = load_file(path / "model.safetensors")
+    save_file({**tensors, **mtp}, path / "model.safetensors", metadata={"format": "pt"})
+    return mtp
+
+
+@pytest.mark.parametrize("mode", ["keep", "quantize"])
+def test_mtp_layers_are_kept_or_quantized_never_dropped(mode, tmp_path):
+    mtp = float_folder_with_mtp(tmp_path / "float", "deepseek_v3")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "float")  # transformers drops model.layers.2
+    recipe = Recipe.from_dict({"scheme": {"bits": 4, "group_size": 16}, "stages": [{"method": "rtn"}], "mtp": mode})
+    quantkit.quantize(model, recipe)
+    out = quantkit.save_quantized(model, tmp_path / "q")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    stored = load_file(out / "model.safetensors")
+    assert qc["mtp"]["layers"] == ["model.layers.2"] and qc["mtp"]["mode"] == mode
+    kept = mtp if mode == "keep" else {k: v for k, v in mtp.items() if "_proj" not in k}
+    for key, t in kept.items():
+        assert torch.equal(stored[key], t), key
+    if mode == "quantize":
+        assert qc["mtp"]["modules"] == {"model.layers.2.eh_proj": "w4a16-g16-sym",
+                                        "model.layers.2.self_attn.o_proj": "w4a16-g16-sym"}  # fmt: skip
+        assert "model.layers.2.eh_proj.weight" not in stored and stored["model.layers.2.eh_proj.qweight"].shape == (
+            16,
+            64,
+        )
+        from quantkit.algorithms.rtn import rtn
+        from quantkit.quant.scheme import QuantScheme
+
+        want = rtn(mtp["model.layers.2.eh_proj.weight"], QuantScheme(bits=4, group_size=16)).pack()["qweight"]
+        assert torch.equal(stored["model.layers.2.eh_proj.qweight"], want)
+    reloaded = quantkit.load_quantized(out)  # the MTP tensors stay in the folder, unused by transformers
+    assert reloaded(torch.tensor([[5, 6]])).logits.isfinite().all()
+    assert len(stored) - len(reloaded.state_dict()) >= 3
+
+
+def test_an_export_carries_the_mtp_layers(tmp_path):
+    from quantkit.checkpoint.export import export_checkpoint
+
+    mtp = float_folder_with_mtp(tmp_path / "float", "llama")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "float")
+    scheme = {"bits": 8, "group_size": -1, "fmt": "fp8", "act_bits": 8, "block_size": 16}
+    quantkit.quantize(model, Recipe.from_dict({"scheme": scheme, "stages": [{"method": "rtn"}], "mtp": "quantize"}))
+    out = quantkit.save_quantized(model, tmp_path / "q")
+    for fmt in ("fp8", "compressed-tensors"):
+        stored = load_file(export_checkpoint(out, tmp_path / fmt, fmt).path / "model.safetensors")
+        scale = "weight_scale_inv" if fmt == "fp8" else "weight_scale"
+        assert stored["model.layers.2.eh_proj.weight"].dtype == torch.float8_e4m3fn
+        assert stored[f"model.layers.2.eh_proj.{scale}"].shape == (4, 8)
+        assert torch.equal(
+            stored["model.layers.2.shared_head.head.weight"], mtp["model.layers.2.shared_head.head.weight"]
+        )
