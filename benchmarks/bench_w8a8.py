@@ -12,6 +12,8 @@ Every figure goes from bf16 activations x [M, K] to a bf16 output [M, N] and is 
   fp8_fast        the same, accumulating in the tensor core throughout (fp8_fast_accum=True)
   scaled_mm       our fp8 quantizer + torch._scaled_mm with row-wise scales, use_fast_accum=False
   scaled_mm_fast  the same with use_fast_accum=True
+  fp8_block       block-wise fp8 (w8a8-fp8-block, DeepSeek-V3): 1 x 128 activation tiles + the block GEMM with
+                  128 x 128 weight-block scales applied in its K loop (quantkit.kernels.w8a8.block)
 
 Timing: a CUDA graph of R calls over R rotated copies of every operand (R chosen so that they span more than 3x
 the 60 MB L2), replayed under ``triton.testing.do_bench(return_mode="median")``, which also flushes L2 before each
@@ -21,6 +23,7 @@ dominate the small-M figures.
 Modes (JSON + markdown written under --out, default out/w8a8; a short table is printed last):
   python benchmarks/bench_w8a8.py                       full table, 6 shapes x 7 M
   python benchmarks/bench_w8a8.py --quick               2 shapes x 3 M
+  python benchmarks/bench_w8a8.py --deepseek            DeepSeek-V3's own layer shapes x 7 M
   python benchmarks/bench_w8a8.py --sweep               time tile candidates per (format, M regime), print the
                                                         winners as a CONFIGS block to commit
   python benchmarks/bench_w8a8.py --configs SWEEP.json  full table with a sweep's winners instead of CONFIGS
@@ -52,12 +55,18 @@ from common import (
     text_row,
 )
 from quantkit.kernels import w8a8 as K
+from quantkit.kernels.w8a8 import block as KB
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
+
+from quantkit.algorithms.fp8 import quantize_fp8
 
 ROTATE_SPAN = 3 * L2_BYTES
 MAX_ROTATIONS = 64
 SHAPES = LLAMA_SHAPES  # (N, K)
+# DeepSeek-V3's (N, K): dense down_proj, dense gate/up, fused q_a + kv_a, an expert's gate/up, q_b_proj, kv_b_proj
+DEEPSEEK_SHAPES = [(7168, 18432), (18432, 7168), (2112, 7168), (7168, 2048), (24576, 1536), (32768, 512)]
+BLOCK = 128
 MS = [1, 16, 64, 256, 1024, 4096, 16384]
 QUICK_SHAPES = [(4096, 4096), (28672, 8192)]
 QUICK_MS = [16, 1024, 4096]
@@ -69,9 +78,12 @@ TARGETS = [  # (format variant, M range, minimum speedup over bf16) from issue 7
     ("int8", (16, 64), 1.6),
     ("fp8", (1024, None), 1.6),  # the default: partial sums promoted to fp32 every BLOCK_K (DeepSeek-V3)
     ("fp8_fast", (1024, None), 1.6),  # the option fp8_fast_accum=True (vLLM's choice for per-token scales)
+    ("fp8_block", (1024, None), 1.5),  # issue 50: block-wise fp8
+    ("fp8_block", (1, 64), 1.4),
 ]
-VARIANTS = ["bf16", "int8", "int8_gemm", "quant", "int_mm", "fp8", "fp8_fast", "scaled_mm", "scaled_mm_fast"]
-RATIO_VARIANTS = ["int8", "int_mm", "fp8", "fp8_fast", "scaled_mm", "scaled_mm_fast"]
+VARIANTS = ["bf16", "int8", "int8_gemm", "quant", "int_mm", "fp8", "fp8_fast", "scaled_mm", "scaled_mm_fast",
+            "fp8_block"]  # fmt: skip
+RATIO_VARIANTS = ["int8", "int_mm", "fp8", "fp8_fast", "scaled_mm", "scaled_mm_fast", "fp8_block"]
 
 # Sweep candidates per M regime, as K.CONFIG_KEYS tuples (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, num_warps,
 # num_stages), the same for int8 and fp8. Small M is weight-bandwidth bound: narrow N tiles give enough CTAs to fill
@@ -133,11 +145,13 @@ class Problem:
         self.w_scale = {"int8": [], "fp8": []}
         self.qa = {"int8": [], "fp8": []}
         self.a_scale = {"int8": [], "fp8": []}
+        self.block = []  # (weight codes, block scales) per rotation
         for _ in range(self.r):
             x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
             w = (torch.randn(n, k, generator=g, device=device) * 0.02).to(torch.bfloat16)
             self.x.append(x)
             self.w16.append(w)
+            self.block.append(quantize_fp8(w, "block", BLOCK))
             for fmt in ("int8", "fp8"):
                 q, s = K.quantize_rows_reference(w, fmt)
                 self.wq[fmt].append(q)
@@ -163,6 +177,9 @@ class Problem:
         if variant in ("int8", "fp8", "fp8_fast"):
             fast = variant == "fp8_fast"
             return lambda: K.w8a8_linear(x, wq, ws, config=config, fp8_fast_accum=fast)
+        if variant == "fp8_block":
+            qb, sb = self.block[i]
+            return lambda: KB.fp8_block_linear(x, qb, sb, BLOCK)
         if variant == "int8_gemm":
             qa, sa = self.qa["int8"][i], self.a_scale["int8"][i]
             return lambda: K.w8a8_matmul(qa, sa, wq, ws, out_dtype=torch.bfloat16, config=config)
@@ -195,6 +212,9 @@ class Problem:
 
     def reference(self, fmt: str) -> torch.Tensor:
         """fp32 GEMM of rotation 0's quantized operands, scaled in fp32 (close enough to judge bf16 outputs)."""
+        if fmt == "fp8_block" and fmt not in self._reference:
+            qa, sa = KB.quantize_tiles_reference(self.x[0], BLOCK)
+            self._reference[fmt] = KB.fp8_block_matmul_reference(qa, sa, *self.block[0], BLOCK, None, torch.float32)
         if fmt not in self._reference:
             qa, sa = self.qa[fmt][0], self.a_scale[fmt][0]
             acc = qa.float() @ self.wq[fmt][0].float().t()
@@ -216,7 +236,7 @@ MAX_REL_ERROR_BASELINE = 2e-2
 
 
 def check(problem: Problem, variant: str, y: torch.Tensor) -> float:
-    fmt = "fp8" if variant.startswith(("fp8", "scaled_mm")) else "int8"
+    fmt = "fp8_block" if variant == "fp8_block" else "fp8" if variant.startswith(("fp8", "scaled_mm")) else "int8"
     err = rel_error(y, problem.reference(fmt))
     fast_accumulation = variant.startswith(("scaled_mm", "int_mm")) or variant.endswith("_fast")
     bound = MAX_REL_ERROR_BASELINE if fast_accumulation else MAX_REL_ERROR
@@ -253,7 +273,7 @@ def run_table(shapes, ms, timer: Timer, device: str, configs: dict | None, save)
                     calls = p.calls(variant, cfg)
                     y = calls[0]()
                 except RuntimeError as e:  # a baseline that cuBLAS refuses for this shape: reported, not fatal
-                    if variant in ("bf16", "int8", "int8_gemm", "quant", "fp8", "fp8_fast"):
+                    if variant in ("bf16", "int8", "int8_gemm", "quant", "fp8", "fp8_fast", "fp8_block"):
                         raise
                     row["us"][variant] = None
                     row["err"][variant] = f"unsupported: {str(e).splitlines()[0][:120]}"
@@ -399,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="2 shapes x 3 M")
+    mode.add_argument("--deepseek", action="store_true", help="DeepSeek-V3's layer shapes x 7 M")
     mode.add_argument("--sweep", action="store_true", help="time tile candidates, print and save the winners")
     ap.add_argument("--configs", type=Path, metavar="SWEEP_JSON", help="use a sweep's winners instead of CONFIGS")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (needs TRITON_INTERPRET=1)")
@@ -428,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         shapes, ms = SMOKE_SHAPES, SMOKE_MS
     elif args.quick:
         shapes, ms = QUICK_SHAPES, QUICK_MS
+    elif args.deepseek:
+        shapes, ms = DEEPSEEK_SHAPES, MS
     else:
         shapes, ms = SHAPES, MS
     configs = load_configs(args.configs) if args.configs else None
