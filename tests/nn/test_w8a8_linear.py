@@ -268,3 +268,16 @@ def test_block_fp8_module_paths_agree_and_track_the_float_layer():
     assert torch.allclose(both(x), torch.cat([even(x), y_int], dim=1))
     with pytest.raises(ValueError, match="whole 32-row blocks"):
         W8A8Linear.concat([mod, even])
+
+
+@pytest.mark.parametrize(
+    "changes, fragment",
+    [({"block_size": 100}, "power of two from 16 to 512"), ({"block_size": 128, "fmt": "int"}, "block_size is for fp8"),
+     ({"block_size": 128, "act_dynamic": False}, "block_size is for fp8"), ({"block_size": True}, "power of two")],
+)  # fmt: skip
+def test_block_scheme_refuses_what_the_block_gemm_cannot_run(changes, fragment):
+    base = {"bits": 8, "group_size": -1, "fmt": "fp8", "act_bits": 8}
+    with pytest.raises(QuantkitError, match=fragment):
+        QuantScheme.from_dict({**base, **changes})
+    assert QuantScheme.from_dict({**base, "block_size": 128}).name == "w8a8-fp8-block"
+    assert "block_size" not in QuantScheme.from_dict(base).to_dict()  # per-channel configs read as before
