@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,7 +117,7 @@ def verify_checkpoint(
     except QuantkitError as exc:
         problems["loader"].append(str(exc))
         return verdict
-    _check_tensors(skeleton, tensors, problems)
+    _check_tensors(skeleton, _without_mtp(tensors, qc, problems), problems)
     if baseline is not None and verdict.ok:
         verdict.figures = compare_with_baseline(folder, method, baseline, data, windows, seqlen, device)
         verdict.figures.update(max_kl=max_kl, min_top1=min_top1)
@@ -141,6 +142,44 @@ def _check_architecture(skeleton, qc: dict, found: list[str]) -> None:
     actual = arch_for(skeleton).name
     if recorded is not None and recorded != actual:
         found.append(f"quantization_config says architecture {recorded}, config.json builds {actual}")
+
+
+def _without_mtp(tensors, qc: dict, problems: dict) -> dict:
+    """The tensors less the multi-token-prediction layers that ``quantization_config.mtp`` names (no Hugging Face
+    model holds them: they are carried for MTP drafting, checked here for their count and finite values)."""
+    mtp = qc.get("mtp") or {}
+    heads = tuple(f"{p}." for p in mtp.get("layers") or [])
+    if not heads:
+        return tensors
+    names = [n for n in tensors if n.startswith(heads)]
+    if len(names) != mtp.get("tensors", len(names)):
+        problems["coverage"].append(
+            f"MTP layers hold {len(names)} tensors, quantization_config.mtp says {mtp['tensors']}"
+        )
+    for n in names:
+        t = tensors[n]
+        if t.is_floating_point() and not bool(torch.isfinite(t.float()).all()):
+            problems["finite"].append(f"{n} has NaN or Inf")
+    return _Only(tensors, [n for n in tensors if not n.startswith(heads)])
+
+
+class _Only(Mapping):
+    """The tensors of ``tensors`` named in ``names``, read on demand as ``tensors`` reads them."""
+
+    def __init__(self, tensors, names: list[str]) -> None:
+        self.tensors, self.names = tensors, names
+        self._set = set(names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._set:
+            raise KeyError(name)
+        return self.tensors[name]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 def _check_tensors(skeleton: torch.nn.Module, tensors: dict[str, torch.Tensor], problems: dict) -> None:

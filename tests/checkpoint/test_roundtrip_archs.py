@@ -136,6 +136,12 @@ def test_mtp_layers_are_kept_or_quantized_never_dropped(mode, tmp_path):
     reloaded = quantkit.load_quantized(out)  # the MTP tensors stay in the folder, unused by transformers
     assert reloaded(torch.tensor([[5, 6]])).logits.isfinite().all()
     assert len(stored) - len(reloaded.state_dict()) >= 3
+    from quantkit.checkpoint.verify import verify_checkpoint
+
+    assert verify_checkpoint(out).ok  # the MTP tensors are accounted for, not "unused"
+    stored["model.layers.2.enorm.weight"][0] = float("nan")
+    save_file(stored, out / "model.safetensors", metadata={"format": "pt"})
+    assert verify_checkpoint(out).problems["finite"] == ["model.layers.2.enorm.weight has NaN or Inf"]
 
 
 def test_an_export_carries_the_mtp_layers(tmp_path):
