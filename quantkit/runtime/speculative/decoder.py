@@ -13,8 +13,11 @@ How many tokens to draft (``adaptive``): each sequence keeps a running mean of i
 the k in 1..K that maximise the expected tokens per step, (1 - a^(k+1)) / (1 - a), per unit of cost 1 + c k, with c
 the proposer's cost per token relative to a decode step. For each batch-size bucket the decoder also times plain
 decode steps and speculative steps (draft + verify) and keeps speculation off where the tokens it gains do not pay
-for the time it costs (re-measured every ``PROBE_EVERY`` steps), e.g. at large batches, where a decode step is no
-longer memory-bound and scoring k + 1 tokens costs nearly k + 1 times as much.
+for the time it costs, e.g. at large batches, where a decode step is no longer memory-bound and scoring k + 1 tokens
+costs nearly k + 1 times as much. The mode not in use is measured again after ``PROBE_EVERY`` steps, an interval
+that doubles (up to ``MAX_PROBE_EVERY``) while speculation keeps losing; where a speculative step costs more than
+k + 1 plain ones, no acceptance can pay, and speculation stays off at that batch size and every larger one. Paused
+steps run through the engine's asynchronous path, so they cost what a step without speculation costs.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from quantkit.runtime.speculative.rejection import verify_greedy, verify_sampled
 EMA = 0.2  # weight of a new measurement in every running mean
 PRIOR_ACCEPTANCE = 0.6
 PROBE_EVERY = 32  # steps between re-measurements of the mode not in use for a batch-size bucket
+MAX_PROBE_EVERY = 1024  # the longest interval, after probes that kept finding speculation a loss
 MIN_SAMPLES = 2
 
 
@@ -61,6 +65,8 @@ class _Bucket:
     spec_tokens: float = 0.0  # tokens emitted per sequence per speculative step
     spec_samples: int = 0
     since_probe: int = 0
+    probe_every: int = PROBE_EVERY  # doubles whenever a probe finds speculation still losing
+    hopeless: bool = False  # a speculative step costs more than k + 1 plain ones: it cannot pay here
 
     def pays(self) -> bool:
         """Whether speculative steps emit more tokens per second than plain ones, as measured so far."""
@@ -105,12 +111,14 @@ class SpeculativeDecoder:
         engine may ask twice about the same step."""
         if not self.config.adaptive:
             return True
+        if any(b.hopeless for size, b in self.buckets.items() if size <= bucket):
+            return False  # a larger batch gains even less from speculation than a smaller one
         b = self.buckets.setdefault(bucket, _Bucket())
         if b.plain_samples < MIN_SAMPLES:
             return False
         if b.spec_samples < MIN_SAMPLES:
             return True
-        return b.pays() != (b.since_probe >= PROBE_EVERY)
+        return b.pays() != (b.since_probe >= b.probe_every)
 
     def wants_draft(self, running: list[Sequence]) -> bool:
         """Whether the engine's next step should be a speculative one (synchronous, with drafts), judged by the
@@ -217,8 +225,14 @@ class SpeculativeDecoder:
         else:
             b.plain_time = elapsed if not b.plain_samples else (1 - EMA) * b.plain_time + EMA * elapsed
             b.plain_samples += 1
-        if b.plain_samples >= MIN_SAMPLES and b.spec_samples >= MIN_SAMPLES:
-            b.since_probe = b.since_probe + 1 if speculated == b.pays() else 0  # a step of the other mode: probed
+        if b.plain_samples < MIN_SAMPLES or b.spec_samples < MIN_SAMPLES:
+            return
+        b.hopeless = b.spec_time > (self.config.num_speculative_tokens + 1) * b.plain_time
+        if b.since_probe < b.probe_every:
+            b.since_probe += 1
+        else:  # this step probed the other mode; one that finds speculation still losing waits twice as long next
+            b.since_probe = 0
+            b.probe_every = min(2 * b.probe_every, MAX_PROBE_EVERY) if speculated and not b.pays() else PROBE_EVERY
 
 
 def make_decoder(

@@ -338,8 +338,32 @@ def test_adaptive_speculation_runs_the_mode_that_pays_and_probes_the_other():
         draft = dec.wants_draft(running)
         choices.append(draft)
         spec_step(0.030, 2.0) if draft else dec.plain_step_done(1, 0.010)
-    assert choices.count(True) == 2 and not choices[0]  # paused, with one probe per PROBE_EVERY plain steps
-    for _ in range(6 * PROBE_EVERY):  # the acceptance rose: probes find that speculation pays, and it stays on
+    # paused; probed after PROBE_EVERY plain steps, then after twice as many, since the probe found it still losing
+    assert choices.count(True) == 1 and choices.index(True) == PROBE_EVERY - 1, choices.index(True)
+    assert dec.buckets[1].probe_every == 2 * PROBE_EVERY
+    for _ in range(10 * PROBE_EVERY):  # the acceptance rose: probes find that speculation pays, and it stays on
         spec_step(0.012, 3.0) if dec.wants_draft(running) else dec.plain_step_done(1, 0.010)
     assert dec.wants_draft(running)
     assert not dec.wants_draft([]) and dec.totals.paused_steps > 0
+
+
+def test_speculation_that_cannot_pay_stays_off_at_that_batch_size_and_above():
+    """A speculative step dearer than k + 1 plain ones loses at any acceptance: never probed again there, nor at
+    larger batch sizes; smaller ones are judged on their own."""
+    from quantkit.runtime.sequence import Sequence
+    from quantkit.runtime.speculative.decoder import MIN_SAMPLES, SpeculativeDecoder
+    from quantkit.runtime.speculative.proposers import NgramProposer
+
+    dec = SpeculativeDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=4), NgramProposer(3, 1), 64)
+    seqs = [Sequence(i, i, [1, 2, 3], SamplingParams(max_tokens=8)) for i in range(4)]
+    for _ in range(MIN_SAMPLES):
+        dec.plain_step_done(2, 0.010)
+        dec._record(2, True, 0.060, 5.0)  # 5 tokens per sequence, but 6x the time
+    assert dec.buckets[2].hopeless
+    for _ in range(MIN_SAMPLES):
+        dec.plain_step_done(4, 0.012)
+    assert not dec.wants_draft(seqs[:2]) and not dec.wants_draft(seqs)  # buckets 2 and 4
+    assert dec.wants_draft(seqs[:1]) is False  # bucket 1 has no plain measurement yet: plain first
+    for _ in range(MIN_SAMPLES):
+        dec.plain_step_done(1, 0.008)
+    assert dec.wants_draft(seqs[:1])
