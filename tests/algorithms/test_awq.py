@@ -327,7 +327,11 @@ def test_replayed_random_scales_keep_float_logits(arch, tmp_path):
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, original[n])}
     producers = {f"{prefix}.{g.producer}" for prefix, s in searches.items() for g in s.groups}
     assert all(any(n.startswith(p + ".") for n in changed) for p in producers)
-    assert any(g.producer.endswith("v_proj") for s in searches.values() for g in s.groups) or arch == "phi3"
+    # Phi-3 fuses qkv_proj; MLA (DeepSeek-V3) has no v_proj: its values come out of kv_b_proj
+    assert any(g.producer.endswith("v_proj") for s in searches.values() for g in s.groups) or arch in (
+        "phi3",
+        "deepseek_v3",
+    )
     with torch.no_grad():
         after = model(ids).logits
     rel = (after - before).norm() / before.norm()
