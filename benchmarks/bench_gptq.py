@@ -3,6 +3,7 @@
     python benchmarks/bench_gptq.py                    # Llama-3-8B shapes, 32 layers, 128 x 2048 random tokens, CUDA
     python benchmarks/bench_gptq.py --layers 2         # smoke run: the first 2 decoder layers only
     python benchmarks/bench_gptq.py --cpu-smollm2      # the real SmolLM2-135M on CPU, 128 x 512 Brown windows
+    python benchmarks/bench_gptq.py --layers 8 --resume-state /tmp/state   # with the resume state (--resume's)
 
 GPU mode: the bf16 model is built on the meta device and materialised on the CPU (random normal weights drawn on the
 GPU in bf16 and copied over, one tensor at a time: ~16 GB of host writes and no fp32 copy); the calibration ids are
@@ -67,7 +68,9 @@ def run(model, calib, args, device) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     t0, cpu0 = time.perf_counter(), time.process_time()
-    result = quantkit.quantize(model, gptq_recipe(args), calib, device=device, progress=progress)
+    result = quantkit.quantize(
+        model, gptq_recipe(args), calib, device=device, progress=progress, state_dir=args.resume_state
+    )
     if device.type == "cuda":
         torch.cuda.synchronize()
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
@@ -83,6 +86,17 @@ def run(model, calib, args, device) -> dict:
         "linears": len(result.layers),
         "cholesky_retries": retries,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+        **(resume_figures(result.state) if result.state is not None else {}),
+    }
+
+
+def resume_figures(state) -> dict:
+    """What the resume state cost: its size per layer, and the run's time inside save (copies off the GPU, and
+    waits for the background writer when the disk is slower than a layer)."""
+    state.clear()
+    return {
+        "resume_state_bytes_per_layer": state.bytes_written // max(state.saves, 1),
+        "resume_state_seconds": round(state.seconds, 2),
     }
 
 
@@ -107,6 +121,9 @@ def main(argv: list[str] | None = None) -> None:
         help="groups in natural order (quantize's default); off: act-order groups, as the table of record",
     )
     ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument(
+        "--resume-state", default=None, help="write the resume state here after every layer (deleted after)"
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave the default)")
     add_out_argument(ap, "gptq")
     args = ap.parse_args(argv)
@@ -156,6 +173,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{info['seconds_per_layer_median']} s/layer median"
         + (f", peak GPU memory {peak / 2**30:.2f} GiB" if peak is not None else "")
     )
+    if args.resume_state:
+        print(f"resume state: {info['resume_state_bytes_per_layer'] / 2**30:.2f} GiB a layer, "
+              f"{info['resume_state_seconds']} s of the run inside save")  # fmt: skip
     out = out_folder(args.out)
     (out / "bench_gptq.json").write_text(json.dumps(info, indent=1) + "\n")
     (out / "bench_gptq.md").write_text(markdown(info))

@@ -10,6 +10,9 @@ A state folder (the CLI's: ``.OUT.resume`` beside the output) holds
 
 Each file is written under a temporary name and renamed into place; ``state.json`` is replaced last, so a crash at
 any moment leaves the previous complete layer's state (files it does not name are deleted when the state opens).
+The files are written on a background thread while the next layer runs: ``save`` copies what it needs off the GPU
+(on a side stream, into pinned memory) and returns; the write before it is waited for first, so at most one layer is
+in flight, and :meth:`RunState.flush` waits for the last. A crash loses at most the layer being written.
 The fingerprint covers the model's files (name, size and modification time of each; the weights themselves when the
 model has no folder), the recipe (less its quality gate, which does not change the layers), the calibration windows
 and their provenance, the device and the quantkit / torch / transformers versions. A run continues from the state
@@ -23,13 +26,15 @@ import hashlib
 import json
 import os
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from quantkit.checkpoint.save import versions, write_safetensors
+from quantkit.checkpoint.save import stream_safetensors, versions
 from quantkit.errors import QuantkitError
 from quantkit.nn.factory import empty_quantized_linear, quantized_modules
 from quantkit.quant.scheme import QuantScheme
@@ -101,7 +106,10 @@ class RunState:
         self.saves = 0
         self.report: dict[str, dict] = report or {}
         self.bytes_written = 0  # by save, for the overhead figures
-        self.seconds = 0.0
+        self.seconds = 0.0  # the run's time inside save and flush: copies off the GPU, waits for the writer
+        self._writer: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self._stream = None  # the CUDA stream that copies off the GPU
 
     @classmethod
     def open(cls, folder: str | os.PathLike, fingerprint: dict, resume: bool) -> RunState:
@@ -169,36 +177,91 @@ class RunState:
             return [f.get_tensor(f"batch.{b}").to(device) for b in range(n)]
 
     def save(self, i: int, layer: nn.Module, hidden: list[torch.Tensor], report: dict) -> None:
-        """Record layer ``i`` as done: the quantized layer, the next layer's inputs, the report so far, the RNG."""
-        import time
+        """Record layer ``i`` as done: the quantized layer, the next layer's inputs, the report so far, the RNG.
 
+        Returns once the tensors are copied (GPU copies are queued on a side stream); a background thread writes
+        them. A write error is raised here or by :meth:`flush`, whichever comes next."""
         t0 = time.perf_counter()
-        try:
-            self._write(i, layer, hidden, report)
-        except OSError as exc:  # a full disk: the state stays at the last layer written whole
-            raise QuantkitError(f"cannot write resume state in {self.folder}: {exc.strerror or exc} "
-                                "(--no-resume-state runs without it)") from None  # fmt: skip
-        self.done = i + 1
-        self.saves += 1
-        self.bytes_written += self._layer_file(i).stat().st_size + self._hidden_file(i + 1).stat().st_size
+        self.flush()
+        snapshot = self._snapshot(layer, hidden)
+        self._writer = threading.Thread(
+            target=self._write_in_background, args=(i, *snapshot, dict(report)), name=f"quantkit-resume-{i}"
+        )
+        self._writer.start()
         self.seconds += time.perf_counter() - t0
 
-    def _write(self, i: int, layer: nn.Module, hidden: list[torch.Tensor], report: dict) -> None:
+    def flush(self) -> None:
+        """Wait until the last layer saved is on disk; raise its write error, if any."""
+        if self._writer is None:
+            return
+        t0 = time.perf_counter()
+        self._writer.join()
+        self._writer = None
+        self.seconds += time.perf_counter() - t0
+        failure, self._failure = self._failure, None
+        if isinstance(failure, OSError):  # a full disk: the state stays at the last layer written whole
+            raise QuantkitError(f"cannot write resume state in {self.folder}: {failure.strerror or failure} "
+                                "(--no-resume-state runs without it)") from None  # fmt: skip
+        if failure is not None:
+            raise failure
+
+    def _snapshot(self, layer: nn.Module, hidden: list[torch.Tensor]):
+        """Host copies of what the files hold (the run goes on changing its own), and an event that says when the
+        copies off the GPU are complete."""
         schemes = {name: m.scheme.to_dict() for name, m in quantized_modules(layer).items()}
-        tensors = {k: t.detach().to("cpu").contiguous() for k, t in layer.state_dict().items()}
-        _replace(self._layer_file(i), lambda p: write_safetensors(tensors, p, {"schemes": json.dumps(schemes)}))
-        carried = {f"batch.{b}": h.detach().to("cpu").contiguous() for b, h in enumerate(hidden)}
+        on_gpu = [t for t in [*layer.state_dict().values(), *hidden] if t.is_cuda]
+        event = None
+        if on_gpu:
+            device = on_gpu[0].device
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device)
+            self._stream.wait_stream(torch.cuda.current_stream(device))  # the tensors as the run last wrote them
+            event = torch.cuda.Event()
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach()
+            if not t.is_cuda:
+                return t.clone()
+            t.record_stream(self._stream)  # not reused by the run before the copy is done
+            with torch.cuda.stream(self._stream):
+                return t.to("cpu", non_blocking=True)  # pinned memory: the copy runs beside the next layer
+
+        tensors = {k: host(t) for k, t in layer.state_dict().items()}
+        carried = {f"batch.{b}": host(h) for b, h in enumerate(hidden)}
         carried["rng.cpu"] = torch.get_rng_state()
         if torch.cuda.is_available():
             carried["rng.cuda"] = torch.cuda.get_rng_state()
-        _replace(self._hidden_file(i + 1), lambda p: write_safetensors(carried, p))
+        if event is not None:
+            event.record(self._stream)
+        return tensors, schemes, carried, event
+
+    def _write_in_background(self, i: int, tensors: dict, schemes: dict, carried: dict, event, report: dict) -> None:
+        try:
+            if event is not None:
+                event.synchronize()
+            self._write(i, tensors, schemes, carried, report)
+            self.done = i + 1
+            self.saves += 1
+            self.bytes_written += self._layer_file(i).stat().st_size + self._hidden_file(i + 1).stat().st_size
+        except BaseException as exc:  # handed to the run's thread by flush
+            self._failure = exc
+
+    def _write(self, i: int, tensors: dict, schemes: dict, carried: dict, report: dict) -> None:
+        _replace(self._layer_file(i), lambda p: write_tensors(tensors, p, {"schemes": json.dumps(schemes)}))
+        _replace(self._hidden_file(i + 1), lambda p: write_tensors(carried, p))
         state = {"version": STATE_VERSION, "fingerprint": self.fingerprint, "done": i + 1, "report": report}
         _replace(self.folder / STATE_FILE, lambda p: p.write_text(json.dumps(state)))
         self._hidden_file(i).unlink(missing_ok=True)
 
     def clear(self) -> None:
         """Delete the state (the checkpoint is written)."""
+        self.flush()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def write_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """How the state's files are written (one name for tests to stand a full disk in for)."""
+    stream_safetensors(tensors, path, metadata)
 
 
 def restore_layer(layer: nn.Module, path: Path) -> None:

@@ -2,6 +2,7 @@
 plan, determinism, and faults injected while writing (one line each, nothing half-written)."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,52 @@ def test_resume_after_a_crash_writes_the_same_bytes(tmp_path, tokenizer, arch, m
     assert not state.exists()  # the checkpoint is written: nothing left to resume
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_resume_on_the_gpu_writes_the_same_bytes(tmp_path, tokenizer):
+    """Layers and hidden states leave the GPU on a side stream while the next layer runs."""
+    model = tiny_model("llama")
+    quantkit.quantize(model, recipe_of("gptq"), CALIB, device="cuda")
+    whole = quantkit.save_quantized(model, tmp_path / "whole", tokenizer=tokenizer)
+    state = tmp_path / "state"
+    with pytest.raises(Crash):
+        quantkit.quantize(tiny_model("llama").cuda(), recipe_of("gptq"), CALIB, state_dir=state,
+                          progress=crash_after(1), device="cuda")  # fmt: skip
+    model = tiny_model("llama")
+    quantkit.quantize(model, recipe_of("gptq"), CALIB, state_dir=state, resume=True, device="cuda")
+    assert same_bytes(whole, quantkit.save_quantized(model, tmp_path / "resumed", tokenizer=tokenizer))
+
+
+def test_the_state_is_written_beside_the_next_layer(tmp_path, monkeypatch):
+    """save returns before the files are written; the run waits for one write only, at the next save or at the
+    end, and a write error reaches the run there."""
+    import threading
+
+    from quantkit import resume
+
+    write, go, seen = resume.write_tensors, threading.Event(), []
+
+    def slow(tensors, path, metadata=None):
+        go.wait(30)
+        write(tensors, path, metadata)
+
+    def progress(done, total, note):
+        seen.append((done, json.loads((tmp_path / "state" / "state.json").read_text())["done"]
+                     if (tmp_path / "state" / "state.json").exists() else 0))  # fmt: skip
+        go.set()
+
+    monkeypatch.setattr(resume, "write_tensors", slow)
+    result = quantkit.quantize(tiny_model("llama"), recipe_of("rtn"), state_dir=tmp_path / "state", progress=progress)
+    assert seen[0] == (1, 0)  # layer 0 done, its state still being written
+    assert result.state.done == result.state.saves == 2  # all written by the time quantize returns
+
+    def broken(tensors, path, metadata=None):
+        raise RuntimeError("writer failed")
+
+    monkeypatch.setattr(resume, "write_tensors", broken)
+    with pytest.raises(RuntimeError, match="writer failed"):
+        quantkit.quantize(tiny_model("llama"), recipe_of("rtn"), state_dir=tmp_path / "other")
+
+
 def test_resume_refuses_a_changed_recipe_or_calibration(tmp_path):
     state = tmp_path / "state"
     with pytest.raises(Crash):
@@ -149,8 +196,14 @@ def test_resume_refuses_a_changed_recipe_or_calibration(tmp_path):
 KILL_AFTER_FIRST_LAYER = """
 import os, signal, sys
 import quantkit.calib.runner as runner
+from quantkit.resume import RunState
 def killed():  # the runner calls this right after a layer's state is saved
     os.kill(os.getpid(), signal.SIGKILL)
+save = RunState.save
+def save_and_wait(self, *args):  # the layer on disk before the kill (a kill mid-write loses that layer only)
+    save(self, *args)
+    self.flush()
+RunState.save = save_and_wait
 runner.release_host_memory = killed
 from quantkit.cli.main import main
 sys.argv = ["quantkit", *sys.argv[1:]]
@@ -331,9 +384,19 @@ def test_a_full_disk_while_saving_keeps_the_resume_state(tmp_path, tiny_dir, mon
 
 
 def test_a_full_disk_while_writing_resume_state(tmp_path, tiny_dir, monkeypatch):
-    from quantkit.checkpoint import save
+    import errno
 
-    monkeypatch.setattr(save, "save_file", full_disk("layer-00001"))
+    from quantkit import resume
+
+    write = resume.write_tensors
+
+    def full(tensors, path, metadata=None):  # on the background writer's thread
+        if "layer-00001" not in Path(path).name:
+            return write(tensors, path, metadata)
+        Path(path).write_bytes(b"\0" * 100)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(resume, "write_tensors", full)
     r = run("quantize", "--model", tiny_dir, *GPTQ_ARGS, "--out", tmp_path / "q")
     state = tmp_path / ".q.resume"
     assert r.exit_code == 2 and r.stderr.splitlines()[-1] == (

@@ -324,36 +324,44 @@ def run_layerwise(
     if state is not None and state.done:
         first, report = state.done, dict(state.report)
         hidden = state.hidden(device) if batches else []
-    for i, layer in enumerate(layers):
-        if i < first:
-            continue
-        if prepare is not None:
-            prepare(layer)
-        home = next(layer.parameters(), torch.empty(0)).device
-        layer.to(device)
-        ctx = LayerContext(i, f"{arch.layers}.{i}", layer, arch, hidden, layer_kwargs[i], device)
-        t0 = time.perf_counter()
-        try:
-            coverage = expert_coverage(ctx, experts or ExpertCalibration())
+    try:
+        for i, layer in enumerate(layers):
+            if i < first:
+                continue
+            if prepare is not None:
+                prepare(layer)
+            home = next(layer.parameters(), torch.empty(0)).device
+            layer.to(device)
+            ctx = LayerContext(i, f"{arch.layers}.{i}", layer, arch, hidden, layer_kwargs[i], device)
+            t0 = time.perf_counter()
             try:
-                on_layer(ctx)
+                coverage = expert_coverage(ctx, experts or ExpertCalibration())
+                try:
+                    on_layer(ctx)
+                finally:
+                    for m in layer.modules():
+                        if isinstance(m, LinearExperts):
+                            m.calibration = None
+                for name, values in coverage.items():  # for the experts' linears that were quantized
+                    if ctx.full_name(name) in ctx.report:
+                        ctx.record(name, **values)
+                if hidden and i + 1 < len(layers):
+                    hidden = ctx.forward(last=True)  # the next layer sees this layer's quantized outputs
             finally:
-                for m in layer.modules():
-                    if isinstance(m, LinearExperts):
-                        m.calibration = None
-            for name, values in coverage.items():  # for the experts' linears that were quantized
-                if ctx.full_name(name) in ctx.report:
-                    ctx.record(name, **values)
-            if hidden and i + 1 < len(layers):
-                hidden = ctx.forward(last=True)  # the next layer sees this layer's quantized outputs
-        finally:
-            ctx.stop_replaying()
-        layer.to(home)
-        report.update(ctx.report)
-        del ctx  # with it the layer's input hidden states
-        if state is not None:
-            state.save(i, layer, hidden if i + 1 < len(layers) else [], report)
-        release_host_memory()  # the layer's float weights and statistics: freed, but kept by the allocator
-        if progress is not None:
-            progress(i + 1, len(layers), f"layer {i} ({time.perf_counter() - t0:.1f}s)")
+                ctx.stop_replaying()
+            layer.to(home)
+            report.update(ctx.report)
+            del ctx  # with it the layer's input hidden states
+            if state is not None:
+                state.save(i, layer, hidden if i + 1 < len(layers) else [], report)
+            release_host_memory()  # the layer's float weights and statistics: freed, but kept by the allocator
+            if progress is not None:
+                progress(i + 1, len(layers), f"layer {i} ({time.perf_counter() - t0:.1f}s)")
+    except BaseException:
+        if state is not None:  # the layers saved before the failure stay resumable
+            with contextlib.suppress(Exception):
+                state.flush()
+        raise
+    if state is not None:
+        state.flush()
     return report

@@ -119,6 +119,40 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: di
         raise os_error(exc) or OSError(str(exc)) from None
 
 
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32",
+    torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+
+
+def stream_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """Write CPU ``tensors`` as a safetensors file straight from their memory, one write per tensor.
+
+    safetensors' ``save_file`` first copies every tensor into one bytes object while it holds the GIL; a writer on a
+    background thread (the resume state's) would stall the thread that drives the GPU for as long as that copy
+    takes. Here each tensor's bytes go to the file as a view, and the GIL is free while the kernel writes them.
+    """
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for t in tensors.values():
+            if t.numel():
+                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+
 def write_shards(tensors: dict[str, torch.Tensor], folder: Path, shard_bytes: int) -> None:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
