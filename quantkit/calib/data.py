@@ -258,22 +258,37 @@ def calibration_windows(
 
 
 def evaluation_windows(
-    tokenizer, source: str, seqlen: int, max_windows: int | None, bos: bool | str = "auto"
+    tokenizer,
+    source: str,
+    seqlen: int,
+    max_windows: int | None,
+    bos: bool | str = "auto",
+    *,
+    chat_template: bool = False,
 ) -> tuple[torch.Tensor, dict]:
     """The first ``max_windows`` non-overlapping windows [n, seqlen] of ``source`` (all when None); with BOS
-    (see the module docstring) each is BOS + ``seqlen - 1`` text tokens."""
+    (see the module docstring) each is BOS + ``seqlen - 1`` text tokens. ``chat_template``: each window rendered
+    as a user turn and the assistant's answer, as chat calibration renders them."""
+    if chat_template:
+        check_chat_template(tokenizer)
     bos_id = resolve_bos(tokenizer, bos)
     text, src = load_text(source)
     ids = tokenize(tokenizer, text)
-    windows = text_windows(ids, seqlen, bos_id)
+    windows = text_windows(ids, seqlen, None if chat_template else bos_id)
     if max_windows is not None:
-        windows = windows[:max_windows]
-    if windows.shape[0] < 1:
-        raise QuantkitError(f"evaluation text {source!r} has {ids.numel()} tokens, fewer than seqlen {seqlen}")
-    return windows, {
-        "source": src.source,
-        "sha256": src.sha256,
-        "seqlen": seqlen,
-        "windows": windows.shape[0],
-        "bos": bos_id is not None,
-    }
+        windows = windows[: max_windows + chat_template]  # a chat window may borrow from the one after it
+    if windows.shape[0] < 1 + chat_template:
+        raise QuantkitError(f"evaluation text {source!r} has {ids.numel()} tokens, too few for seqlen {seqlen}")
+    protocol = {"source": src.source, "sha256": src.sha256, "seqlen": seqlen}
+    if chat_template:
+        following = windows.roll(-1, dims=0)
+        windows = torch.stack(
+            [chat_window(tokenizer, w, f, seqlen, bos_id) for w, f in zip(windows, following, strict=True)]
+        )
+        windows = windows[: max_windows or windows.shape[0] - 1]
+        bos_token = getattr(tokenizer, "bos_token_id", None)
+        protocol["bos"] = bos_token is not None and bool((windows[:, 0] == bos_token).all())
+        protocol["chat_template"] = True
+    else:
+        protocol["bos"] = bos_id is not None
+    return windows, {**protocol, "windows": windows.shape[0]}

@@ -294,8 +294,14 @@ def quantize_command(
 @click.option(
     "--bos/--no-bos", default=None, help="Start every window with BOS (default: where the tokenizer adds it)."
 )
+@click.option(
+    "--chat-template",
+    is_flag=True,
+    help="Render each window through the tokenizer's chat template as a user turn and the assistant's answer "
+    "(as --calib-chat-template does; instruct models).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of a table.")
-def eval_command(model, baseline, source, seqlen, windows, device, dtype, bos, as_json) -> None:
+def eval_command(model, baseline, source, seqlen, windows, device, dtype, bos, chat_template, as_json) -> None:
     """Perplexity (and KL / top-1 agreement against a float baseline) on an evaluation text."""
     from quantkit.calib.data import evaluation_windows
     from quantkit.eval import evaluate_windows
@@ -312,7 +318,8 @@ def eval_command(model, baseline, source, seqlen, windows, device, dtype, bos, a
     limit = getattr(m.config, "max_position_embeddings", None)
     if limit is not None and seqlen > limit:
         raise QuantkitError(f"--seqlen {seqlen} is longer than the model's {limit} positions")
-    ids, protocol = evaluation_windows(tokenizer, source, seqlen, windows or None, bos="auto" if bos is None else bos)
+    bos = "auto" if bos is None else bos
+    ids, protocol = evaluation_windows(tokenizer, source, seqlen, windows or None, bos, chat_template=chat_template)
     t0 = time.perf_counter()
     with progress_bar() as bar:
         task = bar.add_task("evaluating", total=len(ids), note="")

@@ -173,3 +173,16 @@ def test_smollm2_tokenizer_adds_no_bos_so_its_windows_do_not_move():
     windows, fingerprint = data.calibration_windows(tok, "brown", 2, 64, seed=0)
     assert fingerprint["bos"] is False
     assert torch.equal(windows, data.calibration_windows(tok, "brown", 2, 64, seed=0, bos=False)[0])
+
+
+def test_chat_template_evaluation_windows_are_the_first_slots_rendered(tmp_path):
+    from tests.tiny_models import CHAT_TEMPLATE, word_tokenizer
+
+    tok, source = word_tokenizer(True, CHAT_TEMPLATE), word_text(tmp_path)
+    evals, protocol = data.evaluation_windows(tok, source, 16, 3, chat_template=True)
+    calib, _ = data.calibration_windows(tok, source, 25, 16, chat_template=True)  # every slot, in order
+    assert torch.equal(evals, calib[:3]) and protocol == {**protocol, "chat_template": True, "bos": True, "windows": 3}
+    every, protocol = data.evaluation_windows(tok, source, 16, None, chat_template=True)
+    assert every.shape == (24, 16) and protocol["windows"] == 24  # the last slot has no text after it
+    with pytest.raises(QuantkitError, match="needs a tokenizer with a chat template"):
+        data.evaluation_windows(word_tokenizer(True), source, 16, 3, chat_template=True)
