@@ -8,8 +8,8 @@ what GPTQ's own clipped grids and error feedback would use (SmolLM2-135M, 3-bit 
 on other calibration batches than those it is judged on: 51.9 at 4-bit g128 and 70.0 at 3-bit g64 (mean of three
 calibration draws) against 54.9 and 72.1 for GPTQ alone (results/accuracy-h200-2026-12-02.md). Its GPTQ stage keeps
 the settings those figures were measured with (act-order groups, MSE-clipped grids: ``AWQ_GPTQ``), which its AWQ
-stage also judges with; plain ``gptq`` takes the stage's defaults (static groups at 4 and 8 bits, grids chosen on
-held-out windows).
+stage also judges with; plain ``gptq`` takes the stage's defaults (at 4 and 8 bits static groups and grids chosen on
+held-out windows; below 4 bits act-order groups and MSE-clipped grids, the settings of earlier versions).
 """
 
 from __future__ import annotations

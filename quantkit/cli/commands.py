@@ -146,8 +146,8 @@ def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out:
 @click.option(
     "--mse/--no-mse",
     default=None,
-    help="GPTQ: clip every group's grid where that lowers its error, or never (default: chosen per linear by the "
-    "output error on held-out calibration windows).",
+    help="GPTQ: clip every group's grid where that lowers its error, or never (default: at 4 and 8 bits chosen "
+    "per linear by the output error on held-out calibration windows; below 4 bits clipped).",
 )
 @click.option("--alpha", type=float, default=None, help="SmoothQuant migration strength.")
 @click.option("--alpha-search/--no-alpha-search", default=None, help="SmoothQuant: search alpha per layer.")

@@ -4,18 +4,21 @@ With ``true_sequential`` (default) the linears are quantized group by group in e
 then gate/up, then down, from the architecture table), so that each group's Hessian is measured on the outputs
 of the groups already quantized. Without it, all Hessians of the layer come from one float forward pass.
 
-Defaults: act-order, static groups at 4 and 8 bits (act-order groups at other widths), and a grid chosen per
-linear by held-out error. Every 4th calibration
-window (``HOLDOUT_EVERY``) is held out: GPTQ is fitted with min-max and with MSE-clipped grids on the Hessian of
-the other windows, and the grid whose output error is lower on the held-out windows is kept (min-max on ties);
-the linear is then quantized with that grid on the Hessian of all windows. The choice and both held-out errors
-are recorded in the layer report (``grid``, ``heldout_loss``, and ``groups``). Static groups (``g_idx[k] = k // G``)
-keep a 4- or 8-bit checkpoint exportable to compressed-tensors, which has no ``g_idx`` and is the format vLLM serves
-at those widths; they cost some accuracy against groups formed in activation order (random-weight models of five
-families: 0.7-3.8% more held-out output error). At other widths (2, 3 bits) no serving format needs them, and groups
-formed in activation order are kept (SmolLM2-135M 3-bit g64: perplexity 72.26 against 74.75 with static groups);
-the GPTQ format holds their ``g_idx``. The grid choice costs two more GPTQ passes per linear and X^T X of the
-held-out windows; the grid search of static groups runs on the original weights.
+Defaults: act-order; at 4 and 8 bits static groups and a grid chosen per linear by held-out error; at other widths
+(2, 3 bits) groups formed in activation order and MSE-clipped grids for every linear. The held-out choice: every 4th
+calibration window (``HOLDOUT_EVERY``) is held out, GPTQ is fitted with min-max and with MSE-clipped grids on the
+Hessian of the other windows, and the grid whose output error is lower on the held-out windows is kept (min-max on
+ties); the linear is then quantized with that grid on the Hessian of all windows. The choice and both held-out
+errors are recorded in the layer report (``grid``, ``heldout_loss``, and ``groups``). Static groups (``g_idx`` = k
+// G) keep a 4- or 8-bit checkpoint exportable to compressed-tensors, which has no ``g_idx`` and is the format vLLM
+serves at those widths; they cost some accuracy against groups formed in activation order (random-weight models of
+five families: 0.7-3.8% more held-out output error). At other widths (2, 3 bits) no serving format needs them, and
+groups formed in activation order are kept (SmolLM2-135M 3-bit g64: perplexity 72.26 against 74.75 with static
+groups); the GPTQ format holds their ``g_idx``. Clipping always pays with so few levels: on SmolLM2-135M at 3-bit
+g64 the held-out grid choice lost to MSE grids everywhere on all three calibration draws (perplexity +1.3-2.7% on
+Moby Dick, +4.9-6.4% on the State of the Union addresses), so below 4 bits it is not run. The grid choice costs two
+more GPTQ passes per linear and X^T X of the held-out windows; the grid search of static groups runs on the original
+weights.
 
 Why: the earlier defaults (act-order with groups formed in activation order, MSE-clipped grids everywhere) were
 chosen on SmolLM2-135M, whose weights already sit on a Q4_1 grid, and overfit it: on another family's real model
@@ -68,7 +71,8 @@ class GPTQStage(WeightStage):
         act_order: bool = True
         static_groups: bool | str = "auto"  # "auto": static at the widths vLLM serves (SERVED_BITS), else act-order
         true_sequential: bool = True
-        mse: bool | str = "auto"  # true / false: every linear's grid; "auto": chosen per linear on held-out windows
+        mse: bool | str = "auto"  # true / false: every linear's grid; "auto": chosen on held-out windows at
+        # SERVED_BITS, MSE below them
 
         def __post_init__(self) -> None:
             if isinstance(self.damp, bool) or not isinstance(self.damp, (int, float)):
@@ -151,7 +155,10 @@ class GPTQStage(WeightStage):
         kwargs = dict(damp=p.damp, block_size=p.block_size, act_order=p.act_order, static_groups=static)
         extra = {"groups": "static" if static or not p.act_order else "act-order"} if scheme.group_size != -1 else {}
         mse = p.mse
-        if mse == "auto":
+        if mse == "auto" and scheme.bits not in SERVED_BITS:
+            mse = True
+            extra.update(grid="mse", grid_reason=f"{scheme.bits}-bit: clipped grids")
+        elif mse == "auto":
             mse, chosen = self.choose_grid(w, stats, scheme, kwargs)
             extra.update(chosen)
         qw, info = gptq(w, stats.hessian(), scheme, mse=mse, **kwargs)
