@@ -12,7 +12,8 @@ layers; ``ngram``: prompt lookup; ``eagle`` / ``medusa``: draft heads from ``qua
 (``narrative``: passages of the evaluation text, which no calibration saw; ``chat``: questions through the chat
 template; ``grounded``: a passage and a request to quote from it) and report the acceptance rate and tau (tokens
 emitted per verify step); then tokens/s against the same target without speculation at batch 1 (one prompt at a time)
-and batch 16. Every run draws k tokens every step (``adaptive=False``) except the rows marked adaptive.
+and batch 16. Every run draws k tokens every step (``adaptive=False``) except the rows marked adaptive, which start
+each timed run with no step costs measured (so their figures include the probes that find where speculation pays).
 
 Part 2 (``--costs``, random weights in the Llama-3-8B shape, so acceptance is not meaningful there): median time of a
 decode step, of a verify step of k + 1 tokens per sequence and of one draft step (W4A16 self, and with half the
@@ -124,7 +125,7 @@ def acceptance(args, folder: str, settings: dict) -> dict:
         gpu = {"gpu_memory_utilization": 0.65} if "gpu_memory_utilization" in settings else {}
         spec_settings = {**settings, **gpu}
         llm = LLM(folder, **spec_settings, speculative=SpeculativeConfig(**spec, adaptive=False))
-        for kind, prompts in sets.items():
+        for kind, prompts in sets.items() if args.ks else ():
             for temperature in args.temperatures:
                 params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=0, ignore_eos=True)
                 for k in args.ks:
@@ -145,6 +146,7 @@ def acceptance(args, folder: str, settings: dict) -> dict:
                     llm.spec.config = dataclasses.replace(llm.spec.config, num_speculative_tokens=args.speed_k,
                                                           adaptive=adaptive)  # fmt: skip
                     timed(llm, prompts[:batch], params, batch)  # warm-up: compiles the verify shapes
+                    llm.spec.buckets.clear()  # the adaptive rule starts the timed run knowing no step costs
                     base_s, base_n = timed(plain, prompts, params, batch)
                     spec_s, spec_n = timed(llm, prompts, params, batch)
                     speed.append(dict(proposer=name, prompts=kind, batch=batch, k=args.speed_k, adaptive=adaptive,
@@ -247,7 +249,7 @@ def main() -> None:
     ap.add_argument("--gptq-draft", type=Path, help="a quantkit GPTQ checkpoint of the target (proposer self-gptq)")
     ap.add_argument("--eagle-heads", type=Path, help="EAGLE heads of the target from train-draft (proposer eagle)")
     ap.add_argument("--medusa-heads", type=Path, help="Medusa heads of the target from train-draft (proposer medusa)")
-    ap.add_argument("--ks", default="2,4,6")
+    ap.add_argument("--ks", default="2,4,6", help="k of the acceptance table ('': no table, speed only)")
     ap.add_argument("--temperatures", default="0,0.7")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--num-prompts", type=int, default=16)
@@ -258,7 +260,7 @@ def main() -> None:
     ap.add_argument("--acceptance", type=Path, help="part 1's JSON, for the projection of part 2")
     add_out_argument(ap, "spec")
     args = ap.parse_args()
-    args.ks = [int(k) for k in args.ks.split(",")]
+    args.ks = [int(k) for k in args.ks.split(",") if k]
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     args.batches = [int(b) for b in args.batches.split(",")]
     args.speed_sets = [s for s in args.speed_sets.split(",") if s]

@@ -294,20 +294,23 @@ class LLM:
         starts = np.cumsum([0] + [1 + s.num_draft_tokens for s in batch.sampled]).tolist()
         plain = [j for j, s in enumerate(batch.sampled) if not s.num_draft_tokens]
         emitted: list[tuple[Sequence, list[int]]] = []
+        # greedy batches read every row's argmax in one copy; the rule then runs on the host for each sequence
+        best = logits.argmax(-1).tolist() if all(s.params.greedy for s in batch.sampled) else None
         if plain:
             seqs, rows = self._split_forks([batch.sampled[j] for j in plain])
             rows = [plain[r] for r in rows] if rows is not None else plain
-            sub = logits[[starts[j] for j in rows]]
-            if all(s.params.greedy for s in seqs):
-                tokens = sub.argmax(-1)
+            if best is not None:
+                tokens = [best[starts[j]] for j in rows]
             else:
-                tokens = sample(sub, [s.params for s in seqs], [self._generator_for(s) for s in seqs])
-            emitted += [(s, [t]) for s, t in zip(seqs, tokens.tolist(), strict=True)]
+                sub = logits[[starts[j] for j in rows]]
+                tokens = sample(sub, [s.params for s in seqs], [self._generator_for(s) for s in seqs]).tolist()
+            emitted += [(s, [t]) for s, t in zip(seqs, tokens, strict=True)]
         verified = set()
         for j, seq in enumerate(batch.sampled):
             if seq.num_draft_tokens:
                 a, b = starts[j], starts[j + 1]
-                emitted.append((seq, spec.verify(seq, logits[a:b], self._generator_for(seq))))
+                rows_best = best[a:b] if best is not None else None
+                emitted.append((seq, spec.verify(seq, logits[a:b], self._generator_for(seq), rows_best)))
                 verified.add(seq.seq_id)
         results = []
         for seq, tokens in emitted:

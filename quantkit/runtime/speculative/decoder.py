@@ -172,12 +172,23 @@ class SpeculativeDecoder:
 
     # -- after the step ----------------------------------------------------------------------------------------
 
-    def verify(self, seq: Sequence, logits: torch.Tensor, generator: torch.Generator | None) -> list[int]:
+    def verify(
+        self, seq: Sequence, logits: torch.Tensor, generator: torch.Generator | None, best: list[int] | None = None
+    ) -> list[int]:
         """``logits`` [k + 1, V] of the target at the sequence's last k + 1 positions -> the tokens to emit (the
-        accepted drafts, then the target's own). Drops the drafts from ``seq.token_ids``."""
+        accepted drafts, then the target's own). Drops the drafts from ``seq.token_ids``. ``best``: the target's
+        argmax at those positions, already on the host (a greedy batch reads them all in one copy): the greedy
+        rule then runs on the host, without a device round trip per sequence."""
         k = seq.num_draft_tokens
-        draft = torch.tensor(seq.token_ids[-k:], device=logits.device).unsqueeze(0)
         params = seq.params
+        if params.greedy and best is not None:
+            drafted = seq.token_ids[-k:]
+            accepted = next((i for i in range(k) if drafted[i] != best[i]), k)
+            tokens = [*drafted[:accepted], best[accepted]]
+            seq.drop_draft()
+            self._count(seq, k, accepted)
+            return tokens
+        draft = torch.tensor(seq.token_ids[-k:], device=logits.device).unsqueeze(0)
         if params.greedy:
             verdict = verify_greedy(draft, logits.unsqueeze(0))
         else:
@@ -191,19 +202,17 @@ class SpeculativeDecoder:
         accepted = int(verdict.num_accepted[0])
         tokens = verdict.tokens[0, : accepted + 1].tolist()
         seq.drop_draft()
-        stats = seq.spec
-        stats.steps += 1
-        stats.drafted += k
-        stats.accepted += accepted
-        stats.emitted += accepted + 1
-        t = self.totals
-        t.steps += 1
-        t.drafted += k
-        t.accepted += accepted
-        t.emitted += accepted + 1
+        self._count(seq, k, accepted)
+        return tokens
+
+    def _count(self, seq: Sequence, k: int, accepted: int) -> None:
+        for stats in (seq.spec, self.totals):
+            stats.steps += 1
+            stats.drafted += k
+            stats.accepted += accepted
+            stats.emitted += accepted + 1
         rate = accepted / k
         self.acceptance[seq.seq_id] = (1 - EMA) * self.acceptance.get(seq.seq_id, PRIOR_ACCEPTANCE) + EMA * rate
-        return tokens
 
     def step_done(self, tokens_per_seq: float) -> None:
         """Time the step that just ended (its tokens were read, so the device is done with it)."""
