@@ -115,6 +115,18 @@ def timed(llm: LLM, prompts, params: SamplingParams, batch: int) -> tuple[float,
     return time.perf_counter() - start, tokens
 
 
+def bucket_figures(b) -> dict:
+    return {
+        "plain_ms": round(1e3 * b.plain_time, 3),
+        "spec_ms": round(1e3 * b.spec_time, 3),
+        "spec_tokens": round(b.spec_tokens, 2),
+        "plain_samples": b.plain_samples,
+        "spec_samples": b.spec_samples,
+        "hopeless": b.hopeless,
+        "probe_every": b.probe_every,
+    }
+
+
 def acceptance(args, folder: str, settings: dict) -> dict:
     """Part 1."""
     plain = LLM(folder, **settings)
@@ -153,9 +165,12 @@ def acceptance(args, folder: str, settings: dict) -> dict:
                                       plain_tok_s=base_n / base_s, spec_tok_s=spec_n / spec_s,
                                       speedup=(spec_n / spec_s) / (base_n / base_s)))  # fmt: skip
                     r = speed[-1]
+                    if adaptive:  # what the rule saw: per batch-size bucket, ms per step and tokens per sequence
+                        r["buckets"] = {size: bucket_figures(b) for size, b in sorted(llm.spec.buckets.items())}
                     print(
                         f"{name} {kind} batch {batch} k {args.speed_k} {'adaptive' if adaptive else 'fixed'}: "
-                        f"{r['plain_tok_s']:.1f} -> {r['spec_tok_s']:.1f} tok/s = {r['speedup']:.2f}x",
+                        f"{r['plain_tok_s']:.1f} -> {r['spec_tok_s']:.1f} tok/s = {r['speedup']:.2f}x"
+                        + (f" {r['buckets']}" if adaptive else ""),
                         flush=True,
                     )
         del llm

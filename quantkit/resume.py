@@ -28,6 +28,7 @@ import os
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -60,14 +61,18 @@ def model_digest(model: nn.Module) -> str:
             if f.is_file() and f.suffix in MODEL_FILES:
                 st = f.stat()
                 parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
-    else:
-        h = hashlib.sha256()
-        for name, t in model.state_dict().items():
-            if t.device.type != "meta":
-                h.update(name.encode())
-                h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        parts.append(h.hexdigest())
+    else:  # every weight hashed, on several threads (hashlib lets go of the GIL): 16 GB of an 8B model in seconds
+        tensors = [(name, t) for name, t in model.state_dict().items() if t.device.type != "meta"]
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            parts.append(hashlib.sha256(b"".join(pool.map(_tensor_digest, tensors))).hexdigest())
     return _digest("\n".join(parts))
+
+
+def _tensor_digest(item: tuple[str, torch.Tensor]) -> bytes:
+    name, t = item
+    h = hashlib.sha256(name.encode())
+    h.update(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))  # no copy on the CPU
+    return h.digest()
 
 
 def run_fingerprint(model: nn.Module, recipe, calib: torch.Tensor | None, calibration: dict | None, device) -> dict:
