@@ -518,3 +518,8 @@ def test_unreadable_calibration_file_is_one_line(tiny_dir, tmp_path):
     bad.write_text('{"text": "abc"\n')
     r = run("quantize", "--model", tiny_dir, "--method", "gptq", "--calib", bad, "--out", tmp_path / "q")
     assert_clean_failure(r, "JSON parse error", tmp_path / "q")
+
+
+def test_eval_chat_template_needs_a_tokenizer_with_one(tiny_dir):
+    assert_clean_failure(run("eval", "--model", tiny_dir, "--chat-template", "--windows", "1", "--seqlen", "16"),
+                         "needs a tokenizer with a chat template")  # fmt: skip
