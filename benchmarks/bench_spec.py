@@ -13,7 +13,8 @@ layers; ``ngram``: prompt lookup; ``eagle`` / ``medusa``: draft heads from ``qua
 template; ``grounded``: a passage and a request to quote from it) and report the acceptance rate and tau (tokens
 emitted per verify step); then tokens/s against the same target without speculation at batch 1 (one prompt at a time)
 and batch 16. Every run draws k tokens every step (``adaptive=False``) except the rows marked adaptive, which start
-each timed run with no step costs measured (so their figures include the probes that find where speculation pays).
+each timed run with no step costs measured (so their figures include the probes that find where speculation pays),
+and then run the prompts again with the costs the rule measured (``speedup_measured``: a server that has run a while).
 
 Part 2 (``--costs``, random weights in the Llama-3-8B shape, so acceptance is not meaningful there): median time of a
 decode step, of a verify step of k + 1 tokens per sequence and of one draft step (W4A16 self, and with half the
@@ -167,10 +168,13 @@ def acceptance(args, folder: str, settings: dict) -> dict:
                     r = speed[-1]
                     if adaptive:  # what the rule saw: per batch-size bucket, ms per step and tokens per sequence
                         r["buckets"] = {size: bucket_figures(b) for size, b in sorted(llm.spec.buckets.items())}
+                        # and once it knows the step costs (a server that has run a while): the same again
+                        again_s, again_n = timed(llm, prompts, params, batch)
+                        r["speedup_measured"] = (again_n / again_s) / (base_n / base_s)
                     print(
                         f"{name} {kind} batch {batch} k {args.speed_k} {'adaptive' if adaptive else 'fixed'}: "
                         f"{r['plain_tok_s']:.1f} -> {r['spec_tok_s']:.1f} tok/s = {r['speedup']:.2f}x"
-                        + (f" {r['buckets']}" if adaptive else ""),
+                        + (f"; step costs known: {r['speedup_measured']:.2f}x {r['buckets']}" if adaptive else ""),
                         flush=True,
                     )
         del llm

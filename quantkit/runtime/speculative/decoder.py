@@ -16,8 +16,10 @@ decode steps and speculative steps (draft + verify) and keeps speculation off wh
 for the time it costs, e.g. at large batches, where a decode step is no longer memory-bound and scoring k + 1 tokens
 costs nearly k + 1 times as much. The mode not in use is measured again after ``PROBE_EVERY`` steps, an interval
 that doubles (up to ``MAX_PROBE_EVERY``) while speculation keeps losing; where a speculative step costs more than
-k + 1 plain ones, no acceptance can pay, and speculation stays off at that batch size and every larger one. Paused
-steps run through the engine's asynchronous path, so they cost what a step without speculation costs.
+k + 1 plain ones, no acceptance can pay, and speculation stays off at that batch size and every larger one (one
+speculative step settles it when it costs more than twice that: on SmolLM2 at batch 64 a speculative step costs
+~20 plain ones, so each probe is dear). Paused steps run through the engine's asynchronous path, so they cost what
+a step without speculation costs.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ PRIOR_ACCEPTANCE = 0.6
 PROBE_EVERY = 32  # steps between re-measurements of the mode not in use for a batch-size bucket
 MAX_PROBE_EVERY = 1024  # the longest interval, after probes that kept finding speculation a loss
 MIN_SAMPLES = 2
+HOPELESS_AT_ONCE = 2.0  # a first speculative step this many times past the k + 1 plain steps' cost: no second one
 
 
 @dataclass
@@ -234,9 +237,13 @@ class SpeculativeDecoder:
         else:
             b.plain_time = elapsed if not b.plain_samples else (1 - EMA) * b.plain_time + EMA * elapsed
             b.plain_samples += 1
-        if b.plain_samples < MIN_SAMPLES or b.spec_samples < MIN_SAMPLES:
+        if b.plain_samples < MIN_SAMPLES or not b.spec_samples:
             return
-        b.hopeless = b.spec_time > (self.config.num_speculative_tokens + 1) * b.plain_time
+        limit = (self.config.num_speculative_tokens + 1) * b.plain_time  # no acceptance pays for a dearer step
+        if b.spec_samples < MIN_SAMPLES:  # one step far past the limit settles it: each probe costs that much
+            b.hopeless = b.spec_time > HOPELESS_AT_ONCE * limit
+            return
+        b.hopeless = b.spec_time > limit
         if b.since_probe < b.probe_every:
             b.since_probe += 1
         else:  # this step probed the other mode; one that finds speculation still losing waits twice as long next

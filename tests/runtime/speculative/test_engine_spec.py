@@ -367,3 +367,19 @@ def test_speculation_that_cannot_pay_stays_off_at_that_batch_size_and_above():
     for _ in range(MIN_SAMPLES):
         dec.plain_step_done(1, 0.008)
     assert dec.wants_draft(seqs[:1])
+
+
+def test_one_speculative_step_far_past_the_limit_settles_it():
+    """A first speculative step costing more than twice k + 1 plain ones turns speculation off at once (each probe
+    that dear costs the run ~20 plain steps); one just past the limit is measured again first."""
+    from quantkit.runtime.speculative.decoder import HOPELESS_AT_ONCE, MIN_SAMPLES, SpeculativeDecoder
+    from quantkit.runtime.speculative.proposers import NgramProposer
+
+    dec = SpeculativeDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=4), NgramProposer(3, 1), 64)
+    for bucket, ratio in ((64, 1.1 * HOPELESS_AT_ONCE * 5), (32, 0.9 * HOPELESS_AT_ONCE * 5)):
+        for _ in range(MIN_SAMPLES):
+            dec.plain_step_done(bucket, 0.001)
+        dec._record(bucket, True, ratio * 0.001, 1.5)
+    assert dec.buckets[64].hopeless and not dec.buckets[32].hopeless
+    dec._record(32, True, 0.9 * HOPELESS_AT_ONCE * 5 * 0.001, 1.5)  # the second sample: past k + 1 plain steps
+    assert dec.buckets[32].hopeless
