@@ -16,6 +16,7 @@ from torch import nn
 
 from quantkit.errors import QuantkitError, one_line
 from quantkit.runtime.model import CausalLM, FloatLinear, RMSNorm
+from quantkit.runtime.moe import experts_by_name
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 IGNORED_KEY_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -64,9 +65,10 @@ def quantized_linear(schemes: dict, dtype):
 
 
 def assign_weights(model: CausalLM, tensors: dict[str, torch.Tensor], device: torch.device, where="") -> None:
-    """Fill every meta parameter/buffer of ``model`` from ``tensors`` (cast to the dtype the module declares)."""
+    """Fill every meta parameter/buffer of ``model`` from ``tensors`` (cast to the dtype the module declares; MoE
+    experts under any of the names ``moe.experts_by_name`` reads)."""
     expected = {k: v for k, v in model.state_dict().items() if v.is_meta}
-    tensors = {k: v for k, v in tensors.items() if not k.endswith(IGNORED_KEY_SUFFIXES)}
+    tensors = {k: v for k, v in experts_by_name(tensors).items() if not k.endswith(IGNORED_KEY_SUFFIXES)}
     if model.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     missing = sorted(set(expected) - set(tensors))
@@ -122,13 +124,17 @@ def load_folder(path: str | Path, dtype_name: str, device: torch.device) -> Load
 
 
 def from_hf_model(hf_model: nn.Module, device: torch.device, tokenizer=None) -> LoadedModel:
-    """Adopt a loaded HF model's modules (float or quantized) and weights: shared, not copied."""
+    """Adopt a loaded HF model's modules (float or quantized) and weights: shared, not copied (transformers' fused
+    3-D expert weights are split into per-expert views)."""
     config = hf_model.config
     modules = dict(hf_model.named_modules())
     dtype = next(p for p in hf_model.parameters() if p.is_floating_point()).dtype
+    tensors = experts_by_name(dict(hf_model.state_dict()))
 
     def adopt(name, n_in, n_out, bias):
         mod = modules.get(name)
+        if mod is None and f"{name}.weight" in tensors:  # one expert's projection of a fused experts tensor
+            return FloatLinear(n_in, n_out, bias=False, dtype=tensors[f"{name}.weight"].dtype)
         if mod is None or (getattr(mod, "in_features", None), getattr(mod, "out_features", None)) != (n_in, n_out):
             raise QuantkitError(f"HF model has no linear {name} of shape [{n_out}, {n_in}]")
         if type(mod) is nn.Linear:  # a meta FloatLinear, given the HF weights (the same tensors) by assign_weights
@@ -137,7 +143,7 @@ def from_hf_model(hf_model: nn.Module, device: torch.device, tokenizer=None) -> 
 
     with torch.device("meta"):
         model = CausalLM(config, adopt, dtype)
-    assign_weights(model, dict(hf_model.state_dict()), device)
+    assign_weights(model, tensors, device)
     model.to(device)
     return LoadedModel(model, tokenizer, eos_ids(getattr(hf_model, "generation_config", None), config))
 

@@ -1,4 +1,5 @@
-"""The runtime's own forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3) on packed tokens.
+"""The runtime's own forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3) and its mixture-of-experts
+relatives (Mixtral, Qwen2-MoE, Qwen3-MoE: ``runtime.moe``) on packed tokens.
 
 Tokens of all sequences in a step lie on one axis [T]; attention reads and writes the paged KV cache
 (``runtime.attention``). Module names equal Hugging Face's, so checkpoints load by name, and every linear is made by
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -24,17 +26,20 @@ from quantkit.errors import QuantkitError
 from quantkit.kernels.dense.gemv import gemv, use_gemv
 from quantkit.kernels.dense.norm_rope import add_rms_norm, add_rms_norm_reference, rotary_, rotary_store_, silu_mul
 from quantkit.runtime.attention import AttentionMetadata, paged_attention
+from quantkit.runtime.moe import MoESpec, SparseMoE, is_sparse_layer
 
 LinearFactory = Callable[[str, int, int, bool], nn.Module]  # (name, in_features, out_features, bias) -> module
 
 
 @dataclass(frozen=True)
 class DecoderSpec:
-    """What distinguishes one Llama-family class: ``qkv_bias`` q/k/v carry a bias whatever the config says (Qwen2);
-    ``qk_norm`` an RMSNorm over each head of q and k before the rotary embedding (Qwen3)."""
+    """What distinguishes one Llama-family class: ``qkv_bias`` q/k/v carry a bias unless the config's ``qkv_bias``
+    says otherwise (Qwen2, Qwen2-MoE); ``qk_norm`` an RMSNorm over each head of q and k before the rotary embedding
+    (Qwen3); ``moe`` the routed experts that replace the MLP of its sparse layers."""
 
     qkv_bias: bool = False
     qk_norm: bool = False
+    moe: MoESpec | None = None
 
 
 DECODERS = {
@@ -42,9 +47,19 @@ DECODERS = {
     "MistralForCausalLM": DecoderSpec(),
     "Qwen2ForCausalLM": DecoderSpec(qkv_bias=True),
     "Qwen3ForCausalLM": DecoderSpec(qk_norm=True),
+    "MixtralForCausalLM": DecoderSpec(moe=MoESpec("num_local_experts", "intermediate_size", norm_topk=True)),
+    "Qwen2MoeForCausalLM": DecoderSpec(qkv_bias=True, moe=MoESpec(shared_expert=True)),
+    "Qwen3MoeForCausalLM": DecoderSpec(qk_norm=True, moe=MoESpec()),
 }
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+               "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+               "deepseek_v3": "DeepseekV3ForCausalLM"}  # fmt: skip
+# families the runtime knows it cannot serve yet, and why
+NOT_YET = {
+    "DeepseekV3ForCausalLM": "DeepSeek-V3 needs multi-head latent attention (MLA) and its grouped sigmoid router",
+    "DeepseekV2ForCausalLM": "DeepSeek-V2 needs multi-head latent attention (MLA) and its grouped router",
+}
 UNSUPPORTED_ROPE = ("dynamic", "longrope")  # their frequencies depend on the current sequence length
 
 
@@ -56,11 +71,17 @@ def architecture(config) -> str:
 
 def decoder_spec(config) -> DecoderSpec:
     arch = architecture(config)
+    if arch in NOT_YET:
+        raise QuantkitError(f"the runtime does not serve {arch} yet: {NOT_YET[arch]}; supported: {supported()}")
     if arch not in DECODERS:
-        raise QuantkitError(f"the runtime does not support {arch}; supported: {', '.join(sorted(DECODERS))}")
+        raise QuantkitError(f"the runtime does not support {arch}; supported: {supported()}")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise QuantkitError(f"the runtime supports SiLU-gated MLPs only, got hidden_act={config.hidden_act!r}")
     return DECODERS[arch]
+
+
+def supported() -> str:
+    return ", ".join(sorted(DECODERS))
 
 
 def head_dim(config) -> int:
@@ -138,10 +159,11 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.window = window
         bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = bias or bool(getattr(config, "qkv_bias", spec.qkv_bias))
         hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = linear(f"{prefix}.q_proj", hidden, q_size, bias or spec.qkv_bias)
-        self.k_proj = linear(f"{prefix}.k_proj", hidden, kv_size, bias or spec.qkv_bias)
-        self.v_proj = linear(f"{prefix}.v_proj", hidden, kv_size, bias or spec.qkv_bias)
+        self.q_proj = linear(f"{prefix}.q_proj", hidden, q_size, qkv_bias)
+        self.k_proj = linear(f"{prefix}.k_proj", hidden, kv_size, qkv_bias)
+        self.v_proj = linear(f"{prefix}.v_proj", hidden, kv_size, qkv_bias)
         self.o_proj = linear(f"{prefix}.o_proj", q_size, hidden, bias)
         self.qkv_proj = None  # set by fuse_projections
         self.sizes = (q_size, kv_size, kv_size)
@@ -174,9 +196,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config, prefix: str, linear: LinearFactory):
+    """SiLU-gated MLP of ``inter`` (default ``config.intermediate_size``) hidden units: the dense layers' MLP and each
+    expert of an MoE block."""
+
+    def __init__(self, config, prefix: str, linear: LinearFactory, inter: int | None = None):
         super().__init__()
-        hidden, inter, bias = config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False))
+        hidden, bias = config.hidden_size, bool(getattr(config, "mlp_bias", False))
+        inter = inter or config.intermediate_size
         self.gate_proj = linear(f"{prefix}.gate_proj", hidden, inter, bias)
         self.up_proj = linear(f"{prefix}.up_proj", hidden, inter, bias)
         self.down_proj = linear(f"{prefix}.down_proj", inter, hidden, bias)
@@ -198,7 +224,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = Attention(config, spec, f"{prefix}.self_attn", linear, window, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, f"{prefix}.mlp", linear)
+        if spec.moe is not None and is_sparse_layer(config, i):
+            experts = partial(MLP, config, linear=linear)
+            self.mlp = SparseMoE(config, spec.moe, f"{prefix}.mlp", experts, linear, dtype)
+        else:
+            self.mlp = MLP(config, f"{prefix}.mlp", linear)
 
     def forward(self, x, residual, cos, sin, meta, kv_cache):
         """x: the previous layer's output (not yet added to the residual stream ``residual``; None at layer 0).
@@ -236,6 +266,11 @@ class CausalLM(nn.Module):
         )
         self.cos = self.sin = None
 
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a step can be captured in a CUDA graph (MoE blocks read their expert counts on the host)."""
+        return not any(isinstance(layer.mlp, SparseMoE) for layer in self.model.layers)
+
     def set_rope(self, max_len: int, device) -> None:
         self.cos, self.sin = rope_tables(self.config, max_len, device)
 
@@ -257,8 +292,8 @@ class CausalLM(nn.Module):
 
 
 def fuse_projections(model: CausalLM) -> int:
-    """Concatenate q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` per layer (the parts are
-    dropped); returns how many fused linears were made.
+    """Concatenate q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` per layer (per expert and
+    shared expert in MoE layers; the parts are dropped); returns how many fused linears were made.
 
     One GEMM instead of three (two) saves launches and reads the k/v weights at full bandwidth, which is what
     batch-1 decode is bound by; a W8A8 group also quantizes its shared input once. Float, W4A16 (``QuantLinear``,
@@ -268,15 +303,19 @@ def fuse_projections(model: CausalLM) -> int:
     """
     fused = 0
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         qkv = _concat((attn.q_proj, attn.k_proj, attn.v_proj))
         if qkv is not None:
             attn.qkv_proj, attn.q_proj, attn.k_proj, attn.v_proj = qkv, None, None, None
             fused += 1
-        gate_up = _concat((mlp.gate_proj, mlp.up_proj))
-        if gate_up is not None:
-            mlp.gate_up_proj, mlp.gate_proj, mlp.up_proj = gate_up, None, None
-            fused += 1
+        mlps = [layer.mlp]
+        if isinstance(layer.mlp, SparseMoE):
+            mlps = [*layer.mlp.experts, *([layer.mlp.shared_expert] if layer.mlp.shared_expert is not None else [])]
+        for mlp in mlps:
+            gate_up = _concat((mlp.gate_proj, mlp.up_proj))
+            if gate_up is not None:
+                mlp.gate_up_proj, mlp.gate_proj, mlp.up_proj = gate_up, None, None
+                fused += 1
     return fused
 
 

@@ -71,8 +71,14 @@ class ModelRunner:
         # a proposer that reads the target's features (draft heads) sets this: called with each step's batch and
         # the final hidden states of all its tokens [T, hidden], in packed order (decodes first, then chunks)
         self.on_hidden: Callable[[ScheduledBatch, torch.Tensor], None] | None = None
-        if device.type == "cuda" and not config.enforce_eager:
+        if self.use_graphs:
             self._capture_graphs()
+
+    @property
+    def use_graphs(self) -> bool:
+        """Whether steps replay CUDA graphs: on CUDA, without ``enforce_eager``, for models whose forward can be
+        captured (not MoE models yet: their blocks read expert counts on the host)."""
+        return self.device.type == "cuda" and not self.config.enforce_eager and self.model.graph_safe
 
     def _backend(self) -> str:
         backend = self.config.attention_backend
@@ -248,8 +254,8 @@ class ModelRunner:
         """CUDA graphs of speculative verify steps: every sequence scores up to ``width`` tokens (its last token and
         up to width - 1 drafted ones, padded to width), at the decode graphs' batch sizes up to
         ``VERIFY_GRAPH_MAX_BS``. Eager, a verify step of an 8B model spent more time launching kernels than running
-        them (bench_spec.py --costs). No-op off CUDA or with ``enforce_eager``."""
-        if self.device.type != "cuda" or self.config.enforce_eager:
+        them (bench_spec.py --costs). No-op without ``use_graphs``."""
+        if not self.use_graphs:
             return
         sizes = [b for b in self.graph_sizes() if b <= VERIFY_GRAPH_MAX_BS]
         self.alloc_verify_static(width, sizes[-1])

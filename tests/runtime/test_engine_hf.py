@@ -15,7 +15,7 @@ from quantkit.runtime import LLM, SamplingParams
 from tests.runtime.helpers import assert_logits_match_hf, hf_greedy, random_prompts, record_logits, sharpen
 from tests.tiny_models import COMMON, tiny_model
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
 LENGTHS = [5, 23, 1, 40, 16, 9]  # mixed, including one-token and exactly-one-block prompts
 NEW = 24
 VOCAB = COMMON["vocab_size"]
@@ -27,9 +27,25 @@ SETTINGS = {
 }
 
 
+# Qwen3-MoE as Qwen3-30B-A3B routes (top-k weights renormalised; tiny_models keeps the default, unnormalised, which
+# Qwen2-MoE covers), with 8 experts so that most of them receive no token in a small step
+MOE_CONFIGS = {
+    "qwen3_moe": lambda: T.Qwen3MoeConfig(
+        **COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16, norm_topk_prob=True
+    )
+}
+
+
+def build(arch: str):
+    if arch not in MOE_CONFIGS:
+        return tiny_model(arch)
+    torch.manual_seed(0)
+    return T.AutoModelForCausalLM.from_config(MOE_CONFIGS[arch](), dtype=torch.float32).eval()
+
+
 @pytest.fixture(scope="module", params=ARCHS)
 def arch_and_reference(request):
-    model = sharpen(tiny_model(request.param))
+    model = sharpen(build(request.param))
     prompts = random_prompts(LENGTHS, VOCAB, seed=1)
     return model, prompts, hf_greedy(model, prompts, NEW)
 
@@ -205,3 +221,107 @@ def test_fused_quantized_projections_match_hf(scheme, atol):
     outputs = llm.generate(prompts, SamplingParams(max_tokens=12))
     assert [o.completions[0].token_ids for o in outputs] == hf_greedy(model, prompts, 12)
     assert_logits_match_hf(model, prompts, outputs, rows, atol=atol)
+
+
+# -- mixture of experts ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_moe_block_equals_hf_and_runs_only_the_chosen_experts(arch):
+    """The runtime's MoE block (tokens grouped by expert, one pass per expert that received any) equals transformers'
+    block on the same weights; at batch 1 exactly the top-k experts run, and experts routed no token never run."""
+    from quantkit.runtime.moe import SparseMoE
+
+    model = build(arch)
+    block = LLM(model, device="cpu", num_kv_blocks=4).model.model.layers[0].mlp
+    assert isinstance(block, SparseMoE)
+    ran = []
+    for e, expert in enumerate(block.experts):
+        expert.register_forward_hook(lambda *_, e=e: ran.append(e))
+    gen = torch.Generator().manual_seed(0)
+    for tokens in (1, 3, 40):
+        x = torch.randn(tokens, COMMON["hidden_size"], generator=gen)
+        ran.clear()
+        with torch.no_grad():
+            out, expected = block(x), model.model.layers[0].mlp(x[None])[0]
+            chosen = block.route(x)[1]
+        torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)  # seen: 0 to 7e-10
+        assert ran == sorted(set(chosen.flatten().tolist()))  # each routed expert once, in expert order
+        if tokens == 1:  # 2 of 4 or 8 experts: the others received no token
+            assert len(ran) == model.config.num_experts_per_tok < len(block.experts)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])  # Mixtral: on-disk w1/w2/w3 names; Qwen2: shared expert
+def test_moe_folder_and_quantized_checkpoint_match_hf(arch, tmp_path):
+    """A float folder as transformers saves it (per-expert tensors, Mixtral's legacy names) and a quantkit RTN 4-bit
+    checkpoint (every expert a QuantLinear) load through the runtime's loader and keep HF's greedy tokens."""
+    model = sharpen(build(arch))
+    model.save_pretrained(tmp_path / "float")
+    prompts = random_prompts([7, 30, 2], VOCAB, seed=5)
+    outputs = LLM(str(tmp_path / "float"), device="cpu", num_kv_blocks=32).generate(
+        prompts, SamplingParams(max_tokens=12)
+    )
+    assert [o.completions[0].token_ids for o in outputs] == hf_greedy(model, prompts, 12)
+    recipe = Recipe.from_dict({"scheme": {"bits": 4, "group_size": 32, "sym": False}, "stages": [{"method": "rtn"}]})
+    quantkit.quantize(model, recipe)
+    folder = quantkit.save_quantized(model, tmp_path / "q")
+    reference = hf_greedy(quantkit.load_quantized(folder), prompts, 12)
+    llm = LLM(str(folder), device="cpu", num_kv_blocks=32, max_num_batched_tokens=16)
+    assert type(llm.model.model.layers[0].mlp.experts[3].down_proj).__name__ == "QuantLinear"
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=12))
+    assert [o.completions[0].token_ids for o in outputs] == reference
+
+
+def test_moe_models_run_eagerly_and_fuse_per_expert():
+    """MoE steps read expert counts on the host, so they are never captured in a CUDA graph; fusing gate/up (what
+    the engine does on CUDA) fuses each expert and the shared expert, and keeps HF's logits."""
+    from quantkit.runtime.model import fuse_projections
+
+    model = sharpen(build("qwen2_moe"))  # layer 0: 4 experts and a shared expert; layer 1 dense
+    llm = LLM(model, device="cpu", num_kv_blocks=64)
+    assert not llm.model.graph_safe and LLM(tiny_model("llama"), device="cpu", num_kv_blocks=4).model.graph_safe
+    assert fuse_projections(llm.model) == 2 + 5 + 1  # q/k/v twice, gate/up of 5 MLPs in layer 0 and 1 in layer 1
+    assert llm.model.model.layers[0].mlp.experts[0].gate_proj is None
+    prompts = random_prompts(LENGTHS, VOCAB, seed=2)
+    rows = record_logits(llm)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=12))
+    assert_logits_match_hf(model, prompts, outputs, rows, atol=1e-5)
+
+
+def test_dummy_moe_shapes_and_random_weights():
+    """``dummy:`` MoE shapes have their published sizes (built on the meta device: no memory), and a small MoE
+    config with random weights serves."""
+    from quantkit.runtime.bench import DUMMY_MODELS
+    from quantkit.runtime.loader import float_linear
+    from quantkit.runtime.model import CausalLM
+
+    for name, total, active in (("mixtral-8x7b", 46.70e9, 12.88e9), ("qwen3-30b-a3b", 30.53e9, 3.35e9)):
+        config = T.AutoConfig.for_model(**DUMMY_MODELS[name])
+        with torch.device("meta"):
+            model = CausalLM(config, float_linear(torch.bfloat16), torch.bfloat16)
+        experts = model.model.layers[0].mlp.experts
+        idle = (
+            config.num_hidden_layers
+            * (len(experts) - config.num_experts_per_tok)
+            * sum(p.numel() for p in experts[0].parameters())
+        )
+        params = sum(p.numel() for p in model.parameters())
+        assert abs(params - total) < 0.01e9 and abs(params - idle - active) < 0.01e9, name
+    config = {"model_type": "qwen3_moe", **COMMON, "num_experts": 8, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 32}  # fmt: skip
+    out = LLM(config, device="cpu", num_kv_blocks=8).generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+    assert len(out[0].completions[0].token_ids) == 4
+
+
+def test_unserved_moe_family_is_refused_before_weights_load(tmp_path):
+    """DeepSeek-V3 (MLA attention) is named in one QuantkitError line before any weight is read: the folder here has
+    no weights at all."""
+    from quantkit.errors import QuantkitError
+
+    tiny_model("deepseek_v3").config.save_pretrained(tmp_path)
+    for source in (str(tmp_path), {"model_type": "deepseek_v3"}):
+        with pytest.raises(
+            QuantkitError, match=r"does not serve DeepseekV3ForCausalLM yet: DeepSeek-V3 needs multi"
+        ) as e:
+            LLM(source, device="cpu")
+        assert "\n" not in str(e.value)
