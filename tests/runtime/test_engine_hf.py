@@ -152,9 +152,10 @@ def test_quantized_checkpoint_matches_hf(tmp_path):
     assert [o.completions[0].token_ids for o in outputs] == reference
 
 
-def test_w8a8_modules_match_hf():
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])  # qwen2_moe: every expert and the shared expert W8A8
+def test_w8a8_modules_match_hf(arch):
     w8a8 = pytest.importorskip("quantkit.nn.w8a8")
-    model = sharpen(tiny_model("llama"))
+    model = sharpen(tiny_model(arch))
     recipe = Recipe.from_dict(
         {"scheme": {"bits": 8, "group_size": -1, "sym": True, "act_bits": 8}, "stages": [{"method": "rtn"}]}
     )
