@@ -10,6 +10,7 @@ a step is the engine's read of the sampled tokens.
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable
 
@@ -36,6 +37,24 @@ def kv_block_bytes(model: CausalLM, block_size: int) -> int:
     head_dim = model.model.layers[0].self_attn.head_dim
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim
     return per_token * block_size * torch.empty(0, dtype=model.dtype).element_size()
+
+
+def capture(forward: Callable[[], torch.Tensor], pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A CUDA graph of ``forward()`` (its output tensor, rewritten by every replay). Only this thread's calls can
+    break the capture ("thread_local": another thread's CUDA work is left alone), and the garbage collector waits
+    until the capture ends, so that it cannot free objects of earlier engines (and their CUDA state) in the middle of
+    it. Both guard against a capture failure seen now and then on an H100 when several engines were built in one
+    process ("operation failed due to a previous error during capture")."""
+    graph = torch.cuda.CUDAGraph()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool, capture_error_mode="thread_local"):
+            out = forward()
+    finally:
+        if collecting:
+            gc.enable()
+    return graph, out
 
 
 class ModelRunner:
@@ -264,9 +283,7 @@ class ModelRunner:
             for b in reversed(sizes):
                 forward = self.static_verify_forward(b, width)
                 forward()  # warm-up: compiles the prefill kernel for this width outside the capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool):
-                    out = forward()
+                graph, out = capture(forward, pool)
                 pool = graph.pool()
                 self.verify_graphs[b] = (graph, out)
         self.verify_graphs = dict(sorted(self.verify_graphs.items()))
@@ -308,9 +325,7 @@ class ModelRunner:
             for b in reversed(sizes):  # largest first, so the smaller graphs reuse its memory pool
                 forward = self.static_forward(b)
                 forward()  # warm-up: compiles kernels, fills lazy kernel state outside the capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool):
-                    out = forward()
+                graph, out = capture(forward, pool)
                 pool = graph.pool()
                 self.graphs[b] = (graph, out)
         self.graphs = dict(sorted(self.graphs.items()))
