@@ -21,6 +21,7 @@ made for another model are refused when they load.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,7 +110,8 @@ class EagleHead(nn.Module):
 
         self.config = config
         self.fc = nn.Linear(2 * hidden, hidden, bias=True, dtype=dtype)
-        self.layer = DecoderLayer(config, decoder_spec(config), 0, linear, 0, dtype)
+        # one dense layer of the target's shape (an MoE target's head gets a plain MLP of its intermediate size)
+        self.layer = DecoderLayer(config, dataclasses.replace(decoder_spec(config), moe=None), 0, linear, 0, dtype)
         self.norm = RMSNorm(hidden, config.rms_norm_eps, dtype)
         self.cos = self.sin = None
 
