@@ -215,10 +215,11 @@ def test_an_eagle_head_of_an_moe_target_is_one_dense_layer():
     from quantkit.runtime.speculative.heads import make_heads
 
     cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                        num_experts_per_tok=2)  # fmt: skip
     head = make_heads("eagle", cfg, 1)
     head.set_rope(32, "cpu")
     assert head.layer.mlp.gate_proj.out_features == 96
     features, embeds = torch.randn(1, 5, 64), torch.randn(1, 5, 64)
-    out, (k, v) = head(features, embeds, torch.arange(5))
+    out, (k, _) = head(features, embeds, torch.arange(5))
     assert out.shape == (1, 5, 64) and k.shape[1] == 5
