@@ -7,6 +7,15 @@ shared with another sequence), read through the block table, followed by the chu
 caller may store the chunk's K/V before or after. Optional sliding window: query at position p sees keys
 p - window + 1 .. p.
 
+Optional tree mask (draft trees of speculative decoding, verified in one pass): ``tree_mask`` int64 [T], one word
+per packed query row. Query i of a chunk sees every prefix key and chunk key j <= i whose bit j is set in its word
+(bit j: the chunk token at index j is an ancestor of i, or i itself); chunk keys j >= 64 follow causality alone.
+A word of -1 (``CAUSAL_ROW``) is the plain causal chain, so trees, chains and single decodes mix in one launch.
+Limits: a tree holds at most 64 tokens, in topological order (parents first; ``tree_mask.py`` builds the words);
+no sliding window with a tree mask. The caller writes each tree token's K/V to its own slot and gives it the rotary
+position prefix + depth; the kernel only masks. Without a tree mask it is compiled without the mask (``TREE``).
+Runtime tree verification (the engine building trees and passing their masks) is not wired up yet.
+
 Layouts (T packed query tokens, N sequences, Hq / Hkv heads, GQA group G = Hq / Hkv, D head dim, P page size):
 
 - ``q`` [T, Hq, D], ``k`` / ``v`` [T, Hkv, D] (rows may be strided); ``out`` [T, Hq, D] in q's dtype.
@@ -40,13 +49,16 @@ import triton
 import triton.language as tl
 from quantkit.kernels._device import dot_precision
 from quantkit.kernels.attention.paged import LOG2E, gather_context
+from quantkit.kernels.attention.tree_mask import tree_mask_dense
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 def flash_prefill_reference(
-    q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale: float, window: int = 0
-) -> torch.Tensor:
-    """q [T, Hq, D], chunk k / v [T, Hkv, D], prefix in the caches -> out [T, Hq, D]; fp32 math, q's dtype."""
+    q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale: float, window: int = 0,
+    tree_mask: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """q [T, Hq, D], chunk k / v [T, Hkv, D], prefix in the caches -> out [T, Hq, D]; fp32 math, q's dtype.
+    ``tree_mask`` int64 [T] (module docstring): chunk keys also need their bit in the query's word."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[2]
     cu = cu_seqlens_q.tolist()
@@ -65,6 +77,8 @@ def flash_prefill_reference(
         allowed = k_pos <= q_pos
         if window > 0:
             allowed &= k_pos > q_pos - window
+        if tree_mask is not None:
+            allowed[:, prefix:] &= tree_mask_dense(tree_mask[rows], q_len)
         scores = torch.einsum("thd,lhd->htl", q[rows].float(), keys) * scale
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
         out[rows] = torch.einsum("htl,lhd->thd", probs, values).to(q.dtype)
@@ -143,9 +157,16 @@ def _paged_tile(cache, table, pos, offs_d, stride_b, stride_s, n_mask, d_mask, P
     return x
 
 
+@triton.jit
+def _tree_allowed(words, idx):
+    """[BLOCK_M, BLOCK_N]: bit ``idx`` (chunk key index) of each query row's ancestor word; keys from 64 on pass."""
+    bit = (words[:, None] >> tl.minimum(idx, 63).to(tl.int64)[None, :]) & 1
+    return (bit != 0) | (idx[None, :] >= 64)
+
+
 @triton.jit(
     do_not_specialize=["window"],
-    do_not_specialize_on_alignment=["block_tables_ptr", "cu_seqlens_ptr", "context_lens_ptr"],  # step metadata
+    do_not_specialize_on_alignment=["block_tables_ptr", "cu_seqlens_ptr", "context_lens_ptr", "tree_mask_ptr"],
 )
 def _prefill_kernel(
     q_ptr,
@@ -156,6 +177,7 @@ def _prefill_kernel(
     block_tables_ptr,
     cu_seqlens_ptr,
     context_lens_ptr,
+    tree_mask_ptr,  # int64 [T] ancestor words (TREE), else unused
     out_ptr,
     q_desc,  # TMA descriptors over q [T, Hq * D], k and v [T, Hkv * D] (USE_TMA), else unused
     k_desc,
@@ -189,6 +211,7 @@ def _prefill_kernel(
     HAS_WINDOW: tl.constexpr,  # window > 0: a sliding window (its length stays a run-time value)
     LAZY: tl.constexpr,  # rescale acc only when a row maximum grows by more than RESCALE_MARGIN (_softmax_step)
     HAS_PREFIX: tl.constexpr,  # some chunk has cached context before it (else the block-table loops are not compiled)
+    TREE: tl.constexpr,  # chunk keys also need their bit in the query row's tree-mask word (no window)
 ):
     h = tl.program_id(0)
     m_block = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest (last) query tiles start first
@@ -252,6 +275,17 @@ def _prefill_kernel(
     c_lo = tl.maximum(lo, 0) // BLOCK_N * BLOCK_N
     c_full = tl.where(window > 0, c_lo, (m_lo + 1) // BLOCK_N * BLOCK_N)  # last key of a full tile <= m_lo
     c_hi = tl.minimum(m_lo + BLOCK_M, q_len)
+    if TREE:  # full tiles among the first 64 chunk keys are masked by the words (pointer loads: short trees)
+        words = tl.load(tree_mask_ptr + rows, mask=m_mask, other=-1)
+        c_tree = tl.minimum(c_full, (64 + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
+        for j in range(c_lo, c_tree, BLOCK_N):
+            idx = j + offs_n
+            t = (q_start + idx).to(tl.int64)[:, None]
+            k = _load(k_rows + t * stride_kt, d_mask[None, :], MASK_D)
+            v = _load(v_rows + t * stride_vt, d_mask[None, :], MASK_D)
+            allowed = _tree_allowed(words, idx)
+            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, allowed, True, PRECISION, LAZY)
+        c_lo = tl.maximum(c_lo, c_tree)
     for j in range(c_lo, c_full, BLOCK_N):
         if USE_TMA:
             k = k_desc.load([q_start + j, kvh * HEAD_DIM])
@@ -277,6 +311,8 @@ def _prefill_kernel(
         allowed = idx[None, :] <= offs_m[:, None]
         if HAS_WINDOW:
             allowed &= idx[None, :] > offs_m[:, None] - window
+        if TREE:
+            allowed &= _tree_allowed(words, idx)
         m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, allowed, True, PRECISION, LAZY)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -306,6 +342,7 @@ def flash_prefill(
     use_tma: bool | None = None,
     lazy_rescale: bool | None = None,
     has_prefix: bool = True,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed query chunks against their cached prefix and themselves (see the module
     docstring for layouts). ``max_q_len`` is a host-side upper bound on the chunk lengths (it sizes the grid).
@@ -315,7 +352,8 @@ def flash_prefill(
     length, as in first prefills): the kernel is then compiled without the block-table loops over cached context
     (216 instead of 255 registers at 128 x 128 x 8 warps, Triton 3.6 sm_90: benchmarks/sass_prefill.py). A chunk
     with a cached prefix under that promise would attend to its own tokens only, so callers pass it only when they
-    know it from the host."""
+    know it from the host.
+    ``tree_mask``: int64 [T] ancestor words, one per query row (module docstring; ``CAUSAL_ROW`` for chain rows)."""
     t, hq, d = q.shape
     _, page, hkv, d_cache = k_cache.shape
     n_seq = context_lens.shape[0]
@@ -333,6 +371,8 @@ def flash_prefill(
         raise ValueError("flash_prefill: block_tables, cu_seqlens_q and context_lens must be int32")
     if cu_seqlens_q.shape != (n_seq + 1,) or block_tables.shape[0] != n_seq:
         raise ValueError(f"flash_prefill: cu_seqlens_q must be [{n_seq + 1}] and block_tables [{n_seq}, pages]")
+    if tree_mask is not None and (tree_mask.dtype != torch.int64 or tree_mask.shape != (t,) or window > 0):
+        raise ValueError(f"flash_prefill: tree_mask must be int64 [{t}] (one word per query row), without a window")
     out = torch.empty_like(q)
     if t == 0 or n_seq == 0:
         return out
@@ -360,6 +400,7 @@ def flash_prefill(
         block_tables,
         cu_seqlens_q,
         context_lens,
+        context_lens if tree_mask is None else tree_mask,
         out,
         *descs,
         scale * LOG2E,
@@ -387,6 +428,7 @@ def flash_prefill(
         HAS_WINDOW=window > 0,
         LAZY=LAZY_RESCALE if lazy_rescale is None else lazy_rescale,
         HAS_PREFIX=has_prefix,
+        TREE=tree_mask is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -16,17 +16,18 @@ from quantkit.kernels.attention.paged import (
     store_kv,
 )
 from quantkit.kernels.attention.prefill import flash_prefill, flash_prefill_reference, tma_compatible
+from quantkit.kernels.attention.tree_mask import CAUSAL_ROW, pack_tree_masks, tree_mask_words
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.float16
 
 
-def paged_cache(context_lens, page: int, hkv: int, d: int, gen, spare_blocks: int = 3):
+def paged_cache(context_lens, page: int, hkv: int, d: int, gen, spare_blocks: int = 3, dtype=DTYPE):
     """Random K/V for each sequence scattered over shuffled pages; unowned slots are NaN; int32 block tables."""
     pages = [-(-n // page) for n in context_lens]
     num_blocks = sum(pages) + spare_blocks
     order = torch.randperm(num_blocks, generator=gen)
-    k_cache = torch.full((num_blocks, page, hkv, d), float("nan"), dtype=DTYPE)
+    k_cache = torch.full((num_blocks, page, hkv, d), float("nan"), dtype=dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
     width = max(max(pages), 1) + 1  # one padding column
     tables = torch.zeros(len(context_lens), width, dtype=torch.int32)
@@ -35,8 +36,8 @@ def paged_cache(context_lens, page: int, hkv: int, d: int, gen, spare_blocks: in
         tables[i, :np_] = order[at : at + np_]
         at += np_
         slots = tables[i, torch.arange(n) // page].long() * page + torch.arange(n) % page
-        k_cache.view(-1, hkv, d)[slots] = torch.randn(n, hkv, d, generator=gen).to(DTYPE)
-        v_cache.view(-1, hkv, d)[slots] = torch.randn(n, hkv, d, generator=gen).to(DTYPE)
+        k_cache.view(-1, hkv, d)[slots] = torch.randn(n, hkv, d, generator=gen).to(dtype)
+        v_cache.view(-1, hkv, d)[slots] = torch.randn(n, hkv, d, generator=gen).to(dtype)
     return k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE)
 
 
@@ -198,3 +199,102 @@ def test_flash_prefill_lazy_rescale_follows_growing_scores(lazy):
                         lazy_rescale=lazy)  # fmt: skip
     ref = flash_prefill_reference(q, k, v, cache, cache, tables, cu, ctx, d**-0.5)
     torch.testing.assert_close(out, ref, atol=2e-3, rtol=0)
+
+
+def random_parents(n: int, gen) -> list[int]:
+    """A random tree of n tokens in topological order: token 0 the root, token i's parent any earlier token."""
+    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+
+
+def dense_tree_mask(parents) -> torch.Tensor:
+    """bool [n, n] by walking up the parent array: row i is True at i and at each of its ancestors."""
+    mask = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+    for i in range(len(parents)):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
+def check_tree_prefill(chunks, prefix, page, hkv, group, d, seed, **launch):
+    """Chunks (a parent array: a draft tree; an int: a causal chunk of that length) after ``prefix`` cached
+    tokens, fp32: the kernel against float64 attention under an explicit dense mask (every prefix key, plus the
+    tree's ancestors or the causal earlier tokens) and against ``flash_prefill_reference``. The chunks' own cache
+    slots hold NaN, as in ``check_prefill``. Returns the kernel's output and its inputs for further launches."""
+    gen = torch.Generator().manual_seed(seed)
+    q_lens = [c if isinstance(c, int) else len(c) for c in chunks]
+    kv_lens = [a + b for a, b in zip(q_lens, prefix, strict=True)]
+    k_cache, v_cache, tables = paged_cache(kv_lens, page, hkv, d, gen, dtype=torch.float32)
+    full_k = [gather_context(k_cache, tables[n], 0, kl).clone() for n, kl in enumerate(kv_lens)]
+    full_v = [gather_context(v_cache, tables[n], 0, kl).clone() for n, kl in enumerate(kv_lens)]
+    k = torch.cat([fk[p:] for fk, p in zip(full_k, prefix, strict=True)])
+    v = torch.cat([fv[p:] for fv, p in zip(full_v, prefix, strict=True)])
+    for n, (p, kl) in enumerate(zip(prefix, kv_lens, strict=True)):
+        pos = torch.arange(p, kl, device=DEVICE)
+        k_cache.view(-1, hkv, d)[tables[n, pos // page].long() * page + pos % page] = float("nan")
+        v_cache.view(-1, hkv, d)[tables[n, pos // page].long() * page + pos % page] = float("nan")
+    q = torch.randn(sum(q_lens), hkv * group, d, generator=gen).to(DEVICE)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
+    words = pack_tree_masks(chunks, DEVICE)
+    args = (q, k, v, k_cache, v_cache, tables, cu, ctx)
+    out = flash_prefill(*args, max(q_lens), d**-0.5, tree_mask=words, **launch)
+    for n, (c, ql, p) in enumerate(zip(chunks, q_lens, prefix, strict=True)):
+        rows = slice(int(cu[n]), int(cu[n + 1]))
+        own = torch.ones(ql, ql).tril().bool() if isinstance(c, int) else dense_tree_mask(c)
+        allowed = torch.cat([torch.ones(ql, p, dtype=torch.bool), own], 1).to(DEVICE)
+        kk, vv = (x.repeat_interleave(group, dim=1) for x in (full_k[n], full_v[n]))
+        ref64 = plain_attention(q[rows], kk, vv, d**-0.5, allowed, torch.float64)
+        assert torch.isfinite(out[rows]).all()
+        torch.testing.assert_close(out[rows].double(), ref64, atol=2e-5, rtol=0)
+    ref = flash_prefill_reference(*args, d**-0.5, tree_mask=words)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+    return out, args, max(q_lens), d**-0.5
+
+
+TREE_CASES = [  # (page, kv heads, group, head dim, block_m, block_n)
+    (16, 2, 2, 16, 16, 16),
+    (8, 1, 3, 24, 32, 16),
+    (16, 2, 1, 16, 16, 32),
+    (4, 1, 2, 16, 64, 64),
+]
+
+
+@pytest.mark.parametrize("page,hkv,group,d,block_m,block_n", TREE_CASES)
+def test_flash_prefill_tree_mask_mixed_batch(page, hkv, group, d, block_m, block_n):
+    """Random trees (one of the full 64 tokens: bit 63, several tiles of tree keys) beside causal chunks (one
+    longer than 64 tokens, whose later keys pass on causality alone), a single decode and a first prefill; the
+    causal rows equal a launch without any tree mask bit for bit."""
+    gen = torch.Generator().manual_seed(block_m + block_n + d)
+    chunks = [random_parents(13, gen), 70, 1, random_parents(64, gen), random_parents(5, gen), 9]
+    prefix = [21, 6, 33, 3, 0, 0]
+    out, args, max_q, scale = check_tree_prefill(chunks, prefix, page, hkv, group, d, seed=d + block_m,
+                                                 block_m=block_m, block_n=block_n)  # fmt: skip
+    causal = flash_prefill(*args, max_q, scale, block_m=block_m, block_n=block_n)
+    chain_rows = pack_tree_masks(chunks) == CAUSAL_ROW
+    assert torch.equal(out[chain_rows], causal[chain_rows])
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16)])
+def test_flash_prefill_tree_that_is_a_path_equals_the_causal_kernel_exactly(block_m, block_n):
+    chunks = [[-1, *range(0, 39)], [-1, 0, 1, 2, 3]]  # paths of 40 and 5 tokens
+    out, args, max_q, scale = check_tree_prefill(chunks, [17, 40], 16, 2, 2, 16, seed=block_m,
+                                                 block_m=block_m, block_n=block_n)  # fmt: skip
+    assert torch.equal(out, flash_prefill(*args, max_q, scale, block_m=block_m, block_n=block_n))
+
+
+def test_tree_mask_words_encode_ancestors_and_refuse_bad_trees():
+    assert tree_mask_words([-1, 0, 0, 1, 2]).tolist() == [0b1, 0b11, 0b101, 0b1011, 0b10101]
+    assert int(tree_mask_words([-1, *range(63)])[63]) == CAUSAL_ROW  # a 64-token path: every bit, as a causal row
+    for bad in ([0], [-1, 1], [-1, -2], [-1, *range(64)]):  # own parent, a later parent, below -1, 65 tokens
+        with pytest.raises(ValueError, match="parents must precede"):
+            tree_mask_words(bad)
+    q = torch.randn(4, 2, 16)
+    args = (q, q[:, :1], q[:, :1], q.view(4, 2, 1, 16), q.view(4, 2, 1, 16))
+    meta = (torch.zeros(1, 4, dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32),
+            torch.tensor([4], dtype=torch.int32), 4, 1.0)  # fmt: skip
+    for words, window in ((torch.zeros(4, dtype=torch.int32), 0), (torch.zeros(3, dtype=torch.int64), 0),
+                          (torch.full((4,), -1), 2)):  # fmt: skip
+        with pytest.raises(ValueError, match="tree_mask"):
+            flash_prefill(*args, *meta, window=window, tree_mask=words)
