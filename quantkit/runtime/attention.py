@@ -25,6 +25,9 @@ class AttentionMetadata:
     - prefills: ``prefill_block_tables`` [N, pages], ``prefill_cu_seqlens`` [N + 1], ``prefill_context_lens`` [N]
       (int32), ``max_prefill_len`` (host int), ``prefill_has_prefix`` (host bool: some chunk starts after cached
       context; False lets the prefill kernel drop its block-table loops).
+    - ``prefill_tree_mask``: None (every chunk causal), or int64 [prefill tokens], one ancestor word per prefill
+      row for chunks that are draft trees (``quantkit.kernels.attention.tree_mask``: ``pack_tree_masks`` builds it,
+      -1 rows stay causal; no sliding window). The engine does not build tree steps yet.
     """
 
     slot_mapping: torch.Tensor
@@ -39,6 +42,7 @@ class AttentionMetadata:
     max_prefill_len: int = 0
     prefill_has_prefix: bool = True
     backend: str = "torch"
+    prefill_tree_mask: torch.Tensor | None = None
 
     @property
     def has_prefill(self) -> bool:
@@ -72,9 +76,14 @@ def paged_attention(
         if triton:
             parts.append(
                 prefill_kernels.flash_prefill(
-                    *args, meta.max_prefill_len, scale, window, has_prefix=meta.prefill_has_prefix
+                    *args,
+                    meta.max_prefill_len,
+                    scale,
+                    window,
+                    has_prefix=meta.prefill_has_prefix,
+                    tree_mask=meta.prefill_tree_mask,
                 )
             )
         else:
-            parts.append(prefill_kernels.flash_prefill_reference(*args, scale, window))
+            parts.append(prefill_kernels.flash_prefill_reference(*args, scale, window, meta.prefill_tree_mask))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
