@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from quantkit.errors import QuantkitError, UnsupportedCheckpointError
+from quantkit.models.experts import PER_EXPERT
 from quantkit.models.loading import loading, read_config
 
 
@@ -35,6 +36,14 @@ def load_compressed_tensors(path: Path, dtype: torch.dtype, device: str):
             f"cannot load {path}: transformers {transformers.__version__} with compressed-tensors "
             f"{compressed_tensors.__version__} cannot load pack-quantized layers with zero points (asymmetric); "
             f"evaluate the output of 'quantkit import {path} --out DIR' instead"
+        )
+    if any(PER_EXPERT.search(k) for k in info.get("unexpected_keys", [])):
+        import transformers
+
+        raise UnsupportedCheckpointError(
+            f"cannot load {path}: transformers {transformers.__version__} holds this model's experts fused and "
+            "does not read its per-expert quantized layers; evaluate the output of "
+            f"'quantkit import {path} --out DIR' instead"
         )
     bad = sorted(info.get("missing_keys", [])) + mismatched
     if bad:

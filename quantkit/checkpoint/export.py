@@ -57,6 +57,8 @@ from quantkit.checkpoint.save import (
     write_shards,
 )
 from quantkit.errors import QuantkitError, one_line
+from quantkit.models.arch import arch_for
+from quantkit.models.experts import split_all_fused_experts
 from quantkit.quant.packing import pack_cols, unpack_cols, unpack_rows
 from quantkit.quant.scheme import QuantScheme
 
@@ -79,8 +81,6 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, fmt: str, 
         raise QuantkitError(f"unknown export format {fmt!r} (one of: {', '.join(EXPORT_FORMATS)})")
     folder, config, qc = read_quantized_folder(src)
     schemes = {**module_schemes(qc), **mtp_schemes(qc)}  # quantized MTP layers are exported like the others
-    if qc.get("split_experts"):
-        raise QuantkitError("exporting a mixture-of-experts checkpoint is not supported (its experts are split)")
     check_apart(check_output(out, overwrite), folder)  # refuse a bad output before the work
     tensors = read_tensors(folder)
     layers = {name: module_tensors(name, tensors) for name in schemes}
@@ -88,7 +88,7 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, fmt: str, 
         need = {"qweight", "qzeros", "scales", "g_idx"} if schemes[name].weight_only else {"weight", "weight_scale"}
         if not need <= set(layer):
             raise QuantkitError(f"corrupt checkpoint {folder}: {name} lacks {', '.join(sorted(need - set(layer)))}")
-    float_linears = sorted(set(linear_names(model_skeleton(config))) - set(schemes))
+    float_linears = sorted(set(linear_names(model_skeleton(config, qc))) - set(schemes))
     new_qc = CONVERTERS[fmt](tensors, layers, schemes, float_linears)
     config = {**config, EXPORT_MARK: {"format": fmt, "source": str(folder), "quantkit": versions()["quantkit"]}}
     path = write_converted(folder, out, overwrite, config, new_qc, tensors)
@@ -100,10 +100,8 @@ def export_formats(src: str | os.PathLike) -> dict[str, str | None]:
     :func:`export_checkpoint` makes, run in memory on the stored tensors; nothing is written."""
     folder, config, qc = read_quantized_folder(src)
     schemes = module_schemes(qc)
-    if qc.get("split_experts"):
-        return dict.fromkeys(EXPORT_FORMATS, "its experts are split (mixture-of-experts)")
     tensors = read_tensors(folder)
-    float_linears = sorted(set(linear_names(model_skeleton(config))) - set(schemes))
+    float_linears = sorted(set(linear_names(model_skeleton(config, qc))) - set(schemes))
     reasons: dict[str, str | None] = {}
     for fmt in EXPORT_FORMATS:
         trial = dict(tensors)  # the converters replace entries of the dict, never a tensor's contents
@@ -165,17 +163,23 @@ def module_tensors(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, tor
     return found
 
 
-def model_skeleton(config: dict) -> torch.nn.Module:
-    """The model the config describes, built on the meta device (no memory), without its quantization_config."""
+def model_skeleton(config: dict, qc: dict | None = None) -> torch.nn.Module:
+    """The model the config describes, built on the meta device (no memory), without its quantization_config; with
+    the checkpoint's ``qc``, its mixture-of-experts layers split into one linear per expert projection where the
+    checkpoint holds them so (``split_experts``: how quantkit quantizes fused experts)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     plain = {k: v for k, v in config.items() if k != "quantization_config"}
     try:
         cfg = AutoConfig.for_model(**plain)
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(cfg)
+            model = AutoModelForCausalLM.from_config(cfg)
     except Exception as exc:
         raise QuantkitError(f"cannot build the model of this checkpoint's config: {one_line(exc)}") from None
+    if qc and qc.get("split_experts"):
+        arch = arch_for(model)
+        split_all_fused_experts(model, model.get_submodule(arch.layers), arch.fused_experts, materialize=False)
+    return model
 
 
 def linear_names(model: torch.nn.Module) -> list[str]:

@@ -55,11 +55,10 @@ from quantkit.checkpoint.save import check_apart, check_output, versions
 from quantkit.checkpoint.swap import swap_in_quantized_modules
 from quantkit.errors import QuantkitError, one_line
 from quantkit.models.arch import arch_for
-from quantkit.models.experts import LinearExperts, split_all_fused_experts
+from quantkit.models.experts import PER_EXPERT, LinearExperts, split_all_fused_experts
 from quantkit.quant.packing import LAYOUT_VERSIONS, pack_cols, pack_rows, packed_rows, unpack_cols, unpack_rows
 from quantkit.quant.scheme import BLOCK_SIZES, QuantScheme
 
-PER_EXPERT = re.compile(r"\.experts\.\d+\.")
 IMPORT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
 CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
 

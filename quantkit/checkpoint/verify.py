@@ -38,6 +38,7 @@ import torch
 from quantkit.checkpoint.config import QUANT_METHOD, module_schemes
 from quantkit.checkpoint.export import model_skeleton, read_quantized_folder
 from quantkit.checkpoint.foreign import IMPORT_METHODS, convert_foreign
+from quantkit.checkpoint.mtp import mtp_layers
 from quantkit.checkpoint.read import StoredTensors, read_tensors
 from quantkit.checkpoint.swap import swap_in_quantized_modules
 from quantkit.errors import QuantkitError
@@ -117,7 +118,7 @@ def verify_checkpoint(
     except QuantkitError as exc:
         problems["loader"].append(str(exc))
         return verdict
-    _check_tensors(skeleton, _without_mtp(tensors, qc, problems), problems)
+    _check_tensors(skeleton, _without_mtp(tensors, config, qc, problems), problems)
     if baseline is not None and verdict.ok:
         verdict.figures = compare_with_baseline(folder, method, baseline, data, windows, seqlen, device)
         verdict.figures.update(max_kl=max_kl, min_top1=min_top1)
@@ -144,11 +145,14 @@ def _check_architecture(skeleton, qc: dict, found: list[str]) -> None:
         found.append(f"quantization_config says architecture {recorded}, config.json builds {actual}")
 
 
-def _without_mtp(tensors, qc: dict, problems: dict) -> dict:
-    """The tensors less the multi-token-prediction layers that ``quantization_config.mtp`` names (no Hugging Face
-    model holds them: they are carried for MTP drafting, checked here for their count and finite values)."""
+def _without_mtp(tensors, config: dict, qc: dict, problems: dict) -> dict:
+    """The tensors less the multi-token-prediction layers (no Hugging Face model holds them: they are carried for
+    MTP drafting, checked here for their count and finite values): those ``quantization_config.mtp`` names in a
+    quantkit folder; in other tools' folders (DeepSeek-V3's own, an export) the layers past ``num_hidden_layers``,
+    as the importer finds them."""
     mtp = qc.get("mtp") or {}
-    heads = tuple(f"{p}." for p in mtp.get("layers") or [])
+    layers = mtp.get("layers") or ([] if qc.get("quant_method") == QUANT_METHOD else mtp_layers(config, tensors))
+    heads = tuple(f"{p}." for p in layers)
     if not heads:
         return tensors
     names = [n for n in tensors if n.startswith(heads)]

@@ -15,6 +15,7 @@ past the hooks: no statistics, so the stages quantize it without data, i.e. roun
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 
 import torch
@@ -40,6 +41,7 @@ class ExpertMLP(nn.Module):
 
 
 EXPERT_MODES = ("routed", "all", "unobserved")
+PER_EXPERT = re.compile(r"\.experts\.\d+\.")  # a tensor name of one linear per expert, as checkpoints store them
 STATISTICS = ("routed", "all")
 BELOW_MIN = ("all", "rtn")
 

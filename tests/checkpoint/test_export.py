@@ -346,3 +346,49 @@ def test_a_checkpoint_missing_a_tensor_is_named(tmp_path):
     save_file(tensors, q / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(QuantkitError, match=r"model\.layers\.1\.mlp\.up_proj lacks qzeros"):
         export_checkpoint(q, tmp_path / "out", "gptq")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_mixture_of_experts_exports_one_linear_per_expert_and_reads_back_bit_identically(tmp_path, arch):
+    """Fused experts are quantized one linear per expert projection; every format stores them under per-expert
+    names (``mlp.experts.{e}.gate_proj``, as DeepSeek-V3 and llm-compressor store them), which quantkit's importer
+    reads back to the same tensors and logits, and ``verify`` passes."""
+    from safetensors.torch import load_file
+
+    from quantkit.checkpoint.foreign import import_checkpoint
+    from quantkit.checkpoint.verify import verify_checkpoint
+
+    model = tiny_model(arch)
+    quantkit.quantize(model, {"scheme": scheme(4, 32, sym=False), "stages": [{"method": "rtn"}]})
+    q = quantkit.save_quantized(model, tmp_path / "q", tokenizer=tiny_tokenizer(320))
+    assert json.loads((q / "config.json").read_text())["quantization_config"]["split_experts"]
+
+    def tensors(folder):
+        out = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            out.update(load_file(f))
+        return out
+
+    original, reference = tensors(q), logits(quantkit.load_quantized(q))
+    for fmt in ("compressed-tensors", "gptq", "awq"):
+        exported = export_checkpoint(q, tmp_path / fmt, fmt)
+        stored = tensors(exported.path)
+        assert any(".mlp.experts.1.down_proj." in name for name in stored), fmt
+        assert verify_checkpoint(exported.path).ok, fmt
+        back = import_checkpoint(exported.path, tmp_path / f"{fmt}-back")
+        again = tensors(back.path)
+        assert set(again) == set(original) and all(torch.equal(t, again[n]) for n, t in original.items()), fmt
+        assert torch.equal(logits(quantkit.load_quantized(back.path)), reference), fmt
+
+
+@needs_compressed_tensors
+def test_eval_of_a_per_expert_compressed_tensors_export_is_refused_in_one_line(tmp_path):
+    """transformers 5 holds Mixtral's experts fused and leaves per-expert quantized layers unread: eval says so and
+    names the import that reads them, instead of scoring a model with random experts."""
+    model = tiny_model("mixtral")
+    quantkit.quantize(model, {"scheme": scheme(4, 32), "stages": [{"method": "rtn"}]})
+    q = quantkit.save_quantized(model, tmp_path / "q", tokenizer=tiny_tokenizer(320))
+    exported = export_checkpoint(q, tmp_path / "ct", "compressed-tensors")
+    r = CliRunner().invoke(cli, ["eval", "--model", str(exported.path), "--windows", "1", "--seqlen", "16"])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert "holds this model's experts fused" in r.output and "quantkit import" in r.output

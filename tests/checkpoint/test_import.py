@@ -344,7 +344,10 @@ def deepseek_fp8_folder(path, block=16):
 
 
 def test_a_deepseek_v3_fp8_folder_imports_to_its_reference_weights_with_its_mtp_layer(tmp_path):
+    from quantkit.checkpoint.verify import verify_checkpoint
+
     blocks, mtp = deepseek_fp8_folder(tmp_path / "ds")
+    assert verify_checkpoint(tmp_path / "ds").ok  # its MTP layer past the last decoder layer is accounted for
     done = import_checkpoint(tmp_path / "ds", tmp_path / "back")
     qc = json.loads((done.path / "config.json").read_text())["quantization_config"]
     assert qc["split_experts"] and qc["mtp"] == {"layers": ["model.layers.2"], "mode": "keep", "tensors": len(mtp)}

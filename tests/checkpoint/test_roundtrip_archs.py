@@ -144,16 +144,23 @@ def test_mtp_layers_are_kept_or_quantized_never_dropped(mode, tmp_path):
     assert verify_checkpoint(out).problems["finite"] == ["model.layers.2.enorm.weight has NaN or Inf"]
 
 
-def test_an_export_carries_the_mtp_layers(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_an_export_carries_the_mtp_layers(tmp_path, arch):
+    """DeepSeek-V3 (its experts one linear each in every export) and a dense family."""
     from quantkit.checkpoint.export import export_checkpoint
+    from quantkit.checkpoint.verify import verify_checkpoint
 
-    mtp = float_folder_with_mtp(tmp_path / "float", "llama")
+    mtp = float_folder_with_mtp(tmp_path / "float", arch)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "float")
     scheme = {"bits": 8, "group_size": -1, "fmt": "fp8", "act_bits": 8, "block_size": 16}
     quantkit.quantize(model, Recipe.from_dict({"scheme": scheme, "stages": [{"method": "rtn"}], "mtp": "quantize"}))
     out = quantkit.save_quantized(model, tmp_path / "q")
     for fmt in ("fp8", "compressed-tensors"):
-        stored = load_file(export_checkpoint(out, tmp_path / fmt, fmt).path / "model.safetensors")
+        exported = export_checkpoint(out, tmp_path / fmt, fmt).path
+        assert verify_checkpoint(exported).ok, verify_checkpoint(exported).line()
+        stored = load_file(exported / "model.safetensors")
+        if arch == "deepseek_v3":
+            assert stored["model.layers.1.mlp.experts.3.down_proj.weight"].dtype == torch.float8_e4m3fn
         scale = "weight_scale_inv" if fmt == "fp8" else "weight_scale"
         assert stored["model.layers.2.eh_proj.weight"].dtype == torch.float8_e4m3fn
         assert stored[f"model.layers.2.eh_proj.{scale}"].shape == (4, 8)
