@@ -94,6 +94,11 @@ class DraftTree:
                 mask[i] |= mask[p]  # the parent's row is final: it comes earlier
         return mask
 
+    def chunk_parents(self) -> list[int]:
+        """The parent array of the verify chunk [root, nodes...] (the root -1, node i at chunk index i + 1): what
+        ``quantkit.kernels.attention.tree_mask.pack_tree_masks`` takes for the prefill kernel's tree mask."""
+        return [-1, *(self.parent + 1).tolist()]
+
     def positions(self, num_computed: int) -> torch.Tensor:
         """[n] long: each node's position when the root (the sequence's last token) sits at ``num_computed``."""
         return num_computed + self.depth

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from quantkit.kernels.attention.tree_mask import tree_mask_dense, tree_mask_words
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime.speculative.tree import (
@@ -60,6 +61,9 @@ def test_shape_helpers():
         [[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 0, 0, 1, 0], [1, 0, 1, 0, 1]], dtype=torch.bool
     )
     assert torch.equal(tree.ancestor_mask(), want)
+    # the verify chunk (root first) as the prefill kernel's tree mask sees it: the root, then each node's ancestors
+    chunk = tree_mask_dense(tree_mask_words(tree.chunk_parents()), tree.size + 1)
+    assert chunk[:, 0].all() and torch.equal(chunk[1:, 1:], want) and not chunk[0, 1:].any()
     with pytest.raises(QuantkitError, match="topological"):
         _tree([-1, 2, 0], [1, 2, 3])
     with pytest.raises(QuantkitError, match="draft_probs"):
