@@ -1,0 +1,39 @@
+"""W4A8 linear layers: 4-bit GPTQ weights (the W4A16 kernel layout) with 8-bit per-token activations, int8 or fp8.
+
+``w4a8_linear`` (``dispatch.py``) permutes x for act-order, quantizes it per token with W8A8's quantizer
+(``w8a8/quant.py``) and runs the GEMM of ``gemm.py``, whose 4-bit codes become int8 or e4m3 operands in registers;
+``dispatch.CONFIG_TABLE`` picks its tiles by M (the small-M path: swap-AB tiles with split-K). The configs are
+untuned and the kernel's speed is not yet measured on a GPU.
+"""
+
+from quantkit.kernels.w4a8.dispatch import (
+    CONFIG_TABLE,
+    SMALL_M,
+    LaunchPlan,
+    Plan,
+    W4A8Config,
+    choose,
+    config_for,
+    explain,
+    plan_launch,
+    w4a8_linear,
+    w4a8_matmul,
+)
+from quantkit.kernels.w4a8.gemm import check_w4a8_operands, signed_codes, w4a8_reference
+
+__all__ = [
+    "CONFIG_TABLE",
+    "SMALL_M",
+    "LaunchPlan",
+    "Plan",
+    "W4A8Config",
+    "check_w4a8_operands",
+    "choose",
+    "config_for",
+    "explain",
+    "plan_launch",
+    "signed_codes",
+    "w4a8_linear",
+    "w4a8_matmul",
+    "w4a8_reference",
+]

@@ -1,0 +1,168 @@
+"""Which W4A8 launch serves a product: the config table by M, the launch plan, and the entry points.
+
+``w4a8_linear`` permutes x's columns for act-order (as ``w4a16_linear`` does), quantizes x per token
+(``w8a8.quant.quantize_activations``: int8 or e4m3), then runs the GEMM of ``gemm.py`` with the plan ``choose``
+makes. Two paths, one kernel:
+
+- ``small_m`` (M <= ``SMALL_M``): swap-AB tiles (y.T = W @ qa.T: the unpacked weight tile is the MMA's 64-row M
+  side, x's few rows its 16-wide N side) with K split across programs until about ``split_waves`` waves of SMs
+  exist, as W4A16's few-row tiles do: a decode product has too few output tiles to fill the GPU otherwise.
+- ``tiles`` (larger M): plain tiles whose BLOCK_M grows with M, split-K only where the tiles leave SMs idle.
+
+``CONFIG_TABLE`` is a first choice by reasoning, NOT tuned: the tile shapes follow W4A16's and W8A8's measured
+tables (16-row swap-AB tiles for decode, 64 x 64 for M <= 64, 64 x 128 up to 256, 128 x 128 with 8 warps above), and
+no W4A8 timing exists yet. ``benchmarks/bench_w4a8.py`` times them on a GPU; the table is to be tuned from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from quantkit.kernels._device import device_of, num_sms, sms_of
+from quantkit.kernels.w4a8.gemm import check_w4a8_operands, launch
+from quantkit.kernels.w4a16.weight import W4A16Weight
+from quantkit.kernels.w8a8.quant import DTYPE_OF_FORMAT, quantize_activations, require
+
+SMALL_M = 16  # the small-M path serves up to this many rows
+
+
+def _pow2(v: int) -> bool:
+    return isinstance(v, int) and v > 0 and v & (v - 1) == 0
+
+
+@dataclass(frozen=True)
+class W4A8Config:
+    """One launch of the W4A8 GEMM: BLOCK_M x BLOCK_N output tiles, BLOCK_K deep steps (capped to divide the group),
+    GROUP_M row tiles per L2 group, ``split_waves`` (split K until about that many waves of programs per SM
+    exist; 0: never), ``swap_ab`` (y.T = W @ qa.T), warps and pipeline stages."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 128
+    group_m: int = 8
+    split_waves: int = 0
+    swap_ab: bool = False
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k", "group_m", "num_warps"):
+            if not _pow2(getattr(self, name)):
+                raise ValueError(f"{name} must be a power of two, got {getattr(self, name)}")
+        if self.block_m < 16 or self.block_n < 16 or self.block_k < 32:
+            raise ValueError("tiles must be at least 16 (M), 16 (N) and 32 (K) wide: tl.dot's minimum for 8 bits")
+        if not 0 <= self.split_waves <= 32 or self.num_stages < 1:
+            raise ValueError("split_waves must be in [0, 32] and num_stages >= 1")
+
+    @property
+    def name(self) -> str:
+        swap = "t" if self.swap_ab else ""
+        return (
+            f"m{self.block_m}n{self.block_n}k{self.block_k}g{self.group_m}w{self.num_warps}s{self.num_stages}"
+            f"sw{self.split_waves}{swap}"
+        )
+
+
+# Largest M of each regime -> config. UNTUNED first choices (see the module docstring).
+CONFIG_TABLE: tuple[tuple[int, W4A8Config], ...] = (
+    (SMALL_M, W4A8Config(16, 64, 128, 1, split_waves=4, swap_ab=True, num_warps=4, num_stages=4)),
+    (64, W4A8Config(64, 64, 128, 8, split_waves=2, num_warps=4, num_stages=4)),
+    (256, W4A8Config(64, 128, 128, 8, split_waves=1, num_warps=4, num_stages=4)),
+    (2**31, W4A8Config(128, 128, 128, 8, split_waves=0, num_warps=8, num_stages=3)),
+)
+
+
+def config_for(m: int, table: tuple[tuple[int, W4A8Config], ...] | None = None) -> W4A8Config:
+    """The config of the regime that ``m`` rows fall in (``table``, default ``CONFIG_TABLE``)."""
+    table = CONFIG_TABLE if table is None else table
+    for max_m, cfg in table:
+        if m <= max_m:
+            return cfg
+    return table[-1][1]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """``block_k`` after the cap, the K split, K tiles per split and per group, and the grid."""
+
+    block_k: int
+    split: int
+    tiles_per_split: int
+    group_tiles: int
+    grid: tuple[int, int]
+
+
+def plan_launch(cfg: W4A8Config, m: int, n: int, k: int, group_size: int, sms: int) -> LaunchPlan:
+    """BLOCK_K capped to divide ``group_size`` (0: one group), and the split-K factor: enough splits for
+    ``split_waves * sms`` programs, never more than the K tiles, and none empty."""
+    block_k = cfg.block_k
+    if group_size:
+        while group_size % block_k:
+            block_k //= 2
+    k_tiles = -(-k // block_k)
+    group_tiles = group_size // block_k if group_size else k_tiles
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    split = max(1, min(-(-cfg.split_waves * sms // tiles), k_tiles)) if cfg.split_waves else 1
+    tiles_per_split = -(-k_tiles // split)
+    split = -(-k_tiles // tiles_per_split)
+    return LaunchPlan(block_k, split, tiles_per_split, group_tiles, (tiles, split))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The choice for one product: the ``path`` ("small_m" or "tiles"), its config and launch plan."""
+
+    path: str
+    config: W4A8Config
+    launch: LaunchPlan
+
+    def __str__(self) -> str:
+        split = f", split-K {self.launch.split}" if self.launch.split > 1 else ""
+        return f"W4A8 GEMM (Triton, w4a8/gemm.py) [{self.path}: {self.config.name}{split}]"
+
+
+def choose(m: int, n: int, k: int, group_size: int, sms: int, config: W4A8Config | None = None) -> Plan:
+    """The plan for qa [m, k] @ W.T, W [n, k] in groups of ``group_size`` (0: one), on ``sms`` SMs; ``config``
+    overrides the table's."""
+    cfg = config or config_for(m)
+    path = "small_m" if m <= SMALL_M and config is None else "tiles"
+    return Plan(path, cfg, plan_launch(cfg, m, n, k, group_size, sms))
+
+
+def explain(m: int, n: int, k: int, group_size: int, device: torch.device | str = "cuda") -> str:
+    """One line: the path and config that serve x [m, k] @ W.T for W [n, k] on ``device`` (4 SMs off CUDA)."""
+    return str(choose(m, n, k, group_size, sms_of(device_of(device))))
+
+
+def w4a8_matmul(
+    qa: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: W4A16Weight,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float16,
+    out: torch.Tensor | None = None,
+    config: W4A8Config | None = None,
+) -> torch.Tensor:
+    """qa [M, K] int8 | float8_e4m3fn (kernel channel order) with per-token fp32 scales [M] x the 4-bit weight ->
+    y [M, N] in ``out_dtype`` (``out`` if given); ``config`` overrides the table."""
+    out = check_w4a8_operands(qa, a_scale, w, bias, out_dtype, out)
+    m = qa.shape[0]
+    if m == 0 or w.out_features == 0:
+        return out
+    plan = choose(m, w.out_features, w.in_features, w.group_size, num_sms(qa.device), config)
+    return launch(qa, a_scale, w, bias, out, plan.config, plan.launch)
+
+
+def w4a8_linear(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = None, fmt: str = "int8") -> torch.Tensor:
+    """y [..., N] = x [..., K] @ W.T + bias in x's dtype (fp16 / bf16): x permuted for act-order, quantized per token
+    to ``fmt`` ("int8" or "fp8"), then the W4A8 GEMM with ``choose``'s plan."""
+    require(fmt in DTYPE_OF_FORMAT, f"fmt must be one of {sorted(DTYPE_OF_FORMAT)}, got {fmt!r}")
+    require(x.dtype in (torch.float16, torch.bfloat16), f"x must be float16 or bfloat16, got {x.dtype}")
+    require(x.shape[-1] == w.in_features, f"x must be [..., {w.in_features}], got {tuple(x.shape)}")
+    x2 = x.reshape(-1, x.shape[-1])
+    if w.perm is not None:
+        x2 = x2.index_select(1, w.perm)
+    qa, a_scale = quantize_activations(x2, fmt)
+    y = w4a8_matmul(qa, a_scale, w, bias, out_dtype=x.dtype)
+    return y.reshape(*x.shape[:-1], w.out_features)

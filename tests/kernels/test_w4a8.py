@@ -1,0 +1,210 @@
+"""W4A8 kernel against a float64 reference of its quantized operands (Triton's interpreter on CPU machines).
+
+The reference (``w4a8_reference``) is the exact product of the per-token codes and scales that the quantizer gives
+and the exact 4-bit weight s * (q - z), in float64; it is itself checked against ``QuantizedWeight.dequantize``.
+The kernel computes the same sum: int8 group sums are exact in int32, fp8 group sums are exact products summed in
+fp32, so its error is a few fp32 roundings plus the final rounding to the output dtype. Tolerance (flash-attn's
+rule): the kernel's max error is at most twice PyTorch's own error computing the same product in the output dtype
+(``F.linear`` on the dequantized activations and weight rounded to that dtype) plus a floor of 2**-20 * max|y|;
+also, element by element, at most one unit in the last place of the output dtype plus fp32 slack.
+
+Every output buffer is poisoned with NaN first; inputs are fresh random tensors per case.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from quantkit.kernels import w4a8 as K
+from quantkit.kernels.w4a16 import prepare_gptq_weight
+from quantkit.kernels.w8a8.quant import quantize_activations, quantize_activations_reference
+
+from quantkit.quant import QuantizedWeight, QuantScheme
+from quantkit.quant.tensor import group_index
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+SMALL = K.W4A8Config(16, 32, 64, 1, split_waves=8, swap_ab=True)  # the small-M shape, split K on 4 "SMs"
+SMALL_ONE = K.W4A8Config(16, 32, 128, 1, split_waves=0, swap_ab=True, num_stages=2)  # no split
+TILES = K.W4A8Config(32, 32, 64, 2, num_stages=2)
+TILES_SPLIT = K.W4A8Config(16, 64, 32, 1, split_waves=8)  # 32-deep steps, many splits that start mid-group
+
+
+def make_layer(n, k, group_size=128, sym=False, act_order=False, seed=0):
+    """(QuantizedWeight, prepared W4A16Weight) of random 4-bit codes, zeros and fp16-representable scales."""
+    g = torch.Generator().manual_seed(seed)
+    scheme = QuantScheme(bits=4, group_size=group_size, sym=sym)
+    n_g = scheme.n_groups(k)
+    g_idx = group_index(k, scheme)
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=g)]
+    if sym:
+        zeros = torch.full((n, n_g), 8, dtype=torch.int32)
+    else:
+        zeros = torch.randint(0, 16, (n, n_g), generator=g, dtype=torch.int32)
+    qw = QuantizedWeight(
+        q=torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
+        scales=(torch.rand(n, n_g, generator=g) * 0.01 + 1e-3).half().float(),
+        zeros=zeros,
+        g_idx=g_idx,
+        scheme=scheme,
+    )
+    b = {name: t.to(DEVICE) for name, t in qw.pack().items()}
+    return qw, prepare_gptq_weight(b["qweight"], b["qzeros"], b["scales"], b["g_idx"], 4, group_size)
+
+
+def activations(m, k, dtype, seed):
+    """x whose rows differ in magnitude (per-token scales matter), with an outlier column."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g).add(0.1) * 4
+    x[:, k // 3] *= 8
+    return x.to(dtype).to(DEVICE)
+
+
+def assert_close_to_reference(y, x, qw, w, bias, fmt):
+    ref = K.w4a8_reference(x, w, bias, fmt)
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    x2 = x.reshape(-1, x.shape[-1])
+    qa, a_scale = quantize_activations_reference(x2, fmt)  # checkpoint channel order: per-token scales are alike
+    x_dq = qa.double() * a_scale.double()[:, None]
+    torch_y = F.linear(x_dq.to(x.dtype), qw.dequantize(torch.float64).to(DEVICE).to(x.dtype), bias)
+    ref2 = ref.reshape(-1, ref.shape[-1])
+    torch_err = (torch_y.double() - ref2).abs().max().item()
+    err = (y.double() - ref).abs()
+    floor = 2**-20 * ref.abs().max().item()
+    assert err.max().item() <= 2 * torch_err + floor, f"kernel error {err.max():.3g} vs PyTorch's {torch_err:.3g}"
+    # element by element: one output ulp, plus fp32 slack relative to the sum of |terms|
+    codes, scales = K.signed_codes(w)
+    terms = (qa.double().abs() @ (codes.double().abs() * scales.double())) * a_scale.double()[:, None]
+    if w.perm is not None:  # terms in kernel order: qa must follow the weight's channel order
+        qa_k, _ = quantize_activations_reference(x2.index_select(1, w.perm), fmt)
+        terms = (qa_k.double().abs() @ (codes.double().abs() * scales.double())) * a_scale.double()[:, None]
+    bound = torch.finfo(x.dtype).eps * ref2.abs() + 64 * torch.finfo(torch.float32).eps * terms
+    assert (err.reshape(bound.shape) <= bound).all(), f"max excess {(err.reshape(bound.shape) - bound).max():.3g}"
+
+
+# (fmt, M, N, K, group, sym, dtype, act_order, bias, config): ragged M/N/K, groups 32/64/128 and per channel
+CASES = [
+    ("int8", 1, 77, 576, 128, False, torch.float16, False, True, None),  # ragged last group (576 = 4.5 * 128)
+    ("fp8", 1, 64, 256, 128, True, torch.bfloat16, False, False, None),
+    ("int8", 3, 33, 200, 64, False, torch.bfloat16, False, True, SMALL),  # K % 32 != 0: padded words, masked K
+    ("fp8", 3, 33, 200, 64, False, torch.float16, True, True, SMALL),
+    ("int8", 5, 96, 512, -1, False, torch.bfloat16, False, True, SMALL),  # per channel, split K
+    ("fp8", 7, 50, 384, -1, True, torch.float16, True, False, SMALL_ONE),  # per channel, one split
+    ("int8", 16, 40, 320, 32, True, torch.float16, True, True, TILES_SPLIT),  # splits start mid-group
+    ("fp8", 16, 40, 320, 32, False, torch.bfloat16, False, True, TILES_SPLIT),
+    ("int8", 17, 70, 256, 64, False, torch.float16, False, True, None),
+    ("fp8", 33, 48, 160, 32, False, torch.bfloat16, True, True, None),
+    ("int8", 40, 24, 130, -1, True, torch.bfloat16, False, False, TILES),  # K % 8 != 0, per channel
+    ("fp8", 70, 33, 256, 128, False, torch.float16, False, True, TILES),
+    ("int8", 100, 40, 256, 64, True, torch.bfloat16, True, True, None),
+    ("fp8", 130, 20, 192, 64, False, torch.float16, False, True, None),
+]
+
+
+@pytest.mark.parametrize("fmt,m,n,k,group,sym,dtype,act_order,with_bias,config", CASES)
+def test_matches_float64_reference(fmt, m, n, k, group, sym, dtype, act_order, with_bias, config):
+    qw, w = make_layer(n, k, group, sym, act_order, seed=m * 1000 + n)
+    x = activations(m, k, dtype, seed=m + n)
+    bias = torch.randn(n, device=DEVICE).to(dtype) if with_bias else None
+    x_kernel = x.index_select(1, w.perm) if w.perm is not None else x
+    qa, a_scale = quantize_activations(x_kernel, fmt)
+    want_qa, want_scale = quantize_activations_reference(x_kernel, fmt)
+    assert torch.equal(qa.view(torch.uint8), want_qa.view(torch.uint8)) and torch.equal(a_scale, want_scale)
+    out = torch.full((m, n), float("nan"), device=DEVICE, dtype=dtype)
+    y = K.w4a8_matmul(qa, a_scale, w, bias, out_dtype=dtype, out=out, config=config)
+    assert y.data_ptr() == out.data_ptr() and not y.isnan().any()
+    assert_close_to_reference(y, x, qw, w, bias, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_linear_entry_point(fmt):
+    """w4a8_linear: leading dims, act-order (x permuted inside), bias, x's dtype out; same as the matmul."""
+    qw, w = make_layer(36, 256, 64, act_order=True, seed=5)
+    x = activations(6, 256, torch.bfloat16, seed=6).reshape(2, 3, 256)
+    bias = torch.randn(36, device=DEVICE).to(torch.bfloat16)
+    y = K.w4a8_linear(x, w, bias, fmt)
+    assert y.shape == (2, 3, 36) and y.dtype == torch.bfloat16
+    assert_close_to_reference(y, x, qw, w, bias, fmt)
+
+
+def test_reference_is_the_dequantized_product():
+    """w4a8_reference (kernel channel order, signed codes) equals the quantized activations times
+    ``QuantizedWeight.dequantize`` in checkpoint order, for act-order and per-channel layers."""
+    for group, act_order in ((64, True), (-1, False)):
+        qw, w = make_layer(30, 192, group, act_order=act_order, seed=7)
+        x = activations(4, 192, torch.float16, seed=8)
+        bias = torch.randn(30, device=DEVICE)
+        for fmt in ("int8", "fp8"):
+            qa, a_scale = quantize_activations_reference(x, fmt)
+            want = (qa.double() * a_scale.double()[:, None]) @ qw.dequantize(torch.float64).to(DEVICE).T
+            got = K.w4a8_reference(x, w, bias, fmt)
+            torch.testing.assert_close(got, want + bias.double(), rtol=1e-12, atol=1e-12)
+
+
+def test_signed_codes_are_8_bit_operands():
+    _, w = make_layer(40, 128, 32, sym=False, seed=9)
+    codes, _ = K.signed_codes(w)
+    assert codes.min() >= -15 and codes.max() <= 15 and codes.min() < -8  # asymmetric: beyond a signed nibble
+    _, w = make_layer(40, 128, 32, sym=True, seed=9)
+    codes, _ = K.signed_codes(w)
+    assert codes.min() == -8 and codes.max() == 7  # symmetric: code - 8
+
+
+def test_split_k_is_deterministic_and_close_to_one_split():
+    _, w = make_layer(64, 512, 128, seed=10)
+    x = activations(2, 512, torch.float16, seed=11)
+    qa, a_scale = quantize_activations(x, "int8")
+    assert K.choose(2, 64, 512, 128, 4, SMALL).launch.split == 8
+    y1 = K.w4a8_matmul(qa, a_scale, w, config=SMALL)
+    assert torch.equal(y1, K.w4a8_matmul(qa, a_scale, w, config=SMALL))
+    y0 = K.w4a8_matmul(qa, a_scale, w, config=SMALL_ONE)
+    torch.testing.assert_close(y1, y0, rtol=2e-3, atol=2e-3)
+
+
+def test_plans_and_the_table():
+    plan = K.plan_launch(K.W4A8Config(16, 64, 128, split_waves=4), 1, 4096, 4096, 32, 132)
+    assert plan.block_k == 32 and plan.group_tiles == 1  # BLOCK_K capped to the group
+    plan = K.plan_launch(K.W4A8Config(16, 64, 128, split_waves=4), 1, 4096, 4096, 0, 132)
+    assert plan.group_tiles == 32 and plan.split * plan.tiles_per_split >= 32  # one group: all K tiles
+    assert (plan.split - 1) * plan.tiles_per_split < 32  # no empty split
+    assert K.choose(16, 4096, 4096, 128, 132).path == "small_m"
+    assert K.choose(17, 4096, 4096, 128, 132).path == "tiles"
+    bounds = [m for m, _ in K.CONFIG_TABLE]
+    assert bounds == sorted(bounds) and K.config_for(10**6) == K.CONFIG_TABLE[-1][1]
+    assert "small_m" in K.explain(1, 4096, 4096, 128, "cpu")
+
+
+@pytest.mark.parametrize("regime", range(len(K.CONFIG_TABLE)))
+def test_table_configs_run(regime):
+    max_m, cfg = K.CONFIG_TABLE[regime]
+    m = min(max_m, 140)
+    qw, w = make_layer(40, 256, 128, seed=regime)
+    x = activations(m, 256, torch.float16, seed=regime)
+    qa, a_scale = quantize_activations(x, "int8")
+    out = torch.full((m, 40), float("nan"), device=DEVICE, dtype=torch.float16)
+    y = K.w4a8_matmul(qa, a_scale, w, out=out, config=cfg)
+    assert_close_to_reference(y, x, qw, w, None, "int8")
+
+
+def test_bad_operands_are_named():
+    _, w = make_layer(16, 64, 32, seed=12)
+    x = activations(2, 64, torch.float16, seed=13)
+    qa, a_scale = quantize_activations(x, "int8")
+    with pytest.raises(ValueError, match="fmt"):
+        K.w4a8_linear(x, w, fmt="int4")
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        K.w4a8_linear(x.float(), w)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 64\]"):
+        K.w4a8_linear(x[:, :32], w)
+    with pytest.raises(ValueError, match="a_scale"):
+        K.w4a8_matmul(qa, a_scale[:1], w)
+    with pytest.raises(ValueError, match="qa must be int8"):
+        K.w4a8_matmul(x, a_scale, w)
+    with pytest.raises(ValueError, match="out must be"):
+        K.w4a8_matmul(qa, a_scale, w, out=torch.empty(2, 16, dtype=torch.bfloat16, device=DEVICE))
+    w.bits = 8
+    with pytest.raises(ValueError, match="4-bit"):
+        K.w4a8_matmul(qa, a_scale, w)
+    assert K.w4a8_matmul(qa[:0], a_scale[:0], make_layer(16, 64, 32)[1]).shape == (0, 16)
