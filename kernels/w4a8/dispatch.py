@@ -9,9 +9,12 @@ makes. Two paths, one kernel:
   exist, as W4A16's few-row tiles do: a decode product has too few output tiles to fill the GPU otherwise.
 - ``tiles`` (larger M): plain tiles whose BLOCK_M grows with M, split-K only where the tiles leave SMs idle.
 
-``CONFIG_TABLE`` is a first choice by reasoning, NOT tuned: the tile shapes follow W4A16's and W8A8's measured
-tables (16-row swap-AB tiles for decode, 64 x 64 for M <= 64, 64 x 128 up to 256, 128 x 128 with 8 warps above), and
-no W4A8 timing exists yet. ``benchmarks/bench_w4a8.py`` times them on a GPU; the table is to be tuned from it.
+``CONFIG_TABLE`` is a first choice by reasoning, NOT tuned: no W4A8 timing exists yet. The tile shapes follow
+W4A16's and W8A8's measured tables (16-row swap-AB tiles, 64 deep, for decode; 64-row tiles up to 256 rows; wider
+tiles above), cut down where an offline sm_90 compile (Triton 3.9, no GPU) spilled registers: the kernel keeps two
+accumulators per output (the fp32 sum and the current group's int32 / fp32 partial) plus the unpacked weight tile,
+so 128 x 128 tiles spilled (584 bytes of stack with 8 warps) while every entry below compiled without spills
+(122-236 registers). ``benchmarks/bench_w4a8.py`` times them on a GPU; the table is to be tuned from it.
 """
 
 from __future__ import annotations
@@ -66,10 +69,10 @@ class W4A8Config:
 
 # Largest M of each regime -> config. UNTUNED first choices (see the module docstring).
 CONFIG_TABLE: tuple[tuple[int, W4A8Config], ...] = (
-    (SMALL_M, W4A8Config(16, 64, 128, 1, split_waves=4, swap_ab=True, num_warps=4, num_stages=4)),
-    (64, W4A8Config(64, 64, 128, 8, split_waves=2, num_warps=4, num_stages=4)),
-    (256, W4A8Config(64, 128, 128, 8, split_waves=1, num_warps=4, num_stages=4)),
-    (2**31, W4A8Config(128, 128, 128, 8, split_waves=0, num_warps=8, num_stages=3)),
+    (SMALL_M, W4A8Config(16, 64, 64, 1, split_waves=4, swap_ab=True, num_warps=4, num_stages=4)),
+    (64, W4A8Config(64, 64, 128, 8, split_waves=2, num_warps=8, num_stages=4)),
+    (256, W4A8Config(64, 128, 64, 8, split_waves=1, num_warps=8, num_stages=4)),
+    (2**31, W4A8Config(128, 64, 64, 8, split_waves=0, num_warps=8, num_stages=4)),
 )
 
 
