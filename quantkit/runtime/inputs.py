@@ -11,7 +11,10 @@ Two host buffers (pinned on CUDA, so the copies are asynchronous DMA):
   slot -1, context 0, so they write and read nothing). Sample rows are written only when they are not simply every
   row in order.
 
-A step therefore costs two host-to-device copies, and no device-to-host copy.
+A step therefore costs two host-to-device copies, and no device-to-host copy. A chunk that ends with a drafted tree
+(``Sequence.draft_parents``) gives each tree token the position of the last verified token + its depth and an
+ancestor word for the prefill kernel's tree mask (``StepLayout.tree_mask``, one int64 word per prefill row); its
+slots stay in chunk order.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from quantkit.kernels.attention.tree_mask import CAUSAL_ROW, TREE_MAX_TOKENS, tree_mask_words
 from quantkit.runtime.scheduler import ScheduledBatch
 from quantkit.runtime.sequence import Sequence
 
@@ -83,6 +87,23 @@ class StepLayout:
     max_decode_context: int
     max_prefill_len: int
     prefill_has_prefix: bool  # some chunk starts after cached context (else a first prefill of every chunk)
+    tree_mask: np.ndarray | None = None  # int64 [prefill rows]: ancestor words when some chunk is a draft tree
+
+
+def tree_chunk(seq: Sequence, n: int) -> tuple[np.ndarray, list[int]]:
+    """A chunk of ``n`` tokens of ``seq`` ending with its drafted tree -> (each row's position offset from the chunk's
+    start [n], the chunk's parent array): rows up to the last verified token (the root) form a chain, a tree token
+    sits at the root's position + its depth and sees its ancestors."""
+    k = seq.num_draft_tokens
+    root = n - k - 1
+    if root < 0 or n > TREE_MAX_TOKENS:
+        raise RuntimeError(f"a tree chunk of {n} tokens cannot hold {k} tree tokens and its root")  # a bug
+    parents = list(range(-1, root))
+    offsets = list(range(root + 1))
+    for p in seq.draft_parents:
+        parents.append(root + 1 + p if p >= 0 else root)
+        offsets.append(offsets[parents[-1]] + 1)
+    return np.asarray(offsets, dtype=np.int32), parents
 
 
 class StepInputs:
@@ -126,13 +147,20 @@ class StepInputs:
         # prefill chunks: num_new tokens each, from num_computed_tokens
         cu = flat[offsets["cu"][0] : offsets["cu"][1]]
         at, max_prefill, has_prefix = nd, 0, False
+        words: list[int | list[int]] = []  # per chunk: a length (causal rows) or a tree chunk's parent array
         if n_cu:
             cu[0] = 0
         for j, (seq, n) in enumerate(zip(seqs[nd:], num_new[nd:], strict=True)):
             start = seq.num_computed_tokens
             p = np.arange(start, start + n, dtype=np.int32)
             ids[at : at + n] = seq.token_ids[start : start + n]
-            pos[at : at + n] = p
+            if seq.draft_parents is not None and start + n == seq.num_tokens:
+                shift, parents = tree_chunk(seq, n)
+                pos[at : at + n] = start + shift
+                words.append(parents)
+            else:
+                pos[at : at + n] = p
+                words.append(n)
             slots[at : at + n] = tables[nd + j, p // bs] * bs + p % bs
             ctx[nd + j] = start + n
             cu[j + 1] = cu[j] + n
@@ -163,6 +191,7 @@ class StepInputs:
             max_decode_context=max(dec_pos) + 1 if nd else 0,
             max_prefill_len=max_prefill,
             prefill_has_prefix=has_prefix,
+            tree_mask=_mask_words(words) if any(not isinstance(w, int) for w in words) else None,
         )
 
     def write_verify(self, batch: ScheduledBatch, rows: int, width: int) -> StepLayout:
@@ -213,3 +242,10 @@ class StepInputs:
             max_prefill_len=width,
             prefill_has_prefix=True,
         )
+
+
+def _mask_words(chunks: list[int | list[int]]) -> np.ndarray:
+    rows = [
+        np.full(c, CAUSAL_ROW, dtype=np.int64) if isinstance(c, int) else tree_mask_words(c).numpy() for c in chunks
+    ]
+    return np.concatenate(rows)

@@ -158,6 +158,8 @@ class ModelRunner:
             meta.prefill_cu_seqlens = part("cu")
             meta.max_prefill_len = layout.max_prefill_len
             meta.prefill_has_prefix = layout.prefill_has_prefix
+            if layout.tree_mask is not None:  # draft trees: eager steps only (no graph holds a mask)
+                meta.prefill_tree_mask = torch.from_numpy(layout.tree_mask).to(self.device, non_blocking=True)
         return meta
 
     # -- running ---------------------------------------------------------------------------------------------------
@@ -193,7 +195,13 @@ class ModelRunner:
         bucket = None
         if len(batch.seqs) == n:  # one token per sequence: every one is a decode
             bucket = next((b for b in self.graphs if b >= n), None)
-        elif ids_from is None and self.verify_graphs and self.on_hidden is None and self._all_verify(batch):
+        elif (
+            ids_from is None
+            and self.verify_graphs
+            and self.on_hidden is None
+            and self._all_verify(batch)
+            and not any(s.draft_parents is not None for s in batch.seqs)  # trees run eagerly
+        ):
             rows = next((b for b in self.verify_graphs if b >= len(batch.seqs)), None)
             if rows is not None:
                 return self._run_verify_graph(batch, rows)

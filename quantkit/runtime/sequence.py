@@ -62,12 +62,16 @@ class Sequence:
         # ``draft_probs`` [k, V] is the proposer's distribution at each (None: greedy or a deterministic proposer)
         self.num_draft_tokens = 0
         self.draft_probs: torch.Tensor | None = None
+        # a drafted tree instead of a chain: the parent of each drafted token (-1: the last verified token), in
+        # topological order, so dropping drafted tokens from the end keeps a tree
+        self.draft_parents: list[int] | None = None
         self.spec = SpecStats()
 
-    def add_draft(self, tokens: list[int], probs: torch.Tensor | None) -> None:
+    def add_draft(self, tokens: list[int], probs: torch.Tensor | None, parents: list[int] | None = None) -> None:
         self.token_ids += tokens
         self.num_draft_tokens = len(tokens)
         self.draft_probs = probs
+        self.draft_parents = parents
 
     def drop_draft(self, count: int | None = None) -> None:
         """Forget the last ``count`` drafted tokens (all by default)."""
@@ -77,8 +81,10 @@ class Sequence:
             self.num_draft_tokens -= count
             if self.draft_probs is not None:
                 self.draft_probs = self.draft_probs[: self.num_draft_tokens]
+            if self.draft_parents is not None:
+                self.draft_parents = self.draft_parents[: self.num_draft_tokens]
         if not self.num_draft_tokens:
-            self.draft_probs = None
+            self.draft_probs = self.draft_parents = None
 
     @property
     def num_tokens(self) -> int:

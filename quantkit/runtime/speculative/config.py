@@ -12,6 +12,7 @@ from quantkit.quant.scheme import QuantScheme
 
 METHODS = ("draft", "self", "ngram", "eagle", "medusa")
 HEAD_METHODS = ("eagle", "medusa")  # draft heads on the target's features (``heads``)
+TREE_MAX_NODES = 63  # the verify chunk (the sequence's last token, then the tree) fits one 64-bit tree-mask word
 _SCHEME = re.compile(r"w(\d)a16-(g\d+|pc)(?:-(sym|asym))?")
 
 
@@ -38,6 +39,10 @@ class SpeculativeConfig:
       way the output follows the target's distribution; a seeded sampled request draws the same tokens run after
       run only with ``adaptive=False`` (the adaptive choices depend on measured times).
     - ``disable_by_batch_size``: no speculation while this many sequences or more are decoding (None: no fixed cap).
+    - ``num_tree_tokens`` (``eagle`` / ``medusa`` only): draft a tree of up to this many tokens per sequence and step
+      instead of a chain (None: chains), at most ``num_speculative_tokens`` deep; ``tree_topk`` candidates per
+      expanded node (EAGLE-2's top-k) or per Medusa head. At most ``TREE_MAX_NODES`` (the prefill kernel's tree mask
+      holds 64 tokens: the sequence's last token and the tree); tree steps run eagerly.
     """
 
     method: str
@@ -49,6 +54,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     adaptive: bool = True
     disable_by_batch_size: int | None = None
+    num_tree_tokens: int | None = None
+    tree_topk: int = 8
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -60,6 +67,8 @@ class SpeculativeConfig:
             "prompt_lookup_min": integer("prompt_lookup_min", self.prompt_lookup_min, low=1),
             "disable_by_batch_size": integer("disable_by_batch_size", self.disable_by_batch_size, low=1, none=True),
             "adaptive": flag("adaptive", self.adaptive),
+            "num_tree_tokens": integer("num_tree_tokens", self.num_tree_tokens, low=1, high=TREE_MAX_NODES, none=True),
+            "tree_topk": integer("tree_topk", self.tree_topk, low=1, high=TREE_MAX_NODES),
         }
         if checked["prompt_lookup_min"] > checked["prompt_lookup_max"]:
             raise QuantkitError("prompt_lookup_min must not exceed prompt_lookup_max")
@@ -69,6 +78,8 @@ class SpeculativeConfig:
             raise QuantkitError(f"speculative method {self.method!r} needs draft heads (a folder from train-draft)")
         if self.method == "ngram" and (self.draft or self.draft_layers):
             raise QuantkitError("speculative method 'ngram' takes no draft model")
+        if self.num_tree_tokens is not None and self.method not in HEAD_METHODS:
+            raise QuantkitError(f"num_tree_tokens (tree drafting) needs method eagle or medusa, not {self.method!r}")
         weight_scheme(self.draft_scheme)  # a bad name fails here, before any weight loads
         if self.method != "self" and self.draft_layers is not None:
             raise QuantkitError("draft_layers applies to method 'self' only")

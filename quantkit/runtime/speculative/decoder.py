@@ -41,6 +41,7 @@ from quantkit.runtime.speculative.config import SpeculativeConfig
 from quantkit.runtime.speculative.draft_model import DraftModelProposer, draft_cost
 from quantkit.runtime.speculative.proposers import NgramProposer, Proposer
 from quantkit.runtime.speculative.rejection import verify_greedy, verify_sampled
+from quantkit.runtime.speculative.tree_draft import TreeDrafter, tree_drafter
 
 EMA = 0.2  # weight of a new measurement in every running mean
 PRIOR_ACCEPTANCE = 0.6
@@ -90,6 +91,7 @@ class SpeculativeDecoder:
     config: SpeculativeConfig
     proposer: Proposer
     max_model_len: int
+    trees: TreeDrafter | None = None  # tree drafting (``num_tree_tokens``): drafts and verifies trees
     totals: SpecTotals = field(default_factory=SpecTotals)
     acceptance: dict[int, float] = field(default_factory=dict)  # seq_id -> running mean
     buckets: dict[int, _Bucket] = field(default_factory=dict)
@@ -102,7 +104,7 @@ class SpeculativeDecoder:
         k = self.config.num_speculative_tokens
         # never draft past max_tokens (a verify step emits accepted + 1 tokens) nor the model's length
         k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
-        if k <= 0 or not self.config.adaptive:
+        if k <= 0 or not self.config.adaptive or self.trees is not None:  # a tree's depth is not adapted
             return max(k, 0)
         a = self.acceptance.get(seq.seq_id, PRIOR_ACCEPTANCE)
         c = self.proposer.cost_per_token
@@ -156,6 +158,9 @@ class SpeculativeDecoder:
         cap = self.config.disable_by_batch_size
         if not decoding or (cap is not None and len(decoding) >= cap):
             return
+        if self.trees is not None:
+            self._propose_trees(decoding, room)
+            return
         seqs, ks = [], []
         for seq in decoding:
             k = min(self._num_tokens(seq), room)
@@ -173,6 +178,27 @@ class SpeculativeDecoder:
             self._mode = (self._mode[0], True)
         self.totals.draft_time += time.perf_counter() - self._t0
 
+    def _propose_trees(self, decoding: list[Sequence], room: int) -> None:
+        """Trees of up to ``num_tree_tokens`` tokens (within the step's ``room`` and the model's length), at most
+        k deep; the step is timed like a chain's."""
+        seqs, sizes, depths = [], [], []
+        for seq in decoding:
+            depth = self._num_tokens(seq)
+            size = min(self.config.num_tree_tokens, room, self.max_model_len - seq.num_tokens - 1)
+            if depth > 0 and size > 0:
+                seqs.append(seq)
+                sizes.append(size)
+                depths.append(depth)
+                room -= size
+        drafted = False
+        for seq, tree in zip(seqs, self.trees.propose(seqs, sizes, depths) if seqs else [], strict=True):
+            if tree is not None:
+                seq.add_draft(tree.tokens.tolist(), None, tree.parent.tolist())
+                drafted = True
+        if drafted and self._mode is not None:
+            self._mode = (self._mode[0], True)
+        self.totals.draft_time += time.perf_counter() - self._t0
+
     # -- after the step ----------------------------------------------------------------------------------------
 
     def verify(
@@ -184,6 +210,10 @@ class SpeculativeDecoder:
         rule then runs on the host, without a device round trip per sequence."""
         k = seq.num_draft_tokens
         params = seq.params
+        if seq.draft_parents is not None:  # a tree: drafted counts its depth, the most tokens it can accept
+            tokens, depth = self.trees.verify(seq, logits, generator)
+            self._count(seq, depth, len(tokens) - 1)
+            return tokens
         if params.greedy and best is not None:
             drafted = seq.token_ids[-k:]
             accepted = next((i for i in range(k) if drafted[i] != best[i]), k)
@@ -263,6 +293,8 @@ def make_decoder(
         from quantkit.runtime.speculative.heads import head_proposer
 
         proposer = head_proposer(spec, target_runner)
+        if spec.num_tree_tokens is not None:
+            return SpeculativeDecoder(spec, proposer, max_model_len, tree_drafter(spec, proposer, target_runner))
     elif draft is None:
         proposer = NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
     else:

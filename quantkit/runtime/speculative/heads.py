@@ -251,6 +251,13 @@ class FeatureStore:
         for seq_id in [s for s in self.seqs if s not in keep]:
             del self.seqs[seq_id]
 
+    def move(self, seq_id: int, src: list[int], dst: list[int]) -> None:
+        """Copy the features at positions ``src`` to ``dst`` (a verified tree's accepted path, into consecutive
+        positions)."""
+        f = self.seqs.get(seq_id)
+        if f is not None and src:
+            f.buf[dst] = f.buf[src]
+
 
 # -- the proposers --------------------------------------------------------------------------------------------------
 
@@ -314,10 +321,28 @@ class EagleProposer:
         return [self._propose(s, k, g) for s, k, g in zip(seqs, ks, generators, strict=True)]
 
     def _propose(self, seq: Sequence, k: int, generator) -> Draft:
+        caught = self.catch_up(seq) if k > 0 else None
+        if caught is None:
+            return Draft([])
+        g, kv = caught
+        n, device, embed = seq.num_computed_tokens, g.device, self.target.model.embed_tokens
+        tokens, probs = [], []
+        for j in range(k):
+            token, q = _choose(self.target.logits(g[0, 0]).float(), seq, generator)
+            tokens.append(token)
+            probs.append(q)
+            if j + 1 < k:
+                pos = torch.tensor([n + j], device=device)
+                g, kv = self.head(g, embed(torch.tensor([[token]], device=device)), pos, kv)
+        return _draft(tokens, probs)
+
+    def catch_up(self, seq: Sequence):
+        """Run the layer over the sequence's verified positions not yet in its KV cache -> (the predicted feature
+        after the last one [1, 1, H], the cache's (k, v)), or None when the sequence's recent features are missing."""
         lo, hi = self.store.span(seq)
         n = seq.num_computed_tokens  # the features of positions < n are the target's; token n is the newest
-        if hi != n or hi <= lo or k <= 0:
-            return Draft([])
+        if hi != n or hi <= lo:
+            return None
         cache = self.caches.get(seq.seq_id)
         if cache is None or cache.lo != lo:
             cache = self.caches[seq.seq_id] = _EagleCache(lo)
@@ -331,16 +356,7 @@ class EagleProposer:
         ids = torch.tensor(seq.token_ids[start + 1 : n + 1], device=device)
         g, cache.kv = self.head(feats, embed(ids).unsqueeze(0), torch.arange(start, n, device=device), cache.kv)
         cache.length = n - lo
-        g, kv = g[:, -1:], cache.kv
-        tokens, probs = [], []
-        for j in range(k):
-            token, q = _choose(self.target.logits(g[0, 0]).float(), seq, generator)
-            tokens.append(token)
-            probs.append(q)
-            if j + 1 < k:
-                pos = torch.tensor([n + j], device=device)
-                g, kv = self.head(g, embed(torch.tensor([[token]], device=device)), pos, kv)
-        return _draft(tokens, probs)
+        return g[:, -1:], cache.kv
 
     def release(self, keep: set[int]) -> None:
         self.store.release(keep)

@@ -223,3 +223,154 @@ def test_an_eagle_head_of_an_moe_target_is_one_dense_layer():
     features, embeds = torch.randn(1, 5, 64), torch.randn(1, 5, 64)
     out, (k, _) = head(features, embeds, torch.arange(5))
     assert out.shape == (1, 5, 64) and k.shape[1] == 5
+
+
+# -- draft trees (num_tree_tokens) ----------------------------------------------------------------------------------
+
+
+def untrained_heads(model, method: str, folder, num_heads: int = 3):
+    """Heads of ``method`` as made before training (Medusa: zero blocks, repeating the target's own prediction;
+    EAGLE: a random layer), saved for ``model``."""
+    from quantkit.runtime.speculative.heads import base_fingerprint, make_heads, save_heads
+
+    torch.manual_seed(0)
+    base = base_fingerprint(model.config, model.get_input_embeddings().weight)
+    count = num_heads if method == "medusa" else 1
+    save_heads(folder, make_heads(method, model.config, count), {"method": method, "num_heads": count, "base": base})
+    return folder
+
+
+def assert_released(llm) -> None:
+    bm = llm.block_manager
+    assert bm.num_free == bm.num_blocks and bm.used_slots == 0
+
+
+@pytest.mark.parametrize("shape", [(1, 3), (4, 24), (5, 63)])  # (depth k, tree tokens)
+def test_tree_greedy_equals_plain_greedy(trained, target, shape, monkeypatch):
+    """Trees of trained heads accept paths through later siblings, whose K/V and features move into consecutive
+    positions; the output is plain greedy's in a mixed batch, and every block goes back."""
+    from quantkit.runtime.speculative import tree_draft
+
+    method, heads, _ = trained
+    _, folder = target
+    moved = []
+    move = tree_draft.TreeDrafter._move
+    monkeypatch.setattr(tree_draft.TreeDrafter, "_move", lambda self, seq, nodes: (
+        moved.append(any(i + 1 != d for d, i in enumerate(nodes, 1))), move(self, seq, nodes)))  # fmt: skip
+    prompts = [markov_ids(n, seed=n).tolist() for n in (3, 9, 20, 33)] + random_prompts([5, 17], VOCAB, seed=1)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(str(folder), cpu_kv_blocks=64).generate(prompts, params)]
+    k, n = shape
+    spec = SpeculativeConfig(method=method, draft=str(heads), num_speculative_tokens=k, adaptive=False,
+                             num_tree_tokens=n, tree_topk=4)  # fmt: skip
+    llm = LLM(str(folder), cpu_kv_blocks=64, speculative=spec)
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    t = llm.spec.totals
+    assert t.steps > 0 and t.accepted > 0 and t.emitted == t.accepted + t.steps
+    assert any(moved) or n < 4
+    for c in (o.outputs[0] for o in outs):  # tau and acceptance per completion; drafted counts a tree's depth
+        assert c.spec.steps > 0 and 1.0 <= c.spec.mean_emitted <= k + 1 and 0.0 <= c.spec.acceptance_rate <= 1.0
+    assert_released(llm)
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_tree_greedy_with_untrained_heads_sharp_attention(target, method, tmp_path):
+    """Untrained heads, attention sharpened so that a wrong position or slot shows, the default accuracy table."""
+    model, folder = target
+    heads = untrained_heads(model, method, tmp_path / method)
+    prompts = [*random_prompts([4, 11, 26], VOCAB, seed=3), markov_ids(15, seed=2).tolist()]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+
+    def sharp(llm):
+        with torch.no_grad():
+            for layer in llm.model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(4.0)
+        return llm
+
+    expected = [o.outputs[0].token_ids for o in sharp(LLM(str(folder), cpu_kv_blocks=64)).generate(prompts, params)]
+    spec = SpeculativeConfig(method=method, draft=str(heads), num_speculative_tokens=3, adaptive=False,
+                             num_tree_tokens=10, tree_topk=3)  # fmt: skip
+    llm = sharp(LLM(str(folder), cpu_kv_blocks=64, speculative=spec))
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.spec.totals.drafted > 0
+    assert_released(llm)
+
+
+def test_tree_greedy_under_preemption(trained, target):
+    method, heads, _ = trained
+    _, folder = target
+    prompts = [markov_ids(n, seed=n).tolist() for n in (30, 31, 32, 33, 34, 35)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    settings = dict(cpu_kv_blocks=14, block_size=8, enable_prefix_caching=False)
+    expected = [o.outputs[0].token_ids for o in LLM(str(folder), **settings).generate(prompts, params)]
+    spec = SpeculativeConfig(method=method, draft=str(heads), num_speculative_tokens=3, adaptive=False,
+                             num_tree_tokens=12, tree_topk=3)  # fmt: skip
+    llm = LLM(str(folder), **settings, speculative=spec)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.scheduler.num_preemptions > 0 and llm.spec.totals.accepted > 0
+    assert_released(llm)
+
+
+def test_tree_sampled_requests_stay_in_vocabulary(trained, target):
+    method, heads, _ = trained
+    _, folder = target
+    spec = SpeculativeConfig(method=method, draft=str(heads), num_speculative_tokens=3, adaptive=False,
+                             num_tree_tokens=12, tree_topk=3)  # fmt: skip
+    llm = LLM(str(folder), cpu_kv_blocks=64, speculative=spec)
+    params = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True)
+    outs = llm.generate([markov_ids(12).tolist()] * 3, params)
+    assert all(len(o.outputs[0].token_ids) == 30 and all(0 <= t < VOCAB for t in o.outputs[0].token_ids)
+               for o in outs)  # fmt: skip
+    assert llm.spec.totals.drafted > 0
+    assert_released(llm)
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_tree_sampling_keeps_the_target_distribution(method, tmp_path):
+    """1,200 seeded requests of one prompt at temperature 1 on a 16-token vocabulary: the histograms of the second and
+    third tokens with tree speculation match plain sampling (total variation within sampling noise)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2)  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path / "m")
+    heads = untrained_heads(model, method, tmp_path / method, num_heads=2)
+    prompt, n = [3, 4, 5, 3, 4, 5, 3, 4], 1200
+
+    def histograms(llm):
+        params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
+        outs = llm.generate([prompt] * n, params)
+        return [torch.bincount(torch.tensor([o.outputs[0].token_ids[i] for o in outs]), minlength=16).double() / n
+                for i in (1, 2)]  # fmt: skip
+
+    settings = dict(cpu_kv_blocks=1024, block_size=4, max_num_seqs=256)
+    plain = histograms(LLM(str(tmp_path / "m"), **settings))
+    spec = SpeculativeConfig(method=method, draft=str(heads), num_speculative_tokens=2, adaptive=False,
+                             num_tree_tokens=6, tree_topk=3)  # fmt: skip
+    llm = LLM(str(tmp_path / "m"), **settings, speculative=spec)
+    drafted = histograms(llm)
+    t = llm.spec.totals
+    assert 0 < t.accepted < t.drafted
+    for a, b in zip(plain, drafted, strict=True):
+        # two independent samples of 1,200: the total variation between them stays well under 0.1 when equal
+        assert 0.5 * (a - b).abs().sum() < 0.1
+    assert_released(llm)
+
+
+def test_tree_settings_are_checked(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    with pytest.raises(QuantkitError, match="needs method eagle or medusa"):
+        SpeculativeConfig(method="ngram", num_tree_tokens=8)
+    with pytest.raises(QuantkitError, match="num_tree_tokens must be in"):
+        SpeculativeConfig(method="medusa", draft="x", num_tree_tokens=64)
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=16)  # fmt: skip
+    model = MistralForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path / "m")
+    heads = untrained_heads(model, "medusa", tmp_path / "h")
+    spec = SpeculativeConfig(method="medusa", draft=str(heads), num_tree_tokens=8)
+    with pytest.raises(QuantkitError, match="sliding-window"):
+        LLM(str(tmp_path / "m"), cpu_kv_blocks=64, speculative=spec)
