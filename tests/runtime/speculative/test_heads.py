@@ -374,3 +374,20 @@ def test_tree_settings_are_checked(tmp_path):
     spec = SpeculativeConfig(method="medusa", draft=str(heads), num_tree_tokens=8)
     with pytest.raises(QuantkitError, match="sliding-window"):
         LLM(str(tmp_path / "m"), cpu_kv_blocks=64, speculative=spec)
+
+
+def test_tree_greedy_with_forks_shared_prefixes_and_adaptive_speculation(trained, target):
+    """n = 2 completions share their prompt's blocks (a tree's copies go only to blocks made private by
+    copy-on-write), two prompts share a cached prefix, and the adaptive rule times tree steps like chain steps."""
+    method, heads, _ = trained
+    _, folder = target
+    prefix = markov_ids(13, seed=7).tolist()
+    prompts = [[*prefix, 1, 2], [*prefix, 3], markov_ids(6, seed=8).tolist()]
+    params = SamplingParams(max_tokens=20, ignore_eos=True, n=2)
+    settings = dict(cpu_kv_blocks=64, block_size=4)
+    expected = [[c.token_ids for c in o.outputs] for o in LLM(str(folder), **settings).generate(prompts, params)]
+    spec = SpeculativeConfig(method=method, draft=str(heads), num_speculative_tokens=3, num_tree_tokens=10)
+    llm = LLM(str(folder), **settings, speculative=spec)
+    assert [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)] == expected
+    assert llm.spec.totals.steps > 0
+    assert_released(llm)
