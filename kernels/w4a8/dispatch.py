@@ -11,10 +11,11 @@ makes. Two paths, one kernel:
 
 ``CONFIG_TABLE`` is a first choice by reasoning, NOT tuned: no W4A8 timing exists yet. The tile shapes follow
 W4A16's and W8A8's measured tables (16-row swap-AB tiles, 64 deep, for decode; 64-row tiles up to 256 rows; wider
-tiles above), cut down where an offline sm_90 compile (Triton 3.9, no GPU) spilled registers: the kernel keeps two
-accumulators per output (the fp32 sum and the current group's int32 / fp32 partial) plus the unpacked weight tile,
-so 128 x 128 tiles spilled (584 bytes of stack with 8 warps) while every entry below compiled without spills
-(122-236 registers). ``benchmarks/bench_w4a8.py`` times them on a GPU; the table is to be tuned from it.
+tiles above), cut down where an offline sm_90 compile (no GPU) spilled registers: the kernel keeps two accumulators
+per output (the fp32 sum and the current group's int32 / fp32 partial) plus the unpacked weight tile, so 128 x 128
+tiles spilled (Triton 3.9: 584 bytes of stack with 8 warps) while every entry below compiled to 8-bit wgmma without
+spills, int8 and fp8 (Triton 3.6: 95-228 registers; 3.9: 122-236). ``benchmarks/bench_w4a8.py`` times them on a
+GPU; the table is to be tuned from it.
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ How
 
 Limits: 4-bit weights only; groups a multiple of 32 (``w4a16.unsupported_reason``); int32 offsets (tensors under
 2**31 elements). In Triton's interpreter the bf16 cast truncates, so the store rounds to nearest even by hand.
-Hardware: written for sm_90 (8-bit wgmma); not tuned and not yet measured on a GPU.
+Hardware: written for sm_90 (8-bit wgmma); compiled offline for sm_90 with Triton 3.6 and 3.9 (wgmma s8.s8 and
+e4m3.e4m3, ``dispatch.CONFIG_TABLE``'s tiles without register spills); not tuned and not yet measured on a GPU.
 """
 
 from __future__ import annotations
