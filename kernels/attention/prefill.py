@@ -14,7 +14,7 @@ A word of -1 (``CAUSAL_ROW``) is the plain causal chain, so trees, chains and si
 Limits: a tree holds at most 64 tokens, in topological order (parents first; ``tree_mask.py`` builds the words);
 no sliding window with a tree mask. The caller writes each tree token's K/V to its own slot and gives it the rotary
 position prefix + depth; the kernel only masks. Without a tree mask it is compiled without the mask (``TREE``).
-Runtime tree verification (the engine building trees and passing their masks) is not wired up yet.
+The runtime verifies draft trees through it (``quantkit.runtime.speculative.tree_draft``).
 
 Layouts (T packed query tokens, N sequences, Hq / Hkv heads, GQA group G = Hq / Hkv, D head dim, P page size):
 

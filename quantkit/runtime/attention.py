@@ -27,7 +27,7 @@ class AttentionMetadata:
       context; False lets the prefill kernel drop its block-table loops).
     - ``prefill_tree_mask``: None (every chunk causal), or int64 [prefill tokens], one ancestor word per prefill
       row for chunks that are draft trees (``quantkit.kernels.attention.tree_mask``: ``pack_tree_masks`` builds it,
-      -1 rows stay causal; no sliding window). The engine does not build tree steps yet.
+      -1 rows stay causal; no sliding window); the engine sets it for draft trees (``speculative.tree_draft``).
     """
 
     slot_mapping: torch.Tensor
