@@ -92,6 +92,7 @@ CASES = [
     ("fp8", 3, 33, 200, 64, False, torch.float16, True, True, SMALL),
     ("int8", 5, 96, 512, -1, False, torch.bfloat16, False, True, SMALL),  # per channel, split K
     ("fp8", 7, 50, 384, -1, True, torch.float16, True, False, SMALL_ONE),  # per channel, one split
+    ("int8", 2, 48, 200, -1, False, torch.float16, False, True, SMALL),  # per channel, splits, masked K tail
     ("int8", 16, 40, 320, 32, True, torch.float16, True, True, TILES_SPLIT),  # splits start mid-group
     ("fp8", 16, 40, 320, 32, False, torch.bfloat16, False, True, TILES_SPLIT),
     ("int8", 17, 70, 256, 64, False, torch.float16, False, True, None),
@@ -127,6 +128,17 @@ def test_linear_entry_point(fmt):
     y = K.w4a8_linear(x, w, bias, fmt)
     assert y.shape == (2, 3, 36) and y.dtype == torch.bfloat16
     assert_close_to_reference(y, x, qw, w, bias, fmt)
+
+
+def test_fp32_output_is_the_reference_to_fp32_rounding():
+    _, w = make_layer(40, 256, 64, seed=14)
+    x = activations(5, 256, torch.float16, seed=15)
+    bias = torch.randn(40, device=DEVICE)
+    qa, a_scale = quantize_activations(x, "int8")
+    out = torch.full((5, 40), float("nan"), device=DEVICE)
+    y = K.w4a8_matmul(qa, a_scale, w, bias, out_dtype=torch.float32, out=out)
+    ref = K.w4a8_reference(x, w, bias, "int8")
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 def test_reference_is_the_dequantized_product():
