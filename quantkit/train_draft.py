@@ -32,6 +32,7 @@ from quantkit.errors import QuantkitError
 from quantkit.runtime.speculative.heads import METHODS, WEIGHTS_FILE, base_fingerprint, make_heads, save_heads
 
 RESUME_FILE = ".resume.pt"
+TOPK_RECORDED = 8  # Medusa: held-out accuracy of each head's best candidates, for the runtime's sparse tree
 Progress = Callable[[str, int, int, str], None]  # (stage, done, total, note)
 
 
@@ -171,8 +172,29 @@ def _evaluate(heads, method, lm_head, embed, feats, ids, batch_size: int, device
             losses.append(float(loss))
             agree.append(a)
     heads.train()
-    return {"loss": round(sum(losses) / len(losses), 5),
-            "top1": [round(sum(col) / len(col), 4) for col in zip(*agree, strict=True)]}  # fmt: skip
+    out = {"loss": round(sum(losses) / len(losses), 5),
+           "top1": [round(sum(col) / len(col), 4) for col in zip(*agree, strict=True)]}  # fmt: skip
+    if method == "medusa":
+        out["topk_accuracy"] = topk_accuracy(heads, lm_head, feats, batch_size, device)
+    return out
+
+
+@torch.no_grad()
+def topk_accuracy(heads, lm_head, feats, batch_size: int, device, topk: int = TOPK_RECORDED) -> list[list[float]]:
+    """Medusa heads on features [n, T, H] -> [K, topk]: entry (j, i) the fraction of positions p where head j's i-th
+    best candidate is the target's own choice of token p + j + 2 (``medusa_tree``'s accuracy table)."""
+    hits, counts = None, None
+    for i in range(0, feats.shape[0], batch_size):
+        f = feats[i : i + batch_size].to(device)
+        outs, t = heads(f), f.shape[1]
+        if hits is None:
+            hits, counts = torch.zeros(len(outs), topk, dtype=torch.float64), [0] * len(outs)
+        for j in range(1, len(outs) + 1):
+            candidates = lm_head(outs[j - 1][:, : t - j]).topk(topk, dim=-1).indices  # [B, T - j, topk]
+            right = lm_head(f[:, j:]).argmax(-1, keepdim=True)  # the target's token at t + j + 1
+            hits[j - 1] += (candidates == right).sum(dim=(0, 1)).double().cpu()
+            counts[j - 1] += candidates.shape[0] * candidates.shape[1]
+    return [[round(float(h) / max(c, 1), 4) for h in row] for row, c in zip(hits, counts, strict=True)]
 
 
 def train_draft(

@@ -358,6 +358,23 @@ def test_tree_sampling_keeps_the_target_distribution(method, tmp_path):
     assert_released(llm)
 
 
+def test_medusa_training_records_the_accuracies_of_its_tree(trained):
+    """Medusa heads' config holds each head's held-out top-k accuracies, which the runtime's sparse tree reads; a
+    head's candidates are distinct tokens, so at most one is right: each row sums to at most 1."""
+    from quantkit.runtime.speculative.tree_draft import default_accuracies, head_accuracies
+
+    method, out, record = trained
+    meta = read_meta(out)
+    if method == "eagle":
+        assert "topk_accuracy" not in record["after"]
+        assert torch.equal(head_accuracies(meta, 1, 8), default_accuracies(1, 8))
+        return
+    table = torch.tensor(record["after"]["topk_accuracy"], dtype=torch.float64)
+    assert table.shape == (meta["num_heads"], 8) and (table >= 0).all() and (table.sum(1) <= 1 + 1e-6).all()
+    assert table[0, 0] == pytest.approx(record["after"]["top1"][0], abs=0.02)  # batch means against one pooled mean
+    assert torch.equal(head_accuracies(meta, meta["num_heads"], 4), table[:, :4])
+
+
 def test_tree_settings_are_checked(tmp_path):
     from transformers import MistralConfig, MistralForCausalLM
 
