@@ -3,6 +3,7 @@
 import random
 
 import numpy as np
+import torch
 
 from quantkit.runtime.inputs import BlockTableRows, StepInputs
 from quantkit.runtime.sampling_params import SamplingParams
@@ -106,3 +107,31 @@ def test_verify_layout_samples_each_sequences_drafted_tokens_and_the_one_before(
     assert part["slots"][3] == -1 and part["slots"][7] == -1
     assert part["sample"] == [0, 1, 2, 6]
     assert layout.last_rows == {0: 2, 1: 6}
+
+
+def test_a_drafted_tree_gets_depth_positions_chunk_slots_and_mask_words():
+    """A decoding sequence with a drafted tree beside a decode and a causal chunk: its tree tokens sit at the root's
+    position + depth, keep the slots of their chunk order, and their rows carry the tree's ancestor words; the
+    other prefill rows stay causal (-1)."""
+    from quantkit.kernels.attention.tree_mask import pack_tree_masks
+
+    from quantkit.runtime.speculative.tree import DraftTree
+
+    inputs = StepInputs(block_size=4, width=8, pin=False)
+    batch = decode_batch([(9, 8), (5, 0)])  # a decode, a first prefill
+    tree = Sequence(7, 7, list(range(200, 211)), PARAMS)  # 11 verified tokens, the last not yet computed
+    parents = [-1, -1, 0, 0, 1, 2]  # depths 1 1 2 2 2 3
+    tree.add_draft([300 + i for i in range(6)], None, parents)
+    tree.block_table = [40, 41, 42, 43, 44]
+    tree.num_computed_tokens = 10
+    batch.add(tree, 7, [])
+    layout = inputs.write(batch)
+    flat = inputs.flat.array
+    part = {k: flat[a:b].tolist() for k, (a, b) in layout.offsets.items()}
+    rows = slice(1 + 5, 1 + 5 + 7)  # after the decode and the causal chunk
+    assert part["pos"][rows] == [10, 11, 11, 12, 12, 12, 13]
+    assert part["slots"][rows] == [42 * 4 + 2, 42 * 4 + 3, *(43 * 4 + j for j in range(4)), 44 * 4 + 0]
+    assert part["ids"][rows] == [210, *(300 + i for i in range(6))]
+    chunk = DraftTree(torch.tensor([300 + i for i in range(6)]), torch.tensor(parents)).chunk_parents()
+    assert layout.tree_mask.tolist() == pack_tree_masks([5, chunk]).tolist()
+    assert part["sample"] == [0, 5, *range(6, 13)]  # the decode, the chunk's last row, the root and every tree token
