@@ -14,8 +14,8 @@ W4A16's and W8A8's measured tables (16-row swap-AB tiles, 64 deep, for decode; 6
 tiles above), cut down where an offline sm_90 compile (no GPU) spilled registers: the kernel keeps two accumulators
 per output (the fp32 sum and the current group's int32 / fp32 partial) plus the unpacked weight tile, so 128 x 128
 tiles spilled (Triton 3.9: 584 bytes of stack with 8 warps) while every entry below compiled to 8-bit wgmma without
-spills, int8 and fp8 (Triton 3.6: 95-228 registers; 3.9: 122-236). ``benchmarks/bench_w4a8.py`` times them on a
-GPU; the table is to be tuned from it.
+spills, int8 and fp8 (Triton 3.6: 109-255 registers; 3.9: 122-255: the 64 x 128 tile is at the limit).
+``benchmarks/bench_w4a8.py`` times them on a GPU; the table is to be tuned from it.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from quantkit.kernels._device import device_of, num_sms, sms_of
 from quantkit.kernels.w4a8.gemm import check_w4a8_operands, launch
+from quantkit.kernels.w4a16.configs import LOCK_SLOTS
 from quantkit.kernels.w4a16.weight import W4A16Weight
 from quantkit.kernels.w8a8.quant import DTYPE_OF_FORMAT, quantize_activations, require
 
@@ -99,7 +100,8 @@ class LaunchPlan:
 
 def plan_launch(cfg: W4A8Config, m: int, n: int, k: int, group_size: int, sms: int) -> LaunchPlan:
     """BLOCK_K capped to divide ``group_size`` (0: one group), and the split-K factor: enough splits for
-    ``split_waves * sms`` programs, never more than the K tiles, and none empty."""
+    ``split_waves * sms`` programs, never more than the K tiles, none empty, and none where the output has more
+    tiles than the weight has split-K semaphores (``LOCK_SLOTS``)."""
     block_k = cfg.block_k
     if group_size:
         while group_size % block_k:
@@ -107,7 +109,9 @@ def plan_launch(cfg: W4A8Config, m: int, n: int, k: int, group_size: int, sms: i
     k_tiles = -(-k // block_k)
     group_tiles = group_size // block_k if group_size else k_tiles
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-    split = max(1, min(-(-cfg.split_waves * sms // tiles), k_tiles)) if cfg.split_waves else 1
+    split = 1
+    if cfg.split_waves and tiles <= LOCK_SLOTS:
+        split = max(1, min(-(-cfg.split_waves * sms // tiles), k_tiles))
     tiles_per_split = -(-k_tiles // split)
     split = -(-k_tiles // tiles_per_split)
     return LaunchPlan(block_k, split, tiles_per_split, group_tiles, (tiles, split))

@@ -23,12 +23,15 @@ How
     BLOCK_K so that it divides the group). The weight tile is loaded as words [BLOCK_N, BLOCK_K / 8] and unpacked
     in registers to [BLOCK_N, BLOCK_K] (K contiguous: the K-major B operand that 8-bit wgmma reads); tl.join keeps
     a word's eight codes in its thread. SWAP_AB computes y.T = W @ qa.T, so that the weight tile is the MMA's M
-    side and a few rows of x still fill a 64-row wgmma (the small-M path). Split-K (grid axis 1 > 1): each split
-    writes a_scale * partial to an fp32 buffer [split, M, N]; ``_w4a8_reduce_kernel`` adds the splits in order
-    (deterministic), adds the bias and casts.
+    side and a few rows of x still fill a 64-row wgmma (the small-M path). Split-K (grid axis 1 > 1): W4A16's
+    one-launch serial fix-up (``w4a16.epilogue.finish_tile``): each split writes a_scale * partial to an fp32
+    buffer [split, M, N] and counts itself in on the output tile's semaphore in ``W4A16Weight.locks``; the last
+    arrival adds the splits in order (deterministic), adds the bias, casts and resets the semaphore. No second
+    launch: at decode sizes a launch gap costs as much as the product.
 
 Limits: 4-bit weights only; groups a multiple of 32 (``w4a16.unsupported_reason``); int32 offsets (tensors under
-2**31 elements). In Triton's interpreter the bf16 cast truncates, so the store rounds to nearest even by hand.
+2**31 elements); the split-K semaphores live in the weight, so one weight must not run on two streams at once.
+In Triton's interpreter the bf16 cast truncates, so the store rounds to nearest even by hand.
 Hardware: written for sm_90 (8-bit wgmma); compiled offline for sm_90 with Triton 3.6 and 3.9 (wgmma s8.s8 and
 e4m3.e4m3, ``dispatch.CONFIG_TABLE``'s tiles without register spills); not tuned and not yet measured on a GPU.
 """
@@ -39,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 from quantkit.kernels._device import interpreting
-from quantkit.kernels.w4a16.epilogue import to_act
+from quantkit.kernels.w4a16.epilogue import finish_tile
 from quantkit.kernels.w4a16.weight import W4A16Weight, unpack_gptq_codes
 from quantkit.kernels.w8a8.quant import FLOAT_DTYPES, FORMAT_OF_DTYPE, quantize_activations_reference, require
 
@@ -135,7 +138,7 @@ def _group_dot(a_ptrs, qw_ptrs, z, lo, hi, K, stride_ak, stride_qwk, offs_k, off
 @triton.jit(do_not_specialize=["M", "group_tiles", "tiles_per_split"])
 def _w4a8_gemm_kernel(
     # pointers
-    a_ptr, a_scale_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
+    a_ptr, a_scale_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
     # sizes
     M, N, K, group_tiles, tiles_per_split,
     # strides
@@ -143,7 +146,7 @@ def _w4a8_gemm_kernel(
     # meta-parameters
     IS_FP8: tl.constexpr, SWAP_AB: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     EMULATE_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, FIXUP: tl.constexpr,
 ):  # fmt: skip
     BLOCK_KW: tl.constexpr = BLOCK_K // 8
     pid = tl.program_id(0)
@@ -187,33 +190,9 @@ def _w4a8_gemm_kernel(
     if SWAP_AB:
         acc = tl.trans(acc)  # [BM, BN]
 
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    mask = m_mask[:, None] & n_mask[None, :]
     y = acc * tl.load(a_scale_ptr + rows)[:, None]
-    if SPLIT:
-        tl.store(part_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], y, mask=mask)
-    else:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
-        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-        tl.store(out_ptrs, to_act(y, out_ptr.dtype.element_ty, EMULATE_BF16), mask=mask)
-
-
-@triton.jit
-def _w4a8_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, split, stride_om, stride_on, HAS_BIAS: tl.constexpr,
-                        EMULATE_BF16: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """out[m, n] = sum over the splits in order of part[s, m, n] (+ bias[n]), cast: one program per row block."""
-    m = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = offs_n < N
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for s in range(split):
-        total += tl.load(part_ptr + s * M * N + m * N + offs_n, mask=mask, other=0.0)
-    if HAS_BIAS:
-        total += tl.load(bias_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + offs_n * stride_on, to_act(total, out_ptr.dtype.element_ty, EMULATE_BF16),
-             mask=mask)  # fmt: skip
+    finish_tile(y, bias_ptr, out_ptr, part_ptr, lock_ptr, pid, offs_m, offs_n, M, N, stride_om, stride_on, SPLIT,
+                HAS_BIAS, EMULATE_BF16, FIXUP)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -259,6 +238,12 @@ def check_w4a8_operands(qa, a_scale, w: W4A16Weight, bias, out_dtype, out) -> to
     return out
 
 
+def fixup_unroll(block_m: int, block_n: int) -> int:
+    """Partial tiles the split-K fix-up loads per round: W4A16's rule, 4 for tiles of at most 2048 values, else 1
+    (4 made the 64 x 128 tile spill 24 bytes of registers in an offline sm_90 compile)."""
+    return 4 if block_m * block_n <= 2048 else 1
+
+
 def launch(qa, a_scale, w: W4A16Weight, bias, out, cfg, plan) -> torch.Tensor:
     """Run the GEMM with tile config ``cfg`` (``dispatch.W4A8Config``) and launch plan ``plan`` (``plan_launch``)
     on checked operands."""
@@ -269,18 +254,13 @@ def launch(qa, a_scale, w: W4A16Weight, bias, out, cfg, plan) -> torch.Tensor:
     if plan.split > 1:
         part = torch.empty(plan.split, m, n, dtype=torch.float32, device=qa.device)
     _w4a8_gemm_kernel[plan.grid](
-        qa, a_scale, w.qweight, w.qzeros, w.scales, bias if bias is not None else a_scale, out, part,
+        qa, a_scale, w.qweight, w.qzeros, w.scales, bias if bias is not None else a_scale, out, part, w.locks,
         m, n, k, plan.group_tiles, plan.tiles_per_split,
         qa.stride(0), qa.stride(1), w.qweight.stride(0), w.qweight.stride(1), w.qzeros.stride(0), w.qzeros.stride(1),
         w.scales.stride(0), w.scales.stride(1), out.stride(0), out.stride(1),
         IS_FP8=qa.dtype == torch.float8_e4m3fn, SWAP_AB=cfg.swap_ab, SPLIT=plan.split > 1, HAS_BIAS=bias is not None,
         EVEN_K=k % plan.block_k == 0, EMULATE_BF16=emulate_bf16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=plan.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_K=plan.block_k, GROUP_M=cfg.group_m, FIXUP=fixup_unroll(cfg.block_m, cfg.block_n),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if plan.split > 1:
-        block_n = min(1024, triton.next_power_of_2(n))
-        _w4a8_reduce_kernel[(m, triton.cdiv(n, block_n))](
-            part, bias if bias is not None else part, out, m, n, plan.split, out.stride(0), out.stride(1),
-            HAS_BIAS=bias is not None, EMULATE_BF16=emulate_bf16, BLOCK_N=block_n, num_warps=4,
-        )  # fmt: skip
     return out

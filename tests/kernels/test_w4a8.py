@@ -116,6 +116,7 @@ def test_matches_float64_reference(fmt, m, n, k, group, sym, dtype, act_order, w
     out = torch.full((m, n), float("nan"), device=DEVICE, dtype=dtype)
     y = K.w4a8_matmul(qa, a_scale, w, bias, out_dtype=dtype, out=out, config=config)
     assert y.data_ptr() == out.data_ptr() and not y.isnan().any()
+    assert not w.locks.any()  # the last split of each tile reset its semaphore
     assert_close_to_reference(y, x, qw, w, bias, fmt)
 
 
@@ -170,7 +171,7 @@ def test_split_k_is_deterministic_and_close_to_one_split():
     qa, a_scale = quantize_activations(x, "int8")
     assert K.choose(2, 64, 512, 128, 4, SMALL).launch.split == 8
     y1 = K.w4a8_matmul(qa, a_scale, w, config=SMALL)
-    assert torch.equal(y1, K.w4a8_matmul(qa, a_scale, w, config=SMALL))
+    assert torch.equal(y1, K.w4a8_matmul(qa, a_scale, w, config=SMALL)) and not w.locks.any()
     y0 = K.w4a8_matmul(qa, a_scale, w, config=SMALL_ONE)
     torch.testing.assert_close(y1, y0, rtol=2e-3, atol=2e-3)
 
@@ -181,6 +182,7 @@ def test_plans_and_the_table():
     plan = K.plan_launch(K.W4A8Config(16, 64, 128, split_waves=4), 1, 4096, 4096, 0, 132)
     assert plan.group_tiles == 32 and plan.split * plan.tiles_per_split >= 32  # one group: all K tiles
     assert (plan.split - 1) * plan.tiles_per_split < 32  # no empty split
+    assert K.plan_launch(K.W4A8Config(16, 16, 64, split_waves=4), 16, 2**17, 4096, 128, 132).split == 1  # > LOCK_SLOTS
     assert K.choose(16, 4096, 4096, 128, 132).path == "small_m"
     assert K.choose(17, 4096, 4096, 128, 132).path == "tiles"
     bounds = [m for m, _ in K.CONFIG_TABLE]
