@@ -76,7 +76,7 @@ def _spans(indices: list[int]) -> str:
 
 def quantized_bytes(scheme: QuantScheme, n: int, k: int) -> int:
     """Bytes of a quantized linear's buffers (docs/checkpoints.md): packed codes, zero points, scales, g_idx."""
-    if not scheme.weight_only:
+    if not scheme.packed:
         return n * k + 4 * n + 4
     n_g = scheme.n_groups(k)
     return 4 * packed_rows(k, scheme.bits) * n + 4 * n_g * packed_rows(n, scheme.bits) + 2 * n_g * n + 4 * k

@@ -12,7 +12,8 @@ strength a (alpha) is global (the paper hand-tunes 0.5-0.9 per model) or searche
 the a whose W8A8 output error on calibration samples is smallest (:func:`search_alpha`). The search fakes the
 numerics the rtn stage deploys (``W8A8Linear.from_float``), with the reference quantizers of
 ``quantkit.kernels.w8a8``: 8-bit activations per token (dynamic) or per tensor (static, scale = calibrated
-abs-max / QMAX) and 8-bit per-channel abs-max weights, int8 or fp8 e4m3 as the scheme says.
+abs-max / QMAX) and 8-bit per-channel abs-max weights, int8 or fp8 e4m3 as the scheme says; for a W4A8 scheme,
+per-token activations in its ``act_fmt`` and the weights rounded to its 4-bit grid (``rtn``).
 
 Notation: C producer channels; K consumer input columns (K = C except under grouped-query attention, where
 ``channel_map`` [K] names the channel behind each column); T tokens.
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quantkit.algorithms.rtn import rtn
 from quantkit.errors import QuantkitError
 from quantkit.kernels.w8a8 import quantize_activations_reference, quantize_rows_reference
 from quantkit.models.fold import column_scales, to_channels
@@ -75,7 +77,7 @@ def w8a8_error(
     """
     if scheme.weight_only:
         raise QuantkitError(f"the W8A8 error needs a W8A8 scheme, got {scheme.name}")
-    fmt = KERNEL_FORMAT[scheme.fmt]
+    fmt = KERNEL_FORMAT[scheme.act_fmt or scheme.fmt]
     if not scheme.act_dynamic and input_absmax is None:
         raise QuantkitError("static activations need the calibrated input abs-max of every consumer")
     err = norm = 0.0
@@ -90,8 +92,11 @@ def w8a8_error(
             input_scale = static_input_scale((input_absmax[i].float() / s_cols).max(), scheme)
         qa, a_scale = quantize_activations_reference(x / s_cols, fmt, input_scale)  # [T, K], [T] or [1]
         xq = qa.float() * a_scale.reshape(-1, 1)
-        qw, w_scale = quantize_rows_reference(w * s_cols, fmt)  # [N, K], [N]
-        wq = qw.float() * w_scale[:, None]
+        if scheme.w4a8:  # the 4-bit grid the weight stage rounds to
+            wq = rtn(w * s_cols, scheme).dequantize()
+        else:
+            qw, w_scale = quantize_rows_reference(w * s_cols, fmt)  # [N, K], [N]
+            wq = qw.float() * w_scale[:, None]
         err += (xq @ wq.t() - y).pow(2).sum().item()
         norm += y.pow(2).sum().item()
     return err / max(norm, 1e-30)

@@ -24,7 +24,7 @@ FORMAT_VERSION = 1
 
 
 def layout_of(scheme: QuantScheme) -> Layout:
-    if scheme.weight_only:
+    if scheme.packed:  # W*A16 and W4A8: the activations' format is in the scheme, not the layout
         return Layout.GPTQ_V2
     if scheme.block_size is not None:
         return Layout.FP8_BLOCK

@@ -36,11 +36,11 @@ def inspect_checkpoint(folder: str | os.PathLike) -> dict:
         own = {k.removeprefix(name + "."): v for k, v in headers.items() if k.startswith(name + ".")}
         if not own:
             raise QuantkitError(f"checkpoint {folder} lacks the tensors of {name}")
-        needed = ("qweight", "qzeros", "scales", "g_idx") if scheme.weight_only else ("weight", "weight_scale")
+        needed = ("qweight", "qzeros", "scales", "g_idx") if scheme.packed else ("weight", "weight_scale")
         absent = [t for t in needed if t not in own]
         if absent:
             raise QuantkitError(f"corrupt checkpoint {folder}: {name}.{absent[0]} is missing")
-        if scheme.weight_only:
+        if scheme.packed:
             n, k = own["scales"][0][1], own["g_idx"][0][0]
         else:
             n, k = own["weight"][0]

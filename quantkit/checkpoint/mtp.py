@@ -84,7 +84,7 @@ def quantize_mtp(tensors: dict[str, torch.Tensor], scheme: QuantScheme) -> dict[
             continue  # 3-D fused experts and already quantized (fp8) weights stay as they are
         name = key.removesuffix(".weight")
         bias = tensors.pop(f"{name}.bias", None)
-        if scheme.weight_only:
+        if scheme.packed:
             module = make_quantized_linear(rtn(w, scheme), bias, w.dtype)
         else:
             linear = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, dtype=w.dtype)

@@ -219,7 +219,7 @@ def _check_module(name: str, module, layer: dict[str, torch.Tensor], problems: d
         t = layer.get(key)
         if t is not None and t.is_floating_point() and bool((t.float() <= 0).any()):
             problems["scales"].append(f"{name}.{key} holds scales <= 0")
-    if not scheme.weight_only:
+    if not scheme.packed:
         return
     b, n, k = scheme.bits, module.out_features, module.in_features
     qzeros = layer["qzeros"]

@@ -36,6 +36,7 @@ FLAG_MAP = {
     "group_size": ("scheme", "group_size"),
     "sym": ("scheme", "sym"),
     "act_static": ("scheme", "act_dynamic"),
+    "act_fmt": ("scheme", "act_fmt"),
     "calib": ("calibration", "source"),
     "nsamples": ("calibration", "nsamples"),
     "seqlen": ("calibration", "seqlen"),
@@ -111,7 +112,7 @@ def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out:
 
 @click.command("quantize", cls=QuantkitCommand)
 @click.option("--model", default="smollm2-135m", show_default=True, help="HF folder, .gguf file or built-in name.")
-@click.option("--method", default=None, help="A preset: rtn, gptq, awq, awq+gptq, w8a8, fp8-block, smoothquant, ...")
+@click.option("--method", default=None, help="Preset: rtn, gptq, awq, awq+gptq, w8a8, w4a8, fp8-block, smoothquant...")
 @click.option("--recipe", "recipe_spec", default=None, help="A YAML recipe file or shipped recipe name.")
 @click.option(
     "--out", type=click.Path(path_type=Path), required=True, help="Output checkpoint folder (made with its parents)."
@@ -152,6 +153,7 @@ def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out:
 @click.option("--alpha", type=float, default=None, help="SmoothQuant migration strength.")
 @click.option("--alpha-search/--no-alpha-search", default=None, help="SmoothQuant: search alpha per layer.")
 @click.option("--act-static", is_flag=True, default=None, help="W8A8: static per-tensor activation scales.")
+@click.option("--act-fmt", type=click.Choice(["int", "fp8"]), default=None, help="W4A8: int8 or e4m3 activations.")
 @click.option("--grid", type=int, default=None, help="AWQ: scale-search grid size.")
 @click.option(
     "--refine-steps",

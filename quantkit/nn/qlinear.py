@@ -48,8 +48,7 @@ class QuantLinear(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        if not scheme.weight_only or scheme.fmt != "int":
-            raise ValueError(f"QuantLinear holds integer weight-only schemes, got {scheme.name}")
+        self.check_scheme(scheme)
         self.in_features = in_features
         self.out_features = out_features
         self.scheme = scheme
@@ -65,6 +64,11 @@ class QuantLinear(nn.Module):
         else:
             self.bias = None
         self._kernel_state = None  # filled lazily by the CUDA kernel path (re-laid-out weights)
+
+    @staticmethod
+    def check_scheme(scheme: QuantScheme) -> None:
+        if not scheme.weight_only or scheme.fmt != "int":
+            raise ValueError(f"QuantLinear holds integer weight-only schemes, got {scheme.name}")
 
     @classmethod
     def from_quantized(cls, qw: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> QuantLinear:

@@ -1,4 +1,4 @@
-"""The quantization scheme of one linear layer: how its weight (and, for W8A8, its input) is stored."""
+"""The quantization scheme of one linear layer: how its weight (and, for W8A8 / W4A8, its input) is stored."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from quantkit.errors import QuantkitError
 
 WEIGHT_BITS = (2, 3, 4, 8)
 FORMATS = ("int", "fp8")
+W4A8_ACT_NAMES = {"int": "int8", "fp8": "fp8"}  # act_fmt -> the name's activation word (w4a8-int8, w4a8-fp8)
 BLOCK_SIZES = (16, 32, 64, 128, 256, 512)
 DEFAULT_BLOCK = 128
 _KIND_WORDS = {int: "an integer", bool: "true or false", str: "a string"}
@@ -23,8 +24,11 @@ class QuantScheme:
     - ``group_size``: input channels sharing one scale/zero; ``-1`` means one group per output channel.
       When it does not divide the input size the last group is shorter (ragged).
     - ``sym``: symmetric (zero point fixed at ``2**(bits-1)``) or asymmetric (integer zero point per group).
-    - ``act_bits``: ``None`` for weight-only (W*A16); ``8`` for W8A8.
+    - ``act_bits``: ``None`` for weight-only (W*A16); ``8`` for W8A8 (``bits=8``) or W4A8 (``bits=4``).
     - ``act_dynamic``: per-token scales computed at run time (``True``) or one calibrated per-tensor scale.
+    - ``act_fmt``: W4A8 only: ``"int"`` (int8 activations, ``w4a8-int8``, the default) or ``"fp8"`` (e4m3,
+      ``w4a8-fp8``); the 4-bit weights are stored as W4A16's (GPTQ-v2 buffers, per channel or per group, symmetric
+      or not) and the activations are quantized per token at run time. W8A8 activations share ``fmt``.
     - ``block_size``: ``None``, or B for block-wise fp8 W8A8 (DeepSeek-V3's scheme, ``w8a8-fp8-block``): one fp32
       scale per B x B weight block and per 1 x B activation tile (computed at run time); B a power of two, 16-512
       (the GEMM's K tile). Needs ``fmt="fp8"``, ``act_bits=8``, dynamic activations and ``group_size=-1``.
@@ -37,12 +41,13 @@ class QuantScheme:
     act_bits: int | None = None
     act_dynamic: bool = True
     block_size: int | None = None
+    act_fmt: str | None = None
 
     def __post_init__(self) -> None:
         for name, kind in (("bits", int), ("group_size", int), ("sym", bool), ("act_bits", int),
-                           ("act_dynamic", bool), ("fmt", str)):  # fmt: skip
+                           ("act_dynamic", bool), ("fmt", str), ("act_fmt", str)):  # fmt: skip
             value = getattr(self, name)
-            if value is None and name == "act_bits":
+            if value is None and name in ("act_bits", "act_fmt"):
                 continue
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                 raise QuantkitError(f"scheme {name} must be {_KIND_WORDS[kind]}, got {value!r}")
@@ -58,8 +63,7 @@ class QuantScheme:
             raise QuantkitError("static activation scales (act_dynamic false) need W8A8 (act_bits 8)")
         if self.act_bits not in (None, 8):
             raise QuantkitError(f"act_bits must be null (weight-only) or 8, got {self.act_bits}")
-        if self.act_bits is not None and (self.bits != 8 or self.group_size != -1 or not self.sym):
-            raise QuantkitError("W8A8 needs 8-bit symmetric per-channel weights (bits 8, group_size -1, sym)")
+        self._check_activations()
         if self.block_size is not None:
             b = self.block_size
             if not isinstance(b, int) or isinstance(b, bool) or b not in BLOCK_SIZES:
@@ -67,9 +71,44 @@ class QuantScheme:
             if self.fmt != "fp8" or self.act_bits != 8 or not self.act_dynamic:
                 raise QuantkitError("block_size is for fp8 W8A8 with dynamic activations (fmt fp8, act_bits 8)")
 
+    def _check_activations(self) -> None:
+        """W8A8 and W4A8 rules; fills in ``act_fmt`` ("int") for W4A8 and clears a W8A8 one equal to ``fmt``."""
+        if self.act_fmt is not None and self.act_fmt not in FORMATS:
+            raise QuantkitError(f"act_fmt must be one of {FORMATS}, got {self.act_fmt!r}")
+        if self.act_bits is None:
+            if self.act_fmt is not None:
+                raise QuantkitError("act_fmt is the format of quantized activations: it needs act_bits 8 (W4A8)")
+            return
+        if self.bits == 4:
+            if self.fmt != "int" or not self.act_dynamic:
+                raise QuantkitError("W4A8 needs integer 4-bit weights and dynamic per-token activations "
+                                    "(fmt int, act_dynamic true)")  # fmt: skip
+            if self.act_fmt is None:
+                object.__setattr__(self, "act_fmt", "int")
+            return
+        if self.bits != 8:
+            raise QuantkitError(
+                f"8-bit activations need 8-bit weights (W8A8) or 4-bit ones (W4A8), got bits {self.bits}"
+            )
+        if self.group_size != -1 or not self.sym:
+            raise QuantkitError("W8A8 needs 8-bit symmetric per-channel weights (bits 8, group_size -1, sym)")
+        if self.act_fmt not in (None, self.fmt):
+            raise QuantkitError(f"W8A8 activations take the weights' format (fmt {self.fmt}); act_fmt is for W4A8")
+        object.__setattr__(self, "act_fmt", None)
+
     @property
     def weight_only(self) -> bool:
         return self.act_bits is None
+
+    @property
+    def w4a8(self) -> bool:
+        """4-bit integer weights with 8-bit activations quantized per token at run time."""
+        return self.act_bits == 8 and self.bits == 4
+
+    @property
+    def packed(self) -> bool:
+        """Whether the weight is stored in GPTQ-v2 buffers (qweight, qzeros, scales, g_idx): W*A16 and W4A8."""
+        return self.weight_only or self.w4a8
 
     @property
     def maxq(self) -> int:
@@ -86,19 +125,22 @@ class QuantScheme:
 
     @property
     def name(self) -> str:
-        """Short human name, e.g. ``w4a16-g128-sym`` or ``w8a8-int8-dynamic``."""
+        """Short human name, e.g. ``w4a16-g128-sym``, ``w8a8-int8-dynamic`` or ``w4a8-int8-g128-sym``."""
+        g = "pc" if self.group_size == -1 else f"g{self.group_size}"
+        if self.w4a8:
+            return f"w4a8-{W4A8_ACT_NAMES[self.act_fmt]}-{g}-{'sym' if self.sym else 'asym'}"
         if self.block_size is not None:
             return "w8a8-fp8-block" + ("" if self.block_size == DEFAULT_BLOCK else str(self.block_size))
         if not self.weight_only:
             return f"w8a8-{'fp8' if self.fmt == 'fp8' else 'int8'}-{'dynamic' if self.act_dynamic else 'static'}"
-        g = "pc" if self.group_size == -1 else f"g{self.group_size}"
         return f"w{self.bits}a16-{g}-{'sym' if self.sym else 'asym'}"
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a plain dict; ``block_size`` only when set (per-channel schemes read as before)."""
+        """The fields as a plain dict; ``block_size`` and ``act_fmt`` only when set (other schemes read as before)."""
         data = asdict(self)
-        if data["block_size"] is None:
-            del data["block_size"]
+        for key in ("block_size", "act_fmt"):
+            if data[key] is None:
+                del data[key]
         return data
 
     @classmethod

@@ -1,0 +1,92 @@
+"""W4A8 linear layer: 4-bit integer weights with 8-bit activations quantized per token at run time (int8 or e4m3).
+
+Buffers: exactly ``QuantLinear``'s (``Layout.GPTQ_V2``), so every packing, checkpoint and export path of W4A16
+weights applies (N = out_features, K = in_features, n_g = ceil(K / G)):
+
+- ``qweight`` int32 [ceil(K/32)*4, N]: 4-bit codes packed along K
+- ``qzeros``  int32 [n_g, ceil(N/32)*4]: zero points packed along N, stored as they are
+- ``scales``  fp16  [n_g, N]
+- ``g_idx``   int32 [K]: group of each input channel
+- ``bias``    [N] in the model dtype, when the layer has one
+
+Numerics: each row (token) of x is quantized symmetrically, ``a_scale[m] = abs-max(x[m]) / QMAX`` with QMAX = 127
+(int8) or 448 (e4m3), rounding half to even (``quantkit.kernels.w8a8.quant``'s reference quantizer, the one the
+W8A8 kernels reproduce); then ``y = (qa * a_scale[:, None]) @ W.T + bias`` with W = scales[g] * (q - zeros[g]).
+
+- CPU (and any non-CUDA device): a faithful simulation: the activations are quantized with that reference
+  quantizer and multiplied, in fp32, by the dequantized 4-bit weight. Same quantized operands as the kernel; only
+  the fp32 summation order differs.
+- CUDA: ``quantkit.kernels.w4a8.w4a8_linear`` on the W4A16 kernel layout of the buffers (``W4A16Weight``, built
+  once and cached). There is no silent fallback: a missing kernel or a layer the layout cannot hold raises.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.kernels.w8a8.quant import quantize_activations_reference
+from quantkit.nn.qlinear import QuantLinear
+from quantkit.quant.scheme import QuantScheme
+
+KERNEL_FORMAT = {"int": "int8", "fp8": "fp8"}  # QuantScheme.act_fmt -> the kernels' format name
+
+
+def cuda_w4a8_linear():
+    """``quantkit.kernels.w4a8.w4a8_linear``, imported on first use on CUDA; a one-line error where it is absent."""
+    try:
+        from quantkit.kernels.w4a8 import w4a8_linear
+    except ImportError as exc:
+        raise QuantkitError(
+            f"W4A8 on CUDA needs the Triton kernel quantkit.kernels.w4a8.w4a8_linear, which cannot be imported "
+            f"({exc}); run the model on the CPU (simulated W4A8) or install a quantkit that ships it"
+        ) from None
+    return w4a8_linear
+
+
+class W4A8Linear(QuantLinear):
+    """``QuantLinear``'s 4-bit buffers, with activations quantized per token (see the module doc)."""
+
+    @staticmethod
+    def check_scheme(scheme: QuantScheme) -> None:
+        if not scheme.w4a8:
+            raise QuantkitError(f"W4A8Linear needs a W4A8 scheme (bits 4, act_bits 8), got {scheme.name}")
+
+    @property
+    def act_format(self) -> str:
+        """The activations' format: ``"int8"`` or ``"fp8"`` (e4m3)."""
+        return KERNEL_FORMAT[self.scheme.act_fmt]
+
+    def quantize_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] -> (qa [M, K] int8 | float8_e4m3fn, a_scale fp32 [M]) with the reference quantizer."""
+        return quantize_activations_reference(x2, self.act_format)
+
+    def _forward_simulated(self, x2: torch.Tensor) -> torch.Tensor:
+        qa, a_scale = self.quantize_input(x2)
+        x_fq = qa.float() * a_scale[:, None]  # [M, K] fake-quantized activations, fp32
+        y = x_fq @ self.dequantize_weight(torch.float32).t()
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x2.dtype)
+
+    def _forward_cuda(self, x2: torch.Tensor) -> torch.Tensor:
+        from quantkit.kernels.w4a16 import unsupported_reason
+        from quantkit.nn.dispatch import kernel_weight
+
+        w4a8_linear = cuda_w4a8_linear()
+        weight = kernel_weight(self)
+        if weight is None:
+            reason = unsupported_reason(self.scheme.bits, self.scheme.group_size, self.g_idx)
+            raise QuantkitError(f"the W4A8 kernel cannot serve this layer: {reason}")
+        return w4a8_linear(x2, weight, bias=self.bias, fmt=self.act_format)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected input [..., {self.in_features}], got {tuple(x.shape)}")
+        x2 = x.reshape(-1, self.in_features)
+        y = self._forward_cuda(x2) if x2.is_cuda else self._forward_simulated(x2)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        where = "kernel on CUDA, simulated elsewhere"
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name} ({where})"
