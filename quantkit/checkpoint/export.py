@@ -85,7 +85,7 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, fmt: str, 
     tensors = read_tensors(folder)
     layers = {name: module_tensors(name, tensors) for name in schemes}
     for name, layer in layers.items():
-        need = {"qweight", "qzeros", "scales", "g_idx"} if schemes[name].weight_only else {"weight", "weight_scale"}
+        need = {"qweight", "qzeros", "scales", "g_idx"} if schemes[name].packed else {"weight", "weight_scale"}
         if not need <= set(layer):
             raise QuantkitError(f"corrupt checkpoint {folder}: {name} lacks {', '.join(sorted(need - set(layer)))}")
     float_linears = sorted(set(linear_names(model_skeleton(config, qc))) - set(schemes))
@@ -206,9 +206,17 @@ def _one_scheme(schemes: dict[str, QuantScheme], fmt: str) -> QuantScheme:
     return next(iter(schemes.values()))
 
 
+def _refuse_activations(scheme: QuantScheme, fmt: str) -> None:
+    """W4A8's 4-bit weights fit GPTQ's and AWQ's buffers, but those configs cannot say that activations are
+    quantized: a reader would serve the checkpoint as W4A16, another model than the one quantized."""
+    if scheme.w4a8:
+        raise QuantkitError(f"{fmt} cannot declare the 8-bit per-token activations of {scheme.name} (a reader would "
+                            "run it as W4A16): export it as compressed-tensors")  # fmt: skip
+
+
 def _dims(layer: dict[str, torch.Tensor], scheme: QuantScheme) -> tuple[int, int]:
     """(N, K) of a layer as stored."""
-    if scheme.weight_only:
+    if scheme.packed:
         return layer["scales"].shape[1], layer["g_idx"].numel()
     return tuple(layer["weight"].shape)
 
@@ -235,7 +243,7 @@ def _ct_args(scheme: QuantScheme) -> dict:
     if not scheme.weight_only:
         inputs = {
             "num_bits": 8,
-            "type": weights["type"],
+            "type": "float" if (scheme.act_fmt or scheme.fmt) == "fp8" else "int",
             "symmetric": True,
             "strategy": "group" if b else "token" if scheme.act_dynamic else "tensor",
             "group_size": b,
@@ -244,7 +252,7 @@ def _ct_args(scheme: QuantScheme) -> dict:
             "actorder": None,
             "observer": None if scheme.act_dynamic else "minmax",
         }
-    if scheme.weight_only:
+    if scheme.packed:  # W4A8 too: its input_activations say how activations are quantized (llm-compressor's W4A8)
         fmt = "pack-quantized"
     else:
         fmt = "float-quantized" if scheme.fmt == "fp8" else "int-quantized"
@@ -258,7 +266,7 @@ def _to_compressed_tensors(tensors, layers, schemes, float_linears) -> dict:
         n, k = _dims(layer, scheme)
         for short in layer:
             del tensors[f"{name}.{short}"]
-        if scheme.weight_only:
+        if scheme.packed:
             b = scheme.bits
             _check_whole_groups(name, k, scheme, "compressed-tensors")
             if not _trivial_g_idx(layer["g_idx"], scheme):
@@ -303,6 +311,7 @@ def _to_compressed_tensors(tensors, layers, schemes, float_linears) -> dict:
 
 def _to_gptq(tensors, layers, schemes, float_linears) -> dict:
     scheme = _one_scheme(schemes, "GPTQ")
+    _refuse_activations(scheme, "GPTQ")
     if not scheme.weight_only or scheme.fmt != "int":
         raise QuantkitError(f"GPTQ holds weight-only integer schemes, not {scheme.name} (use compressed-tensors)")
     b = scheme.bits
@@ -363,6 +372,7 @@ def awq_unpack(words: torch.Tensor) -> torch.Tensor:
 
 def _to_awq(tensors, layers, schemes, float_linears) -> dict:
     scheme = _one_scheme(schemes, "AWQ")
+    _refuse_activations(scheme, "AWQ")
     if not scheme.weight_only or scheme.fmt != "int" or scheme.bits != 4 or scheme.group_size == -1:
         raise QuantkitError(f"AWQ holds 4-bit weight-only groups, not {scheme.name} (use compressed-tensors)")
     for name, layer in layers.items():
@@ -391,6 +401,7 @@ def _to_awq(tensors, layers, schemes, float_linears) -> dict:
 
 def _to_fp8_block(tensors, layers, schemes, float_linears) -> dict:
     scheme = _one_scheme(schemes, "fp8")
+    _refuse_activations(scheme, "fp8 (DeepSeek-V3's layout)")
     if not scheme.block_size:
         raise QuantkitError(f"fp8 (DeepSeek-V3's layout) holds block-wise fp8 weights, not {scheme.name} "
                             "(use compressed-tensors)")  # fmt: skip

@@ -286,6 +286,8 @@ def _from_compressed_tensors(tensors, qc: dict, linears: set[str], change: list[
         weights, inputs = group.get("weights") or {}, group.get("input_activations")
         if inputs is None:
             schemes[name] = _ct_weight_only(tensors, name, weights, change)
+        elif weights.get("num_bits") == 4 and weights.get("type", "int") == "int":
+            schemes[name] = _ct_w4a8(tensors, name, weights, inputs, change)
         else:
             schemes[name] = _ct_w8a8(tensors, name, weights, inputs)
     return schemes
@@ -339,6 +341,19 @@ def _ct_weight_only(tensors, name: str, weights: dict, change) -> QuantScheme:
     if "bias" in layer:
         tensors[f"{name}.bias"] = layer["bias"]
     return scheme
+
+
+def _ct_w4a8(tensors, name: str, weights: dict, inputs: dict, change) -> QuantScheme:
+    """4-bit integer weights (stored as weight-only ones are) with 8-bit activations quantized per token."""
+    kind, dynamic = inputs.get("type", "int"), bool(inputs.get("dynamic"))
+    if inputs.get("num_bits") != 8 or kind not in ("int", "float") or not dynamic or inputs.get("strategy") != "token":
+        raise QuantkitError(f"{name}: 4-bit weights import with 8-bit activations quantized per token at run time "
+                            f"(W4A8), not {inputs.get('num_bits')}-bit {kind} by {inputs.get('strategy')}"
+                            f"{'' if dynamic else ', static'}")  # fmt: skip
+    if not inputs.get("symmetric", True):
+        raise QuantkitError(f"{name}: asymmetric 8-bit activations are not importable")
+    scheme = _ct_weight_only(tensors, name, weights, change)
+    return scheme.replace(act_bits=8, act_fmt="fp8" if kind == "float" else "int")
 
 
 def cast_scale(scale: torch.Tensor, dtype: torch.dtype, change: list[float]) -> torch.Tensor:
