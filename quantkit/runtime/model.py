@@ -3,7 +3,7 @@ relatives (Mixtral, Qwen2-MoE, Qwen3-MoE: ``runtime.moe``) on packed tokens.
 
 Tokens of all sequences in a step lie on one axis [T]; attention reads and writes the paged KV cache
 (``runtime.attention``). Module names equal Hugging Face's, so checkpoints load by name, and every linear is made by
-a factory: ``FloatLinear`` for float weights, ``QuantLinear`` / ``W8A8Linear`` for quantized ones. The arithmetic
+a factory: ``FloatLinear`` for float weights, ``QuantLinear`` (W4A8: ``W4A8Linear``) / ``W8A8Linear``. The arithmetic
 follows transformers' modeling code step for step (RMSNorm in fp32, rotary tables in fp32 cast to the activation
 dtype), so fp32 greedy outputs match it token for token. On CUDA, RMSNorm (fused with the residual add before
 it), the rotary embedding (fused with the KV-cache store when q/k/v come from one fused projection) and the
@@ -296,10 +296,11 @@ def fuse_projections(model: CausalLM) -> int:
     shared expert in MoE layers; the parts are dropped); returns how many fused linears were made.
 
     One GEMM instead of three (two) saves launches and reads the k/v weights at full bandwidth, which is what
-    batch-1 decode is bound by; a W8A8 group also quantizes its shared input once. Float, W4A16 (``QuantLinear``,
-    packed buffers concatenated along N) and W8A8 parts fuse when they are all of one kind and compatible (same
-    scheme, same act-order group map, ...); other groups stay separate. Done on CUDA only: on CPU the runtime must
-    match transformers' fp32 outputs token for token, and a fused GEMM may sum in another order.
+    batch-1 decode is bound by; a W8A8 or W4A8 group also quantizes its shared input once. Float, W4A16
+    (``QuantLinear``, packed buffers concatenated along N), W4A8 (the same buffers) and W8A8 parts fuse when they
+    are all of one kind and compatible (same scheme, same act-order group map, ...); other groups stay separate.
+    Done on CUDA only: on CPU the runtime must match transformers' fp32 outputs token for token, and a fused GEMM
+    may sum in another order.
     """
     fused = 0
     for layer in model.model.layers:
@@ -322,6 +323,7 @@ def fuse_projections(model: CausalLM) -> int:
 def _concat(parts: tuple[nn.Module, ...]) -> nn.Module | None:
     """The parts as one linear, or None when they are of different kinds or cannot share one weight."""
     from quantkit.nn.qlinear import QuantLinear
+    from quantkit.nn.w4a8 import W4A8Linear
     from quantkit.nn.w8a8 import W8A8Linear
 
     kind = type(parts[0])
@@ -329,7 +331,7 @@ def _concat(parts: tuple[nn.Module, ...]) -> nn.Module | None:
         return None
     if kind in (nn.Linear, FloatLinear):
         return _concat_linears(parts)
-    if kind in (QuantLinear, W8A8Linear):
+    if kind in (QuantLinear, W4A8Linear, W8A8Linear):
         try:
             return kind.concat(list(parts))
         except ValueError:
