@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-SCRIPTS = ["bench_w4a16", "bench_w8a8", "bench_gemv", "bench_attention", "bench_serve", "bench_gptq", "bench_awq",
-           "bench_offload", "accuracy", "versus"]  # fmt: skip
+SCRIPTS = ["bench_w4a16", "bench_w4a8", "bench_w8a8", "bench_gemv", "bench_attention", "bench_serve", "bench_gptq",
+           "bench_awq", "bench_offload", "accuracy", "versus"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

@@ -39,6 +39,7 @@ def smoke(script: str, out: Path, *args: str) -> subprocess.CompletedProcess:
     "script,written",
     [
         pytest.param("bench_w8a8.py", "w8a8_results.json", marks=interpreted),
+        pytest.param("bench_w4a8.py", "w4a8_results.json", marks=interpreted),
         pytest.param("bench_gemv.py", "gemv.json", marks=interpreted),
         pytest.param("bench_attention.py", "bench_attention_smoke.json", marks=interpreted),
     ],
