@@ -277,6 +277,59 @@ def test_compressed_tensors_export_says_w4a8_and_imports_back_bit_for_bit(tmp_pa
     assert torch.equal(logits(quantkit.load_quantized(back.path)), logits(model))
 
 
+def _library_w4a8_folder(tmp_path, inputs: dict):
+    """A tiny Llama whose down_proj of layer 1 compressed-tensors' own int-quantized compressor wrote with the
+    library's W4A8 preset (the format 0.20.1 infers for it: one signed 4-bit code per int8), ``inputs`` over the
+    preset's input activations; returns (folder, layer name, the library's compressed tensors, its scheme)."""
+    from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from safetensors.torch import save_file
+
+    model = tiny_model("llama")
+    folder = tmp_path / "llmc"
+    model.save_pretrained(folder)
+    tiny_tokenizer(320).save_pretrained(folder)
+    name = "model.layers.1.mlp.down_proj"
+    preset = preset_name_to_scheme("W4A8", [name]).model_dump(mode="json")
+    preset["weights"]["group_size"] = 32
+    preset["input_activations"].update(inputs)
+    qc = {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+          "config_groups": {"group_0": {**preset, "format": "int-quantized"}}, "ignore": []}  # fmt: skip
+    (group,) = QuantizationConfig.model_validate(qc).config_groups.values()
+    w = model.get_submodule(name).weight.detach()  # [64, 96]
+    scale = (w.view(64, 3, 32).abs().amax(-1) / 7).half().float()  # fp16 values, as quantkit keeps them
+    compressed = IntQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, group)
+    tensors = load_file(folder / "model.safetensors")
+    del tensors[f"{name}.weight"]
+    tensors.update({f"{name}.{k}": v.contiguous() for k, v in compressed.items()})
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+    return folder, name, compressed, group
+
+
+@needs_compressed_tensors
+def test_a_w4a8_layer_written_by_compressed_tensors_imports_as_that_library_decodes_it(tmp_path):
+    from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
+
+    folder, name, compressed, group = _library_w4a8_folder(tmp_path, {})
+    done = import_checkpoint(folder, tmp_path / "back")
+    mod = quantkit.load_quantized(done.path).get_submodule(name)
+    assert type(mod) is W4A8Linear and mod.scheme.name == "w4a8-int8-g32-sym"
+    want = IntQuantizationCompressor.decompress(compressed, group)["weight"]
+    torch.testing.assert_close(mod.dequantize_weight(), want.float(), rtol=1e-6, atol=0)
+
+
+@needs_compressed_tensors
+def test_w4a8_activations_quantkit_cannot_run_are_refused_in_one_line(tmp_path):
+    folder, name, _, _ = _library_w4a8_folder(tmp_path, {"dynamic": False, "strategy": "tensor", "observer": "minmax"})
+    with pytest.raises(QuantkitError) as err:
+        import_checkpoint(folder, tmp_path / "back")
+    assert str(err.value) == (f"{name}: 4-bit weights import with 8-bit activations quantized per token at run time "
+                              "(W4A8), not 8-bit int by tensor, static")  # fmt: skip
+    assert not (tmp_path / "back").exists()
+
+
 def test_formats_that_cannot_say_w4a8_refuse_in_one_line(tmp_path):
     model = quantized_tiny({"scheme": w4a8("int", 32), "stages": [{"method": "rtn"}]})
     q = quantkit.save_quantized(model, tmp_path / "q")
