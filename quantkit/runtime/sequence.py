@@ -71,7 +71,7 @@ class Sequence:
         self.token_ids += tokens
         self.num_draft_tokens = len(tokens)
         self.draft_probs = probs
-        self.draft_parents = parents
+        self.draft_parents = parents if tokens else None
 
     def drop_draft(self, count: int | None = None) -> None:
         """Forget the last ``count`` drafted tokens (all by default)."""

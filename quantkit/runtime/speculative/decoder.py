@@ -192,7 +192,7 @@ class SpeculativeDecoder:
                 room -= size
         drafted = False
         for seq, tree in zip(seqs, self.trees.propose(seqs, sizes, depths) if seqs else [], strict=True):
-            if tree is not None:
+            if tree is not None and tree.size:
                 seq.add_draft(tree.tokens.tolist(), None, tree.parent.tolist())
                 drafted = True
         if drafted and self._mode is not None:
