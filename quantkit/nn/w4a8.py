@@ -73,6 +73,9 @@ class W4A8Linear(QuantLinear):
         from quantkit.kernels.w4a16 import unsupported_reason
         from quantkit.nn.dispatch import kernel_weight
 
+        if x2.dtype not in (torch.float16, torch.bfloat16):
+            raise QuantkitError(f"the W4A8 kernel takes float16 or bfloat16 activations, got {x2.dtype}: load the "
+                                "model in one of them (the CPU simulation takes any float dtype)")  # fmt: skip
         w4a8_linear = cuda_w4a8_linear()
         weight = kernel_weight(self)
         if weight is None:

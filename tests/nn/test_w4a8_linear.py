@@ -189,6 +189,8 @@ def test_a_missing_kernel_is_one_clear_error_not_a_fallback(monkeypatch):
         mod._forward_cuda(torch.randn(2, 64, dtype=torch.float16))
     assert "W4A8 on CUDA needs the Triton kernel quantkit.kernels.w4a8.w4a8_linear" in str(err.value)
     assert "\n" not in str(err.value)
+    with pytest.raises(QuantkitError, match=r"takes float16 or bfloat16 activations, got torch\.float32"):
+        mod._forward_cuda(torch.randn(2, 64))
 
 
 # -- quantization, checkpoints, hook ---------------------------------------------------------------------------------
