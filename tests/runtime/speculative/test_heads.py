@@ -393,18 +393,32 @@ def test_tree_settings_are_checked(tmp_path):
         LLM(str(tmp_path / "m"), cpu_kv_blocks=64, speculative=spec)
 
 
-def test_tree_greedy_with_forks_shared_prefixes_and_adaptive_speculation(trained, target):
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_tree_greedy_with_forks_shared_prefixes_and_adaptive_speculation(trained, target, adaptive, monkeypatch):
     """n = 2 completions share their prompt's blocks (a tree's copies go only to blocks made private by
-    copy-on-write), two prompts share a cached prefix, and the adaptive rule times tree steps like chain steps."""
+    copy-on-write: checked at every copy), two prompts share a cached prefix, and the adaptive rule times tree steps
+    like chain steps."""
+    from quantkit.runtime.speculative import tree_draft
+
     method, heads, _ = trained
     _, folder = target
+    move, llm = tree_draft.TreeDrafter._move, None
+
+    def checked_move(self, seq, nodes):
+        c, bs = seq.num_computed_tokens, llm.block_manager.block_size
+        for d in range(1, len(nodes) + 1):
+            assert llm.block_manager.ref_counts[seq.block_table[(c + d) // bs]] == 1
+        move(self, seq, nodes)
+
+    monkeypatch.setattr(tree_draft.TreeDrafter, "_move", checked_move)
     prefix = markov_ids(13, seed=7).tolist()
     prompts = [[*prefix, 1, 2], [*prefix, 3], markov_ids(6, seed=8).tolist()]
     params = SamplingParams(max_tokens=20, ignore_eos=True, n=2)
     settings = dict(cpu_kv_blocks=64, block_size=4)
     expected = [[c.token_ids for c in o.outputs] for o in LLM(str(folder), **settings).generate(prompts, params)]
-    spec = SpeculativeConfig(method=method, draft=str(heads), num_speculative_tokens=3, num_tree_tokens=10)
+    spec = SpeculativeConfig(method=method, draft=str(heads), num_speculative_tokens=3, num_tree_tokens=10,
+                             adaptive=adaptive)  # fmt: skip
     llm = LLM(str(folder), **settings, speculative=spec)
     assert [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)] == expected
-    assert llm.spec.totals.steps > 0
+    assert llm.spec.totals.steps > 0 and (adaptive or llm.spec.totals.accepted > 0)
     assert_released(llm)
