@@ -103,6 +103,11 @@ def engine_options(f):
                      "(default: quantize the target in memory to --draft-scheme); eagle, medusa: the heads' folder."),
         click.option("--draft-scheme", default=None, help="self: RTN scheme of the draft (default w4a16-g128)."),
         click.option("--draft-layers", type=int, default=None, help="self: keep only the first L layers."),
+        click.option("--num-tree-tokens", type=int, default=None,
+                     help="eagle, medusa: draft a tree of up to this many tokens (at most 63; --num-spec-tokens deep) "
+                     "instead of a chain, verified in one step."),
+        click.option("--tree-topk", type=int, default=None,
+                     help="eagle, medusa with --num-tree-tokens: candidates per expanded node or head (default 8)."),
         click.option("--spec-adaptive/--spec-fixed", "spec_adaptive", default=None,
                      help="Adapt k to the acceptance and pause speculation where it costs more than it gains "
                      "(default), or draft k tokens every step."),
@@ -119,6 +124,8 @@ SPEC_OPTIONS = {  # option name -> SpeculativeConfig field
     "draft_scheme": "draft_scheme",
     "draft_layers": "draft_layers",
     "spec_adaptive": "adaptive",
+    "num_tree_tokens": "num_tree_tokens",
+    "tree_topk": "tree_topk",
 }
 
 

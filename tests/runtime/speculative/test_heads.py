@@ -205,6 +205,15 @@ def test_cli_trains_on_text_and_generate_uses_the_heads(target, tmp_path):
                                       "--max-tokens", "8", "5 38 77"])  # fmt: skip
     assert result.exit_code == 0, result.output
     assert len(json.loads(result.output.splitlines()[0])["completions"][0]["token_ids"]) == 8
+    base = ["generate", "--model", str(folder), "--device", "cpu", "--token-ids", "--json", "--max-tokens", "8"]
+    plain = CliRunner().invoke(cli, [*base, "5 38 77"])
+    tree = CliRunner().invoke(cli, [*base, "--speculative", "medusa", "--draft-model", str(tmp_path / "h"),
+                                    "--num-tree-tokens", "6", "--tree-topk", "2", "5 38 77"])  # fmt: skip
+    assert tree.exit_code == 0 and plain.exit_code == 0, tree.output
+    ids = [json.loads(r.output.splitlines()[0])["completions"][0]["token_ids"] for r in (tree, plain)]
+    assert ids[0] == ids[1]
+    bad = CliRunner().invoke(cli, [*base, "--speculative", "ngram", "--num-tree-tokens", "6", "5 38 77"])
+    assert bad.exit_code == 2 and "needs method eagle or medusa" in bad.output, bad.output
 
 
 def test_an_eagle_head_of_an_moe_target_is_one_dense_layer():
