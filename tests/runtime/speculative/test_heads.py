@@ -283,6 +283,20 @@ def test_tree_greedy_equals_plain_greedy(trained, target, shape, monkeypatch):
     assert_released(llm)
 
 
+def test_tree_greedy_through_the_triton_prefill_kernel(trained, target):
+    """The Triton attention backend (the interpreter on the CPU) takes the tree's mask words in the prefill kernel."""
+    method, heads, _ = trained
+    _, folder = target
+    prompts = [markov_ids(n, seed=n).tolist() for n in (3, 20)] + random_prompts([9], VOCAB, seed=1)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(str(folder), cpu_kv_blocks=64).generate(prompts, params)]
+    spec = SpeculativeConfig(method=method, draft=str(heads), num_speculative_tokens=3, adaptive=False,
+                             num_tree_tokens=10, tree_topk=3)  # fmt: skip
+    llm = LLM(str(folder), cpu_kv_blocks=64, attention_backend="triton", speculative=spec)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.spec.totals.drafted > 0
+
+
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
 def test_tree_greedy_with_untrained_heads_sharp_attention(target, method, tmp_path):
     """Untrained heads, attention sharpened so that a wrong position or slot shows, the default accuracy table."""
