@@ -19,7 +19,7 @@ TINY = dict(common.LLAMA3_8B, hidden_size=64, intermediate_size=160, num_hidden_
             num_key_value_heads=2, vocab_size=300)  # fmt: skip
 
 
-def test_run_quantizes_every_layer_and_reports():
+def test_run_quantizes_every_layer_and_reports(tmp_path):
     model = common.random_llama(TINY, torch.device("cpu"), seed=0)
     args = argparse.Namespace(
         bits=4,
@@ -32,9 +32,15 @@ def test_run_quantizes_every_layer_and_reports():
         mse=True,
         block_size=16,
         static_groups=False,
+        resume_state=None,
     )
     calib = torch.randint(0, 300, (4, 32), generator=torch.Generator().manual_seed(0))
     info = bench_gptq.run(model, calib, args, torch.device("cpu"))
+    assert "resume_state_seconds" not in info
+    again = bench_gptq.run(common.random_llama(TINY, torch.device("cpu"), seed=0), calib,
+                           argparse.Namespace(**{**vars(args), "resume_state": tmp_path / "state"}),
+                           torch.device("cpu"))  # fmt: skip
+    assert again["resume_state_bytes_per_layer"] > 0 and not (tmp_path / "state").exists()  # measured, then deleted
     assert info["layers"] == 2 and info["linears"] == 14
     assert len(quantized_modules(model)) == 14
     assert 0 < info["gptq_seconds"] <= info["quantize_seconds"] and info["quantize_cpu_seconds"] > 0
