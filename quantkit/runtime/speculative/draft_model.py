@@ -202,7 +202,7 @@ def load_draft(spec: SpeculativeConfig, target: CausalLM, target_tokenizer, dtyp
         if _is_weight_only_quantized(target):
             raise QuantkitError(
                 "method 'self' quantizes the target's own weights, but this target is already a weight-only "
-                "quantized checkpoint: serve its float or W8A8 model, or give a draft checkpoint"
+                "(or W4A8) quantized checkpoint: serve its float or W8A8 model, or give a draft checkpoint"
             )
         return quantized_copy(target, weight_scheme(spec.draft_scheme), spec.draft_layers)
     loaded = loader.load_folder(spec.draft, dtype, device)
