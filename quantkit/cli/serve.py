@@ -108,6 +108,14 @@ def engine_options(f):
                      "instead of a chain, verified in one step."),
         click.option("--tree-topk", type=int, default=None,
                      help="eagle, medusa with --num-tree-tokens: candidates per expanded node or head (default 8)."),
+        click.option("--spec-decoding-acceptance-method",
+                     type=click.Choice(["rejection_sampler", "typical_acceptance_sampler"]), default=None,
+                     help="Draft trees, sampled requests: the lossless rule (rejection_sampler, default) or Medusa's "
+                     "typical acceptance (LOSSY: output no longer follows the target's distribution)."),
+        click.option("--typical-acceptance-sampler-posterior-threshold", type=float,
+                     default=None, help="typical_acceptance_sampler: epsilon, the probability cap (default 0.09)."),
+        click.option("--typical-acceptance-sampler-posterior-alpha", type=float, default=None,
+                     help="typical_acceptance_sampler: delta, the entropy factor (default 0.3)."),
         click.option("--spec-adaptive/--spec-fixed", "spec_adaptive", default=None,
                      help="Adapt k to the acceptance and pause speculation where it costs more than it gains "
                      "(default), or draft k tokens every step."),
@@ -126,6 +134,9 @@ SPEC_OPTIONS = {  # option name -> SpeculativeConfig field
     "spec_adaptive": "adaptive",
     "num_tree_tokens": "num_tree_tokens",
     "tree_topk": "tree_topk",
+    "spec_decoding_acceptance_method": "acceptance_method",
+    "typical_acceptance_sampler_posterior_threshold": "posterior_threshold",
+    "typical_acceptance_sampler_posterior_alpha": "posterior_alpha",
 }
 
 

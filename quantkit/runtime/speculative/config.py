@@ -12,6 +12,7 @@ from quantkit.quant.scheme import QuantScheme
 
 METHODS = ("draft", "self", "ngram", "eagle", "medusa")
 HEAD_METHODS = ("eagle", "medusa")  # draft heads on the target's features (``heads``)
+ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")  # vLLM's names for the two rules
 TREE_MAX_NODES = 63  # the verify chunk (the sequence's last token, then the tree) fits one 64-bit tree-mask word
 _SCHEME = re.compile(r"w(\d)a16-(g\d+|pc)(?:-(sym|asym))?")
 
@@ -43,6 +44,11 @@ class SpeculativeConfig:
       instead of a chain (None: chains), at most ``num_speculative_tokens`` deep; ``tree_topk`` candidates per
       expanded node (EAGLE-2's top-k) or per Medusa head. At most ``TREE_MAX_NODES`` (the prefill kernel's tree mask
       holds 64 tokens: the sequence's last token and the tree); tree steps run eagerly.
+    - ``acceptance_method`` (vLLM's names): ``rejection_sampler``, the lossless rule (default); or
+      ``typical_acceptance_sampler``, Medusa's typical acceptance for sampled requests in tree steps: a drafted token
+      is kept where the target's probability of it exceeds min(``posterior_threshold``, ``posterior_alpha`` *
+      exp(-entropy)). LOSSY: the output no longer follows the target's distribution; it trades that for longer
+      accepted paths. Greedy requests are verified exactly either way.
     """
 
     method: str
@@ -56,6 +62,9 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     num_tree_tokens: int | None = None
     tree_topk: int = 8
+    acceptance_method: str = "rejection_sampler"
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -80,6 +89,16 @@ class SpeculativeConfig:
             raise QuantkitError("speculative method 'ngram' takes no draft model")
         if self.num_tree_tokens is not None and self.method not in HEAD_METHODS:
             raise QuantkitError(f"num_tree_tokens (tree drafting) needs method eagle or medusa, not {self.method!r}")
+        if self.acceptance_method not in ACCEPTANCE_METHODS:
+            raise QuantkitError(f"unknown acceptance_method {self.acceptance_method!r}; available: "
+                                f"{', '.join(ACCEPTANCE_METHODS)}")  # fmt: skip
+        if self.acceptance_method == "typical_acceptance_sampler" and checked["num_tree_tokens"] is None:
+            raise QuantkitError("acceptance_method 'typical_acceptance_sampler' applies to draft trees: set "
+                                "num_tree_tokens (method eagle or medusa)")  # fmt: skip
+        for name in ("posterior_threshold", "posterior_alpha"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise QuantkitError(f"{name} must be a number in (0, 1], got {value!r}")
         weight_scheme(self.draft_scheme)  # a bad name fails here, before any weight loads
         if self.method != "self" and self.draft_layers is not None:
             raise QuantkitError("draft_layers applies to method 'self' only")

@@ -36,6 +36,7 @@ from quantkit.runtime.speculative.tree import (
     static_tree,
     verify_tree_greedy,
     verify_tree_sampled,
+    verify_tree_typical,
 )
 
 # an assumed shape when training recorded no top-k accuracies: head k's i-th candidate is right with probability
@@ -62,11 +63,14 @@ def head_accuracies(meta: dict, num_heads: int, topk: int) -> torch.Tensor:
 
 class TreeDrafter:
     """Drafts trees with a Medusa or EAGLE proposer, verifies them, and moves the accepted path's K/V in ``runner``'s
-    cache. ``accuracies`` [K, topk]: Medusa's table (None for EAGLE)."""
+    cache. ``accuracies`` [K, topk]: Medusa's table (None for EAGLE). ``typical``: (posterior_threshold,
+    posterior_alpha) of Medusa's lossy typical acceptance for sampled requests; None: the lossless rule."""
 
-    def __init__(self, proposer, runner, topk: int, accuracies: torch.Tensor | None = None):
+    def __init__(self, proposer, runner, topk: int, accuracies: torch.Tensor | None = None,
+                 typical: tuple[float, float] | None = None):  # fmt: skip
         self.proposer, self.runner, self.topk = proposer, runner, topk
         self.accuracies = accuracies
+        self.typical = typical
         self._paths: dict[tuple[int, int], list[tuple[int, ...]]] = {}
 
     # -- drafting --------------------------------------------------------------------------------------------------
@@ -149,7 +153,10 @@ class TreeDrafter:
             device = generator.device if generator is not None else logits.device
             uniform = torch.rand(n, generator=generator, device=device).cpu()
             noise = torch.empty(logits.shape[-1], device=device).exponential_(generator=generator).cpu()
-            verdict = verify_tree_sampled(tree, probs, uniform, noise)
+            if self.typical is not None:  # lossy, asked for by name
+                verdict = verify_tree_typical(tree, probs, noise, *self.typical)
+            else:
+                verdict = verify_tree_sampled(tree, probs, uniform, noise)
         self._move(seq, verdict.nodes)
         seq.drop_draft()
         return verdict.tokens.tolist(), int(tree.depth.max())
@@ -178,4 +185,7 @@ def tree_drafter(spec, proposer, runner) -> TreeDrafter:
     accuracies = None
     if spec.method == "medusa":
         accuracies = head_accuracies(read_meta(spec.draft), len(proposer.heads.blocks), spec.tree_topk)
-    return TreeDrafter(proposer, runner, spec.tree_topk, accuracies)
+    typical = None
+    if spec.acceptance_method == "typical_acceptance_sampler":
+        typical = (spec.posterior_threshold, spec.posterior_alpha)
+    return TreeDrafter(proposer, runner, spec.tree_topk, accuracies, typical)

@@ -381,6 +381,29 @@ def test_tree_sampling_keeps_the_target_distribution(method, tmp_path):
     assert_released(llm)
 
 
+def test_typical_acceptance_is_an_explicit_lossy_option_for_sampled_tree_steps(trained, target, monkeypatch):
+    """acceptance_method="typical_acceptance_sampler" verifies sampled requests' trees with Medusa's rule (vLLM's
+    posterior_threshold / posterior_alpha); greedy requests keep the exact rule."""
+    from quantkit.runtime.speculative import tree_draft
+
+    calls = []
+    typical = tree_draft.verify_tree_typical
+    monkeypatch.setattr(tree_draft, "verify_tree_typical", lambda *a: calls.append(a[3:]) or typical(*a))
+    method, heads, _ = trained
+    _, folder = target
+    spec = SpeculativeConfig(method=method, draft=str(heads), num_speculative_tokens=3, adaptive=False,
+                             num_tree_tokens=12, tree_topk=3, acceptance_method="typical_acceptance_sampler",
+                             posterior_threshold=0.2, posterior_alpha=0.5)  # fmt: skip
+    llm = LLM(str(folder), cpu_kv_blocks=64, speculative=spec)
+    outs = llm.generate([markov_ids(12).tolist()] * 2, SamplingParams(max_tokens=20, temperature=0.8, seed=1))
+    assert calls and set(calls) == {(0.2, 0.5)}
+    assert all(0 <= t < VOCAB for o in outs for t in o.outputs[0].token_ids)
+    calls.clear()
+    llm.generate([markov_ids(12).tolist()], SamplingParams(max_tokens=10))  # greedy: the exact rule
+    assert not calls
+    assert_released(llm)
+
+
 def test_medusa_training_records_the_accuracies_of_its_tree(trained):
     """Medusa heads' config holds each head's held-out top-k accuracies, which the runtime's sparse tree reads; a
     head's candidates are distinct tokens, so at most one is right: each row sums to at most 1."""
@@ -405,6 +428,12 @@ def test_tree_settings_are_checked(tmp_path):
         SpeculativeConfig(method="ngram", num_tree_tokens=8)
     with pytest.raises(QuantkitError, match="num_tree_tokens must be in"):
         SpeculativeConfig(method="medusa", draft="x", num_tree_tokens=64)
+    with pytest.raises(QuantkitError, match="applies to draft trees: set num_tree_tokens"):
+        SpeculativeConfig(method="medusa", draft="x", acceptance_method="typical_acceptance_sampler")
+    with pytest.raises(QuantkitError, match="unknown acceptance_method 'typical'"):
+        SpeculativeConfig(method="medusa", draft="x", num_tree_tokens=8, acceptance_method="typical")
+    with pytest.raises(QuantkitError, match=r"posterior_alpha must be a number in \(0, 1\], got 0"):
+        SpeculativeConfig(method="medusa", draft="x", num_tree_tokens=8, posterior_alpha=0)
     torch.manual_seed(0)
     cfg = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, sliding_window=16)  # fmt: skip
