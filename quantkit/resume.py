@@ -214,7 +214,8 @@ class RunState:
         """Host copies of what the files hold (the run goes on changing its own), and an event that says when the
         copies off the GPU are complete."""
         schemes = {name: m.scheme.to_dict() for name, m in quantized_modules(layer).items()}
-        on_gpu = [t for t in [*layer.state_dict().values(), *hidden] if t.is_cuda]
+        state = layer.state_dict()
+        on_gpu = [t for t in [*state.values(), *hidden] if t.is_cuda]
         event = None
         if on_gpu:
             device = on_gpu[0].device
@@ -231,7 +232,7 @@ class RunState:
             with torch.cuda.stream(self._stream):
                 return t.to("cpu", non_blocking=True)  # pinned memory: the copy runs beside the next layer
 
-        tensors = {k: host(t) for k, t in layer.state_dict().items()}
+        tensors = {k: host(t) for k, t in state.items()}
         carried = {f"batch.{b}": host(h) for b, h in enumerate(hidden)}
         carried["rng.cpu"] = torch.get_rng_state()
         if torch.cuda.is_available():

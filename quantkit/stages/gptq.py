@@ -106,7 +106,9 @@ class GPTQStage(WeightStage):
 
     def collect(self, ctx, modules):
         """The statistics of all calibration windows, and (mse "auto") X^T X of the held-out ones apart."""
-        if self.params.mse != "auto":
+        # the grid is chosen on held-out windows at SERVED_BITS only: below them every grid is clipped
+        judged = {n: m for n, m in modules.items() if self.stage.scheme_for(ctx.full_name(n), m).bits in SERVED_BITS}
+        if self.params.mse != "auto" or not judged:
             return super().collect(ctx, modules)
         held: dict[str, HeldOut] = {}
         last: list = [None, None]  # the latest input tensor and its HeldOut: q/k/v (gate/up) share one input
@@ -136,7 +138,7 @@ class GPTQStage(WeightStage):
 
             return pre
 
-        handles = [m.register_forward_pre_hook(hook(n)) for n, m in modules.items()]
+        handles = [m.register_forward_pre_hook(hook(n)) for n, m in judged.items()]
         try:
             stats = super().collect(ctx, modules)
         finally:
