@@ -208,6 +208,13 @@ def chat_window(tokenizer, text_ids: torch.Tensor, following: torch.Tensor, seql
     return ids[:seqlen]
 
 
+def chat_windows(tokenizer, slots: torch.Tensor, chosen: list[int], seqlen: int, bos_id: int | None) -> torch.Tensor:
+    """Slots ``chosen`` of ``slots`` [n, seqlen] (text windows) rendered through the chat template, each completed
+    with the text of the slot after it (the first one after the last)."""
+    following = slots.roll(-1, dims=0)
+    return torch.stack([chat_window(tokenizer, slots[i], following[i], seqlen, bos_id) for i in chosen])
+
+
 def calibration_windows(
     tokenizer,
     source: str,
@@ -237,8 +244,7 @@ def calibration_windows(
     g = torch.Generator().manual_seed(seed)
     chosen = torch.randperm(slots.shape[0], generator=g)[:nsamples].sort().values
     if chat_template:
-        following = slots.roll(-1, dims=0)  # the text after each slot (the first one after the last)
-        windows = torch.stack([chat_window(tokenizer, slots[i], following[i], seqlen, bos_id) for i in chosen])
+        windows = chat_windows(tokenizer, slots, chosen.tolist(), seqlen, bos_id)
     else:
         windows = slots[chosen]
     bos_token = getattr(tokenizer, "bos_token_id", None)
@@ -280,12 +286,8 @@ def evaluation_windows(
     if windows.shape[0] < 1 + chat_template:
         raise QuantkitError(f"evaluation text {source!r} has {ids.numel()} tokens, too few for seqlen {seqlen}")
     protocol = {"source": src.source, "sha256": src.sha256, "seqlen": seqlen}
-    if chat_template:
-        following = windows.roll(-1, dims=0)
-        windows = torch.stack(
-            [chat_window(tokenizer, w, f, seqlen, bos_id) for w, f in zip(windows, following, strict=True)]
-        )
-        windows = windows[: max_windows or windows.shape[0] - 1]
+    if chat_template:  # the last slot taken only lends its text to the one before it
+        windows = chat_windows(tokenizer, windows, list(range(windows.shape[0] - 1)), seqlen, bos_id)
         bos_token = getattr(tokenizer, "bos_token_id", None)
         protocol["bos"] = bos_token is not None and bool((windows[:, 0] == bos_token).all())
         protocol["chat_template"] = True
