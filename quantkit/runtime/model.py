@@ -1,5 +1,6 @@
-"""The runtime's own forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3) and its mixture-of-experts
-relatives (Mixtral, Qwen2-MoE, Qwen3-MoE: ``runtime.moe``) on packed tokens.
+"""The runtime's own forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3), its mixture-of-experts
+relatives (Mixtral, Qwen2-MoE, Qwen3-MoE: ``runtime.moe``) and DeepSeek-V3 (multi-head latent attention over a paged
+cache of the compressed latent: ``runtime.mla``; routed and shared experts) on packed tokens.
 
 Tokens of all sequences in a step lie on one axis [T]; attention reads and writes the paged KV cache
 (``runtime.attention``). Module names equal Hugging Face's, so checkpoints load by name, and every linear is made by
@@ -26,6 +27,7 @@ from quantkit.errors import QuantkitError
 from quantkit.kernels.dense.gemv import gemv, use_gemv
 from quantkit.kernels.dense.norm_rope import add_rms_norm, add_rms_norm_reference, rotary_, rotary_store_, silu_mul
 from quantkit.runtime.attention import AttentionMetadata, paged_attention
+from quantkit.runtime.mla import MLAttention
 from quantkit.runtime.moe import MoESpec, SparseMoE, is_sparse_layer
 
 LinearFactory = Callable[[str, int, int, bool], nn.Module]  # (name, in_features, out_features, bias) -> module
@@ -35,11 +37,13 @@ LinearFactory = Callable[[str, int, int, bool], nn.Module]  # (name, in_features
 class DecoderSpec:
     """What distinguishes one Llama-family class: ``qkv_bias`` q/k/v carry a bias unless the config's ``qkv_bias``
     says otherwise (Qwen2, Qwen2-MoE); ``qk_norm`` an RMSNorm over each head of q and k before the rotary embedding
-    (Qwen3); ``moe`` the routed experts that replace the MLP of its sparse layers."""
+    (Qwen3); ``moe`` the routed experts that replace the MLP of its sparse layers; ``mla`` multi-head latent
+    attention (DeepSeek-V3) instead of q/k/v heads."""
 
     qkv_bias: bool = False
     qk_norm: bool = False
     moe: MoESpec | None = None
+    mla: bool = False
 
 
 DECODERS = {
@@ -50,6 +54,7 @@ DECODERS = {
     "MixtralForCausalLM": DecoderSpec(moe=MoESpec("num_local_experts", "intermediate_size", norm_topk=True)),
     "Qwen2MoeForCausalLM": DecoderSpec(qkv_bias=True, moe=MoESpec(shared_expert=True)),
     "Qwen3MoeForCausalLM": DecoderSpec(qk_norm=True, moe=MoESpec()),
+    "DeepseekV3ForCausalLM": DecoderSpec(mla=True, moe=MoESpec("n_routed_experts", grouped_sigmoid=True)),
 }
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
@@ -57,8 +62,7 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
                "deepseek_v3": "DeepseekV3ForCausalLM"}  # fmt: skip
 # families the runtime knows it cannot serve yet, and why
 NOT_YET = {
-    "DeepseekV3ForCausalLM": "DeepSeek-V3 needs multi-head latent attention (MLA) and its grouped sigmoid router",
-    "DeepseekV2ForCausalLM": "DeepSeek-V2 needs multi-head latent attention (MLA) and its grouped router",
+    "DeepseekV2ForCausalLM": "DeepSeek-V2 needs its own router (grouped softmax scores, no correction bias)",
 }
 UNSUPPORTED_ROPE = ("dynamic", "longrope")  # their frequencies depend on the current sequence length
 
@@ -222,7 +226,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         prefix = f"model.layers.{i}"
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, spec, f"{prefix}.self_attn", linear, window, dtype)
+        if spec.mla:
+            norm = partial(RMSNorm, dtype=dtype)
+            self.self_attn = MLAttention(config, f"{prefix}.self_attn", linear, norm)
+        else:
+            self.self_attn = Attention(config, spec, f"{prefix}.self_attn", linear, window, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if spec.moe is not None and is_sparse_layer(config, i):
             experts = partial(MLP, config, linear=linear)
@@ -268,8 +276,22 @@ class CausalLM(nn.Module):
 
     @property
     def graph_safe(self) -> bool:
-        """Whether a step can be captured in a CUDA graph (MoE blocks read their expert counts on the host)."""
-        return not any(isinstance(layer.mlp, SparseMoE) for layer in self.model.layers)
+        """Whether a step can be captured in a CUDA graph (MoE blocks read their expert counts on the host, MLA
+        attention its context lengths)."""
+        return not any(isinstance(layer.mlp, SparseMoE) or self.is_mla for layer in self.model.layers)
+
+    @property
+    def is_mla(self) -> bool:
+        return isinstance(self.model.layers[0].self_attn, MLAttention)
+
+    @property
+    def kv_layout(self) -> tuple[int, int, int]:
+        """(tensors per layer, heads, values per head) of one token's cache entry: (2, Hkv, head_dim) for K and V;
+        (1, 1, kv_lora_rank + qk_rope_head_dim) for MLA's latent rows."""
+        attn = self.model.layers[0].self_attn
+        if isinstance(attn, MLAttention):
+            return 1, 1, attn.latent_width
+        return 2, attn.num_kv_heads, attn.head_dim
 
     def set_rope(self, max_len: int, device) -> None:
         self.cos, self.sin = rope_tables(self.config, max_len, device)
@@ -305,13 +327,14 @@ def fuse_projections(model: CausalLM) -> int:
     fused = 0
     for layer in model.model.layers:
         attn = layer.self_attn
-        qkv = _concat((attn.q_proj, attn.k_proj, attn.v_proj))
+        qkv = None if isinstance(attn, MLAttention) else _concat((attn.q_proj, attn.k_proj, attn.v_proj))
         if qkv is not None:
             attn.qkv_proj, attn.q_proj, attn.k_proj, attn.v_proj = qkv, None, None, None
             fused += 1
         mlps = [layer.mlp]
         if isinstance(layer.mlp, SparseMoE):
-            mlps = [*layer.mlp.experts, *([layer.mlp.shared_expert] if layer.mlp.shared_expert is not None else [])]
+            shared = [m for m in (layer.mlp.shared_expert, layer.mlp.shared_experts) if m is not None]
+            mlps = [*layer.mlp.experts, *shared]
         for mlp in mlps:
             gate_up = _concat((mlp.gate_proj, mlp.up_proj))
             if gate_up is not None:

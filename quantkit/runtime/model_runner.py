@@ -1,6 +1,7 @@
 """Runs scheduled steps on the model: owns the KV cache, packs each step's tokens, replays CUDA graphs for decodes.
 
-KV cache: one tensor [layers, 2, num_blocks, block_size, Hkv, D]; on CUDA the number of blocks is what fits in
+KV cache: one tensor [layers, 2, num_blocks, block_size, Hkv, D] (MLA models: [layers, 1, num_blocks, block_size, 1,
+kv_lora_rank + qk_rope_head_dim], the compressed latent); on CUDA the number of blocks is what fits in
 ``gpu_memory_utilization`` of the device after the weights and the activations of a profiling step of
 ``max_num_batched_tokens`` tokens. Pure-decode steps of up to ``cuda_graph_max_bs`` sequences replay a CUDA graph
 captured for the next batch-size bucket (1, 2, 4, 8, then multiples of 16), padded rows writing nowhere. A step's
@@ -32,10 +33,10 @@ _PROFILE_PARAMS = SamplingParams(max_tokens=1)
 
 
 def kv_block_bytes(model: CausalLM, block_size: int) -> int:
-    """Bytes of one KV-cache block of ``model``: K and V of ``block_size`` tokens in every layer."""
-    cfg = model.config
-    head_dim = model.model.layers[0].self_attn.head_dim
-    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim
+    """Bytes of one KV-cache block of ``model``: K and V of ``block_size`` tokens in every layer (MLA models: the
+    latent rows, ``CausalLM.kv_layout``)."""
+    parts, heads, width = model.kv_layout
+    per_token = parts * model.config.num_hidden_layers * heads * width
     return per_token * block_size * torch.empty(0, dtype=model.dtype).element_size()
 
 
@@ -71,8 +72,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         cfg = model.config
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = model.model.layers[0].self_attn.head_dim
+        self.kv_parts, self.num_kv_heads, self.head_dim = model.kv_layout
         self.backend = self._backend()
         model.set_rope(max_model_len, device)
         self.block_bytes = kv_block_bytes(model, self.block_size)
@@ -82,7 +82,7 @@ class ModelRunner:
         self._copied = torch.cuda.Event() if device.type == "cuda" else None  # recorded after the input copies
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         self.kv = self._empty_cache(self.num_blocks)
-        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_hidden_layers)]
+        self.kv_caches = [tuple(self.kv[i].unbind()) for i in range(cfg.num_hidden_layers)]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verify_width = 0
@@ -109,7 +109,7 @@ class ModelRunner:
 
     def _empty_cache(self, num_blocks: int) -> torch.Tensor:
         cfg = self.model.config
-        shape = (cfg.num_hidden_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        shape = (cfg.num_hidden_layers, self.kv_parts, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         return torch.zeros(shape, dtype=self.model.dtype, device=self.device)
 
     def num_splits(self, num_decodes: int) -> int:
@@ -374,7 +374,7 @@ class ModelRunner:
         base = torch.cuda.memory_allocated()
         kv = self._empty_cache(n_seq * pages)
         kv_bytes = torch.cuda.memory_allocated() - base
-        caches = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
+        caches = [tuple(kv[i].unbind()) for i in range(kv.shape[0])]
         batch = ScheduledBatch()
         for i in range(n_seq):
             seq = Sequence(-1 - i, -1, [0] * min(seq_len, total - i * seq_len), _PROFILE_PARAMS)

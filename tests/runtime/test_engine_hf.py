@@ -315,14 +315,12 @@ def test_dummy_moe_shapes_and_random_weights():
 
 
 def test_unserved_moe_family_is_refused_before_weights_load(tmp_path):
-    """DeepSeek-V3 (MLA attention) is named in one QuantkitError line before any weight is read: the folder here has
-    no weights at all."""
+    """DeepSeek-V2 (its own router) is named in one QuantkitError line before any weight is read: the folder here
+    has no weights at all."""
     from quantkit.errors import QuantkitError
 
-    tiny_model("deepseek_v3").config.save_pretrained(tmp_path)
-    for source in (str(tmp_path), {"model_type": "deepseek_v3"}):
-        with pytest.raises(
-            QuantkitError, match=r"does not serve DeepseekV3ForCausalLM yet: DeepSeek-V3 needs multi"
-        ) as e:
+    T.DeepseekV2Config(**COMMON).save_pretrained(tmp_path)
+    for source in (str(tmp_path), {"model_type": "deepseek_v2"}):
+        with pytest.raises(QuantkitError, match=r"does not serve DeepseekV2ForCausalLM yet: DeepSeek-V2 needs") as e:
             LLM(source, device="cpu")
         assert "\n" not in str(e.value)
