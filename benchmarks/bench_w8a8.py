@@ -26,6 +26,7 @@ Modes (JSON + markdown written under --out, default out/w8a8; a short table is p
   python benchmarks/bench_w8a8.py --deepseek            DeepSeek-V3's own layer shapes x 7 M
   python benchmarks/bench_w8a8.py --sweep               time tile candidates per (format, M regime), print the
                                                         winners as a CONFIGS block to commit
+  python benchmarks/bench_w8a8.py --sweep-block         time block-fp8 tile candidates per M regime (end to end)
   python benchmarks/bench_w8a8.py --configs SWEEP.json  full table with a sweep's winners instead of CONFIGS
   TRITON_INTERPRET=1 python benchmarks/bench_w8a8.py --smoke  CPU plumbing check in Triton's interpreter: tiny
                                                         shapes, wall-clock timing, numbers meaningless
@@ -122,6 +123,18 @@ SWEEP_CANDIDATES = {
     ],
 }
 SWEEP_MS = {"m16": [1, 16], "m64": [32], "m256": [256], "large": [1024, 4096]}  # m64's entry serves M 17-32
+# Block-fp8 candidates (KB.BlockConfig: BLOCK_M, BLOCK_N, GROUP_M, split_waves, num_warps, num_stages) per regime of
+# KB.TILE_CONFIGS; BLOCK_K is the quantization block. Small M: narrow tiles, K split over the SMs; large M: wide tiles.
+BLOCK_SWEEP = {
+    16: [(16, 64, 1, 2, 4, 4), (16, 32, 1, 2, 4, 4), (16, 64, 1, 4, 4, 4), (16, 128, 1, 2, 4, 3), (16, 64, 1, 0, 4, 4),
+         (16, 64, 1, 1, 4, 5)],
+    64: [(64, 64, 1, 1, 4, 4), (64, 64, 1, 2, 4, 4), (32, 64, 1, 2, 4, 4), (64, 128, 1, 1, 4, 4), (64, 64, 1, 0, 4, 4)],
+    256: [(64, 128, 8, 1, 4, 4), (128, 128, 8, 0, 8, 3), (64, 128, 8, 0, 4, 4), (128, 64, 8, 1, 4, 4),
+          (64, 256, 8, 0, 8, 3)],
+    2**31: [(128, 128, 8, 0, 8, 3), (128, 256, 8, 0, 8, 3), (256, 128, 8, 0, 8, 3), (128, 128, 8, 0, 4, 4),
+            (64, 256, 8, 0, 4, 4), (128, 128, 8, 0, 8, 4)],
+}  # fmt: skip
+BLOCK_SWEEP_MS = {16: [1, 16], 64: [32, 64], 256: [256], 2**31: [1024, 4096]}
 SMOKE_SWEEP_CANDIDATES = {r: [(16, 32, 32, 1, 0, 4, 2), (16, 16, 64, 2, 1, 4, 2)] for r in SWEEP_CANDIDATES}
 SMOKE_SWEEP_MS = {"m16": [1], "m64": [20], "m256": [70], "large": [300]}
 
@@ -179,7 +192,8 @@ class Problem:
             return lambda: K.w8a8_linear(x, wq, ws, config=config, fp8_fast_accum=fast)
         if variant == "fp8_block":
             qb, sb = self.block[i]
-            return lambda: KB.fp8_block_linear(x, qb, sb, BLOCK)
+            block_config = config if isinstance(config, KB.BlockConfig) else None
+            return lambda: KB.fp8_block_linear(x, qb, sb, BLOCK, config=block_config)
         if variant == "int8_gemm":
             qa, sa = self.qa["int8"][i], self.a_scale["int8"][i]
             return lambda: K.w8a8_matmul(qa, sa, wq, ws, out_dtype=torch.bfloat16, config=config)
@@ -392,6 +406,31 @@ def run_sweep(shapes, timer: Timer, device: str, candidates: dict, sweep_ms: dic
     return {"winners": winners, "results": results}
 
 
+def run_block_sweep(shapes, timer: Timer, device: str, save) -> dict:
+    """End-to-end time of every block-fp8 candidate (``BLOCK_SWEEP``); the winner per regime has the smallest
+    geometric-mean time over the regime's shapes and M values."""
+    results, winners = [], {}
+    for max_m, cands in BLOCK_SWEEP.items():
+        times = {c: [] for c in cands}
+        for n, k in shapes:
+            for m in BLOCK_SWEEP_MS[max_m]:
+                p = Problem(n, k, m, device, seed=n + k + m)
+                base = timer.per_call(p.calls("bf16"))
+                for c in cands:
+                    calls = p.calls("fp8_block", KB.BlockConfig(*c))
+                    check(p, "fp8_block", calls[0]())
+                    us = timer.per_call(calls)
+                    times[c].append(us)
+                    results.append({"max_m": max_m, "cand": c, "N": n, "K": k, "M": m, "us": us, "bf16_us": base})
+                del p
+        scored = sorted((geomean(times[c]), c) for c in cands)
+        winners[str(max_m)] = scored[0][1]
+        for score, c in scored:
+            print(f"block M<={max_m:<10d} {KB.BlockConfig(*c).name:24s} geomean {score:8.1f} us", flush=True)
+        save({"winners": winners, "results": results})
+    return {"winners": winners, "results": results}
+
+
 def tuned_on(env: dict) -> str:
     return f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}"
 
@@ -421,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--quick", action="store_true", help="2 shapes x 3 M")
     mode.add_argument("--deepseek", action="store_true", help="DeepSeek-V3's layer shapes x 7 M")
     mode.add_argument("--sweep", action="store_true", help="time tile candidates, print and save the winners")
+    mode.add_argument("--sweep-block", action="store_true", help="time block-fp8 tile candidates, print the winners")
     ap.add_argument("--configs", type=Path, metavar="SWEEP_JSON", help="use a sweep's winners instead of CONFIGS")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (needs TRITON_INTERPRET=1)")
     add_out_argument(ap, "w8a8")
@@ -443,6 +483,12 @@ def main(argv: list[str] | None = None) -> int:
         sweep = run_sweep(shapes, timer, device, cands, SMOKE_SWEEP_MS if args.smoke else SWEEP_MS, save_sweep)
         print(f"\nsweep took {time.perf_counter() - t_start:.0f} s; saved {path}. CONFIGS to commit:\n")
         print(configs_block(sweep["winners"], tuned_on(env)))
+        return 0
+
+    if args.sweep_block:
+        path = out_dir / "block_sweep.json"
+        sweep = run_block_sweep(SHAPES, timer, device, lambda d: path.write_text(json.dumps({**d, "env": env})))
+        print(f"\nblock sweep took {time.perf_counter() - t_start:.0f} s; winners {sweep['winners']}; saved {path}")
         return 0
 
     if args.smoke:

@@ -44,6 +44,7 @@ import triton.language as tl
 from quantkit.kernels._device import interpreting
 from quantkit.kernels.w4a16.epilogue import finish_tile
 from quantkit.kernels.w4a16.weight import W4A16Weight, unpack_gptq_codes
+from quantkit.kernels.w8a8.gemm import grouped_tile
 from quantkit.kernels.w8a8.quant import FLOAT_DTYPES, FORMAT_OF_DTYPE, quantize_activations_reference, require
 
 CODES_PER_WORD = 8
@@ -151,13 +152,7 @@ def _w4a8_gemm_kernel(
     BLOCK_KW: tl.constexpr = BLOCK_K // 8
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    tiles_in_group = GROUP_M * num_pid_n
-    first_m = (pid // tiles_in_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % tiles_in_group) % group_rows
-    pid_n = (pid % tiles_in_group) // group_rows
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

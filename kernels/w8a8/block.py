@@ -23,10 +23,16 @@ tensor cores); its tile configs are untuned first choices. Off CUDA the referenc
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from quantkit.kernels._device import interpreting, num_sms
+from quantkit.kernels.w4a16.configs import LOCK_SLOTS
+from quantkit.kernels.w4a16.epilogue import finish_tile
+from quantkit.kernels.w8a8.gemm import grouped_tile
 from quantkit.kernels.w8a8.quant import (
     E4M3_MAX,
     FLOAT_DTYPES,
@@ -88,46 +94,36 @@ def fp8_block_matmul_reference(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "steps_per_split"])
 def _fp8_block_matmul_kernel(
     # pointers
-    a_ptr,
-    w_ptr,
-    c_ptr,
-    a_scale_ptr,
-    w_scale_ptr,
-    bias_ptr,
+    a_ptr, w_ptr, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, part_ptr, lock_ptr,
     # sizes
-    M,
-    N,
-    K,
+    M, N, K, steps_per_split,
     # strides
-    stride_am,
-    stride_wn,
-    stride_cm,
-    stride_cn,
-    stride_asm,
-    stride_wsn,
+    stride_am, stride_wn, stride_cm, stride_cn, stride_asm, stride_wsn,
     # meta-parameters
-    HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # = the quantization block B
-):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     rows_m = offs_m % M  # rows past M / N wrap onto valid rows: loads need no M/N mask, the store drops them
     rows_n = offs_n % N
-    a_ptrs = a_ptr + rows_m[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    w_ptrs = w_ptr + offs_k[:, None] + rows_n[None, :] * stride_wn  # [BLOCK_K, BLOCK_N]
+    j_begin = pid_k * steps_per_split
+    j_end = tl.minimum(j_begin + steps_per_split, tl.cdiv(K, BLOCK_K))
+    a_ptrs = a_ptr + rows_m[:, None] * stride_am + (j_begin * BLOCK_K + offs_k)[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + (j_begin * BLOCK_K + offs_k)[:, None] + rows_n[None, :] * stride_wn  # [BLOCK_K, BLOCK_N]
     a_scale_ptrs = a_scale_ptr + rows_m * stride_asm  # [BLOCK_M]: tile j of each row at + j
     w_scale_ptrs = w_scale_ptr + (rows_n // BLOCK_K) * stride_wsn  # [BLOCK_N]: block (n // B, j) at + j
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for j in range(0, tl.cdiv(K, BLOCK_K)):
+    for j in range(j_begin, j_end):
         if EVEN_K:
             a = tl.load(a_ptrs)
             w = tl.load(w_ptrs)
@@ -140,21 +136,71 @@ def _fp8_block_matmul_kernel(
         acc += part * a_s[:, None] * w_s[None, :]
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    finish_tile(acc, bias_ptr, c_ptr, part_ptr, lock_ptr, pid, offs_m, offs_n, M, N, stride_cm, stride_cn, SPLIT,
+                HAS_BIAS, EMULATE_BF16)  # fmt: skip
 
 
-def tile_config(m: int) -> dict[str, int]:
-    """BLOCK_M, BLOCK_N, num_warps, num_stages for M rows (first choices, not tuned)."""
-    if m <= 16:
-        return {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
-    if m <= 64:
-        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
-    return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+@dataclass(frozen=True)
+class BlockConfig:
+    """One launch of the block GEMM: BLOCK_M x BLOCK_N output tiles (BLOCK_K is the quantization block), GROUP_M
+    row tiles per L2 group, ``split_waves`` (split K until about that many waves of programs per SM exist; 0:
+    never), warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    group_m: int = 8
+    split_waves: int = 0
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "group_m", "num_warps"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value > 0 and value & (value - 1) == 0):
+                raise ValueError(f"{name} must be a power of two, got {value}")
+        if self.block_m < 16 or self.block_n < 16 or not 0 <= self.split_waves <= 32 or self.num_stages < 1:
+            raise ValueError("tiles must be at least 16 x 16, split_waves in [0, 32], num_stages >= 1")
+
+    @property
+    def name(self) -> str:
+        return f"m{self.block_m}n{self.block_n}g{self.group_m}w{self.num_warps}s{self.num_stages}sw{self.split_waves}"
+
+
+# Largest M of each regime -> config: first choices (small M: narrow tiles with K split over the SMs, as the W4A16
+# and W8A8 decode paths do; large M: the fp8 kernel's 128-row tiles), tuned by ``bench_w8a8.py --sweep-block``.
+TILE_CONFIGS: tuple[tuple[int, BlockConfig], ...] = (
+    (16, BlockConfig(16, 64, 1, split_waves=2, num_warps=4, num_stages=4)),
+    (64, BlockConfig(64, 64, 1, split_waves=1, num_warps=4, num_stages=4)),
+    (256, BlockConfig(64, 128, 8, split_waves=1, num_warps=4, num_stages=4)),
+    (2**31, BlockConfig(128, 128, 8, split_waves=0, num_warps=8, num_stages=3)),
+)
+
+
+def tile_config(m: int) -> BlockConfig:
+    """The config of the regime that ``m`` rows fall in (``TILE_CONFIGS``)."""
+    return next(cfg for max_m, cfg in TILE_CONFIGS if m <= max_m)
+
+
+def split_for(cfg: BlockConfig, m: int, n: int, k_steps: int, sms: int) -> tuple[int, int]:
+    """(split, steps per split): enough K splits for ``split_waves * sms`` programs, none empty, never more than the
+    K steps, and none where the output has more tiles than there are split-K semaphores."""
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    split = 1
+    if cfg.split_waves and tiles <= LOCK_SLOTS:
+        split = max(1, min(-(-cfg.split_waves * sms // tiles), k_steps))
+    steps = -(-k_steps // split)
+    return -(-k_steps // steps), steps
+
+
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_locks(device: torch.device) -> torch.Tensor:
+    """The split-K semaphores of ``device`` (zeros; every launch resets the ones it used). Shared by all block
+    GEMMs of the device: launches on one stream run one after another; two streams must not split at once."""
+    if device not in _LOCKS:
+        _LOCKS[device] = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=device)
+    return _LOCKS[device]
 
 
 def quantize_tiles(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,9 +220,9 @@ def fp8_block_matmul(
     block: int,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float16,
-    config: dict[str, int] | None = None,
+    config: BlockConfig | None = None,
 ) -> torch.Tensor:
-    """The block GEMM on quantized operands: y [M, N] in ``out_dtype`` (``config``: tile_config's keys)."""
+    """The block GEMM on quantized operands: y [M, N] in ``out_dtype`` (``config`` overrides ``tile_config``)."""
     require(block in BLOCK_SIZES, f"block must be one of {BLOCK_SIZES}, got {block}")
     require(qa.dim() == 2 and qw.dim() == 2, f"qa and qw must be 2-D, got {tuple(qa.shape)} and {tuple(qw.shape)}")
     require(qa.dtype == qw.dtype == torch.float8_e4m3fn, f"qa and qw must be float8_e4m3fn, got {qa.dtype}, {qw.dtype}")
@@ -199,29 +245,41 @@ def fp8_block_matmul(
     out = torch.empty(m, n, dtype=out_dtype, device=qa.device)
     if m == 0:
         return out
-    cfg = {**tile_config(m), **(config or {})}
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+    cfg = config or tile_config(m)
+    split, steps = split_for(cfg, m, n, kb, num_sms(qa.device))
+    part = torch.empty(split, m, n, dtype=torch.float32, device=qa.device) if split > 1 else out
+    grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n), split)
     _fp8_block_matmul_kernel[grid](
-        qa, qw, out, a_scale, w_scale, bias if bias is not None else w_scale,
-        m, n, k, qa.stride(0), qw.stride(0), out.stride(0), out.stride(1), a_scale.stride(0), w_scale.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % block == 0, BLOCK_K=block, **cfg,
+        qa, qw, out, a_scale, w_scale, bias if bias is not None else w_scale, part, split_locks(qa.device),
+        m, n, k, steps, qa.stride(0), qw.stride(0), out.stride(0), out.stride(1), a_scale.stride(0), w_scale.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % block == 0, SPLIT=split > 1,
+        EMULATE_BF16=interpreting() and out_dtype == torch.bfloat16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=block, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
 
 def fp8_block_linear(
-    x: torch.Tensor, qw: torch.Tensor, w_scale: torch.Tensor, block: int, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    qw: torch.Tensor,
+    w_scale: torch.Tensor,
+    block: int,
+    bias: torch.Tensor | None = None,
+    config: BlockConfig | None = None,
 ) -> torch.Tensor:
-    """x [..., K] -> y [..., N] in x's dtype: quantize x per 1 x B tile, then the block GEMM."""
+    """x [..., K] -> y [..., N] in x's dtype: quantize x per 1 x B tile, then the block GEMM (``config`` overrides
+    ``tile_config``)."""
     x2 = x.reshape(-1, x.shape[-1])
     qa, a_scale = quantize_tiles(x2, block)
-    y = fp8_block_matmul(qa, a_scale, qw, w_scale, block, bias, out_dtype=x.dtype)
+    y = fp8_block_matmul(qa, a_scale, qw, w_scale, block, bias, out_dtype=x.dtype, config=config)
     return y.reshape(*x.shape[:-1], qw.shape[0])
 
 
 __all__ = [
     "BLOCK_SIZES",
     "E4M3_MAX",
+    "TILE_CONFIGS",
+    "BlockConfig",
     "fp8_block_linear",
     "fp8_block_matmul",
     "fp8_block_matmul_reference",

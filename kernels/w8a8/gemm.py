@@ -13,7 +13,8 @@ How
     for sm_90 but hung on the H200 (128 x 256 tiles, int8): not offered.
     int8 accumulates in int32 (exact while 128 * 128 * K < 2**31, i.e. K <= 131_071; weights from GPTQ may use the
     code -128). fp8 accumulates in fp32; Hopper's fp8 tensor cores add with reduced precision, so by default each
-    BLOCK_K-long partial sum is promoted into a full fp32 accumulator (DeepSeek-V3's fix, promotion interval 128);
+    128-long partial sum is promoted into a full fp32 accumulator (DeepSeek-V3's fix, promotion interval 128, inside
+    the small-M configs' 256-deep K steps too);
     ``fp8_fast_accum=True`` keeps the whole K loop in the tensor core (Triton's sm_90 default, like cuBLAS
     ``use_fast_accum=True``). The epilogue converts the accumulator to fp32, applies both scales and the bias in
     registers and stores fp16/bf16/fp32 once: the int32 accumulator never goes to memory.
@@ -41,6 +42,8 @@ from quantkit.kernels._device import GPU, interpreting, num_sms, prefetch_block_
 from quantkit.kernels.w8a8.configs import TileConfig
 from quantkit.kernels.w8a8.quant import FLOAT_DTYPES, FORMAT_OF_DTYPE, MAX_NUMEL, require
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+PROMOTE_EVERY = tl.constexpr(128)  # fp8 products that accumulate inside the tensor core before joining fp32
 
 INT32_SAFE_K = (2**31 - 1) // (128 * 128)  # 131_071: the int8 accumulator cannot overflow up to this K
 
@@ -115,7 +118,7 @@ def _prefetch_ahead(w_ptr, stride_wn, pid_n, N, K, k0, L2_AHEAD: tl.constexpr, B
 
 
 @triton.jit
-def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """tile number -> (pid_m, pid_n), GROUP_M row-tiles at a time so that their weight tiles are reused from L2."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -131,7 +134,9 @@ def _mma(a, w, acc, IS_FP8: tl.constexpr, FP8_FAST_ACCUM: tl.constexpr, BLOCK_K:
     if IS_FP8 and FP8_FAST_ACCUM:
         return tl.dot(a, w, acc)  # sm_90: the whole K loop accumulates inside the tensor core (reduced precision)
     elif IS_FP8:
-        return tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)  # promoted to full fp32 every BLOCK_K
+        # promoted to full fp32 every 128 products (DeepSeek-V3's interval), also inside a 256-deep small-M step
+        PROMOTE: tl.constexpr = BLOCK_K if BLOCK_K < PROMOTE_EVERY else PROMOTE_EVERY
+        return tl.dot(a, w, acc, max_num_imprecise_acc=PROMOTE)
     else:
         return tl.dot(a, w, acc, out_dtype=tl.int32)
 
@@ -191,7 +196,7 @@ def _w8a8_matmul_kernel(
     L2_AHEAD: tl.constexpr,
     THREADS: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     _await_activations(w_ptr, stride_wn, stride_wk, pid_n, N, K, PDL, PREFETCH_K, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -258,12 +263,12 @@ def _w8a8_matmul_tma_kernel(
     zero-filled, so ragged M/N/K need no masks). PERSISTENT: one to three programs per SM walk the output tiles
     NUM_PROGRAMS apart, so the loads of a program's next tile overlap the epilogue of its current one; under PDL
     it waits once, before its first tile (the prefetch covers that tile's weight rows)."""
-    pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     _await_activations(w_ptr, stride_wn, 1, pid_n, N, K, PDL, PREFETCH_K, BLOCK_N)
     if PERSISTENT:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
-            pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             _tma_tile(a_desc, w_desc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, w_ptr, M, N, K, stride_cm, stride_cn,
                       stride_wn, pid_m, pid_n, A_SCALE_PER_ROW, HAS_BIAS, IS_FP8, FP8_FAST_ACCUM, BLOCK_M, BLOCK_N,
                       BLOCK_K, L2_AHEAD, THREADS)  # fmt: skip

@@ -18,7 +18,8 @@ from quantkit.algorithms.fp8 import dequantize_fp8, quantize_fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F32_EPS = torch.finfo(torch.float32).eps
-SMALL = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+SMALL = KB.BlockConfig(16, 32, 1, num_stages=2)
+SPLIT = KB.BlockConfig(16, 16, 2, split_waves=8, num_stages=2)  # K split over the 4 "SMs" of the interpreter
 
 
 def layer(m, n, k, block, seed):
@@ -43,8 +44,9 @@ def test_tile_quantizer_matches_reference_bit_for_bit():
 SHAPES = [(1, 40, 64, 16), (5, 70, 80, 32), (33, 48, 96, 32), (3, 16, 16, 16)]  # ragged M, N and K included
 
 
+@pytest.mark.parametrize("config", [SMALL, SPLIT], ids=["tiles", "split_k"])
 @pytest.mark.parametrize(("m", "n", "k", "block"), SHAPES)
-def test_gemm_matches_reference(m, n, k, block):
+def test_gemm_matches_reference(m, n, k, block, config):
     x, _, qw, ws = layer(m, n, k, block, seed=m + n + k)
     bias = torch.randn(n)
     qa, a_s = KB.quantize_tiles_reference(x, block)
@@ -57,13 +59,28 @@ def test_gemm_matches_reference(m, n, k, block):
     bound = mag * (k / block + 2) * 4 * F32_EPS
     assert ((ref.double() - exact).abs() <= bound).all()
     d = lambda t: t.to(DEVICE)
-    y = KB.fp8_block_matmul(d(qa), d(a_s), d(qw), d(ws), block, d(bias), torch.float32, config=SMALL).cpu()
+    y = KB.fp8_block_matmul(d(qa), d(a_s), d(qw), d(ws), block, d(bias), torch.float32, config=config).cpu()
     assert not y.isnan().any() and ((y.double() - exact).abs() <= bound).all()
     y16 = KB.fp8_block_linear(d(x.half()), d(qw), d(ws), block, d(bias.half())).cpu()
     qa16, as16 = KB.quantize_tiles_reference(x.half(), block)
     exact16 = KB.fp8_block_matmul_reference(qa16, as16, qw, ws, block, bias.half(), torch.float32)
     assert y16.dtype == torch.float16
     assert ((y16.float() - exact16).abs() <= exact16.abs() * 2**-10 + bound.float() + 1e-3).all()
+
+
+def test_split_k_plan_and_bf16_output():
+    cfg = KB.BlockConfig(16, 64, 1, split_waves=2)
+    assert KB.split_for(cfg, 1, 4096, 32, 132) == (5, 7)  # 64 tiles -> 5 splits of 7 K steps (the last one 4)
+    assert KB.split_for(cfg, 1, 4096, 3, 132) == (3, 1)  # never more splits than K steps
+    assert KB.split_for(KB.BlockConfig(128, 128), 4096, 4096, 32, 132) == (1, 32)  # split_waves 0: never
+    assert KB.tile_config(1).split_waves and not KB.tile_config(4096).split_waves
+    x, _, qw, ws = layer(3, 48, 256, 32, seed=1)
+    qa, a_s = KB.quantize_tiles_reference(x.bfloat16(), 32)
+    exact = KB.fp8_block_matmul_reference(qa, a_s, qw, ws, 32, None, torch.float32)
+    d = lambda t: t.to(DEVICE)
+    for _ in range(2):  # the second launch finds the semaphores reset by the first
+        y = KB.fp8_block_matmul(d(qa), d(a_s), d(qw), d(ws), 32, None, torch.bfloat16, config=SPLIT).cpu()
+        assert y.dtype == torch.bfloat16 and ((y.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()
 
 
 def test_block_weights_round_trip_within_e4m3_rounding():
