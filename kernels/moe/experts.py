@@ -1,0 +1,370 @@
+"""Fused MoE experts: every routed expert's SiLU-gated MLP over its tokens, one grouped GEMM launch per projection.
+
+What it computes
+    For routing (weights fp32 [T, k], ids [T, k]) from ``routing.route`` and pairs p = t * k + j:
+      gu[p]  = x[t] @ W13[ids[t, j]].T                         [T*k, 2I]  gate and up in one launch (W13 = [gate; up])
+      a[p]   = silu(gu[p, :I]) * gu[p, I:]                      [T*k, I]   fp32, rounded once (``silu_mul``'s numerics)
+      o[p]   = (a[p] @ W2[ids[t, j]].T) * weights[t, j]        [T*k, H]   the fp32 product weighted, rounded once
+      y[t]   = sum_j o[t * k + j]                               [T, H]     summed over k in fp32 (no atomics: the
+                                                                           same bits on every run), then rounded
+    Every product accumulates in fp32 and is rounded to x's dtype (fp16, bf16 or fp32) when stored.
+    ``fused_moe_reference`` defines these numerics with a plain loop over experts.
+
+Expert weight layouts (``ExpertWeights``: one projection of every expert stacked on a leading axis E)
+    float      ``weight`` [E, N, K] in x's dtype (nn.Linear's [N, K] per expert; transformers 5's fused
+               ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] are this layout)
+    w4a16      the W4A16 kernel layout (``kernels.w4a16.weight``) per expert: ``weight`` (qweight) int32
+               [E, ceil(K/32)*b, N], ``qzeros`` int32 [E, n_g, ceil(N/32)*b], ``scales`` fp16 [E, n_g, N], groups
+               contiguous along K (no act-order permutation), b = 4 or 8; W = s * (q - z) rounded once to x's dtype,
+               as PyTorch's dequantize-then-matmul
+    fp8_block  the block fp8 layout (``kernels.w8a8.block``) per expert: ``weight`` e4m3 [E, N, K], ``scales`` fp32
+               [E, ceil(N/B), ceil(K/B)]; activations quantized per 1 x B tile of each row (``quantize_tiles``) and
+               each B-long partial sum promoted to fp32 with its two scales (DeepSeek-V3's rule)
+
+How
+    ``routing.align`` sorts the pairs by expert and pads each expert's run to BLOCK_M rows; the GEMM grid is
+    [NB blocks, N / BLOCK_N] with NB an upper bound that depends on T only (no host sync, capturable). A program
+    reads its block's expert; blocks past the last run exit before loading anything, so at batch 1 only the
+    chosen experts' weights are read. Rows are gathered through the sorted pair ids (x's row t = p // k for the
+    first GEMM, row p for the second) and stored at row p, so no permuted copy of x exists. The down projection
+    computes silu(g) * u from gu while loading its A operand (float and w4a16; fp8_block quantizes a first, so
+    there ``silu_mul`` and ``quantize_tiles`` run between the launches) and multiplies its fp32 result by the
+    routing weight before the store. w4a16 tiles are dequantized in registers: one packed word per code, shifted
+    and masked (each word loaded for each of its codes, a simple first version; the W4A16 GEMM's two-codes-per-
+    operation unpacking is the known next step).
+
+Limits: int32 offsets within an expert (the expert offset is 64-bit); w4a16 without act-order permutations (the
+runtime leaves such experts to its loop); fp8_block with one B for both projections. Tile configs (``moe_config``)
+are untuned first choices; the interpreter computes bf16 in fp32 and rounds by hand (``EMULATE_BF16``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from quantkit.kernels._device import dot_precision, interpreting
+from quantkit.kernels.dense.norm_rope import silu_mul, silu_mul_reference
+from quantkit.kernels.moe.routing import align
+from quantkit.kernels.w4a16.epilogue import to_act
+from quantkit.kernels.w4a16.weight import W4A16Weight, unpack_gptq_codes
+from quantkit.kernels.w8a8.block import (
+    BLOCK_SIZES,
+    fp8_block_matmul_reference,
+    quantize_tiles,
+    quantize_tiles_reference,
+)
+
+FORMATS = ("float", "w4a16", "fp8_block")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass
+class ExpertWeights:
+    """One projection of all E experts, stacked (layouts in the module docstring): ``fmt`` one of FORMATS,
+    ``in_features`` K and ``out_features`` N per expert; ``bits`` (w4a16) 4 or 8; ``group_size`` w4a16's
+    contiguous group length (0: one group) or fp8_block's B."""
+
+    fmt: str
+    weight: torch.Tensor
+    in_features: int
+    out_features: int
+    scales: torch.Tensor | None = None
+    qzeros: torch.Tensor | None = None
+    bits: int = 0
+    group_size: int = 0
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+    @classmethod
+    def from_float(cls, weights: Sequence[torch.Tensor]) -> ExpertWeights:
+        """From each expert's [N, K] float weight."""
+        w = torch.stack(list(weights))
+        return cls("float", w, w.shape[2], w.shape[1])
+
+    @classmethod
+    def from_w4a16(cls, weights: Sequence[W4A16Weight]) -> ExpertWeights:
+        """From each expert's kernel-ready W4A16 weight (``prepare_gptq_weight``); all of one shape and scheme."""
+        first = weights[0]
+        for w in weights:
+            if w.perm is not None:
+                raise ValueError("act-order experts (a permuted kernel weight) are not served by the fused MoE")
+            if (w.bits, w.group_size, w.in_features, w.out_features) != (
+                first.bits, first.group_size, first.in_features, first.out_features
+            ):  # fmt: skip
+                raise ValueError("experts must share bits, group size and shape")
+        qweight, scales, qzeros = (
+            torch.stack([getattr(w, n) for w in weights]) for n in ("qweight", "scales", "qzeros")
+        )
+        return cls(
+            "w4a16", qweight, first.in_features, first.out_features, scales, qzeros, first.bits, first.group_size
+        )
+
+    @classmethod
+    def from_fp8_block(cls, weights: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], block: int):
+        """From each expert's e4m3 [N, K] weight and fp32 [ceil(N/B), ceil(K/B)] block scales."""
+        w = torch.stack(list(weights))
+        return cls("fp8_block", w, w.shape[2], w.shape[1], torch.stack(list(scales)), group_size=block)
+
+    def dequantize(self, e: int) -> torch.Tensor:
+        """Expert e's weight [N, K] in fp32 (the reference's operand; w4a16: s * (q - z) in fp32)."""
+        if self.fmt == "float":
+            return self.weight[e].float()
+        if self.fmt == "fp8_block":
+            b = self.group_size
+            s = self.scales[e].repeat_interleave(b, 0).repeat_interleave(b, 1)
+            return self.weight[e].float() * s[: self.out_features, : self.in_features]
+        k, n = self.in_features, self.out_features
+        q = unpack_gptq_codes(self.weight[e], self.bits, k).float()  # [K, N]
+        z = unpack_gptq_codes(self.qzeros[e].t().contiguous(), self.bits, n).t().float()  # [n_g, N]
+        g = torch.arange(k, device=q.device) // (self.group_size or k)
+        return ((q - z[g]) * self.scales[e].float()[g]).t()
+
+
+def check_weights(w: ExpertWeights, x_dtype: torch.dtype) -> None:
+    """Shapes and dtypes of one stacked projection for activations of ``x_dtype``; raises ValueError."""
+    e, n, k = w.num_experts, w.out_features, w.in_features
+    if w.fmt not in FORMATS:
+        raise ValueError(f"expert weight format must be one of {FORMATS}, got {w.fmt!r}")
+    if w.fmt == "float" and (w.weight.dtype != x_dtype or tuple(w.weight.shape) != (e, n, k)):
+        raise ValueError(
+            f"float experts must be {x_dtype} [{e}, {n}, {k}], got {w.weight.dtype} {tuple(w.weight.shape)}"
+        )
+    if w.fmt == "w4a16":
+        rows, n_g = -(-k // 32) * w.bits, w.scales.shape[1]
+        if w.bits not in (4, 8) or x_dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"w4a16 experts need 4 or 8 bits and fp16/bf16 x, got {w.bits} bits, {x_dtype}")
+        if w.weight.dtype != torch.int32 or tuple(w.weight.shape) != (e, rows, n):
+            raise ValueError(f"qweight must be int32 [{e}, {rows}, {n}], got {w.weight.dtype} {tuple(w.weight.shape)}")
+        if tuple(w.qzeros.shape) != (e, n_g, -(-n // 32) * w.bits) or w.scales.dtype != torch.float16:
+            raise ValueError(f"qzeros/scales must be [{e}, {n_g}, ...] int32 / float16, got {w.qzeros.shape}")
+        if w.group_size % 32 or (w.group_size and n_g != -(-k // w.group_size)):
+            raise ValueError(f"group size {w.group_size} must be 0 or a multiple of 32 matching {n_g} groups")
+    if w.fmt == "fp8_block":
+        b = w.group_size
+        if b not in BLOCK_SIZES or w.weight.dtype != torch.float8_e4m3fn or tuple(w.weight.shape) != (e, n, k):
+            raise ValueError(f"fp8_block experts must be e4m3 [{e}, {n}, {k}] with B in {BLOCK_SIZES}")
+        if w.scales.dtype != torch.float32 or tuple(w.scales.shape) != (e, -(-n // b), -(-k // b)):
+            raise ValueError(f"fp8_block scales must be fp32 [{e}, {-(-n // b)}, {-(-k // b)}]")
+    if w.weight.stride(-1) != 1 and w.fmt != "w4a16":
+        raise ValueError("expert weights must be contiguous along K")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reference (plain PyTorch): a loop over experts, the numerics of the module docstring.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _project_reference(a: torch.Tensor, w: ExpertWeights, e: int) -> torch.Tensor:
+    """fp32 a [R, K] (x's dtype; fp8_block: quantized per tile here) @ W_e.T -> fp32 [R, N]."""
+    if w.fmt == "fp8_block":
+        qa, a_scale = quantize_tiles_reference(a, w.group_size)
+        return fp8_block_matmul_reference(qa, a_scale, w.weight[e], w.scales[e], w.group_size, None, torch.float32)
+    return a.float() @ w.dequantize(e).to(a.dtype).float().t()  # w4a16: W rounded once to x's dtype
+
+
+def fused_moe_reference(
+    x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """y [T, H] in x's dtype: the module docstring's formulas, expert by expert."""
+    t, k = ids.shape
+    inter = w2.in_features
+    out = torch.zeros(t * k, x.shape[1], dtype=x.dtype, device=x.device)
+    flat = ids.reshape(-1).long()
+    for e in range(w13.num_experts):
+        pairs = (flat == e).nonzero().flatten()
+        if pairs.numel() == 0:
+            continue
+        gu = _project_reference(x[pairs // k], w13, e).to(x.dtype)
+        a = silu_mul_reference(gu[:, :inter], gu[:, inter:])
+        out[pairs] = (_project_reference(a, w2, e) * weights.reshape(-1)[pairs, None].float()).to(x.dtype)
+    return out.view(t, k, -1).float().sum(dim=1).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------------------------
+
+FLOAT, W4A16, FP8_BLOCK = 0, 1, 2
+_FORMAT_CODE = {"float": FLOAT, "w4a16": W4A16, "fp8_block": FP8_BLOCK}
+
+
+@triton.jit(do_not_specialize=["P", "silu_offset"])
+def _moe_gemm_kernel(
+    # pointers
+    a_ptr, a_scale_ptr, w_ptr, z_ptr, s_ptr, out_ptr, pairs_ptr, block_expert_ptr, route_w_ptr,
+    # sizes
+    N, K, P, group_size, silu_offset,
+    # strides
+    stride_am, stride_ak, stride_asm, stride_we, stride_wk, stride_wn, stride_ze, stride_zg, stride_zn,
+    stride_se, stride_sg, stride_sn, stride_om, stride_on,
+    # meta-parameters
+    FORMAT: tl.constexpr, BITS: tl.constexpr, A_DIV: tl.constexpr, SILU: tl.constexpr, WEIGHTED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE: tl.constexpr,
+    PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:  # past the last run: nothing to compute, no weight read
+        return
+    pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < P
+    a_rows = tl.where(valid, pairs // A_DIV, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    e64 = expert.to(tl.int64)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    w_base = w_ptr + e64 * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < K
+        a_mask = valid[:, None] & k_mask[None, :]
+        a = tl.load(a_ptrs + k0 * stride_ak, mask=a_mask, other=0.0)
+        if SILU:  # A = silu(g) * u from gu [P, 2I], in fp32, rounded once
+            u = tl.load(a_ptrs + (k0 + silu_offset) * stride_ak, mask=a_mask, other=0.0).to(tl.float32)
+            g = a.to(tl.float32)
+            a = to_act(g / (1.0 + tl.exp(-g)) * u, a_ptr.dtype.element_ty, EMULATE_BF16)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        if FORMAT == 0:  # float [E, N, K], read as a [BLOCK_K, BLOCK_N] tile
+            w = tl.load(w_base + kk[:, None] * stride_wk + offs_n[None, :] * stride_wn, mask=w_mask, other=0.0)
+            acc = tl.dot(a.to(COMPUTE), w.to(COMPUTE), acc, input_precision=PRECISION)
+        elif FORMAT == 1:  # w4a16: one packed word per code, W = s * (q - z) rounded once to x's dtype
+            PF: tl.constexpr = 32 // BITS
+            QM: tl.constexpr = (1 << BITS) - 1
+            words = tl.load(w_base + (kk // PF)[:, None] * stride_wk + offs_n[None, :] * stride_wn, mask=w_mask,
+                            other=0)  # fmt: skip
+            q = (words >> ((kk % PF) * BITS)[:, None]) & QM
+            grp = k0 // group_size  # a BLOCK_K tile lies in one group (moe_config)
+            zw = tl.load(z_ptr + e64 * stride_ze + grp * stride_zg + (offs_n // PF) * stride_zn, mask=n_mask, other=0)
+            z = (zw >> ((offs_n % PF) * BITS)) & QM
+            s = tl.load(s_ptr + e64 * stride_se + grp * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0)
+            w = to_act((q - z[None, :]).to(tl.float32) * s.to(tl.float32)[None, :], a_ptr.dtype.element_ty,
+                       EMULATE_BF16)  # fmt: skip
+            acc = tl.dot(a.to(COMPUTE), w.to(COMPUTE), acc)
+        else:  # fp8_block: a B-long partial sum of codes, promoted with its two scales (BLOCK_K = B)
+            w = tl.load(w_base + kk[:, None] * stride_wk + offs_n[None, :] * stride_wn, mask=w_mask, other=0.0)
+            j = k0 // BLOCK_K
+            a_s = tl.load(a_scale_ptr + a_rows * stride_asm + j)
+            w_s = tl.load(s_ptr + e64 * stride_se + (offs_n // BLOCK_K) * stride_sg + j * stride_sn, mask=n_mask,
+                          other=0.0)  # fmt: skip
+            acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+    if WEIGHTED:
+        acc = acc * tl.load(route_w_ptr + pairs, mask=valid, other=0.0)[:, None]
+    out_ptrs = out_ptr + pairs[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, to_act(acc, out_ptr.dtype.element_ty, EMULATE_BF16), mask=valid[:, None] & n_mask[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def moe_config(pairs: int, num_experts: int) -> dict[str, int]:
+    """BLOCK_M, BLOCK_N, num_warps, num_stages by the mean rows per expert (first choices, not tuned)."""
+    per_expert = pairs / num_experts
+    if per_expert <= 16:
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
+    if per_expert <= 64:
+        return {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+
+
+def _block_k(w: ExpertWeights) -> int:
+    if w.fmt == "fp8_block":
+        return w.group_size
+    if w.fmt == "w4a16" and w.group_size % 64:
+        return 32
+    return 64
+
+
+def _grouped_gemm(a, a_scale, w: ExpertWeights, out, pairs, block_expert, route_w, p, a_div, silu, cfg) -> None:
+    """One launch: out[p] = A[p // a_div] @ W_e.T (silu: A from gu; route_w: times the pair's weight)."""
+    n, k = w.out_features, w.in_features
+    emulate = interpreting() and out.dtype == torch.bfloat16
+    act = a.dtype
+    compute = tl.float32 if emulate or act == torch.float32 else (tl.float16 if act == torch.float16 else tl.bfloat16)
+    z = w.qzeros if w.qzeros is not None else w.weight
+    s = w.scales if w.scales is not None else w.weight
+    a_s = a_scale if a_scale is not None else a
+    if w.fmt == "w4a16":  # qweight [E, K/pf, N]: strides as (e, k, n)
+        wst = (w.weight.stride(0), w.weight.stride(1), w.weight.stride(2))
+    else:  # [E, N, K]
+        wst = (w.weight.stride(0), w.weight.stride(2), w.weight.stride(1))
+    zst = (z.stride(0), z.stride(1), z.stride(2)) if w.qzeros is not None else (0, 0, 0)
+    sst = (s.stride(0), s.stride(1), s.stride(2)) if w.scales is not None else (0, 0, 0)
+    grid = (block_expert.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
+    _moe_gemm_kernel[grid](
+        a, a_s, w.weight, z, s, out, pairs, block_expert, route_w if route_w is not None else out,
+        n, k, p, (w.group_size or 2**30) if w.fmt == "w4a16" else 0, k if silu else 0,
+        a.stride(0), a.stride(1), a_s.stride(0), *wst, *zst, *sst, out.stride(0), out.stride(1),
+        FORMAT=_FORMAT_CODE[w.fmt], BITS=w.bits, A_DIV=a_div, SILU=silu, WEIGHTED=route_w is not None,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=_block_k(w), COMPUTE=compute,
+        PRECISION=dot_precision(act), EMULATE_BF16=emulate, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+
+
+def check_operands(x, w13: ExpertWeights, w2: ExpertWeights, weights, ids) -> None:
+    """One line per mismatch of ``fused_moe``'s operands; raises ValueError."""
+    if x.dim() != 2 or x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"x must be fp16/bf16/fp32 [T, H], got {x.dtype} {tuple(x.shape)}")
+    if not (x.is_cuda or interpreting()):
+        raise ValueError("x must be a CUDA tensor (or set TRITON_INTERPRET=1 to run the kernels on CPU)")
+    t, h = x.shape
+    check_weights(w13, x.dtype)
+    check_weights(w2, x.dtype)
+    if w13.fmt != w2.fmt or w13.num_experts != w2.num_experts:
+        raise ValueError("gate/up and down weights must share format and expert count")
+    if w13.in_features != h or w2.out_features != h or w13.out_features != 2 * w2.in_features:
+        raise ValueError(f"need W13 [E, 2I, {h}] and W2 [E, {h}, I], got {w13.out_features} x {w13.in_features} "
+                         f"and {w2.out_features} x {w2.in_features}")  # fmt: skip
+    if ids.dim() != 2 or ids.shape[0] != t or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ids must be int32/int64 [{t}, k], got {ids.dtype} {tuple(ids.shape)}")
+    if weights.shape != ids.shape or weights.dtype != torch.float32:
+        raise ValueError(f"weights must be fp32 {tuple(ids.shape)}, got {weights.dtype} {tuple(weights.shape)}")
+    if x.stride(1) != 1:
+        raise ValueError("x must be contiguous along H")
+    if len({v.device for v in (x, w13.weight, w2.weight, weights, ids)}) != 1:
+        raise ValueError("x, the expert weights and the routing must be on one device")
+    if t * ids.shape[1] * max(h, w13.out_features) >= 2**31:
+        raise ValueError("T * k rows of 2I or H values must stay under 2**31 elements (32-bit offsets)")
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: ExpertWeights,
+    w2: ExpertWeights,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """y [T, H] (``out_dtype``, default x's: fp32 keeps the sum over k unrounded) of the routed experts."""
+    check_operands(x, w13, w2, weights, ids)
+    t, h = x.shape
+    k = ids.shape[1]
+    p, inter = t * k, w2.in_features
+    if p == 0:
+        return torch.zeros(t, h, dtype=out_dtype or x.dtype, device=x.device)
+    cfg = {**moe_config(p, w13.num_experts), **(config or {})}
+    pairs, block_expert = align(ids, w13.num_experts, cfg["BLOCK_M"])
+    gu = torch.empty(p, 2 * inter, dtype=x.dtype, device=x.device)
+    o = torch.empty(p, h, dtype=x.dtype, device=x.device)
+    route_w = weights.reshape(-1).contiguous()
+    if w13.fmt == "fp8_block":
+        qx, x_scale = quantize_tiles(x, w13.group_size)
+        _grouped_gemm(qx, x_scale, w13, gu, pairs, block_expert, None, p, k, False, cfg)
+        qa, a_scale = quantize_tiles(silu_mul(gu[:, :inter], gu[:, inter:]), w2.group_size)
+        _grouped_gemm(qa, a_scale, w2, o, pairs, block_expert, route_w, p, 1, False, cfg)
+    else:
+        _grouped_gemm(x, None, w13, gu, pairs, block_expert, None, p, k, False, cfg)
+        _grouped_gemm(gu, None, w2, o, pairs, block_expert, route_w, p, 1, True, cfg)
+    y = o.view(t, k, h).sum(dim=1, dtype=torch.float32)
+    return y if out_dtype == torch.float32 else y.to(out_dtype or x.dtype)

@@ -1,0 +1,263 @@
+"""Fused MoE kernels (``kernels/moe``) against their PyTorch references and transformers' routers (Triton's
+interpreter on CPU machines, CUDA where present).
+
+Routing: expert ids equal the reference's exactly (random scores have no ties closer than a few fp32 ulps, and the
+tie rule, lower index first, is tested on exact ties); weights within 4 fp32 ulps (the kernel's softmax sums in
+another order). Alignment: the kernel's layout equals the reference's bit for bit, and the reference's satisfies
+the layout's invariants. Experts: against float64 from the same operands (x and W rounded to the activation dtype
+as the layer defines them), the kernel's error is at most twice the PyTorch reference's plus 2**-20 * max|y|
+(flash-attn's rule); fp8_block experts, whose activations are re-quantized between the projections, are compared
+with the reference itself: both form the same B-long fp32 partial sums from the same codes, and a one-ulp
+difference of an intermediate fp16 value may flip one e4m3 code of one tile, so 4 fp16 ulps of max|y|.
+
+Every buffer the launchers allocate is poisoned first (floats NaN, integers a huge value), and the routing outputs
+too, so an element no kernel writes shows up.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from quantkit.kernels import moe as M
+from quantkit.kernels.moe import routing as R
+from quantkit.kernels.moe.experts import ExpertWeights
+from quantkit.kernels.w4a16 import prepare_gptq_weight
+
+from quantkit.algorithms.fp8 import quantize_fp8
+from quantkit.quant import QuantizedWeight, QuantScheme
+from quantkit.quant.tensor import group_index
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+H, INTER, E = 64, 32, 8  # hidden, expert width, experts: tiny, the interpreter is slow
+
+
+@pytest.fixture(autouse=True)
+def poisoned_empty(monkeypatch):
+    """torch.empty returns NaN-filled float tensors and huge-valued integer ones for the duration of a test."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype in (torch.int32, torch.int64):
+            t.fill_(2**30)
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+# -- routing -----------------------------------------------------------------------------------------------------
+
+
+def assert_same_routing(got, want):
+    (w, i), (rw, ri) = got, want
+    assert torch.equal(i.cpu(), ri)
+    assert torch.allclose(w.cpu(), rw, rtol=4 * torch.finfo(torch.float32).eps, atol=0)
+
+
+@pytest.mark.parametrize(("t", "e", "k", "renorm"), [(5, 8, 2, True), (9, 60, 4, False), (3, 128, 8, True)])
+def test_softmax_routing_matches_reference(t, e, k, renorm):
+    logits = torch.randn(t, e) * 3
+    assert_same_routing(
+        M.route(logits.to(DEVICE), k, "softmax", renorm), M.route_reference(logits, k, "softmax", renorm)
+    )
+
+
+@pytest.mark.parametrize(
+    ("t", "e", "k", "n_group", "topk_group"), [(7, 16, 4, 4, 2), (4, 32, 6, 8, 3), (5, 8, 2, 1, 1)]
+)
+def test_sigmoid_group_routing_matches_reference(t, e, k, n_group, topk_group):
+    logits, bias = torch.randn(t, e), torch.randn(e) * 0.3
+    args = (k, "sigmoid", True, bias, n_group, topk_group, 2.5)
+    got = M.route(logits.to(DEVICE), *args[:3], bias.to(DEVICE), *args[4:])
+    assert_same_routing(got, M.route_reference(logits, *args))
+    w, ids = got
+    kept = ids.cpu().long() // (e // n_group)  # every chosen expert lies in one of topk_group groups
+    assert all(len(set(row.tolist())) <= topk_group for row in kept)
+    assert torch.allclose(w.sum(1).cpu(), torch.full((t,), 2.5))  # renormalised, then scaled
+
+
+def test_routing_ties_go_to_the_lower_expert_and_group():
+    logits = torch.zeros(3, 16)
+    logits[1, [3, 9, 12]] = 2.0  # three equal best experts, two are chosen
+    w, ids = M.route(logits.to(DEVICE), 2)
+    assert ids.cpu().tolist() == [[0, 1], [3, 9], [0, 1]]
+    assert torch.equal(w.cpu(), torch.full((3, 2), 0.5))
+    # sigmoid: all groups tie, so groups 0 and 1 are kept; inside them experts 0..3 tie, so 0, 1, 2 are chosen
+    _, ids = M.route(torch.zeros(2, 16, device=DEVICE), 3, "sigmoid", True, None, 4, 2)
+    assert ids.cpu().tolist() == [[0, 1, 2], [0, 1, 2]]
+    assert torch.equal(M.route_reference(torch.zeros(2, 16), 3, "sigmoid", True, None, 4, 2)[1], ids.cpu())
+
+
+def test_routers_match_transformers():
+    """The references (hence the kernels) are transformers' routers: Mixtral, Qwen3-MoE, DeepSeek-V3."""
+    from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 32)
+    qwen = Qwen3MoeConfig(hidden_size=32, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False)
+    cases = [
+        (MixtralTopKRouter(MixtralConfig(hidden_size=32, num_local_experts=8, num_experts_per_tok=2)), {}),
+        (Qwen3MoeTopKRouter(qwen), {"renormalize": False}),
+    ]
+    dcfg = DeepseekV3Config(hidden_size=32, n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4)
+    router = DeepseekV3TopkRouter(dcfg)
+    router.e_score_correction_bias.copy_(torch.randn(16) * 0.2)
+    sig = {"score": "sigmoid", "bias": router.e_score_correction_bias, "n_group": 4, "topk_group": 2, "scaling": 2.5}
+    cases.append((router, sig))
+    for mod, kw in cases:
+        torch.nn.init.normal_(mod.weight)
+        with torch.no_grad():
+            logits, hw, hi = mod(x)
+        w, ids = M.route_reference(logits, hi.shape[1], **kw)
+        order = hi.argsort(dim=1)  # DeepSeek-V3's torch.topk is unsorted: compare expert by expert
+        assert torch.equal(hi.gather(1, order), ids.long().gather(1, ids.long().argsort(dim=1)))
+        assert torch.allclose(hw.float().gather(1, order), w.gather(1, ids.long().argsort(dim=1)), rtol=1e-6)
+
+
+# -- alignment ---------------------------------------------------------------------------------------------------
+
+
+def check_layout(sorted_pairs, block_expert, ids, e, block_m):
+    """Every pair once, in its expert's run, ascending; runs padded with the sentinel; blocks name their expert."""
+    flat = ids.reshape(-1).long()
+    p = flat.numel()
+    assert sorted_pairs.numel() == block_expert.numel() * block_m == R.max_blocks(p, e, block_m) * block_m
+    rows = sorted_pairs.view(-1, block_m).long()
+    used = block_expert >= 0
+    assert (rows[~used] == p).all() and torch.equal(used, torch.arange(len(used)) < used.sum())  # used blocks first
+    real = rows[used]
+    assert sorted(real[real < p].tolist()) == list(range(p))
+    for b in range(int(used.sum())):
+        pairs = rows[b][rows[b] < p]
+        assert (flat[pairs] == block_expert[b]).all() and (pairs.diff() > 0).all()
+    assert (block_expert[used].diff() >= 0).all()
+
+
+@pytest.mark.parametrize(("t", "k", "e", "block_m"), [(1, 2, 8, 16), (7, 2, 8, 4), (33, 4, 16, 8), (5, 1, 3, 2)])
+def test_align_kernel_equals_reference_and_keeps_the_invariants(t, k, e, block_m):
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).int()
+    ids[ids == e - 1] = 0  # the last expert gets no pair
+    ref = R.align_reference(ids, e, block_m)
+    check_layout(*ref, ids, e, block_m)
+    got = R.align(ids.to(DEVICE), e, block_m)
+    assert torch.equal(got[0].cpu(), ref[0]) and torch.equal(got[1].cpu(), ref[1])
+
+
+# -- experts -----------------------------------------------------------------------------------------------------
+
+
+def w4a16_experts(n, k, bits, group, g):
+    scheme = QuantScheme(bits=bits, group_size=group)
+    out = []
+    for _ in range(E):
+        n_g = scheme.n_groups(k)
+        qw = QuantizedWeight(
+            q=torch.randint(0, 2**bits, (n, k), generator=g, dtype=torch.uint8),
+            scales=(torch.rand(n, n_g, generator=g) * 0.2 / 2**bits + 1e-3).half().float(),
+            zeros=torch.randint(0, 2**bits, (n, n_g), generator=g, dtype=torch.int32),
+            g_idx=group_index(k, scheme),
+            scheme=scheme,
+        )
+        b = {name: t.to(DEVICE) for name, t in qw.pack().items()}
+        out.append(prepare_gptq_weight(b["qweight"], b["qzeros"], b["scales"], b["g_idx"], bits, group))
+    return ExpertWeights.from_w4a16(out)
+
+
+def make_experts(fmt, dtype, g):
+    if fmt == "float":
+        ws = [[torch.randn(n, k, generator=g) * k**-0.5 for _ in range(E)] for n, k in ((2 * INTER, H), (H, INTER))]
+        return [ExpertWeights.from_float([w.to(dtype).to(DEVICE) for w in p]) for p in ws]
+    if fmt.startswith("w4a16"):
+        bits = 8 if fmt.endswith("8") else 4
+        return w4a16_experts(2 * INTER, H, bits, 32, g), w4a16_experts(H, INTER, bits, 32, g)
+    out = []
+    for n, k in ((2 * INTER, H), (H, INTER)):
+        q = [quantize_fp8(torch.randn(n, k, generator=g) * k**-0.5, "block", 16) for _ in range(E)]
+        out.append(ExpertWeights.from_fp8_block([a.to(DEVICE) for a, _ in q], [s.to(DEVICE) for _, s in q], 16))
+    return out
+
+
+def exact(x, w13, w2, weights, ids):
+    """float64 of the layer from x and the experts' weights as the layer rounds them (no intermediate rounding)."""
+    t, k = ids.shape
+    y = torch.zeros(t, x.shape[1], dtype=torch.float64)
+    for tok in range(t):
+        for j in range(k):
+            e = int(ids[tok, j])
+            gu = x[tok].double() @ w13.dequantize(e).to(x.dtype).double().cpu().t()
+            g, u = gu[:INTER], gu[INTER:]
+            a = g * torch.sigmoid(g) * u
+            y[tok] += (a @ w2.dequantize(e).to(x.dtype).double().cpu().t()) * float(weights[tok, j])
+    return y
+
+
+def routed(t, k, g, skip=()):
+    logits = torch.randn(t, E, generator=g) * 2
+    logits[:, list(skip)] = -30.0  # experts that receive no token
+    return M.route_reference(logits, k, renormalize=True)
+
+
+CASES = [  # (format, dtype, T, k, experts without tokens)
+    ("float", torch.float16, 7, 2, (2, 5)),
+    ("float", torch.bfloat16, 9, 3, ()),
+    ("float", torch.float32, 1, 2, ()),
+    ("w4a16", torch.float16, 5, 2, (0,)),
+    ("w4a16_8", torch.bfloat16, 3, 2, ()),
+    ("fp8_block", torch.float16, 6, 2, (7,)),
+]
+
+
+@pytest.mark.parametrize(("fmt", "dtype", "t", "k", "skip"), CASES)
+def test_fused_moe_matches_reference(fmt, dtype, t, k, skip):
+    g = torch.Generator().manual_seed(t * 10 + k)
+    w13, w2 = make_experts(fmt, dtype, g)
+    x = torch.randn(t, H, generator=g).to(dtype)
+    weights, ids = routed(t, k, g, skip)
+    y = M.fused_moe(x.to(DEVICE), w13, w2, weights.to(DEVICE), ids.to(DEVICE), config=SMALL).cpu()
+    ref = M.fused_moe_reference(x.to(DEVICE), w13, w2, weights.to(DEVICE), ids.to(DEVICE)).cpu()
+    assert y.dtype == dtype and not y.isnan().any()
+    if fmt == "fp8_block":
+        assert (y.float() - ref.float()).abs().max() <= 4 * 2**-10 * ref.float().abs().max()
+        return
+    want = exact(x, w13, w2, weights, ids)
+    err, ref_err = (y.double() - want).abs().max(), (ref.double() - want).abs().max()
+    assert err <= 2 * ref_err + 2**-20 * want.abs().max(), (err, ref_err)
+
+
+def test_fused_moe_is_deterministic_and_reads_only_chosen_experts():
+    """Experts no token chose hold NaN weights: the output stays finite (their blocks exit before any load)."""
+    g = torch.Generator().manual_seed(3)
+    w13, w2 = make_experts("float", torch.float16, g)
+    x = torch.randn(1, H, generator=g).half().to(DEVICE)
+    weights, ids = routed(1, 2, g)
+    args = (x, w13, w2, weights.to(DEVICE), ids.to(DEVICE))
+    ref = M.fused_moe_reference(*args)
+    for e in set(range(E)) - set(ids.flatten().tolist()):
+        w13.weight[e] = float("nan")
+        w2.weight[e] = float("nan")
+    y = M.fused_moe(*args, config=SMALL)
+    assert torch.equal(y, M.fused_moe(*args, config=SMALL)) and not y.isnan().any()
+    assert (y.float() - ref.float()).abs().max() <= 2**-10 * ref.float().abs().max()
+
+
+def test_bad_operands_are_one_line_errors():
+    g = torch.Generator().manual_seed(0)
+    w13, w2 = make_experts("float", torch.float16, g)
+    x = torch.randn(2, H).half().to(DEVICE)
+    weights, ids = (t.to(DEVICE) for t in routed(2, 2, g))
+    with pytest.raises(ValueError, match=r"float experts must be torch\.float32"):
+        M.fused_moe(x.float(), w13, w2, weights, ids)
+    with pytest.raises(ValueError, match=r"weights must be fp32"):
+        M.fused_moe(x, w13, w2, weights.half(), ids)
+    with pytest.raises(ValueError, match=r"need W13"):
+        M.fused_moe(x, w2, w13, weights, ids)
+    with pytest.raises(ValueError, match="top_k"):
+        M.route(torch.randn(2, 4, device=DEVICE), 5)
+    with pytest.raises(ValueError, match="groups of two"):
+        M.route(torch.randn(2, 6, device=DEVICE), 2, "sigmoid", n_group=4)
