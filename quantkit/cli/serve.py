@@ -93,10 +93,12 @@ def engine_options(f):
         ),
     ]
     options += [
-        click.option("--speculative", "spec_method", type=click.Choice(["draft", "self", "ngram", "eagle", "medusa"]),
-                     default=None, help="Speculative decoding: draft tokens with a draft model (--draft-model), the "
-                     "target's own weights quantized (self), prompt lookup (ngram), or draft heads made by train-draft "
-                     "(eagle, medusa: --draft-model is their folder), and verify them losslessly."),
+        click.option("--speculative", "spec_method", default=None,
+                     type=click.Choice(["draft", "self", "ngram", "eagle", "medusa", "mtp"]),
+                     help="Speculative decoding: draft tokens with a draft model (--draft-model), the "
+                     "target's own weights quantized (self), prompt lookup (ngram), draft heads made by train-draft "
+                     "(eagle, medusa: --draft-model is their folder), or the checkpoint's own multi-token-prediction "
+                     "layers (mtp: DeepSeek-V3's), and verify them losslessly."),
         click.option("--num-spec-tokens", type=int, default=None, help="Most tokens drafted per step (default 4)."),
         click.option("--draft-model", default=None,
                      help="draft: the draft model's folder; self: a quantkit checkpoint of the same model "

@@ -128,12 +128,13 @@ class LLM:
             raise QuantkitError(f"draft model folder not found: {speculative.draft}")  # before any weight loads
         device = resolve_device(self.config.device)
         checks.tokenizer(tokenizer)
+        mtp = speculative is not None and speculative.method == "mtp"  # the checkpoint's MTP layers are the drafter
         if isinstance(model, str | Path):
-            loaded = loader.load_folder(model, self.config.dtype, device)
+            loaded = loader.load_folder(model, self.config.dtype, device, mtp=mtp)
         elif isinstance(model, torch.nn.Module):
             loaded = loader.from_hf_model(model, device, tokenizer)
         elif isinstance(model, dict | PretrainedConfig):
-            loaded = loader.dummy(model, self.config.dtype, device, self.config.seed)
+            loaded = loader.dummy(model, self.config.dtype, device, self.config.seed, mtp=mtp)
         else:
             raise QuantkitError(
                 "model must be a folder's path, a Hugging Face model or a config (a dict with model_type), "

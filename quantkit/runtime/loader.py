@@ -86,8 +86,10 @@ def assign_weights(model: CausalLM, tensors: dict[str, torch.Tensor], device: to
     check_quantized_tensors(where, model, stored)
 
 
-def load_folder(path: str | Path, dtype_name: str, device: torch.device) -> LoadedModel:
-    """A float HF folder or a quantkit checkpoint folder."""
+def load_folder(path: str | Path, dtype_name: str, device: torch.device, mtp: bool = False) -> LoadedModel:
+    """A float HF folder or a quantkit checkpoint folder. Multi-token-prediction layers past the last decoder layer
+    (DeepSeek-V3's, ``checkpoint.mtp``) are left out, or with ``mtp`` built as ``model.mtp_layers`` (a list of
+    ``speculative.mtp.MTPLayer``, float or quantized as the checkpoint stores them) for MTP drafting."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from quantkit.models.loading import loading, read_config
@@ -112,10 +114,19 @@ def load_folder(path: str | Path, dtype_name: str, device: torch.device) -> Load
         absent = sorted(set(schemes) - names)
         if absent:
             raise QuantkitError(f"corrupt checkpoint {folder}: quantized module {absent[0]} is not in the model")
+    from quantkit.checkpoint.mtp import split_mtp
     from quantkit.checkpoint.read import read_tensors
 
     with loading(folder):
-        assign_weights(model, read_tensors(folder), device, folder)
+        tensors = read_tensors(folder)
+        mtp_layers, mtp_tensors = split_mtp(raw, tensors)
+        assign_weights(model, tensors, device, folder)
+        if mtp and mtp_layers:
+            from quantkit.checkpoint.mtp import mtp_schemes
+            from quantkit.runtime.speculative.mtp import build_mtp
+
+            mtp_linear = quantized_linear(mtp_schemes(qc), dtype) if qc is not None else linear
+            model.mtp_layers = build_mtp(config, mtp_layers, mtp_tensors, mtp_linear, dtype, device)
         tokenizer = None
         if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
             tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -148,8 +159,9 @@ def from_hf_model(hf_model: nn.Module, device: torch.device, tokenizer=None) -> 
     return LoadedModel(model, tokenizer, eos_ids(getattr(hf_model, "generation_config", None), config))
 
 
-def dummy(config, dtype_name: str, device: torch.device, seed: int = 0) -> LoadedModel:
-    """Random weights in the shape of ``config`` (an HF config or a dict with ``model_type``), for benchmarks."""
+def dummy(config, dtype_name: str, device: torch.device, seed: int = 0, mtp: bool = False) -> LoadedModel:
+    """Random weights in the shape of ``config`` (an HF config or a dict with ``model_type``), for benchmarks; with
+    ``mtp``, one random MTP layer when the config declares ``num_nextn_predict_layers``."""
     if isinstance(config, dict):
         from transformers import AutoConfig
 
@@ -171,4 +183,10 @@ def dummy(config, dtype_name: str, device: torch.device, seed: int = 0) -> Loade
                 mod.weight.normal_(0.0, std, generator=gen)
                 if getattr(mod, "bias", None) is not None:
                     mod.bias.zero_()
+        for buf in model.buffers():  # DeepSeek-V3's router correction bias
+            buf.zero_()
+    if mtp and getattr(config, "num_nextn_predict_layers", 0):
+        from quantkit.runtime.speculative.mtp import random_mtp
+
+        model.mtp_layers = random_mtp(config, dtype, device, gen)
     return LoadedModel(model, None, eos_ids(config))

@@ -10,7 +10,7 @@ from quantkit.checks import flag, integer
 from quantkit.errors import QuantkitError
 from quantkit.quant.scheme import QuantScheme
 
-METHODS = ("draft", "self", "ngram", "eagle", "medusa")
+METHODS = ("draft", "self", "ngram", "eagle", "medusa", "mtp")
 HEAD_METHODS = ("eagle", "medusa")  # draft heads on the target's features (``heads``)
 ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")  # vLLM's names for the two rules
 TREE_MAX_NODES = 63  # the verify chunk (the sequence's last token, then the tree) fits one 64-bit tree-mask word
@@ -33,7 +33,8 @@ class SpeculativeConfig:
       model, or None to quantize the target in memory with RTN to ``draft_scheme``; ``draft_layers`` keeps only the
       first L decoder layers), ``ngram`` (prompt lookup: the tokens that followed the last ``prompt_lookup_max`` ..
       ``prompt_lookup_min`` tokens where they occurred before in prompt + output; no model), ``eagle`` / ``medusa``
-      (draft heads on the target's own hidden states, trained by ``quantkit train-draft``: ``draft`` is their folder).
+      (draft heads on the target's own hidden states, trained by ``quantkit train-draft``: ``draft`` is their folder),
+      ``mtp`` (the checkpoint's own multi-token-prediction layers, DeepSeek-V3's: ``speculative.mtp``; no draft).
     - ``num_speculative_tokens``: k, the most tokens drafted per sequence and step.
     - ``adaptive``: k follows each sequence's recent acceptance, and speculation pauses for a batch size whose
       measured verify + draft cost exceeds what the accepted tokens save; False drafts k tokens every step. Either
@@ -85,8 +86,8 @@ class SpeculativeConfig:
             raise QuantkitError("speculative method 'draft' needs a draft model (a folder)")
         if self.method in HEAD_METHODS and not self.draft:
             raise QuantkitError(f"speculative method {self.method!r} needs draft heads (a folder from train-draft)")
-        if self.method == "ngram" and (self.draft or self.draft_layers):
-            raise QuantkitError("speculative method 'ngram' takes no draft model")
+        if self.method in ("ngram", "mtp") and (self.draft or self.draft_layers):
+            raise QuantkitError(f"speculative method {self.method!r} takes no draft model")
         if self.num_tree_tokens is not None and self.method not in HEAD_METHODS:
             raise QuantkitError(f"num_tree_tokens (tree drafting) needs method eagle or medusa, not {self.method!r}")
         if self.acceptance_method not in ACCEPTANCE_METHODS:

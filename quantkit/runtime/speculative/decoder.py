@@ -295,6 +295,10 @@ def make_decoder(
         proposer = head_proposer(spec, target_runner)
         if spec.num_tree_tokens is not None:
             return SpeculativeDecoder(spec, proposer, max_model_len, tree_drafter(spec, proposer, target_runner))
+    elif spec.method == "mtp":
+        from quantkit.runtime.speculative.mtp import mtp_proposer
+
+        proposer = mtp_proposer(spec, target_runner)
     elif draft is None:
         proposer = NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
     else:

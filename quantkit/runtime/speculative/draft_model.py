@@ -193,8 +193,8 @@ def _is_weight_only_quantized(model: CausalLM) -> bool:
 
 
 def load_draft(spec: SpeculativeConfig, target: CausalLM, target_tokenizer, dtype: str, device) -> CausalLM | None:
-    """The draft model of ``spec`` (None for n-gram lookup and draft heads), checked against the target."""
-    if spec.method in ("ngram", "eagle", "medusa"):
+    """The draft model of ``spec`` (None for n-gram lookup, draft heads and MTP layers), checked against the target."""
+    if spec.method in ("ngram", "eagle", "medusa", "mtp"):
         return None
     from quantkit.runtime import loader
 

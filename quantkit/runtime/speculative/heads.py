@@ -315,6 +315,8 @@ class EagleProposer:
         self.target, self.head, self.store = target, head, store
         self.cost_per_token = cost_per_token
         self.caches: dict[int, _EagleCache] = {}
+        self.readout = target.logits  # features -> logits (the MTP drafter reads out by its own head)
+        self.embed = target.model.embed_tokens
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int], generators: list[torch.Generator | None]) -> list[Draft]:
@@ -325,10 +327,10 @@ class EagleProposer:
         if caught is None:
             return Draft([])
         g, kv = caught
-        n, device, embed = seq.num_computed_tokens, g.device, self.target.model.embed_tokens
+        n, device, embed = seq.num_computed_tokens, g.device, self.embed
         tokens, probs = [], []
         for j in range(k):
-            token, q = _choose(self.target.logits(g[0, 0]).float(), seq, generator)
+            token, q = _choose(self.readout(g[0, 0]).float(), seq, generator)
             tokens.append(token)
             probs.append(q)
             if j + 1 < k:
@@ -348,9 +350,9 @@ class EagleProposer:
             cache = self.caches[seq.seq_id] = _EagleCache(lo)
         keep = min(cache.length, n - lo - 1)  # at least the last position runs again: its output drafts
         if cache.kv is not None:
-            cache.kv = (cache.kv[0][:, :keep], cache.kv[1][:, :keep])
+            cache.kv = tuple(t[:, :keep] for t in cache.kv)
         start = lo + keep  # catch up on positions start .. n - 1: (f_t, x_{t+1})
-        embed = self.target.model.embed_tokens
+        embed = self.embed
         device = self.store.seqs[seq.seq_id].buf.device
         feats = self.store.seqs[seq.seq_id].buf[start:n].unsqueeze(0).to(self.target.dtype)
         ids = torch.tensor(seq.token_ids[start + 1 : n + 1], device=device)
