@@ -188,5 +188,5 @@ def dummy(config, dtype_name: str, device: torch.device, seed: int = 0, mtp: boo
     if mtp and getattr(config, "num_nextn_predict_layers", 0):
         from quantkit.runtime.speculative.mtp import random_mtp
 
-        model.mtp_layers = random_mtp(config, dtype, device, gen)
+        model.mtp_layers = random_mtp(config, float_linear(dtype), dtype, device, gen)
     return LoadedModel(model, None, eos_ids(config))

@@ -82,7 +82,7 @@ class ModelRunner:
         self._copied = torch.cuda.Event() if device.type == "cuda" else None  # recorded after the input copies
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         self.kv = self._empty_cache(self.num_blocks)
-        self.kv_caches = [tuple(self.kv[i].unbind()) for i in range(cfg.num_hidden_layers)]
+        self.kv_caches = [tuple(self.kv[i, j] for j in range(self.kv_parts)) for i in range(cfg.num_hidden_layers)]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verify_width = 0
@@ -96,7 +96,7 @@ class ModelRunner:
     @property
     def use_graphs(self) -> bool:
         """Whether steps replay CUDA graphs: on CUDA, without ``enforce_eager``, for models whose forward can be
-        captured (not MoE models yet: their blocks read expert counts on the host)."""
+        captured (not MoE models whose experts are not stacked: their blocks read expert counts on the host)."""
         return self.device.type == "cuda" and not self.config.enforce_eager and self.model.graph_safe
 
     def _backend(self) -> str:
@@ -374,7 +374,7 @@ class ModelRunner:
         base = torch.cuda.memory_allocated()
         kv = self._empty_cache(n_seq * pages)
         kv_bytes = torch.cuda.memory_allocated() - base
-        caches = [tuple(kv[i].unbind()) for i in range(kv.shape[0])]
+        caches = [tuple(kv[i, j] for j in range(self.kv_parts)) for i in range(kv.shape[0])]
         batch = ScheduledBatch()
         for i in range(n_seq):
             seq = Sequence(-1 - i, -1, [0] * min(seq_len, total - i * seq_len), _PROFILE_PARAMS)

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
-from quantkit.runtime.loader import float_linear
 from quantkit.runtime.model import DecoderLayer, RMSNorm, decoder_spec, rope_tables
 from quantkit.runtime.moe import experts_by_name
 from quantkit.runtime.speculative.heads import EagleProposer, FeatureStore
@@ -85,11 +84,12 @@ def build_mtp(config, layers: list[str], tensors: dict[str, torch.Tensor], linea
     return out
 
 
-def random_mtp(config, dtype, device, gen: torch.Generator) -> list[MTPLayer]:
-    """One MTP layer of random weights (``dummy:`` models that declare ``num_nextn_predict_layers``)."""
+def random_mtp(config, linear, dtype, device, gen: torch.Generator) -> list[MTPLayer]:
+    """One MTP layer of random weights, its linears made by ``linear`` (``dummy:`` models that declare
+    ``num_nextn_predict_layers``)."""
     std = getattr(config, "initializer_range", 0.02)
     with torch.device("meta"):
-        layer = MTPLayer(config, config.num_hidden_layers, float_linear(dtype), dtype, own_embedding=False)
+        layer = MTPLayer(config, config.num_hidden_layers, linear, dtype, own_embedding=False)
     layer.to_empty(device=device)
     with torch.no_grad():
         for name, t in layer.state_dict().items():
