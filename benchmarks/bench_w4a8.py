@@ -8,6 +8,7 @@ Every figure goes from bf16 activations x [M, K] to a bf16 output [M, N] and is 
   w4a8_int8  quantkit.kernels.w4a8.w4a8_linear(fmt="int8"): per-token int8 quantizer + the W4A8 GEMM
   w4a8_fp8   the same with e4m3 activations (fmt="fp8")
   w4a8_gemm  the int8 W4A8 GEMM alone on pre-quantized activations, to split the quantizer's cost off
+  w4a8_words w4a8_int8 with the weight tile unpacked word by word (``byte_unpack=False``), the byte path's baseline
 
 Weights are random 4-bit GPTQ-v2 buffers (every bit pattern a valid code and zero point, fp16 scales) in groups of
 ``--group`` (default 128; -1: per channel); the bf16 and int8 baselines get random weights of the same shape.
@@ -33,6 +34,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -60,8 +62,8 @@ QUICK_MS = [1, 256, 1024]
 SMOKE_SHAPES = [(96, 128), (40, 256)]
 SMOKE_MS = [1, 20, 70]
 SMOKE_GROUP = 64
-VARIANTS = ["bf16", "w4a16", "w8a8", "w4a8_int8", "w4a8_fp8", "w4a8_gemm"]
-RATIO_VARIANTS = ["w4a16", "w8a8", "w4a8_int8", "w4a8_fp8"]
+VARIANTS = ["bf16", "w4a16", "w8a8", "w4a8_int8", "w4a8_fp8", "w4a8_gemm", "w4a8_words"]
+RATIO_VARIANTS = ["w4a16", "w8a8", "w4a8_int8", "w4a8_fp8", "w4a8_words"]
 W4A8_FORMATS = {"w4a8_int8": "int8", "w4a8_fp8": "fp8"}
 BASELINE_MAX_REL_ERROR = 1e-2
 # issue 49's targets over bf16 cuBLAS: (variant, M range, minimum speedup); at M = 1 the goal is relative to W4A16's
@@ -121,6 +123,9 @@ class Problem:
         if variant in W4A8_FORMATS:
             fmt = W4A8_FORMATS[variant]
             return lambda: K.w4a8_linear(x, w4, fmt=fmt)
+        if variant == "w4a8_words":
+            words = replace(K.config_for(self.m), byte_unpack=False)
+            return lambda: K.w4a8_linear(x, w4, config=words)
         if variant == "w4a8_gemm":
             qa, sa = self.qa[i]
             return lambda: K.w4a8_matmul(qa, sa, w4, out_dtype=torch.bfloat16)
@@ -130,7 +135,7 @@ class Problem:
         """Rotation 0's output against float64 (see the module docstring); raises AssertionError on a failure."""
         x, w4 = self.x[0], self.w4[0]
         where = f"{variant} N={self.n} K={self.k} M={self.m}"
-        if variant in W4A8_FORMATS or variant == "w4a8_gemm":
+        if variant in W4A8_FORMATS or variant in ("w4a8_gemm", "w4a8_words"):
             fmt = W4A8_FORMATS.get(variant, "int8")
             ref = K.w4a8_reference(x, w4, None, fmt)
             qa, sa = K8.quantize_activations_reference(x, fmt)
@@ -176,7 +181,8 @@ def run_table(shapes, ms, group: int, timer: Timer, device: str, save) -> list[d
             sp = row["speedup"]
             print(
                 f"N={n:6d} K={k:6d} M={m:5d}  bf16 {base:9.1f} us  w4a16 {sp['w4a16']:.2f}x  w8a8 {sp['w8a8']:.2f}x  "
-                f"w4a8 int8 {sp['w4a8_int8']:.2f}x  fp8 {sp['w4a8_fp8']:.2f}x  [{time.perf_counter() - t0:.1f} s]",
+                f"w4a8 int8 {sp['w4a8_int8']:.2f}x  fp8 {sp['w4a8_fp8']:.2f}x  words {sp['w4a8_words']:.2f}x  "
+                f"[{time.perf_counter() - t0:.1f} s]",
                 flush=True,
             )
             del p

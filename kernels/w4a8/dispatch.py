@@ -40,7 +40,8 @@ def _pow2(v: int) -> bool:
 class W4A8Config:
     """One launch of the W4A8 GEMM: BLOCK_M x BLOCK_N output tiles, BLOCK_K deep steps (capped to divide the group),
     GROUP_M row tiles per L2 group, ``split_waves`` (split K until about that many waves of programs per SM
-    exist; 0: never), ``swap_ab`` (y.T = W @ qa.T), warps and pipeline stages."""
+    exist; 0: never), ``swap_ab`` (y.T = W @ qa.T), warps and pipeline stages; ``byte_unpack``: the weight tile is
+    read as bytes and turned into int8 four codes per instruction (``gemm._bytes_to_signed``), else word by word."""
 
     block_m: int = 64
     block_n: int = 64
@@ -50,6 +51,7 @@ class W4A8Config:
     swap_ab: bool = False
     num_warps: int = 4
     num_stages: int = 3
+    byte_unpack: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "group_m", "num_warps"):
@@ -63,9 +65,10 @@ class W4A8Config:
     @property
     def name(self) -> str:
         swap = "t" if self.swap_ab else ""
+        words = "" if self.byte_unpack else "-words"
         return (
             f"m{self.block_m}n{self.block_n}k{self.block_k}g{self.group_m}w{self.num_warps}s{self.num_stages}"
-            f"sw{self.split_waves}{swap}"
+            f"sw{self.split_waves}{swap}{words}"
         )
 
 
@@ -162,9 +165,15 @@ def w4a8_matmul(
     return launch(qa, a_scale, w, bias, out, plan.config, plan.launch)
 
 
-def w4a8_linear(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = None, fmt: str = "int8") -> torch.Tensor:
+def w4a8_linear(
+    x: torch.Tensor,
+    w: W4A16Weight,
+    bias: torch.Tensor | None = None,
+    fmt: str = "int8",
+    config: W4A8Config | None = None,
+) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W.T + bias in x's dtype (fp16 / bf16): x permuted for act-order, quantized per token
-    to ``fmt`` ("int8" or "fp8"), then the W4A8 GEMM with ``choose``'s plan."""
+    to ``fmt`` ("int8" or "fp8"), then the W4A8 GEMM with ``choose``'s plan (``config`` overrides the table)."""
     require(fmt in DTYPE_OF_FORMAT, f"fmt must be one of {sorted(DTYPE_OF_FORMAT)}, got {fmt!r}")
     require(x.dtype in (torch.float16, torch.bfloat16), f"x must be float16 or bfloat16, got {x.dtype}")
     require(x.shape[-1] == w.in_features, f"x must be [..., {w.in_features}], got {tuple(x.shape)}")
@@ -172,5 +181,5 @@ def w4a8_linear(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
     if w.perm is not None:
         x2 = x2.index_select(1, w.perm)
     qa, a_scale = quantize_activations(x2, fmt)
-    y = w4a8_matmul(qa, a_scale, w, bias, out_dtype=x.dtype)
+    y = w4a8_matmul(qa, a_scale, w, bias, out_dtype=x.dtype, config=config)
     return y.reshape(*x.shape[:-1], w.out_features)

@@ -13,6 +13,8 @@ Every output buffer is poisoned with NaN first; inputs are fresh random tensors 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -102,9 +104,14 @@ CASES = [
     ("int8", 100, 40, 256, 64, True, torch.bfloat16, True, True, None),
     ("fp8", 130, 20, 192, 64, False, torch.float16, False, True, None),
 ]
+# the word-by-word unpacking (byte_unpack=False) on the cases that cover its masks and both paths
+WORDS = [
+    (*case[:-1], replace(case[-1] or K.config_for(case[1]), byte_unpack=False))
+    for case in (CASES[2], CASES[3], CASES[7], CASES[11], CASES[12])
+]
 
 
-@pytest.mark.parametrize("fmt,m,n,k,group,sym,dtype,act_order,with_bias,config", CASES)
+@pytest.mark.parametrize("fmt,m,n,k,group,sym,dtype,act_order,with_bias,config", CASES + WORDS)
 def test_matches_float64_reference(fmt, m, n, k, group, sym, dtype, act_order, with_bias, config):
     qw, w = make_layer(n, k, group, sym, act_order, seed=m * 1000 + n)
     x = activations(m, k, dtype, seed=m + n)
