@@ -8,7 +8,8 @@ and kept in memory (fp16), so each cell costs one quantization and one forward p
 calibration windows are the same for every cell of a calibration draw. Protocol: see quantkit.eval.perplexity.
 
 ``--jobs FILE``: the cells come from a YAML list of jobs (see accuracy_jobs.yaml), each with the per-cell options
-below (methods, bits, groups, params, label, nsamples, calib_seed, sym, act_static); the command line gives the
+below (methods, bits, groups, params, label, nsamples, calib_seed, sym, act_static, scheme: more scheme keys, e.g.
+{act_bits: 8} to run a weight-only preset with 8-bit activations); the command line gives the
 rest. Rows accumulate in ``--out``: a later run replaces the rows of the cells it ran and keeps the others.
 """
 
@@ -33,7 +34,8 @@ from quantkit.eval import evaluate_windows, window_log_probs
 from quantkit.models.loading import cache_dir, resolve_model
 from quantkit.presets import preset_recipe
 
-JOB_KEYS = ("name", "methods", "bits", "groups", "params", "label", "nsamples", "calib_seed", "sym", "act_static")
+JOB_KEYS = ("name", "methods", "bits", "groups", "params", "label", "nsamples", "calib_seed", "sym", "act_static",
+            "scheme")  # fmt: skip
 JOB_REQUIRED = ("name", "methods", "bits", "groups")
 
 
@@ -113,7 +115,12 @@ def main(argv: list[str] | None = None) -> None:
         for method in job["methods"]:
             for bits in job["bits"]:
                 for group in job["groups"]:
-                    scheme = {"bits": bits, "group_size": group, "sym": job.get("sym", args.sym)}
+                    scheme = {
+                        "bits": bits,
+                        "group_size": group,
+                        "sym": job.get("sym", args.sym),
+                        **job.get("scheme", {}),
+                    }
                     if job.get("act_static", args.act_static):
                         scheme["act_dynamic"] = False
                     recipe = preset_recipe(method, scheme, params=params or None)
@@ -230,6 +237,8 @@ def read_jobs(path: Path, only: str | None = None) -> list[dict]:
             raise SystemExit(f"{where} ({raw['name']}): {exc}") from None
         if not isinstance(job.get("params", {}), dict):
             raise SystemExit(f"{where} ({raw['name']}): params must be a mapping of stage parameters")
+        if not isinstance(job.get("scheme", {}), dict):
+            raise SystemExit(f"{where} ({raw['name']}): scheme must be a mapping of scheme keys")
         jobs.append(job)
     names = [j["name"] for j in jobs]
     twice = sorted({n for n in names if names.count(n) > 1})

@@ -20,7 +20,8 @@ def test_shipped_jobs_build_their_recipes():
         for method in job["methods"]:
             for bits in job["bits"]:
                 for group in job["groups"]:
-                    preset_recipe(method, {"bits": bits, "group_size": group}, params=job.get("params") or None)
+                    scheme = {"bits": bits, "group_size": group, **job.get("scheme", {})}
+                    preset_recipe(method, scheme, params=job.get("params") or None)
     assert [j["name"] for j in accuracy.read_jobs(JOBS, only="draw-2,rtn")] == ["rtn", "draw-2"]
 
 
