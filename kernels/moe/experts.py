@@ -148,7 +148,8 @@ def check_weights(w: ExpertWeights, x_dtype: torch.dtype) -> None:
     if w.fmt == "fp8_block":
         b = w.group_size
         if b not in BLOCK_SIZES or w.weight.dtype != torch.float8_e4m3fn or tuple(w.weight.shape) != (e, n, k):
-            raise ValueError(f"fp8_block experts must be e4m3 [{e}, {n}, {k}] with B in {BLOCK_SIZES}")
+            raise ValueError(f"fp8_block experts must be e4m3 [{e}, {n}, {k}] with B in {BLOCK_SIZES}, got "
+                             f"{w.weight.dtype} {tuple(w.weight.shape)}, B = {b}")  # fmt: skip
         if w.scales.dtype != torch.float32 or tuple(w.scales.shape) != (e, -(-n // b), -(-k // b)):
             raise ValueError(f"fp8_block scales must be fp32 [{e}, {-(-n // b)}, {-(-k // b)}]")
     if w.weight.stride(-1) != 1 and w.fmt != "w4a16":

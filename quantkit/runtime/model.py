@@ -276,9 +276,10 @@ class CausalLM(nn.Module):
 
     @property
     def graph_safe(self) -> bool:
-        """Whether a step can be captured in a CUDA graph (MoE blocks read their expert counts on the host, MLA
-        attention its context lengths)."""
-        return not any(isinstance(layer.mlp, SparseMoE) or self.is_mla for layer in self.model.layers)
+        """Whether a step can be captured in a CUDA graph (MoE blocks read their expert counts on the host unless
+        their experts are stacked for the fused kernels, MLA attention its context lengths)."""
+        looped = any(isinstance(layer.mlp, SparseMoE) and layer.mlp.fused is None for layer in self.model.layers)
+        return not (looped or self.is_mla)
 
     @property
     def is_mla(self) -> bool:
@@ -315,7 +316,8 @@ class CausalLM(nn.Module):
 
 def fuse_projections(model: CausalLM) -> int:
     """Concatenate q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` per layer (per expert and
-    shared expert in MoE layers; the parts are dropped); returns how many fused linears were made.
+    shared expert in MoE layers; the parts are dropped); returns how many fused linears were made. On CUDA, MoE
+    experts the fused MoE kernels serve are stacked instead (``SparseMoE.stack_experts``, one count per block).
 
     One GEMM instead of three (two) saves launches and reads the k/v weights at full bandwidth, which is what
     batch-1 decode is bound by; a W8A8 or W4A8 group also quantizes its shared input once. Float, W4A16
@@ -335,6 +337,8 @@ def fuse_projections(model: CausalLM) -> int:
         if isinstance(layer.mlp, SparseMoE):
             shared = [m for m in (layer.mlp.shared_expert, layer.mlp.shared_experts) if m is not None]
             mlps = [*layer.mlp.experts, *shared]
+            if layer.mlp.gate.weight.is_cuda and layer.mlp.stack_experts():  # all experts: one weight per projection
+                mlps, fused = shared, fused + 1
         for mlp in mlps:
             gate_up = _concat((mlp.gate_proj, mlp.up_proj))
             if gate_up is not None:

@@ -1,17 +1,21 @@
-"""The runtime's mixture-of-experts feed-forward block (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) in plain PyTorch.
+"""The runtime's mixture-of-experts feed-forward block (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3).
 
 A router (one linear, softmax in fp32, top-k, the top-k weights renormalised where the family does; DeepSeek-V3: sigmoid
 scores, chosen by score + ``e_score_correction_bias`` within the ``topk_group`` best of ``n_group`` expert groups,
-weighted by the plain scores times ``routed_scaling_factor``) picks ``num_experts_per_tok`` experts per token; the
-token-expert pairs are sorted by expert, each expert that received tokens runs once on its contiguous slice, and the
-weighted outputs are summed back into token order with one ``index_add_`` (fp32 accumulation). At batch 1 only the
-chosen experts run. Qwen2-MoE adds a shared expert scaled by a sigmoid gate, DeepSeek-V3 ungated shared experts (one MLP
-``n_shared_experts`` times as wide as an expert) and keeps its first ``first_k_dense_replace`` layers dense. Experts are
-ordinary SiLU-gated MLPs made by the runtime's linear factory, named as transformers and quantkit checkpoints name them
-(``mlp.experts.{e}.gate_proj``, ...), so float and quantized experts load alike.
+weighted by the plain scores times ``routed_scaling_factor``) picks ``num_experts_per_tok`` experts per token
+(``quantkit.kernels.moe.route_reference``: transformers' arithmetic, ties to the lower expert index). Qwen2-MoE adds a
+shared expert scaled by a sigmoid gate, DeepSeek-V3 ungated shared experts (one MLP ``n_shared_experts`` times as wide
+as an expert) and keeps its first ``first_k_dense_replace`` layers dense. Experts are ordinary SiLU-gated MLPs made by
+the runtime's linear factory, named as transformers and quantkit checkpoints name them (``mlp.experts.{e}.gate_proj``,
+...), so float and quantized experts load alike.
 
-The host reads the per-expert token counts (one device-to-host copy per layer), so a step with MoE layers cannot be
-captured in a CUDA graph: such models run decode steps eagerly until a fused MoE kernel replaces this loop.
+Two paths, one numerics contract (fp32 routing weights, weighted expert outputs summed in fp32):
+- the loop (CPU, and the reference): token-expert pairs sorted by expert, each expert that received tokens runs once
+  on its contiguous slice, the weighted outputs summed back with one ``index_add_``. The host reads the per-expert
+  token counts, so it cannot be captured in a CUDA graph.
+- fused (CUDA, after ``stack_experts`` at load time): the experts' weights stacked once per layer (float, W4A16
+  without act-order, block fp8), then ``quantkit.kernels.moe``: one routing launch, the pairs aligned to expert
+  blocks on the device, one grouped GEMM launch per projection. No host sync: decode steps are captured.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from quantkit.kernels._device import interpreting
+from quantkit.kernels.moe import ExpertWeights, fused_moe, route, route_reference
 
 MLPFactory = Callable[..., nn.Module]  # mlp(name prefix, inter=intermediate size) -> SiLU-gated MLP
 
@@ -62,6 +69,8 @@ class SparseMoE(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk = bool(config.norm_topk_prob) if spec.norm_topk is None else spec.norm_topk
         self.grouped_sigmoid = spec.grouped_sigmoid
+        self.dtype = dtype
+        self.fused: tuple[ExpertWeights, ExpertWeights] | None = None  # set by stack_experts
         gate_dtype = torch.float32 if spec.grouped_sigmoid else dtype  # transformers keeps DeepSeek's router in fp32
         self.gate = nn.Linear(config.hidden_size, num_experts, bias=False, dtype=gate_dtype)
         inter = getattr(config, spec.intermediate)
@@ -76,32 +85,27 @@ class SparseMoE(nn.Module):
             self.routed_scaling_factor = config.routed_scaling_factor
             self.shared_experts = mlp(f"{prefix}.shared_experts", inter=inter * config.n_shared_experts)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights fp32 [T, k], expert ids int64 [T, k]) of each token's top-k experts."""
-        if self.grouped_sigmoid:
-            return self.route_grouped(x)
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, chosen
+    def routing_args(self) -> dict:
+        """The family's arguments of ``kernels.moe.route`` / ``route_reference``."""
+        if not self.grouped_sigmoid:
+            return {"score": "softmax", "renormalize": self.norm_topk}
+        return {"score": "sigmoid", "renormalize": self.norm_topk, "bias": self.gate.e_score_correction_bias,
+                "n_group": self.n_group, "topk_group": self.topk_group,
+                "scaling": self.routed_scaling_factor}  # fmt: skip
 
-    def route_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """DeepSeek-V3's router, step for step as transformers' ``DeepseekV3TopkRouter``: a group's score is the sum
-        of its two best biased scores; experts outside the ``topk_group`` best groups are masked."""
-        scores = torch.sigmoid(F.linear(x.float(), self.gate.weight.float()))  # [T, E]
-        choice = scores + self.gate.e_score_correction_bias
-        groups = choice.view(-1, self.n_group, choice.shape[-1] // self.n_group)  # [T, G, E / G]
-        group_idx = torch.topk(groups.topk(2, dim=-1)[0].sum(dim=-1), k=self.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros(groups.shape[:2], dtype=torch.bool, device=x.device).scatter_(1, group_idx, True)
-        choice = choice.masked_fill(~group_mask[:, :, None].expand_as(groups).reshape(choice.shape), float("-inf"))
-        chosen = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, chosen)
-        if self.norm_topk:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.routed_scaling_factor, chosen
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, E]: in the model dtype (Mixtral, Qwen), in fp32 for DeepSeek-V3 (as transformers)."""
+        return F.linear(x.float(), self.gate.weight.float()) if self.grouped_sigmoid else self.gate(x)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights fp32 [T, k], expert ids int64 [T, k]) of each token's top-k experts, best first."""
+        weights, ids = route_reference(self.router_logits(x), self.top_k, **self.routing_args())
+        return weights, ids.long()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            weights, ids = route(self.router_logits(x), self.top_k, **self.routing_args())
+            return self.add_shared(x, fused_moe(x, *self.fused, weights, ids, out_dtype=torch.float32))
         weights, chosen = self.route(x)
         pair_expert = chosen.flatten()  # [T * k] token-expert pairs, token-major
         order = torch.argsort(pair_expert, stable=True)  # pairs grouped by expert, tokens ascending within a group
@@ -116,12 +120,65 @@ class SparseMoE(nn.Module):
                 start += n
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         out.index_add_(0, token, ys.float() * weights.flatten()[order, None])
+        return self.add_shared(x, out)
+
+    def add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The routed experts' fp32 sum ``out`` [T, hidden] plus the shared expert(s), in x's dtype."""
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x).float())
             out += gate * self.shared_expert(x).float()
         if self.shared_experts is not None:
             out += self.shared_experts(x).float()
         return out.to(x.dtype)
+
+    def stack_experts(self) -> bool:
+        """Stack the experts' weights for the fused kernels (gate and up side by side) and drop the per-expert
+        modules; returns whether the block now runs fused. Declined (False, nothing changed) off CUDA (unless
+        Triton's interpreter runs), for experts of mixed or unserved kinds (W4A16 with act-order, per-channel
+        W8A8, W4A8, biases) and for 4-bit experts of fp32 models."""
+        if self.fused is not None:
+            return True
+        if not (self.gate.weight.is_cuda or interpreting()) or not len(self.experts):
+            return False
+        self.fused = stacked_weights(list(self.experts), self.dtype)
+        if self.fused is not None:
+            self.experts = nn.ModuleList()  # the stacked copies replace them
+        return self.fused is not None
+
+
+def stacked_weights(experts: list[nn.Module], dtype: torch.dtype) -> tuple[ExpertWeights, ExpertWeights] | None:
+    """(gate/up [E, 2I, H], down [E, H, I]) of SiLU-gated MLPs in a format of ``kernels.moe``, or None."""
+    from quantkit.nn.dispatch import kernel_weight
+    from quantkit.nn.qlinear import QuantLinear
+    from quantkit.nn.w8a8 import W8A8Linear
+
+    parts = [(m.gate_proj, m.up_proj, m.down_proj) for m in experts]
+    if any(p is None for ps in parts for p in ps):  # already fused per expert
+        return None
+    kind = type(parts[0][0])
+    if any(type(p) is not kind or p.bias is not None for ps in parts for p in ps):
+        return None
+    if issubclass(kind, nn.Linear):
+        w13 = ExpertWeights.from_float([torch.cat([g.weight, u.weight]) for g, u, _ in parts])
+        return w13, ExpertWeights.from_float([d.weight for _, _, d in parts])
+    if kind is QuantLinear and dtype in (torch.float16, torch.bfloat16):
+        try:
+            gate_up = [kernel_weight(QuantLinear.concat([g, u])) for g, u, _ in parts]
+        except ValueError:  # act-order gate and up with different permutations
+            return None
+        down = [kernel_weight(d) for _, _, d in parts]
+        if any(w is None or w.perm is not None for w in gate_up + down):
+            return None
+        return ExpertWeights.from_w4a16(gate_up), ExpertWeights.from_w4a16(down)
+    first = parts[0][0]
+    if kind is W8A8Linear and first.block and first.fmt == "fp8" and first.input_scale is None:
+        if first.out_features % first.block or first.execution.value != "integer":
+            return None
+        gu = [(torch.cat([g.weight, u.weight]), torch.cat([g.weight_scale, u.weight_scale])) for g, u, _ in parts]
+        w13 = ExpertWeights.from_fp8_block([w for w, _ in gu], [s for _, s in gu], first.block)
+        down = [d for _, _, d in parts]
+        return w13, ExpertWeights.from_fp8_block([d.weight for d in down], [d.weight_scale for d in down], first.block)
+    return None
 
 
 def experts_by_name(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

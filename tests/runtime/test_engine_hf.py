@@ -8,6 +8,7 @@ position or chunk boundary) changes the K/V a token sees and shows up as a diffe
 import pytest
 import torch
 import transformers as T
+from quantkit.kernels._device import interpreting
 
 import quantkit
 from quantkit.recipe import Recipe
@@ -32,7 +33,24 @@ SETTINGS = {
 MOE_CONFIGS = {
     "qwen3_moe": lambda: T.Qwen3MoeConfig(
         **COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16, norm_topk_prob=True
-    )
+    ),
+    # DeepSeek-V3's router and shared expert after one dense layer (MLA attention: tests/runtime/test_deepseek.py)
+    "deepseek_v3": lambda: T.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4},
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        routed_scaling_factor=2.5,
+    ),
 }
 
 
@@ -287,6 +305,63 @@ def test_moe_models_run_eagerly_and_fuse_per_expert():
     rows = record_logits(llm)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=12))
     assert_logits_match_hf(model, prompts, outputs, rows, atol=1e-5)
+
+
+@pytest.mark.skipif(not interpreting(), reason="the fused MoE kernels on CPU need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
+def test_stacked_experts_run_the_fused_kernels_and_keep_hf_tokens(arch):
+    """Experts stacked at load (what fuse_projections does on CUDA) run ``kernels.moe`` (here in Triton's
+    interpreter, fp32; shared experts added around it): HF's greedy tokens, the per-expert modules gone, and the
+    model graph safe (DeepSeek-V3 stays eager for its MLA attention)."""
+    from quantkit.runtime.moe import SparseMoE
+
+    model = build(arch)
+    if arch == "deepseek_v3":
+        with torch.no_grad():
+            model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0, 0.1)  # choice and weights differ
+    else:
+        sharpen(model)
+    prompts = random_prompts([5, 23, 1], VOCAB, seed=3)
+    llm = LLM(model, device="cpu", num_kv_blocks=64, max_num_batched_tokens=16)
+    blocks = [layer.mlp for layer in llm.model.model.layers if isinstance(layer.mlp, SparseMoE)]
+    assert not llm.model.graph_safe and all(b.stack_experts() for b in blocks)
+    assert llm.model.graph_safe == (arch != "deepseek_v3")
+    n_experts = getattr(model.config, "num_local_experts", None) or model.config.num_experts
+    assert len(blocks[0].experts) == 0 and blocks[0].fused[0].weight.shape[0] == n_experts
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=8))
+    assert [o.completions[0].token_ids for o in outputs] == hf_greedy(model, prompts, 8)
+
+
+@pytest.mark.skipif(not interpreting(), reason="the fused MoE kernels on CPU need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("fmt", ["w4a16", "fp8_block"])
+def test_stacked_quantized_experts_equal_the_loop(fmt):
+    """W4A16 and block-fp8 experts (fp16) stack into the fused kernels' layouts; the block's output equals the
+    loop's within 4 fp16 ulps of its largest value (the loop rounds each expert's output before weighting it, the
+    kernel the weighted fp32 product)."""
+    from quantkit.algorithms.rtn import rtn
+    from quantkit.nn.qlinear import QuantLinear
+    from quantkit.nn.w8a8 import W8A8Linear
+    from quantkit.quant import QuantScheme
+
+    llm = LLM(build("qwen3_moe").half(), device="cpu", num_kv_blocks=4)
+    block = llm.model.model.layers[0].mlp
+    for expert in block.experts:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            lin = getattr(expert, name)
+            if fmt == "w4a16":
+                q = QuantLinear.from_quantized(rtn(lin.weight.float(), QuantScheme(bits=4, group_size=32)), None,
+                                               torch.float16)  # fmt: skip
+            else:
+                scheme = QuantScheme(bits=8, group_size=-1, fmt="fp8", act_bits=8, block_size=16)
+                q = W8A8Linear.from_float(lin.float(), scheme)
+                q.dtype, q.execution = torch.float16, "integer"
+            setattr(expert, name, q)
+    x = torch.randn(9, COMMON["hidden_size"], generator=torch.Generator().manual_seed(0)).half()
+    with torch.no_grad():
+        loop = block(x)
+        assert block.stack_experts() and block.fused[0].fmt == fmt
+        fused = block(x)
+    assert (fused.float() - loop.float()).abs().max() <= 4 * 2**-10 * loop.float().abs().max()
 
 
 def test_dummy_moe_shapes_and_random_weights():
