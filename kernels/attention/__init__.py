@@ -1,7 +1,9 @@
 """Attention over the runtime's paged KV cache: decode (``paged``, flash-decoding over block tables, and the KV
 store) and prefill (``prefill``, FlashAttention-2 tiling over packed chunks and their cached prefixes; chunks that
-are draft trees are masked by the words ``tree_mask`` builds)."""
+are draft trees are masked by the words ``tree_mask`` builds); ``mla``, DeepSeek's latent attention decode over paged
+latent rows."""
 
+from quantkit.kernels.attention.mla import mla_decode, mla_decode_reference
 from quantkit.kernels.attention.paged import (
     default_num_splits,
     gather_context,
@@ -19,6 +21,8 @@ __all__ = [
     "flash_prefill",
     "flash_prefill_reference",
     "gather_context",
+    "mla_decode",
+    "mla_decode_reference",
     "pack_tree_masks",
     "paged_decode",
     "paged_decode_reference",

@@ -9,7 +9,8 @@ keys and values are never stored (DeepSeek-V3: 576 values per token instead of 1
 - decodes absorb ``kv_b_proj`` into the query and the output (the paper's "absorbed" form): q_lat[h] = W_UK[h]^T
   q_nope[h], scores q_lat . c + q_pe . k_pe, o[h] = W_UV[h] (sum_j p_j c_j), so a decode reads only the latent rows.
 
-Both run in plain PyTorch here (``mla_decode_reference`` is the decode reference); the cache is one tensor per layer
+Prefill runs in plain PyTorch; decode runs ``quantkit.kernels.attention.mla`` (a Triton flash-decoding kernel over the
+latent rows; its ``mla_decode_reference`` with the ``torch`` backend). The cache is one tensor per layer
 [num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim] (``CausalLM.kv_layout``). The projections and norms
 have transformers' names (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj`` or ``q_proj`` without ``q_lora_rank``,
 ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``), so float and quantized checkpoints load alike.
@@ -22,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from quantkit.kernels.attention.mla import mla_decode, mla_decode_reference
 from quantkit.kernels.attention.paged import gather_context
 from quantkit.kernels.attention.tree_mask import tree_mask_dense
 
@@ -47,21 +49,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
     c, s = cos[:, None, :], sin[:, None, :]
     return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
-
-
-def mla_decode_reference(q_lat, q_pe, latent_cache, block_tables, context_lens, rank: int, scale: float):
-    """Absorbed MLA decode. q_lat [B, H, rank] (q_nope through W_UK), q_pe [B, H, rope], latent_cache [blocks,
-    block_size, 1, rank + rope] -> o_lat [B, H, rank] (sum_j p_j c_j, still to go through W_UV); fp32 math, q's
-    dtype; zero rows where the context is empty."""
-    out = torch.zeros_like(q_lat)
-    for b, ctx in enumerate(context_lens.tolist()):
-        if ctx == 0:
-            continue
-        rows = gather_context(latent_cache, block_tables[b], 0, ctx)[:, 0].float()  # [L, rank + rope]
-        c, k_pe = rows[:, :rank], rows[:, rank:]
-        scores = (q_lat[b].float() @ c.T + q_pe[b].float() @ k_pe.T) * scale  # [H, L]
-        out[b] = (scores.softmax(-1) @ c).to(q_lat.dtype)
-    return out
 
 
 class MLAttention(nn.Module):
@@ -146,10 +133,12 @@ class MLAttention(nn.Module):
     def _decode(self, q_nope, q_pe, cache, meta) -> torch.Tensor:
         w_uk, w_uv = self.absorbed_weights()
         q_lat = torch.einsum("bhn,hnr->bhr", q_nope.float(), w_uk)  # [B, H, rank]
-        o_lat = mla_decode_reference(
-            q_lat, q_pe.float(), cache, meta.decode_block_tables, meta.decode_context_lens, self.rank, self.scale
-        )
-        return torch.einsum("bhr,hvr->bhv", o_lat, w_uv).to(q_nope.dtype)
+        args = (q_lat, q_pe.float(), cache, meta.decode_block_tables, meta.decode_context_lens, self.scale)
+        if meta.backend == "triton":
+            o_lat = mla_decode(*args, num_splits=meta.decode_num_splits, max_context=meta.max_decode_context or None)
+        else:
+            o_lat = mla_decode_reference(*args)
+        return torch.einsum("bhr,hvr->bhv", o_lat.float(), w_uv).to(q_nope.dtype)
 
     def _prefill(self, q_nope, q_pe, cache, meta) -> torch.Tensor:
         out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)

@@ -7,7 +7,6 @@ import pytest
 import torch
 import transformers as T
 from click.testing import CliRunner
-from quantkit.kernels._device import interpreting
 from safetensors.torch import save_file
 
 import quantkit
@@ -80,16 +79,14 @@ def test_greedy_matches_hf(reference, setting):
     assert llm.block_manager.num_free == llm.block_manager.num_blocks
 
 
-@pytest.mark.skipif(not interpreting(), reason="the fused MoE kernels on CPU need TRITON_INTERPRET=1")
-def test_stacked_experts_keep_hf_tokens(reference):
-    """The routed experts stacked for ``kernels.moe`` (its sigmoid group-limited routing kernel, then the grouped
-    GEMMs; shared experts added around them) keep HF's tokens, here in Triton's interpreter (fp32)."""
+def test_triton_mla_decode_kernel_matches_hf(reference):
+    """The Triton MLA decode kernel (Triton's interpreter on CPU) in the engine: HF's tokens and logits."""
     model, prompts, expected = reference
-    llm = LLM(model, device="cpu", num_kv_blocks=64, max_num_batched_tokens=16)
-    blocks = [layer.mlp for layer in llm.model.model.layers[1:]]
-    assert all(b.stack_experts() and b.shared_experts is not None for b in blocks)
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW))
-    assert [o.completions[0].token_ids for o in outputs] == expected
+    llm = LLM(model, device="cpu", attention_backend="triton", num_kv_blocks=64)
+    rows = record_logits(llm)
+    outputs = llm.generate(prompts[:2], SamplingParams(max_tokens=NEW))
+    assert [o.completions[0].token_ids for o in outputs] == expected[:2]
+    assert_logits_match_hf(model, prompts[:2], outputs, rows, atol=1e-5)
 
 
 def test_full_rank_queries_yarn_and_plain_rotary_match_hf():
@@ -118,7 +115,8 @@ def test_absorbed_decode_equals_decompressed_attention():
     cache = torch.randn(4, bs, 1, attn.latent_width)
     table = torch.tensor([[2, 0, 3]], dtype=torch.int32)
     q_nope, q_pe = torch.randn(1, attn.num_heads, attn.nope), torch.randn(1, attn.num_heads, attn.rope_dim)
-    meta = type("Meta", (), dict(decode_block_tables=table, decode_context_lens=torch.tensor([ctx], dtype=torch.int32)))
+    lens = torch.tensor([ctx], dtype=torch.int32)
+    meta = type("Meta", (), dict(decode_block_tables=table, decode_context_lens=lens, backend="torch"))
     absorbed = attn._decode(q_nope, q_pe, cache, meta)
     slots = torch.arange(ctx)
     latents = cache[table[0, slots // bs].long(), slots % bs, 0]
