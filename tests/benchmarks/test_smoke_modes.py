@@ -42,6 +42,7 @@ def smoke(script: str, out: Path, *args: str) -> subprocess.CompletedProcess:
         pytest.param("bench_w4a8.py", "w4a8_results.json", marks=interpreted),
         pytest.param("bench_gemv.py", "gemv.json", marks=interpreted),
         pytest.param("bench_attention.py", "bench_attention_smoke.json", marks=interpreted),
+        pytest.param("bench_moe.py", "moe.json", marks=interpreted),
     ],
 )
 def test_smoke_mode_runs_and_writes_its_results(script, written, tmp_path):

@@ -1,0 +1,192 @@
+"""The fused MoE layer (``quantkit.kernels.moe``) alone against a plain loop over experts, on one GPU.
+
+One MoE layer's routed experts from router logits to the layer output [M, H] (the router linear and shared experts
+left out: the same for every variant), bf16 activations, timed in the same run:
+
+  loop       the runtime's CPU path on the GPU: softmax top-k, pairs sorted by expert, one cuBLAS gate/up and down
+             per expert that received tokens (bf16 weights), index_add back. It reads its expert counts on the host,
+             so it cannot be captured: timed eagerly (``do_bench``, median), as it runs. The baseline of every ratio.
+  bf16       route + fused_moe on bf16 experts (ours)
+  w4a16      the same on 4-bit experts, groups of 128 (the W4A16 kernel layout, stacked)
+  fp8_block  the same on block-fp8 experts, B = 128 (DeepSeek-V3's layout, stacked; activations quantized per tile)
+  dense      a bf16 dense SiLU MLP of the active parameters (width k * I): what the routed work costs without routing
+
+The fused variants and dense run in a CUDA graph replayed under ``do_bench`` (median; L2 flushed before each replay;
+the experts of one layer span far more than the L2, so one copy of the operands suffices). ``GB/s`` is the bytes of
+the experts the routing chose (all of them once M is large) over the time, and ``of copy`` that figure as a fraction
+of the device's copy bandwidth measured in the same run (the issue's batch-1 target: >= 70% in bf16 and W4A16).
+Every fused output is checked against ``fused_moe_reference`` first (at most 4 ulps of the output's largest value).
+
+Shapes: Qwen3-30B-A3B (H 2048, I 768, 128 experts, top 8) and Mixtral-8x7B (H 4096, I 14336, 8 experts, top 2),
+from ``quantkit.runtime.bench.DUMMY_MODELS``; M in {1, 16, 64, 256, 1024, 4096} tokens.
+
+  python benchmarks/bench_moe.py [--out DIR]          both shapes, every M
+  python benchmarks/bench_moe.py --quick              M in {1, 64, 1024}
+  TRITON_INTERPRET=1 python benchmarks/bench_moe.py --smoke   CPU plumbing check: a tiny layer, wall clock
+Writes moe.json and moe.md under --out (default out/moe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from common import Timer, add_out_argument, copy_bandwidth, environment, kernel_device, median_seconds, out_folder
+from quantkit.kernels import moe as M
+from quantkit.kernels.moe.experts import ExpertWeights
+from quantkit.kernels.w4a16.weight import W4A16Weight
+
+from quantkit.runtime.bench import DUMMY_MODELS
+
+QWEN, MIXTRAL = DUMMY_MODELS["qwen3-30b-a3b"], DUMMY_MODELS["mixtral-8x7b"]
+SHAPES = {  # name: (H, I, experts, top-k)
+    "qwen3-30b-a3b": (QWEN["hidden_size"], QWEN["moe_intermediate_size"], QWEN["num_experts"], 8),
+    "mixtral-8x7b": (MIXTRAL["hidden_size"], MIXTRAL["intermediate_size"], MIXTRAL["num_local_experts"], 2),
+}
+MS = [1, 16, 64, 256, 1024, 4096]
+QUICK_MS = [1, 64, 1024]
+SMOKE_SHAPES = {"tiny": (64, 32, 8, 2)}
+SMOKE_MS = [1, 5]
+FORMATS = ["bf16", "w4a16", "fp8_block"]
+GROUP, BLOCK = 128, 128
+
+
+def expert_weights(fmt: str, n: int, k: int, e: int, dev: str, g: torch.Generator) -> ExpertWeights:
+    """Random experts [E, N, K] in ``fmt``: bf16 N(0, 0.02); 4-bit codes, zeros and scales ~0.002 (groups of
+    GROUP, one group where K is shorter); e4m3 codes of N(0, 1) with block scales ~0.02 (B = BLOCK)."""
+    if fmt == "bf16":
+        return ExpertWeights("float", torch.randn(e, n, k, device=dev, generator=g).mul_(0.02).bfloat16(), k, n)
+    if fmt == "w4a16":
+        group = GROUP if k > GROUP else 0
+        n_g = k // GROUP if group else 1
+
+        def words(*shape: int) -> torch.Tensor:  # random 32-bit patterns: eight random 4-bit codes each
+            return torch.randint(-(2**31), 2**31, shape, device=dev, generator=g, dtype=torch.int64).int()
+
+        qw = [W4A16Weight(words(k // 8, n), words(n_g, n // 8),
+                          (torch.rand(n_g, n, device=dev, generator=g) * 0.004).half(), 4, group, k, n)
+              for _ in range(e)]  # fmt: skip
+        return ExpertWeights.from_w4a16(qw)
+    codes = torch.randn(e, n, k, device=dev, generator=g).to(torch.float8_e4m3fn)
+    scales = torch.rand(e, -(-n // BLOCK), -(-k // BLOCK), device=dev, generator=g) * 0.02
+    return ExpertWeights("fp8_block", codes, k, n, scales, group_size=BLOCK)
+
+
+def loop_layer(x, logits, w13, w2, top_k):
+    """The plain implementation: route, sort pairs by expert, one cuBLAS pass per expert with tokens."""
+    weights, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), top_k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    order = torch.argsort(ids.flatten(), stable=True)
+    token = order // top_k
+    counts = torch.bincount(ids.flatten(), minlength=w13.shape[0]).tolist()
+    xs = x[token]
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, cnt in enumerate(counts):
+        if cnt:
+            g, u = F.linear(xs[start : start + cnt], w13[e]).chunk(2, dim=-1)
+            ys[start : start + cnt] = F.linear(F.silu(g) * u, w2[e])
+            start += cnt
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    out.index_add_(0, token, ys.float() * weights.flatten()[order, None])
+    return out.to(x.dtype)
+
+
+def dense_mlp(x, w13, w2):
+    g, u = F.linear(x, w13).chunk(2, dim=-1)
+    return F.linear(F.silu(g) * u, w2)
+
+
+def fused_layer(x, logits, w13, w2, top_k):
+    weights, ids = M.route(logits, top_k)
+    return M.fused_moe(x, w13, w2, weights, ids)
+
+
+def expert_bytes(w: ExpertWeights) -> int:
+    """Bytes one expert of ``w`` occupies (codes, scales and zeros)."""
+    tensors = [t for t in (w.weight, w.scales, w.qzeros) if t is not None]
+    return sum(t[0].numel() * t.element_size() for t in tensors)
+
+
+def run_shape(name, shape, ms, timer, dev, copy_bw, smoke) -> list[dict]:
+    h, inter, e, k = shape
+    g = torch.Generator(device=dev).manual_seed(0)
+    bf16 = [expert_weights("bf16", 2 * inter, h, e, dev, g), expert_weights("bf16", h, inter, e, dev, g)]
+    experts = {"bf16": bf16}
+    for fmt in FORMATS[1:]:
+        experts[fmt] = [expert_weights(fmt, 2 * inter, h, e, dev, g), expert_weights(fmt, h, inter, e, dev, g)]
+    dense13 = torch.randn(2 * k * inter, h, device=dev, generator=g).mul_(0.02).bfloat16()
+    dense2 = torch.randn(h, k * inter, device=dev, generator=g).mul_(0.02).bfloat16()
+    rows = []
+    for m in ms:
+        x = torch.randn(m, h, device=dev, generator=g).bfloat16()
+        logits = torch.randn(m, e, device=dev, generator=g).bfloat16()
+        chosen = M.route(logits, k)[1].unique().numel()
+        loop = lambda x=x, logits=logits: loop_layer(x, logits, bf16[0].weight, bf16[1].weight, k)
+        loop_us = median_seconds(loop, smoke=smoke) * 1e6
+        row = {"shape": name, "m": m, "experts_read": chosen, "loop_us": loop_us}
+        row["dense_us"] = timer.per_call([lambda x=x: dense_mlp(x, dense13, dense2)])
+        for fmt, (w13, w2) in experts.items():
+            weights, ids = M.route(logits, k)
+            y = M.fused_moe(x, w13, w2, weights, ids)
+            ref = M.fused_moe_reference(x, w13, w2, weights, ids)
+            err = (y.float() - ref.float()).abs().max().item()
+            ok = err <= 4 * torch.finfo(torch.bfloat16).eps * ref.float().abs().max().item()
+            us = timer.per_call([lambda x=x, logits=logits, w13=w13, w2=w2: fused_layer(x, logits, w13, w2, k)])
+            gbs = chosen * (expert_bytes(w13) + expert_bytes(w2)) / us / 1e3
+            row[fmt] = {"us": us, "speedup": loop_us / us, "gbs": gbs, "of_copy": gbs * 1e9 / copy_bw, "ok": ok,
+                        "err": err}  # fmt: skip
+        rows.append(row)
+        cells = "  ".join(f"{f} {row[f]['us']:.1f} us {row[f]['speedup']:.2f}x {100 * row[f]['of_copy']:.0f}%"
+                          f"{'' if row[f]['ok'] else ' WRONG'}" for f in FORMATS)  # fmt: skip
+        print(f"{name} M={m}: loop {loop_us:.1f} us, dense {row['dense_us']:.1f} us | {cells}", flush=True)
+    return rows
+
+
+def markdown(env: dict, copy_bw: float, rows: list[dict]) -> str:
+    lines = [
+        f"# Fused MoE layer vs a loop over experts -- {env['device']}, torch {env['torch']}, triton {env['triton']}, "
+        f"{env['date']}, commit {env['commit']}",
+        "",
+        f"Copy bandwidth {copy_bw / 1e9:.0f} GB/s. Each cell: microseconds, speedup over the loop, and the chosen "
+        "experts' bytes per second as a fraction of copy bandwidth.",
+        "",
+        "| shape | M | experts read | loop us | dense bf16 us | " + " | ".join(FORMATS) + " |",
+        "|---|---|---|---|---|" + "---|" * len(FORMATS),
+    ]
+    for r in rows:
+        cells = [f"{r[f]['us']:.1f} ({r[f]['speedup']:.2f}x, {100 * r[f]['of_copy']:.0f}%)"
+                 + ("" if r[f]["ok"] else " WRONG") for f in FORMATS]  # fmt: skip
+        lines.append(f"| {r['shape']} | {r['m']} | {r['experts_read']} | {r['loop_us']:.1f} | {r['dense_us']:.1f} | "
+                     + " | ".join(cells) + " |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help=f"M in {QUICK_MS}")
+    ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (needs TRITON_INTERPRET=1)")
+    add_out_argument(ap, "moe")
+    args = ap.parse_args(argv)
+    dev = kernel_device(args.smoke)
+    timer = Timer(args.smoke, warmup_ms=25, rep_ms=100)
+    copy_bw = copy_bandwidth(dev, smoke=args.smoke)
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    ms = SMOKE_MS if args.smoke else QUICK_MS if args.quick else MS
+    rows = []
+    for name, shape in shapes.items():
+        rows += run_shape(name, shape, ms, timer, dev, copy_bw, args.smoke)
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    out = out_folder(args.out)
+    env = environment(dev)
+    (out / "moe.json").write_text(json.dumps({"env": env, "copy_bandwidth": copy_bw, "rows": rows}, indent=1))
+    (out / "moe.md").write_text(markdown(env, copy_bw, rows))
+    correct = sum(r[f]["ok"] for r in rows for f in FORMATS)
+    print(f"{correct}/{len(rows) * len(FORMATS)} correct; wrote {out}/moe.json and moe.md")
+
+
+if __name__ == "__main__":
+    main()
