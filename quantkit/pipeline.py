@@ -13,6 +13,7 @@ from quantkit import checks
 from quantkit.calib.data import calibration_windows
 from quantkit.calib.runner import run_layerwise
 from quantkit.devices import resolve_device
+from quantkit.distributed import Shard, check_same, world
 from quantkit.errors import QuantkitError
 from quantkit.models import offload
 from quantkit.models.arch import arch_for, position_limit
@@ -146,6 +147,12 @@ def quantize(
     ``state_dir``: persist after every decoder layer what the run needs to go on (:mod:`quantkit.resume`); with
     ``resume``, continue from the state there when its fingerprint matches this run (refused when it does not).
     ``save_quantized`` deletes the state once the checkpoint is written.
+
+    Inside an initialised torch.distributed process group of several ranks (:mod:`quantkit.distributed`), every
+    rank calls this with the same model, recipe and windows: each runs a contiguous share of the calibration
+    batches, the statistics are summed over the ranks and each linear is quantized on one of them; every rank ends
+    with the same quantized model, and ``progress`` and the gate run on rank 0 only (``save_quantized`` writes
+    there). The resume state is not kept across processes.
     """
     if not isinstance(model, nn.Module):
         raise QuantkitError(f"quantize needs a torch.nn.Module (quantkit.load_model), got {type(model).__name__}")
@@ -166,8 +173,18 @@ def quantize(
         if fingerprint is None:
             fingerprint = {"source": "tensor", "nsamples": calib.shape[0], "seqlen": calib.shape[1]}
         batches = list(calib.split(recipe.calibration.batch_size))
-    if recipe.gate is not None:  # the float model's figures, before it changes
-        gate_windows, reference = gate_reference(recipe.gate, model, tokenizer)
+    rank, size = world()
+    shard = None
+    if size > 1:
+        if state_dir is not None:
+            raise QuantkitError("the resume state is not kept across processes: run without state_dir (--nproc)")
+        if batches:
+            check_same((list(calib.shape), int(calib.sum()), int((calib * calib).sum())), "calibration windows")
+        shard = Shard.of([len(b) for b in batches] if batches else [])
+        progress = progress if rank == 0 else None
+    gate = recipe.gate if rank == 0 else None
+    if gate is not None:  # the float model's figures, before it changes
+        gate_windows, reference = gate_reference(gate, model, tokenizer)
     offload.take_over(model, model.get_submodule(arch.layers))  # accelerate's offload, if any: layers load one by one
     state = None
     if state_dir is not None:
@@ -184,7 +201,10 @@ def quantize(
     def on_layer(ctx):
         for stage in stages:
             ctx.stop_replaying()  # what a stage replays holds only until another stage may change the layer
-            stage.apply(ctx)
+            if getattr(stage, "splits_work", False):
+                stage.apply(ctx)
+            else:  # across processes: on rank 0, with every rank's batches
+                ctx.run_on_main(stage.apply)
 
     def prepare(layer):
         prepare_layer(model, arch, layer)
@@ -192,7 +212,16 @@ def quantize(
     try:
         with torch.no_grad():
             layers = run_layerwise(
-                model, arch, batches, device, on_layer, progress, prepare=prepare, state=state, experts=recipe.experts
+                model,
+                arch,
+                batches,
+                device,
+                on_layer,
+                progress,
+                prepare=prepare,
+                state=state,
+                experts=recipe.experts,
+                shard=shard,
             )
     finally:
         offload.finish(model)
@@ -204,7 +233,7 @@ def quantize(
     result.state = state
     if not layers:
         raise QuantkitError("the recipe selected no linear layer to quantize (check targets / ignore)")
-    if recipe.gate is not None:
-        result.gate = check_gate(recipe.gate, model, gate_windows, reference)
+    if gate is not None:
+        result.gate = check_gate(gate, model, gate_windows, reference)
     model.quantkit = result
     return result

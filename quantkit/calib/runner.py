@@ -19,6 +19,7 @@ report (``routed``, ``all`` or ``none``: quantized without data).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ from torch import nn
 
 from quantkit.calib.stats import LinearStats, StatsCollector
 from quantkit.devices import release_host_memory
+from quantkit.distributed import Shard, broadcast_object, reduce_, reduce_stats
+from quantkit.errors import QuantkitError
 from quantkit.models.arch import ArchSpec
 from quantkit.models.experts import ExpertCalibration, LinearExperts
 from quantkit.models.layers import linears
@@ -67,6 +70,8 @@ class LayerContext:
     kwargs: list[dict]  # per batch keyword arguments of this layer
     device: torch.device
     report: dict[str, dict] = field(default_factory=dict)  # full linear name -> what the stages measured
+    shard: Shard | None = None  # across processes: which of the calibration batches this rank holds
+    kwargs_all: list[dict] | None = None  # across processes: the keyword arguments of every batch, of all ranks
     batch: int = -1  # the calibration batch running now (set by forward and collect)
     passes: int = 0  # passes over the batches so far
     _replayed: list = field(default_factory=list, init=False, repr=False)  # (module, own forward or None)
@@ -75,6 +80,11 @@ class LayerContext:
     @property
     def has_data(self) -> bool:
         return bool(self.hidden)
+
+    @property
+    def first_window(self) -> int:
+        """The index of ``hidden[0]``'s first window among all calibration windows (0 but across processes)."""
+        return self.shard.first_window if self.shard is not None else 0
 
     def full_name(self, name: str) -> str:
         return f"{self.prefix}.{name}"
@@ -185,7 +195,7 @@ class LayerContext:
 
             return hook
 
-        with StatsCollector(modules, hessian=hessian) as collector:
+        with StatsCollector(modules, hessian, reduce_stats if self.shard is not None else None) as collector:
             handles = [m.register_forward_pre_hook(stop_when_all_seen(n)) for n, m in modules.items()]
             try:
                 for h, kw in self._batches():
@@ -195,17 +205,52 @@ class LayerContext:
             finally:
                 for handle in handles:
                     handle.remove()
-        out = collector.stats
-        for name, m in modules.items():
-            if name not in out:  # e.g. an expert no calibration token was routed to
-                k = m.in_features
-                out[name] = LinearStats(
-                    xtx=torch.zeros(k, k, device=self.device) if hessian else None,
-                    n_tokens=0,
-                    absmax=torch.zeros(k, device=self.device),
-                    abssum=torch.zeros(k, device=self.device),
-                )
-        return out
+            for name, m in modules.items():
+                if name not in collector.stats:  # e.g. an expert no calibration token was routed to
+                    k = m.in_features
+                    collector.stats[name] = LinearStats(
+                        xtx=torch.zeros(k, k, dtype=torch.float64, device=self.device) if hessian else None,
+                        n_tokens=0,
+                        absmax=torch.zeros(k, device=self.device),
+                        abssum=torch.zeros(k, dtype=torch.float64, device=self.device),
+                    )
+        return collector.stats
+
+    @torch.no_grad()
+    def run_on_main(self, fn) -> None:
+        """``fn(ctx)`` on rank 0 with every rank's calibration batches (a stage that does not split its work between
+        processes), then the layer's tensors and report as rank 0 left them on every rank. ``fn`` may change the
+        layer's weights in place, not its modules. Outside a process group: ``fn(self)``."""
+        if self.shard is None:
+            fn(self)
+            return
+        shard = self.shard
+        rank = shard.rank
+        hidden = []
+        for i in range(len(shard.sizes)):
+            owner = shard.owner(i)
+            if owner == rank and rank != 0:
+                torch.distributed.send(self.hidden[i - shard.start].contiguous(), dst=0)
+            elif rank == 0:
+                h = self.hidden[i - shard.start] if owner == 0 else None
+                if h is None:
+                    h = self.hidden[0].new_empty((shard.sizes[i], *self.hidden[0].shape[1:]))
+                    torch.distributed.recv(h, src=owner)
+                hidden.append(h)
+        report = None
+        if rank == 0:
+            whole = dataclasses.replace(self, hidden=hidden, kwargs=self.kwargs_all, shard=None, kwargs_all=None)
+            fn(whole)
+            report = {k: v for k, v in self.report.items()}
+            del whole, hidden
+        state = self.layer.state_dict()
+        layout = [(k, tuple(t.shape), t.dtype) for k, t in state.items()]
+        report, main_layout = broadcast_object((report, layout), 0, self.device)
+        if layout != main_layout:
+            raise QuantkitError(f"{self.prefix}: a stage that changes a layer's modules cannot run across processes")
+        for t in state.values():
+            torch.distributed.broadcast(t, src=0)
+        self.report.update(report)
 
     @torch.no_grad()
     def capture_calls(self, module: nn.Module) -> list[tuple[tuple, dict]]:
@@ -240,6 +285,11 @@ def expert_coverage(ctx: LayerContext, rule: ExpertCalibration) -> dict[str, dic
     finally:
         for handle in handles:
             handle.remove()
+    if ctx.shard is not None:  # the tokens of every rank's batches
+        totals = torch.tensor([c for name, _ in blocks for c in counts[name]], dtype=torch.float64, device=ctx.device)
+        reduce_([totals])
+        flat = iter(int(c) for c in totals.tolist())
+        counts = {name: [next(flat) for _ in m] for name, m in blocks}
     out = {}
     for name, m in blocks:
         m.calibration = [rule.mode(c) for c in counts[name]]
@@ -303,6 +353,7 @@ def run_layerwise(
     prepare=None,
     state=None,
     experts: ExpertCalibration | None = None,
+    shard: Shard | None = None,
 ) -> dict[str, dict]:
     """Call ``on_layer(ctx)`` for every decoder layer in order; return the merged per-linear report.
 
@@ -313,12 +364,18 @@ def run_layerwise(
     ``state.done`` layers are already quantized, ``state.hidden(device)`` are the next one's inputs,
     ``state.report`` the report so far, and ``state.save(i, layer, hidden, report)`` runs after every layer.
     ``experts``: which tokens MoE experts calibrate on (default: the routed ones), see :func:`expert_coverage`.
+    ``shard``: across processes, the batches this rank runs (every rank is given all ``batches``); a layer's
+    outputs stay on the rank that computed them.
     """
     layers = decoder_layers(model, arch)
     if batches:
         hidden, layer_kwargs = capture_layer_inputs(model, arch, batches, device)
     else:
         hidden, layer_kwargs = [], [[] for _ in layers]
+    all_kwargs = layer_kwargs
+    if shard is not None and batches:
+        hidden = hidden[shard.start : shard.stop]
+        layer_kwargs = [kw[shard.start : shard.stop] for kw in layer_kwargs]
     report: dict[str, dict] = {}
     first = 0
     if state is not None and state.done:
@@ -333,6 +390,8 @@ def run_layerwise(
             home = next(layer.parameters(), torch.empty(0)).device
             layer.to(device)
             ctx = LayerContext(i, f"{arch.layers}.{i}", layer, arch, hidden, layer_kwargs[i], device)
+            if shard is not None:
+                ctx.shard, ctx.kwargs_all = shard, all_kwargs[i]
             t0 = time.perf_counter()
             try:
                 coverage = expert_coverage(ctx, experts or ExpertCalibration())

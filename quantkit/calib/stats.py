@@ -18,6 +18,11 @@ class LinearStats:
     - ``n_tokens``: number of tokens seen
     - ``absmax``: fp32 [K] per-input-channel max |x|
     - ``abssum``: fp32 [K] per-input-channel sum |x| (``mean_abs = abssum / n_tokens``)
+
+    While a :class:`StatsCollector` accumulates, ``xtx`` and ``abssum`` are float64 sums of each call's fp32
+    products (:meth:`finish` rounds them to fp32 once): a float64 sum of a few hundred fp32 terms is exact but in
+    rare entries, so the result does not depend on how the calibration batches were split between processes
+    (:mod:`quantkit.distributed`). Costs one more fp32 [K, K] per call and a float64 accumulator.
     """
 
     xtx: torch.Tensor | None
@@ -28,6 +33,13 @@ class LinearStats:
     @property
     def mean_abs(self) -> torch.Tensor:
         return self.abssum / max(self.n_tokens, 1)
+
+    def finish(self) -> LinearStats:
+        """The accumulators rounded to fp32 (in place; a second call changes nothing)."""
+        if self.xtx is not None:
+            self.xtx = self.xtx.float()
+        self.abssum = self.abssum.float()
+        return self
 
     def hessian(self) -> torch.Tensor:
         """GPTQ's H = 2 X^T X / n (fp32 [K, K])."""
@@ -41,11 +53,15 @@ class StatsCollector:
 
     Linears fed by the same tensor (q/k/v after one norm, gate/up) share one :class:`LinearStats` object: the
     statistics are identical, so X^T X is computed once. Consumers must treat stats as read-only.
+
+    On leaving the ``with`` block, ``reduce(stats)`` runs (across processes: the sums over every rank), then the
+    sums are rounded to fp32 (:meth:`LinearStats.finish`).
     """
 
-    def __init__(self, modules: dict[str, nn.Linear], hessian: bool = True) -> None:
+    def __init__(self, modules: dict[str, nn.Linear], hessian: bool = True, reduce=None) -> None:
         self.modules = modules
         self.hessian = hessian
+        self.reduce = reduce
         self.stats: dict[str, LinearStats] = {}
         self._handles = []
         self._last_input: dict[str, torch.Tensor] = {}  # module -> the input tensor of its latest call
@@ -77,10 +93,10 @@ class StatsCollector:
             if st is None:
                 k = module.in_features
                 st = self.stats[name] = LinearStats(
-                    xtx=torch.zeros(k, k, dtype=torch.float32, device=x.device) if self.hessian else None,
+                    xtx=torch.zeros(k, k, dtype=torch.float64, device=x.device) if self.hessian else None,
                     n_tokens=0,
                     absmax=torch.zeros(k, dtype=torch.float32, device=x.device),
-                    abssum=torch.zeros(k, dtype=torch.float32, device=x.device),
+                    abssum=torch.zeros(k, dtype=torch.float64, device=x.device),
                 )
             if self.hessian:
                 if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and _MM_OUT_DTYPE:
@@ -89,8 +105,8 @@ class StatsCollector:
                     st.xtx += torch.mm(x.t(), x, out_dtype=torch.float32)
                 else:
                     xf = x.float()
-                    st.xtx.addmm_(xf.t(), xf)
-            a = x.abs()  # abs and max are exact in any dtype; the sum accumulates in fp32
+                    st.xtx += xf.t() @ xf  # this call's fp32 product, summed in float64
+            a = x.abs()  # abs and max are exact in any dtype; each call's sum is fp32, the total float64
             torch.maximum(st.absmax, a.amax(dim=0).float(), out=st.absmax)
             st.abssum += a.sum(dim=0, dtype=torch.float32)
             st.n_tokens += x.shape[0]
@@ -106,3 +122,8 @@ class StatsCollector:
             h.remove()
         self._handles = []
         self._last_input.clear()
+        if exc[0] is None:
+            if self.reduce is not None:
+                self.reduce(self.stats)
+            for st in self.stats.values():
+                st.finish()

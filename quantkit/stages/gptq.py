@@ -40,6 +40,7 @@ import torch
 
 from quantkit.algorithms.gptq import choose_grid, gptq
 from quantkit.algorithms.rtn import rtn
+from quantkit.distributed import reduce_
 from quantkit.errors import QuantkitError
 from quantkit.stages import register
 from quantkit.stages.weights import WeightStage
@@ -122,7 +123,10 @@ class GPTQStage(WeightStage):
                 acc = held.get(name)
                 if acc is None:
                     k = module.in_features
-                    acc = held[name] = HeldOut(torch.zeros(k, k, dtype=torch.float32, device=x.device))
+                    # summed in float64 as LinearStats are; windows numbered from this rank's first one
+                    acc = held[name] = HeldOut(
+                        torch.zeros(k, k, dtype=torch.float64, device=x.device), windows=ctx.first_window
+                    )
                 last[:] = [x, acc]
                 # windows are dim 0 of a layer's input [b, L, K], numbered across batches so that any batch size
                 # holds out every HOLDOUT_EVERY-th window; an expert sees routed tokens [t, K]
@@ -133,7 +137,7 @@ class GPTQStage(WeightStage):
                 else:
                     xh = x.detach()[HOLDOUT_EVERY - 1 :: HOLDOUT_EVERY]
                 xh = xh.reshape(-1, module.in_features).float()
-                acc.xtx.addmm_(xh.t(), xh)
+                acc.xtx += xh.t() @ xh
                 acc.n_tokens += xh.shape[0]
 
             return pre
@@ -144,7 +148,20 @@ class GPTQStage(WeightStage):
         finally:
             for handle in handles:
                 handle.remove()
-        self._held = {id(stats[n]): held[n] for n in modules if n in held}
+        self._held = {}
+        for n in sorted(modules):  # one HeldOut per statistics object, in the same order on every rank
+            if id(stats[n]) in self._held or n not in judged:
+                continue
+            k = modules[n].in_features
+            self._held[id(stats[n])] = held.get(n) or HeldOut(torch.zeros(k, k, dtype=torch.float64, device=ctx.device))
+        parts = list(self._held.values())
+        if ctx.shard is not None:  # the held-out windows of every rank
+            counts = torch.tensor([float(h.n_tokens) for h in parts], dtype=torch.float64, device=ctx.device)
+            reduce_([*(h.xtx for h in parts), counts])
+            for h, c in zip(parts, counts.tolist(), strict=True):
+                h.n_tokens = int(c)
+        for h in parts:
+            h.xtx = h.xtx.float()
         return stats
 
     def quantize(self, w, stats, scheme):

@@ -10,6 +10,7 @@ import torch
 from quantkit.algorithms.rtn import rtn
 from quantkit.calib.runner import LayerContext
 from quantkit.calib.stats import LinearStats
+from quantkit.distributed import broadcast_object, owners
 from quantkit.nn.factory import make_quantized_linear
 from quantkit.nn.w8a8 import W8A8Linear, static_input_scale
 from quantkit.quant.scheme import QuantScheme
@@ -23,6 +24,7 @@ class WeightStage:
 
     kind = "weights"
     needs_hessian = False
+    splits_work = True  # across processes: statistics summed over the ranks, each linear quantized on one rank
 
     @dataclass(frozen=True)
     class Params:
@@ -43,6 +45,12 @@ class WeightStage:
     def quantized_module(self, module, stats, scheme, input_scale):
         qw, info = self.quantize(module.weight.data, stats, scheme)
         return make_quantized_linear(qw, module.bias, module.weight.dtype, input_scale), info
+
+    def cost(self, module) -> float:
+        """What quantizing ``module`` costs, in relative units (GPTQ's solve: K^2 (K + N)), for sharing the linears
+        of a layer between processes."""
+        k, n = module.in_features, module.out_features
+        return float(k * k * (k + n)) if self.needs_hessian else float(k * n)
 
     def collect_together(self) -> bool:
         """Collect the statistics of all groups in one pass (False: group by group, true-sequential)."""
@@ -69,24 +77,29 @@ class WeightStage:
             everything = {n: m for g in chosen_groups for n, m, _ in g}
             stats_all = self.collect(ctx, everything)
         sequential = wants_stats and not self.collect_together()
+        shard = ctx.shard
+        loads = [0.0] * shard.size if shard is not None else None
         for i, chosen in enumerate(chosen_groups):
             stats = {}
             if sequential:
                 stats = self.collect(ctx, {n: m for n, m, _ in chosen})
             elif wants_stats:
                 stats = stats_all
+            owner = owners({n: self.cost(m) for n, m, _ in chosen}, shard.size, loads) if shard is not None else {}
+            done = {}  # name -> (quantized module, report entries, seconds)
             for name, module, scheme in chosen:
+                if owner and owner[name] != shard.rank:
+                    continue
                 t0 = time.perf_counter()
                 input_scale = None if scheme.act_dynamic else static_input_scale(stats[name].absmax.max(), scheme)
                 new, info = self.quantized_module(module, stats.get(name), scheme, input_scale)
+                done[name] = (new, info, round(time.perf_counter() - t0, 4))
+            for rank in sorted(set(owner.values())):  # each rank's linears, to every rank
+                done.update(broadcast_object(done if rank == shard.rank else None, rank, ctx.device))
+            for name, _, scheme in chosen:
+                new, info, seconds = done[name]
                 ctx.layer.set_submodule(name, new)
-                ctx.record(
-                    name,
-                    method=self.stage.method,
-                    scheme=scheme.name,
-                    seconds=round(time.perf_counter() - t0, 4),
-                    **info,
-                )
+                ctx.record(name, method=self.stage.method, scheme=scheme.name, seconds=seconds, **info)
             if sequential and ctx.device.type == "cpu":  # a GPU runs attention faster than it is worth a copy
                 for child in settled_children(chosen_groups[: i + 1], chosen_groups[i + 1 :]):
                     ctx.replay(child)

@@ -1,0 +1,104 @@
+"""Calibration across processes (gloo on the CPU): the checkpoint of 2 and 3 processes is the single process's, byte
+for byte; a failing rank stops the run with one line naming it. Spawning costs seconds a process, so each spawned
+run quantizes every recipe at once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import quantkit
+from quantkit.distributed import Shard, launch, owners
+from quantkit.errors import QuantkitError
+from tests.tiny_models import tiny_model
+
+W4 = {"bits": 4, "group_size": 32}
+W8A8_STATIC = {"bits": 8, "group_size": -1, "act_bits": 8, "act_dynamic": False}
+SMALL_AWQ = {"grid": 4, "clip_grid": 4, "refine_steps": 2, "search_samples": 4, "search_tokens": 64}
+# 8 windows in batches of 2: 4 batches, shared 2 + 2 and 1 + 1 + 2; GPTQ holds out windows 3 and 7 (grid choice)
+CALIBRATION = {"batch_size": 2}
+RECIPES = {
+    "rtn": {"scheme": W4, "stages": [{"method": "rtn"}]},
+    "gptq": {"scheme": W4, "calibration": CALIBRATION, "stages": [{"method": "gptq"}]},
+    "awq": {"scheme": W4, "calibration": CALIBRATION, "stages": [{"method": "awq", "params": SMALL_AWQ}, "rtn"]},
+    "smoothquant": {
+        "scheme": W8A8_STATIC,
+        "calibration": CALIBRATION,
+        "stages": [{"method": "smoothquant", "params": {"search_tokens": 64}}, {"method": "gptq"}],
+    },
+    "moe-gptq": {"scheme": W4, "calibration": CALIBRATION, "stages": [{"method": "gptq"}]},
+}
+TIMING = ("seconds", "awq_seconds", "awq_clip_seconds")
+
+
+def windows() -> torch.Tensor:
+    return torch.randint(0, 320, (8, 16), generator=torch.Generator().manual_seed(1))
+
+
+def quantize_all(out: Path) -> None:
+    """Every recipe on a fresh tiny model; the checkpoints are written where save_quantized is called: on rank 0."""
+    for name, recipe in RECIPES.items():
+        model = tiny_model("qwen3_moe" if name.startswith("moe") else "llama")
+        recipe = {**recipe, "stages": [s if isinstance(s, dict) else {"method": s} for s in recipe["stages"]]}
+        quantkit.quantize(model, recipe, windows(), device="cpu")
+        if torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True:
+            quantkit.save_quantized(model, out / name)
+
+
+def spawned(out: str, fail_rank: int | None = None) -> None:
+    """A rank of :func:`launch`: join the group as torchrun's ranks do, quantize everything (or fail on purpose)."""
+    from quantkit.distributed import init_from_env
+
+    init_from_env("cpu", timeout_s=60)
+    if fail_rank is not None and torch.distributed.get_rank() == fail_rank:
+        raise ValueError("a deliberate failure")
+    quantize_all(Path(out))
+
+
+def report(folder: Path) -> dict:
+    layers = json.loads((folder / "quant_report.json").read_text())["layers"]
+    return {n: {k: v for k, v in r.items() if k not in TIMING} for n, r in layers.items()}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> Path:
+    """The single-process checkpoints, on one thread as every rank runs: the tensors do not depend on the number of
+    threads, but the last digits of a figure in the report (GPTQ's loss: a sum over a matrix) do."""
+    out = tmp_path_factory.mktemp("single")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        quantize_all(out)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_checkpoints_across_processes_are_the_single_process_ones(single, tmp_path, nproc):
+    launch(nproc, spawned, {"out": str(tmp_path)}, threads=1)
+    for name in RECIPES:
+        ours, theirs = load_file(tmp_path / name / "model.safetensors"), load_file(single / name / "model.safetensors")
+        assert ours.keys() == theirs.keys()
+        for key, t in theirs.items():
+            assert ours[key].dtype == t.dtype and torch.equal(ours[key], t), f"{name}: {key}"
+        assert report(tmp_path / name) == report(single / name), name
+
+
+def test_a_failing_rank_stops_all_with_one_line_naming_it(tmp_path):
+    with pytest.raises(QuantkitError, match=r"^rank 1 of 2 failed: ValueError: a deliberate failure$"):
+        launch(2, spawned, {"out": str(tmp_path), "fail_rank": 1}, threads=1)
+    assert not any(tmp_path.iterdir())  # rank 0 stopped at its first collective, before writing anything
+
+
+def test_shards_are_contiguous_and_owners_balance_cost():
+    shards = [Shard(r, 3, (2, 2, 2, 2, 1)) for r in range(3)]
+    assert [(s.start, s.stop, s.first_window) for s in shards] == [(0, 1, 0), (1, 3, 2), (3, 5, 6)]
+    assert [shards[0].owner(b) for b in range(5)] == [0, 1, 1, 2, 2]
+    loads = [0.0, 0.0]
+    assert owners({"q": 3.0, "k": 1.0, "v": 1.0}, 2, loads) == {"q": 0, "k": 1, "v": 1}
+    assert owners({"o": 2.0}, 2, loads) == {"o": 1} and loads == [3.0, 4.0]
