@@ -5,7 +5,8 @@ One process, one set of random bf16 weights in Llama-3-8B shape (transformers' o
   1. Offline throughput: 256 requests, prompt lengths uniform in 128..1024, 256 new tokens each, EOS ignored, all
      submitted at once (seeded prompts). quantkit runtime in bf16, W4A16 (RTN, 4-bit, group 128, symmetric) and
      W8A8 (RTN int8 per channel, dynamic per-token activations), the quantized modules built in process from the
-     same float weights; optionally fp8 W8A8 (``--variants ...,w8a8fp8``, e4m3 per channel, with
+     same float weights; optionally W4A8 (``w4a8``: 4-bit g128 weights, int8 activations per token) and fp8 W8A8
+     (``--variants ...,w8a8fp8``, e4m3 per channel, with
      ``--fp8-fast-accum`` for the tensor cores' fast accumulation). Baselines on the same weights and prompts:
      transformers' ``generate_batch`` (continuous batching, paged cache; timed after one tiny warm-up call, so
      each timed call still includes its own cache set-up) and ``generate`` in static batches of 64 (left
@@ -52,6 +53,7 @@ SCHEMES = {
     "w4a16": QuantScheme(bits=4, group_size=128, sym=True),
     "w8a8": QuantScheme(bits=8, group_size=-1, sym=True, act_bits=8, act_dynamic=True),
     "w8a8fp8": QuantScheme(bits=8, group_size=-1, sym=True, act_bits=8, act_dynamic=True, fmt="fp8"),
+    "w4a8": QuantScheme(bits=4, group_size=128, sym=True, act_bits=8, act_dynamic=True),  # int8 activations
 }
 QUANTIZED = tuple(SCHEMES)
 VARIANTS = ("bf16", *QUANTIZED)
