@@ -155,6 +155,22 @@ def test_quantized_checkpoint_matches_hf(tmp_path):
     assert [o.completions[0].token_ids for o in outputs] == expected
 
 
+def test_parallel_sampling_shares_latent_blocks_and_self_drafts(reference):
+    """n = 3 greedy completions (forked from one prefill: their latent blocks shared, the partly filled one copied on
+    write) equal HF's; a self draft (the target's first 2 layers in 4 bits; routers stay float) keeps the plain
+    tokens."""
+    model, prompts, _ = reference
+    pair = [[*prompts[1], 5], [*prompts[1], 7, 8]]
+    llm = LLM(model, device="cpu", num_kv_blocks=64)
+    outputs = llm.generate(pair, SamplingParams(max_tokens=8, n=3))
+    expected = hf_greedy(model, pair, 8)
+    assert all(c.token_ids == e for o, e in zip(outputs, expected, strict=True) for c in o.completions)
+    assert llm.block_manager.num_free == llm.block_manager.num_blocks
+    spec = dict(method="self", draft_layers=2, adaptive=False)
+    drafted = LLM(model, device="cpu", num_kv_blocks=64, speculative=spec).generate(pair, SamplingParams(max_tokens=8))
+    assert [o.completions[0].token_ids for o in drafted] == expected
+
+
 def test_dummy_shape():
     """``dummy:deepseek-v3-tiny``: 6.92B parameters, 1.59B active per token (8 of 64 experts in 11 MoE layers),
     576 latent values per token and layer in the cache; built on the meta device."""
@@ -240,6 +256,25 @@ def test_mtp_oracle_is_accepted(tmp_path):
     assert llm.spec.totals.accepted >= 0.9 * llm.spec.totals.drafted > 0
 
 
+def test_quantized_mtp_layer_drafts(tmp_path):
+    """A quantkit checkpoint made from a folder with an MTP layer and recipe ``mtp: quantize``: the MTP layer loads
+    as QuantLinear modules and drafts; the tokens equal the checkpoint's plain greedy ones."""
+    folder = mtp_folder(tmp_path / "float", build())
+    model = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    recipe = Recipe.from_dict({"scheme": {"bits": 4, "group_size": 16, "sym": False}, "stages": [{"method": "rtn"}],
+                               "mtp": "quantize"})  # fmt: skip
+    quantkit.quantize(model, recipe)
+    q = str(quantkit.save_quantized(model, tmp_path / "q"))
+    prompts = random_prompts([7, 30, 2], VOCAB, seed=5)
+    plain = LLM(q, device="cpu", num_kv_blocks=32).generate(prompts, SamplingParams(max_tokens=10))
+    llm = spec_llm(q, k=2, num_kv_blocks=32)
+    layer = llm.model.mtp_layers[0]
+    assert {type(layer.eh_proj).__name__, type(layer.mlp.experts[0].down_proj).__name__} == {"QuantLinear"}
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=10))
+    assert [o.completions[0].token_ids for o in outputs] == [o.completions[0].token_ids for o in plain]
+    assert llm.spec.totals.drafted > 0
+
+
 def test_mtp_needs_mtp_layers(tmp_path):
     """A checkpoint without MTP layers (and an HF model object: transformers drops them) is refused in one line."""
     model = build()
@@ -250,6 +285,10 @@ def test_mtp_needs_mtp_layers(tmp_path):
         assert "\n" not in str(e.value)
     with pytest.raises(QuantkitError, match="'mtp' takes no draft model"):
         LLM(str(tmp_path), device="cpu", speculative=dict(method="mtp", draft=str(tmp_path)))
+    from quantkit.runtime.speculative.heads import make_heads
+
+    with pytest.raises(QuantkitError, match="EAGLE heads need q/k/v attention; DeepSeek-V3"):
+        make_heads("eagle", model.config, 1)
 
 
 def test_cli_speculative_mtp(tmp_path):

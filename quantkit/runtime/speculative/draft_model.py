@@ -59,7 +59,9 @@ def quantized_copy(target: CausalLM, scheme: QuantScheme, num_layers: int | None
         raise QuantkitError("build the self draft before the target's projections are fused")
     quantized = {}
     for name, mod in modules.items():
-        if name.startswith("model.layers.") and int(name.split(".")[2]) < layers and isinstance(mod, torch.nn.Linear):
+        in_draft = name.startswith("model.layers.") and int(name.split(".")[2]) < layers
+        # MoE routers (``mlp.gate``, a plain nn.Linear, not the factory's) stay float, shared with the target
+        if in_draft and isinstance(mod, torch.nn.Linear) and type(mod) is not torch.nn.Linear:
             bias = None if mod.bias is None else mod.bias.detach()
             qw = rtn(float_weight(mod).float(), scheme)
             quantized[name] = make_quantized_linear(qw, bias, target.dtype).to(mod.weight.device)

@@ -151,6 +151,9 @@ def make_heads(method: str, config, num_heads: int, dtype: torch.dtype = torch.f
     if method == "medusa":
         return MedusaHeads(config.hidden_size, num_heads, dtype)
     if method == "eagle":
+        if decoder_spec(config).mla:
+            raise QuantkitError("EAGLE heads need q/k/v attention; DeepSeek-V3 (latent attention) drafts with its own "
+                                "MTP layers: speculative method mtp")  # fmt: skip
         return EagleHead(config, dtype)
     raise QuantkitError(f"unknown draft head method {method!r}; available: {', '.join(METHODS)}")
 
