@@ -7,6 +7,10 @@ a shuffled block pool:
            Minimum bytes = K + V of every context (+ q and out); "% copy" compares the achieved TB/s with the
            device-to-device copy bandwidth measured in the same run (read + write bytes).
            Target: >= 70% at batch 64, 4k context. Timed as a CUDA graph (do_bench_cudagraph, median).
+  mla      quantkit.kernels.attention.mla.mla_decode: DeepSeek-V3's absorbed latent attention decode (kv_lora_rank
+           512 + 64 rope values per token, one latent row for all heads) at 16 heads (dummy:deepseek-v3-tiny, or
+           DeepSeek-V3 split over 8 GPUs) and 128 (all of DeepSeek-V3's heads). Minimum bytes = the latent rows of
+           every context (+ q and out); "% copy" as for decode. Target: >= 70% at batch 64, 4k context.
   prefill  quantkit.kernels.attention.prefill.flash_prefill: causal attention of packed sequences (first prefills: the
            chunk's K/V packed, no cached prefix), against torch SDPA (is_causal, GQA via enable_gqa and via repeated
            K/V; the faster is the baseline) on the same tensors. FLOPs = 4 * L^2 / 2 * Hq * D per sequence.
@@ -44,6 +48,7 @@ from common import (
     median_seconds,
     out_folder,
 )
+from quantkit.kernels.attention.mla import mla_decode, mla_decode_reference
 from quantkit.kernels.attention.paged import paged_decode, paged_decode_reference
 from quantkit.kernels.attention.prefill import LAZY_RESCALE, flash_prefill, flash_prefill_reference, prefill_config
 
@@ -94,7 +99,20 @@ PREFILL_SWEEP = [  # (block_m, block_n, num_warps, num_stages, TMA for q and the
     (256, 64, 8, 3, True, False, False),
 ]
 PREFILL_QUICK = 6  # configurations of the sweep that --quick runs
-SMOKE = {"decode": [(3, 40)], "prefill": [(48, 2)], "hq": 4, "hkv": 2, "d": 32}
+MLA_RANK, MLA_ROPE = 512, 64  # DeepSeek-V3's kv_lora_rank and qk_rope_head_dim
+MLA_CASES = [(16, 64, 4096), (128, 64, 4096), (16, 256, 1024), (16, 1, 32768)]  # (heads, batch, context)
+MLA_SWEEP = [  # (block_h, block_n, num_warps, num_stages, splits or None = default)
+    (16, 32, 4, 2, None),  # the launcher's default
+    (16, 16, 4, 2, None),
+    (16, 64, 8, 2, None),
+    (32, 32, 8, 2, None),
+    (64, 16, 8, 2, None),
+    (16, 32, 8, 3, None),
+    (16, 32, 4, 2, 1),
+    (16, 32, 4, 2, 8),
+]
+SMOKE = {"decode": [(3, 40)], "prefill": [(48, 2)], "hq": 4, "hkv": 2, "d": 32, "mla": [(4, 3, 40)], "rank": 32,
+         "rope": 16}  # fmt: skip
 DTYPE = torch.bfloat16  # fp16 under --smoke: Triton 3.9's interpreter computes bf16 tl.dot wrongly
 
 
@@ -152,6 +170,35 @@ def run_decode(cases, hq, hkv, d, copy_bw, sweep, smoke, device, gen, dtype) -> 
                 "kernel": "decode", "case": f"B={batch} ctx={context}", "config": f"n{block_n} w{warps} s{stages} "
                 f"splits={splits or 'auto'}", "default": (block_n, warps, stages, splits) == DECODE_SWEEP[0],
                 "us": sec * 1e6, "TB/s": nbytes / sec / 1e12, "vs_copy": nbytes / sec / copy_bw, "max_err": err,
+            })  # fmt: skip
+    return rows
+
+
+def run_mla(cases, rank, rope, copy_bw, sweep, smoke, device, gen, dtype) -> list[dict]:
+    rows = []
+    for heads, batch, context in cases:
+        cache, _, tables = paged_kv([context] * batch, 1, rank + rope, dtype, device, gen)
+        q_lat = torch.randn(batch, heads, rank, device=device, dtype=dtype)
+        q_pe = torch.randn(batch, heads, rope, device=device, dtype=dtype)
+        ctx = torch.full((batch,), context, dtype=torch.int32, device=device)
+        scale = (128 + rope) ** -0.5
+        n = min(batch, 4)
+        ref = mla_decode_reference(q_lat[:n], q_pe[:n], cache, tables[:n], ctx[:n], scale)
+        err = float((mla_decode(q_lat, q_pe, cache, tables, ctx, scale)[:n].float() - ref.float()).abs().max())
+        if err > 3e-2:
+            raise AssertionError(f"mla H={heads} B={batch} ctx={context}: max error {err:.3e} against the reference")
+        nbytes = batch * context * (rank + rope) * 2 + 2 * q_lat.numel() * 2 + q_pe.numel() * 2
+        for block_h, block_n, warps, stages, splits in sweep:
+            fn = partial(mla_decode, q_lat, q_pe, cache, tables, ctx, scale, num_splits=splits, block_h=block_h,
+                         block_n=block_n, num_warps=warps, num_stages=stages)  # fmt: skip
+            sec = bench_config(fn, graph=True, smoke=smoke)
+            if sec is None:
+                continue
+            rows.append({
+                "kernel": "mla", "case": f"H={heads} B={batch} ctx={context}", "config": f"h{block_h} n{block_n} "
+                f"w{warps} s{stages} splits={splits or 'auto'}", "default": (block_h, block_n, warps, stages, splits)
+                == MLA_SWEEP[0], "us": sec * 1e6, "TB/s": nbytes / sec / 1e12, "vs_copy": nbytes / sec / copy_bw,
+                "max_err": err,
             })  # fmt: skip
     return rows
 
@@ -221,11 +268,13 @@ def summary(rows: list[dict]) -> list[dict]:
     out = []
     for case in dict.fromkeys((r["kernel"], r["case"]) for r in rows):
         mine = [r for r in rows if (r["kernel"], r["case"]) == case and not r["config"].startswith("sdpa")]
-        metric = "vs_copy" if case[0] == "decode" else "vs_sdpa"
+        metric = "vs_copy" if case[0] in ("decode", "mla") else "vs_sdpa"
         default = next((r for r in mine if r["default"]), {metric: float("nan")})  # nan: the default did not fit
         best = max(mine, key=lambda r: r[metric])
         target = PREFILL_TARGET if case[0] == "prefill" else None
         if case == ("decode", f"B={DECODE_TARGET[0]} ctx={DECODE_TARGET[1]}"):
+            target = DECODE_TARGET[2]
+        if case[0] == "mla" and case[1].endswith(f" B={DECODE_TARGET[0]} ctx={DECODE_TARGET[1]}"):
             target = DECODE_TARGET[2]
         out.append({
             "kernel": case[0], "case": case[1], "metric": metric, "default": default[metric], "best": best[metric],
@@ -274,6 +323,10 @@ def main(argv: list[str] | None = None) -> None:
     dtype = torch.float16 if args.smoke else DTYPE
     rows = run_decode(decode_cases, hq, hkv, d, copy_bw, decode_sweep, args.smoke, device, gen, dtype)
     rows += run_prefill(prefill_cases, hq, hkv, d, prefill_sweep, args.smoke, device, gen, dtype)
+    mla_cases = SMOKE["mla"] if args.smoke else MLA_CASES[:2] if args.quick else MLA_CASES
+    rank, rope = (SMOKE["rank"], SMOKE["rope"]) if args.smoke else (MLA_RANK, MLA_ROPE)
+    mla_sweep = MLA_SWEEP[:1] if args.quick or args.smoke else MLA_SWEEP
+    rows += run_mla(mla_cases, rank, rope, copy_bw, mla_sweep, args.smoke, device, gen, dtype)
     table = summary(rows)
     meta = {
         **environment(device),
