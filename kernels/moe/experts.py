@@ -15,8 +15,9 @@ Expert weight layouts (``ExpertWeights``: one projection of every expert stacked
                ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] are this layout)
     w4a16      the W4A16 kernel layout (``kernels.w4a16.weight``) per expert: ``weight`` (qweight) int32
                [E, ceil(K/32)*b, N], ``qzeros`` int32 [E, n_g, ceil(N/32)*b], ``scales`` fp16 [E, n_g, N], groups
-               contiguous along K (no act-order permutation), b = 4 or 8; W = s * (q - z) rounded once to x's dtype,
-               as PyTorch's dequantize-then-matmul
+               contiguous along K, b = 4 or 8; W = s * (q - z) rounded once to x's dtype, as PyTorch's
+               dequantize-then-matmul. Act-order experts carry ``perm`` int64 [E, K] (kernel channel i is input
+               channel perm[e, i]): the kernel gathers A's columns through it, so each expert keeps its own order
     fp8_block  the block fp8 layout (``kernels.w8a8.block``) per expert: ``weight`` e4m3 [E, N, K], ``scales`` fp32
                [E, ceil(N/B), ceil(K/B)]; activations quantized per 1 x B tile of each row (``quantize_tiles``) and
                each B-long partial sum promoted to fp32 with its two scales (DeepSeek-V3's rule)
@@ -33,9 +34,9 @@ How
     and masked (each word loaded for each of its codes, a simple first version; the W4A16 GEMM's two-codes-per-
     operation unpacking is the known next step).
 
-Limits: int32 offsets within an expert (the expert offset is 64-bit); w4a16 without act-order permutations (the
-runtime leaves such experts to its loop); fp8_block with one B for both projections. Tile configs (``moe_config``)
-are untuned first choices; the interpreter computes bf16 in fp32 and rounds by hand (``EMULATE_BF16``).
+Limits: int32 offsets within an expert (the expert offset is 64-bit); fp8_block with one B for both projections.
+Tile configs (``moe_config``) are untuned first choices; the interpreter computes bf16 in fp32 and rounds by hand
+(``EMULATE_BF16``).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class ExpertWeights:
     """One projection of all E experts, stacked (layouts in the module docstring): ``fmt`` one of FORMATS,
     ``in_features`` K and ``out_features`` N per expert; ``bits`` (w4a16) 4 or 8; ``group_size`` w4a16's
-    contiguous group length (0: one group) or fp8_block's B."""
+    contiguous group length (0: one group) or fp8_block's B; ``perm`` (w4a16 act-order) int64 [E, K]."""
 
     fmt: str
     weight: torch.Tensor
@@ -76,6 +77,7 @@ class ExpertWeights:
     qzeros: torch.Tensor | None = None
     bits: int = 0
     group_size: int = 0
+    perm: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:
@@ -92,8 +94,6 @@ class ExpertWeights:
         """From each expert's kernel-ready W4A16 weight (``prepare_gptq_weight``); all of one shape and scheme."""
         first = weights[0]
         for w in weights:
-            if w.perm is not None:
-                raise ValueError("act-order experts (a permuted kernel weight) are not served by the fused MoE")
             if (w.bits, w.group_size, w.in_features, w.out_features) != (
                 first.bits, first.group_size, first.in_features, first.out_features
             ):  # fmt: skip
@@ -101,9 +101,12 @@ class ExpertWeights:
         qweight, scales, qzeros = (
             torch.stack([getattr(w, n) for w in weights]) for n in ("qweight", "scales", "qzeros")
         )
-        return cls(
-            "w4a16", qweight, first.in_features, first.out_features, scales, qzeros, first.bits, first.group_size
-        )
+        perm = None
+        if any(w.perm is not None for w in weights):  # act-order: each expert's own order (identity where none)
+            ident = torch.arange(first.in_features, device=qweight.device)
+            perm = torch.stack([w.perm if w.perm is not None else ident for w in weights]).long()
+        return cls("w4a16", qweight, first.in_features, first.out_features, scales, qzeros, first.bits,
+                   first.group_size, perm)  # fmt: skip
 
     @classmethod
     def from_fp8_block(cls, weights: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], block: int):
@@ -123,7 +126,10 @@ class ExpertWeights:
         q = unpack_gptq_codes(self.weight[e], self.bits, k).float()  # [K, N]
         z = unpack_gptq_codes(self.qzeros[e].t().contiguous(), self.bits, n).t().float()  # [n_g, N]
         g = torch.arange(k, device=q.device) // (self.group_size or k)
-        return ((q - z[g]) * self.scales[e].float()[g]).t()
+        w = ((q - z[g]) * self.scales[e].float()[g]).t()  # [N, K] in kernel channel order
+        if self.perm is None:
+            return w
+        return torch.empty_like(w).index_copy_(1, self.perm[e], w)  # input channel perm[e, i] <- kernel channel i
 
 
 def check_weights(w: ExpertWeights, x_dtype: torch.dtype) -> None:
@@ -198,15 +204,15 @@ _FORMAT_CODE = {"float": FLOAT, "w4a16": W4A16, "fp8_block": FP8_BLOCK}
 @triton.jit(do_not_specialize=["P", "silu_offset"])
 def _moe_gemm_kernel(
     # pointers
-    a_ptr, a_scale_ptr, w_ptr, z_ptr, s_ptr, out_ptr, pairs_ptr, block_expert_ptr, route_w_ptr,
+    a_ptr, a_scale_ptr, w_ptr, z_ptr, s_ptr, perm_ptr, out_ptr, pairs_ptr, block_expert_ptr, route_w_ptr,
     # sizes
     N, K, P, group_size, silu_offset,
     # strides
     stride_am, stride_ak, stride_asm, stride_we, stride_wk, stride_wn, stride_ze, stride_zg, stride_zn,
-    stride_se, stride_sg, stride_sn, stride_om, stride_on,
+    stride_se, stride_sg, stride_sn, stride_pe, stride_om, stride_on,
     # meta-parameters
-    FORMAT: tl.constexpr, BITS: tl.constexpr, A_DIV: tl.constexpr, SILU: tl.constexpr, WEIGHTED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE: tl.constexpr,
+    FORMAT: tl.constexpr, PERM: tl.constexpr, BITS: tl.constexpr, A_DIV: tl.constexpr, SILU: tl.constexpr,
+    WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE: tl.constexpr,
     PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -228,9 +234,14 @@ def _moe_gemm_kernel(
         kk = k0 + offs_k
         k_mask = kk < K
         a_mask = valid[:, None] & k_mask[None, :]
-        a = tl.load(a_ptrs + k0 * stride_ak, mask=a_mask, other=0.0)
+        if PERM:  # act-order: kernel channel kk is A's column perm[e, kk]
+            cols = tl.load(perm_ptr + e64 * stride_pe + kk, mask=k_mask, other=0).to(tl.int32)
+            a_tile = a_ptr + a_rows[:, None] * stride_am + cols[None, :] * stride_ak
+        else:
+            a_tile = a_ptrs + k0 * stride_ak
+        a = tl.load(a_tile, mask=a_mask, other=0.0)
         if SILU:  # A = silu(g) * u from gu [P, 2I], in fp32, rounded once
-            u = tl.load(a_ptrs + (k0 + silu_offset) * stride_ak, mask=a_mask, other=0.0).to(tl.float32)
+            u = tl.load(a_tile + silu_offset * stride_ak, mask=a_mask, other=0.0).to(tl.float32)
             g = a.to(tl.float32)
             a = to_act(g / (1.0 + tl.exp(-g)) * u, a_ptr.dtype.element_ty, EMULATE_BF16)
         w_mask = k_mask[:, None] & n_mask[None, :]
@@ -302,13 +313,15 @@ def _grouped_gemm(a, a_scale, w: ExpertWeights, out, pairs, block_expert, route_
     zst = (z.stride(0), z.stride(1), z.stride(2)) if w.qzeros is not None else (0, 0, 0)
     sst = (s.stride(0), s.stride(1), s.stride(2)) if w.scales is not None else (0, 0, 0)
     grid = (block_expert.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
+    perm = w.perm if w.perm is not None else w.weight
     _moe_gemm_kernel[grid](
-        a, a_s, w.weight, z, s, out, pairs, block_expert, route_w if route_w is not None else out,
+        a, a_s, w.weight, z, s, perm, out, pairs, block_expert, route_w if route_w is not None else out,
         n, k, p, (w.group_size or 2**30) if w.fmt == "w4a16" else 0, k if silu else 0,
-        a.stride(0), a.stride(1), a_s.stride(0), *wst, *zst, *sst, out.stride(0), out.stride(1),
-        FORMAT=_FORMAT_CODE[w.fmt], BITS=w.bits, A_DIV=a_div, SILU=silu, WEIGHTED=route_w is not None,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=_block_k(w), COMPUTE=compute,
-        PRECISION=dot_precision(act), EMULATE_BF16=emulate, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        a.stride(0), a.stride(1), a_s.stride(0), *wst, *zst, *sst, perm.stride(0), out.stride(0),
+        out.stride(1), FORMAT=_FORMAT_CODE[w.fmt], PERM=w.perm is not None, BITS=w.bits, A_DIV=a_div, SILU=silu,
+        WEIGHTED=route_w is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=_block_k(w),
+        COMPUTE=compute, PRECISION=dot_precision(act), EMULATE_BF16=emulate, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )  # fmt: skip
 
 

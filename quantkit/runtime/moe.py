@@ -14,7 +14,7 @@ Two paths, one numerics contract (fp32 routing weights, weighted expert outputs 
   on its contiguous slice, the weighted outputs summed back with one ``index_add_``. The host reads the per-expert
   token counts, so it cannot be captured in a CUDA graph.
 - fused (CUDA, after ``stack_experts`` at load time): the experts' weights stacked once per layer (float, W4A16
-  without act-order, block fp8), then ``quantkit.kernels.moe``: one routing launch, the pairs aligned to expert
+  with or without act-order, block fp8), then ``quantkit.kernels.moe``: one routing launch, the pairs aligned to expert
   blocks on the device, one grouped GEMM launch per projection. No host sync: decode steps are captured.
 """
 
@@ -134,8 +134,8 @@ class SparseMoE(nn.Module):
     def stack_experts(self) -> bool:
         """Stack the experts' weights for the fused kernels (gate and up side by side) and drop the per-expert
         modules; returns whether the block now runs fused. Declined (False, nothing changed) off CUDA (unless
-        Triton's interpreter runs), for experts of mixed or unserved kinds (W4A16 with act-order, per-channel
-        W8A8, W4A8, biases) and for 4-bit experts of fp32 models."""
+        Triton's interpreter runs), for experts of mixed or unserved kinds (per-channel W8A8, W4A8, biases,
+        W4A16 layers the W4A16 kernel layout cannot hold) and for 4-bit experts of fp32 models."""
         if self.fused is not None:
             return True
         if not (self.gate.weight.is_cuda or interpreting()) or not len(self.experts):
@@ -164,10 +164,10 @@ def stacked_weights(experts: list[nn.Module], dtype: torch.dtype) -> tuple[Exper
     if kind is QuantLinear and dtype in (torch.float16, torch.bfloat16):
         try:
             gate_up = [kernel_weight(QuantLinear.concat([g, u])) for g, u, _ in parts]
-        except ValueError:  # act-order gate and up with different permutations
+        except ValueError:  # act-order gate and up with different permutations (not from one Hessian)
             return None
         down = [kernel_weight(d) for _, _, d in parts]
-        if any(w is None or w.perm is not None for w in gate_up + down):
+        if any(w is None for w in gate_up + down):
             return None
         return ExpertWeights.from_w4a16(gate_up), ExpertWeights.from_w4a16(down)
     first = parts[0][0]

@@ -29,7 +29,7 @@ from quantkit.quant.tensor import group_index
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
-H, INTER, E = 64, 32, 8  # hidden, expert width, experts: tiny, the interpreter is slow
+H, INTER, E = 64, 64, 8  # hidden, expert width, experts: tiny, the interpreter is slow
 
 
 @pytest.fixture(autouse=True)
@@ -152,21 +152,29 @@ def test_align_kernel_equals_reference_and_keeps_the_invariants(t, k, e, block_m
 # -- experts -----------------------------------------------------------------------------------------------------
 
 
-def w4a16_experts(n, k, bits, group, g):
+def w4a16_experts(n, k, bits, group, g, act_order=False):
+    """Random 4/8-bit experts; act-order shuffles each expert's g_idx its own way (groups keep their sizes)."""
     scheme = QuantScheme(bits=bits, group_size=group)
-    out = []
+    out, dequantized = [], []
     for _ in range(E):
         n_g = scheme.n_groups(k)
+        g_idx = group_index(k, scheme)
+        if act_order:
+            g_idx = g_idx[torch.randperm(k, generator=g)]
         qw = QuantizedWeight(
             q=torch.randint(0, 2**bits, (n, k), generator=g, dtype=torch.uint8),
             scales=(torch.rand(n, n_g, generator=g) * 0.2 / 2**bits + 1e-3).half().float(),
             zeros=torch.randint(0, 2**bits, (n, n_g), generator=g, dtype=torch.int32),
-            g_idx=group_index(k, scheme),
+            g_idx=g_idx,
             scheme=scheme,
         )
         b = {name: t.to(DEVICE) for name, t in qw.pack().items()}
         out.append(prepare_gptq_weight(b["qweight"], b["qzeros"], b["scales"], b["g_idx"], bits, group))
-    return ExpertWeights.from_w4a16(out)
+        dequantized.append(qw.dequantize())
+    w = ExpertWeights.from_w4a16(out)
+    assert (w.perm is not None) == (act_order and k > group)  # one group: nothing to sort
+    assert all(torch.equal(w.dequantize(e).cpu(), dequantized[e]) for e in range(E))  # the checkpoint weight
+    return w
 
 
 def make_experts(fmt, dtype, g):
@@ -174,8 +182,8 @@ def make_experts(fmt, dtype, g):
         ws = [[torch.randn(n, k, generator=g) * k**-0.5 for _ in range(E)] for n, k in ((2 * INTER, H), (H, INTER))]
         return [ExpertWeights.from_float([w.to(dtype).to(DEVICE) for w in p]) for p in ws]
     if fmt.startswith("w4a16"):
-        bits = 8 if fmt.endswith("8") else 4
-        return w4a16_experts(2 * INTER, H, bits, 32, g), w4a16_experts(H, INTER, bits, 32, g)
+        bits, act = (8 if fmt.endswith("8") else 4), fmt.endswith("act")
+        return w4a16_experts(2 * INTER, H, bits, 32, g, act), w4a16_experts(H, INTER, bits, 32, g, act)
     out = []
     for n, k in ((2 * INTER, H), (H, INTER)):
         q = [quantize_fp8(torch.randn(n, k, generator=g) * k**-0.5, "block", 16) for _ in range(E)]
@@ -209,6 +217,7 @@ CASES = [  # (format, dtype, T, k, experts without tokens)
     ("float", torch.float32, 1, 2, ()),
     ("w4a16", torch.float16, 5, 2, (0,)),
     ("w4a16_8", torch.bfloat16, 3, 2, ()),
+    ("w4a16_act", torch.float16, 6, 2, (1,)),  # act-order: every expert gathers x's columns in its own order
     ("fp8_block", torch.float16, 6, 2, (7,)),
 ]
 

@@ -333,11 +333,13 @@ def test_stacked_experts_run_the_fused_kernels_and_keep_hf_tokens(arch):
 
 
 @pytest.mark.skipif(not interpreting(), reason="the fused MoE kernels on CPU need TRITON_INTERPRET=1")
-@pytest.mark.parametrize("fmt", ["w4a16", "fp8_block"])
+@pytest.mark.parametrize("fmt", ["w4a16", "w4a16_act", "fp8_block"])
 def test_stacked_quantized_experts_equal_the_loop(fmt):
-    """W4A16 and block-fp8 experts (fp16) stack into the fused kernels' layouts; the block's output equals the
-    loop's within 4 fp16 ulps of its largest value (the loop rounds each expert's output before weighting it, the
-    kernel the weighted fp32 product)."""
+    """W4A16 (act-order too: each expert's gate/up share a group map, its own) and block-fp8 experts (fp16) stack
+    into the fused kernels' layouts; the block's output equals the loop's within 4 fp16 ulps of its largest value
+    (the loop rounds each expert's output before weighting it, the kernel the weighted fp32 product)."""
+    from dataclasses import replace
+
     from quantkit.algorithms.rtn import rtn
     from quantkit.nn.qlinear import QuantLinear
     from quantkit.nn.w8a8 import W8A8Linear
@@ -345,12 +347,15 @@ def test_stacked_quantized_experts_equal_the_loop(fmt):
 
     llm = LLM(build("qwen3_moe").half(), device="cpu", num_kv_blocks=4)
     block = llm.model.model.layers[0].mlp
-    for expert in block.experts:
+    for e, expert in enumerate(block.experts):
         for name in ("gate_proj", "up_proj", "down_proj"):
             lin = getattr(expert, name)
-            if fmt == "w4a16":
-                q = QuantLinear.from_quantized(rtn(lin.weight.float(), QuantScheme(bits=4, group_size=32)), None,
-                                               torch.float16)  # fmt: skip
+            if fmt.startswith("w4a16"):
+                qw = rtn(lin.weight.float(), QuantScheme(bits=4, group_size=32))
+                if fmt == "w4a16_act":  # a shuffled group map: gate and up share one, down has its own
+                    order = torch.randperm(qw.g_idx.numel(), generator=torch.Generator().manual_seed(e))
+                    qw = replace(qw, g_idx=qw.g_idx[order])
+                q = QuantLinear.from_quantized(qw, None, torch.float16)
             else:
                 scheme = QuantScheme(bits=8, group_size=-1, fmt="fp8", act_bits=8, block_size=16)
                 q = W8A8Linear.from_float(lin.float(), scheme)
@@ -359,7 +364,8 @@ def test_stacked_quantized_experts_equal_the_loop(fmt):
     x = torch.randn(9, COMMON["hidden_size"], generator=torch.Generator().manual_seed(0)).half()
     with torch.no_grad():
         loop = block(x)
-        assert block.stack_experts() and block.fused[0].fmt == fmt
+        assert block.stack_experts() and block.fused[0].fmt == fmt.removesuffix("_act")
+        assert (block.fused[0].perm is not None) == (fmt == "w4a16_act")
         fused = block(x)
     assert (fused.float() - loop.float()).abs().max() <= 4 * 2**-10 * loop.float().abs().max()
 
