@@ -75,7 +75,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = norm(self.rank, LORA_NORM_EPS)
         self.kv_b_proj = linear(f"{prefix}.kv_b_proj", self.rank, heads * (self.nope + self.v_dim), False)
         self.o_proj = linear(f"{prefix}.o_proj", heads * self.v_dim, hidden, bias)
-        self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._absorbed: torch.Tensor | None = None  # a quantized kv_b_proj's weight, dequantized
 
     # -- projections -----------------------------------------------------------------------------------------------
 
@@ -89,15 +89,18 @@ class MLAttention(nn.Module):
         k_pe = rope(k_pe[:, None], cos, sin, self.interleave)[:, 0]
         return q_nope, q_pe, torch.cat((self.kv_a_layernorm(c), k_pe), dim=-1)
 
-    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [H, nope, rank], W_UV [H, v, rank]): kv_b_proj's weight per head (dequantized if quantized), made
-        once on first use."""
-        if self._absorbed is None:
-            kv_b = self.kv_b_proj
-            w = kv_b.dequantize_weight(torch.float32) if hasattr(kv_b, "dequantize_weight") else kv_b.weight.float()
-            w = w.view(self.num_heads, self.nope + self.v_dim, self.rank)
-            self._absorbed = (w[:, : self.nope].contiguous(), w[:, self.nope :].contiguous())
-        return self._absorbed
+    def absorbed_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, rank], W_UV [H, v, rank]): views of kv_b_proj's weight per head (a quantized one
+        dequantized to ``dtype`` once, on first use: as many bytes as the float weight)."""
+        kv_b = self.kv_b_proj
+        if not hasattr(kv_b, "dequantize_weight"):
+            w = kv_b.weight
+        else:
+            if self._absorbed is None:
+                self._absorbed = kv_b.dequantize_weight(dtype)
+            w = self._absorbed
+        w = w.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        return w[:, : self.nope], w[:, self.nope :]
 
     def decompress(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """latent rows [S, rank + rope] -> (k [S, H, nope + rope], v [S, H, v]) as transformers' ``expand_kv``."""
@@ -131,14 +134,14 @@ class MLAttention(nn.Module):
         return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
 
     def _decode(self, q_nope, q_pe, cache, meta) -> torch.Tensor:
-        w_uk, w_uv = self.absorbed_weights()
-        q_lat = torch.einsum("bhn,hnr->bhr", q_nope.float(), w_uk)  # [B, H, rank]
-        args = (q_lat, q_pe.float(), cache, meta.decode_block_tables, meta.decode_context_lens, self.scale)
+        w_uk, w_uv = self.absorbed_weights(q_nope.dtype)
+        q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk.to(q_nope.dtype))  # [B, H, rank]
+        args = (q_lat, q_pe, cache, meta.decode_block_tables, meta.decode_context_lens, self.scale)
         if meta.backend == "triton":
             o_lat = mla_decode(*args, num_splits=meta.decode_num_splits, max_context=meta.max_decode_context or None)
         else:
             o_lat = mla_decode_reference(*args)
-        return torch.einsum("bhr,hvr->bhv", o_lat.float(), w_uv).to(q_nope.dtype)
+        return torch.einsum("bhr,hvr->bhv", o_lat.to(q_nope.dtype), w_uv.to(q_nope.dtype))
 
     def _prefill(self, q_nope, q_pe, cache, meta) -> torch.Tensor:
         out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
