@@ -56,9 +56,27 @@ def env_world_size() -> int:
         raise QuantkitError(f"WORLD_SIZE must be an integer, got {os.environ['WORLD_SIZE']!r}") from None
 
 
+def check_processes(nproc: int, resume: bool, device: str) -> int:
+    """How many processes a quantize command runs in (``nproc``, or torchrun's WORLD_SIZE); a QuantkitError for
+    settings that do not work across processes."""
+    env = env_world_size()
+    if nproc > 1 and env > 1:
+        raise QuantkitError("--nproc under torchrun: torchrun's --nproc-per-node starts the processes")
+    ranks = max(nproc, env)
+    if ranks > 1 and resume:
+        raise QuantkitError("--resume does not work across processes (--nproc, torchrun): no resume state is kept")
+    if ranks > 1 and device.startswith("cuda"):
+        if device != "cuda":
+            raise QuantkitError(f"--device {device}: across processes each rank takes its own GPU; give --device cuda")
+        if nproc > torch.cuda.device_count():
+            raise QuantkitError(f"--nproc {nproc} needs a GPU each: this machine has {torch.cuda.device_count()}")
+    return ranks
+
+
 def init_from_env(device: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
     """Join the process group that RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT describe (NCCL for a CUDA
-    ``device``, gloo on the CPU) and return the device this rank works on (``cuda:LOCAL_RANK`` for ``cuda``)."""
+    ``device``, gloo on the CPU) and return the device this rank works on (``cuda:LOCAL_RANK`` for ``cuda``).
+    Ranks other than 0 print nothing from then on (their stdout is dropped, their logging keeps errors only)."""
     if dist.is_initialized():
         return device
     local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
@@ -74,6 +92,9 @@ def init_from_env(device: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
         timeout=timedelta(seconds=timeout_s),
         **({"device_id": torch.device(device)} if device.startswith("cuda") else {}),
     )
+    if dist.get_rank():
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+        logging.disable(logging.WARNING)
     return device
 
 
@@ -205,9 +226,6 @@ def _worker(rank: int, size: int, port: int, target, kwargs: dict, threads: int,
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), LOCAL_WORLD_SIZE=str(size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
     torch.set_num_threads(threads)
-    if rank:  # rank 0 alone prints
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
-        logging.disable(logging.WARNING)
     code = 0
     try:
         target(**kwargs)

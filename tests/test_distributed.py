@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import load_file
 
 import quantkit
+from quantkit.cli.main import cli
 from quantkit.distributed import Shard, launch, owners
 from quantkit.errors import QuantkitError
-from tests.tiny_models import tiny_model
+from tests.tiny_models import tiny_model, tiny_model_dir
 
 W4 = {"bits": 4, "group_size": 32}
 W8A8_STATIC = {"bits": 8, "group_size": -1, "act_bits": 8, "act_dynamic": False}
@@ -102,3 +104,56 @@ def test_shards_are_contiguous_and_owners_balance_cost():
     loads = [0.0, 0.0]
     assert owners({"q": 3.0, "k": 1.0, "v": 1.0}, 2, loads) == {"q": 0, "k": 1, "v": 1}
     assert owners({"o": 2.0}, 2, loads) == {"o": 1} and loads == [3.0, 4.0]
+
+
+def test_cli_nproc_writes_the_single_process_checkpoint_once(tmp_path):
+    """``quantize --nproc 2`` (gloo): the tensors of ``quantize`` in one process; rank 0 alone prints and writes."""
+    folder = tiny_model_dir(tmp_path / "llama")
+    args = ["quantize", "--model", str(folder), "--method", "gptq", "--group-size", "32", "--nsamples", "16",
+            "--seqlen", "16", "--device", "cpu", "--no-resume-state"]  # fmt: skip
+    one = CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "one")])
+    two = CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "two"), "--nproc", "2"])
+    assert one.exit_code == 0 and two.exit_code == 0, one.output + two.output
+    ours, theirs = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], t) for k, t in theirs.items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "one", "two"]  # no resume state, no scratch
+
+
+@pytest.mark.parametrize(
+    "extra, env, fragment",
+    [
+        (["--nproc", "2", "--resume"], {}, "--resume does not work across processes"),
+        (["--nproc", "2"], {"WORLD_SIZE": "2"}, "--nproc under torchrun"),
+        ([], {"WORLD_SIZE": "2", "RANK": "0"}, "--resume does not work across processes"),
+    ],
+)
+def test_cli_refuses_what_does_not_work_across_processes(tmp_path, monkeypatch, extra, env, fragment):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    resume = [] if "--resume" in extra or not env else ["--resume"]
+    r = CliRunner().invoke(cli, ["quantize", "--model", "m", "--out", str(tmp_path / "o"), *extra, *resume])
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and fragment in r.stderr, r.output
+
+
+@pytest.mark.slow
+def test_smollm2_gptq_in_two_processes_is_the_single_process_checkpoint(tmp_path):
+    """SmolLM2-135M, GPTQ (16 windows of 128 tokens, 2 batches): ``--nproc 2`` writes the one-process tensors, so the
+    perplexity of the two checkpoints is the same."""
+    from quantkit.calib.data import evaluation_windows
+    from quantkit.eval import evaluate_windows
+
+    args = ["quantize", "--model", "smollm2-135m", "--method", "gptq", "--nsamples", "16", "--seqlen", "128",
+            "--device", "cpu", "--no-resume-state"]  # fmt: skip
+    for out, extra in (("one", []), ("two", ["--nproc", "2"])):
+        r = CliRunner().invoke(cli, [*args, "--out", str(tmp_path / out), *extra])
+        assert r.exit_code == 0, r.output
+    ours, theirs = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], t) for k, t in theirs.items())
+    from transformers import AutoTokenizer
+
+    windows, _ = evaluation_windows(AutoTokenizer.from_pretrained(tmp_path / "one"), "moby-dick", 256, 2)
+    perplexity = []
+    for out in ("one", "two"):
+        model = quantkit.load_quantized(tmp_path / out)
+        perplexity.append(round(evaluate_windows(model, windows).perplexity, 3))
+    assert perplexity[0] == perplexity[1]

@@ -184,18 +184,26 @@ def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out:
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its last complete layer.")
 @click.option("--no-resume-state", is_flag=True, help="Do not save resume state (beside --out) after each layer.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and its estimates, read no weights, write nothing.")
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help="Processes that share the "
+              "calibration (one GPU each with NCCL, or gloo on the CPU); under torchrun, its processes.")  # fmt: skip
+@click.option("--dist-timeout", type=click.IntRange(min=1), default=1800, show_default=True,
+              help="Seconds a process waits for the others at a collective before the run stops.")  # fmt: skip
 def quantize_command(
-    model, method, recipe_spec, out, device, dtype, offload, overwrite, resume, no_resume_state, dry_run, **flags
-) -> None:
+    model, method, recipe_spec, out, device, dtype, offload, overwrite, resume, no_resume_state, dry_run, nproc,
+    dist_timeout, **flags,
+) -> None:  # fmt: skip
     """Quantize a model and save a self-describing checkpoint."""
+    arguments = {k: v for k, v in locals().items() if k != "flags"} | flags
     import quantkit
+    from quantkit import distributed
     from quantkit.checkpoint.save import check_apart, check_output
     from quantkit.pipeline import recipe_windows
 
     out = check_output(out, overwrite)  # before any work: a bad output path fails first
     if resume and no_resume_state:
         raise QuantkitError("--resume continues from the resume state that --no-resume-state turns off")
-    state_dir = None if no_resume_state else out.with_name(f".{out.name}.resume")
+    ranks = distributed.check_processes(nproc, resume, device_name(device))  # processes in all (torchrun's too)
+    state_dir = None if no_resume_state or ranks > 1 else out.with_name(f".{out.name}.resume")
     device = device_name(device)
     dtype = torch_dtype(dtype, device)
     recipe = resolve_recipe(method, recipe_spec, flags)
@@ -212,6 +220,10 @@ def quantize_command(
         click.echo("\n".join(plan.lines()))
         return
     check_fits(plan, out)  # stop now, not hours later, when the memory or the disk cannot hold the run
+    if nproc > 1:  # each new process runs this command as one rank (below)
+        return distributed.launch(nproc, quantize_rank, {**arguments, "nproc": 1})
+    if ranks > 1:
+        device = distributed.init_from_env(device, dist_timeout)
     t0 = time.perf_counter()
     float_model, tokenizer, folder = quantkit.load_model(
         folder, dtype=dtype, offload=offload, scratch_dir=next(p for p in out.parents if p.is_dir())
@@ -221,7 +233,7 @@ def quantize_command(
         calib, fingerprint = recipe_windows(recipe, float_model, tokenizer)
     stdout.print(summary_table(recipe, model, device, dtype, out, offload))
     n_layers = len(float_model.get_submodule(quantkit.models.arch_for(float_model).layers))
-    with progress_bar() as bar:
+    with progress_bar(distributed.is_main()) as bar:
         task = bar.add_task("quantizing", total=n_layers, note="")
         result = quantkit.quantize(
             float_model,
@@ -235,6 +247,8 @@ def quantize_command(
             progress=lambda done, total, note: bar.update(task, completed=done, note=note),
         )
     float_model.quantkit.source_model = str(folder)
+    if not distributed.is_main():  # rank 0 alone writes and reports
+        return
     state = result.state
     if state is not None and state.resumed:
         stdout.print(f"resumed: {state.resumed} of {n_layers} layers restored from {state.folder}")
@@ -279,6 +293,11 @@ def quantize_command(
             f"smoothing: median activation outlier ratio {before:.1f} -> {after:.1f} over {len(ratios)} groups "
             f"(table: {path / 'smoothing.md'})"
         )
+
+
+def quantize_rank(**arguments) -> None:
+    """One rank of ``quantize --nproc N``, in a process that :func:`quantkit.distributed.launch` started."""
+    quantize_command.callback(**arguments)
 
 
 @click.command("eval", cls=QuantkitCommand)
