@@ -10,6 +10,7 @@ left out: the same for every variant), bf16 activations, timed in the same run:
   w4a16      the same on 4-bit experts, groups of 128 (the W4A16 kernel layout, stacked)
   fp8_block  the same on block-fp8 experts, B = 128 (DeepSeek-V3's layout, stacked; activations quantized per tile)
   dense      a bf16 dense SiLU MLP of the active parameters (width k * I): what the routed work costs without routing
+  routing    route + align alone (part of every fused figure): the share of the layer that is not GEMM
 
 The fused variants and dense run in a CUDA graph replayed under ``do_bench`` (median; L2 flushed before each replay;
 the experts of one layer span far more than the L2, so one copy of the operands suffices). ``GB/s`` is the bytes of
@@ -99,6 +100,11 @@ def dense_mlp(x, w13, w2):
     return F.linear(F.silu(g) * u, w2)
 
 
+def block_m(m: int, experts: int, top_k: int) -> int:
+    """The BLOCK_M ``fused_moe`` aligns the pairs to for m tokens."""
+    return M.moe_config(m * top_k, experts)["BLOCK_M"]
+
+
 def fused_layer(x, logits, w13, w2, top_k):
     weights, ids = M.route(logits, top_k)
     return M.fused_moe(x, w13, w2, weights, ids)
@@ -128,6 +134,8 @@ def run_shape(name, shape, ms, timer, dev, copy_bw, smoke) -> list[dict]:
         loop_us = median_seconds(loop, smoke=smoke) * 1e6
         row = {"shape": name, "m": m, "experts_read": chosen, "loop_us": loop_us}
         row["dense_us"] = timer.per_call([lambda x=x: dense_mlp(x, dense13, dense2)])
+        bm = block_m(m, e, k)
+        row["routing_us"] = timer.per_call([lambda logits=logits, bm=bm: M.align(M.route(logits, k)[1], e, bm)])
         for fmt, (w13, w2) in experts.items():
             weights, ids = M.route(logits, k)
             y = M.fused_moe(x, w13, w2, weights, ids)
@@ -141,7 +149,8 @@ def run_shape(name, shape, ms, timer, dev, copy_bw, smoke) -> list[dict]:
         rows.append(row)
         cells = "  ".join(f"{f} {row[f]['us']:.1f} us {row[f]['speedup']:.2f}x {100 * row[f]['of_copy']:.0f}%"
                           f"{'' if row[f]['ok'] else ' WRONG'}" for f in FORMATS)  # fmt: skip
-        print(f"{name} M={m}: loop {loop_us:.1f} us, dense {row['dense_us']:.1f} us | {cells}", flush=True)
+        print(f"{name} M={m}: loop {loop_us:.1f} us, dense {row['dense_us']:.1f} us, routing + align "
+              f"{row['routing_us']:.1f} us | {cells}", flush=True)  # fmt: skip
     return rows
 
 
@@ -153,13 +162,14 @@ def markdown(env: dict, copy_bw: float, rows: list[dict]) -> str:
         f"Copy bandwidth {copy_bw / 1e9:.0f} GB/s. Each cell: microseconds, speedup over the loop, and the chosen "
         "experts' bytes per second as a fraction of copy bandwidth.",
         "",
-        "| shape | M | experts read | loop us | dense bf16 us | " + " | ".join(FORMATS) + " |",
-        "|---|---|---|---|---|" + "---|" * len(FORMATS),
+        "| shape | M | experts read | loop us | dense bf16 us | routing us | " + " | ".join(FORMATS) + " |",
+        "|---|---|---|---|---|---|" + "---|" * len(FORMATS),
     ]
     for r in rows:
         cells = [f"{r[f]['us']:.1f} ({r[f]['speedup']:.2f}x, {100 * r[f]['of_copy']:.0f}%)"
                  + ("" if r[f]["ok"] else " WRONG") for f in FORMATS]  # fmt: skip
         lines.append(f"| {r['shape']} | {r['m']} | {r['experts_read']} | {r['loop_us']:.1f} | {r['dense_us']:.1f} | "
+                     f"{r['routing_us']:.1f} | "
                      + " | ".join(cells) + " |")  # fmt: skip
     return "\n".join(lines) + "\n"
 

@@ -26,8 +26,8 @@ How
     compares of CHUNK pairs at a time, run starts from a cumulative sum of the padded counts, block experts by
     comparing each block's first row with the run ends, then each pair's slot = its run's start + the pairs of its
     expert before it (a cumulative sum over the chunk's one-hot rows). It is serial over chunks, so above
-    ``ALIGN_KERNEL_MAX_PAIRS`` pairs (prefill) ``align`` runs ``align_reference`` on the device instead: a stable
-    sort and a scatter, a dozen launches and no host sync either; both give the same bits.
+    ``ALIGN_KERNEL_MAX_PAIRS`` pairs (prefill, large decode batches) ``align`` runs ``align_reference`` on the
+    device instead: a stable sort and a scatter, a dozen launches and no host sync either; both give the same bits.
 
 Limits: E <= 1024; sigmoid routing needs E divisible by n_group with at least two experts per group. Hardware: the
 kernels are small and untuned (first choices); they run once per MoE layer per step.
@@ -42,7 +42,9 @@ from quantkit.kernels._device import interpreting
 
 SCORES = ("softmax", "sigmoid")
 MAX_EXPERTS = 1024
-ALIGN_KERNEL_MAX_PAIRS = 4096  # above this many pairs the sort-based reference path is faster than one program
+# Above this many pairs the sort path's dozen launches should beat one program walking the pairs serially (a first
+# guess from counting loop trips, not timed yet: bench_moe.py's routing column shows both sides of it).
+ALIGN_KERNEL_MAX_PAIRS = 1024
 DENOMINATOR_EPS = 1e-20  # DeepSeek-V3's renormalisation: weights / (sum + 1e-20)
 
 
