@@ -30,9 +30,9 @@ How
     first GEMM, row p for the second) and stored at row p, so no permuted copy of x exists. The down projection
     computes silu(g) * u from gu while loading its A operand (float and w4a16; fp8_block quantizes a first, so
     there ``silu_mul`` and ``quantize_tiles`` run between the launches) and multiplies its fp32 result by the
-    routing weight before the store. w4a16 tiles are dequantized in registers: one packed word per code, shifted
-    and masked (each word loaded for each of its codes, a simple first version; the W4A16 GEMM's two-codes-per-
-    operation unpacking is the known next step).
+    routing weight before the store. w4a16 tiles are dequantized in registers: each packed word loaded once,
+    broadcast over its codes' shifts and reshaped to [BLOCK_K, BLOCK_N] (k = row * pf + j; a simple first version:
+    the W4A16 GEMM's two-codes-per-operation "magic number" unpacking is the known next step).
 
 Limits: int32 offsets within an expert (the expert offset is 64-bit); fp8_block with one B for both projections.
 Tile configs (``moe_config``) are untuned first choices; the interpreter computes bf16 in fp32 and rounds by hand
@@ -248,12 +248,14 @@ def _moe_gemm_kernel(
         if FORMAT == 0:  # float [E, N, K], read as a [BLOCK_K, BLOCK_N] tile
             w = tl.load(w_base + kk[:, None] * stride_wk + offs_n[None, :] * stride_wn, mask=w_mask, other=0.0)
             acc = tl.dot(a.to(COMPUTE), w.to(COMPUTE), acc, input_precision=PRECISION)
-        elif FORMAT == 1:  # w4a16: one packed word per code, W = s * (q - z) rounded once to x's dtype
+        elif FORMAT == 1:  # w4a16: each packed word loaded once, W = s * (q - z) rounded once to x's dtype
             PF: tl.constexpr = 32 // BITS
             QM: tl.constexpr = (1 << BITS) - 1
-            words = tl.load(w_base + (kk // PF)[:, None] * stride_wk + offs_n[None, :] * stride_wn, mask=w_mask,
-                            other=0)  # fmt: skip
-            q = (words >> ((kk % PF) * BITS)[:, None]) & QM
+            rows = k0 // PF + tl.arange(0, BLOCK_K // PF)  # packed-word rows of this tile (BLOCK_K % 32 == 0)
+            words = tl.load(w_base + rows[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+                            mask=(rows * PF < K)[:, None] & n_mask[None, :], other=0)  # fmt: skip
+            shifts = tl.arange(0, PF) * BITS
+            q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & QM, (BLOCK_K, BLOCK_N))  # k = row * PF + j
             grp = k0 // group_size  # a BLOCK_K tile lies in one group (moe_config)
             zw = tl.load(z_ptr + e64 * stride_ze + grp * stride_zg + (offs_n // PF) * stride_zn, mask=n_mask, other=0)
             z = (zw >> ((offs_n % PF) * BITS)) & QM
