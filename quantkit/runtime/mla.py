@@ -5,7 +5,7 @@ c = kv_a_layernorm(kv_a_proj_with_mqa(x)[:kv_lora_rank]) and the rotated key k_p
 keys and values are never stored (DeepSeek-V3: 576 values per token instead of 128 heads x (192 + 128)):
 
 - prefill chunks decompress their context through ``kv_b_proj`` (k = [W_UK c, k_pe], v = W_UV c per head) and
-  attend as transformers does: scores over the concatenated 192-wide q and k, softmax in fp32;
+  attend as transformers does: SDPA over the concatenated 192-wide q and k;
 - decodes absorb ``kv_b_proj`` into the query and the output (the paper's "absorbed" form): q_lat[h] = W_UK[h]^T
   q_nope[h], scores q_lat . c + q_pe . k_pe, o[h] = W_UV[h] (sum_j p_j c_j), so a decode reads only the latent rows.
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from quantkit.kernels.attention.mla import mla_decode, mla_decode_reference
@@ -110,12 +111,13 @@ class MLAttention(nn.Module):
         return torch.cat((k_nope, k_pe[:, None].expand(s, self.num_heads, self.rope_dim)), dim=-1), v
 
     def attend(self, q_nope, q_pe, latents, allowed) -> torch.Tensor:
-        """Decompressed attention of q [T, H, *] over latent rows [S, *] where ``allowed`` [T, S] -> [T, H, v]."""
+        """Decompressed attention of q [T, H, *] over latent rows [S, *] where ``allowed`` [T, S] -> [T, H, v].
+        PyTorch's SDPA (transformers' default for this model): on CUDA a memory-efficient kernel, so a long prompt
+        never holds its [H, T, S] scores."""
         k, v = self.decompress(latents.to(q_nope.dtype))
         q = torch.cat((q_nope, q_pe), dim=-1)
-        scores = torch.einsum("thd,shd->hts", q, k) * self.scale
-        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
-        return torch.einsum("hts,shd->thd", probs, v)
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, T or S, *]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)[0].transpose(0, 1)
 
     # -- paged steps -----------------------------------------------------------------------------------------------
 
