@@ -99,6 +99,13 @@ def load_folder(path: str | Path, dtype_name: str, device: torch.device, mtp: bo
     with loading(folder):
         config = AutoConfig.from_pretrained(folder)
     dtype = resolve_dtype(dtype_name, config, device)
+    if mtp:  # refused before any weight is read
+        from quantkit.checkpoint.mtp import mtp_layers
+        from quantkit.checkpoint.read import tensor_headers
+        from quantkit.runtime.speculative.mtp import no_mtp_layers
+
+        if not mtp_layers(raw, tensor_headers(folder)):
+            raise no_mtp_layers(config)
     qc = raw.get("quantization_config")
     if qc is None:
         linear = float_linear(dtype)

@@ -275,14 +275,19 @@ def test_quantized_mtp_layer_drafts(tmp_path):
     assert llm.spec.totals.drafted > 0
 
 
-def test_mtp_needs_mtp_layers(tmp_path):
-    """A checkpoint without MTP layers (and an HF model object: transformers drops them) is refused in one line."""
+def test_mtp_needs_mtp_layers(tmp_path, monkeypatch):
+    """A checkpoint without MTP layers (refused before its weights are read) and an HF model object (transformers
+    drops them) are refused in one line."""
     model = build()
     model.save_pretrained(tmp_path)
-    for source in (str(tmp_path), model):
+    with monkeypatch.context() as m:
+        m.setattr("quantkit.checkpoint.read.read_tensors", lambda *a: pytest.fail("weights were read"))
         with pytest.raises(QuantkitError, match="needs a checkpoint with multi-token-prediction layers") as e:
-            LLM(source, device="cpu", num_kv_blocks=8, speculative=dict(method="mtp"))
+            LLM(str(tmp_path), device="cpu", num_kv_blocks=8, speculative=dict(method="mtp"))
         assert "\n" not in str(e.value)
+    with pytest.raises(QuantkitError, match="needs a checkpoint with multi-token-prediction layers") as e:
+        LLM(model, device="cpu", num_kv_blocks=8, speculative=dict(method="mtp"))
+    assert "\n" not in str(e.value)
     with pytest.raises(QuantkitError, match="'mtp' takes no draft model"):
         LLM(str(tmp_path), device="cpu", speculative=dict(method="mtp", draft=str(tmp_path)))
     from quantkit.runtime.speculative.heads import make_heads

@@ -112,16 +112,20 @@ class MTPProposer(EagleProposer):
             self.embed = layer.embed_tokens
 
 
+def no_mtp_layers(config) -> QuantkitError:
+    return QuantkitError(
+        "speculative method 'mtp' needs a checkpoint with multi-token-prediction layers (DeepSeek-V3's "
+        f"model.layers.{config.num_hidden_layers}.*); this model has none"
+    )
+
+
 def mtp_proposer(spec, runner) -> MTPProposer:
     """The MTP drafter of the target of ``runner`` (loaded with its MTP layers: ``LLM`` asks the loader for them when
     ``spec.method`` is mtp); a one-line error when its checkpoint has none."""
     target = runner.model
     layers = getattr(target, "mtp_layers", None)
     if not layers:
-        raise QuantkitError(
-            "speculative method 'mtp' needs a checkpoint with multi-token-prediction layers (DeepSeek-V3's "
-            f"model.layers.{target.config.num_hidden_layers}.*); this model has none"
-        )
+        raise no_mtp_layers(target.config)
     layer = layers[0]
     layer.set_rope(runner.max_model_len + spec.num_speculative_tokens + 1, runner.device)
     store = FeatureStore()
