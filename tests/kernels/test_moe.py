@@ -270,3 +270,31 @@ def test_bad_operands_are_one_line_errors():
         M.route(torch.randn(2, 4, device=DEVICE), 5)
     with pytest.raises(ValueError, match="groups of two"):
         M.route(torch.randn(2, 6, device=DEVICE), 2, "sigmoid", n_group=4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
+@pytest.mark.parametrize("t", [4, 600])  # 600 x 2 pairs: above ALIGN_KERNEL_MAX_PAIRS, the sort path
+def test_layer_is_captured_in_a_cuda_graph_and_replays_new_routing(t):
+    """route + fused_moe read nothing back to the host: one capture serves every routing of T tokens."""
+    g = torch.Generator().manual_seed(5)
+    w13, w2 = make_experts("float", torch.bfloat16, g)
+    x = torch.randn(t, H, generator=g).bfloat16().to(DEVICE)
+    logits = torch.randn(t, E, generator=g).to(DEVICE)
+
+    def layer():
+        weights, ids = M.route(logits, 2)
+        return M.fused_moe(x, w13, w2, weights, ids)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer()  # compile off the capture stream
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = layer()
+    for _ in range(3):
+        logits.copy_(torch.randn(t, E, generator=g))
+        x.copy_(torch.randn(t, H, generator=g))
+        graph.replay()
+        assert torch.equal(y, layer())
