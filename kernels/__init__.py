@@ -7,9 +7,10 @@ this module steps aside: it loads the installed ``kernels`` from the rest of ``s
 ``sys.modules`` in its place, which the import statement then returns. Without such a package, nothing changes.
 
 The kernels by family: ``w4a16`` (weight-only GPTQ layers), ``w8a8`` (8-bit activations and weights, int8 or fp8),
-``attention`` (paged decode and prefill), ``dense`` (float GEMV, norm and rotary), ``gptq`` (GPTQ's column loop);
-``_device`` holds what they share. ``explain(m, n, k, scheme, device)`` names the kernel and config that serve a
-product; ``GPU`` describes a device to ask it about.
+``attention`` (paged decode and prefill), ``dense`` (float GEMV, norm and rotary), ``gptq`` (GPTQ's column loop),
+``moe`` (routing and grouped expert GEMMs of mixture-of-experts layers); ``_device`` holds what they share.
+``explain(m, n, k, scheme, device)`` names the kernel and config that serve a product; ``GPU`` describes a device to
+ask it about.
 """
 
 import importlib.machinery
