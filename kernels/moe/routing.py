@@ -4,7 +4,7 @@ expert and padded to whole blocks of rows, both on the device without a host syn
 What it computes
     ``route(logits [T, E], top_k, ...) -> (weights fp32 [T, k], ids int32 [T, k])``, experts listed best first.
     - ``score="softmax"`` (Mixtral, Qwen2-MoE, Qwen3-MoE): p = softmax(logits) in fp32; the k largest p; divided by
-      their sum when ``renormalize`` (Mixtral always, Qwen per ``norm_topk_prob``).
+      their sum when ``renormalize`` (Mixtral always, Qwen per ``norm_topk_prob``); times ``scaling`` (1 for them).
     - ``score="sigmoid"`` (DeepSeek-V3): s = sigmoid(logits) in fp32. Experts are chosen by the biased score
       b = s + ``bias`` (``e_score_correction_bias``), group-limited: the E experts form ``n_group`` equal groups of
       consecutive ids, the ``topk_group`` groups with the largest sum of their two largest b are kept, and the k
@@ -81,7 +81,7 @@ def route_reference(
         weights, ids = _topk_lowest_first(probs, top_k)
         if renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights * scaling if scaling != 1.0 else weights, ids.int()
+        return weights * scaling, ids.int()
     t, e = logits.shape
     s = logits.sigmoid()
     choice = s + bias.float() if bias is not None else s
@@ -193,8 +193,7 @@ def _route_kernel(
         if SIGMOID:
             total += 1e-20
         w_acc = w_acc / total[:, None]
-    if SIGMOID:
-        w_acc = w_acc * scaling
+    w_acc = w_acc * scaling
     out = offs_t[:, None] * TOP_K + kcols[None, :]
     o_mask = t_mask[:, None] & (kcols < TOP_K)[None, :]
     tl.store(weights_ptr + out, w_acc, mask=o_mask)

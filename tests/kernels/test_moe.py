@@ -57,12 +57,13 @@ def assert_same_routing(got, want):
     assert torch.allclose(w.cpu(), rw, rtol=4 * torch.finfo(torch.float32).eps, atol=0)
 
 
-@pytest.mark.parametrize(("t", "e", "k", "renorm"), [(5, 8, 2, True), (9, 60, 4, False), (3, 128, 8, True)])
-def test_softmax_routing_matches_reference(t, e, k, renorm):
+@pytest.mark.parametrize(
+    ("t", "e", "k", "renorm", "scaling"), [(5, 8, 2, True, 1.0), (9, 60, 4, False, 1.0), (3, 128, 8, True, 1.5)]
+)
+def test_softmax_routing_matches_reference(t, e, k, renorm, scaling):
     logits = torch.randn(t, e) * 3
-    assert_same_routing(
-        M.route(logits.to(DEVICE), k, "softmax", renorm), M.route_reference(logits, k, "softmax", renorm)
-    )
+    args = (k, "softmax", renorm, None, 1, 1, scaling)
+    assert_same_routing(M.route(logits.to(DEVICE), *args), M.route_reference(logits, *args))
 
 
 @pytest.mark.parametrize(
