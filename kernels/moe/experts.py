@@ -34,9 +34,10 @@ How
     broadcast over its codes' shifts and reshaped to [BLOCK_K, BLOCK_N] (k = row * pf + j; a simple first version:
     the W4A16 GEMM's two-codes-per-operation "magic number" unpacking is the known next step).
 
-Limits: int32 offsets within an expert (the expert offset is 64-bit); fp8_block with one B for both projections.
-Tile configs (``moe_config``) are untuned first choices; the interpreter computes bf16 in fp32 and rounds by hand
-(``EMULATE_BF16``).
+Limits: int32 offsets within an expert and within x, gu and o (the expert offset is 64-bit); the interpreter
+computes bf16 in fp32 and rounds by hand (``EMULATE_BF16``). Hardware: compiled offline for sm_90 with Triton 3.9
+(loads pipelined through cp.async, wgmma for the 64-row tiles), not yet timed on a GPU: the tile configs
+(``moe_config``) are untuned first choices.
 """
 
 from __future__ import annotations
