@@ -275,6 +275,23 @@ def test_quantized_mtp_layer_drafts(tmp_path):
     assert llm.spec.totals.drafted > 0
 
 
+def test_fp8_block_checkpoint_and_its_mtp_layer(tmp_path):
+    """DeepSeek-V3's own format, block-wise fp8 W8A8 (the MTP layer quantized too): the runtime's tokens equal
+    transformers' on the same checkpoint, with and without MTP drafting."""
+    model = T.AutoModelForCausalLM.from_pretrained(mtp_folder(tmp_path / "float", build()), dtype=torch.float32)
+    scheme = {"bits": 8, "group_size": -1, "fmt": "fp8", "act_bits": 8, "block_size": 16}
+    quantkit.quantize(model, Recipe.from_dict({"scheme": scheme, "stages": [{"method": "rtn"}], "mtp": "quantize"}))
+    q = quantkit.save_quantized(model, tmp_path / "q")
+    prompts = random_prompts([7, 30, 2], VOCAB, seed=5)
+    expected = hf_greedy(quantkit.load_quantized(q), prompts, 10)
+    for spec in (None, dict(method="mtp", num_speculative_tokens=2, adaptive=False)):
+        llm = LLM(str(q), device="cpu", num_kv_blocks=32, speculative=spec)
+        assert type(llm.model.model.layers[1].self_attn.kv_b_proj).__name__ == "W8A8Linear"
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=10))
+        assert [o.completions[0].token_ids for o in outputs] == expected
+    assert type(llm.model.mtp_layers[0].eh_proj).__name__ == "W8A8Linear"
+
+
 def test_mtp_needs_mtp_layers(tmp_path, monkeypatch):
     """A checkpoint without MTP layers (refused before its weights are read) and an HF model object (transformers
     drops them) are refused in one line."""
