@@ -12,7 +12,10 @@ How
     ``quantize_tiles``: x [M, K] viewed as [M * ceil(K/B), B] rows and quantized by the family's row quantizer
     (``quant.quantize_activations``, fp8, dynamic): a_scale [M, ceil(K/B)] = tile abs-max / 448. The GEMM tiles the
     output in BLOCK_M x BLOCK_N and walks K in steps of BLOCK_K = B, one scale pair per step; ragged M, N, K are
-    masked (a short last tile's padding is zero in both operands).
+    masked (a short last tile's padding is zero in both operands). Small M splits K across programs (the serial
+    fix-up of ``w4a16.epilogue.finish_tile``). On Hopper with B = 128 and more than ``ws.WS_MIN_M`` rows the
+    warp-specialized Gluon kernel (``ws_kernel.py``) serves instead: in Triton's single loop each promotion waits
+    for its wgmma, which left the block GEMM at 0.57x bf16 cuBLAS at M >= 1024 (H100, its best tile config).
 
 Layouts: ``qw`` float8_e4m3fn [N, K] row-major, K contiguous; ``w_scale`` fp32 [ceil(N/B), ceil(K/B)] (DeepSeek-V3's
 ``weight_scale_inv``; ``Layout.FP8_BLOCK`` v1); ``qa`` [M, K] K contiguous; ``a_scale`` fp32 [M, ceil(K/B)] row-major.
@@ -41,6 +44,7 @@ from quantkit.kernels.w8a8.quant import (
     quantize_rows_reference,
     require,
 )
+from quantkit.kernels.w8a8.ws import WS_MIN_M, block_unsupported, launch_block
 
 BLOCK_SIZES = (16, 32, 64, 128, 256, 512)
 
@@ -245,6 +249,8 @@ def fp8_block_matmul(
     out = torch.empty(m, n, dtype=out_dtype, device=qa.device)
     if m == 0:
         return out
+    if config is None and m >= WS_MIN_M and block_unsupported(qa, qw, out, block) is None:
+        return launch_block(qa, a_scale, qw, w_scale, bias, out)  # Hopper, large M: the warp-specialized kernel
     cfg = config or tile_config(m)
     split, steps = split_for(cfg, m, n, kb, num_sms(qa.device))
     part = torch.empty(split, m, n, dtype=torch.float32, device=qa.device) if split > 1 else out

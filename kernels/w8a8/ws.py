@@ -10,7 +10,7 @@ the rule); the Gluon kernel module is imported on the first launch only.
 from __future__ import annotations
 
 import torch
-from quantkit.kernels._device import GLUON_TRITON, gluon_unsupported, num_sms
+from quantkit.kernels._device import GLUON_TRITON, device_of, gluon_unsupported, num_sms
 from quantkit.kernels.w8a8.gemm import check_matmul_operands
 from quantkit.kernels.w8a8.problem import Plan, Product
 
@@ -79,6 +79,26 @@ def fp8_ws_matmul(
 def launch(qa, a_scale, qw, w_scale, bias, out) -> torch.Tensor:
     """The launch itself, for operands already checked; empty products return ``out`` as it is."""
     from quantkit.kernels.w8a8.ws_kernel import launch as kernel_launch  # Gluon: GPU machines only
+
+    if out.numel() == 0:
+        return out
+    return kernel_launch(qa, a_scale, qw, w_scale, bias, out, num_sms(qa.device))
+
+
+def block_unsupported(qa: torch.Tensor, qw: torch.Tensor, out: torch.Tensor, block: int) -> str | None:
+    """Why the kernel's block-fp8 variant cannot run this product (None: it can): B must be 128 (one weight block
+    per 128-column half, one promotion per K step), and the device and TMA conditions of ``unsupported``."""
+    if block != 128:
+        return f"block size 128 only, got {block}"
+    tma_ok = all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (qa, qw))
+    p = Product(qa.shape[0], qw.shape[0], qa.shape[1], "fp8", torch.bfloat16, device_of(qa.device), tma_ok=tma_ok,
+                out_col_stride=out.stride(1))  # fmt: skip
+    return unsupported(p)
+
+
+def launch_block(qa, a_scale, qw, w_scale, bias, out) -> torch.Tensor:
+    """The block-fp8 launch for operands already checked; empty products return ``out`` as it is."""
+    from quantkit.kernels.w8a8.ws_kernel import launch_block as kernel_launch  # Gluon: GPU machines only
 
     if out.numel() == 0:
         return out

@@ -1,4 +1,5 @@
-"""Warp-specialized fp8 GEMM for Hopper (sm_90), written in Gluon: W8A8 fp8 with DeepSeek-V3's promotion, M > 256.
+"""Warp-specialized fp8 GEMM for Hopper (sm_90), written in Gluon: W8A8 fp8 with DeepSeek-V3's promotion, M > 256;
+also block-wise fp8 (``block.py``'s product, B = 128), whose per-block scales are applied at the same promotion.
 
 What it computes
     ``dispatch.w8a8_matmul``'s product for float8_e4m3fn operands: y[m, n] = (acc[m, n] * a_scale[m or 0]) * w_scale[n]
@@ -103,11 +104,14 @@ def _loader(a_desc, w_desc, a_smem, w_smem, ready, empty, M, N, K, BK: gl.conste
 
 @gluon.jit
 def _scaled_store(acc, rows, sa, off_n, c_ptr, w_scale_ptr, bias_ptr, M, N, stride_cm, layout: gl.constexpr,
-                  HAS_BIAS: gl.constexpr):  # fmt: skip
-    """(acc * a_scale) * w_scale (+ bias) in fp32 for 64 rows x 128 columns from off_n, one masked store."""
+                  HAS_BIAS: gl.constexpr, SCALED: gl.constexpr = True):  # fmt: skip
+    """(acc * a_scale) * w_scale (SCALED; else acc as it is) (+ bias) in fp32 for 64 rows x 128 columns from off_n,
+    one masked store."""
     cols = off_n + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
     cmask = cols < N
-    y = acc * gl.expand_dims(sa, 1) * gl.expand_dims(gl.load(w_scale_ptr + cols, mask=cmask, other=0.0), 0)
+    y = acc
+    if SCALED:
+        y = y * gl.expand_dims(sa, 1) * gl.expand_dims(gl.load(w_scale_ptr + cols, mask=cmask, other=0.0), 0)
     if HAS_BIAS:
         y = y + gl.expand_dims(gl.load(bias_ptr + cols, mask=cmask, other=0.0).to(gl.float32), 0)
     ptrs = c_ptr + gl.expand_dims(rows, 1) * stride_cm + gl.expand_dims(cols, 0)
@@ -148,14 +152,66 @@ def _consumer(a_smem, w_smem, ready, empty, c_ptr, a_scale_ptr, w_scale_ptr, bia
 
 
 @gluon.jit
-def _w8a8_fp8_ws_kernel(
-    a_desc, w_desc,  # TMA descriptors: qa in [64, BK] blocks, qw in [256, BK] blocks
-    c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr,
+def _block_consumer(a_smem, w_smem, ready, empty, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm,
+                    stride_as, stride_ws, ROLE: gl.constexpr, BK: gl.constexpr, NSTAGES: gl.constexpr,
+                    GROUP: gl.constexpr, HAS_BIAS: gl.constexpr):  # fmt: skip
+    """``_consumer`` for block-wise fp8 (B = BK = 128): each K step's partial sum of a column half (one weight
+    block) joins the accumulator times a_scale[row, step] * w_scale[block, step]; scales are read before the wait
+    for the step's operands, so their latency hides behind it."""
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+    zero = gl.zeros([64, 128], gl.float32, layout)
+    num_tiles = gl.cdiv(M, 2 * 64) * gl.cdiv(N, 2 * 128)
+    k_steps = gl.cdiv(K, BK)
+    last_block = gl.cdiv(N, BK) - 1
+    it = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m, off_n = _tile_offsets(tile, M, N, GROUP)
+        rows = off_m + ROLE * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+        sa_ptrs = a_scale_ptr + rows * stride_as
+        rmask = rows < M
+        sw0_ptr = w_scale_ptr + (off_n // BK) * stride_ws
+        sw1_ptr = w_scale_ptr + gl.minimum(off_n // BK + 1, last_block) * stride_ws  # past N: any valid block
+        acc0 = zero
+        acc1 = zero
+        for t in range(k_steps):
+            sa = gl.load(sa_ptrs + t, mask=rmask, other=0.0)
+            scale0 = gl.expand_dims(sa * gl.load(sw0_ptr + t), 1)
+            scale1 = gl.expand_dims(sa * gl.load(sw1_ptr + t), 1)
+            s = it % NSTAGES
+            mbarrier.wait(ready.index(s), (it // NSTAGES) & 1)
+            a = a_smem.index(2 * s + ROLE)
+            w = w_smem.index(s)
+            acc0 += warpgroup_mma(a, w.slice(0, 128, dim=0).permute((1, 0)), zero, use_acc=False) * scale0
+            acc1 += warpgroup_mma(a, w.slice(128, 128, dim=0).permute((1, 0)), zero, use_acc=False) * scale1
+            mbarrier.arrive(empty.index(s))
+            it += 1
+        _scaled_store(acc0, rows, rows, off_n, c_ptr, w_scale_ptr, bias_ptr, M, N, stride_cm, layout, HAS_BIAS, False)
+        _scaled_store(acc1, rows, rows, off_n + 128, c_ptr, w_scale_ptr, bias_ptr, M, N, stride_cm, layout, HAS_BIAS,
+                      False)  # fmt: skip
+
+
+@gluon.jit
+def _fp8_block_ws_kernel(
+    a_desc, w_desc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr,
     M, N, K,
-    stride_cm,
-    BK: gl.constexpr, NSTAGES: gl.constexpr, GROUP: gl.constexpr, A_SCALE_PER_ROW: gl.constexpr,
-    HAS_BIAS: gl.constexpr, CONS_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
+    stride_cm, stride_as, stride_ws,
+    BK: gl.constexpr, NSTAGES: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, CONS_REGS: gl.constexpr,
+    LOAD_REGS: gl.constexpr,
 ):  # fmt: skip
+    a_smem, w_smem, ready, empty = _ring(a_desc, w_desc, BK, NSTAGES)
+    gl.warp_specialize([
+        (_block_consumer, (a_smem, w_smem, ready, empty, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
+                           stride_cm, stride_as, stride_ws, 0, BK, NSTAGES, GROUP, HAS_BIAS)),
+        (_block_consumer, (a_smem, w_smem, ready, empty, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
+                           stride_cm, stride_as, stride_ws, 1, BK, NSTAGES, GROUP, HAS_BIAS)),
+        (_loader, (a_desc, w_desc, a_smem, w_smem, ready, empty, M, N, K, BK, NSTAGES, GROUP)),
+    ], [4, 1], [CONS_REGS, LOAD_REGS])  # fmt: skip
+
+
+@gluon.jit
+def _ring(a_desc, w_desc, BK: gl.constexpr, NSTAGES: gl.constexpr):
+    """The shared-memory ring: two 64-row activation tiles and one 256-row weight tile per stage, and its barriers
+    (``ready``: the loader's copies landed; ``empty``: both consumers released the slot)."""
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * NSTAGES, 64, BK], a_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.float8e4nv, [NSTAGES, 2 * 128, BK], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NSTAGES, 1], mbarrier.MBarrierLayout())
@@ -164,6 +220,19 @@ def _w8a8_fp8_ws_kernel(
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers
     fence_async_shared()
+    return a_smem, w_smem, ready, empty
+
+
+@gluon.jit
+def _w8a8_fp8_ws_kernel(
+    a_desc, w_desc,  # TMA descriptors: qa in [64, BK] blocks, qw in [256, BK] blocks
+    c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr,
+    M, N, K,
+    stride_cm,
+    BK: gl.constexpr, NSTAGES: gl.constexpr, GROUP: gl.constexpr, A_SCALE_PER_ROW: gl.constexpr,
+    HAS_BIAS: gl.constexpr, CONS_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
+):  # fmt: skip
+    a_smem, w_smem, ready, empty = _ring(a_desc, w_desc, BK, NSTAGES)
     gl.warp_specialize([
         (_consumer, (a_smem, w_smem, ready, empty, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm,
                      0, BK, NSTAGES, GROUP, A_SCALE_PER_ROW, HAS_BIAS)),
@@ -192,6 +261,20 @@ def launch(qa, a_scale, qw, w_scale, bias, out, sms: int) -> torch.Tensor:
     _w8a8_fp8_ws_kernel[(min(tiles, sms),)](
         a_desc, w_desc, out, a_scale, w_scale, bias if bias is not None else w_scale, m, n, k, out.stride(0),
         BK=BLOCK_K, NSTAGES=STAGES, GROUP=GROUP_M, A_SCALE_PER_ROW=a_scale.numel() == m, HAS_BIAS=bias is not None,
+        CONS_REGS=CONSUMER_REGS, LOAD_REGS=LOADER_REGS, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def launch_block(qa, a_scale, qw, w_scale, bias, out, sms: int) -> torch.Tensor:
+    """The block-fp8 launch (B = BLOCK_K = 128) for operands ``block.fp8_block_matmul`` checked."""
+    m, k = qa.shape
+    n = qw.shape[0]
+    tiles = -(-m // BLOCK_M) * -(-n // BLOCK_N)
+    a_desc, w_desc = descriptors(qa, qw)
+    _fp8_block_ws_kernel[(min(tiles, sms),)](
+        a_desc, w_desc, out, a_scale, w_scale, bias if bias is not None else w_scale, m, n, k, out.stride(0),
+        a_scale.stride(0), w_scale.stride(0), BK=BLOCK_K, NSTAGES=STAGES, GROUP=GROUP_M, HAS_BIAS=bias is not None,
         CONS_REGS=CONSUMER_REGS, LOAD_REGS=LOADER_REGS, num_warps=4,
     )  # fmt: skip
     return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from quantkit.kernels.w8a8 import block as KB
+from quantkit.kernels.w8a8.ws import WS_MIN_M, block_unsupported
 
 from quantkit.algorithms.fp8 import dequantize_fp8, quantize_fp8
 
@@ -101,3 +102,30 @@ def test_bad_operands_are_refused_with_the_reason():
         KB.fp8_block_matmul(qa, a_s, qw, ws[:, :1].contiguous(), 32)
     with pytest.raises(ValueError, match="block must be one of"):
         KB.fp8_block_matmul(qa, a_s, qw, ws, 48)
+
+
+hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs a Hopper GPU"
+)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(300, 384, 320), (WS_MIN_M, 4096, 4096), (4099, 520, 2048)],  # half tile past N, K tail; one tile row; many
+)
+def test_gpu_warp_specialized_kernel_errs_like_the_triton_tiles(m, n, k):
+    """From WS_MIN_M rows on Hopper the Gluon kernel serves B = 128; its error against float64 from the same codes
+    is the Triton tiles' (same promotion interval and scale order), within 2x, plus a floor of 2**-20 max|y|."""
+    x, _, qw, ws = layer(m, n, k, 128, seed=m)
+    bias = torch.randn(n)
+    qa, a_s = KB.quantize_tiles_reference(x, 128)
+    w64 = dequantize_fp8(qw, ws, torch.float64, block_size=128)
+    exact = (qa.double() * a_s.double().repeat_interleave(128, 1)[:, :k]) @ w64.t() + bias.double()
+    d = lambda t: t.to(DEVICE)
+    assert block_unsupported(d(qa), d(qw), torch.empty(m, n, device=DEVICE), 128) is None
+    y = KB.fp8_block_matmul(d(qa), d(a_s), d(qw), d(ws), 128, d(bias), torch.float32).cpu().double()
+    tiles = KB.fp8_block_matmul(d(qa), d(a_s), d(qw), d(ws), 128, d(bias), torch.float32, config=KB.tile_config(m))
+    err, tiles_err = (y - exact).abs().max(), (tiles.cpu().double() - exact).abs().max()
+    assert not y.isnan().any() and err <= 2 * tiles_err + 2**-20 * exact.abs().max()
