@@ -170,13 +170,15 @@ class BlockConfig:
         return f"m{self.block_m}n{self.block_n}g{self.group_m}w{self.num_warps}s{self.num_stages}sw{self.split_waves}"
 
 
-# Largest M of each regime -> config: first choices (small M: narrow tiles with K split over the SMs, as the W4A16
-# and W8A8 decode paths do; large M: the fp8 kernel's 128-row tiles), tuned by ``bench_w8a8.py --sweep-block``.
+# Largest M of each regime -> config (small M: narrow tiles with K split over the SMs, as the W4A16 and W8A8 decode
+# paths do), the winners of ``bench_w8a8.py --sweep-block`` on an H100 (end to end, geomean of the Llama shapes);
+# above 256 rows the Hopper path is the warp-specialized kernel, these tiles serve other GPUs.
 TILE_CONFIGS: tuple[tuple[int, BlockConfig], ...] = (
     (16, BlockConfig(16, 64, 1, split_waves=2, num_warps=4, num_stages=4)),
+    (32, BlockConfig(32, 64, 1, split_waves=2, num_warps=4, num_stages=4)),
     (64, BlockConfig(64, 64, 1, split_waves=1, num_warps=4, num_stages=4)),
-    (256, BlockConfig(64, 128, 8, split_waves=1, num_warps=4, num_stages=4)),
-    (2**31, BlockConfig(128, 128, 8, split_waves=0, num_warps=8, num_stages=3)),
+    (256, BlockConfig(64, 128, 8, split_waves=0, num_warps=4, num_stages=4)),
+    (2**31, BlockConfig(128, 128, 8, split_waves=0, num_warps=8, num_stages=4)),
 )
 
 
