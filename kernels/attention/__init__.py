@@ -3,7 +3,7 @@ store) and prefill (``prefill``, FlashAttention-2 tiling over packed chunks and 
 are draft trees are masked by the words ``tree_mask`` builds); ``mla``, DeepSeek's latent attention decode over paged
 latent rows."""
 
-from quantkit.kernels.attention.mla import mla_decode, mla_decode_reference
+from quantkit.kernels.attention.mla import mla_decode, mla_decode_reference, store_latent, store_latent_reference
 from quantkit.kernels.attention.paged import (
     default_num_splits,
     gather_context,
@@ -29,6 +29,8 @@ __all__ = [
     "prefill_config",
     "store_kv",
     "store_kv_reference",
+    "store_latent",
+    "store_latent_reference",
     "tma_compatible",
     "tree_mask_words",
 ]

@@ -5,6 +5,7 @@ Layouts (B sequences, H heads, R = kv_lora_rank, P = qk_rope_head_dim, page size
 - ``latent_cache`` [num_blocks, S, 1, R + P]: per token the normalised compressed KV c (first R values) and the
   rotated key k_pe shared by every head (last P values); pages as in ``paged`` (block tables, int32).
 - ``q_lat`` [B, H, R]: each head's q_nope taken through kv_b_proj's key rows (W_UK^T q_nope); ``q_pe`` [B, H, P].
+- ``store_latent`` writes a step's latent rows into their slots (-1: padding, skipped).
 - output ``o_lat`` [B, H, R] = sum_j softmax_j(scale * (q_lat . c_j + q_pe . k_pe_j)) c_j, still to go through
   kv_b_proj's value rows (W_UV) per head; empty contexts give zeros.
 
@@ -23,6 +24,40 @@ import triton
 import triton.language as tl
 from quantkit.kernels._device import dot_precision
 from quantkit.kernels.attention.paged import LOG2E, default_num_splits, gather_context
+
+
+def store_latent_reference(latent, latent_cache, slot_mapping) -> None:
+    """latent rows [T, R + P] -> ``latent_cache`` rows at ``slot_mapping`` [T] (slot -1: skipped)."""
+    keep = slot_mapping >= 0
+    rows = latent_cache.view(-1, latent_cache.shape[-1])
+    rows.index_copy_(0, slot_mapping[keep].long(), latent[keep].to(latent_cache.dtype))
+
+
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
+def _store_latent_kernel(x_ptr, cache_ptr, slot_ptr, width, stride_xt, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    offs = tl.arange(0, BLOCK)
+    mask = offs < width
+    x = tl.load(x_ptr + t * stride_xt + offs, mask=mask)
+    tl.store(cache_ptr + slot * width + offs, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_latent(latent: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``store_latent_reference`` in one launch, with no host synchronisation (the reference's masked indexing
+    waits for the device)."""
+    t, width = latent.shape
+    if latent_cache.shape[2:] != (1, width) or not latent_cache.is_contiguous() or latent.stride(1) != 1:
+        raise ValueError(f"store_latent: rows {tuple(latent.shape)} and cache {tuple(latent_cache.shape)} disagree "
+                         "(or are not contiguous)")  # fmt: skip
+    if slot_mapping.shape != (t,):
+        raise ValueError(f"store_latent: slot_mapping must be [{t}], got {tuple(slot_mapping.shape)}")
+    if t:
+        _store_latent_kernel[(t,)](
+            latent, latent_cache, slot_mapping, width, latent.stride(0), BLOCK=triton.next_power_of_2(width)
+        )
 
 
 def mla_decode_reference(q_lat, q_pe, latent_cache, block_tables, context_lens, scale: float) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantkit.kernels.attention.mla import mla_decode, mla_decode_reference
+from quantkit.kernels.attention.mla import mla_decode, mla_decode_reference, store_latent, store_latent_reference
 from quantkit.kernels.attention.paged import gather_context
 from quantkit.kernels.attention.tree_mask import tree_mask_dense
 
@@ -125,8 +125,8 @@ class MLAttention(nn.Module):
         cache = kv_cache[0]  # [blocks, block_size, 1, rank + rope]
         t = x.shape[0]
         q_nope, q_pe, latent = self.project(x, cos, sin)
-        keep = meta.slot_mapping >= 0
-        cache.view(-1, self.latent_width).index_copy_(0, meta.slot_mapping[keep].long(), latent[keep].to(cache.dtype))
+        store = store_latent if meta.backend == "triton" else store_latent_reference
+        store(latent, cache, meta.slot_mapping)
         nd, parts = meta.num_decodes, []
         if nd:
             parts.append(self._decode(q_nope[:nd], q_pe[:nd], cache, meta))

@@ -7,7 +7,7 @@ that no sequence owns holds NaN, so reading one (or a padded block-table entry) 
 
 import pytest
 import torch
-from quantkit.kernels.attention.mla import mla_decode, mla_decode_reference
+from quantkit.kernels.attention.mla import mla_decode, mla_decode_reference, store_latent
 from quantkit.kernels.attention.paged import (
     MAX_SPLITS,
     default_num_splits,
@@ -140,6 +140,17 @@ def test_mla_decode(page, heads, rank, rope, splits):
         assert err <= 2 * torch_err + 2e-3, f"kernel error {err:.2e} vs torch fp16 error {torch_err:.2e}"
     ref = mla_decode_reference(q_lat, q_pe, cache, tables, ctx, scale)
     torch.testing.assert_close(out, ref, atol=2e-3, rtol=0)
+
+
+def test_store_latent_writes_exactly_the_mapped_slots():
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.zeros(5, 8, 1, 40, dtype=DTYPE, device=DEVICE)
+    rows = torch.randn(6, 40, generator=gen).to(DTYPE).to(DEVICE)
+    slots = torch.tensor([3, -1, 17, 39, -1, 0], device=DEVICE)
+    store_latent(rows, cache, slots)
+    keep = slots >= 0
+    assert torch.equal(cache.view(-1, 40)[slots[keep]], rows[keep])
+    assert int((cache.view(-1, 40).abs().sum(1) > 0).sum()) == int(keep.sum())
 
 
 def test_mla_decode_refuses_mismatched_shapes():
