@@ -158,7 +158,7 @@ def test_quantized_checkpoint_matches_hf(tmp_path):
 def test_parallel_sampling_shares_latent_blocks_and_self_drafts(reference):
     """n = 3 greedy completions (forked from one prefill: their latent blocks shared, the partly filled one copied on
     write) equal HF's; a self draft (the target's first 2 layers in 4 bits; routers stay float) keeps the plain
-    tokens."""
+    tokens; a later prompt with the same first block reads its latent rows from the prefix cache."""
     model, prompts, _ = reference
     pair = [[*prompts[1], 5], [*prompts[1], 7, 8]]
     llm = LLM(model, device="cpu", num_kv_blocks=64)
@@ -169,6 +169,12 @@ def test_parallel_sampling_shares_latent_blocks_and_self_drafts(reference):
     spec = dict(method="self", draft_layers=2, adaptive=False)
     drafted = LLM(model, device="cpu", num_kv_blocks=64, speculative=spec).generate(pair, SamplingParams(max_tokens=8))
     assert [o.completions[0].token_ids for o in drafted] == expected
+    computed = []  # a later request with the same 16-token first block takes it from the prefix cache
+    run = llm.runner.run
+    llm.runner.run = lambda batch, *a: (computed.append(batch.num_tokens), run(batch, *a))[1]
+    again = llm.generate([[*prompts[1], 9]], SamplingParams(max_tokens=8))
+    assert again[0].completions[0].token_ids == hf_greedy(model, [[*prompts[1], 9]], 8)[0]
+    assert computed[0] == len(prompts[1]) + 1 - 16
 
 
 def test_dummy_shape():
