@@ -4,6 +4,7 @@
     python benchmarks/bench_gptq.py --layers 2         # smoke run: the first 2 decoder layers only
     python benchmarks/bench_gptq.py --cpu-smollm2      # the real SmolLM2-135M on CPU, 128 x 512 Brown windows
     python benchmarks/bench_gptq.py --layers 8 --resume-state /tmp/state   # with the resume state (--resume's)
+    python benchmarks/bench_gptq.py --nproc 1,2,4      # 1, 2 and 4 GPUs in turn (quantize --nproc), speedups vs 1
 
 GPU mode: the bf16 model is built on the meta device and materialised on the CPU (random normal weights drawn on the
 GPU in bf16 and copied over, one tensor at a time: ~16 GB of host writes and no fp32 copy); the calibration ids are
@@ -14,6 +15,11 @@ Random weights and tokens leave the arithmetic unchanged: GPTQ's cost depends on
 Printed and written (``--out``, default out/gptq: ``bench_gptq.json`` and ``bench_gptq.md``): wall time of the build and
 of the quantization, time per layer, the GPTQ share (sum of the per-linear ``seconds`` of the report), and the peak GPU
 memory (``torch.cuda.max_memory_allocated``). Needs only torch and transformers (no datasets / gguf in GPU mode).
+
+``--nproc 1,2,4``: the same run with calibration shared by 1, 2 and 4 processes (one GPU each; CPU processes with
+``--cpu-smollm2``), one after the other; every process builds the model with the same seed, and rank 0 times the
+quantization. Written: each count's figures, its speedup against the first count and the peak GPU memory of every
+rank.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import json
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from common import LLAMA3_8B, add_out_argument, out_folder, random_llama
@@ -67,6 +74,8 @@ def run(model, calib, args, device) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    if torch.distributed.is_initialized():  # --nproc: every rank has built its model before the clock starts
+        torch.distributed.barrier()
     t0, cpu0 = time.perf_counter(), time.process_time()
     result = quantkit.quantize(
         model, gptq_recipe(args), calib, device=device, progress=progress, state_dir=args.resume_state
@@ -126,9 +135,23 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave the default)")
     add_out_argument(ap, "gptq")
+    ap.add_argument(
+        "--nproc", default=None, help="processes sharing the calibration, e.g. 1,2,4: each count timed in turn"
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.nproc is None:
+        info = measure(args, None)
+    else:
+        counts = [int(n) for n in args.nproc.split(",")]
+        args.nproc = None  # each rank measures one run
+        info = scaling(args, counts)
+    report(info, args)
+
+
+def measure(args: argparse.Namespace, device: torch.device | None) -> dict:
+    """Build the model and time its quantization on ``device`` (None: the CPU for --cpu-smollm2, else CUDA)."""
     seed = 0
     info: dict = {
         "torch": torch.__version__,
@@ -145,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         from quantkit.calib.data import calibration_windows
 
         args.seqlen = args.seqlen or 512
-        device = torch.device("cpu")
+        device = device or torch.device("cpu")
         model, tokenizer, _ = quantkit.load_model("smollm2-135m")
         calib, fingerprint = calibration_windows(tokenizer, "brown", args.nsamples, args.seqlen)
         info.update(mode="smollm2-135m-cpu", calibration=fingerprint)
@@ -153,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         if not torch.cuda.is_available():
             raise SystemExit("GPU mode needs CUDA; use --cpu-smollm2 for the CPU benchmark")
         args.seqlen = args.seqlen or 2048
-        device = torch.device("cuda")
+        device = device or torch.device("cuda")
         layers = args.layers or LLAMA3_8B["num_hidden_layers"]
         model = random_llama({**LLAMA3_8B, "num_hidden_layers": layers}, device, seed)
         calib = torch.randint(0, LLAMA3_8B["vocab_size"], (args.nsamples, args.seqlen), generator=torch.Generator())
@@ -166,6 +189,46 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
     info.update(run(model, calib, args, device))
+    return info
+
+
+def one_rank(args: argparse.Namespace, result: str) -> None:
+    """A rank of an ``--nproc`` count (started by quantkit.distributed.launch): rank 0 writes the figures to
+    ``result``, with the peak GPU memory of every rank."""
+    from quantkit import distributed
+
+    device = distributed.init_from_env("cpu" if args.cpu_smollm2 else "cuda")
+    info = measure(args, torch.device(device))
+    peaks: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(peaks, info["peak_gpu_bytes"])
+    if distributed.is_main():
+        Path(result).write_text(json.dumps({**info, "nproc": len(peaks), "peak_gpu_bytes_per_rank": peaks}))
+
+
+def scaling(args: argparse.Namespace, counts: list[int]) -> dict:
+    """The run with each process count in turn; the first count is the baseline of the speedups."""
+    import tempfile
+
+    from quantkit.distributed import launch
+
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in counts:
+            print(f"--- {n} process(es)", flush=True)
+            result = Path(tmp) / f"{n}.json"
+            launch(n, one_rank, {"args": args, "result": str(result)}, threads=args.threads or None)
+            runs.append(json.loads(result.read_text()))
+    for r in runs:
+        r["speedup"] = round(runs[0]["quantize_seconds"] / r["quantize_seconds"], 2)
+        print(f"nproc {r['nproc']}: quantize {r['quantize_seconds']} s, speedup {r['speedup']}x against nproc "
+              f"{counts[0]}, peak GPU bytes per rank {r['peak_gpu_bytes_per_rank']}")  # fmt: skip
+    return {**runs[0], "scaling": [{k: r[k] for k in SCALING_KEYS} for r in runs]}
+
+
+SCALING_KEYS = ("nproc", "quantize_seconds", "speedup", "seconds_per_layer_median", "peak_gpu_bytes_per_rank")
+
+
+def report(info: dict, args: argparse.Namespace) -> None:
     peak = info["peak_gpu_bytes"]
     print(
         f"quantize: {info['quantize_seconds']} s wall, {info['quantize_cpu_seconds']} s CPU "
@@ -199,7 +262,15 @@ def markdown(info: dict) -> str:
         ("peak GPU memory", "n/a" if peak is None else f"{peak / 2**30:.2f} GiB"),
         ("torch", info["torch"]),
     ]
-    return "# GPTQ benchmark\n\n| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
+    text = "# GPTQ benchmark\n\n| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
+    if "scaling" in info:  # --nproc: one row per process count
+        text += "\n| processes | quantize (s) | speedup | per layer median (s) | peak GPU memory per rank (GiB) |\n"
+        text += "|---|---|---|---|---|\n"
+        for r in info["scaling"]:
+            peaks = ", ".join("n/a" if p is None else f"{p / 2**30:.2f}" for p in r["peak_gpu_bytes_per_rank"])
+            text += (f"| {r['nproc']} | {r['quantize_seconds']} | {r['speedup']}x | {r['seconds_per_layer_median']} "
+                     f"| {peaks} |\n")  # fmt: skip
+    return text
 
 
 if __name__ == "__main__":

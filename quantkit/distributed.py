@@ -56,15 +56,13 @@ def env_world_size() -> int:
         raise QuantkitError(f"WORLD_SIZE must be an integer, got {os.environ['WORLD_SIZE']!r}") from None
 
 
-def check_processes(nproc: int, resume: bool, device: str) -> int:
+def check_processes(nproc: int, device: str) -> int:
     """How many processes a quantize command runs in (``nproc``, or torchrun's WORLD_SIZE); a QuantkitError for
     settings that do not work across processes."""
     env = env_world_size()
     if nproc > 1 and env > 1:
         raise QuantkitError("--nproc under torchrun: torchrun's --nproc-per-node starts the processes")
     ranks = max(nproc, env)
-    if ranks > 1 and resume:
-        raise QuantkitError("--resume does not work across processes (--nproc, torchrun): no resume state is kept")
     if ranks > 1 and device.startswith("cuda"):
         if device != "cuda":
             raise QuantkitError(f"--device {device}: across processes each rank takes its own GPU; give --device cuda")
@@ -192,6 +190,15 @@ def check_same(value, what: str) -> None:
     for rank, part in enumerate(parts):
         if part != parts[0]:
             raise QuantkitError(f"rank {rank} has other {what} than rank 0: every rank must be given the same")
+
+
+def in_turn(fn):
+    """``fn()`` on rank 0, then on the other ranks (what rank 0 wrote is there for them to read); its result."""
+    if world()[1] == 1:
+        return fn()
+    out = fn() if world()[0] == 0 else None
+    dist.barrier()
+    return out if world()[0] == 0 else fn()
 
 
 def broadcast_object(obj, src: int, device: torch.device):

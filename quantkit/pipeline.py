@@ -13,7 +13,7 @@ from quantkit import checks
 from quantkit.calib.data import calibration_windows
 from quantkit.calib.runner import run_layerwise
 from quantkit.devices import resolve_device
-from quantkit.distributed import Shard, check_same, world
+from quantkit.distributed import Shard, check_same, in_turn, world
 from quantkit.errors import QuantkitError
 from quantkit.models import offload
 from quantkit.models.arch import arch_for, position_limit
@@ -152,7 +152,8 @@ def quantize(
     rank calls this with the same model, recipe and windows: each runs a contiguous share of the calibration
     batches, the statistics are summed over the ranks and each linear is quantized on one of them; every rank ends
     with the same quantized model, and ``progress`` and the gate run on rank 0 only (``save_quantized`` writes
-    there). The resume state is not kept across processes.
+    there). Rank 0 alone writes the resume state, which holds every rank's batches: a run resumes with any number
+    of processes.
     """
     if not isinstance(model, nn.Module):
         raise QuantkitError(f"quantize needs a torch.nn.Module (quantkit.load_model), got {type(model).__name__}")
@@ -176,8 +177,6 @@ def quantize(
     rank, size = world()
     shard = None
     if size > 1:
-        if state_dir is not None:
-            raise QuantkitError("the resume state is not kept across processes: run without state_dir (--nproc)")
         if batches:
             check_same((list(calib.shape), int(calib.sum()), int((calib * calib).sum())), "calibration windows")
         shard = Shard.of([len(b) for b in batches] if batches else [])
@@ -190,8 +189,9 @@ def quantize(
     if state_dir is not None:
         from quantkit.resume import RunState, run_fingerprint
 
-        key = run_fingerprint(model, recipe, calib if batches else None, fingerprint if batches else None, device)
-        state = RunState.open(state_dir, key, resume)
+        where = device.type if size > 1 else device  # each rank has its own GPU; their checkpoint is the same
+        key = run_fingerprint(model, recipe, calib if batches else None, fingerprint if batches else None, where)
+        state = in_turn(lambda: RunState.open(state_dir, key, resume, writes=rank == 0))  # rank 0 tidies first
         state.restore(model.get_submodule(arch.layers), lambda layer: prepare_layer(model, arch, layer))
     stages = [build_stage(s) for s in recipe.stages]
     if device.type == "cuda":

@@ -115,12 +115,20 @@ class RunState:
         self._writer: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._stream = None  # the CUDA stream that copies off the GPU
+        self.writes = True  # False: a reader (a rank other than 0) that saves and clears nothing
 
     @classmethod
-    def open(cls, folder: str | os.PathLike, fingerprint: dict, resume: bool) -> RunState:
+    def open(cls, folder: str | os.PathLike, fingerprint: dict, resume: bool, writes: bool = True) -> RunState:
         """The state in ``folder``: with ``resume``, the saved one when there is one (refused when its fingerprint
-        differs), else a fresh one; without, always a fresh one (an old state is deleted)."""
+        differs), else a fresh one; without, always a fresh one (an old state is deleted). ``writes`` False (ranks
+        other than 0 across processes): read the state that the writing rank opened, never change the folder."""
         folder = Path(folder)
+        if not writes:
+            path = folder / STATE_FILE
+            saved = json.loads(path.read_text()) if resume and path.is_file() else None
+            state = cls(folder, fingerprint, saved["done"], saved["report"]) if saved else cls(folder, fingerprint)
+            state.writes = False
+            return state
         path = folder / STATE_FILE
         if folder.exists() and (not folder.is_dir() or (any(folder.iterdir()) and not path.is_file())):
             raise QuantkitError(f"{folder} is not a resume state folder: refusing to use it")
@@ -186,6 +194,9 @@ class RunState:
 
         Returns once the tensors are copied (GPU copies are queued on a side stream); a background thread writes
         them. A write error is raised here or by :meth:`flush`, whichever comes next."""
+        if not self.writes:
+            self.done = i + 1
+            return
         t0 = time.perf_counter()
         self.flush()
         snapshot = self._snapshot(layer, hidden)
@@ -261,6 +272,8 @@ class RunState:
 
     def clear(self) -> None:
         """Delete the state (the checkpoint is written)."""
+        if not self.writes:
+            return
         self.flush()
         shutil.rmtree(self.folder, ignore_errors=True)
 

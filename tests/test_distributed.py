@@ -41,24 +41,38 @@ def windows() -> torch.Tensor:
     return torch.randint(0, 320, (8, 16), generator=torch.Generator().manual_seed(1))
 
 
-def quantize_all(out: Path) -> None:
-    """Every recipe on a fresh tiny model; the checkpoints are written where save_quantized is called: on rank 0."""
-    for name, recipe in RECIPES.items():
+def quantize_all(out: Path, names=tuple(RECIPES), **kwargs) -> None:
+    """Each recipe named on a fresh tiny model; the checkpoints are written where save_quantized is called: on rank
+    0. ``kwargs`` go to quantize."""
+    for name in names:
+        recipe = RECIPES[name]
         model = tiny_model("qwen3_moe" if name.startswith("moe") else "llama")
         recipe = {**recipe, "stages": [s if isinstance(s, dict) else {"method": s} for s in recipe["stages"]]}
-        quantkit.quantize(model, recipe, windows(), device="cpu")
+        quantkit.quantize(model, recipe, windows(), device="cpu", **kwargs)
         if torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True:
             quantkit.save_quantized(model, out / name)
 
 
-def spawned(out: str, fail_rank: int | None = None) -> None:
-    """A rank of :func:`launch`: join the group as torchrun's ranks do, quantize everything (or fail on purpose)."""
+def spawned(out: str, fail_rank: int | None = None, crash_after_layer: int | None = None, **kwargs) -> None:
+    """A rank of :func:`launch`: join the group as torchrun's ranks do, quantize (``kwargs`` go to
+    :func:`quantize_all`); ``fail_rank`` fails at once, ``crash_after_layer`` makes rank 1 fail after that layer."""
     from quantkit.distributed import init_from_env
+    from quantkit.resume import RunState
 
     init_from_env("cpu", timeout_s=60)
-    if fail_rank is not None and torch.distributed.get_rank() == fail_rank:
+    rank = torch.distributed.get_rank()
+    if fail_rank == rank:
         raise ValueError("a deliberate failure")
-    quantize_all(Path(out))
+    if crash_after_layer is not None and rank == 1:
+        save = RunState.save
+
+        def crash(self, i, *args):
+            save(self, i, *args)
+            if i == crash_after_layer:
+                raise RuntimeError("a crash")
+
+        RunState.save = crash
+    quantize_all(Path(out), **kwargs)
 
 
 def report(folder: Path) -> dict:
@@ -120,19 +134,27 @@ def test_cli_nproc_writes_the_single_process_checkpoint_once(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "extra, env, fragment",
-    [
-        (["--nproc", "2", "--resume"], {}, "--resume does not work across processes"),
-        (["--nproc", "2"], {"WORLD_SIZE": "2"}, "--nproc under torchrun"),
-        ([], {"WORLD_SIZE": "2", "RANK": "0"}, "--resume does not work across processes"),
-    ],
+    "extra, world_size, fragment",
+    [(["--nproc", "2"], "2", "--nproc under torchrun"), ([], "two", "WORLD_SIZE must be an integer, got 'two'")],
 )
-def test_cli_refuses_what_does_not_work_across_processes(tmp_path, monkeypatch, extra, env, fragment):
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    resume = [] if "--resume" in extra or not env else ["--resume"]
-    r = CliRunner().invoke(cli, ["quantize", "--model", "m", "--out", str(tmp_path / "o"), *extra, *resume])
+def test_cli_refuses_what_does_not_work_across_processes(tmp_path, monkeypatch, extra, world_size, fragment):
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    r = CliRunner().invoke(cli, ["quantize", "--model", "m", "--out", str(tmp_path / "o"), *extra])
     assert r.exit_code == 2 and r.stderr.count("\n") == 1 and fragment in r.stderr, r.output
+
+
+def test_a_run_of_two_processes_resumes_in_three(single, tmp_path):
+    """Rank 1 of 2 crashes after layer 0: rank 0 has written the resume state (every rank's batches), from which 3
+    processes finish the single process's checkpoint."""
+    state = tmp_path / "state"
+    run = {"out": str(tmp_path), "names": ["gptq"], "state_dir": str(state)}
+    with pytest.raises(QuantkitError, match=r"^rank 1 of 2 failed: RuntimeError: a crash$"):
+        launch(2, spawned, {**run, "crash_after_layer": 0}, threads=1)
+    assert json.loads((state / "state.json").read_text())["done"] == 1
+    launch(3, spawned, {**run, "resume": True}, threads=1)
+    ours, theirs = load_file(tmp_path / "gptq" / "model.safetensors"), load_file(single / "gptq" / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], t) for k, t in theirs.items())
+    assert report(tmp_path / "gptq") == report(single / "gptq") and not state.exists()
 
 
 @pytest.mark.slow

@@ -224,19 +224,8 @@ class LayerContext:
         if self.shard is None:
             fn(self)
             return
-        shard = self.shard
-        rank = shard.rank
-        hidden = []
-        for i in range(len(shard.sizes)):
-            owner = shard.owner(i)
-            if owner == rank and rank != 0:
-                torch.distributed.send(self.hidden[i - shard.start].contiguous(), dst=0)
-            elif rank == 0:
-                h = self.hidden[i - shard.start] if owner == 0 else None
-                if h is None:
-                    h = self.hidden[0].new_empty((shard.sizes[i], *self.hidden[0].shape[1:]))
-                    torch.distributed.recv(h, src=owner)
-                hidden.append(h)
+        rank = self.shard.rank
+        hidden = gather_batches(self.hidden, self.shard)
         report = None
         if rank == 0:
             whole = dataclasses.replace(self, hidden=hidden, kwargs=self.kwargs_all, shard=None, kwargs_all=None)
@@ -302,6 +291,22 @@ def expert_coverage(ctx: LayerContext, rule: ExpertCalibration) -> dict[str, dic
                 reported = "none" if mode == "routed" and c == 0 else REPORTED_MODE[mode]
                 out[f"{name}.{e}.{short}"] = {"expert_tokens": c, "expert_statistics": reported}
     return out
+
+
+def gather_batches(hidden: list[torch.Tensor], shard: Shard) -> list[torch.Tensor] | None:
+    """Every rank's ``hidden`` (its share of the batches), in order, on rank 0; None on the other ranks."""
+    out = []
+    for i in range(len(shard.sizes)):
+        owner = shard.owner(i)
+        if owner == shard.rank and shard.rank != 0:
+            torch.distributed.send(hidden[i - shard.start].contiguous(), dst=0)
+        elif shard.rank == 0:
+            h = hidden[i - shard.start] if owner == 0 else None
+            if h is None:
+                h = hidden[0].new_empty((shard.sizes[i], *hidden[0].shape[1:]))
+                torch.distributed.recv(h, src=owner)
+            out.append(h)
+    return out if shard.rank == 0 else None
 
 
 def decoder_layers(model: nn.Module, arch: ArchSpec) -> nn.ModuleList:
@@ -381,6 +386,8 @@ def run_layerwise(
     if state is not None and state.done:
         first, report = state.done, dict(state.report)
         hidden = state.hidden(device) if batches else []
+        if shard is not None and batches:
+            hidden = hidden[shard.start : shard.stop]
     try:
         for i, layer in enumerate(layers):
             if i < first:
@@ -412,7 +419,10 @@ def run_layerwise(
             report.update(ctx.report)
             del ctx  # with it the layer's input hidden states
             if state is not None:
-                state.save(i, layer, hidden if i + 1 < len(layers) else [], report)
+                carried = hidden if i + 1 < len(layers) else []
+                if shard is not None and carried:  # the state holds every rank's batches; rank 0 writes it
+                    carried = gather_batches(carried, shard) or []
+                state.save(i, layer, carried, report)
             release_host_memory()  # the layer's float weights and statistics: freed, but kept by the allocator
             if progress is not None:
                 progress(i + 1, len(layers), f"layer {i} ({time.perf_counter() - t0:.1f}s)")

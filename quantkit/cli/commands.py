@@ -202,8 +202,8 @@ def quantize_command(
     out = check_output(out, overwrite)  # before any work: a bad output path fails first
     if resume and no_resume_state:
         raise QuantkitError("--resume continues from the resume state that --no-resume-state turns off")
-    ranks = distributed.check_processes(nproc, resume, device_name(device))  # processes in all (torchrun's too)
-    state_dir = None if no_resume_state or ranks > 1 else out.with_name(f".{out.name}.resume")
+    ranks = distributed.check_processes(nproc, device_name(device))  # processes in all (torchrun's too)
+    state_dir = None if no_resume_state else out.with_name(f".{out.name}.resume")
     device = device_name(device)
     dtype = torch_dtype(dtype, device)
     recipe = resolve_recipe(method, recipe_spec, flags)
