@@ -20,8 +20,9 @@ How
 Layouts: ``qw`` float8_e4m3fn [N, K] row-major, K contiguous; ``w_scale`` fp32 [ceil(N/B), ceil(K/B)] (DeepSeek-V3's
 ``weight_scale_inv``; ``Layout.FP8_BLOCK`` v1); ``qa`` [M, K] K contiguous; ``a_scale`` fp32 [M, ceil(K/B)] row-major.
 
-Limits: B a power of two from 16 to 512; 2-D operands under 2**31 elements. Hardware: written for sm_89/sm_90 (fp8
-tensor cores); its tile configs are untuned first choices. Off CUDA the reference below is the module's CPU path.
+Limits: B a power of two from 16 to 512 (32 or more on CUDA: 8-bit tensor-core products need K tiles of 32);
+2-D operands under 2**31 elements. Hardware: written for sm_89/sm_90 (fp8 tensor cores). Off CUDA the reference
+below is the module's CPU path.
 """
 
 from __future__ import annotations
@@ -230,6 +231,10 @@ def fp8_block_matmul(
 ) -> torch.Tensor:
     """The block GEMM on quantized operands: y [M, N] in ``out_dtype`` (``config`` overrides ``tile_config``)."""
     require(block in BLOCK_SIZES, f"block must be one of {BLOCK_SIZES}, got {block}")
+    require(
+        not qa.is_cuda or block >= 32,
+        "block size 16 is served on the CPU only: 8-bit tensor-core products need K tiles of 32",
+    )
     require(qa.dim() == 2 and qw.dim() == 2, f"qa and qw must be 2-D, got {tuple(qa.shape)} and {tuple(qw.shape)}")
     require(qa.dtype == qw.dtype == torch.float8_e4m3fn, f"qa and qw must be float8_e4m3fn, got {qa.dtype}, {qw.dtype}")
     m, k = qa.shape

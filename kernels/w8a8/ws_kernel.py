@@ -156,8 +156,8 @@ def _block_consumer(a_smem, w_smem, ready, empty, c_ptr, a_scale_ptr, w_scale_pt
                     stride_as, stride_ws, ROLE: gl.constexpr, BK: gl.constexpr, NSTAGES: gl.constexpr,
                     GROUP: gl.constexpr, HAS_BIAS: gl.constexpr):  # fmt: skip
     """``_consumer`` for block-wise fp8 (B = BK = 128): each K step's partial sum of a column half (one weight
-    block) joins the accumulator times a_scale[row, step] * w_scale[block, step]; scales are read before the wait
-    for the step's operands, so their latency hides behind it."""
+    block) joins the accumulator times a_scale[row, step] * w_scale[block, step]; each step's scales are read one
+    step ahead, so their latency hides behind the previous step's wgmma."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     zero = gl.zeros([64, 128], gl.float32, layout)
     num_tiles = gl.cdiv(M, 2 * 64) * gl.cdiv(N, 2 * 128)
@@ -173,10 +173,16 @@ def _block_consumer(a_smem, w_smem, ready, empty, c_ptr, a_scale_ptr, w_scale_pt
         sw1_ptr = w_scale_ptr + gl.minimum(off_n // BK + 1, last_block) * stride_ws  # past N: any valid block
         acc0 = zero
         acc1 = zero
+        sa = gl.load(sa_ptrs, mask=rmask, other=0.0)
+        sw0 = gl.load(sw0_ptr)
+        sw1 = gl.load(sw1_ptr)
         for t in range(k_steps):
-            sa = gl.load(sa_ptrs + t, mask=rmask, other=0.0)
-            scale0 = gl.expand_dims(sa * gl.load(sw0_ptr + t), 1)
-            scale1 = gl.expand_dims(sa * gl.load(sw1_ptr + t), 1)
+            scale0 = gl.expand_dims(sa * sw0, 1)
+            scale1 = gl.expand_dims(sa * sw1, 1)
+            nxt = gl.minimum(t + 1, k_steps - 1)  # the next step's scales, a whole step ahead of their use
+            sa = gl.load(sa_ptrs + nxt, mask=rmask, other=0.0)
+            sw0 = gl.load(sw0_ptr + nxt)
+            sw1 = gl.load(sw1_ptr + nxt)
             s = it % NSTAGES
             mbarrier.wait(ready.index(s), (it // NSTAGES) & 1)
             a = a_smem.index(2 * s + ROLE)

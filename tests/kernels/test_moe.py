@@ -54,7 +54,9 @@ def poisoned_empty(monkeypatch):
 def assert_same_routing(got, want):
     (w, i), (rw, ri) = got, want
     assert torch.equal(i.cpu(), ri)
-    assert torch.allclose(w.cpu(), rw, rtol=4 * torch.finfo(torch.float32).eps, atol=0)
+    # the GPU's exp (ex2.approx) and its sum order differ from PyTorch's by a few ulps; the interpreter's do not
+    ulps = 16 if DEVICE == "cuda" else 4
+    assert torch.allclose(w.cpu(), rw, rtol=ulps * torch.finfo(torch.float32).eps, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -187,8 +189,9 @@ def make_experts(fmt, dtype, g):
         return w4a16_experts(2 * INTER, H, bits, 32, g, act), w4a16_experts(H, INTER, bits, 32, g, act)
     out = []
     for n, k in ((2 * INTER, H), (H, INTER)):
-        q = [quantize_fp8(torch.randn(n, k, generator=g) * k**-0.5, "block", 16) for _ in range(E)]
-        out.append(ExpertWeights.from_fp8_block([a.to(DEVICE) for a, _ in q], [s.to(DEVICE) for _, s in q], 16))
+        # B = 32: 8-bit tensor-core products need K tiles of 32 or more on the GPU
+        q = [quantize_fp8(torch.randn(n, k, generator=g) * k**-0.5, "block", 32) for _ in range(E)]
+        out.append(ExpertWeights.from_fp8_block([a.to(DEVICE) for a, _ in q], [s.to(DEVICE) for _, s in q], 32))
     return out
 
 

@@ -48,6 +48,8 @@ SHAPES = [(1, 40, 64, 16), (5, 70, 80, 32), (33, 48, 96, 32), (3, 16, 16, 16)]  
 @pytest.mark.parametrize("config", [SMALL, SPLIT], ids=["tiles", "split_k"])
 @pytest.mark.parametrize(("m", "n", "k", "block"), SHAPES)
 def test_gemm_matches_reference(m, n, k, block, config):
+    if DEVICE == "cuda" and block < 32:
+        pytest.skip("B = 16 is served on the CPU only")
     x, _, qw, ws = layer(m, n, k, block, seed=m + n + k)
     bias = torch.randn(n)
     qa, a_s = KB.quantize_tiles_reference(x, block)
