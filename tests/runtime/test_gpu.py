@@ -112,4 +112,8 @@ def test_speculative_verify_graphs_match_hf_fp32(spec, adaptive):
         r._run_verify_graph = counted(r._run_verify_graph, log)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=24))
     assert [o.outputs[0].token_ids for o in outputs] == reference
-    assert all(replays) and llm.spec.totals.accepted > 0
+    assert replays[0] and llm.spec.totals.accepted > 0
+    # adaptive speculation pauses where drafting does not pay (on this tiny model, most steps: the H100 ran 7
+    # speculative and 20 paused steps); after a pause the draft catches up on more tokens than a verify graph
+    # holds, so it runs that step eagerly, and its verify graphs need not replay at all
+    assert adaptive or all(replays)
