@@ -117,3 +117,16 @@ def test_speculative_verify_graphs_match_hf_fp32(spec, adaptive):
     # speculative and 20 paused steps); after a pause the draft catches up on more tokens than a verify graph
     # holds, so it runs that step eagerly, and its verify graphs need not replay at all
     assert adaptive or all(replays)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_moe_models_on_the_fused_kernels_match_hf_fp32(arch):
+    """MoE models on CUDA stack their experts at load and run the fused MoE kernels; Mixtral and Qwen3-MoE capture
+    their decode steps in CUDA graphs (DeepSeek-V3 stays eager for its MLA attention): greedy tokens equal HF's."""
+    model = sharpen(tiny_model(arch)).cuda()
+    prompts = random_prompts([5, 23, 1, 40], VOCAB, seed=5)
+    reference = hf_greedy(model, prompts, 16)
+    llm = LLM(model, num_kv_blocks=64, cuda_graph_max_bs=8)
+    assert llm.model.graph_safe == (arch != "deepseek_v3") and bool(llm.runner.graphs) == llm.model.graph_safe
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=16))
+    assert [o.outputs[0].token_ids for o in outputs] == reference
