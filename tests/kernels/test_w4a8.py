@@ -82,7 +82,10 @@ def assert_close_to_reference(y, x, qw, w, bias, fmt):
     if w.perm is not None:  # terms in kernel order: qa must follow the weight's channel order
         qa_k, _ = quantize_activations_reference(x2.index_select(1, w.perm), fmt)
         terms = (qa_k.double().abs() @ (codes.double().abs() * scales.double())) * a_scale.double()[:, None]
-    bound = torch.finfo(x.dtype).eps * ref2.abs() + 64 * torch.finfo(torch.float32).eps * terms
+    # fp32 slack; fp8 products on a GPU add inside the tensor core with ~14 mantissa bits between promotions
+    # (DeepSeek-V3, sec. 3.3.2), which the H100 showed at 1.3e-4 over the fp32 slack on one case
+    slack = 2**-13 if fmt == "fp8" and DEVICE == "cuda" else 64 * torch.finfo(torch.float32).eps
+    bound = torch.finfo(x.dtype).eps * ref2.abs() + slack * terms
     assert (err.reshape(bound.shape) <= bound).all(), f"max excess {(err.reshape(bound.shape) - bound).max():.3g}"
 
 
