@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 from quantkit.kernels._device import dot_precision
-from quantkit.kernels.attention.paged import LOG2E, default_num_splits, gather_context
+from quantkit.kernels.attention.paged import LOG2E, default_num_splits, gather_context, merge_splits
 
 
 def store_latent_reference(latent, latent_cache, slot_mapping) -> None:
@@ -156,41 +156,6 @@ def _mla_split_kernel(
     tl.store(lse_part_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
 
 
-@triton.jit
-def _mla_merge_kernel(
-    o_part_ptr,
-    lse_part_ptr,
-    out_ptr,
-    stride_ob,
-    stride_oh,
-    stride_os,
-    stride_lb,
-    stride_lh,
-    stride_outb,
-    stride_outh,
-    RANK: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_r = tl.arange(0, BLOCK_R)
-    s_mask, r_mask = offs_s < NUM_SPLITS, offs_r < RANK
-    lse = tl.load(lse_part_ptr + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # [BLOCK_S]
-    o = tl.load(
-        o_part_ptr + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_r[None, :],
-        mask=s_mask[:, None] & r_mask[None, :],
-        other=0.0,
-    )
-    denom = tl.sum(w, 0)
-    out = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + b * stride_outb + h * stride_outh + offs_r, out.to(out_ptr.dtype.element_ty), mask=r_mask)
-
-
 def mla_decode(
     q_lat: torch.Tensor,
     q_pe: torch.Tensor,
@@ -265,17 +230,4 @@ def mla_decode(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    _mla_merge_kernel[(bsz, heads)](
-        o_part,
-        lse_part,
-        out,
-        *o_part.stride()[:3],
-        *lse_part.stride()[:2],
-        out.stride(0),
-        out.stride(1),
-        RANK=rank,
-        BLOCK_R=max(16, block_r),
-        NUM_SPLITS=num_splits,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-    )
-    return out
+    return merge_splits(o_part, lse_part, out, rank, max(16, block_r), num_splits)

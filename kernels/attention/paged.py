@@ -316,7 +316,14 @@ def paged_decode(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    _decode_merge_kernel[(bsz, hq)](
+    return merge_splits(o_part, lse_part, out, d, block_d, num_splits)
+
+
+def merge_splits(o_part, lse_part, out, width: int, block: int, num_splits: int) -> torch.Tensor:
+    """out [B, H, width] = the splits' partial outputs o_part [B, H, splits, width] weighted by their base-2
+    log-sum-exps lse_part [B, H, splits] (an empty split's -inf weighs 0); ``block`` >= width, a power of two."""
+    bsz, heads = out.shape[:2]
+    _decode_merge_kernel[(bsz, heads)](
         o_part,
         lse_part,
         out,
@@ -324,8 +331,8 @@ def paged_decode(
         *lse_part.stride()[:2],
         out.stride(0),
         out.stride(1),
-        HEAD_DIM=d,
-        BLOCK_D=block_d,
+        HEAD_DIM=width,
+        BLOCK_D=block,
         NUM_SPLITS=num_splits,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
     )
