@@ -6,7 +6,7 @@ STAMP := $(VENV)/.quantkit-installed
 
 # transformers 5.17 (the version on the CUDA hosts the kernels are measured on), layered over the venv for the hook tests
 HF_COMPAT := .venv/hf-5.17
-HOOK_TESTS := tests/checkpoint tests/nn/test_w8a8_linear.py tests/test_recipes.py
+HOOK_TESTS := tests/checkpoint tests/nn/test_w8a8_linear.py tests/test_recipes.py tests/runtime/test_deepseek.py
 
 .PHONY: demo test test-fast test-hf-compat lint clean
 
@@ -29,7 +29,8 @@ $(HF_COMPAT)/.installed: $(STAMP)
 	$(PY) -m pip install -q --target $(HF_COMPAT) "transformers==5.17.0" "huggingface_hub<2"
 	touch $@
 
-# The from_pretrained hook must work on transformers 5.17 as well as on the newest 5.x installed above.
+# The from_pretrained hook, and the runtime's DeepSeek-V3 (it follows transformers' MLA arithmetic), must work on
+# transformers 5.17 as well as on the newest 5.x installed above.
 test-hf-compat: $(HF_COMPAT)/.installed
 	PYTHONPATH=$(HF_COMPAT) $(PY) -c "import transformers; assert transformers.__version__ == '5.17.0'"
 	PYTHONPATH=$(HF_COMPAT) $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile $(HOOK_TESTS)

@@ -18,6 +18,7 @@ have transformers' names (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj`` or ``q_p
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -32,12 +33,21 @@ LORA_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with 
 
 
 def softmax_scale(config) -> float:
-    """qk_head_dim ** -0.5, times YaRN's mscale(mscale_all_dim) squared when the rope is scaled (transformers'
-    ``yarn_apply_mscale``, DeepSeek's reference code)."""
-    from transformers.modeling_rope_utils import yarn_apply_mscale
+    """qk_head_dim ** -0.5, times YaRN's mscale(mscale_all_dim) squared when the rope is scaled (DeepSeek's
+    reference code; transformers 5.2x computes the same in ``yarn_apply_mscale``, which older versions lack)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    mscale_all_dim = params.get("mscale_all_dim", 0)
+    if rope_type != "default" and mscale_all_dim:
+        mscale = yarn_mscale(params["factor"], mscale_all_dim)
+        scale = scale * mscale * mscale
+    return scale
 
-    params = getattr(config, "rope_parameters", None) or {}
-    return yarn_apply_mscale(params, (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5)
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature for a context extended ``factor`` times: 0.1 * mscale * ln(factor) + 1."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
