@@ -15,6 +15,7 @@ from quantkit.checkpoint.load import load_any
 from quantkit.checkpoint.verify import DEFAULT_MAX_KL, DEFAULT_MIN_TOP1
 from quantkit.cli.base import DTYPES, QuantkitCommand, device_name, stderr, stdout, torch_dtype
 from quantkit.cli.progress import progress_bar
+from quantkit.cli.serve import check_draft, draft_eval_options, measure_draft, print_draft
 from quantkit.errors import GateFailedError, QuantkitError
 
 __all__ = [  # progress_bar lived here before cli/progress.py; examples import it from here
@@ -321,15 +322,17 @@ def quantize_rank(**arguments) -> None:
     help="Render each window through the tokenizer's chat template as a user turn and the assistant's answer "
     "(as --calib-chat-template does; instruct models).",
 )
+@draft_eval_options
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of a table.")
-def eval_command(model, baseline, source, seqlen, windows, device, dtype, bos, chat_template, as_json) -> None:
-    """Perplexity (and KL / top-1 agreement against a float baseline) on an evaluation text."""
+def eval_command(model, baseline, source, seqlen, windows, device, dtype, bos, chat_template, as_json, **draft) -> None:
+    """Perplexity (and KL / top-1 agreement against a float baseline); with --draft, the heads' acceptance length."""
     from quantkit.calib.data import evaluation_windows
     from quantkit.eval import evaluate_windows
 
     device = device_name(device)
     dtype = torch_dtype(dtype, device)
     m, tokenizer = load_any(model, dtype, device)
+    check_draft(m, **draft)  # bad heads, or heads of another model, fail before the evaluation
     base = load_any(baseline, dtype, device)[0] if baseline else None
     if base is not None and base.config.vocab_size != m.config.vocab_size:
         raise QuantkitError(
@@ -352,6 +355,7 @@ def eval_command(model, baseline, source, seqlen, windows, device, dtype, bos, c
         "protocol": protocol,
         "seconds": round(time.perf_counter() - t0, 1),
     }
+    measure_draft(m, tokenizer, ids, device, report, **draft)
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -367,6 +371,7 @@ def eval_command(model, baseline, source, seqlen, windows, device, dtype, bos, c
         f"{result.top1_agreement:.3f}" if result.top1_agreement is not None else "-",
     )
     stdout.print(table)
+    print_draft(report)
 
 
 EXPORT_CHECK_BYTES = 2 << 30  # quantize reports the formats a checkpoint exports to up to this size of tensors

@@ -142,6 +142,63 @@ SPEC_OPTIONS = {  # option name -> SpeculativeConfig field
 }
 
 
+def draft_eval_options(f):
+    """``eval``'s options for the acceptance length of draft heads (``quantkit.eval.acceptance``)."""
+    options = [
+        click.option("--draft", default=None, type=click.Path(path_type=Path),
+                     help="Draft heads (train-draft's folder): also report their mean acceptance length tau, tokens "
+                     "per verify step of greedy speculative decoding on the evaluation windows."),
+        click.option("--num-spec-tokens", type=click.IntRange(1, 64), default=4, show_default=True,
+                     help="With --draft: tokens drafted per verify step (a chain)."),
+        click.option("--num-tree-tokens", type=click.IntRange(1, 63), default=None,
+                     help="With --draft: draft a tree of up to this many tokens (--num-spec-tokens deep) instead."),
+        click.option("--draft-new-tokens", type=click.IntRange(min=2), default=64, show_default=True,
+                     help="With --draft: greedy tokens generated after each window's first half."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def check_draft(model, draft, num_spec_tokens, num_tree_tokens, draft_new_tokens) -> None:
+    """One-line errors for ``eval``'s draft options, and for heads made for another model than ``model``."""
+    from quantkit.eval.acceptance import check_heads
+
+    if draft is None:
+        if num_tree_tokens is not None:
+            raise QuantkitError("--num-tree-tokens needs --draft")
+        return
+    check_heads(model, draft)
+
+
+def measure_draft(model, tokenizer, windows, device, report: dict, draft, num_spec_tokens, num_tree_tokens,
+                  draft_new_tokens) -> None:  # fmt: skip
+    """``eval --draft``: the heads' acceptance on ``model`` over the evaluation ``windows`` -> ``report["draft"]``."""
+    if draft is None:
+        return
+    from quantkit.cli.progress import progress_bar
+    from quantkit.eval.acceptance import acceptance_length
+
+    with progress_bar() as bar:
+        bar.add_task("drafting and verifying", total=None, note=str(draft))
+        result = acceptance_length(model, tokenizer, windows, draft, num_spec_tokens, draft_new_tokens,
+                                   num_tree_tokens, device)  # fmt: skip
+    report["draft"] = {"heads": str(draft), **result.to_dict()}
+
+
+def print_draft(report: dict) -> None:
+    d = report.get("draft")
+    if d is None:
+        return
+    k = d["num_speculative_tokens"]
+    shape = f"tree of {d['num_tree_tokens']}, depth {k}" if d["num_tree_tokens"] else f"chain of {k}"
+    click.echo(
+        f"draft {d['heads']} ({d['method']}, {shape}): tau {d['tau']:.3f} tokens per verify step, acceptance "
+        f"{100 * d['acceptance_rate']:.1f}% over {d['verify_steps']} steps ({d['prompts']} prompts of "
+        f"{d['prompt_tokens']} tokens, {d['new_tokens']} greedy tokens each, {d['seconds']:.0f} s)"
+    )
+
+
 @click.command("generate", cls=QuantkitCommand)
 @click.argument("prompts", nargs=-1, required=True)
 @engine_options
