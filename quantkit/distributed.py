@@ -15,6 +15,7 @@ group the caller initialised. Every collective has a timeout (:data:`DEFAULT_TIM
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import multiprocessing
@@ -99,7 +100,8 @@ def init_from_env(device: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
 @dataclass(frozen=True)
 class Shard:
     """This rank's contiguous share of the calibration batches: ``sizes`` are the windows of every batch, in order;
-    the rank holds batches ``start`` to ``stop`` (the first ``len % size`` ranks one batch fewer)."""
+    the rank holds batches ``start`` to ``stop``. Shares differ by one batch at most, rank 0's being among the
+    smaller (it also runs the stages that do not split their work, and writes)."""
 
     rank: int
     size: int
@@ -190,6 +192,21 @@ def check_same(value, what: str) -> None:
     for rank, part in enumerate(parts):
         if part != parts[0]:
             raise QuantkitError(f"rank {rank} has other {what} than rank 0: every rank must be given the same")
+
+
+@contextlib.contextmanager
+def named_failures():
+    """Across processes, an error inside the block as one QuantkitError line naming this rank and the cause (a rank
+    that loses its peers sees a collective fail, or time out); unchanged in a single process."""
+    try:
+        yield
+    except QuantkitError:
+        raise
+    except Exception as exc:
+        rank, size = world()
+        if size == 1:
+            raise
+        raise QuantkitError(f"rank {rank} of {size} failed: {_cause(exc)}") from exc
 
 
 def in_turn(fn):
@@ -283,7 +300,8 @@ def launch(nproc: int, target, kwargs: dict, threads: int | None = None, grace_s
     silent = [r for r in first if r not in {rep[1] for rep in reports}]  # killed before it could say why
     if reports and not silent:
         _, rank, cause, code = min(reports)
-        err = QuantkitError(f"rank {rank} of {nproc} failed: {cause}")
+        named = f"rank {rank} of {nproc} failed: "
+        err = QuantkitError(cause if cause.startswith(named) else named + cause)
         err.exit_code = code if isinstance(code, int) and code > 0 else 2
         raise err
     bad = [(r, procs[r].exitcode) for r in silent] or [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode]

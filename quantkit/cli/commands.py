@@ -234,7 +234,7 @@ def quantize_command(
         calib, fingerprint = recipe_windows(recipe, float_model, tokenizer)
     stdout.print(summary_table(recipe, model, device, dtype, out, offload))
     n_layers = len(float_model.get_submodule(quantkit.models.arch_for(float_model).layers))
-    with progress_bar(distributed.is_main()) as bar:
+    with progress_bar(distributed.is_main()) as bar, distributed.named_failures():
         task = bar.add_task("quantizing", total=n_layers, note="")
         result = quantkit.quantize(
             float_model,
