@@ -89,8 +89,9 @@ def run(model, calib, args, device) -> dict:
         "quantize_seconds": round(wall, 2),
         "quantize_cpu_seconds": round(cpu, 2),  # all threads; on a shared CPU, 1 thread: the uncontended time
         "gptq_seconds": round(gptq_seconds, 2),
-        "seconds_per_layer_median": round(statistics.median(per_layer), 3),
-        "seconds_per_layer_max": round(max(per_layer), 3),
+        # progress is reported on rank 0 only (--nproc): the other ranks have no per-layer times
+        "seconds_per_layer_median": round(statistics.median(per_layer), 3) if per_layer else None,
+        "seconds_per_layer_max": round(max(per_layer), 3) if per_layer else None,
         "layers": len(per_layer),
         "linears": len(result.layers),
         "cholesky_retries": retries,

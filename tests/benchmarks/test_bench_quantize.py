@@ -62,6 +62,21 @@ def test_run_quantizes_every_layer_and_reports(tmp_path):
     )
 
 
+def test_the_nproc_table_has_a_row_per_process_count():
+    """bench_gptq --nproc: one row per count, its speedup and every rank's peak memory (the runs themselves need
+    the real shapes and GPUs: see bench_gptq.scaling)."""
+    base = {"mode": "m", "cpu_threads": 1, "torch": "x", "calibration": {"nsamples": 4, "seqlen": 32}, "layers": 2,
+            "scheme": {"bits": 4, "group_size": 32, "sym": True}, "act_order": True, "build_seconds": 0.0,
+            "linears": 14, "quantize_seconds": 2.0, "quantize_cpu_seconds": 1.0, "gptq_seconds": 1.0,
+            "seconds_per_layer_median": 1.0, "seconds_per_layer_max": 1.0, "peak_gpu_bytes": 2**30}  # fmt: skip
+    rows = [{"nproc": 1, "quantize_seconds": 2.0, "speedup": 1.0, "seconds_per_layer_median": 1.0,
+             "peak_gpu_bytes_per_rank": [2**30]},
+            {"nproc": 2, "quantize_seconds": 1.0, "speedup": 2.0, "seconds_per_layer_median": 0.5,
+             "peak_gpu_bytes_per_rank": [2**30, 2**29]}]  # fmt: skip
+    text = bench_gptq.markdown({**base, "scaling": rows})
+    assert "| 1 | 2.0 | 1.0x | 1.0 | 1.00 |" in text and "| 2 | 1.0 | 2.0x | 0.5 | 1.00, 0.50 |" in text
+
+
 # The offload benchmark end to end with tiny Llama shapes: both children run, the checkpoints match, the table is
 # written (the figures themselves come from the real shapes, not from here).
 
