@@ -5,6 +5,7 @@ run quantizes every recipe at once."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -53,16 +54,21 @@ def quantize_all(out: Path, names=tuple(RECIPES), **kwargs) -> None:
             quantkit.save_quantized(model, out / name)
 
 
-def spawned(out: str, fail_rank: int | None = None, crash_after_layer: int | None = None, **kwargs) -> None:
+def spawned(out: str, fail_rank=None, crash_after_layer=None, hang_rank=None, timeout_s: float = 60, **kwargs) -> None:
     """A rank of :func:`launch`: join the group as torchrun's ranks do, quantize (``kwargs`` go to
-    :func:`quantize_all`); ``fail_rank`` fails at once, ``crash_after_layer`` makes rank 1 fail after that layer."""
-    from quantkit.distributed import init_from_env
+    :func:`quantize_all`); ``fail_rank`` fails at once, ``hang_rank`` never reaches the first collective,
+    ``crash_after_layer`` makes rank 1 fail after that layer."""
+    import time
+
+    from quantkit.distributed import init_from_env, named_failures
     from quantkit.resume import RunState
 
-    init_from_env("cpu", timeout_s=60)
+    init_from_env("cpu", timeout_s=timeout_s)
     rank = torch.distributed.get_rank()
     if fail_rank == rank:
         raise ValueError("a deliberate failure")
+    if hang_rank == rank:
+        time.sleep(600)
     if crash_after_layer is not None and rank == 1:
         save = RunState.save
 
@@ -72,7 +78,8 @@ def spawned(out: str, fail_rank: int | None = None, crash_after_layer: int | Non
                 raise RuntimeError("a crash")
 
         RunState.save = crash
-    quantize_all(Path(out), **kwargs)
+    with named_failures():
+        quantize_all(Path(out), **kwargs)
 
 
 def report(folder: Path) -> dict:
@@ -105,10 +112,19 @@ def test_checkpoints_across_processes_are_the_single_process_ones(single, tmp_pa
         assert report(tmp_path / name) == report(single / name), name
 
 
-def test_a_failing_rank_stops_all_with_one_line_naming_it(tmp_path):
-    with pytest.raises(QuantkitError, match=r"^rank 1 of 2 failed: ValueError: a deliberate failure$"):
-        launch(2, spawned, {"out": str(tmp_path), "fail_rank": 1}, threads=1)
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ({"fail_rank": 1}, r"^rank 1 of 2 failed: ValueError: a deliberate failure$"),
+        ({"hang_rank": 1, "timeout_s": 2}, r"^rank 0 of 2 failed: .*[Tt]imed out[^\n]*$"),  # rank 0 waited 2 s
+    ],
+)
+def test_a_failing_rank_stops_all_with_one_line_naming_it(tmp_path, how, message):
+    t0 = time.monotonic()
+    with pytest.raises(QuantkitError, match=message):
+        launch(2, spawned, {"out": str(tmp_path), **how}, threads=1)
     assert not any(tmp_path.iterdir())  # rank 0 stopped at its first collective, before writing anything
+    assert time.monotonic() - t0 < 120  # no hang
 
 
 def test_shards_are_contiguous_and_owners_balance_cost():
