@@ -14,6 +14,13 @@ Every figure goes from bf16 activations x [M, K] to a bf16 output [M, N] and is 
   scaled_mm_fast  the same with use_fast_accum=True
   fp8_block       block-wise fp8 (w8a8-fp8-block, DeepSeek-V3): 1 x 128 activation tiles + the block GEMM with
                   128 x 128 weight-block scales applied in its K loop (quantkit.kernels.w8a8.block)
+  --block mode only:
+  fp8_block_gemm  the block GEMM alone on pre-quantized activations (M-major scales), to split the cost
+  block_quant     the 1 x 128 tile quantizer alone (quantize_tiles, M-major scales)
+  fp8_block_ws    fp8_block with the warp-specialized Hopper kernel (the dispatch uses it from ws.WS_MIN_M rows),
+                  at M 64-1024 to place that threshold
+  fp8_block_split fp8_block as two launches (quantize_tiles, then the GEMM) at M <= 256, against the fused quantizer
+                  that fp8_block uses up to block.FUSED_QUANT_MAX_M rows
 
 Timing: a CUDA graph of R calls over R rotated copies of every operand (R chosen so that they span more than 3x
 the 60 MB L2), replayed under ``triton.testing.do_bench(return_mode="median")``, which also flushes L2 before each
@@ -24,6 +31,8 @@ Modes (JSON + markdown written under --out, default out/w8a8; a short table is p
   python benchmarks/bench_w8a8.py                       full table, 6 shapes x 7 M
   python benchmarks/bench_w8a8.py --quick               2 shapes x 3 M
   python benchmarks/bench_w8a8.py --deepseek            DeepSeek-V3's own layer shapes x 7 M
+  python benchmarks/bench_w8a8.py --block               block fp8 only: the Llama and DeepSeek-V3 shapes x 7 M,
+                                                        with the GEMM, the quantizer and the Gluon kernel apart
   python benchmarks/bench_w8a8.py --sweep               time tile candidates per (format, M regime), print the
                                                         winners as a CONFIGS block to commit
   python benchmarks/bench_w8a8.py --sweep-block         time block-fp8 tile candidates per M regime (end to end)
@@ -57,6 +66,7 @@ from common import (
 )
 from quantkit.kernels import w8a8 as K
 from quantkit.kernels.w8a8 import block as KB
+from quantkit.kernels.w8a8 import ws as WS
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
@@ -85,6 +95,11 @@ TARGETS = [  # (format variant, M range, minimum speedup over bf16) from issue 7
 VARIANTS = ["bf16", "int8", "int8_gemm", "quant", "int_mm", "fp8", "fp8_fast", "scaled_mm", "scaled_mm_fast",
             "fp8_block"]  # fmt: skip
 RATIO_VARIANTS = ["int8", "int_mm", "fp8", "fp8_fast", "scaled_mm", "scaled_mm_fast", "fp8_block"]
+BLOCK_VARIANTS = ["bf16", "fp8", "fp8_block", "fp8_block_gemm", "block_quant", "fp8_block_ws", "fp8_block_split"]
+BLOCK_RATIO_VARIANTS = ["fp8", "fp8_block", "fp8_block_gemm", "fp8_block_ws", "fp8_block_split"]
+VARIANT_MS = {"fp8_block_ws": (64, 1024), "fp8_block_split": (1, 256)}  # M range where a probe variant runs
+OPTIONAL = ("int_mm", "scaled_mm", "scaled_mm_fast", "fp8_block_ws")  # baselines a GPU or cuBLAS may refuse
+UNCHECKED = ("bf16", "quant", "block_quant")  # bf16 computes from unquantized operands; the quantizers give no y
 
 # Sweep candidates per M regime, as K.CONFIG_KEYS tuples (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, num_warps,
 # num_stages), the same for int8 and fp8. Small M is weight-bandwidth bound: narrow N tiles give enough CTAs to fill
@@ -194,6 +209,27 @@ class Problem:
             qb, sb = self.block[i]
             block_config = config if isinstance(config, KB.BlockConfig) else None
             return lambda: KB.fp8_block_linear(x, qb, sb, BLOCK, config=block_config)
+        if variant == "fp8_block_gemm":
+            qb, sb = self.block[i]
+            qa, sa = KB.quantize_tiles(x, BLOCK, m_major=True)
+            return lambda: KB.fp8_block_matmul(qa, sa, qb, sb, BLOCK, out_dtype=torch.bfloat16)
+        if variant == "fp8_block_split":
+            qb, sb = self.block[i]
+            return lambda: KB.fp8_block_linear(x, qb, sb, BLOCK, fuse_quant=False)
+        if variant == "block_quant":
+            return lambda: KB.quantize_tiles(x, BLOCK, m_major=True)
+        if variant == "fp8_block_ws":
+            qb, sb = self.block[i]
+            out = torch.empty(m, self.n, dtype=torch.bfloat16, device=x.device)
+            reason = WS.block_unsupported(x[:, :0].to(torch.float8_e4m3fn), qb, out, BLOCK) if x.is_cuda else "CPU"
+            if reason:
+                raise RuntimeError(f"warp-specialized block kernel unavailable: {reason}")
+
+            def block_ws():
+                qa, sa = KB.quantize_tiles(x, BLOCK, m_major=True)
+                return WS.launch_block(qa, sa, qb, sb, None, out)
+
+            return block_ws
         if variant == "int8_gemm":
             qa, sa = self.qa["int8"][i], self.a_scale["int8"][i]
             return lambda: K.w8a8_matmul(qa, sa, wq, ws, out_dtype=torch.bfloat16, config=config)
@@ -250,7 +286,13 @@ MAX_REL_ERROR_BASELINE = 2e-2
 
 
 def check(problem: Problem, variant: str, y: torch.Tensor) -> float:
-    fmt = "fp8_block" if variant == "fp8_block" else "fp8" if variant.startswith(("fp8", "scaled_mm")) else "int8"
+    fmt = (
+        "fp8_block"
+        if variant.startswith("fp8_block")
+        else "fp8"
+        if variant.startswith(("fp8", "scaled_mm"))
+        else "int8"
+    )
     err = rel_error(y, problem.reference(fmt))
     fast_accumulation = variant.startswith(("scaled_mm", "int_mm")) or variant.endswith("_fast")
     bound = MAX_REL_ERROR_BASELINE if fast_accumulation else MAX_REL_ERROR
@@ -272,41 +314,53 @@ def quantizer_mismatches(problem: Problem) -> int:
 # -- full table ----------------------------------------------------------------------------------------------------
 
 
-def run_table(shapes, ms, timer: Timer, device: str, configs: dict | None, save) -> list[dict]:
+def run_table(shapes, ms, timer: Timer, device: str, configs: dict | None, save, variants=None, ratios=None):
     """One row per (shape, M); ``save(rows)`` after every row, so a run cut short still leaves its results."""
+    variants, ratios = variants or VARIANTS, ratios or RATIO_VARIANTS
     rows = []
     for n, k in shapes:
         for m in ms:
             t0 = time.perf_counter()
             p = Problem(n, k, m, device, seed=n + k + m, r=1 if timer.smoke else None)
             row = {"N": n, "K": k, "M": m, "R": p.r, "quant_mismatches": quantizer_mismatches(p), "us": {}, "err": {}}
-            for variant in VARIANTS:
+            for variant in variants:
+                lo, hi = VARIANT_MS.get(variant, (0, m))
+                if not lo <= m <= hi:
+                    continue
                 fmt = "fp8" if variant.startswith(("fp8", "scaled_mm")) else "int8"
                 cfg = configs.get((fmt, K.m_regime(m))) if configs else None
                 try:
                     calls = p.calls(variant, cfg)
                     y = calls[0]()
                 except RuntimeError as e:  # a baseline that cuBLAS refuses for this shape: reported, not fatal
-                    if variant in ("bf16", "int8", "int8_gemm", "quant", "fp8", "fp8_fast", "fp8_block"):
+                    if variant in (
+                        "bf16",
+                        "int8",
+                        "int8_gemm",
+                        "quant",
+                        "fp8",
+                        "fp8_fast",
+                        "fp8_block",
+                        "fp8_block_gemm",
+                    ):
                         raise
                     row["us"][variant] = None
                     row["err"][variant] = f"unsupported: {str(e).splitlines()[0][:120]}"
                     continue
-                if variant not in ("bf16", "quant"):  # bf16 computes from unquantized operands: nothing to compare
+                if variant not in UNCHECKED:
                     row["err"][variant] = check(p, variant, y)
                 row["us"][variant] = timer.per_call(calls)
             base = row["us"]["bf16"]
-            row["speedup"] = {v: base / row["us"][v] for v in RATIO_VARIANTS if row["us"].get(v)}
-            row["int8_tops"] = p.flops() / (row["us"]["int8"] * 1e-6) / 1e12
+            row["speedup"] = {v: base / row["us"][v] for v in ratios if row["us"].get(v)}
             row["bf16_tflops"] = p.flops() / (base * 1e-6) / 1e12
-            row["int8_weight_tbps"] = n * k / (row["us"]["int8"] * 1e-6) / 1e12
+            if row["us"].get("int8"):
+                row["int8_tops"] = p.flops() / (row["us"]["int8"] * 1e-6) / 1e12
+                row["int8_weight_tbps"] = n * k / (row["us"]["int8"] * 1e-6) / 1e12
             rows.append(row)
             save(rows)
+            cells = "  ".join(f"{v} {row['speedup'][v]:.2f}x" for v in ratios if v in row["speedup"])
             print(
-                f"N={n:6d} K={k:6d} M={m:6d}  bf16 {base:9.1f} us  int8 {row['speedup']['int8']:.2f}x  "
-                f"int_mm {row['speedup'].get('int_mm', float('nan')):.2f}x  fp8 {row['speedup']['fp8']:.2f}x  "
-                f"scaled_mm_fast {row['speedup'].get('scaled_mm_fast', float('nan')):.2f}x  "
-                f"[{time.perf_counter() - t0:.1f} s]",
+                f"N={n:6d} K={k:6d} M={m:6d}  bf16 {base:9.1f} us  {cells}  [{time.perf_counter() - t0:.1f} s]",
                 flush=True,
             )
             del p
@@ -318,7 +372,11 @@ def run_table(shapes, ms, timer: Timer, device: str, configs: dict | None, save)
 def target_report(rows: list[dict]) -> list[str]:
     lines = []
     for variant, (lo, hi), goal in TARGETS:
-        got = [r["speedup"][variant] for r in rows if r["M"] >= lo and (hi is None or r["M"] <= hi)]
+        got = [
+            r["speedup"][variant]
+            for r in rows
+            if variant in r["speedup"] and r["M"] >= lo and (hi is None or r["M"] <= hi)
+        ]
         if not got:
             continue
         worst, gm = min(got), geomean(got)
@@ -328,25 +386,27 @@ def target_report(rows: list[dict]) -> list[str]:
     return lines
 
 
-def table_markdown(rows: list[dict], env: dict) -> str:
-    head = ["N", "K", "M", "bf16 us"] + [f"{v} us" for v in VARIANTS[1:]] + [f"{v} x" for v in RATIO_VARIANTS]
+def table_markdown(rows: list[dict], env: dict, variants=None, ratios=None) -> str:
+    variants, ratios = variants or VARIANTS, ratios or RATIO_VARIANTS
+    head = ["N", "K", "M", "bf16 us"] + [f"{v} us" for v in variants[1:]] + [f"{v} x" for v in ratios]
     out = [f"# W8A8 vs bf16 cuBLAS, {env['device']}, {env['date']}", "", "```", json.dumps(env, indent=1), "```", ""]
     out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        us = [f"{r['us'][v]:.1f}" if r["us"].get(v) else "n/a" for v in VARIANTS]
-        sp = [f"{r['speedup'][v]:.2f}" if v in r["speedup"] else "n/a" for v in RATIO_VARIANTS]
+        us = [f"{r['us'][v]:.1f}" if r["us"].get(v) else "n/a" for v in variants]
+        sp = [f"{r['speedup'][v]:.2f}" if v in r["speedup"] else "n/a" for v in ratios]
         out.append("| " + " | ".join([str(r["N"]), str(r["K"]), str(r["M"]), *us, *sp]) + " |")
     out += ["", "## Targets (issue 7)", ""] + [f"- {line}" for line in target_report(rows)]
     return "\n".join(out) + "\n"
 
 
-def short_table(rows: list[dict]) -> str:
+def short_table(rows: list[dict], ratios=None) -> str:
     """Geomean speedup over bf16 across shapes, one line per M."""
-    widths = [-9] + [16] * len(RATIO_VARIANTS)
-    lines = [text_row(["M", *RATIO_VARIANTS], widths, sep="")]
+    ratios = ratios or RATIO_VARIANTS
+    widths = [-9] + [16] * len(ratios)
+    lines = [text_row(["M", *ratios], widths, sep="")]
     for m in sorted({r["M"] for r in rows}):
         at = [r for r in rows if r["M"] == m]
-        cells = [geomean([r["speedup"][v] for r in at if v in r["speedup"]]) for v in RATIO_VARIANTS]
+        cells = [geomean([r["speedup"][v] for r in at if v in r["speedup"]] or [float("nan")]) for v in ratios]
         lines.append(text_row([m, *(f"{c:.2f}x" for c in cells)], widths, sep=""))
     return "\n".join(lines)
 
@@ -459,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="2 shapes x 3 M")
     mode.add_argument("--deepseek", action="store_true", help="DeepSeek-V3's layer shapes x 7 M")
+    mode.add_argument("--block", action="store_true", help="block fp8 only, Llama and DeepSeek-V3 shapes x 7 M")
     mode.add_argument("--sweep", action="store_true", help="time tile candidates, print and save the winners")
     mode.add_argument("--sweep-block", action="store_true", help="time block-fp8 tile candidates, print the winners")
     ap.add_argument("--configs", type=Path, metavar="SWEEP_JSON", help="use a sweep's winners instead of CONFIGS")
@@ -497,8 +558,11 @@ def main(argv: list[str] | None = None) -> int:
         shapes, ms = QUICK_SHAPES, QUICK_MS
     elif args.deepseek:
         shapes, ms = DEEPSEEK_SHAPES, MS
+    elif args.block:
+        shapes, ms = SHAPES + DEEPSEEK_SHAPES, MS
     else:
         shapes, ms = SHAPES, MS
+    variants, ratios = (BLOCK_VARIANTS, BLOCK_RATIO_VARIANTS) if args.block else (VARIANTS, RATIO_VARIANTS)
     configs = load_configs(args.configs) if args.configs else None
     if configs:
         env["configs"] = f"sweep winners from {args.configs}"
@@ -507,11 +571,11 @@ def main(argv: list[str] | None = None) -> int:
         env["seconds"] = round(time.perf_counter() - t_start)
         (out_dir / "w8a8_results.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
 
-    rows = run_table(shapes, ms, timer, device, configs, save_rows)
-    (out_dir / "w8a8_results.md").write_text(table_markdown(rows, env))
+    rows = run_table(shapes, ms, timer, device, configs, save_rows, variants, ratios)
+    (out_dir / "w8a8_results.md").write_text(table_markdown(rows, env, variants, ratios))
     print(f"\n{env['device']}, {env['date']}, {env['seconds']} s; full results in {out_dir}/w8a8_results.{{json,md}}")
     print("geomean speedup over bf16 cuBLAS across shapes (end to end: quantize + GEMM + epilogue):")
-    print(short_table(rows))
+    print(short_table(rows, ratios))
     for line in target_report(rows):
         print(line)
     return 0

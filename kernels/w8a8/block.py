@@ -9,16 +9,17 @@ tensor core, is multiplied by the scales on the CUDA cores and joins the fp32 su
 promotion interval is B for every M, small M included.
 
 How
-    ``quantize_tiles``: x [M, K] viewed as [M * ceil(K/B), B] rows and quantized by the family's row quantizer
-    (``quant.quantize_activations``, fp8, dynamic): a_scale [M, ceil(K/B)] = tile abs-max / 448. The GEMM tiles the
-    output in BLOCK_M x BLOCK_N and walks K in steps of BLOCK_K = B, one scale pair per step; ragged M, N, K are
-    masked (a short last tile's padding is zero in both operands). Small M splits K across programs (the serial
+    ``quantize_tiles``: one program per rows x B-wide tile of x: a_scale[m, j] = tile abs-max / 448, the codes
+    rounded to the e4m3 grid (the scales optionally stored M-major, as the Hopper kernel reads them). The GEMM
+    tiles the output in BLOCK_M x BLOCK_N and walks K in steps of BLOCK_K = B, one scale pair per step; ragged M,
+    N, K are masked (a short last tile's padding is zero in both operands). Small M splits K across programs (the serial
     fix-up of ``w4a16.epilogue.finish_tile``). On Hopper with B = 128 and more than ``ws.WS_MIN_M`` rows the
     warp-specialized Gluon kernel (``ws_kernel.py``) serves instead: in Triton's single loop each promotion waits
     for its wgmma, which left the block GEMM at 0.57x bf16 cuBLAS at M >= 1024 (H100, its best tile config).
 
 Layouts: ``qw`` float8_e4m3fn [N, K] row-major, K contiguous; ``w_scale`` fp32 [ceil(N/B), ceil(K/B)] (DeepSeek-V3's
-``weight_scale_inv``; ``Layout.FP8_BLOCK`` v1); ``qa`` [M, K] K contiguous; ``a_scale`` fp32 [M, ceil(K/B)] row-major.
+``weight_scale_inv``; ``Layout.FP8_BLOCK`` v1); ``qa`` [M, K] K contiguous; ``a_scale`` fp32 [M, ceil(K/B)],
+row-major or M-major (``quantize_tiles(m_major=True)``).
 
 Limits: B a power of two from 16 to 512 (32 or more on CUDA: 8-bit tensor-core products need K tiles of 32);
 2-D operands under 2**31 elements. Hardware: written for sm_89/sm_90 (fp8 tensor cores). Off CUDA the reference
@@ -41,13 +42,21 @@ from quantkit.kernels.w8a8.quant import (
     E4M3_MAX,
     FLOAT_DTYPES,
     MAX_NUMEL,
-    quantize_activations,
+    MIN_AMAX,
     quantize_rows_reference,
     require,
+    round_to_e4m3_grid,
+    store_codes,
 )
 from quantkit.kernels.w8a8.ws import WS_MIN_M, block_unsupported, launch_block
 
 BLOCK_SIZES = (16, 32, 64, 128, 256, 512)
+# Up to this many rows fp8_block_linear quantizes activations inside the GEMM (the split-K regime, where a separate
+# quantizer launch is a visible part of a few-microsecond call).
+FUSED_QUANT_MAX_M = 64
+SCALE_ALIGN = 4  # M-major activation scales: each tile's column padded to 16 bytes (TMA rows)
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+_MIN_AMAX = tl.constexpr(MIN_AMAX)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -99,6 +108,26 @@ def fp8_block_matmul_reference(
 # ----------------------------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _quantize_tiles_kernel(
+    x_ptr, q_ptr, s_ptr,
+    M, K,
+    stride_xm, stride_qm, stride_sm, stride_sk,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """ROWS rows x one B-wide tile of x: each row's abs-max over the tile gives its scale (stored at
+    s_ptr + m * stride_sm + j * stride_sk: either scale layout), then its e4m3 codes."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    j = tl.program_id(1)
+    cols = j * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), _MIN_AMAX)
+    tl.store(s_ptr + rows * stride_sm + j * stride_sk, tl.math.div_rn(amax, _E4M3_MAX), mask=rows < M)
+    inv = tl.math.div_rn(_E4M3_MAX, amax)
+    store_codes(q_ptr + rows[:, None] * stride_qm + cols[None, :], x * inv[:, None], mask, _E4M3_MAX, True)
+
+
 @triton.jit(do_not_specialize=["M", "steps_per_split"])
 def _fp8_block_matmul_kernel(
     # pointers
@@ -106,9 +135,10 @@ def _fp8_block_matmul_kernel(
     # sizes
     M, N, K, steps_per_split,
     # strides
-    stride_am, stride_wn, stride_cm, stride_cn, stride_asm, stride_wsn,
+    stride_am, stride_wn, stride_cm, stride_cn, stride_asm, stride_ask, stride_wsn,
     # meta-parameters
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    FUSE_QUANT: tl.constexpr,  # a_ptr is x (fp16/bf16/fp32): each A tile is quantized here, a_scale_ptr unused
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # = the quantization block B
     GROUP_M: tl.constexpr,
@@ -125,7 +155,7 @@ def _fp8_block_matmul_kernel(
     j_end = tl.minimum(j_begin + steps_per_split, tl.cdiv(K, BLOCK_K))
     a_ptrs = a_ptr + rows_m[:, None] * stride_am + (j_begin * BLOCK_K + offs_k)[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + (j_begin * BLOCK_K + offs_k)[:, None] + rows_n[None, :] * stride_wn  # [BLOCK_K, BLOCK_N]
-    a_scale_ptrs = a_scale_ptr + rows_m * stride_asm  # [BLOCK_M]: tile j of each row at + j
+    a_scale_ptrs = a_scale_ptr + rows_m * stride_asm  # [BLOCK_M]: tile j of each row at + j * stride_ask
     w_scale_ptrs = w_scale_ptr + (rows_n // BLOCK_K) * stride_wsn  # [BLOCK_N]: block (n // B, j) at + j
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for j in range(j_begin, j_end):
@@ -135,8 +165,15 @@ def _fp8_block_matmul_kernel(
         else:
             a = tl.load(a_ptrs, mask=(j * BLOCK_K + offs_k)[None, :] < K, other=0.0)
             w = tl.load(w_ptrs, mask=(j * BLOCK_K + offs_k)[:, None] < K, other=0.0)
+        if FUSE_QUANT:  # quantize_tiles' arithmetic on the tile: the same codes and scales
+            xa = a.to(tl.float32)
+            amax = tl.maximum(tl.max(tl.abs(xa), axis=1), _MIN_AMAX)
+            a_s = tl.math.div_rn(amax, _E4M3_MAX)
+            v = tl.minimum(tl.maximum(xa * tl.math.div_rn(_E4M3_MAX, amax)[:, None], -_E4M3_MAX), _E4M3_MAX)
+            a = round_to_e4m3_grid(v).to(w.dtype)
+        else:
+            a_s = tl.load(a_scale_ptrs + j * stride_ask)
         part = tl.dot(a, w)  # one B-long partial sum in the tensor core, then promoted with its scales
-        a_s = tl.load(a_scale_ptrs + j)
         w_s = tl.load(w_scale_ptrs + j)
         acc += part * a_s[:, None] * w_s[None, :]
         a_ptrs += BLOCK_K
@@ -210,13 +247,74 @@ def split_locks(device: torch.device) -> torch.Tensor:
     return _LOCKS[device]
 
 
-def quantize_tiles(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_tiles_reference`` on x's device by the family's row quantizer: (qa [M, K], a_scale [M, ceil(K/B)])."""
+def quantize_tiles(x: torch.Tensor, block: int, m_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_tiles_reference`` on x's device: (qa [M, K], a_scale [M, ceil(K/B)]), the same values.
+
+    ``m_major``: a_scale is a view of fp32 [ceil(K/B), M'] storage (M' = M rounded up to ``SCALE_ALIGN``), strides
+    (1, M'), the layout in which the Hopper kernel copies each K step's scales by TMA (DeepGEMM takes the same);
+    ``fp8_block_matmul`` takes either layout. One program per ROWS rows x one tile."""
     require(x.dim() == 2 and x.dtype in FLOAT_DTYPES, f"x must be 2-D fp16/bf16/fp32, got {x.dtype} {tuple(x.shape)}")
+    require(block in BLOCK_SIZES, f"block must be one of {BLOCK_SIZES}, got {block}")
+    require(x.numel() <= MAX_NUMEL, f"x has {x.numel()} elements; 32-bit offsets allow {MAX_NUMEL}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
     m, k = x.shape
-    qa, a_scale = quantize_activations(_tiles(x.contiguous(), block), "fp8")
-    qa = qa.view(m, -1)
-    return (qa if qa.shape[1] == k else qa[:, :k].contiguous()), a_scale.view(m, -1)
+    kb = -(-k // block)
+    qa = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    if m_major:
+        m_pad = -(-m // SCALE_ALIGN) * SCALE_ALIGN
+        a_scale = torch.empty(kb, m_pad, dtype=torch.float32, device=x.device)[:, :m].t()
+    else:
+        a_scale = torch.empty(m, kb, dtype=torch.float32, device=x.device)
+    if m and k:
+        rows = min(64, max(8, 4096 // block))
+        _quantize_tiles_kernel[(-(-m // rows), kb)](
+            x, qa, a_scale, m, k, x.stride(0), qa.stride(0), a_scale.stride(0), a_scale.stride(1),
+            BLOCK=block, ROWS=rows, num_warps=4,
+        )  # fmt: skip
+    return qa, a_scale
+
+
+def _check_weights(m, k, qw, w_scale, block, bias, out_dtype, on_cuda) -> int:
+    """The checks shared by both entry points, for activations of [m, k]: the number of output columns N."""
+    require(block in BLOCK_SIZES, f"block must be one of {BLOCK_SIZES}, got {block}")
+    require(
+        not on_cuda or block >= 32,
+        "block size 16 is served on the CPU only: 8-bit tensor-core products need K tiles of 32",
+    )
+    require(
+        qw.dim() == 2 and qw.dtype == torch.float8_e4m3fn,
+        f"qw must be 2-D float8_e4m3fn, got {qw.dtype} {tuple(qw.shape)}",
+    )
+    n, kb = qw.shape[0], -(-k // block)
+    require(qw.shape[1] == k, f"qw must be [N, K={k}], got {tuple(qw.shape)}")
+    require(qw.stride(1) == 1, "qw must be contiguous along K")
+    require(
+        w_scale.dtype == torch.float32 and w_scale.shape == (-(-n // block), kb) and w_scale.stride(1) == 1,
+        f"w_scale must be fp32 [{-(-n // block)}, {kb}], got {w_scale.dtype} {tuple(w_scale.shape)}",
+    )
+    require(bias is None or (bias.shape == (n,) and bias.is_contiguous()), f"bias must be contiguous [{n}]")
+    require(out_dtype in FLOAT_DTYPES, f"out_dtype must be fp16, bf16 or fp32, got {out_dtype}")
+    require(max(m * k, qw.numel(), m * n) <= MAX_NUMEL, f"operands exceed {MAX_NUMEL} elements")
+    return n
+
+
+def _launch_tiles(a, a_scale, qw, w_scale, block, bias, out, cfg: BlockConfig, fuse: bool) -> torch.Tensor:
+    """The Triton tile kernel on checked operands: ``a`` is qa, or x itself when ``fuse`` (a_scale then unused)."""
+    m, k = a.shape
+    n = qw.shape[0]
+    split, steps = split_for(cfg, m, n, -(-k // block), num_sms(a.device))
+    part = torch.empty(split, m, n, dtype=torch.float32, device=a.device) if split > 1 else out
+    grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n), split)
+    _fp8_block_matmul_kernel[grid](
+        a, qw, out, a_scale, w_scale, bias if bias is not None else w_scale, part, split_locks(a.device),
+        m, n, k, steps, a.stride(0), qw.stride(0), out.stride(0), out.stride(1), a_scale.stride(0), a_scale.stride(1),
+        w_scale.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % block == 0, SPLIT=split > 1,
+        EMULATE_BF16=interpreting() and out.dtype == torch.bfloat16, FUSE_QUANT=fuse, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=block, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
 
 
 def fp8_block_matmul(
@@ -230,46 +328,23 @@ def fp8_block_matmul(
     config: BlockConfig | None = None,
 ) -> torch.Tensor:
     """The block GEMM on quantized operands: y [M, N] in ``out_dtype`` (``config`` overrides ``tile_config``)."""
-    require(block in BLOCK_SIZES, f"block must be one of {BLOCK_SIZES}, got {block}")
-    require(
-        not qa.is_cuda or block >= 32,
-        "block size 16 is served on the CPU only: 8-bit tensor-core products need K tiles of 32",
-    )
-    require(qa.dim() == 2 and qw.dim() == 2, f"qa and qw must be 2-D, got {tuple(qa.shape)} and {tuple(qw.shape)}")
-    require(qa.dtype == qw.dtype == torch.float8_e4m3fn, f"qa and qw must be float8_e4m3fn, got {qa.dtype}, {qw.dtype}")
+    require(qa.dim() == 2, f"qa must be 2-D, got {tuple(qa.shape)}")
     m, k = qa.shape
-    n = qw.shape[0]
+    n = _check_weights(m, k, qw, w_scale, block, bias, out_dtype, qa.is_cuda)
     kb = -(-k // block)
-    require(qw.shape[1] == k, f"qw must be [N, K={k}], got {tuple(qw.shape)}")
-    require(qa.stride(1) == 1 and qw.stride(1) == 1, "qa and qw must be contiguous along K")
+    require(qa.dtype == torch.float8_e4m3fn, f"qa and qw must be float8_e4m3fn, got {qa.dtype}, {qw.dtype}")
+    require(qa.stride(1) == 1, "qa and qw must be contiguous along K")
     require(
-        a_scale.dtype == torch.float32 and a_scale.shape == (m, kb) and a_scale.stride(1) == 1,
-        f"a_scale must be fp32 [{m}, {kb}], got {a_scale.dtype} {tuple(a_scale.shape)}",
+        a_scale.dtype == torch.float32 and a_scale.shape == (m, kb) and 1 in a_scale.stride(),
+        f"a_scale must be fp32 [{m}, {kb}] with unit stride along M or K, got {a_scale.dtype} "
+        f"{tuple(a_scale.shape)} strides {a_scale.stride()}",
     )
-    require(
-        w_scale.dtype == torch.float32 and w_scale.shape == (-(-n // block), kb) and w_scale.stride(1) == 1,
-        f"w_scale must be fp32 [{-(-n // block)}, {kb}], got {w_scale.dtype} {tuple(w_scale.shape)}",
-    )
-    require(bias is None or (bias.shape == (n,) and bias.is_contiguous()), f"bias must be contiguous [{n}]")
-    require(out_dtype in FLOAT_DTYPES, f"out_dtype must be fp16, bf16 or fp32, got {out_dtype}")
-    require(max(qa.numel(), qw.numel(), m * n) <= MAX_NUMEL, f"operands exceed {MAX_NUMEL} elements")
     out = torch.empty(m, n, dtype=out_dtype, device=qa.device)
     if m == 0:
         return out
     if config is None and m >= WS_MIN_M and block_unsupported(qa, qw, out, block) is None:
         return launch_block(qa, a_scale, qw, w_scale, bias, out)  # Hopper, large M: the warp-specialized kernel
-    cfg = config or tile_config(m)
-    split, steps = split_for(cfg, m, n, kb, num_sms(qa.device))
-    part = torch.empty(split, m, n, dtype=torch.float32, device=qa.device) if split > 1 else out
-    grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n), split)
-    _fp8_block_matmul_kernel[grid](
-        qa, qw, out, a_scale, w_scale, bias if bias is not None else w_scale, part, split_locks(qa.device),
-        m, n, k, steps, qa.stride(0), qw.stride(0), out.stride(0), out.stride(1), a_scale.stride(0), w_scale.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % block == 0, SPLIT=split > 1,
-        EMULATE_BF16=interpreting() and out_dtype == torch.bfloat16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=block, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    return out
+    return _launch_tiles(qa, a_scale, qw, w_scale, block, bias, out, config or tile_config(m), fuse=False)
 
 
 def fp8_block_linear(
@@ -279,13 +354,25 @@ def fp8_block_linear(
     block: int,
     bias: torch.Tensor | None = None,
     config: BlockConfig | None = None,
+    fuse_quant: bool | None = None,
 ) -> torch.Tensor:
     """x [..., K] -> y [..., N] in x's dtype: quantize x per 1 x B tile, then the block GEMM (``config`` overrides
-    ``tile_config``)."""
+    ``tile_config``). Up to ``FUSED_QUANT_MAX_M`` rows (or as ``fuse_quant`` says) the GEMM's programs quantize
+    their own activation tiles on the fly, one launch instead of two, with the same codes and scales."""
     x2 = x.reshape(-1, x.shape[-1])
-    qa, a_scale = quantize_tiles(x2, block)
-    y = fp8_block_matmul(qa, a_scale, qw, w_scale, block, bias, out_dtype=x.dtype, config=config)
-    return y.reshape(*x.shape[:-1], qw.shape[0])
+    m, k = x2.shape
+    fuse = m <= FUSED_QUANT_MAX_M if fuse_quant is None else fuse_quant
+    if not fuse:
+        qa, a_scale = quantize_tiles(x2, block, m_major=True)
+        y = fp8_block_matmul(qa, a_scale, qw, w_scale, block, bias, out_dtype=x.dtype, config=config)
+        return y.reshape(*x.shape[:-1], qw.shape[0])
+    require(x2.dtype in FLOAT_DTYPES, f"x must be fp16, bf16 or fp32, got {x2.dtype}")
+    n = _check_weights(m, k, qw, w_scale, block, bias, x.dtype, x2.is_cuda)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
+        _launch_tiles(x2, w_scale, qw, w_scale, block, bias, out, config or tile_config(m), fuse=True)
+    return out.reshape(*x.shape[:-1], n)
 
 
 __all__ = [

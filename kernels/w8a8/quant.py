@@ -105,7 +105,7 @@ def round_to_e4m3_grid(v):
 
 
 @triton.jit
-def _store_codes(q_ptrs, v, mask, QMAX: tl.constexpr, IS_FP8: tl.constexpr):
+def store_codes(q_ptrs, v, mask, QMAX: tl.constexpr, IS_FP8: tl.constexpr):
     """v fp32 = x * (1 / scale): clamp to [-QMAX, QMAX], round, store as int8 or e4m3."""
     v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
     if IS_FP8:
@@ -151,7 +151,7 @@ def _quantize_rows_kernel(
             inv = tl.math.div_rn(QMAX, amax)
         else:
             inv = tl.math.div_rn(1.0, tl.load(scale_ptr))
-        _store_codes(q_row + offs * stride_qk, x * inv, mask, QMAX, IS_FP8)
+        store_codes(q_row + offs * stride_qk, x * inv, mask, QMAX, IS_FP8)
     else:  # long rows: abs-max sweep, then a quantizing sweep (the row is in L2 by then)
         if DYNAMIC:
             running = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -167,7 +167,7 @@ def _quantize_rows_kernel(
         for k0 in range(0, K, BLOCK_K):
             mask = k0 + offs < K
             x = tl.load(x_row + (k0 + offs) * stride_xk, mask=mask, other=0.0).to(tl.float32)
-            _store_codes(q_row + (k0 + offs) * stride_qk, x * inv, mask, QMAX, IS_FP8)
+            store_codes(q_row + (k0 + offs) * stride_qk, x * inv, mask, QMAX, IS_FP8)
 
 
 def quantize_launch_params(k: int, block_k: int | None, fmt: str, m: int) -> tuple[int, bool, int]:

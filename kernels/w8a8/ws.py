@@ -96,10 +96,22 @@ def block_unsupported(qa: torch.Tensor, qw: torch.Tensor, out: torch.Tensor, blo
     return unsupported(p)
 
 
+def m_major_scales(a_scale: torch.Tensor) -> torch.Tensor:
+    """a_scale [M, kb] as the block kernel's TMA reads it: unit stride along M, each column 16-byte aligned (a copy
+    unless it already is, as ``block.quantize_tiles(m_major=True)`` returns it)."""
+    m, kb = a_scale.shape
+    if a_scale.stride(0) == 1 and a_scale.stride(1) % 4 == 0 and a_scale.data_ptr() % 16 == 0:
+        return a_scale
+    out = torch.empty(kb, -(-m // 4) * 4, dtype=a_scale.dtype, device=a_scale.device)[:, :m]
+    out.copy_(a_scale.t())
+    return out.t()
+
+
 def launch_block(qa, a_scale, qw, w_scale, bias, out) -> torch.Tensor:
-    """The block-fp8 launch for operands already checked; empty products return ``out`` as it is."""
+    """The block-fp8 launch for operands already checked (a_scale in either layout); empty products return ``out``
+    as it is."""
     from quantkit.kernels.w8a8.ws_kernel import launch_block as kernel_launch  # Gluon: GPU machines only
 
     if out.numel() == 0:
         return out
-    return kernel_launch(qa, a_scale, qw, w_scale, bias, out, num_sms(qa.device))
+    return kernel_launch(qa, m_major_scales(a_scale), qw, w_scale, bias, out, num_sms(qa.device))

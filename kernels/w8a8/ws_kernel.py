@@ -25,14 +25,19 @@ How (persistent: min(tiles, SMs) programs walk the tiles SMs apart, GROUP_M row 
       to that half's fp32 accumulator; then release the slot. The halves run one after the other: two accumulators
       and one partial, 192 registers (a full-width partial would need 256). After the last step: scales, bias, one
       masked store per half in the output's dtype.
+    - block-wise fp8 runs 128 x 128 tiles (one weight block wide; ``_block_*``, BLOCK_STAGES slots): the loader
+      also copies the step's 128 activation scales (a_scale stored M-major, one [1, 128] TMA box), each consumer
+      keeps one accumulator and one partial and scales the partial as it promotes it. At 128 x 256 the extra
+      per-row scale registers made ptxas spill accumulators inside the K loop (offline SASS: 130 local loads and
+      stores; 0.72-0.78x bf16 cuBLAS on the H100); at 128 x 128 the consumers use about 150 registers, none spilled.
 
 Layouts: qa [M, K] and qw [N, K] float8_e4m3fn, K contiguous, 16-byte aligned rows (TMA, K % 16 == 0: out-of-bounds
-rows and the K tail are zero-filled); a_scale fp32 [M] or [1]; w_scale fp32 [N]; bias [N] any float dtype; y [M, N]
-with unit column stride.
+rows and the K tail are zero-filled); a_scale fp32 [M] or [1] (block: [M, ceil(K/128)] M-major, ``ws.m_major_scales``);
+w_scale fp32 [N] (block: [ceil(N/128), ceil(K/128)]); bias [N] any float dtype; y [M, N] with unit column stride.
 
 Limits: CUDA sm_90 only (TMA, wgmma, setmaxnreg); written for Triton 3.6's Gluon (``ws.WS_TRITON``); Gluon has
 no interpreter mode, so the CPU tests cover the dispatch rule and ``w8a8_ws_reference``, the GPU tests the kernel.
-192 KB of shared memory per program (four stages of 48 KB). int32 offsets.
+192 KB of shared memory per program (four stages of 48 KB; block: six of 32.5 KB). int32 offsets.
 """
 
 from __future__ import annotations
@@ -152,74 +157,95 @@ def _consumer(a_smem, w_smem, ready, empty, c_ptr, a_scale_ptr, w_scale_ptr, bia
 
 
 @gluon.jit
-def _block_consumer(a_smem, w_smem, ready, empty, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm,
-                    stride_as, stride_ws, ROLE: gl.constexpr, BK: gl.constexpr, NSTAGES: gl.constexpr,
-                    GROUP: gl.constexpr, HAS_BIAS: gl.constexpr):  # fmt: skip
-    """``_consumer`` for block-wise fp8 (B = BK = 128): each K step's partial sum of a column half (one weight
-    block) joins the accumulator times a_scale[row, step] * w_scale[block, step]; each step's scales are read one
-    step ahead, so their latency hides behind the previous step's wgmma."""
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
-    zero = gl.zeros([64, 128], gl.float32, layout)
-    num_tiles = gl.cdiv(M, 2 * 64) * gl.cdiv(N, 2 * 128)
+def _block_tile(tile, M, N, GROUP: gl.constexpr):
+    """``_tile_offsets`` for the block kernel's 128 x 128 tiles."""
+    num_m = gl.cdiv(M, 128)
+    per_group = GROUP * gl.cdiv(N, 128)
+    first_m = (tile // per_group) * GROUP
+    group_rows = gl.minimum(num_m - first_m, GROUP)
+    return (first_m + (tile % per_group) % group_rows) * 128, ((tile % per_group) // group_rows) * 128
+
+
+@gluon.jit
+def _block_loader(a_desc, w_desc, s_desc, a_smem, w_smem, s_smem, ready, empty, M, N, K, BK: gl.constexpr,
+                  NSTAGES: gl.constexpr, GROUP: gl.constexpr):  # fmt: skip
+    """``_loader`` for block-wise fp8's 128 x 128 tiles: each K step's two activation tiles, its weight tile and
+    the tile rows' 128 activation scales of that step (a_scale M-major: one [1, 128] box) into one slot."""
+    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
+    num_tiles = gl.cdiv(M, 128) * gl.cdiv(N, 128)
     k_steps = gl.cdiv(K, BK)
-    last_block = gl.cdiv(N, BK) - 1
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n = _tile_offsets(tile, M, N, GROUP)
-        rows = off_m + ROLE * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-        sa_ptrs = a_scale_ptr + rows * stride_as
-        rmask = rows < M
-        sw0_ptr = w_scale_ptr + (off_n // BK) * stride_ws
-        sw1_ptr = w_scale_ptr + gl.minimum(off_n // BK + 1, last_block) * stride_ws  # past N: any valid block
-        acc0 = zero
-        acc1 = zero
-        sa = gl.load(sa_ptrs, mask=rmask, other=0.0)
-        sw0 = gl.load(sw0_ptr)
-        sw1 = gl.load(sw1_ptr)
+        off_m, off_n = _block_tile(tile, M, N, GROUP)
         for t in range(k_steps):
-            scale0 = gl.expand_dims(sa * sw0, 1)
-            scale1 = gl.expand_dims(sa * sw1, 1)
-            nxt = gl.minimum(t + 1, k_steps - 1)  # the next step's scales, a whole step ahead of their use
-            sa = gl.load(sa_ptrs + nxt, mask=rmask, other=0.0)
-            sw0 = gl.load(sw0_ptr + nxt)
-            sw1 = gl.load(sw1_ptr + nxt)
+            s = it % NSTAGES
+            mbarrier.wait(empty.index(s), ((it // NSTAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(a_desc, [off_m, t * BK], ready.index(s), a_smem.index(2 * s))
+            tma.async_copy_global_to_shared(a_desc, [off_m + 64, t * BK], ready.index(s), a_smem.index(2 * s + 1))
+            tma.async_copy_global_to_shared(w_desc, [off_n, t * BK], ready.index(s), w_smem.index(s))
+            tma.async_copy_global_to_shared(s_desc, [t, off_m], ready.index(s), s_smem.index(s))
+            it += 1
+
+
+@gluon.jit
+def _block_consumer(a_smem, w_smem, s_smem, ready, empty, c_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm,
+                    stride_ws, ROLE: gl.constexpr, BK: gl.constexpr, NSTAGES: gl.constexpr, GROUP: gl.constexpr,
+                    HAS_BIAS: gl.constexpr):  # fmt: skip
+    """One warp group, rows ROLE * 64 ... of each 128 x 128 tile (one weight block wide): per K step the partial
+    sum in a fresh wgmma chain, then added to the fp32 accumulator times a_scale[row, step] * w_scale[block, step].
+    The activation scales arrive with the step's operands in shared memory and are read once the partial sum is
+    done; the weight scale is a uniform load issued before the wait. One 64-register accumulator and one partial:
+    the 128 x 256 tiles of ``_consumer`` would need three such blocks per thread, and ptxas spilled them to local
+    memory in the loop (0.72-0.78x bf16 cuBLAS on the H100)."""
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+    zero = gl.zeros([64, 128], gl.float32, layout)
+    num_tiles = gl.cdiv(M, 128) * gl.cdiv(N, 128)
+    k_steps = gl.cdiv(K, BK)
+    it = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m, off_n = _block_tile(tile, M, N, GROUP)
+        sw_ptr = w_scale_ptr + (off_n // BK) * stride_ws
+        acc = zero
+        for t in range(k_steps):
+            sw = gl.load(sw_ptr + t)
             s = it % NSTAGES
             mbarrier.wait(ready.index(s), (it // NSTAGES) & 1)
-            a = a_smem.index(2 * s + ROLE)
-            w = w_smem.index(s)
-            acc0 += warpgroup_mma(a, w.slice(0, 128, dim=0).permute((1, 0)), zero, use_acc=False) * scale0
-            acc1 += warpgroup_mma(a, w.slice(128, 128, dim=0).permute((1, 0)), zero, use_acc=False) * scale1
+            p = warpgroup_mma(a_smem.index(2 * s + ROLE), w_smem.index(s).permute((1, 0)), zero, use_acc=False)
+            sa = s_smem.index(s).reshape([2 * 64]).slice(ROLE * 64, 64).load(gl.SliceLayout(1, layout))
             mbarrier.arrive(empty.index(s))
+            acc += p * gl.expand_dims(sa * sw, 1)
             it += 1
-        _scaled_store(acc0, rows, rows, off_n, c_ptr, w_scale_ptr, bias_ptr, M, N, stride_cm, layout, HAS_BIAS, False)
-        _scaled_store(acc1, rows, rows, off_n + 128, c_ptr, w_scale_ptr, bias_ptr, M, N, stride_cm, layout, HAS_BIAS,
-                      False)  # fmt: skip
+        rows = off_m + ROLE * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+        _scaled_store(acc, rows, rows, off_n, c_ptr, w_scale_ptr, bias_ptr, M, N, stride_cm, layout, HAS_BIAS, False)
 
 
 @gluon.jit
 def _fp8_block_ws_kernel(
-    a_desc, w_desc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr,
+    a_desc, w_desc, s_desc, c_ptr, w_scale_ptr, bias_ptr,
     M, N, K,
-    stride_cm, stride_as, stride_ws,
+    stride_cm, stride_ws,
     BK: gl.constexpr, NSTAGES: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, CONS_REGS: gl.constexpr,
     LOAD_REGS: gl.constexpr,
 ):  # fmt: skip
     a_smem, w_smem, ready, empty = _ring(a_desc, w_desc, BK, NSTAGES)
+    s_smem = gl.allocate_shared_memory(gl.float32, [NSTAGES, 1, 2 * 64], s_desc.layout)
     gl.warp_specialize([
-        (_block_consumer, (a_smem, w_smem, ready, empty, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
-                           stride_cm, stride_as, stride_ws, 0, BK, NSTAGES, GROUP, HAS_BIAS)),
-        (_block_consumer, (a_smem, w_smem, ready, empty, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
-                           stride_cm, stride_as, stride_ws, 1, BK, NSTAGES, GROUP, HAS_BIAS)),
-        (_loader, (a_desc, w_desc, a_smem, w_smem, ready, empty, M, N, K, BK, NSTAGES, GROUP)),
+        (_block_consumer, (a_smem, w_smem, s_smem, ready, empty, c_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm,
+                           stride_ws, 0, BK, NSTAGES, GROUP, HAS_BIAS)),
+        (_block_consumer, (a_smem, w_smem, s_smem, ready, empty, c_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm,
+                           stride_ws, 1, BK, NSTAGES, GROUP, HAS_BIAS)),
+        (_block_loader, (a_desc, w_desc, s_desc, a_smem, w_smem, s_smem, ready, empty, M, N, K, BK, NSTAGES, GROUP)),
     ], [4, 1], [CONS_REGS, LOAD_REGS])  # fmt: skip
 
 
 @gluon.jit
 def _ring(a_desc, w_desc, BK: gl.constexpr, NSTAGES: gl.constexpr):
-    """The shared-memory ring: two 64-row activation tiles and one 256-row weight tile per stage, and its barriers
+    """The shared-memory ring: two 64-row activation tiles and one weight tile (256 rows; 128 for the block
+    kernel) per stage, and its barriers
     (``ready``: the loader's copies landed; ``empty``: both consumers released the slot)."""
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * NSTAGES, 64, BK], a_desc.layout)
-    w_smem = gl.allocate_shared_memory(gl.float8e4nv, [NSTAGES, 2 * 128, BK], w_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.float8e4nv, [NSTAGES, w_desc.block_type.shape[0], BK], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NSTAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NSTAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NSTAGES):
@@ -272,15 +298,24 @@ def launch(qa, a_scale, qw, w_scale, bias, out, sms: int) -> torch.Tensor:
     return out
 
 
+BLOCK_STAGES = 6  # 6 x (16 + 16 + 0.5) KB of shared memory per program
+
+
 def launch_block(qa, a_scale, qw, w_scale, bias, out, sms: int) -> torch.Tensor:
-    """The block-fp8 launch (B = BLOCK_K = 128) for operands ``block.fp8_block_matmul`` checked."""
+    """The block-fp8 launch (B = BLOCK_K = 128) for operands ``block.fp8_block_matmul`` checked and a_scale as
+    ``ws.m_major_scales`` returns it: 128 x 128 tiles, min(tiles, sms) persistent programs."""
     m, k = qa.shape
     n = qw.shape[0]
-    tiles = -(-m // BLOCK_M) * -(-n // BLOCK_N)
-    a_desc, w_desc = descriptors(qa, qw)
+    tiles = -(-m // BLOCK_M) * -(-n // BLOCK_K)
+    a_layout = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_K], gl.float8e4nv)
+    w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_K], gl.float8e4nv)
+    s_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    a_desc = TensorDescriptor.from_tensor(qa, [ROWS, BLOCK_K], a_layout)
+    w_desc = TensorDescriptor.from_tensor(qw, [BLOCK_K, BLOCK_K], w_layout)
+    s_desc = TensorDescriptor.from_tensor(a_scale.t(), [1, BLOCK_M], s_layout)  # ws.m_major_scales made it so
     _fp8_block_ws_kernel[(min(tiles, sms),)](
-        a_desc, w_desc, out, a_scale, w_scale, bias if bias is not None else w_scale, m, n, k, out.stride(0),
-        a_scale.stride(0), w_scale.stride(0), BK=BLOCK_K, NSTAGES=STAGES, GROUP=GROUP_M, HAS_BIAS=bias is not None,
+        a_desc, w_desc, s_desc, out, w_scale, bias if bias is not None else w_scale, m, n, k, out.stride(0),
+        w_scale.stride(0), BK=BLOCK_K, NSTAGES=BLOCK_STAGES, GROUP=GROUP_M, HAS_BIAS=bias is not None,
         CONS_REGS=CONSUMER_REGS, LOAD_REGS=LOADER_REGS, num_warps=4,
     )  # fmt: skip
     return out

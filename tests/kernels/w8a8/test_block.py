@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from quantkit.kernels.w8a8 import block as KB
-from quantkit.kernels.w8a8.ws import WS_MIN_M, block_unsupported
+from quantkit.kernels.w8a8.ws import WS_MIN_M, block_unsupported, m_major_scales
 
 from quantkit.algorithms.fp8 import dequantize_fp8, quantize_fp8
 
@@ -40,6 +40,44 @@ def test_tile_quantizer_matches_reference_bit_for_bit():
     assert rs.shape == (5, 3) and torch.equal(s.cpu(), rs)
     assert torch.equal(qa.cpu().view(torch.uint8), rq.view(torch.uint8))
     assert torch.equal(rs[2], torch.full((3,), 1e-30 / 448))  # an all-zero row: tiny scales, zero codes, no NaN
+
+
+@pytest.mark.parametrize(("m", "k"), [(5, 80), (9, 64)])
+def test_tile_quantizer_writes_m_major_scales_for_the_hopper_kernel(m, k):
+    """M-major: the same values, unit stride along M, each tile's column padded to 16 bytes; ``m_major_scales``
+    keeps such a tensor as it is and copies any other into that layout."""
+    x = torch.randn(m, k).bfloat16()
+    qa, s = KB.quantize_tiles(x.to(DEVICE), 32, m_major=True)
+    rq, rs = KB.quantize_tiles_reference(x, 32)
+    assert s.shape == rs.shape and s.stride() == (1, -(-m // 4) * 4)
+    assert torch.equal(s.cpu(), rs) and torch.equal(qa.cpu().view(torch.uint8), rq.view(torch.uint8))
+    assert m_major_scales(s) is s
+    again = m_major_scales(rs)
+    assert again.stride(0) == 1 and again.stride(1) % 4 == 0 and torch.equal(again, rs)
+
+
+def test_gemm_reads_either_scale_layout_alike():
+    x, _, qw, ws = layer(6, 40, 96, 32, seed=3)
+    d = lambda t: t.to(DEVICE)
+    qa, rows = KB.quantize_tiles(d(x), 32)
+    _, cols = KB.quantize_tiles(d(x), 32, m_major=True)
+    y_rows = KB.fp8_block_matmul(qa, rows, d(qw), d(ws), 32, None, torch.float32, config=SMALL)
+    y_cols = KB.fp8_block_matmul(qa, cols, d(qw), d(ws), 32, None, torch.float32, config=SMALL)
+    assert torch.equal(y_rows, y_cols)
+
+
+@pytest.mark.parametrize("config", [SMALL, SPLIT], ids=["tiles", "split_k"])
+@pytest.mark.parametrize(("m", "n", "k", "dtype"), [(3, 40, 80, torch.bfloat16), (17, 48, 64, torch.float32)])
+def test_quantizing_inside_the_gemm_gives_the_two_launch_result_bit_for_bit(m, n, k, dtype, config):
+    """fp8_block_linear's fused path (each program quantizes its activation tiles) forms the same codes and scales
+    as quantize_tiles, so the output is identical, K tail (80 = 2.5 tiles) included."""
+    x, _, qw, ws = layer(m, n, k, 32, seed=m * k)
+    d = lambda t: t.to(DEVICE)
+    xs = d(x.to(dtype))
+    fused = KB.fp8_block_linear(xs, d(qw), d(ws), 32, config=config, fuse_quant=True)
+    apart = KB.fp8_block_linear(xs, d(qw), d(ws), 32, config=config, fuse_quant=False)
+    assert fused.dtype == dtype and torch.equal(fused, apart)
+    assert KB.fp8_block_linear(xs[:0], d(qw), d(ws), 32, fuse_quant=True).shape == (0, n)
 
 
 SHAPES = [(1, 40, 64, 16), (5, 70, 80, 32), (33, 48, 96, 32), (3, 16, 16, 16)]  # ragged M, N and K included
@@ -104,6 +142,9 @@ def test_bad_operands_are_refused_with_the_reason():
         KB.fp8_block_matmul(qa, a_s, qw, ws[:, :1].contiguous(), 32)
     with pytest.raises(ValueError, match="block must be one of"):
         KB.fp8_block_matmul(qa, a_s, qw, ws, 48)
+    strided = torch.zeros(4, 4)[::2, ::2]  # [2, 2], unit stride along neither M nor K
+    with pytest.raises(ValueError, match="unit stride along M or K"):
+        KB.fp8_block_matmul(qa, strided, qw, ws, 32)
 
 
 hopper = pytest.mark.skipif(
@@ -131,3 +172,7 @@ def test_gpu_warp_specialized_kernel_errs_like_the_triton_tiles(m, n, k):
     tiles = KB.fp8_block_matmul(d(qa), d(a_s), d(qw), d(ws), 128, d(bias), torch.float32, config=KB.tile_config(m))
     err, tiles_err = (y - exact).abs().max(), (tiles.cpu().double() - exact).abs().max()
     assert not y.isnan().any() and err <= 2 * tiles_err + 2**-20 * exact.abs().max()
+    cols = m_major_scales(d(a_s))  # the layout quantize_tiles(m_major=True) writes: read as is, the same sums
+    assert cols.data_ptr() != d(a_s).data_ptr()
+    y_cols = KB.fp8_block_matmul(d(qa), cols, d(qw), d(ws), 128, d(bias), torch.float32).cpu().double()
+    assert torch.equal(y_cols, y)
