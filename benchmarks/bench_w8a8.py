@@ -221,7 +221,7 @@ class Problem:
         if variant == "fp8_block_ws":
             qb, sb = self.block[i]
             out = torch.empty(m, self.n, dtype=torch.bfloat16, device=x.device)
-            reason = WS.block_unsupported(x[:, :0].to(torch.float8_e4m3fn), qb, out, BLOCK) if x.is_cuda else "CPU"
+            reason = WS.block_unsupported(KB.quantize_tiles(x, BLOCK)[0], qb, out, BLOCK) if x.is_cuda else "CPU"
             if reason:
                 raise RuntimeError(f"warp-specialized block kernel unavailable: {reason}")
 
