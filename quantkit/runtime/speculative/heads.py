@@ -323,23 +323,28 @@ class EagleProposer:
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int], generators: list[torch.Generator | None]) -> list[Draft]:
-        return [self._propose(s, k, g) for s, k, g in zip(seqs, ks, generators, strict=True)]
-
-    def _propose(self, seq: Sequence, k: int, generator) -> Draft:
-        caught = self.catch_up(seq) if k > 0 else None
-        if caught is None:
-            return Draft([])
-        g, kv = caught
-        n, device, embed = seq.num_computed_tokens, g.device, self.embed
-        tokens, probs = [], []
-        for j in range(k):
-            token, q = _choose(self.readout(g[0, 0]).float(), seq, generator)
-            tokens.append(token)
-            probs.append(q)
-            if j + 1 < k:
-                pos = torch.tensor([n + j], device=device)
-                g, kv = self.head(g, embed(torch.tensor([[token]], device=device)), pos, kv)
-        return _draft(tokens, probs)
+        """Each sequence catches up and chains its layer on its own K/V; the readout of every sequence's feature at
+        one depth is one product with the vocabulary matrix (read once per depth, not once per sequence: on a small
+        model it is the largest weight, and a per-sequence readout was most of the drafting time)."""
+        state = {i: self.catch_up(s) if k > 0 else None for i, (s, k) in enumerate(zip(seqs, ks, strict=True))}
+        state = {i: caught for i, caught in state.items() if caught is not None}  # i -> (g [1, 1, H], kv)
+        chosen: list[list] = [[] for _ in seqs]  # (token, q) per drafted position
+        for j in range(max((ks[i] for i in state), default=0)):
+            rows = [i for i in state if j < ks[i]]
+            logits = self.readout(torch.cat([state[i][0][0] for i in rows])).float()  # [len(rows), V]
+            best = logits.argmax(-1).tolist()
+            for row, i in enumerate(rows):
+                seq = seqs[i]
+                token, q = (best[row], None) if seq.params.greedy else _choose(logits[row], seq, generators[i])
+                chosen[i].append((token, q))
+                if j + 1 < ks[i]:
+                    g, kv = state[i]
+                    device = g.device
+                    ids = torch.tensor([[token]], device=device)
+                    state[i] = self.head(
+                        g, self.embed(ids), torch.tensor([seq.num_computed_tokens + j], device=device), kv
+                    )
+        return [_draft([t for t, _ in c], [q for _, q in c]) for c in chosen]
 
     def catch_up(self, seq: Sequence):
         """Run the layer over the sequence's verified positions not yet in its KV cache -> (the predicted feature

@@ -86,6 +86,23 @@ def test_greedy_equals_plain_greedy(trained, target, k):
     assert t.steps > 0 and t.drafted > 0 and t.accepted > 0
 
 
+def test_a_batch_drafts_what_each_sequence_drafts_alone(trained, target):
+    """Sequences of a step draft together (EAGLE: one readout per depth): the counts are the sum of the runs alone."""
+    method, heads, _ = trained
+    spec = SpeculativeConfig(method=method, draft=str(heads), num_speculative_tokens=4, adaptive=False)
+    prompts, params = (
+        [markov_ids(n, seed=n).tolist() for n in (3, 9, 20, 33)],
+        SamplingParams(max_tokens=24, ignore_eos=True),
+    )
+    counts = []
+    for batch in [prompts], [[p] for p in prompts]:
+        llms = [LLM(str(target[1]), cpu_kv_blocks=64, speculative=spec) for _ in batch]
+        for llm, ps in zip(llms, batch, strict=True):
+            llm.generate(ps, params)
+        counts.append([sum(getattr(llm.spec.totals, f) for llm in llms) for f in ("steps", "drafted", "accepted")])
+    assert counts[0] == counts[1] and counts[0][2] > 0
+
+
 def test_greedy_under_preemption(trained, target):
     """A cache too small for all sequences at once: preempted sequences recompute, their features are rewritten."""
     method, heads, _ = trained
