@@ -17,10 +17,10 @@ Every figure goes from bf16 activations x [M, K] to a bf16 output [M, N] and is 
   --block mode only:
   fp8_block_gemm  the block GEMM alone on pre-quantized activations (M-major scales), to split the cost
   block_quant     the 1 x 128 tile quantizer alone (quantize_tiles, M-major scales)
-  fp8_block_ws    fp8_block with the warp-specialized Hopper kernel (the dispatch uses it from ws.WS_MIN_M rows),
-                  at M 64-1024 to place that threshold
-  fp8_block_split fp8_block as two launches (quantize_tiles, then the GEMM) at M <= 256, against the fused quantizer
-                  that fp8_block uses up to block.FUSED_QUANT_MAX_M rows
+  fp8_block_ws2   fp8_block with the warp-specialized Hopper kernel, two consumer warp groups (128 x 128 tiles), at
+                  M >= 64 (the dispatch uses it from block.WS_FROM_M rows), to place that threshold
+  fp8_block_ws3   the same with three consumer warp groups (192 x 128 tiles; block.WS3_FROM_M)
+  fp8_block_nopdl fp8_block at M <= 64 without programmatic dependent launch between quantizer and GEMM
 
 Timing: a CUDA graph of R calls over R rotated copies of every operand (R chosen so that they span more than 3x
 the 60 MB L2), replayed under ``triton.testing.do_bench(return_mode="median")``, which also flushes L2 before each
@@ -95,10 +95,12 @@ TARGETS = [  # (format variant, M range, minimum speedup over bf16) from issue 7
 VARIANTS = ["bf16", "int8", "int8_gemm", "quant", "int_mm", "fp8", "fp8_fast", "scaled_mm", "scaled_mm_fast",
             "fp8_block"]  # fmt: skip
 RATIO_VARIANTS = ["int8", "int_mm", "fp8", "fp8_fast", "scaled_mm", "scaled_mm_fast", "fp8_block"]
-BLOCK_VARIANTS = ["bf16", "fp8", "fp8_block", "fp8_block_gemm", "block_quant", "fp8_block_ws", "fp8_block_split"]
-BLOCK_RATIO_VARIANTS = ["fp8", "fp8_block", "fp8_block_gemm", "fp8_block_ws", "fp8_block_split"]
-VARIANT_MS = {"fp8_block_ws": (64, 1024), "fp8_block_split": (1, 256)}  # M range where a probe variant runs
-OPTIONAL = ("int_mm", "scaled_mm", "scaled_mm_fast", "fp8_block_ws")  # baselines a GPU or cuBLAS may refuse
+BLOCK_VARIANTS = ["bf16", "fp8", "fp8_block", "fp8_block_gemm", "block_quant", "fp8_block_ws2", "fp8_block_ws3",
+                  "fp8_block_nopdl"]  # fmt: skip
+BLOCK_RATIO_VARIANTS = ["fp8", "fp8_block", "fp8_block_gemm", "fp8_block_ws2", "fp8_block_ws3", "fp8_block_nopdl"]
+VARIANT_MS = {"fp8_block_ws2": (64, MS[-1]), "fp8_block_ws3": (64, MS[-1]), "fp8_block_nopdl": (1, 64)}
+# variants a GPU or cuBLAS may refuse (reported as n/a)
+OPTIONAL = ("int_mm", "scaled_mm", "scaled_mm_fast", "fp8_block_ws2", "fp8_block_ws3")
 UNCHECKED = ("bf16", "quant", "block_quant")  # bf16 computes from unquantized operands; the quantizers give no y
 
 # Sweep candidates per M regime, as K.CONFIG_KEYS tuples (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, num_warps,
@@ -213,12 +215,17 @@ class Problem:
             qb, sb = self.block[i]
             qa, sa = KB.quantize_tiles(x, BLOCK, m_major=True)
             return lambda: KB.fp8_block_matmul(qa, sa, qb, sb, BLOCK, out_dtype=torch.bfloat16)
-        if variant == "fp8_block_split":
+        if variant == "fp8_block_nopdl":
             qb, sb = self.block[i]
-            return lambda: KB.fp8_block_linear(x, qb, sb, BLOCK, fuse_quant=False)
+
+            def nopdl():
+                qa, sa = KB.quantize_tiles(x, BLOCK, m_major=True)
+                return KB.fp8_block_matmul(qa, sa, qb, sb, BLOCK, out_dtype=torch.bfloat16)
+
+            return nopdl
         if variant == "block_quant":
             return lambda: KB.quantize_tiles(x, BLOCK, m_major=True)
-        if variant == "fp8_block_ws":
+        if variant in ("fp8_block_ws2", "fp8_block_ws3"):
             qb, sb = self.block[i]
             out = torch.empty(m, self.n, dtype=torch.bfloat16, device=x.device)
             reason = WS.block_unsupported(KB.quantize_tiles(x, BLOCK)[0], qb, out, BLOCK) if x.is_cuda else "CPU"
@@ -227,7 +234,7 @@ class Problem:
 
             def block_ws():
                 qa, sa = KB.quantize_tiles(x, BLOCK, m_major=True)
-                return WS.launch_block(qa, sa, qb, sb, None, out)
+                return WS.launch_block(qa, sa, qb, sb, None, out, consumers=int(variant[-1]))
 
             return block_ws
         if variant == "int8_gemm":

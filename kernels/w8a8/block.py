@@ -13,7 +13,7 @@ How
     rounded to the e4m3 grid (the scales optionally stored M-major, as the Hopper kernel reads them). The GEMM
     tiles the output in BLOCK_M x BLOCK_N and walks K in steps of BLOCK_K = B, one scale pair per step; ragged M,
     N, K are masked (a short last tile's padding is zero in both operands). Small M splits K across programs (the serial
-    fix-up of ``w4a16.epilogue.finish_tile``). On Hopper with B = 128 and more than ``ws.WS_MIN_M`` rows the
+    fix-up of ``w4a16.epilogue.finish_tile``). On Hopper with B = 128 and ``WS_FROM_M`` rows or more the
     warp-specialized Gluon kernel (``ws_kernel.py``) serves instead: in Triton's single loop each promotion waits
     for its wgmma, which left the block GEMM at 0.57x bf16 cuBLAS at M >= 1024 (H100, its best tile config).
 
@@ -37,7 +37,8 @@ import triton.language as tl
 from quantkit.kernels._device import interpreting, num_sms
 from quantkit.kernels.w4a16.configs import LOCK_SLOTS
 from quantkit.kernels.w4a16.epilogue import finish_tile
-from quantkit.kernels.w8a8.gemm import grouped_tile
+from quantkit.kernels.w8a8.dispatch import PDL_PREFETCH_K, use_pdl
+from quantkit.kernels.w8a8.gemm import await_activations, grouped_tile
 from quantkit.kernels.w8a8.quant import (
     E4M3_MAX,
     FLOAT_DTYPES,
@@ -45,15 +46,16 @@ from quantkit.kernels.w8a8.quant import (
     MIN_AMAX,
     quantize_rows_reference,
     require,
-    round_to_e4m3_grid,
     store_codes,
 )
-from quantkit.kernels.w8a8.ws import WS_MIN_M, block_unsupported, launch_block
+from quantkit.kernels.w8a8.ws import block_unsupported, launch_block
 
 BLOCK_SIZES = (16, 32, 64, 128, 256, 512)
-# Up to this many rows fp8_block_linear quantizes activations inside the GEMM (the split-K regime, where a separate
-# quantizer launch is a visible part of a few-microsecond call).
-FUSED_QUANT_MAX_M = 64
+# From this many rows on Hopper (B = 128) the warp-specialized Gluon kernel serves: on the H100 at M = 256 it beat the
+# Triton tiles on 11 of the 12 benchmark shapes (geomean over bf16 cuBLAS, end to end: 1.05x against 0.75x); at M = 64
+# it won on 6 of 12, losing on the small ones (4096 x 4096: 0.77x against 0.85x; geomean 1.12x against 1.14x).
+WS_FROM_M = 256
+WS3_FROM_M = 1024  # and from this many rows with three consumer warp groups (192 x 128 tiles) instead of two
 SCALE_ALIGN = 4  # M-major activation scales: each tile's column padded to 16 bytes (TMA rows)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
@@ -113,10 +115,12 @@ def _quantize_tiles_kernel(
     x_ptr, q_ptr, s_ptr,
     M, K,
     stride_xm, stride_qm, stride_sm, stride_sk,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """ROWS rows x one B-wide tile of x: each row's abs-max over the tile gives its scale (stored at
     s_ptr + m * stride_sm + j * stride_sk: either scale layout), then its e4m3 codes."""
+    if PDL:  # the GEMM launched next may start now; it waits for this grid's writes before reading them
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     j = tl.program_id(1)
     cols = j * BLOCK + tl.arange(0, BLOCK)
@@ -138,7 +142,7 @@ def _fp8_block_matmul_kernel(
     stride_am, stride_wn, stride_cm, stride_cn, stride_asm, stride_ask, stride_wsn,
     # meta-parameters
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, EMULATE_BF16: tl.constexpr,
-    FUSE_QUANT: tl.constexpr,  # a_ptr is x (fp16/bf16/fp32): each A tile is quantized here, a_scale_ptr unused
+    PDL: tl.constexpr, PREFETCH_K: tl.constexpr,  # programmatic dependent launch after quantize_tiles(pdl=True)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # = the quantization block B
     GROUP_M: tl.constexpr,
@@ -146,6 +150,7 @@ def _fp8_block_matmul_kernel(
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    await_activations(w_ptr, stride_wn, 1, pid_n, N, K, PDL, PREFETCH_K, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -165,14 +170,7 @@ def _fp8_block_matmul_kernel(
         else:
             a = tl.load(a_ptrs, mask=(j * BLOCK_K + offs_k)[None, :] < K, other=0.0)
             w = tl.load(w_ptrs, mask=(j * BLOCK_K + offs_k)[:, None] < K, other=0.0)
-        if FUSE_QUANT:  # quantize_tiles' arithmetic on the tile: the same codes and scales
-            xa = a.to(tl.float32)
-            amax = tl.maximum(tl.max(tl.abs(xa), axis=1), _MIN_AMAX)
-            a_s = tl.math.div_rn(amax, _E4M3_MAX)
-            v = tl.minimum(tl.maximum(xa * tl.math.div_rn(_E4M3_MAX, amax)[:, None], -_E4M3_MAX), _E4M3_MAX)
-            a = round_to_e4m3_grid(v).to(w.dtype)
-        else:
-            a_s = tl.load(a_scale_ptrs + j * stride_ask)
+        a_s = tl.load(a_scale_ptrs + j * stride_ask)
         part = tl.dot(a, w)  # one B-long partial sum in the tensor core, then promoted with its scales
         w_s = tl.load(w_scale_ptrs + j)
         acc += part * a_s[:, None] * w_s[None, :]
@@ -247,12 +245,15 @@ def split_locks(device: torch.device) -> torch.Tensor:
     return _LOCKS[device]
 
 
-def quantize_tiles(x: torch.Tensor, block: int, m_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tiles(
+    x: torch.Tensor, block: int, m_major: bool = False, pdl: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_tiles_reference`` on x's device: (qa [M, K], a_scale [M, ceil(K/B)]), the same values.
 
     ``m_major``: a_scale is a view of fp32 [ceil(K/B), M'] storage (M' = M rounded up to ``SCALE_ALIGN``), strides
     (1, M'), the layout in which the Hopper kernel copies each K step's scales by TMA (DeepGEMM takes the same);
-    ``fp8_block_matmul`` takes either layout. One program per ROWS rows x one tile."""
+    ``fp8_block_matmul`` takes either layout. One program per ROWS rows x one tile. ``pdl``: let the GEMM launched
+    next with ``pdl=True`` start while this kernel runs (CUDA sm_90+)."""
     require(x.dim() == 2 and x.dtype in FLOAT_DTYPES, f"x must be 2-D fp16/bf16/fp32, got {x.dtype} {tuple(x.shape)}")
     require(block in BLOCK_SIZES, f"block must be one of {BLOCK_SIZES}, got {block}")
     require(x.numel() <= MAX_NUMEL, f"x has {x.numel()} elements; 32-bit offsets allow {MAX_NUMEL}")
@@ -270,7 +271,7 @@ def quantize_tiles(x: torch.Tensor, block: int, m_major: bool = False) -> tuple[
         rows = min(64, max(8, 4096 // block))
         _quantize_tiles_kernel[(-(-m // rows), kb)](
             x, qa, a_scale, m, k, x.stride(0), qa.stride(0), a_scale.stride(0), a_scale.stride(1),
-            BLOCK=block, ROWS=rows, num_warps=4,
+            BLOCK=block, ROWS=rows, PDL=pdl, num_warps=4,
         )  # fmt: skip
     return qa, a_scale
 
@@ -299,20 +300,22 @@ def _check_weights(m, k, qw, w_scale, block, bias, out_dtype, on_cuda) -> int:
     return n
 
 
-def _launch_tiles(a, a_scale, qw, w_scale, block, bias, out, cfg: BlockConfig, fuse: bool) -> torch.Tensor:
-    """The Triton tile kernel on checked operands: ``a`` is qa, or x itself when ``fuse`` (a_scale then unused)."""
-    m, k = a.shape
+def _launch_tiles(qa, a_scale, qw, w_scale, block, bias, out, cfg: BlockConfig, pdl: bool) -> torch.Tensor:
+    """The Triton tile kernel on checked operands."""
+    m, k = qa.shape
     n = qw.shape[0]
-    split, steps = split_for(cfg, m, n, -(-k // block), num_sms(a.device))
-    part = torch.empty(split, m, n, dtype=torch.float32, device=a.device) if split > 1 else out
+    split, steps = split_for(cfg, m, n, -(-k // block), num_sms(qa.device))
+    part = torch.empty(split, m, n, dtype=torch.float32, device=qa.device) if split > 1 else out
     grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n), split)
     _fp8_block_matmul_kernel[grid](
-        a, qw, out, a_scale, w_scale, bias if bias is not None else w_scale, part, split_locks(a.device),
-        m, n, k, steps, a.stride(0), qw.stride(0), out.stride(0), out.stride(1), a_scale.stride(0), a_scale.stride(1),
+        qa, qw, out, a_scale, w_scale, bias if bias is not None else w_scale, part, split_locks(qa.device),
+        m, n, k, steps, qa.stride(0), qw.stride(0), out.stride(0), out.stride(1), a_scale.stride(0), a_scale.stride(1),
         w_scale.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % block == 0, SPLIT=split > 1,
-        EMULATE_BF16=interpreting() and out.dtype == torch.bfloat16, FUSE_QUANT=fuse, BLOCK_M=cfg.block_m,
+        EMULATE_BF16=interpreting() and out.dtype == torch.bfloat16, PDL=pdl, PREFETCH_K=PDL_PREFETCH_K if pdl else 0,
+        BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=block, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
 
@@ -326,8 +329,10 @@ def fp8_block_matmul(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float16,
     config: BlockConfig | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """The block GEMM on quantized operands: y [M, N] in ``out_dtype`` (``config`` overrides ``tile_config``)."""
+    """The block GEMM on quantized operands: y [M, N] in ``out_dtype`` (``config`` overrides ``tile_config``).
+    ``pdl``: launch the Triton tiles with programmatic dependent launch after ``quantize_tiles(pdl=True)``."""
     require(qa.dim() == 2, f"qa must be 2-D, got {tuple(qa.shape)}")
     m, k = qa.shape
     n = _check_weights(m, k, qw, w_scale, block, bias, out_dtype, qa.is_cuda)
@@ -339,12 +344,14 @@ def fp8_block_matmul(
         f"a_scale must be fp32 [{m}, {kb}] with unit stride along M or K, got {a_scale.dtype} "
         f"{tuple(a_scale.shape)} strides {a_scale.stride()}",
     )
+    require(not pdl or (qa.is_cuda and not interpreting()), "pdl needs a CUDA device (not Triton's interpreter)")
     out = torch.empty(m, n, dtype=out_dtype, device=qa.device)
     if m == 0:
         return out
-    if config is None and m >= WS_MIN_M and block_unsupported(qa, qw, out, block) is None:
-        return launch_block(qa, a_scale, qw, w_scale, bias, out)  # Hopper, large M: the warp-specialized kernel
-    return _launch_tiles(qa, a_scale, qw, w_scale, block, bias, out, config or tile_config(m), fuse=False)
+    if config is None and m >= WS_FROM_M and block_unsupported(qa, qw, out, block) is None:
+        consumers = 3 if m >= WS3_FROM_M else 2
+        return launch_block(qa, a_scale, qw, w_scale, bias, out, consumers)  # Hopper, large M: the Gluon kernel
+    return _launch_tiles(qa, a_scale, qw, w_scale, block, bias, out, config or tile_config(m), pdl)
 
 
 def fp8_block_linear(
@@ -354,31 +361,23 @@ def fp8_block_linear(
     block: int,
     bias: torch.Tensor | None = None,
     config: BlockConfig | None = None,
-    fuse_quant: bool | None = None,
 ) -> torch.Tensor:
     """x [..., K] -> y [..., N] in x's dtype: quantize x per 1 x B tile, then the block GEMM (``config`` overrides
-    ``tile_config``). Up to ``FUSED_QUANT_MAX_M`` rows (or as ``fuse_quant`` says) the GEMM's programs quantize
-    their own activation tiles on the fly, one launch instead of two, with the same codes and scales."""
+    ``tile_config``); up to ``dispatch.PDL_MAX_M`` rows on sm_90+ the GEMM starts while the quantizer runs
+    (programmatic dependent launch, as ``w8a8_linear``)."""
     x2 = x.reshape(-1, x.shape[-1])
-    m, k = x2.shape
-    fuse = m <= FUSED_QUANT_MAX_M if fuse_quant is None else fuse_quant
-    if not fuse:
-        qa, a_scale = quantize_tiles(x2, block, m_major=True)
-        y = fp8_block_matmul(qa, a_scale, qw, w_scale, block, bias, out_dtype=x.dtype, config=config)
-        return y.reshape(*x.shape[:-1], qw.shape[0])
-    require(x2.dtype in FLOAT_DTYPES, f"x must be fp16, bf16 or fp32, got {x2.dtype}")
-    n = _check_weights(m, k, qw, w_scale, block, bias, x.dtype, x2.is_cuda)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m:
-        x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
-        _launch_tiles(x2, w_scale, qw, w_scale, block, bias, out, config or tile_config(m), fuse=True)
-    return out.reshape(*x.shape[:-1], n)
+    pdl = use_pdl(x2) and (config is not None or x2.shape[0] < WS_FROM_M)
+    qa, a_scale = quantize_tiles(x2, block, m_major=True, pdl=pdl)
+    y = fp8_block_matmul(qa, a_scale, qw, w_scale, block, bias, out_dtype=x.dtype, config=config, pdl=pdl)
+    return y.reshape(*x.shape[:-1], qw.shape[0])
 
 
 __all__ = [
     "BLOCK_SIZES",
     "E4M3_MAX",
     "TILE_CONFIGS",
+    "WS3_FROM_M",
+    "WS_FROM_M",
     "BlockConfig",
     "fp8_block_linear",
     "fp8_block_matmul",

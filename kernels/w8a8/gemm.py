@@ -85,7 +85,7 @@ def w8a8_matmul_reference(
 
 
 @triton.jit
-def _await_activations(w_ptr, stride_wn, stride_wk, pid_n, N, K,
+def await_activations(w_ptr, stride_wn, stride_wk, pid_n, N, K,
                        PDL: tl.constexpr, PREFETCH_K: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """Under programmatic dependent launch this grid may start while the activation quantizer still runs: first
     ask L2 for the first PREFETCH_K columns of this tile's weight rows (they do not depend on it), then wait for
@@ -197,7 +197,7 @@ def _w8a8_matmul_kernel(
     THREADS: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    _await_activations(w_ptr, stride_wn, stride_wk, pid_n, N, K, PDL, PREFETCH_K, BLOCK_N)
+    await_activations(w_ptr, stride_wn, stride_wk, pid_n, N, K, PDL, PREFETCH_K, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -264,7 +264,7 @@ def _w8a8_matmul_tma_kernel(
     NUM_PROGRAMS apart, so the loads of a program's next tile overlap the epilogue of its current one; under PDL
     it waits once, before its first tile (the prefetch covers that tile's weight rows)."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    _await_activations(w_ptr, stride_wn, 1, pid_n, N, K, PDL, PREFETCH_K, BLOCK_N)
+    await_activations(w_ptr, stride_wn, 1, pid_n, N, K, PDL, PREFETCH_K, BLOCK_N)
     if PERSISTENT:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):

@@ -107,11 +107,13 @@ def m_major_scales(a_scale: torch.Tensor) -> torch.Tensor:
     return out.t()
 
 
-def launch_block(qa, a_scale, qw, w_scale, bias, out) -> torch.Tensor:
-    """The block-fp8 launch for operands already checked (a_scale in either layout); empty products return ``out``
-    as it is."""
+def launch_block(qa, a_scale, qw, w_scale, bias, out, consumers: int = 2) -> torch.Tensor:
+    """The block-fp8 launch for operands already checked (a_scale in either layout), with 2 or 3 consumer warp
+    groups (128 x 128 or 192 x 128 tiles); empty products return ``out`` as it is."""
     from quantkit.kernels.w8a8.ws_kernel import launch_block as kernel_launch  # Gluon: GPU machines only
 
+    if consumers not in (2, 3):
+        raise ValueError(f"consumers must be 2 or 3, got {consumers}")
     if out.numel() == 0:
         return out
-    return kernel_launch(qa, m_major_scales(a_scale), qw, w_scale, bias, out, num_sms(qa.device))
+    return kernel_launch(qa, m_major_scales(a_scale), qw, w_scale, bias, out, num_sms(qa.device), consumers)

@@ -157,32 +157,35 @@ def _consumer(a_smem, w_smem, ready, empty, c_ptr, a_scale_ptr, w_scale_ptr, bia
 
 
 @gluon.jit
-def _block_tile(tile, M, N, GROUP: gl.constexpr):
-    """``_tile_offsets`` for the block kernel's 128 x 128 tiles."""
-    num_m = gl.cdiv(M, 128)
+def _block_tile(tile, M, N, GROUP: gl.constexpr, BM: gl.constexpr):
+    """``_tile_offsets`` for the block kernel's BM x 128 tiles."""
+    num_m = gl.cdiv(M, BM)
     per_group = GROUP * gl.cdiv(N, 128)
     first_m = (tile // per_group) * GROUP
     group_rows = gl.minimum(num_m - first_m, GROUP)
-    return (first_m + (tile % per_group) % group_rows) * 128, ((tile % per_group) // group_rows) * 128
+    return (first_m + (tile % per_group) % group_rows) * BM, ((tile % per_group) // group_rows) * 128
 
 
 @gluon.jit
 def _block_loader(a_desc, w_desc, s_desc, a_smem, w_smem, s_smem, ready, empty, M, N, K, BK: gl.constexpr,
-                  NSTAGES: gl.constexpr, GROUP: gl.constexpr):  # fmt: skip
-    """``_loader`` for block-wise fp8's 128 x 128 tiles: each K step's two activation tiles, its weight tile and
-    the tile rows' 128 activation scales of that step (a_scale M-major: one [1, 128] box) into one slot."""
-    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
-    num_tiles = gl.cdiv(M, 128) * gl.cdiv(N, 128)
+                  NSTAGES: gl.constexpr, GROUP: gl.constexpr, CONSUMERS: gl.constexpr):  # fmt: skip
+    """``_loader`` for block-wise fp8's (64 * CONSUMERS) x 128 tiles: each K step's activation tiles (one per
+    consumer), its weight tile and the tile rows' activation scales of that step (a_scale M-major: one [1, 256]
+    box; rows past the tile or M are not read or zero-filled) into one slot."""
+    nbytes: gl.constexpr = CONSUMERS * a_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
+    num_tiles = gl.cdiv(M, 64 * CONSUMERS) * gl.cdiv(N, 128)
     k_steps = gl.cdiv(K, BK)
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n = _block_tile(tile, M, N, GROUP)
+        off_m, off_n = _block_tile(tile, M, N, GROUP, 64 * CONSUMERS)
         for t in range(k_steps):
             s = it % NSTAGES
             mbarrier.wait(empty.index(s), ((it // NSTAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(a_desc, [off_m, t * BK], ready.index(s), a_smem.index(2 * s))
-            tma.async_copy_global_to_shared(a_desc, [off_m + 64, t * BK], ready.index(s), a_smem.index(2 * s + 1))
+            for i in gl.static_range(CONSUMERS):
+                tma.async_copy_global_to_shared(
+                    a_desc, [off_m + 64 * i, t * BK], ready.index(s), a_smem.index(CONSUMERS * s + i)
+                )
             tma.async_copy_global_to_shared(w_desc, [off_n, t * BK], ready.index(s), w_smem.index(s))
             tma.async_copy_global_to_shared(s_desc, [t, off_m], ready.index(s), s_smem.index(s))
             it += 1
@@ -191,28 +194,29 @@ def _block_loader(a_desc, w_desc, s_desc, a_smem, w_smem, s_smem, ready, empty, 
 @gluon.jit
 def _block_consumer(a_smem, w_smem, s_smem, ready, empty, c_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm,
                     stride_ws, ROLE: gl.constexpr, BK: gl.constexpr, NSTAGES: gl.constexpr, GROUP: gl.constexpr,
-                    HAS_BIAS: gl.constexpr):  # fmt: skip
-    """One warp group, rows ROLE * 64 ... of each 128 x 128 tile (one weight block wide): per K step the partial
-    sum in a fresh wgmma chain, then added to the fp32 accumulator times a_scale[row, step] * w_scale[block, step].
-    The activation scales arrive with the step's operands in shared memory and are read once the partial sum is
-    done; the weight scale is a uniform load issued before the wait. One 64-register accumulator and one partial:
-    the 128 x 256 tiles of ``_consumer`` would need three such blocks per thread, and ptxas spilled them to local
+                    HAS_BIAS: gl.constexpr, CONSUMERS: gl.constexpr):  # fmt: skip
+    """One warp group, rows ROLE * 64 ... of each tile (one weight block wide): per K step the partial sum in a
+    fresh wgmma chain, then added to the fp32 accumulator times a_scale[row, step] * w_scale[block, step]. The
+    activation scales arrive with the step's operands in shared memory and are read once the partial sum is done;
+    the weight scale is a uniform load issued before the wait. One 64-register accumulator and one partial: the
+    128 x 256 tiles of ``_consumer`` would need three such blocks per thread, and ptxas spilled them to local
     memory in the loop (0.72-0.78x bf16 cuBLAS on the H100)."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     zero = gl.zeros([64, 128], gl.float32, layout)
-    num_tiles = gl.cdiv(M, 128) * gl.cdiv(N, 128)
+    num_tiles = gl.cdiv(M, 64 * CONSUMERS) * gl.cdiv(N, 128)
     k_steps = gl.cdiv(K, BK)
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n = _block_tile(tile, M, N, GROUP)
+        off_m, off_n = _block_tile(tile, M, N, GROUP, 64 * CONSUMERS)
         sw_ptr = w_scale_ptr + (off_n // BK) * stride_ws
         acc = zero
         for t in range(k_steps):
             sw = gl.load(sw_ptr + t)
             s = it % NSTAGES
             mbarrier.wait(ready.index(s), (it // NSTAGES) & 1)
-            p = warpgroup_mma(a_smem.index(2 * s + ROLE), w_smem.index(s).permute((1, 0)), zero, use_acc=False)
-            sa = s_smem.index(s).reshape([2 * 64]).slice(ROLE * 64, 64).load(gl.SliceLayout(1, layout))
+            a = a_smem.index(CONSUMERS * s + ROLE)
+            p = warpgroup_mma(a, w_smem.index(s).permute((1, 0)), zero, use_acc=False)
+            sa = s_smem.index(s).reshape([256]).slice(ROLE * 64, 64).load(gl.SliceLayout(1, layout))
             mbarrier.arrive(empty.index(s))
             acc += p * gl.expand_dims(sa * sw, 1)
             it += 1
@@ -226,17 +230,37 @@ def _fp8_block_ws_kernel(
     M, N, K,
     stride_cm, stride_ws,
     BK: gl.constexpr, NSTAGES: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, CONS_REGS: gl.constexpr,
-    LOAD_REGS: gl.constexpr,
+    LOAD_REGS: gl.constexpr, CONSUMERS: gl.constexpr,
 ):  # fmt: skip
-    a_smem, w_smem, ready, empty = _ring(a_desc, w_desc, BK, NSTAGES)
-    s_smem = gl.allocate_shared_memory(gl.float32, [NSTAGES, 1, 2 * 64], s_desc.layout)
-    gl.warp_specialize([
-        (_block_consumer, (a_smem, w_smem, s_smem, ready, empty, c_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm,
-                           stride_ws, 0, BK, NSTAGES, GROUP, HAS_BIAS)),
-        (_block_consumer, (a_smem, w_smem, s_smem, ready, empty, c_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm,
-                           stride_ws, 1, BK, NSTAGES, GROUP, HAS_BIAS)),
-        (_block_loader, (a_desc, w_desc, s_desc, a_smem, w_smem, s_smem, ready, empty, M, N, K, BK, NSTAGES, GROUP)),
-    ], [4, 1], [CONS_REGS, LOAD_REGS])  # fmt: skip
+    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [CONSUMERS * NSTAGES, 64, BK], a_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.float8e4nv, [NSTAGES, 128, BK], w_desc.layout)
+    s_smem = gl.allocate_shared_memory(gl.float32, [NSTAGES, 1, 256], s_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NSTAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NSTAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NSTAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    fence_async_shared()
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            (_block_consumer, (a_smem, w_smem, s_smem, ready, empty, c_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm,
+                               stride_ws, 0, BK, NSTAGES, GROUP, HAS_BIAS, CONSUMERS)),
+            (_block_consumer, (a_smem, w_smem, s_smem, ready, empty, c_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm,
+                               stride_ws, 1, BK, NSTAGES, GROUP, HAS_BIAS, CONSUMERS)),
+            (_block_consumer, (a_smem, w_smem, s_smem, ready, empty, c_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm,
+                               stride_ws, 2, BK, NSTAGES, GROUP, HAS_BIAS, CONSUMERS)),
+            (_block_loader, (a_desc, w_desc, s_desc, a_smem, w_smem, s_smem, ready, empty, M, N, K, BK, NSTAGES,
+                             GROUP, CONSUMERS)),
+        ], [4, 4, 1], [CONS_REGS, CONS_REGS, LOAD_REGS])  # fmt: skip
+    else:
+        gl.warp_specialize([
+            (_block_consumer, (a_smem, w_smem, s_smem, ready, empty, c_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm,
+                               stride_ws, 0, BK, NSTAGES, GROUP, HAS_BIAS, CONSUMERS)),
+            (_block_consumer, (a_smem, w_smem, s_smem, ready, empty, c_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm,
+                               stride_ws, 1, BK, NSTAGES, GROUP, HAS_BIAS, CONSUMERS)),
+            (_block_loader, (a_desc, w_desc, s_desc, a_smem, w_smem, s_smem, ready, empty, M, N, K, BK, NSTAGES,
+                             GROUP, CONSUMERS)),
+        ], [4, 1], [CONS_REGS, LOAD_REGS])  # fmt: skip
 
 
 @gluon.jit
@@ -298,24 +322,28 @@ def launch(qa, a_scale, qw, w_scale, bias, out, sms: int) -> torch.Tensor:
     return out
 
 
-BLOCK_STAGES = 6  # 6 x (16 + 16 + 0.5) KB of shared memory per program
+# consumer warp groups -> (pipeline stages, registers per consumer thread): 128 x 128 tiles take 6 stages of 32.5 KB,
+# 192 x 128 tiles 5 of 41 KB; three consumers and the loader's group fit the register file at 160 registers each
+# (offline SASS: about 140 used, none spilled).
+BLOCK_PLANS = {2: (6, CONSUMER_REGS), 3: (5, 160)}
 
 
-def launch_block(qa, a_scale, qw, w_scale, bias, out, sms: int) -> torch.Tensor:
+def launch_block(qa, a_scale, qw, w_scale, bias, out, sms: int, consumers: int = 2) -> torch.Tensor:
     """The block-fp8 launch (B = BLOCK_K = 128) for operands ``block.fp8_block_matmul`` checked and a_scale as
-    ``ws.m_major_scales`` returns it: 128 x 128 tiles, min(tiles, sms) persistent programs."""
+    ``ws.m_major_scales`` returns it: (64 * consumers) x 128 tiles, min(tiles, sms) persistent programs."""
     m, k = qa.shape
     n = qw.shape[0]
-    tiles = -(-m // BLOCK_M) * -(-n // BLOCK_K)
+    stages, regs = BLOCK_PLANS[consumers]
+    tiles = -(-m // (64 * consumers)) * -(-n // BLOCK_K)
     a_layout = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_K], gl.float8e4nv)
     w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_K], gl.float8e4nv)
     s_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     a_desc = TensorDescriptor.from_tensor(qa, [ROWS, BLOCK_K], a_layout)
     w_desc = TensorDescriptor.from_tensor(qw, [BLOCK_K, BLOCK_K], w_layout)
-    s_desc = TensorDescriptor.from_tensor(a_scale.t(), [1, BLOCK_M], s_layout)  # ws.m_major_scales made it so
+    s_desc = TensorDescriptor.from_tensor(a_scale.t(), [1, 256], s_layout)  # ws.m_major_scales made it so
     _fp8_block_ws_kernel[(min(tiles, sms),)](
         a_desc, w_desc, s_desc, out, w_scale, bias if bias is not None else w_scale, m, n, k, out.stride(0),
-        w_scale.stride(0), BK=BLOCK_K, NSTAGES=BLOCK_STAGES, GROUP=GROUP_M, HAS_BIAS=bias is not None,
-        CONS_REGS=CONSUMER_REGS, LOAD_REGS=LOADER_REGS, num_warps=4,
+        w_scale.stride(0), BK=BLOCK_K, NSTAGES=stages, GROUP=GROUP_M, HAS_BIAS=bias is not None, CONS_REGS=regs,
+        LOAD_REGS=LOADER_REGS, CONSUMERS=consumers, num_warps=4,
     )  # fmt: skip
     return out
