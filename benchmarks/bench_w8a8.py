@@ -148,7 +148,7 @@ BLOCK_SWEEP = {
     32: [(32, 64, 1, 2, 4, 4), (16, 64, 1, 2, 4, 4), (32, 64, 1, 1, 4, 5), (32, 128, 1, 2, 4, 4),
          (32, 32, 1, 2, 4, 4)],
     64: [(64, 64, 1, 1, 4, 4), (64, 64, 1, 1, 4, 5), (64, 32, 1, 1, 4, 4), (32, 64, 1, 1, 4, 4), (64, 64, 1, 1, 8, 4),
-         (64, 128, 1, 1, 8, 4)],
+         (64, 128, 1, 1, 8, 4), (64, 64, 1, 2, 4, 4), (32, 64, 1, 2, 4, 4)],
     256: [(64, 128, 8, 0, 4, 4), (64, 64, 8, 1, 4, 4), (64, 128, 8, 0, 4, 5), (128, 64, 8, 0, 4, 4)],
 }  # fmt: skip
 BLOCK_SWEEP_MS = {16: [1, 16], 32: [32], 64: [64], 256: [256]}
@@ -528,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--deepseek", action="store_true", help="DeepSeek-V3's layer shapes x 7 M")
     mode.add_argument("--block", action="store_true", help="block fp8 only, Llama and DeepSeek-V3 shapes x 7 M")
     mode.add_argument("--sweep", action="store_true", help="time tile candidates, print and save the winners")
-    mode.add_argument("--sweep-block", action="store_true", help="time block-fp8 tile candidates, print the winners")
+    mode.add_argument("--sweep-block", action="store_true", help="time block-fp8 tile candidates, all 12 shapes")
     ap.add_argument("--configs", type=Path, metavar="SWEEP_JSON", help="use a sweep's winners instead of CONFIGS")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (needs TRITON_INTERPRET=1)")
     add_out_argument(ap, "w8a8")
@@ -555,7 +555,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.sweep_block:
         path = out_dir / "block_sweep.json"
-        sweep = run_block_sweep(SHAPES, timer, device, lambda d: path.write_text(json.dumps({**d, "env": env})))
+        shapes = SHAPES + DEEPSEEK_SHAPES
+        sweep = run_block_sweep(shapes, timer, device, lambda d: path.write_text(json.dumps({**d, "env": env})))
         print(f"\nblock sweep took {time.perf_counter() - t_start:.0f} s; winners {sweep['winners']}; saved {path}")
         return 0
 
