@@ -55,7 +55,12 @@ BLOCK_SIZES = (16, 32, 64, 128, 256, 512)
 # Triton tiles on 11 of the 12 benchmark shapes (geomean over bf16 cuBLAS, end to end: 1.05x against 0.75x); at M = 64
 # it won on 6 of 12, losing on the small ones (4096 x 4096: 0.77x against 0.85x; geomean 1.12x against 1.14x).
 WS_FROM_M = 256
-WS3_FROM_M = 1024  # and from this many rows with three consumer warp groups (192 x 128 tiles) instead of two
+# Three consumer warp groups (192 x 128 tiles, ``ws.launch_block(consumers=3)``) from this many rows; None: never.
+# Built and compiled without spills, not yet timed on a GPU, so off.
+WS3_FROM_M: int | None = None
+# Programmatic dependent launch between quantize_tiles and the small-M GEMM (as w8a8_linear does up to
+# dispatch.PDL_MAX_M rows): built, not yet timed on a GPU, so off; ``fp8_block_linear(pdl=True)`` asks for it.
+PDL_BY_DEFAULT = False
 SCALE_ALIGN = 4  # M-major activation scales: each tile's column padded to 16 bytes (TMA rows)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
@@ -349,7 +354,7 @@ def fp8_block_matmul(
     if m == 0:
         return out
     if config is None and m >= WS_FROM_M and block_unsupported(qa, qw, out, block) is None:
-        consumers = 3 if m >= WS3_FROM_M else 2
+        consumers = 3 if WS3_FROM_M is not None and m >= WS3_FROM_M else 2
         return launch_block(qa, a_scale, qw, w_scale, bias, out, consumers)  # Hopper, large M: the Gluon kernel
     return _launch_tiles(qa, a_scale, qw, w_scale, block, bias, out, config or tile_config(m), pdl)
 
@@ -361,12 +366,14 @@ def fp8_block_linear(
     block: int,
     bias: torch.Tensor | None = None,
     config: BlockConfig | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """x [..., K] -> y [..., N] in x's dtype: quantize x per 1 x B tile, then the block GEMM (``config`` overrides
-    ``tile_config``); up to ``dispatch.PDL_MAX_M`` rows on sm_90+ the GEMM starts while the quantizer runs
-    (programmatic dependent launch, as ``w8a8_linear``)."""
+    ``tile_config``). ``pdl`` (None: ``PDL_BY_DEFAULT``): up to ``dispatch.PDL_MAX_M`` rows on sm_90+ the GEMM starts
+    while the quantizer runs (programmatic dependent launch, as ``w8a8_linear``); elsewhere it has no effect."""
     x2 = x.reshape(-1, x.shape[-1])
-    pdl = use_pdl(x2) and (config is not None or x2.shape[0] < WS_FROM_M)
+    asked = PDL_BY_DEFAULT if pdl is None else pdl
+    pdl = asked and use_pdl(x2) and (config is not None or x2.shape[0] < WS_FROM_M)
     qa, a_scale = quantize_tiles(x2, block, m_major=True, pdl=pdl)
     y = fp8_block_matmul(qa, a_scale, qw, w_scale, block, bias, out_dtype=x.dtype, config=config, pdl=pdl)
     return y.reshape(*x.shape[:-1], qw.shape[0])
@@ -375,6 +382,7 @@ def fp8_block_linear(
 __all__ = [
     "BLOCK_SIZES",
     "E4M3_MAX",
+    "PDL_BY_DEFAULT",
     "TILE_CONFIGS",
     "WS3_FROM_M",
     "WS_FROM_M",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from quantkit.kernels.w8a8 import block as KB
+from quantkit.kernels.w8a8 import ws as WS
 from quantkit.kernels.w8a8.ws import block_unsupported, m_major_scales
 
 from quantkit.algorithms.fp8 import dequantize_fp8, quantize_fp8
@@ -175,4 +176,22 @@ def test_gpu_programmatic_dependent_launch_changes_nothing(m):
     qa, a_s = KB.quantize_tiles(x, 128, m_major=True)
     plain = KB.fp8_block_matmul(qa, a_s, qw, ws, 128, out_dtype=torch.bfloat16)
     for _ in range(3):
-        assert torch.equal(KB.fp8_block_linear(x, qw, ws, 128), plain)
+        assert torch.equal(KB.fp8_block_linear(x, qw, ws, 128, pdl=True), plain)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("consumers", [2, 3])
+def test_gpu_both_consumer_counts_give_the_same_sums(consumers):
+    """128 x 128 and 192 x 128 tiles run the same per-row chains of promoted partial sums: identical outputs (ragged
+    M, N and K tail included), equal to the Triton tiles within their error."""
+    m, n, k = 1000, 640, 1040
+    x, _, qw, ws = layer(m, n, k, 128, seed=5)
+    qa, a_s = KB.quantize_tiles(x.cuda(), 128, m_major=True)
+    qw, ws = qw.cuda(), ws.cuda()
+    out = torch.empty(m, n, device="cuda")
+    y = WS.launch_block(qa, a_s, qw, ws, None, out, consumers=consumers).clone()
+    other = WS.launch_block(qa, a_s, qw, ws, None, torch.empty_like(out), consumers=5 - consumers)
+    assert torch.equal(y, other)
+    tiles = KB.fp8_block_matmul(qa, a_s, qw, ws, 128, None, torch.float32, config=KB.tile_config(m))
+    assert (y - tiles).abs().max() <= 1e-5 * tiles.abs().max()
