@@ -55,11 +55,14 @@ BLOCK_SIZES = (16, 32, 64, 128, 256, 512)
 # Triton tiles on 11 of the 12 benchmark shapes (geomean over bf16 cuBLAS, end to end: 1.05x against 0.75x); at M = 64
 # it won on 6 of 12, losing on the small ones (4096 x 4096: 0.77x against 0.85x; geomean 1.12x against 1.14x).
 WS_FROM_M = 256
-# Three consumer warp groups (192 x 128 tiles, ``ws.launch_block(consumers=3)``) from this many rows; None: never.
-# Built and compiled without spills, not yet timed on a GPU, so off.
-WS3_FROM_M: int | None = None
-# Programmatic dependent launch between quantize_tiles and the small-M GEMM (as w8a8_linear does up to
-# dispatch.PDL_MAX_M rows): built, not yet timed on a GPU, so off; ``fp8_block_linear(pdl=True)`` asks for it.
+# Three consumer warp groups (192 x 128 tiles: fewer operand bytes per product, ``ws.launch_block(consumers=3)``)
+# from this many rows. H100, end to end over bf16 cuBLAS against two groups in the same run: at M = 16384 ahead on
+# 10 of 12 shapes (Llama geomean 1.34x against 1.27x, DeepSeek-V3 1.15x against 1.09x), even at 4096 (1.22x against
+# 1.24x), behind below (1024: 0.95x against 1.19x; the larger tiles leave SMs idle in the last wave).
+WS3_FROM_M = 16384
+# Programmatic dependent launch between quantize_tiles and the small-M GEMM (``fp8_block_linear(pdl=True)``, as
+# w8a8_linear does up to dispatch.PDL_MAX_M rows): correct (GPU test) but no faster on the H100 (Llama geomean
+# 1.36x / 1.39x / 1.17x at M = 1 / 16 / 64 against 1.42x / 1.40x / 1.16x without), so off.
 PDL_BY_DEFAULT = False
 SCALE_ALIGN = 4  # M-major activation scales: each tile's column padded to 16 bytes (TMA rows)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
@@ -354,7 +357,7 @@ def fp8_block_matmul(
     if m == 0:
         return out
     if config is None and m >= WS_FROM_M and block_unsupported(qa, qw, out, block) is None:
-        consumers = 3 if WS3_FROM_M is not None and m >= WS3_FROM_M else 2
+        consumers = 3 if m >= WS3_FROM_M else 2
         return launch_block(qa, a_scale, qw, w_scale, bias, out, consumers)  # Hopper, large M: the Gluon kernel
     return _launch_tiles(qa, a_scale, qw, w_scale, block, bias, out, config or tile_config(m), pdl)
 

@@ -25,9 +25,10 @@ How (persistent: min(tiles, SMs) programs walk the tiles SMs apart, GROUP_M row 
       to that half's fp32 accumulator; then release the slot. The halves run one after the other: two accumulators
       and one partial, 192 registers (a full-width partial would need 256). After the last step: scales, bias, one
       masked store per half in the output's dtype.
-    - block-wise fp8 runs 128 x 128 tiles (one weight block wide; ``_block_*``, BLOCK_STAGES slots): the loader
-      also copies the step's 128 activation scales (a_scale stored M-major, one [1, 128] TMA box), each consumer
-      keeps one accumulator and one partial and scales the partial as it promotes it. At 128 x 256 the extra
+    - block-wise fp8 runs 128 x 128 tiles (one weight block wide; ``_block_*``), or 192 x 128 with a third consumer
+      group (``block.WS3_FROM_M``): the loader also copies the step's activation scales (a_scale stored M-major, one
+      [1, 256] TMA box), each consumer keeps one accumulator and one partial and scales the partial as it promotes
+      it. At 128 x 256 the extra
       per-row scale registers made ptxas spill accumulators inside the K loop (offline SASS: 130 local loads and
       stores; 0.72-0.78x bf16 cuBLAS on the H100); at 128 x 128 the consumers use about 150 registers, none spilled.
 
