@@ -334,7 +334,7 @@ def run_table(shapes, ms, timer: Timer, device: str, configs: dict | None, save,
                 try:
                     calls = p.calls(variant, cfg)
                     y = calls[0]()
-                except RuntimeError as e:  # a baseline that cuBLAS refuses for this shape: reported, not fatal
+                except (RuntimeError, CompilationError, OutOfResources) as e:  # reported where optional, else fatal
                     if variant in (
                         "bf16",
                         "int8",

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from quantkit.kernels._device import interpreting, num_sms
+from quantkit.kernels._device import device_of, interpreting, num_sms
 from quantkit.kernels.w4a16.configs import LOCK_SLOTS
 from quantkit.kernels.w4a16.epilogue import finish_tile
 from quantkit.kernels.w8a8.dispatch import PDL_PREFETCH_K, use_pdl
@@ -87,7 +87,8 @@ def quantize_tiles_reference(x: torch.Tensor, block: int) -> tuple[torch.Tensor,
     """x [M, K] -> (qa float8_e4m3fn [M, K], a_scale fp32 [M, ceil(K/B)]): per 1 x B tile, scale = abs-max / 448."""
     m, k = x.shape
     q, s = quantize_rows_reference(_tiles(x, block), "fp8")
-    return q.view(m, -1)[:, :k].contiguous(), s.view(m, -1)
+    kb = -(-k // block)
+    return q.view(m, kb * block)[:, :k].contiguous(), s.view(m, kb)
 
 
 def fp8_block_matmul_reference(
@@ -253,10 +254,21 @@ def split_locks(device: torch.device) -> torch.Tensor:
     return _LOCKS[device]
 
 
+def _require_pdl(pdl: bool, t: torch.Tensor) -> None:
+    """Programmatic dependent launch needs sm_90+ and a real GPU (griddepcontrol; not Triton's interpreter)."""
+    if pdl:
+        gpu = device_of(t.device) if t.is_cuda else None
+        require(
+            gpu is not None and gpu.capability >= (9, 0) and not interpreting(),
+            "pdl needs a CUDA device of compute capability 9.0 or newer (not Triton's interpreter)",
+        )
+
+
 def quantize_tiles(
     x: torch.Tensor, block: int, m_major: bool = False, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_tiles_reference`` on x's device: (qa [M, K], a_scale [M, ceil(K/B)]), the same values.
+    """``quantize_tiles_reference`` on x's device: (qa [M, K], a_scale [M, ceil(K/B)]), the same values for finite
+    x (a NaN is skipped by the abs-max, as in the row quantizer).
 
     ``m_major``: a_scale is a view of fp32 [ceil(K/B), M'] storage (M' = M rounded up to ``SCALE_ALIGN``), strides
     (1, M'), the layout in which the Hopper kernel copies each K step's scales by TMA (DeepGEMM takes the same);
@@ -265,10 +277,12 @@ def quantize_tiles(
     require(x.dim() == 2 and x.dtype in FLOAT_DTYPES, f"x must be 2-D fp16/bf16/fp32, got {x.dtype} {tuple(x.shape)}")
     require(block in BLOCK_SIZES, f"block must be one of {BLOCK_SIZES}, got {block}")
     require(x.numel() <= MAX_NUMEL, f"x has {x.numel()} elements; 32-bit offsets allow {MAX_NUMEL}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    _require_pdl(pdl, x)
     m, k = x.shape
     kb = -(-k // block)
+    require(kb <= 65535, f"K = {k} has {kb} tiles of {block}; the quantizer's grid allows 65535")
+    if x.stride(1) != 1 or (m and (m - 1) * x.stride(0) + k > MAX_NUMEL):  # int32 offsets: read a compact copy
+        x = x.contiguous()
     qa = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     if m_major:
         m_pad = -(-m // SCALE_ALIGN) * SCALE_ALIGN
@@ -345,14 +359,17 @@ def fp8_block_matmul(
     m, k = qa.shape
     n = _check_weights(m, k, qw, w_scale, block, bias, out_dtype, qa.is_cuda)
     kb = -(-k // block)
-    require(qa.dtype == torch.float8_e4m3fn, f"qa and qw must be float8_e4m3fn, got {qa.dtype}, {qw.dtype}")
-    require(qa.stride(1) == 1, "qa and qw must be contiguous along K")
+    require(qa.dtype == torch.float8_e4m3fn, f"qa must be float8_e4m3fn, got {qa.dtype}")
+    require(qa.stride(1) == 1, "qa must be contiguous along K")
     require(
-        a_scale.dtype == torch.float32 and a_scale.shape == (m, kb) and 1 in a_scale.stride(),
+        a_scale.dtype == torch.float32
+        and a_scale.shape == (m, kb)
+        and 1 in a_scale.stride()
+        and all(st > 0 or size == 1 for st, size in zip(a_scale.stride(), a_scale.shape, strict=True)),
         f"a_scale must be fp32 [{m}, {kb}] with unit stride along M or K, got {a_scale.dtype} "
         f"{tuple(a_scale.shape)} strides {a_scale.stride()}",
     )
-    require(not pdl or (qa.is_cuda and not interpreting()), "pdl needs a CUDA device (not Triton's interpreter)")
+    _require_pdl(pdl, qa)
     out = torch.empty(m, n, dtype=out_dtype, device=qa.device)
     if m == 0:
         return out

@@ -86,8 +86,8 @@ def launch(qa, a_scale, qw, w_scale, bias, out) -> torch.Tensor:
 
 
 def block_unsupported(qa: torch.Tensor, qw: torch.Tensor, out: torch.Tensor, block: int) -> str | None:
-    """Why the kernel's block-fp8 variant cannot run this product (None: it can): B must be 128 (one weight block
-    per 128-column half, one promotion per K step), and the device and TMA conditions of ``unsupported``."""
+    """Why the kernel's block-fp8 variant cannot run this product (None: it can): B must be 128 (tiles one weight
+    block wide, one promotion per K step), and the device and TMA conditions of ``unsupported``."""
     if block != 128:
         return f"block size 128 only, got {block}"
     tma_ok = all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (qa, qw))
@@ -100,7 +100,8 @@ def m_major_scales(a_scale: torch.Tensor) -> torch.Tensor:
     """a_scale [M, kb] as the block kernel's TMA reads it: unit stride along M, each column 16-byte aligned (a copy
     unless it already is, as ``block.quantize_tiles(m_major=True)`` returns it)."""
     m, kb = a_scale.shape
-    if a_scale.stride(0) == 1 and a_scale.stride(1) % 4 == 0 and a_scale.data_ptr() % 16 == 0:
+    st = a_scale.stride()
+    if st[0] == 1 and st[1] >= m and st[1] % 4 == 0 and a_scale.data_ptr() % 16 == 0:
         return a_scale
     out = torch.empty(kb, -(-m // 4) * 4, dtype=a_scale.dtype, device=a_scale.device)[:, :m]
     out.copy_(a_scale.t())

@@ -38,7 +38,8 @@ w_scale fp32 [N] (block: [ceil(N/128), ceil(K/128)]); bias [N] any float dtype; 
 
 Limits: CUDA sm_90 only (TMA, wgmma, setmaxnreg); written for Triton 3.6's Gluon (``ws.WS_TRITON``); Gluon has
 no interpreter mode, so the CPU tests cover the dispatch rule and ``w8a8_ws_reference``, the GPU tests the kernel.
-192 KB of shared memory per program (four stages of 48 KB; block: six of 32.5 KB). int32 offsets.
+192 KB of shared memory per program (four stages of 48 KB; block: six of 33 KB with two consumer groups, five of
+41 KB with three). int32 offsets.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ def _block_loader(a_desc, w_desc, s_desc, a_smem, w_smem, s_smem, ready, empty, 
                   NSTAGES: gl.constexpr, GROUP: gl.constexpr, CONSUMERS: gl.constexpr):  # fmt: skip
     """``_loader`` for block-wise fp8's (64 * CONSUMERS) x 128 tiles: each K step's activation tiles (one per
     consumer), its weight tile and the tile rows' activation scales of that step (a_scale M-major: one [1, 256]
-    box; rows past the tile or M are not read or zero-filled) into one slot."""
+    box: rows past M are zero-filled, rows of the next tile below M are copied and not used) into one slot."""
     nbytes: gl.constexpr = CONSUMERS * a_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
     num_tiles = gl.cdiv(M, 64 * CONSUMERS) * gl.cdiv(N, 128)
     k_steps = gl.cdiv(K, BK)
@@ -266,11 +267,10 @@ def _fp8_block_ws_kernel(
 
 @gluon.jit
 def _ring(a_desc, w_desc, BK: gl.constexpr, NSTAGES: gl.constexpr):
-    """The shared-memory ring: two 64-row activation tiles and one weight tile (256 rows; 128 for the block
-    kernel) per stage, and its barriers
-    (``ready``: the loader's copies landed; ``empty``: both consumers released the slot)."""
+    """The per-token kernel's shared-memory ring: two 64-row activation tiles and one 256-row weight tile per
+    stage, and its barriers (``ready``: the loader's copies landed; ``empty``: both consumers released the slot)."""
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * NSTAGES, 64, BK], a_desc.layout)
-    w_smem = gl.allocate_shared_memory(gl.float8e4nv, [NSTAGES, w_desc.block_type.shape[0], BK], w_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.float8e4nv, [NSTAGES, 2 * 128, BK], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NSTAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NSTAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NSTAGES):
@@ -323,7 +323,7 @@ def launch(qa, a_scale, qw, w_scale, bias, out, sms: int) -> torch.Tensor:
     return out
 
 
-# consumer warp groups -> (pipeline stages, registers per consumer thread): 128 x 128 tiles take 6 stages of 32.5 KB,
+# consumer warp groups -> (pipeline stages, registers per consumer thread): 128 x 128 tiles take 6 stages of 33 KB,
 # 192 x 128 tiles 5 of 41 KB; three consumers and the loader's group fit the register file at 160 registers each
 # (offline SASS: about 140 used, none spilled).
 BLOCK_PLANS = {2: (6, CONSUMER_REGS), 3: (5, 160)}

@@ -132,6 +132,25 @@ def test_bad_operands_are_refused_with_the_reason():
     strided = torch.zeros(4, 4)[::2, ::2]  # [2, 2], unit stride along neither M nor K
     with pytest.raises(ValueError, match="unit stride along M or K"):
         KB.fp8_block_matmul(qa, strided, qw, ws, 32)
+    with pytest.raises(ValueError, match="unit stride along M or K"):  # one scale broadcast over the K tiles
+        KB.fp8_block_matmul(qa, torch.ones(2, 1).expand(2, 2), qw, ws, 32)
+    with pytest.raises(ValueError, match="pdl needs a CUDA device of compute capability"):
+        KB.quantize_tiles(torch.randn(2, 64), 32, pdl=True)
+    with pytest.raises(ValueError, match="pdl needs a CUDA device of compute capability"):
+        KB.fp8_block_matmul(qa, a_s, qw, ws, 32, pdl=True)
+
+
+def test_tile_quantizer_reads_row_slices_in_place_and_takes_empty_inputs():
+    fused = torch.randn(6, 200)  # e.g. a slice of a fused projection's output: rows 200 apart, 96 columns used
+    x = fused[:, 40:136]
+    qa, s = KB.quantize_tiles(x.to(DEVICE), 32)
+    rq, rs = KB.quantize_tiles_reference(x, 32)
+    assert torch.equal(s.cpu(), rs) and torch.equal(qa.cpu().view(torch.uint8), rq.view(torch.uint8))
+    q0, s0 = KB.quantize_tiles_reference(torch.randn(0, 70), 32)
+    assert q0.shape == (0, 70) and s0.shape == (0, 3)
+    expanded = torch.ones(5, 1).expand(5, 3)  # strides (1, 0): reused as is it would give TMA a zero stride
+    copy = m_major_scales(expanded)
+    assert copy.stride(0) == 1 and copy.stride(1) >= 5 and torch.equal(copy, expanded)
 
 
 hopper = pytest.mark.skipif(
