@@ -48,7 +48,7 @@ from quantkit.kernels.w8a8.quant import (
     require,
     store_codes,
 )
-from quantkit.kernels.w8a8.ws import block_unsupported, launch_block
+from quantkit.kernels.w8a8.ws import block_unsupported, empty_m_major, launch_block
 
 BLOCK_SIZES = (16, 32, 64, 128, 256, 512)
 # From this many rows on Hopper (B = 128) the warp-specialized Gluon kernel serves: on the H100 at M = 256 it beat the
@@ -64,7 +64,6 @@ WS3_FROM_M = 16384
 # w8a8_linear does up to dispatch.PDL_MAX_M rows): correct (GPU test) but no faster on the H100 (Llama geomean
 # 1.36x / 1.39x / 1.17x at M = 1 / 16 / 64 against 1.42x / 1.40x / 1.16x without), so off.
 PDL_BY_DEFAULT = False
-SCALE_ALIGN = 4  # M-major activation scales: each tile's column padded to 16 bytes (TMA rows)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
 
@@ -270,7 +269,7 @@ def quantize_tiles(
     """``quantize_tiles_reference`` on x's device: (qa [M, K], a_scale [M, ceil(K/B)]), the same values for finite
     x (a NaN is skipped by the abs-max, as in the row quantizer).
 
-    ``m_major``: a_scale is a view of fp32 [ceil(K/B), M'] storage (M' = M rounded up to ``SCALE_ALIGN``), strides
+    ``m_major``: a_scale is a view of fp32 [ceil(K/B), M'] storage (M' = M rounded up to ``ws.SCALE_ALIGN``), strides
     (1, M'), the layout in which the Hopper kernel copies each K step's scales by TMA (DeepGEMM takes the same);
     ``fp8_block_matmul`` takes either layout. One program per ROWS rows x one tile. ``pdl``: let the GEMM launched
     next with ``pdl=True`` start while this kernel runs (CUDA sm_90+)."""
@@ -284,11 +283,7 @@ def quantize_tiles(
     if x.stride(1) != 1 or (m and (m - 1) * x.stride(0) + k > MAX_NUMEL):  # int32 offsets: read a compact copy
         x = x.contiguous()
     qa = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    if m_major:
-        m_pad = -(-m // SCALE_ALIGN) * SCALE_ALIGN
-        a_scale = torch.empty(kb, m_pad, dtype=torch.float32, device=x.device)[:, :m].t()
-    else:
-        a_scale = torch.empty(m, kb, dtype=torch.float32, device=x.device)
+    a_scale = empty_m_major(m, kb, x.device) if m_major else torch.empty(m, kb, dtype=torch.float32, device=x.device)
     if m and k:
         rows = min(64, max(8, 4096 // block))
         _quantize_tiles_kernel[(-(-m // rows), kb)](
@@ -335,8 +330,8 @@ def _launch_tiles(qa, a_scale, qw, w_scale, block, bias, out, cfg: BlockConfig, 
         w_scale.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % block == 0, SPLIT=split > 1,
         EMULATE_BF16=interpreting() and out.dtype == torch.bfloat16, PDL=pdl, PREFETCH_K=PDL_PREFETCH_K if pdl else 0,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=block, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
         **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
@@ -392,8 +387,7 @@ def fp8_block_linear(
     ``tile_config``). ``pdl`` (None: ``PDL_BY_DEFAULT``): up to ``dispatch.PDL_MAX_M`` rows on sm_90+ the GEMM starts
     while the quantizer runs (programmatic dependent launch, as ``w8a8_linear``); elsewhere it has no effect."""
     x2 = x.reshape(-1, x.shape[-1])
-    asked = PDL_BY_DEFAULT if pdl is None else pdl
-    pdl = asked and use_pdl(x2) and (config is not None or x2.shape[0] < WS_FROM_M)
+    pdl = (PDL_BY_DEFAULT if pdl is None else pdl) and use_pdl(x2)  # use_pdl: M <= PDL_MAX_M < WS_FROM_M
     qa, a_scale = quantize_tiles(x2, block, m_major=True, pdl=pdl)
     y = fp8_block_matmul(qa, a_scale, qw, w_scale, block, bias, out_dtype=x.dtype, config=config, pdl=pdl)
     return y.reshape(*x.shape[:-1], qw.shape[0])

@@ -86,7 +86,7 @@ def w8a8_matmul_reference(
 
 @triton.jit
 def await_activations(w_ptr, stride_wn, stride_wk, pid_n, N, K,
-                       PDL: tl.constexpr, PREFETCH_K: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+                      PDL: tl.constexpr, PREFETCH_K: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """Under programmatic dependent launch this grid may start while the activation quantizer still runs: first
     ask L2 for the first PREFETCH_K columns of this tile's weight rows (they do not depend on it), then wait for
     the quantizer's writes (griddepcontrol.wait)."""

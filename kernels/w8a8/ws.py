@@ -96,16 +96,23 @@ def block_unsupported(qa: torch.Tensor, qw: torch.Tensor, out: torch.Tensor, blo
     return unsupported(p)
 
 
+SCALE_ALIGN = 4  # M-major activation scales: each tile's column of M scales padded to 16 bytes (TMA rows)
+
+
+def empty_m_major(m: int, kb: int, device) -> torch.Tensor:
+    """Uninitialised fp32 scales [m, kb] in the block kernel's layout: a view of [kb, M'] storage (M' = m rounded
+    up to SCALE_ALIGN), strides (1, M')."""
+    return torch.empty(kb, -(-m // SCALE_ALIGN) * SCALE_ALIGN, dtype=torch.float32, device=device)[:, :m].t()
+
+
 def m_major_scales(a_scale: torch.Tensor) -> torch.Tensor:
-    """a_scale [M, kb] as the block kernel's TMA reads it: unit stride along M, each column 16-byte aligned (a copy
-    unless it already is, as ``block.quantize_tiles(m_major=True)`` returns it)."""
+    """a_scale [M, kb] as the block kernel's TMA reads it (``empty_m_major``'s layout): a copy unless it already
+    is, as ``block.quantize_tiles(m_major=True)`` returns it."""
     m, kb = a_scale.shape
     st = a_scale.stride()
-    if st[0] == 1 and st[1] >= m and st[1] % 4 == 0 and a_scale.data_ptr() % 16 == 0:
+    if st[0] == 1 and st[1] >= m and st[1] % SCALE_ALIGN == 0 and a_scale.data_ptr() % 16 == 0:
         return a_scale
-    out = torch.empty(kb, -(-m // 4) * 4, dtype=a_scale.dtype, device=a_scale.device)[:, :m]
-    out.copy_(a_scale.t())
-    return out.t()
+    return empty_m_major(m, kb, a_scale.device).copy_(a_scale)
 
 
 def launch_block(qa, a_scale, qw, w_scale, bias, out, consumers: int = 2) -> torch.Tensor:

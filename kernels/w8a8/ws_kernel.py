@@ -28,9 +28,9 @@ How (persistent: min(tiles, SMs) programs walk the tiles SMs apart, GROUP_M row 
     - block-wise fp8 runs 128 x 128 tiles (one weight block wide; ``_block_*``), or 192 x 128 with a third consumer
       group (``block.WS3_FROM_M``): the loader also copies the step's activation scales (a_scale stored M-major, one
       [1, 256] TMA box), each consumer keeps one accumulator and one partial and scales the partial as it promotes
-      it. At 128 x 256 the extra
-      per-row scale registers made ptxas spill accumulators inside the K loop (offline SASS: 130 local loads and
-      stores; 0.72-0.78x bf16 cuBLAS on the H100); at 128 x 128 the consumers use about 150 registers, none spilled.
+      it. At 128 x 256 the extra per-row scale registers made ptxas spill accumulators inside the K loop (130 local
+      loads and stores, ``LDL``/``STL`` in ``cuobjdump -sass`` of the kernel compiled for sm_90 by Triton 3.6;
+      0.72-0.78x bf16 cuBLAS on the H100); at 128 x 128 the consumers use about 150 registers, none spilled.
 
 Layouts: qa [M, K] and qw [N, K] float8_e4m3fn, K contiguous, 16-byte aligned rows (TMA, K % 16 == 0: out-of-bounds
 rows and the K tail are zero-filled); a_scale fp32 [M] or [1] (block: [M, ceil(K/128)] M-major, ``ws.m_major_scales``);
@@ -79,13 +79,14 @@ def w8a8_ws_reference(
 
 
 @gluon.jit
-def _tile_offsets(tile, M, N, GROUP: gl.constexpr):
-    """tile number -> (first row, first column), GROUP row tiles at a time (they share weight tiles in L2)."""
-    num_m = gl.cdiv(M, 2 * 64)
-    per_group = GROUP * gl.cdiv(N, 2 * 128)
+def _tile_offsets(tile, M, N, GROUP: gl.constexpr, BM: gl.constexpr = 2 * 64, BN: gl.constexpr = 2 * 128):
+    """tile number -> (first row, first column) of BM x BN tiles, GROUP row tiles at a time (they share weight tiles
+    in L2)."""
+    num_m = gl.cdiv(M, BM)
+    per_group = GROUP * gl.cdiv(N, BN)
     first_m = (tile // per_group) * GROUP
     group_rows = gl.minimum(num_m - first_m, GROUP)
-    return (first_m + (tile % per_group) % group_rows) * (2 * 64), ((tile % per_group) // group_rows) * (2 * 128)
+    return (first_m + (tile % per_group) % group_rows) * BM, ((tile % per_group) // group_rows) * BN
 
 
 @gluon.jit
@@ -159,16 +160,6 @@ def _consumer(a_smem, w_smem, ready, empty, c_ptr, a_scale_ptr, w_scale_ptr, bia
 
 
 @gluon.jit
-def _block_tile(tile, M, N, GROUP: gl.constexpr, BM: gl.constexpr):
-    """``_tile_offsets`` for the block kernel's BM x 128 tiles."""
-    num_m = gl.cdiv(M, BM)
-    per_group = GROUP * gl.cdiv(N, 128)
-    first_m = (tile // per_group) * GROUP
-    group_rows = gl.minimum(num_m - first_m, GROUP)
-    return (first_m + (tile % per_group) % group_rows) * BM, ((tile % per_group) // group_rows) * 128
-
-
-@gluon.jit
 def _block_loader(a_desc, w_desc, s_desc, a_smem, w_smem, s_smem, ready, empty, M, N, K, BK: gl.constexpr,
                   NSTAGES: gl.constexpr, GROUP: gl.constexpr, CONSUMERS: gl.constexpr):  # fmt: skip
     """``_loader`` for block-wise fp8's (64 * CONSUMERS) x 128 tiles: each K step's activation tiles (one per
@@ -179,7 +170,7 @@ def _block_loader(a_desc, w_desc, s_desc, a_smem, w_smem, s_smem, ready, empty, 
     k_steps = gl.cdiv(K, BK)
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n = _block_tile(tile, M, N, GROUP, 64 * CONSUMERS)
+        off_m, off_n = _tile_offsets(tile, M, N, GROUP, 64 * CONSUMERS, 128)
         for t in range(k_steps):
             s = it % NSTAGES
             mbarrier.wait(empty.index(s), ((it // NSTAGES) & 1) ^ 1)
@@ -209,7 +200,7 @@ def _block_consumer(a_smem, w_smem, s_smem, ready, empty, c_ptr, w_scale_ptr, bi
     k_steps = gl.cdiv(K, BK)
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n = _block_tile(tile, M, N, GROUP, 64 * CONSUMERS)
+        off_m, off_n = _tile_offsets(tile, M, N, GROUP, 64 * CONSUMERS, 128)
         sw_ptr = w_scale_ptr + (off_n // BK) * stride_ws
         acc = zero
         for t in range(k_steps):
@@ -234,15 +225,8 @@ def _fp8_block_ws_kernel(
     BK: gl.constexpr, NSTAGES: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, CONS_REGS: gl.constexpr,
     LOAD_REGS: gl.constexpr, CONSUMERS: gl.constexpr,
 ):  # fmt: skip
-    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [CONSUMERS * NSTAGES, 64, BK], a_desc.layout)
-    w_smem = gl.allocate_shared_memory(gl.float8e4nv, [NSTAGES, 128, BK], w_desc.layout)
+    a_smem, w_smem, ready, empty = _ring(a_desc, w_desc, BK, NSTAGES, CONSUMERS, 128)
     s_smem = gl.allocate_shared_memory(gl.float32, [NSTAGES, 1, 256], s_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NSTAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NSTAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NSTAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=CONSUMERS)
-    fence_async_shared()
     if CONSUMERS == 3:
         gl.warp_specialize([
             (_block_consumer, (a_smem, w_smem, s_smem, ready, empty, c_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_cm,
@@ -266,16 +250,18 @@ def _fp8_block_ws_kernel(
 
 
 @gluon.jit
-def _ring(a_desc, w_desc, BK: gl.constexpr, NSTAGES: gl.constexpr):
-    """The per-token kernel's shared-memory ring: two 64-row activation tiles and one 256-row weight tile per
-    stage, and its barriers (``ready``: the loader's copies landed; ``empty``: both consumers released the slot)."""
-    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * NSTAGES, 64, BK], a_desc.layout)
-    w_smem = gl.allocate_shared_memory(gl.float8e4nv, [NSTAGES, 2 * 128, BK], w_desc.layout)
+def _ring(a_desc, w_desc, BK: gl.constexpr, NSTAGES: gl.constexpr, CONSUMERS: gl.constexpr = 2,
+          W_ROWS: gl.constexpr = 2 * 128):  # fmt: skip
+    """The shared-memory ring: per stage one 64-row activation tile per consumer and one W_ROWS-row weight tile
+    (the per-token kernel: 2 and 256; the block kernel: 2 or 3 and 128), and its barriers (``ready``: the loader's
+    copies landed; ``empty``: every consumer released the slot)."""
+    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [CONSUMERS * NSTAGES, 64, BK], a_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.float8e4nv, [NSTAGES, W_ROWS, BK], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NSTAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NSTAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NSTAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both consumers
+        mbarrier.init(empty.index(i), count=CONSUMERS)
     fence_async_shared()
     return a_smem, w_smem, ready, empty
 
