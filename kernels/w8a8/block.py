@@ -285,7 +285,7 @@ def quantize_tiles(
     qa = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     a_scale = empty_m_major(m, kb, x.device) if m_major else torch.empty(m, kb, dtype=torch.float32, device=x.device)
     if m and k:
-        rows = min(64, max(8, 4096 // block))
+        rows = min(triton.next_power_of_2(m), 64, max(8, 4096 // block))  # few rows: no programs of masked rows
         _quantize_tiles_kernel[(-(-m // rows), kb)](
             x, qa, a_scale, m, k, x.stride(0), qa.stride(0), a_scale.stride(0), a_scale.stride(1),
             BLOCK=block, ROWS=rows, PDL=pdl, num_warps=4,
