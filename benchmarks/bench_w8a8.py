@@ -20,7 +20,9 @@ Every figure goes from bf16 activations x [M, K] to a bf16 output [M, N] and is 
   fp8_block_ws2   fp8_block with the warp-specialized Hopper kernel, two consumer warp groups (128 x 128 tiles), at
                   M >= 64 (the dispatch uses it from block.WS_FROM_M rows), to place that threshold
   fp8_block_ws3   the same with three consumer warp groups (192 x 128 tiles; block.WS3_FROM_M)
-  fp8_block_pdl   fp8_block at M <= 64 with programmatic dependent launch between quantizer and GEMM (pdl=True)
+  fp8_block_fused / fp8_block_unfused
+                  fp8_block at M <= 64 with the activation tiles quantized inside the GEMM (fuse_quant=True; the
+                  dispatch does so up to block.FUSED_QUANT_MAX_M rows) / by quantize_tiles first (fuse_quant=False)
 
 Timing: a CUDA graph of R calls over R rotated copies of every operand (R chosen so that they span more than 3x
 the 60 MB L2), replayed under ``triton.testing.do_bench(return_mode="median")``, which also flushes L2 before each
@@ -96,9 +98,11 @@ VARIANTS = ["bf16", "int8", "int8_gemm", "quant", "int_mm", "fp8", "fp8_fast", "
             "fp8_block"]  # fmt: skip
 RATIO_VARIANTS = ["int8", "int_mm", "fp8", "fp8_fast", "scaled_mm", "scaled_mm_fast", "fp8_block"]
 BLOCK_VARIANTS = ["bf16", "fp8", "fp8_block", "fp8_block_gemm", "block_quant", "fp8_block_ws2", "fp8_block_ws3",
-                  "fp8_block_pdl"]  # fmt: skip
-BLOCK_RATIO_VARIANTS = ["fp8", "fp8_block", "fp8_block_gemm", "fp8_block_ws2", "fp8_block_ws3", "fp8_block_pdl"]
-VARIANT_MS = {"fp8_block_ws2": (64, MS[-1]), "fp8_block_ws3": (64, MS[-1]), "fp8_block_pdl": (1, 64)}
+                  "fp8_block_fused", "fp8_block_unfused"]  # fmt: skip
+BLOCK_RATIO_VARIANTS = ["fp8", "fp8_block", "fp8_block_gemm", "fp8_block_ws2", "fp8_block_ws3", "fp8_block_fused",
+                        "fp8_block_unfused"]  # fmt: skip
+VARIANT_MS = {"fp8_block_ws2": (64, MS[-1]), "fp8_block_ws3": (64, MS[-1]), "fp8_block_fused": (1, 64),
+              "fp8_block_unfused": (1, 64)}  # fmt: skip
 # variants a GPU or cuBLAS may refuse (reported as n/a)
 OPTIONAL = ("int_mm", "scaled_mm", "scaled_mm_fast", "fp8_block_ws2", "fp8_block_ws3")
 UNCHECKED = ("bf16", "quant", "block_quant")  # bf16 computes from unquantized operands; the quantizers give no y
@@ -215,9 +219,10 @@ class Problem:
             qb, sb = self.block[i]
             qa, sa = KB.quantize_tiles(x, BLOCK, m_major=True)
             return lambda: KB.fp8_block_matmul(qa, sa, qb, sb, BLOCK, out_dtype=torch.bfloat16)
-        if variant == "fp8_block_pdl":
+        if variant in ("fp8_block_fused", "fp8_block_unfused"):
             qb, sb = self.block[i]
-            return lambda: KB.fp8_block_linear(x, qb, sb, BLOCK, pdl=True)
+            fuse = variant == "fp8_block_fused"
+            return lambda: KB.fp8_block_linear(x, qb, sb, BLOCK, fuse_quant=fuse)
         if variant == "block_quant":
             return lambda: KB.quantize_tiles(x, BLOCK, m_major=True)
         if variant in ("fp8_block_ws2", "fp8_block_ws3"):
@@ -404,7 +409,7 @@ def table_markdown(rows: list[dict], env: dict, variants=None, ratios=None) -> s
 def short_table(rows: list[dict], ratios=None) -> str:
     """Geomean speedup over bf16 across shapes, one line per M."""
     ratios = ratios or RATIO_VARIANTS
-    widths = [-9] + [16] * len(ratios)
+    widths = [-9] + [max(16, len(v) + 2) for v in ratios]
     lines = [text_row(["M", *ratios], widths, sep="")]
     for m in sorted({r["M"] for r in rows}):
         at = [r for r in rows if r["M"] == m]

@@ -46,7 +46,7 @@ from quantkit.kernels.w8a8.quant import (
     MIN_AMAX,
     quantize_rows_reference,
     require,
-    store_codes,
+    round_to_e4m3_grid,
 )
 from quantkit.kernels.w8a8.ws import block_unsupported, empty_m_major, launch_block
 
@@ -64,6 +64,9 @@ WS3_FROM_M = 16384
 # w8a8_linear does up to dispatch.PDL_MAX_M rows): correct (GPU test) but no faster on the H100 (Llama geomean
 # 1.36x / 1.39x / 1.17x at M = 1 / 16 / 64 against 1.42x / 1.40x / 1.16x without), so off.
 PDL_BY_DEFAULT = False
+# Up to this many rows ``fp8_block_linear`` quantizes the activation tiles inside the GEMM (each program quantizes the
+# tiles it reads; programs of one K range repeat that work) instead of launching ``quantize_tiles`` first.
+FUSED_QUANT_MAX_M = 16
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
 
@@ -119,6 +122,15 @@ def fp8_block_matmul_reference(
 
 
 @triton.jit
+def _e4m3_tiles(x):
+    """x fp32 [R, B] -> (codes fp32 on the e4m3 grid, scale [R]) of each row's tile: scale = abs-max / 448 (a NaN is
+    skipped by the abs-max), codes = x * (448 / abs-max) clamped to +-448 and rounded."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), _MIN_AMAX)
+    v = x * tl.math.div_rn(_E4M3_MAX, amax)[:, None]
+    return round_to_e4m3_grid(tl.minimum(tl.maximum(v, -_E4M3_MAX), _E4M3_MAX)), tl.math.div_rn(amax, _E4M3_MAX)
+
+
+@triton.jit
 def _quantize_tiles_kernel(
     x_ptr, q_ptr, s_ptr,
     M, K,
@@ -134,10 +146,9 @@ def _quantize_tiles_kernel(
     cols = j * BLOCK + tl.arange(0, BLOCK)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), _MIN_AMAX)
-    tl.store(s_ptr + rows * stride_sm + j * stride_sk, tl.math.div_rn(amax, _E4M3_MAX), mask=rows < M)
-    inv = tl.math.div_rn(_E4M3_MAX, amax)
-    store_codes(q_ptr + rows[:, None] * stride_qm + cols[None, :], x * inv[:, None], mask, _E4M3_MAX, True)
+    codes, scale = _e4m3_tiles(x)
+    tl.store(s_ptr + rows * stride_sm + j * stride_sk, scale, mask=rows < M)
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], codes.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M", "steps_per_split"])
@@ -151,6 +162,7 @@ def _fp8_block_matmul_kernel(
     # meta-parameters
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, EMULATE_BF16: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_K: tl.constexpr,  # programmatic dependent launch after quantize_tiles(pdl=True)
+    QUANT_A: tl.constexpr,  # a_ptr is the float x: each 1 x B tile quantized here (``_e4m3_tiles``), no a_scale
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # = the quantization block B
     GROUP_M: tl.constexpr,
@@ -178,7 +190,11 @@ def _fp8_block_matmul_kernel(
         else:
             a = tl.load(a_ptrs, mask=(j * BLOCK_K + offs_k)[None, :] < K, other=0.0)
             w = tl.load(w_ptrs, mask=(j * BLOCK_K + offs_k)[:, None] < K, other=0.0)
-        a_s = tl.load(a_scale_ptrs + j * stride_ask)
+        if QUANT_A:
+            a, a_s = _e4m3_tiles(a.to(tl.float32))
+            a = a.to(w.dtype)
+        else:
+            a_s = tl.load(a_scale_ptrs + j * stride_ask)
         part = tl.dot(a, w)  # one B-long partial sum in the tensor core, then promoted with its scales
         w_s = tl.load(w_scale_ptrs + j)
         acc += part * a_s[:, None] * w_s[None, :]
@@ -318,11 +334,13 @@ def _check_weights(m, k, qw, w_scale, block, bias, out_dtype, on_cuda) -> int:
 
 
 def _launch_tiles(qa, a_scale, qw, w_scale, block, bias, out, cfg: BlockConfig, pdl: bool) -> torch.Tensor:
-    """The Triton tile kernel on checked operands."""
+    """The Triton tile kernel on checked operands (a_scale None: qa is the float x, quantized in the kernel)."""
     m, k = qa.shape
     n = qw.shape[0]
     split, steps = split_for(cfg, m, n, -(-k // block), num_sms(qa.device))
     part = torch.empty(split, m, n, dtype=torch.float32, device=qa.device) if split > 1 else out
+    fused = a_scale is None
+    a_scale = w_scale if fused else a_scale
     grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n), split)
     _fp8_block_matmul_kernel[grid](
         qa, qw, out, a_scale, w_scale, bias if bias is not None else w_scale, part, split_locks(qa.device),
@@ -330,6 +348,7 @@ def _launch_tiles(qa, a_scale, qw, w_scale, block, bias, out, cfg: BlockConfig, 
         w_scale.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % block == 0, SPLIT=split > 1,
         EMULATE_BF16=interpreting() and out.dtype == torch.bfloat16, PDL=pdl, PREFETCH_K=PDL_PREFETCH_K if pdl else 0,
+        QUANT_A=fused,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"launch_pdl": True} if pdl else {}),
@@ -382,11 +401,26 @@ def fp8_block_linear(
     bias: torch.Tensor | None = None,
     config: BlockConfig | None = None,
     pdl: bool | None = None,
+    fuse_quant: bool | None = None,
 ) -> torch.Tensor:
     """x [..., K] -> y [..., N] in x's dtype: quantize x per 1 x B tile, then the block GEMM (``config`` overrides
-    ``tile_config``). ``pdl`` (None: ``PDL_BY_DEFAULT``): up to ``dispatch.PDL_MAX_M`` rows on sm_90+ the GEMM starts
-    while the quantizer runs (programmatic dependent launch, as ``w8a8_linear``); elsewhere it has no effect."""
+    ``tile_config``). ``fuse_quant`` (None: M <= ``FUSED_QUANT_MAX_M``): the GEMM quantizes the tiles itself, one
+    launch, the same codes and scales. ``pdl`` (None: ``PDL_BY_DEFAULT``; unfused only): up to
+    ``dispatch.PDL_MAX_M`` rows on sm_90+ the GEMM starts while the quantizer runs (programmatic dependent launch, as
+    ``w8a8_linear``); elsewhere it has no effect."""
     x2 = x.reshape(-1, x.shape[-1])
+    m, k = x2.shape
+    if fuse_quant is None:
+        fuse_quant = 0 < m <= FUSED_QUANT_MAX_M
+    if fuse_quant:
+        require(x2.dtype in FLOAT_DTYPES, f"x must be fp16/bf16/fp32, got {x2.dtype}")
+        require(m < WS_FROM_M, f"the fused quantizer serves fewer than {WS_FROM_M} rows, got {m}")
+        n = _check_weights(m, k, qw, w_scale, block, bias, x.dtype, x2.is_cuda)
+        if x2.stride(1) != 1 or (m - 1) * x2.stride(0) + k > MAX_NUMEL:  # int32 offsets: a compact copy
+            x2 = x2.contiguous()
+        out = torch.empty(m, n, dtype=x.dtype, device=x2.device)
+        _launch_tiles(x2, None, qw, w_scale, block, bias, out, config or tile_config(m), False)
+        return out.reshape(*x.shape[:-1], n)
     pdl = (PDL_BY_DEFAULT if pdl is None else pdl) and use_pdl(x2)  # use_pdl: M <= PDL_MAX_M < WS_FROM_M
     qa, a_scale = quantize_tiles(x2, block, m_major=True, pdl=pdl)
     y = fp8_block_matmul(qa, a_scale, qw, w_scale, block, bias, out_dtype=x.dtype, config=config, pdl=pdl)
@@ -396,6 +430,7 @@ def fp8_block_linear(
 __all__ = [
     "BLOCK_SIZES",
     "E4M3_MAX",
+    "FUSED_QUANT_MAX_M",
     "PDL_BY_DEFAULT",
     "TILE_CONFIGS",
     "WS3_FROM_M",

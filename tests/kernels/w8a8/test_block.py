@@ -96,6 +96,25 @@ def test_gemm_matches_reference(m, n, k, block, config):
     assert ((y16.float() - exact16).abs() <= exact16.abs() * 2**-10 + bound.float() + 1e-3).all()
 
 
+@pytest.mark.parametrize("config", [SMALL, SPLIT], ids=["tiles", "split_k"])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 96), (7, 70, 80), (16, 48, 160)])  # ragged N and K included
+def test_gemm_quantizing_its_own_tiles_gives_the_two_launch_result(m, n, k, config):
+    """Up to FUSED_QUANT_MAX_M rows fp8_block_linear quantizes the activation tiles inside the GEMM: the same codes
+    and scales as quantize_tiles, so the same output bit for bit."""
+    block = 32
+    x, _, qw, ws = layer(m, n, k, block, seed=m + k)
+    d = lambda t: t.to(DEVICE)
+    x, qw, ws, bias = d(x.bfloat16()), d(qw), d(ws), d(torch.randn(n).bfloat16())
+    assert m <= KB.FUSED_QUANT_MAX_M
+    qa, a_s = KB.quantize_tiles(x, block, m_major=True)
+    two = KB.fp8_block_matmul(qa, a_s, qw, ws, block, bias, torch.bfloat16, config=config)
+    fused = KB.fp8_block_linear(x.view(1, m, k), qw, ws, block, bias, config=config)
+    assert fused.shape == (1, m, n) and torch.equal(fused[0], two)
+    assert torch.equal(KB.fp8_block_linear(x, qw, ws, block, bias, config=config, fuse_quant=False), two)
+    with pytest.raises(ValueError, match="fewer than"):
+        KB.fp8_block_linear(d(torch.zeros(KB.WS_FROM_M, k)), qw, ws, block, fuse_quant=True)
+
+
 def test_split_k_plan_and_bf16_output():
     cfg = KB.BlockConfig(16, 64, 1, split_waves=2)
     assert KB.split_for(cfg, 1, 4096, 32, 132) == (5, 7)  # 64 tiles -> 5 splits of 7 K steps (the last one 4)
