@@ -30,14 +30,18 @@ How
     first GEMM, row p for the second) and stored at row p, so no permuted copy of x exists. The down projection
     computes silu(g) * u from gu while loading its A operand (float and w4a16; fp8_block quantizes a first, so
     there ``silu_mul`` and ``quantize_tiles`` run between the launches) and multiplies its fp32 result by the
-    routing weight before the store. w4a16 tiles are dequantized in registers: each packed word loaded once,
-    broadcast over its codes' shifts and reshaped to [BLOCK_K, BLOCK_N] (k = row * pf + j; a simple first version:
-    the W4A16 GEMM's two-codes-per-operation "magic number" unpacking is the known next step).
+    routing weight before the store. w4a16 tiles are dequantized in registers by the W4A16 GEMM's own helpers
+    (``kernels.w4a16.gemm.dequant_tile``): each packed word loaded once, two codes per 32-bit operation through the
+    "magic number" bit pattern (fp16; bf16 converts in fp32), a word's codes kept in its thread, W rounded once to
+    x's dtype. ``SWAP_AB`` computes out.T = W.T @ A.T, so the weight tile is the MMA's M side: Hopper's wgmma for a
+    few rows per expert. One more launch (``_sum_k_kernel``) sums each token's k rows in order in fp32 and casts
+    them once.
 
 Limits: int32 offsets within an expert and within x, gu and o (the expert offset is 64-bit); the interpreter
 computes bf16 in fp32 and rounds by hand (``EMULATE_BF16``). Hardware: compiled offline for sm_90 with Triton 3.9
-(loads pipelined through cp.async, wgmma for the 64-row tiles), not yet timed on a GPU: the tile configs
-(``moe_config``) are untuned first choices.
+(loads pipelined through cp.async, wgmma for the 64-row tiles). Tile configs (``moe_config``): a table per format
+and layer shape by tokens (``TUNED_CONFIGS``, from ``benchmarks/bench_moe.py --sweep``), else per-format first
+choices by the mean rows per expert.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from quantkit.kernels._device import dot_precision, interpreting
 from quantkit.kernels.dense.norm_rope import silu_mul, silu_mul_reference
 from quantkit.kernels.moe.routing import align
 from quantkit.kernels.w4a16.epilogue import to_act
+from quantkit.kernels.w4a16.gemm import dequant_tile, load_group, magic_pattern, pattern_pair
 from quantkit.kernels.w4a16.weight import W4A16Weight, unpack_gptq_codes
 from quantkit.kernels.w8a8.block import (
     BLOCK_SIZES,
@@ -202,19 +207,22 @@ FLOAT, W4A16, FP8_BLOCK = 0, 1, 2
 _FORMAT_CODE = {"float": FLOAT, "w4a16": W4A16, "fp8_block": FP8_BLOCK}
 
 
-@triton.jit(do_not_specialize=["P", "silu_offset"])
+@triton.jit(do_not_specialize=["P", "silu_offset", "magic_pair"])
 def _moe_gemm_kernel(
     # pointers
     a_ptr, a_scale_ptr, w_ptr, z_ptr, s_ptr, perm_ptr, out_ptr, pairs_ptr, block_expert_ptr, route_w_ptr,
     # sizes
-    N, K, P, group_size, silu_offset,
+    N, K, P, group_size, silu_offset, a_div,
+    # w4a16: MAGIC:MAGIC as a run-time value (kept in a register, as the W4A16 GEMM does)
+    magic_pair,
     # strides
     stride_am, stride_ak, stride_asm, stride_we, stride_wk, stride_wn, stride_ze, stride_zg, stride_zn,
     stride_se, stride_sg, stride_sn, stride_pe, stride_om, stride_on,
     # meta-parameters
-    FORMAT: tl.constexpr, PERM: tl.constexpr, BITS: tl.constexpr, A_DIV: tl.constexpr, SILU: tl.constexpr,
-    WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE: tl.constexpr,
-    PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    FORMAT: tl.constexpr, PERM: tl.constexpr, BITS: tl.constexpr, SILU: tl.constexpr,
+    WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    COMPUTE: tl.constexpr, PRECISION: tl.constexpr, MAGIC: tl.constexpr, HALF_SCALE: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -223,14 +231,17 @@ def _moe_gemm_kernel(
         return
     pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < P
-    a_rows = tl.where(valid, pairs // A_DIV, 0)
+    a_rows = tl.where(valid, pairs // a_div, 0)  # a run-time value: both layer shapes share one compiled kernel
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     e64 = expert.to(tl.int64)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     w_base = w_ptr + e64 * stride_we
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:  # out.T = W.T @ A.T: the weight tile is the MMA's M side (wgmma even for a few rows of A)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < K
@@ -246,35 +257,52 @@ def _moe_gemm_kernel(
             g = a.to(tl.float32)
             a = to_act(g / (1.0 + tl.exp(-g)) * u, a_ptr.dtype.element_ty, EMULATE_BF16)
         w_mask = k_mask[:, None] & n_mask[None, :]
-        if FORMAT == 0:  # float [E, N, K], read as a [BLOCK_K, BLOCK_N] tile
-            w = tl.load(w_base + kk[:, None] * stride_wk + offs_n[None, :] * stride_wn, mask=w_mask, other=0.0)
-            acc = tl.dot(a.to(COMPUTE), w.to(COMPUTE), acc, input_precision=PRECISION)
-        elif FORMAT == 1:  # w4a16: each packed word loaded once, W = s * (q - z) rounded once to x's dtype
-            PF: tl.constexpr = 32 // BITS
-            QM: tl.constexpr = (1 << BITS) - 1
-            rows = k0 // PF + tl.arange(0, BLOCK_K // PF)  # packed-word rows of this tile (BLOCK_K % 32 == 0)
-            words = tl.load(w_base + rows[:, None] * stride_wk + offs_n[None, :] * stride_wn,
-                            mask=(rows * PF < K)[:, None] & n_mask[None, :], other=0)  # fmt: skip
-            shifts = tl.arange(0, PF) * BITS
-            q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & QM, (BLOCK_K, BLOCK_N))  # k = row * PF + j
-            grp = k0 // group_size  # a BLOCK_K tile lies in one group (moe_config)
-            zw = tl.load(z_ptr + e64 * stride_ze + grp * stride_zg + (offs_n // PF) * stride_zn, mask=n_mask, other=0)
-            z = (zw >> ((offs_n % PF) * BITS)) & QM
-            s = tl.load(s_ptr + e64 * stride_se + grp * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0)
-            w = to_act((q - z[None, :]).to(tl.float32) * s.to(tl.float32)[None, :], a_ptr.dtype.element_ty,
-                       EMULATE_BF16)  # fmt: skip
-            acc = tl.dot(a.to(COMPUTE), w.to(COMPUTE), acc)
-        else:  # fp8_block: a B-long partial sum of codes, promoted with its two scales (BLOCK_K = B)
+        if FORMAT == 2:  # fp8_block: a B-long partial sum of codes, promoted with its two scales (BLOCK_K = B)
             w = tl.load(w_base + kk[:, None] * stride_wk + offs_n[None, :] * stride_wn, mask=w_mask, other=0.0)
             j = k0 // BLOCK_K
             a_s = tl.load(a_scale_ptr + a_rows * stride_asm + j)
             w_s = tl.load(s_ptr + e64 * stride_se + (offs_n // BLOCK_K) * stride_sg + j * stride_sn, mask=n_mask,
                           other=0.0)  # fmt: skip
-            acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+            if SWAP_AB:
+                acc += tl.dot(tl.trans(w), tl.trans(a)) * w_s[:, None] * a_s[None, :]
+            else:
+                acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        else:
+            if FORMAT == 0:  # float [E, N, K], read as a [BLOCK_K, BLOCK_N] tile
+                w = tl.load(w_base + kk[:, None] * stride_wk + offs_n[None, :] * stride_wn, mask=w_mask, other=0.0)
+            else:  # w4a16: the W4A16 GEMM's unpacking, W = s * (q - z) rounded once to x's dtype (a tile: one group)
+                PF: tl.constexpr = 32 // BITS
+                rows = k0 // PF + tl.arange(0, BLOCK_K // PF)  # packed-word rows of this tile (BLOCK_K % 32 == 0)
+                words = tl.load(w_base + rows[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+                                mask=(rows * PF < K)[:, None] & n_mask[None, :], other=0)  # fmt: skip
+                zeros, scales = load_group(z_ptr + e64 * stride_ze, s_ptr + e64 * stride_se, k0 // group_size,
+                                           offs_n[None, :], n_mask[None, :], stride_zg, stride_zn, stride_sg,
+                                           stride_sn, BITS)  # fmt: skip
+                w = dequant_tile(words, zeros, scales, magic_pair, a_ptr.dtype.element_ty, COMPUTE, BITS, MAGIC,
+                                 True, HALF_SCALE, EMULATE_BF16)  # fmt: skip
+            if SWAP_AB:
+                acc = tl.dot(tl.trans(w.to(COMPUTE)), tl.trans(a.to(COMPUTE)), acc, input_precision=PRECISION)
+            else:
+                acc = tl.dot(a.to(COMPUTE), w.to(COMPUTE), acc, input_precision=PRECISION)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     if WEIGHTED:
         acc = acc * tl.load(route_w_ptr + pairs, mask=valid, other=0.0)[:, None]
     out_ptrs = out_ptr + pairs[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, to_act(acc, out_ptr.dtype.element_ty, EMULATE_BF16), mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _sum_k_kernel(o_ptr, y_ptr, H, stride_om, stride_ym, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                  EMULATE_BF16: tl.constexpr):  # fmt: skip
+    """y[t] = sum_j o[t * TOP_K + j] in fp32, j in order (the same bits on every run), cast once to y's dtype."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(o_ptr + (t * TOP_K + j) * stride_om + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * stride_ym + offs, to_act(acc, y_ptr.dtype.element_ty, EMULATE_BF16), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -282,22 +310,50 @@ def _moe_gemm_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def moe_config(pairs: int, num_experts: int) -> dict[str, int]:
-    """BLOCK_M, BLOCK_N, num_warps, num_stages by the mean rows per expert (first choices, not tuned)."""
-    per_expert = pairs / num_experts
-    if per_expert <= 16:
-        return {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
-    if per_expert <= 64:
-        return {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4}
-    return {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+# Tile configs: BLOCK_M, BLOCK_N, num_warps, num_stages, and optionally BLOCK_K (w4a16: a multiple of 32 that divides
+# the group; float: 16 or more; fp8_block: B only) and SWAP_AB (the weight tile as the MMA's M side). One config
+# serves both projections of a layer. ``DEFAULT_CONFIGS``: per format, by the mean rows per expert (first choices).
+# ``TUNED_CONFIGS``: per (format, H, I, E, top_k), by tokens: ``bench_moe.py --sweep`` prints entries to paste here.
+DEFAULT_CONFIGS: dict[str, list[tuple[float, dict[str, int]]]] = {
+    fmt: [
+        (16, {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4}),
+        (64, {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4}),
+        (float("inf"), {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}),
+    ]
+    for fmt in FORMATS
+}
+TUNED_CONFIGS: dict[tuple[str, int, int, int, int], list[tuple[float, dict[str, int]]]] = {}
 
 
-def _block_k(w: ExpertWeights) -> int:
+def moe_config(
+    tokens: int, top_k: int, num_experts: int, fmt: str = "float", hidden: int = 0, inter: int = 0
+) -> dict[str, int]:
+    """The tile config of a layer of ``num_experts`` experts (H ``hidden``, I ``inter``, ``fmt`` one of FORMATS)
+    over ``tokens`` tokens routed to ``top_k`` experts each: the tuned table's entry for this shape if there is one,
+    else the format's default by the mean rows per expert."""
+    tuned = TUNED_CONFIGS.get((fmt, hidden, inter, num_experts, top_k))
+    if tuned:
+        return dict(next(cfg for most, cfg in tuned if tokens <= most))
+    per_expert = tokens * top_k / num_experts
+    return dict(next(cfg for most, cfg in DEFAULT_CONFIGS[fmt] if per_expert <= most))
+
+
+def _block_k(w: ExpertWeights, cfg: dict[str, int]) -> int:
+    """The K tile: the config's BLOCK_K where the format allows it (ValueError where not), else the default."""
+    bk = cfg.get("BLOCK_K", 0)
     if w.fmt == "fp8_block":
+        if bk not in (0, w.group_size):
+            raise ValueError(f"fp8_block experts take BLOCK_K = B = {w.group_size}, got {bk}")
         return w.group_size
-    if w.fmt == "w4a16" and w.group_size % 64:
-        return 32
-    return 64
+    if w.fmt == "w4a16":
+        bk = bk or (32 if w.group_size % 64 else 64)
+        if bk % 32 or bk & (bk - 1) or (w.group_size and w.group_size % bk):
+            raise ValueError(f"w4a16 BLOCK_K must be a power of two >= 32 dividing the group {w.group_size}, got {bk}")
+        return bk
+    bk = bk or 64
+    if bk < 16 or bk & (bk - 1):
+        raise ValueError(f"BLOCK_K must be a power of two from 16, got {bk}")
+    return bk
 
 
 def _grouped_gemm(a, a_scale, w: ExpertWeights, out, pairs, block_expert, route_w, p, a_div, silu, cfg) -> None:
@@ -317,13 +373,15 @@ def _grouped_gemm(a, a_scale, w: ExpertWeights, out, pairs, block_expert, route_
     sst = (s.stride(0), s.stride(1), s.stride(2)) if w.scales is not None else (0, 0, 0)
     grid = (block_expert.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
     perm = w.perm if w.perm is not None else w.weight
+    magic = magic_pattern(w.bits, act) if w.fmt == "w4a16" else 0
     _moe_gemm_kernel[grid](
         a, a_s, w.weight, z, s, perm, out, pairs, block_expert, route_w if route_w is not None else out,
-        n, k, p, (w.group_size or 2**30) if w.fmt == "w4a16" else 0, k if silu else 0,
+        n, k, p, (w.group_size or 2**30) if w.fmt == "w4a16" else 0, k if silu else 0, a_div, pattern_pair(magic),
         a.stride(0), a.stride(1), a_s.stride(0), *wst, *zst, *sst, perm.stride(0), out.stride(0),
-        out.stride(1), FORMAT=_FORMAT_CODE[w.fmt], PERM=w.perm is not None, BITS=w.bits, A_DIV=a_div, SILU=silu,
-        WEIGHTED=route_w is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=_block_k(w),
-        COMPUTE=compute, PRECISION=dot_precision(act), EMULATE_BF16=emulate, num_warps=cfg["num_warps"],
+        out.stride(1), FORMAT=_FORMAT_CODE[w.fmt], PERM=w.perm is not None, BITS=w.bits, SILU=silu,
+        WEIGHTED=route_w is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=_block_k(w, cfg),
+        SWAP_AB=bool(cfg.get("SWAP_AB", 0)), COMPUTE=compute, PRECISION=dot_precision(act), MAGIC=magic,
+        HALF_SCALE=act == torch.float16, EMULATE_BF16=emulate, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )  # fmt: skip
 
@@ -370,7 +428,7 @@ def fused_moe(
     p, inter = t * k, w2.in_features
     if p == 0:
         return torch.zeros(t, h, dtype=out_dtype or x.dtype, device=x.device)
-    cfg = {**moe_config(p, w13.num_experts), **(config or {})}
+    cfg = {**moe_config(t, k, w13.num_experts, w13.fmt, h, inter), **(config or {})}
     pairs, block_expert = align(ids, w13.num_experts, cfg["BLOCK_M"])
     gu = torch.empty(p, 2 * inter, dtype=x.dtype, device=x.device)
     o = torch.empty(p, h, dtype=x.dtype, device=x.device)
@@ -383,5 +441,10 @@ def fused_moe(
     else:
         _grouped_gemm(x, None, w13, gu, pairs, block_expert, None, p, k, False, cfg)
         _grouped_gemm(gu, None, w2, o, pairs, block_expert, route_w, p, 1, True, cfg)
-    y = o.view(t, k, h).sum(dim=1, dtype=torch.float32)
-    return y if out_dtype == torch.float32 else y.to(out_dtype or x.dtype)
+    y = torch.empty(t, h, dtype=out_dtype or x.dtype, device=x.device)
+    block_h = min(1024, triton.next_power_of_2(h))
+    _sum_k_kernel[(t, triton.cdiv(h, block_h))](
+        o, y, h, o.stride(0), y.stride(0), TOP_K=k, BLOCK_H=block_h,
+        EMULATE_BF16=interpreting() and y.dtype == torch.bfloat16, num_warps=4,
+    )  # fmt: skip
+    return y

@@ -150,7 +150,7 @@ def _unpack_magic(words, pair, BITS: tl.constexpr, ACT: tl.constexpr):
 
 
 @triton.jit
-def _dequant_tile(words, zeros, scales, pair, ACT: tl.constexpr, COMPUTE: tl.constexpr, BITS: tl.constexpr,
+def dequant_tile(words, zeros, scales, pair, ACT: tl.constexpr, COMPUTE: tl.constexpr, BITS: tl.constexpr,
                   MAGIC: tl.constexpr, FUSE_SCALE: tl.constexpr, HALF_SCALE: tl.constexpr,
                   EMULATE_BF16: tl.constexpr):  # fmt: skip
     """words int32 [R, BN], zeros int32 and scales fp16 [R or 1, BN] -> W [R * 32/BITS, BN] in COMPUTE (k = r*pf + j).
@@ -178,7 +178,7 @@ def _dequant_tile(words, zeros, scales, pair, ACT: tl.constexpr, COMPUTE: tl.con
 
 
 @triton.jit
-def _load_group(qz_ptr, s_ptr, grp, offs_n, mask, stride_qzg, stride_qzn, stride_sg, stride_sn,
+def load_group(qz_ptr, s_ptr, grp, offs_n, mask, stride_qzg, stride_qzn, stride_sg, stride_sn,
                 BITS: tl.constexpr):  # fmt: skip
     """Integer zeros and fp16 scales of groups ``grp`` ([R, 1]) for columns ``offs_n`` ([1, BN]) -> [R, BN] each."""
     PF: tl.constexpr = 32 // BITS
@@ -255,17 +255,17 @@ def _w4a16_gemm_kernel(
             w_mask = (kw * PF < K)[:, None] & n_mask[None, :]
         words = tl.load(qw_ptrs + t * BLOCK_KW * stride_qwk, mask=w_mask, other=0)  # [BLOCK_KW, BLOCK_N]
         # the tile lies in one group (plan_launch caps BLOCK_K): one [1, BLOCK_N] row of zeros and scales
-        zeros, scales = _load_group(qz_ptr, s_ptr, k0 // group_size, offs_n[None, :], n_mask[None, :],
+        zeros, scales = load_group(qz_ptr, s_ptr, k0 // group_size, offs_n[None, :], n_mask[None, :],
                                     stride_qzg, stride_qzn, stride_sg, stride_sn, BITS)  # fmt: skip
         if FUSE_SCALE:  # W = (q - z) * s rounded to ACT inside the tile; accumulate inside the dot
-            w = _dequant_tile(words, zeros, scales, magic_pair, ACT, COMPUTE, BITS, MAGIC, True, HALF_SCALE,
+            w = dequant_tile(words, zeros, scales, magic_pair, ACT, COMPUTE, BITS, MAGIC, True, HALF_SCALE,
                               EMULATE_BF16)  # fmt: skip
             if SWAP_AB:
                 acc = tl.dot(tl.trans(w), tl.trans(x.to(COMPUTE)), acc)
             else:
                 acc = tl.dot(x.to(COMPUTE), w, acc)
         else:  # scale the exact integer product once per tile
-            w = _dequant_tile(words, zeros, scales, magic_pair, ACT, COMPUTE, BITS, MAGIC, False, HALF_SCALE,
+            w = dequant_tile(words, zeros, scales, magic_pair, ACT, COMPUTE, BITS, MAGIC, False, HALF_SCALE,
                               EMULATE_BF16)  # fmt: skip
             if SWAP_AB:
                 acc += tl.dot(tl.trans(w), tl.trans(x.to(COMPUTE))) * tl.trans(scales.to(tl.float32))
@@ -299,9 +299,9 @@ def _w4a16_dequant_kernel(
     mask = (offs_kw * PF < K)[:, None] & (offs_n < N)[None, :]
     words = tl.load(qw_ptr + offs_kw[:, None] * stride_qwk + offs_n[None, :] * stride_qwn, mask=mask, other=0)
     grp = (offs_kw * PF) // group_size
-    zeros, scales = _load_group(qz_ptr, s_ptr, grp[:, None], offs_n[None, :], mask,
+    zeros, scales = load_group(qz_ptr, s_ptr, grp[:, None], offs_n[None, :], mask,
                                 stride_qzg, stride_qzn, stride_sg, stride_sn, BITS)  # fmt: skip
-    w = _dequant_tile(words, zeros, scales, magic_pair, ACT, ACT, BITS, MAGIC, True, HALF_SCALE, EMULATE_BF16)
+    w = dequant_tile(words, zeros, scales, magic_pair, ACT, ACT, BITS, MAGIC, True, HALF_SCALE, EMULATE_BF16)
     offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     w_mask = (offs_k < K)[:, None] & (offs_n < N)[None, :]
     tl.store(w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn, w, mask=w_mask)
@@ -310,13 +310,13 @@ def _w4a16_dequant_kernel(
 # ---------------------------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------------------------
-def _magic(bits: int, dtype: torch.dtype) -> int:
+def magic_pattern(bits: int, dtype: torch.dtype) -> int:
     """The 16-bit pattern that reads as 2**e + code in ``dtype`` for every code, or 0 (bf16 holds 8-bit codes from
     128 only up to 127)."""
     return MAGIC_16[dtype] if bits == 4 or dtype == torch.float16 else 0
 
 
-def _pair(magic: int) -> int:
+def pattern_pair(magic: int) -> int:
     """MAGIC:MAGIC as the signed int32 the kernels take."""
     v = magic | (magic << 16)
     return v - (1 << 32) if v >= 1 << 31 else v
@@ -346,11 +346,11 @@ def w4a16_gemm(
     if plan.split_k > 1:
         part = torch.empty(plan.split_k, m, n, device=x.device, dtype=torch.float32)
     emulate_bf16 = interpreting() and x.dtype == torch.bfloat16  # the interpreter has no bf16 arithmetic
-    magic = _magic(w.bits, x.dtype)
+    magic = magic_pattern(w.bits, x.dtype)
     compute = tl.float32 if emulate_bf16 else (tl.float16 if x.dtype == torch.float16 else tl.bfloat16)
     handle = _w4a16_gemm_kernel[plan.grid](
         x, w.qweight, w.qzeros, w.scales, bias if bias is not None else out, out, part, locks,
-        m, n, k, w.group_size or 2**30, plan.tiles_per_split, _pair(magic),
+        m, n, k, w.group_size or 2**30, plan.tiles_per_split, pattern_pair(magic),
         x.stride(0), x.stride(1), w.qweight.stride(0), w.qweight.stride(1), w.qzeros.stride(0), w.qzeros.stride(1),
         w.scales.stride(0), w.scales.stride(1), out.stride(0), out.stride(1),
         BITS=w.bits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=plan.block_k, GROUP_M=cfg.group_m,
@@ -378,10 +378,10 @@ def w4a16_dequantize(
         out = torch.empty(n, k, device=w.qweight.device, dtype=dtype)
     elif out.dtype != dtype or tuple(out.shape) != (n, k) or out.device != w.qweight.device:
         raise ValueError(f"out must be {dtype} [{n}, {k}] on {w.qweight.device}, got {out.dtype} {tuple(out.shape)}")
-    magic = _magic(w.bits, dtype)
+    magic = magic_pattern(w.bits, dtype)
     grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
     _w4a16_dequant_kernel[grid](
-        w.qweight, w.qzeros, w.scales, out, n, k, w.group_size or 2**30, _pair(magic),
+        w.qweight, w.qzeros, w.scales, out, n, k, w.group_size or 2**30, pattern_pair(magic),
         w.qweight.stride(0), w.qweight.stride(1), w.qzeros.stride(0), w.qzeros.stride(1),
         w.scales.stride(0), w.scales.stride(1), out.stride(1), out.stride(0),
         BITS=w.bits, BLOCK_K=block_k, BLOCK_N=block_n, MAGIC=magic,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 from quantkit.kernels import moe as M
+from quantkit.kernels.moe import experts as X
 from quantkit.kernels.moe import routing as R
 from quantkit.kernels.moe.experts import ExpertWeights
 from quantkit.kernels.w4a16 import prepare_gptq_weight
@@ -226,21 +227,65 @@ CASES = [  # (format, dtype, T, k, experts without tokens)
 ]
 
 
-@pytest.mark.parametrize(("fmt", "dtype", "t", "k", "skip"), CASES)
-def test_fused_moe_matches_reference(fmt, dtype, t, k, skip):
+def check_layer(fmt, dtype, t, k, skip, config, out_dtype=None):
     g = torch.Generator().manual_seed(t * 10 + k)
     w13, w2 = make_experts(fmt, dtype, g)
     x = torch.randn(t, H, generator=g).to(dtype)
     weights, ids = routed(t, k, g, skip)
-    y = M.fused_moe(x.to(DEVICE), w13, w2, weights.to(DEVICE), ids.to(DEVICE), config=SMALL).cpu()
+    y = M.fused_moe(x.to(DEVICE), w13, w2, weights.to(DEVICE), ids.to(DEVICE), out_dtype, config).cpu()
     ref = M.fused_moe_reference(x.to(DEVICE), w13, w2, weights.to(DEVICE), ids.to(DEVICE)).cpu()
-    assert y.dtype == dtype and not y.isnan().any()
+    assert y.dtype == (out_dtype or dtype) and not y.isnan().any()
     if fmt == "fp8_block":
         assert (y.float() - ref.float()).abs().max() <= 4 * 2**-10 * ref.float().abs().max()
         return
     want = exact(x, w13, w2, weights, ids)
     err, ref_err = (y.double() - want).abs().max(), (ref.double() - want).abs().max()
     assert err <= 2 * ref_err + 2**-20 * want.abs().max(), (err, ref_err)
+
+
+@pytest.mark.parametrize(("fmt", "dtype", "t", "k", "skip"), CASES)
+def test_fused_moe_matches_reference(fmt, dtype, t, k, skip):
+    check_layer(fmt, dtype, t, k, skip, SMALL)
+
+
+SWAP = {**SMALL, "SWAP_AB": 1}
+CONFIG_CASES = [  # (format, dtype, config, out_dtype): the tile options a tuned table may pick
+    ("float", torch.bfloat16, SWAP, None),
+    ("float", torch.float16, {**SMALL, "BLOCK_K": 16, "BLOCK_M": 32}, torch.float32),
+    ("float", torch.float32, SWAP, None),
+    ("w4a16", torch.float16, SWAP, None),
+    ("w4a16_8", torch.bfloat16, {**SWAP, "BLOCK_N": 64}, None),
+    ("w4a16_act", torch.bfloat16, {**SMALL, "BLOCK_K": 32}, torch.float32),
+    ("fp8_block", torch.float16, {**SWAP, "BLOCK_K": 32}, None),
+]
+
+
+@pytest.mark.parametrize(("fmt", "dtype", "config", "out_dtype"), CONFIG_CASES)
+def test_fused_moe_tile_options_match_reference(fmt, dtype, config, out_dtype):
+    """The weight tile as the MMA's M side (SWAP_AB), other K tiles, an fp32 output (the sum over k unrounded)."""
+    check_layer(fmt, dtype, 5, 2, (3,), config, out_dtype)
+
+
+def test_moe_config_takes_the_tuned_entry_of_a_shape_else_the_format_default(monkeypatch):
+    tuned = [(1, {**SMALL, "SWAP_AB": 1}), (float("inf"), {**SMALL, "BLOCK_M": 64})]
+    monkeypatch.setitem(X.TUNED_CONFIGS, ("w4a16", 2048, 768, 128, 8), tuned)
+    assert M.moe_config(1, 8, 128, "w4a16", 2048, 768)["SWAP_AB"] == 1
+    assert M.moe_config(2, 8, 128, "w4a16", 2048, 768)["BLOCK_M"] == 64
+    default = X.DEFAULT_CONFIGS["float"]
+    assert M.moe_config(1, 8, 128, "float", 2048, 768) == default[0][1]  # not tuned: by rows per expert
+    assert M.moe_config(4096, 2, 8, "w4a16", 4096, 14336) == X.DEFAULT_CONFIGS["w4a16"][-1][1]
+    M.moe_config(1, 8, 128, "float")["BLOCK_M"] = 0  # a copy: the table is not changed
+    assert M.moe_config(1, 8, 128, "float") == default[0][1]
+
+
+def test_bad_tile_configs_are_one_line_errors():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, H).half().to(DEVICE)
+    weights, ids = (t.to(DEVICE) for t in routed(2, 2, g))
+    for fmt, block_k, match in [("w4a16", 64, "divid"), ("float", 24, "power of two"), ("fp8_block", 64, "B = 32")]:
+        w13, w2 = make_experts(fmt, torch.float16, g)
+        with pytest.raises(ValueError, match=match):
+            M.fused_moe(x, w13, w2, weights, ids, config={**SMALL, "BLOCK_K": block_k})
 
 
 def test_fused_moe_is_deterministic_and_reads_only_chosen_experts():
