@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 import torch.nn.functional as F
@@ -100,14 +101,18 @@ def dense_mlp(x, w13, w2):
     return F.linear(F.silu(g) * u, w2)
 
 
-def block_m(m: int, experts: int, top_k: int) -> int:
+KERNEL_FORMAT = {"bf16": "float", "w4a16": "w4a16", "fp8_block": "fp8_block"}  # bench name -> ExpertWeights.fmt
+
+
+def block_m(m: int, shape: tuple, fmt: str = "bf16") -> int:
     """The BLOCK_M ``fused_moe`` aligns the pairs to for m tokens."""
-    return M.moe_config(m * top_k, experts)["BLOCK_M"]
+    h, inter, e, k = shape
+    return M.moe_config(m, k, e, KERNEL_FORMAT[fmt], h, inter)["BLOCK_M"]
 
 
-def fused_layer(x, logits, w13, w2, top_k):
+def fused_layer(x, logits, w13, w2, top_k, config=None):
     weights, ids = M.route(logits, top_k)
-    return M.fused_moe(x, w13, w2, weights, ids)
+    return M.fused_moe(x, w13, w2, weights, ids, config=config)
 
 
 def expert_bytes(w: ExpertWeights) -> int:
@@ -134,7 +139,7 @@ def run_shape(name, shape, ms, timer, dev, copy_bw, smoke) -> list[dict]:
         loop_us = median_seconds(loop, smoke=smoke) * 1e6
         row = {"shape": name, "m": m, "experts_read": chosen, "loop_us": loop_us}
         row["dense_us"] = timer.per_call([lambda x=x: dense_mlp(x, dense13, dense2)])
-        bm = block_m(m, e, k)
+        bm = block_m(m, shape)
         row["routing_us"] = timer.per_call([lambda logits=logits, bm=bm: M.align(M.route(logits, k)[1], e, bm)])
         for fmt, (w13, w2) in experts.items():
             weights, ids = M.route(logits, k)
@@ -152,6 +157,122 @@ def run_shape(name, shape, ms, timer, dev, copy_bw, smoke) -> list[dict]:
         print(f"{name} M={m}: loop {loop_us:.1f} us, dense {row['dense_us']:.1f} us, routing + align "
               f"{row['routing_us']:.1f} us | {cells}", flush=True)  # fmt: skip
     return rows
+
+
+# -- tile sweep ------------------------------------------------------------------------------------------------
+
+
+def tile(bm: int, bn: int, bk: int, warps: int, stages: int, swap: bool = False) -> dict[str, int]:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages,
+            "SWAP_AB": int(swap)}  # fmt: skip
+
+
+# Candidates by the mean rows per expert at an M (<= 8, <= 48, more), beside the format's current default. Few rows:
+# small BLOCK_N (more programs over the chosen experts' weights), long K tiles, the weight tile as the MMA's M side;
+# many rows: larger tiles. Each distinct config compiles twice (gate/up, down) per format, a few seconds each; the
+# two shapes share the compiled kernels.
+SWEEP_CANDIDATES = {
+    8: [tile(16, 32, 128, 4, 4), tile(16, 64, 128, 4, 3), tile(16, 64, 128, 4, 4, True), tile(16, 128, 128, 4, 3, True),
+        tile(16, 32, 64, 2, 4)],
+    48: [tile(16, 64, 128, 4, 4, True), tile(32, 64, 64, 4, 4), tile(64, 64, 64, 4, 4), tile(64, 128, 64, 4, 3)],
+    2**62: [tile(64, 128, 64, 4, 4), tile(128, 128, 64, 8, 3), tile(64, 256, 64, 8, 3), tile(128, 256, 64, 8, 3)],
+}  # fmt: skip
+SMOKE_CANDIDATES = [tile(16, 32, 32, 4, 1), tile(16, 32, 64, 4, 1, True)]
+
+
+KEY_ORDER = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SWAP_AB")
+
+
+def normalized(cfg: dict, fmt: str) -> dict[str, int]:
+    """``cfg`` with every key explicit (BLOCK_K 64, SWAP_AB 0 where absent; fp8_block's BLOCK_K is B, dropped)."""
+    full = {"BLOCK_K": 64, "SWAP_AB": 0, **cfg}
+    return {key: full[key] for key in KEY_ORDER if key != "BLOCK_K" or fmt != "fp8_block"}
+
+
+def sweep_candidates(m: int, shape: tuple, fmt: str, smoke: bool) -> list[dict]:
+    """The default config first, then the candidates of m's rows per expert, without duplicates."""
+    h, inter, e, k = shape
+    default = M.moe_config(m, k, e, KERNEL_FORMAT[fmt], h, inter)
+    pool = SMOKE_CANDIDATES if smoke else next(c for most, c in SWEEP_CANDIDATES.items() if m * k / e <= most)
+    out: list[dict] = []
+    for cfg in [default, *pool]:
+        if normalized(cfg, fmt) not in out:
+            out.append(normalized(cfg, fmt))
+    return out
+
+
+def label(cfg: dict) -> str:
+    bk = f"x{cfg['BLOCK_K']}" if "BLOCK_K" in cfg else ""
+    swap = " swap" if cfg.get("SWAP_AB") else ""
+    return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}{bk} w{cfg['num_warps']} s{cfg['num_stages']}{swap}"
+
+
+def sweep_shape(name, shape, ms, fmts, timer, dev, copy_bw, smoke, deadline) -> list[dict]:
+    """Every candidate of every (M, format): time (route + fused_moe in a graph), share of copy bandwidth and a
+    check against the reference. Past ``deadline`` (time.monotonic) the remaining candidates are skipped."""
+    h, inter, e, k = shape
+    g = torch.Generator(device=dev).manual_seed(0)
+    experts = {f: [expert_weights(f, 2 * inter, h, e, dev, g), expert_weights(f, h, inter, e, dev, g)] for f in fmts}
+    rows = []
+    for m in ms:
+        x = torch.randn(m, h, device=dev, generator=g).bfloat16()
+        logits = torch.randn(m, e, device=dev, generator=g).bfloat16()
+        weights, ids = M.route(logits, k)
+        chosen = ids.unique().numel()
+        for fmt, (w13, w2) in experts.items():
+            ref = M.fused_moe_reference(x, w13, w2, weights, ids).float()
+            tol = 4 * torch.finfo(torch.bfloat16).eps * ref.abs().max().item()
+            tried = []
+            for cfg in sweep_candidates(m, shape, fmt, smoke):
+                if time.monotonic() > deadline:
+                    tried.append({"config": cfg, "skipped": True})
+                    continue
+                err = (M.fused_moe(x, w13, w2, weights, ids, config=cfg).float() - ref).abs().max().item()
+                us = timer.per_call([lambda x=x, logits=logits, w13=w13, w2=w2, cfg=cfg:
+                                     fused_layer(x, logits, w13, w2, k, cfg)])  # fmt: skip
+                gbs = chosen * (expert_bytes(w13) + expert_bytes(w2)) / us / 1e3
+                tried.append({"config": cfg, "us": us, "of_copy": gbs * 1e9 / copy_bw, "ok": err <= tol, "err": err})
+            rows.append(sweep_row(name, fmt, m, tried))
+    return rows
+
+
+def sweep_row(name: str, fmt: str, m: int, tried: list[dict]) -> dict:
+    """One (shape, format, M): the candidates' figures, the best correct one and the default's (the first)."""
+    timed = [t for t in tried if not t.get("skipped")]
+    good = [t for t in timed if t["ok"]]
+    best = min(good, key=lambda t: t["us"]) if good else None
+    default = timed[0] if timed else None
+    row = {"shape": name, "fmt": fmt, "m": m, "tried": tried, "best": best, "default": default}
+    wrong = sum(not t["ok"] for t in timed)
+    skipped = len(tried) - len(timed)
+    if best is None:
+        print(f"sweep {name} {fmt} M={m}: nothing correct timed ({wrong} wrong, {skipped} skipped)", flush=True)
+        return row
+    print(f"sweep {name} {fmt} M={m}: best {label(best['config'])} {best['us']:.1f} us "
+          f"({100 * best['of_copy']:.0f}% of copy), default {default['us']:.1f} us "
+          f"({default['us'] / best['us']:.2f}x); {len(timed)} timed, {wrong} wrong, {skipped} skipped",
+          flush=True)  # fmt: skip
+    return row
+
+
+def paste_block(rows: list[dict], shapes: dict) -> str:
+    """``TUNED_CONFIGS`` entries (kernels/moe/experts.py) from the sweep's best configs: each swept M is a bucket's
+    upper bound in tokens, the largest one open-ended."""
+    lines = ["TUNED_CONFIGS = {"]
+    for name, (h, inter, e, k) in shapes.items():
+        for fmt in dict.fromkeys(r["fmt"] for r in rows):
+            best = [r for r in rows if r["shape"] == name and r["fmt"] == fmt and r["best"]]
+            if not best:
+                continue
+            lines.append(f'    ("{KERNEL_FORMAT[fmt]}", {h}, {inter}, {e}, {k}): [  # {name}')
+            for i, r in enumerate(best):
+                most = 'float("inf")' if i == len(best) - 1 else str(r["m"])
+                cfg = r["best"]["config"]
+                keys = [key for key in KEY_ORDER if key in cfg and (key != "SWAP_AB" or cfg[key])]
+                text = ", ".join(f'"{key}": {cfg[key]}' for key in keys)
+                lines.append(f"        ({most}, {{{text}}}),  # {r['best']['us']:.1f} us")
+            lines.append("    ],")
+    return "\n".join([*lines, "}"]) + "\n"
 
 
 def markdown(env: dict, copy_bw: float, rows: list[dict]) -> str:
@@ -178,20 +299,39 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help=f"M in {QUICK_MS}")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (needs TRITON_INTERPRET=1)")
+    ap.add_argument("--sweep", action="store_true", help="time candidate tile configs, print the best per M")
+    ap.add_argument("--sweep-formats", default="bf16,w4a16", help="formats the sweep covers (default bf16,w4a16)")
+    ap.add_argument("--sweep-budget", type=float, default=240.0, help="seconds after which the sweep skips the rest")
     add_out_argument(ap, "moe")
     args = ap.parse_args(argv)
     dev = kernel_device(args.smoke)
-    timer = Timer(args.smoke, warmup_ms=25, rep_ms=100)
     copy_bw = copy_bandwidth(dev, smoke=args.smoke)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     ms = SMOKE_MS if args.smoke else QUICK_MS if args.quick else MS
+    out = out_folder(args.out)
+    env = environment(dev)
+    if args.sweep:
+        fmts = args.sweep_formats.split(",")
+        if not fmts or not set(fmts) <= set(FORMATS):
+            raise SystemExit(f"--sweep-formats takes a comma-separated subset of {FORMATS}, got {args.sweep_formats!r}")
+        timer = Timer(args.smoke, warmup_ms=10, rep_ms=40)
+        deadline = time.monotonic() + args.sweep_budget
+        rows = []
+        for name, shape in shapes.items():
+            rows += sweep_shape(name, shape, ms, fmts, timer, dev, copy_bw, args.smoke, deadline)
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+        block = paste_block(rows, shapes)
+        (out / "moe_sweep.json").write_text(json.dumps({"env": env, "copy_bandwidth": copy_bw, "rows": rows}, indent=1))
+        (out / "moe_sweep.py").write_text(block)
+        print(block + f"wrote {out}/moe_sweep.json and moe_sweep.py")
+        return
+    timer = Timer(args.smoke, warmup_ms=25, rep_ms=100)
     rows = []
     for name, shape in shapes.items():
         rows += run_shape(name, shape, ms, timer, dev, copy_bw, args.smoke)
         if dev == "cuda":
             torch.cuda.empty_cache()
-    out = out_folder(args.out)
-    env = environment(dev)
     (out / "moe.json").write_text(json.dumps({"env": env, "copy_bandwidth": copy_bw, "rows": rows}, indent=1))
     (out / "moe.md").write_text(markdown(env, copy_bw, rows))
     correct = sum(r[f]["ok"] for r in rows for f in FORMATS)
