@@ -107,6 +107,24 @@ DUMMY_MODELS = {
         eos_token_id=1,
         dtype="bfloat16",
     ),
+    "tiny-qwen3-moe": dict(  # the CPU smoke test of MoE serving
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+    ),
     "tiny-llama": dict(
         model_type="llama",
         architectures=["LlamaForCausalLM"],
@@ -246,3 +264,71 @@ def offline_throughput(llm: LLM, prompts: list[list[int]], output_len: int) -> t
         compiled=compiles,
     )
     return result, tokens
+
+
+def hf_from_runtime(model, config: dict):
+    """transformers' model of ``config`` (a ``DUMMY_MODELS`` entry) holding the runtime ``model``'s own float
+    weights, not copies where the layouts allow: fused q/k/v and gate/up weights are split into views, stacked
+    experts (the fused MoE kernels' float layout) are transformers 5's ``experts.gate_up_proj`` [E, 2I, H] and
+    ``experts.down_proj`` [E, H, I] as they are; per-expert weights (unfused, as on the CPU) are stacked, a copy.
+    So an HF baseline of a model that fills the GPU can run on the very weights the runtime served."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantkit.runtime.model import head_dim
+
+    hf_config = AutoConfig.for_model(**config)
+    weight = next(p for p in model.parameters() if p.is_floating_point())
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(hf_config, dtype=weight.dtype, attn_implementation="sdpa")
+    hd = head_dim(hf_config)
+    qkv = [hf_config.num_attention_heads * hd] + [hf_config.num_key_value_heads * hd] * 2
+    tensors, experts = {}, {}
+    named = []
+    for name, t in model.state_dict().items():
+        prefix, _, leaf = name.rpartition(".")
+        if prefix.endswith(".qkv_proj"):
+            parts = zip(("q_proj", "k_proj", "v_proj"), t.split(qkv), strict=True)
+            named += [(f"{prefix.removesuffix('qkv_proj')}{part}.{leaf}", w) for part, w in parts]
+        elif prefix.endswith(".gate_up_proj"):
+            parts = zip(("gate_proj", "up_proj"), t.chunk(2), strict=True)
+            named += [(f"{prefix.removesuffix('gate_up_proj')}{part}.{leaf}", w) for part, w in parts]
+        else:
+            named.append((name, t))
+    for name, t in named:
+        if ".experts." in name:  # model.layers.{i}.mlp.experts.{e}.{proj}.weight
+            block, _, rest = name.partition(".experts.")
+            e, proj = rest.split(".")[:2]
+            experts.setdefault(block, {}).setdefault(proj, {})[int(e)] = t
+        else:
+            tensors[name] = t
+    for block, projs in experts.items():
+        order = sorted(projs["gate_proj"])
+        tensors[f"{block}.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]]) for e in order]
+        )
+        tensors[f"{block}.experts.down_proj"] = torch.stack([projs["down_proj"][e] for e in order])
+    for i, layer in enumerate(model.model.layers):
+        fused = getattr(layer.mlp, "fused", None)
+        if fused is not None:
+            if fused[0].fmt != "float":
+                raise ValueError(f"layer {i}: {fused[0].fmt} experts have no transformers float layout")
+            tensors[f"model.layers.{i}.mlp.experts.gate_up_proj"] = fused[0].weight
+            tensors[f"model.layers.{i}.mlp.experts.down_proj"] = fused[1].weight
+    expected = hf.state_dict()
+    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"runtime weights do not match transformers': missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    for name, t in expected.items():
+        if tensors[name].shape != t.shape:
+            raise ValueError(f"{name}: runtime {tuple(tensors[name].shape)}, transformers {tuple(t.shape)}")
+    hf.load_state_dict(tensors, assign=True, strict=True)
+    rotary = hf.model.rotary_emb  # non-persistent buffers, computed at construction: built again on the device
+    hf.model.rotary_emb = type(rotary)(hf_config).to(weight.device)
+    left = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"transformers' model has tensors the runtime does not: {left[:3]}")
+    hf.eval().requires_grad_(False)
+    hf.generation_config.eos_token_id = None  # EOS disabled for every benchmark run
+    return hf

@@ -113,8 +113,9 @@ def _shown(value) -> str:
 
 
 class LLM:
-    """``model``: a float HF folder, a quantkit checkpoint folder, an HF model object (its modules are shared), or a
-    config (dict with ``model_type``, or an HF config) for random weights. Settings are ``EngineConfig`` fields.
+    """``model``: a float HF folder, a quantkit checkpoint folder, an HF model object (its modules are shared), a
+    config (dict with ``model_type``, or an HF config) for random weights, or a ``loader.LoadedModel`` (e.g.
+    ``loader.dummy``'s random quantized weights). Settings are ``EngineConfig`` fields.
     ``speculative``: a ``SpeculativeConfig`` (or its dict) to draft and verify tokens (``runtime.speculative``);
     its steps run with synchronous scheduling."""
 
@@ -135,6 +136,8 @@ class LLM:
             loaded = loader.from_hf_model(model, device, tokenizer)
         elif isinstance(model, dict | PretrainedConfig):
             loaded = loader.dummy(model, self.config.dtype, device, self.config.seed, mtp=mtp)
+        elif isinstance(model, loader.LoadedModel):  # built by the caller, e.g. ``loader.dummy`` with a scheme
+            loaded = model
         else:
             raise QuantkitError(
                 "model must be a folder's path, a Hugging Face model or a config (a dict with model_type), "

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError, one_line
+from quantkit.quant.scheme import QuantScheme
 from quantkit.runtime.model import CausalLM, FloatLinear, RMSNorm
 from quantkit.runtime.moe import experts_by_name
 
@@ -166,9 +167,16 @@ def from_hf_model(hf_model: nn.Module, device: torch.device, tokenizer=None) -> 
     return LoadedModel(model, tokenizer, eos_ids(getattr(hf_model, "generation_config", None), config))
 
 
-def dummy(config, dtype_name: str, device: torch.device, seed: int = 0, mtp: bool = False) -> LoadedModel:
+def dummy(
+    config, dtype_name: str, device: torch.device, seed: int = 0, mtp: bool = False, scheme: QuantScheme | None = None
+) -> LoadedModel:
     """Random weights in the shape of ``config`` (an HF config or a dict with ``model_type``), for benchmarks; with
-    ``mtp``, one random MTP layer when the config declares ``num_nextn_predict_layers``."""
+    ``mtp``, one random MTP layer when the config declares ``num_nextn_predict_layers``. With ``scheme`` (integer
+    weight-only, 2, 4 or 8 bits), every decoder-layer linear is made quantized directly, never as a float weight:
+    uniform random codes, the zero point at mid-range, scales giving the float initialisation's standard deviation
+    (the lm_head, embedding and routers stay float). Each MoE layer's float experts are views of one gate/up
+    [E, 2I, H] and one down [E, H, I] tensor (the fused kernels' layout: stacking them copies one layer at a time
+    and frees the layer whole)."""
     if isinstance(config, dict):
         from transformers import AutoConfig
 
@@ -177,23 +185,85 @@ def dummy(config, dtype_name: str, device: torch.device, seed: int = 0, mtp: boo
         except Exception as exc:  # an unknown model_type, a malformed field: transformers' own checks
             raise QuantkitError(f"cannot build a model from this config: {one_line(exc)}") from None
     dtype = resolve_dtype(dtype_name, config, device)
+    linear = float_linear(dtype) if scheme is None else random_quantized_linear(scheme, dtype)
     with torch.device("meta"):
-        model = CausalLM(config, float_linear(dtype), dtype)
-    model.to_empty(device=device)
+        model = CausalLM(config, linear, dtype)
     gen = torch.Generator(device).manual_seed(seed)
     std = getattr(config, "initializer_range", 0.02)
+    views = _stacked_expert_views(model, device, gen, std)
+    for mod in model.modules():
+        if mod not in views:
+            mod.to_empty(device=device, recurse=False)
     with torch.no_grad():
+        for buf in model.buffers():  # DeepSeek-V3's router correction bias (quantized buffers are filled below)
+            buf.zero_()
         for mod in model.modules():
             if isinstance(mod, RMSNorm):
                 mod.weight.fill_(1.0)
-            elif isinstance(mod, nn.Linear | nn.Embedding):
+            elif isinstance(mod, nn.Linear | nn.Embedding) and mod not in views:
                 mod.weight.normal_(0.0, std, generator=gen)
-                if getattr(mod, "bias", None) is not None:
-                    mod.bias.zero_()
-        for buf in model.buffers():  # DeepSeek-V3's router correction bias
-            buf.zero_()
+            if getattr(mod, "qweight", None) is not None:
+                _random_codes(mod, std, gen)
+            elif isinstance(getattr(mod, "bias", None), torch.Tensor):
+                mod.bias.zero_()
     if mtp and getattr(config, "num_nextn_predict_layers", 0):
         from quantkit.runtime.speculative.mtp import random_mtp
 
         model.mtp_layers = random_mtp(config, float_linear(dtype), dtype, device, gen)
     return LoadedModel(model, None, eos_ids(config))
+
+
+def random_quantized_linear(scheme: QuantScheme, dtype):
+    """``dummy``'s factory: decoder-layer linears empty quantized layers of ``scheme``, the rest float."""
+    if not scheme.weight_only or scheme.fmt != "int" or 32 % scheme.bits:
+        raise QuantkitError(f"random quantized weights are integer weight-only of 2, 4 or 8 bits, got {scheme.name}")
+    from quantkit.nn.factory import empty_quantized_linear
+
+    def make(name, n_in, n_out, bias):
+        if name.startswith("model.layers."):
+            return empty_quantized_linear(n_in, n_out, scheme, bias, dtype)
+        return FloatLinear(n_in, n_out, bias=bias, dtype=dtype)
+
+    return make
+
+
+def _random_codes(mod: nn.Module, std: float, gen: torch.Generator) -> None:
+    """Fill a meta-built GPTQ-v2 ``QuantLinear``: random packed codes, zero points 2**(b-1), scales s with
+    s * std(codes) = ``std``, groups contiguous along K."""
+    b, group = mod.scheme.bits, mod.scheme.group_size
+    info = torch.iinfo(torch.int32)
+    mod.qweight.random_(info.min, info.max, generator=gen)  # every b-bit field uniform
+    word = sum((1 << (b - 1)) << (b * i) for i in range(32 // b))
+    mod.qzeros.fill_(word - (1 << 32) if word > info.max else word)  # int32's two's complement
+    mod.scales.fill_(std / (((1 << (2 * b)) - 1) / 12) ** 0.5)
+    k = torch.arange(mod.in_features, device=mod.g_idx.device)
+    mod.g_idx.copy_(k // group if group > 0 else torch.zeros_like(k))
+    if mod.bias is not None:
+        mod.bias.zero_()
+
+
+def _stacked_expert_views(model: CausalLM, device, gen: torch.Generator, std: float) -> set[nn.Module]:
+    """Give every MoE layer's float experts views of two stacked tensors, filled at random; returns the linears
+    (and experts) so made."""
+    from quantkit.runtime.moe import SparseMoE
+
+    made: set[nn.Module] = set()
+    for block in model.modules():
+        if not isinstance(block, SparseMoE) or not len(block.experts):
+            continue
+        parts = [(m.gate_proj, m.up_proj, m.down_proj) for m in block.experts]
+        if any(type(p) is not FloatLinear or p.bias is not None for ps in parts for p in ps):
+            continue
+        gate = parts[0][0].weight
+        inter, hidden = gate.shape
+        w13 = torch.empty(len(parts), 2 * inter, hidden, dtype=gate.dtype, device=device).normal_(
+            0.0, std, generator=gen
+        )
+        w2 = torch.empty(len(parts), hidden, inter, dtype=gate.dtype, device=device).normal_(0.0, std, generator=gen)
+        for e, (g, u, d) in enumerate(parts):
+            g.weight = nn.Parameter(w13[e, :inter], requires_grad=False)
+            u.weight = nn.Parameter(w13[e, inter:], requires_grad=False)
+            d.weight = nn.Parameter(w2[e], requires_grad=False)
+            made.update((g, u, d))
+        made.update(block.experts.modules())
+    return made
