@@ -23,6 +23,7 @@ and the best one found, so a better default can be committed from one run.
 
   python benchmarks/bench_attention.py            full: ~1-2 minutes on an H200 (mostly Triton compiles)
   python benchmarks/bench_attention.py --quick    target cases only; decode default config, small prefill sweep
+  python benchmarks/bench_attention.py --mla      the MLA decode cases with their launch-config sweep only
   TRITON_INTERPRET=1 python benchmarks/bench_attention.py --smoke    CPU plumbing check (tiny shapes, wall clock)
 
 Results: JSON + markdown under --out (default out/attention); a short table is printed last.
@@ -107,6 +108,8 @@ MLA_SWEEP = [  # (block_h, block_n, num_warps, num_stages, splits or None = defa
     (16, 64, 8, 2, None),
     (32, 32, 8, 2, None),
     (64, 16, 8, 2, None),
+    (32, 16, 4, 2, None),
+    (32, 32, 8, 3, None),
     (16, 32, 8, 3, None),
     (16, 32, 4, 2, 1),
     (16, 32, 4, 2, 8),
@@ -305,6 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="target cases; default decode, PREFILL_QUICK prefill configs")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (TRITON_INTERPRET=1), tiny shapes")
+    ap.add_argument("--mla", action="store_true", help="the MLA decode cases and their launch-config sweep only")
     add_out_argument(ap, "attention")
     args = ap.parse_args(argv)
     device = kernel_device(args.smoke)
@@ -321,8 +325,10 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     copy_bw = copy_bandwidth(device, args.smoke)
     dtype = torch.float16 if args.smoke else DTYPE
-    rows = run_decode(decode_cases, hq, hkv, d, copy_bw, decode_sweep, args.smoke, device, gen, dtype)
-    rows += run_prefill(prefill_cases, hq, hkv, d, prefill_sweep, args.smoke, device, gen, dtype)
+    rows = []
+    if not args.mla:
+        rows += run_decode(decode_cases, hq, hkv, d, copy_bw, decode_sweep, args.smoke, device, gen, dtype)
+        rows += run_prefill(prefill_cases, hq, hkv, d, prefill_sweep, args.smoke, device, gen, dtype)
     mla_cases = SMOKE["mla"] if args.smoke else MLA_CASES[:2] if args.quick else MLA_CASES
     rank, rope = (SMOKE["rank"], SMOKE["rope"]) if args.smoke else (MLA_RANK, MLA_ROPE)
     mla_sweep = MLA_SWEEP[:1] if args.quick or args.smoke else MLA_SWEEP

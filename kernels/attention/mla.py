@@ -11,8 +11,10 @@ Layouts (B sequences, H heads, R = kv_lora_rank, P = qk_rope_head_dim, page size
 
 All H heads read the same latent rows, so each program takes one sequence, ``BLOCK_H`` heads and one split of the
 context, and a tile of latent rows serves every head of the program (two tensor-core products per tile: [BLOCK_H,
-R] x [R, BLOCK_N] plus the rope part, then [BLOCK_H, BLOCK_N] x [BLOCK_N, R]); a second kernel merges the splits
-by their log-sum-exps (flash-decoding). Accumulation is fp32; q is cast to the cache's dtype for the products.
+R] x [R, BLOCK_N] plus the rope part, then [BLOCK_H, BLOCK_N] x [BLOCK_N, R]). The grid's fastest axis is the head
+tile, so the programs of one sequence and split run side by side and all but the first read the rows from L2. A
+second kernel merges the splits by their log-sum-exps (flash-decoding). Accumulation is fp32; q is cast to the
+cache's dtype for the products.
 Limits: R and P up to 512 and 64 as DeepSeek-V3's (any size under the registers' budget works; powers of two are
 padded with masks otherwise). Tuned on: nothing yet (interpreter-tested against ``mla_decode_reference``).
 """
@@ -108,9 +110,9 @@ def _mla_split_kernel(
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    split = tl.program_id(2)
+    heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)  # head tiles of one (sequence, split) run together:
+    split = tl.program_id(1)  # the rows they share come from L2 after the first tile reads them
+    b = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + b)
     per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), NUM_SPLITS) * BLOCK_N
     lo = split * per_split
@@ -199,7 +201,7 @@ def mla_decode(
     o_part = torch.empty(bsz, heads, num_splits, rank, device=q_lat.device, dtype=torch.float32)
     lse_part = torch.empty(bsz, heads, num_splits, device=q_lat.device, dtype=torch.float32)
     block_r = triton.next_power_of_2(rank)
-    _mla_split_kernel[(bsz, triton.cdiv(heads, block_h), num_splits)](
+    _mla_split_kernel[(triton.cdiv(heads, block_h), num_splits, bsz)](
         q_lat,
         q_pe,
         latent_cache,
