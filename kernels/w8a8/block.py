@@ -13,8 +13,10 @@ How
     rounded to the e4m3 grid (the scales optionally stored M-major, as the Hopper kernel reads them). The GEMM
     tiles the output in BLOCK_M x BLOCK_N and walks K in steps of BLOCK_K = B, one scale pair per step; ragged M,
     N, K are masked (a short last tile's padding is zero in both operands). Small M splits K across programs (the serial
-    fix-up of ``w4a16.epilogue.finish_tile``). On Hopper with B = 128 and ``WS_FROM_M`` rows or more the
-    warp-specialized Gluon kernel (``ws_kernel.py``) serves instead: in Triton's single loop each promotion waits
+    fix-up of ``w4a16.epilogue.finish_tile``); up to ``FUSED_QUANT_MAX_M`` rows ``fp8_block_linear`` quantizes
+    the activation tiles inside the GEMM instead. On Hopper with B = 128 and ``WS_FROM_M`` rows or more (from
+    ``WS_ONE_WAVE_FROM_M`` where the output tiles make one wave) the warp-specialized Gluon kernel
+    (``ws_kernel.py``) serves instead: in Triton's single loop each promotion waits
     for its wgmma, which left the block GEMM at 0.57x bf16 cuBLAS at M >= 1024 (H100, its best tile config).
 
 Layouts: ``qw`` float8_e4m3fn [N, K] row-major, K contiguous; ``w_scale`` fp32 [ceil(N/B), ceil(K/B)] (DeepSeek-V3's
@@ -55,6 +57,12 @@ BLOCK_SIZES = (16, 32, 64, 128, 256, 512)
 # Triton tiles on 11 of the 12 benchmark shapes (geomean over bf16 cuBLAS, end to end: 1.05x against 0.75x); at M = 64
 # it won on 6 of 12, losing on the small ones (4096 x 4096: 0.77x against 0.85x; geomean 1.12x against 1.14x).
 WS_FROM_M = 256
+# From this many rows it also serves where its 128 x 128 output tiles number WS_MIN_TILES to one per SM (one wave).
+# H100, M = 64, end to end over bf16 cuBLAS (two groups against the Triton tiles, same run): ahead on all five
+# shapes with 56-112 tiles (e.g. 14336 x 4096: 1.38x against 1.19x; 7168 x 2048: 0.96x against 0.86x), behind on
+# the three with 17-32 tiles and on three of four past one wave (18432 x 7168, 144 tiles: 1.17x against 1.46x).
+WS_ONE_WAVE_FROM_M = 64
+WS_MIN_TILES = 48
 # Three consumer warp groups (192 x 128 tiles: fewer operand bytes per product, ``ws.launch_block(consumers=3)``)
 # from this many rows. H100, end to end over bf16 cuBLAS against two groups in the same run: at M = 16384 ahead on
 # 10 of 12 shapes (Llama geomean 1.34x against 1.27x, DeepSeek-V3 1.15x against 1.09x), even at 4096 (1.22x against
@@ -356,6 +364,14 @@ def _launch_tiles(qa, a_scale, qw, w_scale, block, bias, out, cfg: BlockConfig, 
     return out
 
 
+def _use_ws(m: int, n: int, device: torch.device) -> bool:
+    """Whether ``m`` x ``n`` outputs go to the warp-specialized kernel (where it can serve them)."""
+    if m >= WS_FROM_M:
+        return True
+    tiles = -(-m // 128) * -(-n // 128)
+    return m >= WS_ONE_WAVE_FROM_M and device.type == "cuda" and WS_MIN_TILES <= tiles <= num_sms(device)
+
+
 def fp8_block_matmul(
     qa: torch.Tensor,
     a_scale: torch.Tensor,
@@ -387,7 +403,7 @@ def fp8_block_matmul(
     out = torch.empty(m, n, dtype=out_dtype, device=qa.device)
     if m == 0:
         return out
-    if config is None and m >= WS_FROM_M and block_unsupported(qa, qw, out, block) is None:
+    if config is None and _use_ws(m, n, qa.device) and block_unsupported(qa, qw, out, block) is None:
         consumers = 3 if m >= WS3_FROM_M else 2
         return launch_block(qa, a_scale, qw, w_scale, bias, out, consumers)  # Hopper, large M: the Gluon kernel
     return _launch_tiles(qa, a_scale, qw, w_scale, block, bias, out, config or tile_config(m), pdl)
@@ -414,7 +430,7 @@ def fp8_block_linear(
         fuse_quant = 0 < m <= FUSED_QUANT_MAX_M
     if fuse_quant:
         require(x2.dtype in FLOAT_DTYPES, f"x must be fp16/bf16/fp32, got {x2.dtype}")
-        require(m < WS_FROM_M, f"the fused quantizer serves fewer than {WS_FROM_M} rows, got {m}")
+        require(m < WS_ONE_WAVE_FROM_M, f"the fused quantizer serves fewer than {WS_ONE_WAVE_FROM_M} rows, got {m}")
         n = _check_weights(m, k, qw, w_scale, block, bias, x.dtype, x2.is_cuda)
         if x2.stride(1) != 1 or (m - 1) * x2.stride(0) + k > MAX_NUMEL:  # int32 offsets: a compact copy
             x2 = x2.contiguous()

@@ -181,11 +181,12 @@ hopper = pytest.mark.skipif(
 @hopper
 @pytest.mark.parametrize(
     ("m", "n", "k"),
-    [(300, 384, 320), (KB.WS_FROM_M, 4096, 4096), (4099, 520, 2048)],  # half tile past N, K tail; one tile row; many
-)
+    [(300, 384, 320), (KB.WS_FROM_M, 4096, 4096), (4099, 520, 2048), (KB.WS_ONE_WAVE_FROM_M, 7168, 1024)],
+)  # half tile past N, K tail; one tile row; many; a one-wave tile row below WS_FROM_M
 def test_gpu_warp_specialized_kernel_errs_like_the_triton_tiles(m, n, k):
-    """From WS_FROM_M rows on Hopper the Gluon kernel serves B = 128; its error against float64 from the same codes
-    is the Triton tiles' (same promotion interval and scale order), within 2x, plus a floor of 2**-20 max|y|."""
+    """From WS_FROM_M rows on Hopper (fewer where the tiles make one wave) the Gluon kernel serves B = 128; its error
+    against float64 from the same codes is the Triton tiles' (same promotion interval and scale order), within 2x,
+    plus a floor of 2**-20 max|y|."""
     x, _, qw, ws = layer(m, n, k, 128, seed=m)
     bias = torch.randn(n)
     qa, a_s = KB.quantize_tiles_reference(x, 128)
