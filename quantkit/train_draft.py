@@ -1,7 +1,8 @@
 """Training draft heads (Medusa, EAGLE) on the target's own hidden states: ``train_draft(model, config, out)``.
 
-The target reads token windows of calibration text once (its final hidden states f [n, T, H] are kept; its logits
-are the lm_head of them, recomputed per batch, so no [T, V] tensor is stored). The heads are then self-distilled:
+Each step the target reads its batch of token windows without gradients (its final hidden states f [B, T, H]; its
+logits are the lm_head of them at the positions the loss takes, so nothing vocabulary-sized or text-sized is stored,
+and the whole text can serve), and the heads are self-distilled:
 
 - Medusa: head j at position t minimises KL(p_{t+j} || q_j(t)), p_{t+j} the target's next-token distribution at
   t + j and q_j(t) = softmax(lm_head(head_j(f_t))) (Cai et al. 2024, self-distillation).
@@ -10,9 +11,12 @@ are the lm_head of them, recomputed per batch, so no [T, V] tensor is stored). T
   for the error of the draft's own features, on which it drafts after its first token).
 
 A held-out share of the windows measures the loss and each head's top-1 agreement with the target's argmax before
-and after training. The run saves its state every ``save_every`` steps in ``OUT/.resume.pt`` (heads, optimizer,
-step, and the fingerprint of what the result depends on); ``resume=True`` continues from it and refuses a state of
-another run. The heads folder (``runtime.speculative.heads``) is written only when training ends.
+training and after each epoch (``record["curve"]``: tokens seen, seconds, held-out loss). ``precision`` ``bf16`` runs
+the target and the heads under bfloat16 autocast (the heads' weights, the optimizer and the loss stay float32);
+``auto`` takes it on a GPU and float32 on the CPU. The run saves its state every ``save_every`` steps in
+``OUT/.resume.pt`` (heads, optimizer, step, and the fingerprint of what the result depends on); ``resume=True``
+continues from it and refuses a state of another run. The heads folder (``runtime.speculative.heads``) is written
+only when training ends.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from quantkit.runtime.speculative.heads import METHODS, WEIGHTS_FILE, base_finge
 
 RESUME_FILE = ".resume.pt"
 TOPK_RECORDED = 8  # Medusa: held-out accuracy of each head's best candidates, for the runtime's sparse tree
+PRECISIONS = ("auto", "fp32", "bf16")
 Progress = Callable[[str, int, int, str], None]  # (stage, done, total, note)
 
 
@@ -40,17 +45,19 @@ Progress = Callable[[str, int, int, str], None]  # (stage, done, total, note)
 class TrainDraftConfig:
     """- ``method``: ``eagle`` or ``medusa``; ``num_heads``: Medusa's K (EAGLE has one layer).
     - ``data``: text sources (``calib.data.load_text``: shipped names, local files, ``hf:`` datasets), joined.
-    - ``tokens``: training tokens (windows of ``seqlen``); ``val_fraction``: held-out windows, on top.
+    - ``tokens``: training tokens (windows of ``seqlen``; None: all of the text after the held-out windows);
+      ``val_fraction``: held-out windows, as a share of the training ones.
     - ``batch_size`` windows per step, ``epochs`` passes, AdamW at ``lr`` (20-step warm-up, cosine to lr / 10).
     - ``feature_noise``: EAGLE's input noise, as a fraction of the features' RMS.
     - ``loss_positions``: positions per window where the loss is taken (its vocabulary-sized products are most of a
       step's cost; None: all). Validation takes every position.
+    - ``precision``: ``auto`` (bf16 on a GPU, fp32 on the CPU), ``fp32`` or ``bf16`` (autocast).
     - ``save_every``: steps between resume states."""
 
     method: str
     num_heads: int = 4
     data: tuple[str, ...] = ("brown",)
-    tokens: int = 200_000
+    tokens: int | None = 200_000
     val_fraction: float = 0.05
     seqlen: int = 256
     batch_size: int = 4
@@ -58,13 +65,17 @@ class TrainDraftConfig:
     lr: float = 1e-3
     feature_noise: float = 0.1
     loss_positions: int | None = 64
+    precision: str = "auto"
     save_every: int = 50
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise QuantkitError(f"unknown draft head method {self.method!r}; available: {', '.join(METHODS)}")
-        for name, low in (("num_heads", 1), ("tokens", 1), ("seqlen", 2), ("batch_size", 1), ("epochs", 1),
+        integer("tokens", self.tokens, low=1, none=True)
+        if self.precision not in PRECISIONS:
+            raise QuantkitError(f"unknown precision {self.precision!r}; available: {', '.join(PRECISIONS)}")
+        for name, low in (("num_heads", 1), ("seqlen", 2), ("batch_size", 1), ("epochs", 1),
                           ("save_every", 1), ("seed", 0)):  # fmt: skip
             integer(name, getattr(self, name), low=low)
         number("val_fraction", self.val_fraction, 0.0, 0.5, low_open=True)
@@ -93,12 +104,61 @@ def token_stream(data: tuple[str, ...], tokenizer) -> tuple[torch.Tensor, list[d
     return torch.cat(parts), prints
 
 
+INSTRUCTIONS = (  # chat turns built on passages of the training text, for the target's own chat-style answers
+    "Continue this text.",
+    "Summarise this passage.",
+    "Explain this passage in simple words.",
+    "What happens next? Write the next paragraph.",
+    "List the main points of this passage.",
+    "Rewrite this passage in plain modern English.",
+    "Write a question about this passage and answer it.",
+    "Describe the tone and the subject of this passage.",
+)
+
+
+def self_distilled_ids(llm, ids: torch.Tensor, tokens: int, prompt_len: int = 64, new_tokens: int = 192,
+                       seed: int = 0) -> tuple[torch.Tensor, dict]:  # fmt: skip
+    """Text the target writes itself, for heads that learn what it will be asked to continue: from random passages
+    of ``prompt_len`` tokens of ``ids`` (training text), ``llm`` (a ``quantkit.runtime.LLM`` of the target) writes
+    ``new_tokens`` tokens each, half of them as a plain continuation and half as the answer to a chat turn (one of
+    ``INSTRUCTIONS`` and the passage) where the tokenizer has a chat template; half greedy, half sampled at
+    temperature 0.7; EOS ignored, as speculative decoding's measurements do. Returns (prompts and answers joined,
+    about ``tokens`` of them; the fingerprint of that text)."""
+    from quantkit.runtime import SamplingParams
+
+    tokenizer = llm.tokenizer
+    chat = getattr(tokenizer, "chat_template", None) is not None
+    n = -(-tokens // (prompt_len + new_tokens))
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, ids.numel() - prompt_len, (n,), generator=gen).tolist()
+    prompts = []
+    for i, start in enumerate(starts):
+        passage = ids[start : start + prompt_len].tolist()
+        if chat and i % 4 in (1, 2):  # chat turns in both halves below
+            message = f"{INSTRUCTIONS[i // 2 % len(INSTRUCTIONS)]}\n\n{tokenizer.decode(passage)}"
+            passage = tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=False)  # fmt: skip
+        prompts.append(passage)
+    out = []
+    for temperature, part in ((0.0, prompts[::2]), (0.7, prompts[1::2])):  # each half: plain and chat prompts
+        params = SamplingParams(max_tokens=new_tokens, temperature=temperature, seed=seed, ignore_eos=True)
+        out += [p + o.outputs[0].token_ids for p, o in zip(part, llm.generate(part, params), strict=True)]
+    text = torch.tensor([t for seq in out for t in seq])
+    where = {"source": f"self-distilled: {n} passages of {ids.numel()} training tokens, {new_tokens} new tokens each",
+             "sha256": _digest(text.numpy().tobytes()), "tokens": int(text.numel())}  # fmt: skip
+    return text, where
+
+
 def split_windows(ids: torch.Tensor, config: TrainDraftConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Shuffled non-overlapping windows of ``ids``: (training [n, T], held-out [m, T])."""
     n_total = ids.numel() // config.seqlen
     windows = ids[: n_total * config.seqlen].view(n_total, config.seqlen)
-    n_train = -(-config.tokens // config.seqlen)
-    n_val = max(1, round(n_train * config.val_fraction))
+    if config.tokens is None:  # all of it: n_val = val_fraction * n_train, n_train + n_val = n_total
+        n_val = max(1, round(n_total * config.val_fraction / (1 + config.val_fraction)))
+        n_train = n_total - n_val
+    else:
+        n_train = -(-config.tokens // config.seqlen)
+        n_val = max(1, round(n_train * config.val_fraction))
     if n_total < n_train + n_val:
         raise QuantkitError(
             f"the text has {n_total} windows of {config.seqlen} tokens; {n_train} for training and {n_val} held out "
@@ -108,16 +168,17 @@ def split_windows(ids: torch.Tensor, config: TrainDraftConfig) -> tuple[torch.Te
     return windows[order[n_val : n_val + n_train]], windows[order[:n_val]]
 
 
+def autocast(device: torch.device, precision: str):
+    """The context the target and the heads run under: bfloat16 autocast, or none (float32)."""
+    import contextlib
+
+    return torch.autocast(device.type, torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+
+
 @torch.no_grad()
-def target_features(model, windows: torch.Tensor, batch_size: int, device, progress: Progress | None) -> torch.Tensor:
-    """The target's final (normed) hidden states [n, T, H], float32 on the CPU."""
-    decoder = model.get_decoder()
-    out = []
-    for i in range(0, windows.shape[0], batch_size):
-        out.append(decoder(input_ids=windows[i : i + batch_size].to(device)).last_hidden_state.float().cpu())
-        if progress is not None:
-            progress("target features", min(i + batch_size, windows.shape[0]), windows.shape[0], "")
-    return torch.cat(out)
+def target_features(model, windows: torch.Tensor) -> torch.Tensor:
+    """The target's final (normed) hidden states of windows [B, T] -> [B, T, H], float32 on the windows' device."""
+    return model.get_decoder()(input_ids=windows).last_hidden_state.float()
 
 
 def _kl(target_logits: torch.Tensor, head_logits: torch.Tensor) -> torch.Tensor:
@@ -130,7 +191,8 @@ def _pick(n: int, count: int | None, generator) -> torch.Tensor:
     """``count`` of the positions 0 .. n - 1 at random (all, in order, when ``count`` is None or >= n)."""
     if count is None or count >= n:
         return torch.arange(n)
-    return torch.randperm(n, generator=generator)[:count].sort().values
+    device = generator.device if generator is not None else "cpu"
+    return torch.randperm(n, generator=generator, device=device)[:count].sort().values
 
 
 def head_losses(heads, method: str, lm_head, embed, f, ids, noise: float, positions: int | None, generator=None):
@@ -151,7 +213,7 @@ def head_losses(heads, method: str, lm_head, embed, f, ids, noise: float, positi
     inputs = f[:, :-1]
     if noise > 0:
         rms = inputs.pow(2).mean().sqrt()
-        inputs = inputs + noise * rms * torch.randn(inputs.shape, generator=generator).to(f.device)
+        inputs = inputs + noise * rms * torch.randn(inputs.shape, generator=generator, device=f.device)
     g, _ = heads(inputs, embed(ids[:, 1:]), torch.arange(t - 1, device=f.device))
     at = _pick(t - 1, positions, generator).to(f.device)
     g, target = g[:, at], f[:, at + 1]
@@ -162,30 +224,33 @@ def head_losses(heads, method: str, lm_head, embed, f, ids, noise: float, positi
     return loss, [(logits.argmax(-1) == target_logits.argmax(-1)).float().mean().item()]
 
 
-def _evaluate(heads, method, lm_head, embed, feats, ids, batch_size: int, device) -> dict:
+def _evaluate(model, heads, method, ids, batch_size: int, device, precision: str) -> dict:
+    """Held-out loss and top-1 agreement of the heads on windows ids [m, T] (every position, no noise)."""
+    lm_head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     heads.eval()
     losses, agree = [], []
-    with torch.no_grad():
-        for i in range(0, feats.shape[0], batch_size):
-            f, x = feats[i : i + batch_size].to(device), ids[i : i + batch_size].to(device)
-            loss, a = head_losses(heads, method, lm_head, embed, f, x, 0.0, None)
+    with torch.no_grad(), autocast(device, precision):
+        for i in range(0, ids.shape[0], batch_size):
+            x = ids[i : i + batch_size].to(device)
+            loss, a = head_losses(heads, method, lm_head, embed, target_features(model, x), x, 0.0, None)
             losses.append(float(loss))
             agree.append(a)
+        out = {"loss": round(sum(losses) / len(losses), 5),
+               "top1": [round(sum(col) / len(col), 4) for col in zip(*agree, strict=True)]}  # fmt: skip
+        if method == "medusa":
+            out["topk_accuracy"] = topk_accuracy(model, heads, ids, batch_size, device)
     heads.train()
-    out = {"loss": round(sum(losses) / len(losses), 5),
-           "top1": [round(sum(col) / len(col), 4) for col in zip(*agree, strict=True)]}  # fmt: skip
-    if method == "medusa":
-        out["topk_accuracy"] = topk_accuracy(heads, lm_head, feats, batch_size, device)
     return out
 
 
 @torch.no_grad()
-def topk_accuracy(heads, lm_head, feats, batch_size: int, device, topk: int = TOPK_RECORDED) -> list[list[float]]:
-    """Medusa heads on features [n, T, H] -> [K, topk]: entry (j, i) the fraction of positions p where head j's i-th
+def topk_accuracy(model, heads, ids, batch_size: int, device, topk: int = TOPK_RECORDED) -> list[list[float]]:
+    """Medusa heads on windows ids [n, T] -> [K, topk]: entry (j, i) the fraction of positions p where head j's i-th
     best candidate is the target's own choice of token p + j + 2 (``medusa_tree``'s accuracy table)."""
+    lm_head = model.get_output_embeddings()
     hits, counts = None, None
-    for i in range(0, feats.shape[0], batch_size):
-        f = feats[i : i + batch_size].to(device)
+    for i in range(0, ids.shape[0], batch_size):
+        f = target_features(model, ids[i : i + batch_size].to(device))
         outs, t = heads(f), f.shape[1]
         if hits is None:
             hits, counts = torch.zeros(len(outs), topk, dtype=torch.float64), [0] * len(outs)
@@ -199,10 +264,11 @@ def topk_accuracy(heads, lm_head, feats, batch_size: int, device, topk: int = TO
 
 def train_draft(
     model, config: TrainDraftConfig, out, tokenizer=None, ids: torch.Tensor | None = None, resume: bool = False,
-    device=None, progress: Progress | None = None,
+    device=None, progress: Progress | None = None, data_print: list[dict] | None = None,
 ) -> dict:  # fmt: skip
     """Train ``config.method`` heads for ``model`` (a spec ``quantkit.load_model`` takes, or a loaded HF causal LM
-    with ``tokenizer``) and write them to ``out``; ``ids`` [N] (token ids) replaces the text sources. Returns the
+    with ``tokenizer``) and write them to ``out``; ``ids`` [N] (token ids) replaces the text sources, and
+    ``data_print`` (``token_stream``'s, when the ids are its tokens) records where they came from. Returns the
     training record saved in the heads' config."""
     from quantkit.devices import resolve_device
 
@@ -219,7 +285,7 @@ def train_draft(
     model.eval().requires_grad_(False)
     if ids is None:
         ids, data_print = token_stream(config.data, tokenizer)
-    else:
+    elif data_print is None:
         data_print = [{"source": "token ids", "sha256": _digest(ids.cpu().numpy().tobytes()), "tokens": ids.numel()}]
     train_ids, val_ids = split_windows(ids.long(), config)
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -233,6 +299,7 @@ def train_draft(
     heads.train()
     steps_per_epoch = -(-train_ids.shape[0] // config.batch_size)
     total = steps_per_epoch * config.epochs
+    n_tokens = int(train_ids.numel())
     optim = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=0.0)
 
     def lr_at(step: int) -> float:
@@ -247,21 +314,27 @@ def train_draft(
         heads.load_state_dict(state["heads"])
         optim.load_state_dict(state["optim"])
         step, record = state["step"], state["record"]
-    t0 = time.perf_counter()
-    train_f = target_features(model, train_ids, config.batch_size, device, progress)
-    val_f = target_features(model, val_ids, config.batch_size, device, None)
+    precision = config.precision if config.precision != "auto" else "bf16" if device.type == "cuda" else "fp32"
+
+    def evaluate() -> dict:
+        return _evaluate(model, heads, config.method, val_ids, config.batch_size, device, precision)
+
+    t0 = time.perf_counter() - record.get("seconds", 0.0)
     if "before" not in record:
-        record["before"] = _evaluate(heads, config.method, lm_head, embed, val_f, val_ids, config.batch_size, device)
+        record["before"] = evaluate()
+        record["curve"] = [{"epoch": 0, "tokens": 0, "seconds": 0.0, "loss": record["before"]["loss"],
+                            "top1": record["before"]["top1"]}]  # fmt: skip
     while step < total:
         epoch, i = divmod(step, steps_per_epoch)
         order = torch.randperm(train_ids.shape[0], generator=torch.Generator().manual_seed(config.seed + 1 + epoch))
         rows = order[i * config.batch_size : (i + 1) * config.batch_size]
         for group in optim.param_groups:
             group["lr"] = lr_at(step)
-        noise_gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
-        loss, agree = head_losses(heads, config.method, lm_head, embed, train_f[rows].to(device),
-                                  train_ids[rows].to(device), config.feature_noise, config.loss_positions,
-                                  noise_gen)  # fmt: skip
+        noise_gen = torch.Generator(device).manual_seed(config.seed * 1_000_003 + step)
+        x = train_ids[rows].to(device)
+        with autocast(device, precision):
+            loss, agree = head_losses(heads, config.method, lm_head, embed, target_features(model, x), x,
+                                      config.feature_noise, config.loss_positions, noise_gen)  # fmt: skip
         optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
@@ -269,15 +342,27 @@ def train_draft(
         step += 1
         if progress is not None:
             progress("training", step, total, f"loss {loss.item():.3f} top-1 {' '.join(f'{a:.2f}' for a in agree)}")
+        if step % steps_per_epoch == 0 and step < total:  # the held-out loss after each epoch but the last
+            seen = evaluate()
+            record["curve"].append({"epoch": step // steps_per_epoch, "tokens": step // steps_per_epoch * n_tokens,
+                                    "seconds": round(time.perf_counter() - t0, 1), "loss": seen["loss"],
+                                    "top1": seen["top1"]})  # fmt: skip
         if step % config.save_every == 0 and step < total:
+            record["seconds"] = time.perf_counter() - t0
             state = {"fingerprint": fingerprint, "step": step, "heads": heads.state_dict(),
                      "optim": optim.state_dict(), "record": record}  # fmt: skip
             out.mkdir(parents=True, exist_ok=True)
             torch.save(state, out / f"{RESUME_FILE}.tmp")
             (out / f"{RESUME_FILE}.tmp").replace(out / RESUME_FILE)  # whole or not at all
-    record["after"] = _evaluate(heads, config.method, lm_head, embed, val_f, val_ids, config.batch_size, device)
-    record.update(steps=total, train_tokens=int(train_ids.numel()), val_tokens=int(val_ids.numel()),
-                  seconds=round(time.perf_counter() - t0, 1), device=str(device))  # fmt: skip
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = round(time.perf_counter() - t0, 1)  # training, with the held-out evaluations before the last
+    record["after"] = evaluate()
+    record["curve"].append({"epoch": config.epochs, "tokens": config.epochs * n_tokens, "seconds": seconds,
+                            "loss": record["after"]["loss"], "top1": record["after"]["top1"]})  # fmt: skip
+    record.update(steps=total, train_tokens=n_tokens, val_tokens=int(val_ids.numel()),
+                  tokens_seen=config.epochs * n_tokens, seconds=seconds, device=str(device),
+                  precision=precision)  # fmt: skip
     cfg = model.config
     sizes = {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size}
     if config.method == "eagle":

@@ -12,7 +12,7 @@ from quantkit.cli.base import QuantkitCommand, device_name
 from quantkit.errors import QuantkitError
 from quantkit.runtime.config import DTYPES, EngineConfig
 from quantkit.runtime.sampling_params import SamplingParams
-from quantkit.train_draft import TrainDraftConfig
+from quantkit.train_draft import PRECISIONS, TrainDraftConfig
 
 DUMMY_PREFIX = "dummy:"
 
@@ -296,10 +296,10 @@ TRAIN = _defaults(TrainDraftConfig)
 )
 @click.option(
     "--tokens",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=0),
     default=TRAIN["tokens"],
     show_default=True,
-    help="Training tokens (a held-out share comes on top).",
+    help="Training tokens (a held-out share comes on top); 0: all of the text.",
 )
 @click.option(
     "--num-heads",
@@ -326,15 +326,29 @@ TRAIN = _defaults(TrainDraftConfig)
     show_default=True,
     help="Steps between resume states.",
 )
+@click.option(
+    "--loss-positions",
+    type=click.IntRange(min=0),
+    default=TRAIN["loss_positions"],
+    show_default=True,
+    help="Positions per window where the training loss is taken; 0: all.",
+)
+@click.option(
+    "--precision",
+    type=click.Choice(PRECISIONS),
+    default=TRAIN["precision"],
+    show_default=True,
+    help="bf16: autocast; auto: bf16 on a GPU, fp32 on the CPU.",
+)
 @click.option("--resume", is_flag=True, help="Continue the run whose state is in --out.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available).")
 @click.option("--seed", type=click.IntRange(min=0), default=TRAIN["seed"], show_default=True)
-def train_draft_command(model, method, out, resume, device, **settings):
+def train_draft_command(model, method, out, resume, device, tokens, loss_positions, **settings):
     """Train Medusa or EAGLE draft heads on the target's own hidden states (self-distilled), for --speculative."""
     from quantkit.cli.progress import progress_bar
     from quantkit.train_draft import train_draft
 
-    config = TrainDraftConfig(method=method, **settings)
+    config = TrainDraftConfig(method=method, tokens=tokens or None, loss_positions=loss_positions or None, **settings)
     with progress_bar() as bar:
         tasks = {}
 
@@ -346,7 +360,8 @@ def train_draft_command(model, method, out, resume, device, **settings):
         record = train_draft(model, config, out, resume=resume, device=device_name(device), progress=progress)
     before, after = record["before"], record["after"]
     click.echo(
-        f"{method} heads in {out}: {record['train_tokens']} training tokens, {record['steps']} steps, "
+        f"{method} heads in {out}: {record['train_tokens']} training tokens x {config.epochs} epochs, "
+        f"{record['steps']} steps, "
         f"{record['seconds']:.0f} s; held-out loss {before['loss']:.3f} -> {after['loss']:.3f}, top-1 agreement "
         f"{' '.join(f'{a:.3f}' for a in before['top1'])} -> {' '.join(f'{a:.3f}' for a in after['top1'])}"
     )
