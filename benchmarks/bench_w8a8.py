@@ -18,7 +18,8 @@ Every figure goes from bf16 activations x [M, K] to a bf16 output [M, N] and is 
   fp8_block_gemm  the block GEMM alone on pre-quantized activations (M-major scales), to split the cost
   block_quant     the 1 x 128 tile quantizer alone (quantize_tiles, M-major scales)
   fp8_block_ws2   fp8_block with the warp-specialized Hopper kernel, two consumer warp groups (128 x 128 tiles), at
-                  M >= 64 (the dispatch uses it from block.WS_FROM_M rows), to place that threshold
+                  M >= 64 (the dispatch uses it from block.WS_FROM_M rows, and from WS_ONE_WAVE_FROM_M where its
+                  output tiles make one wave), to place those thresholds
   fp8_block_ws3   the same with three consumer warp groups (192 x 128 tiles; block.WS3_FROM_M)
   fp8_block_fused / fp8_block_unfused
                   fp8_block at M <= 64 with the activation tiles quantized inside the GEMM (fuse_quant=True; the
