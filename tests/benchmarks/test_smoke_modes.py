@@ -71,3 +71,28 @@ def test_serve_smoke_agrees_with_hf(tmp_path):
     assert agree["positionwise"] == 1.0 and agree["teacher_forced"] == 1.0 and agree["gap_max"] == 0.0
     assert agree["fp32_ours"]["teacher_forced"] == agree["fp32_hf"]["teacher_forced"] == 1.0  # fp32 is the model
     assert "tokens" not in agree
+
+
+def test_serve_moe_smoke_agrees_with_hf_and_counts_active_parameters(tmp_path):
+    """``--model tiny-qwen3-moe``: bf16 (fp32 on the CPU) and W4A16 random weights, HF's model of the engine's own
+    tensors agrees token for token, and the roofline reads k of the E experts per layer."""
+    from quantkit.runtime.bench import DUMMY_MODELS
+
+    run = smoke("bench_serve.py", tmp_path, "--smoke", "--model", "tiny-qwen3-moe")
+    assert "FAILED" not in run.stdout
+    data = json.loads((tmp_path / "bench_serve_smoke_tiny-qwen3-moe.json").read_text())
+    assert data["meta"]["moe"] and not data["errors"]
+    agree = data["results"]["agreement_bf16"]
+    assert agree["positionwise"] == 1.0 and agree["teacher_forced"] == 1.0
+    c = DUMMY_MODELS["tiny-qwen3-moe"]
+    h, hd, kv = c["hidden_size"], c["head_dim"], c["num_key_value_heads"]
+    attention = 2 * h * c["num_attention_heads"] * hd + 2 * h * kv * hd
+    experts = c["num_experts_per_tok"] * 3 * h * c["moe_intermediate_size"]  # the active ones only
+    per_layer = attention + c["num_experts"] * h + experts  # router included
+    params = c["num_hidden_layers"] * per_layer + c["vocab_size"] * h  # lm_head; the embedding is a gather
+    assert data["results"]["bf16"]["batch1"]["weight_bytes"] == 4 * params  # fp32
+    assert data["results"]["w4a16"]["batch1"]["weight_bytes"] < 4 * params
+    assert "throughput_hf_subset" in data["results"]["bf16"]
+    refused = subprocess.run([sys.executable, str(BENCHMARKS / "bench_serve.py"), "--smoke", "--model",
+                              "tiny-qwen3-moe", "--variants", "w8a8"], capture_output=True, text=True)  # fmt: skip
+    assert refused.returncode == 2 and "choose from bf16,w4a16" in refused.stderr

@@ -3,10 +3,22 @@
 import sys
 import types
 
+import torch
+from quantkit.kernels._device import interpreting
 from triton.runtime.jit import JITFunction
 
 from quantkit.runtime import LLM, SamplingParams
-from quantkit.runtime.bench import WARM_UP_BATCH, WARM_UP_LENGTHS, compiled_kernels, offline_throughput, warm_up
+from quantkit.runtime.bench import (
+    DUMMY_MODELS,
+    WARM_UP_BATCH,
+    WARM_UP_LENGTHS,
+    compiled_kernels,
+    hf_from_runtime,
+    offline_throughput,
+    warm_up,
+)
+from quantkit.runtime.loader import LoadedModel, dummy
+from quantkit.runtime.model import fuse_projections
 from tests.runtime.helpers import random_prompts
 from tests.tiny_models import COMMON, tiny_model
 
@@ -77,3 +89,29 @@ def test_compiled_kernels_names_every_specialization_of_quantkit_kernels(monkeyp
     monkeypatch.setitem(sys.modules, "quantkit.kernels._count_probe", types.SimpleNamespace(k=mine))
     monkeypatch.setitem(sys.modules, "elsewhere._count_probe", types.SimpleNamespace(k=other))
     assert compiled_kernels() - before == {"_kernel: a", "_kernel: b", "_kernel: c"}
+
+
+def test_hf_from_runtime_holds_the_runtime_tensors_and_computes_the_same_logits():
+    """transformers' model of a ``dummy`` shape from the runtime's weights: per-expert weights stacked (CPU), or,
+    after q/k/v fusion and expert stacking (the CUDA layout), the very tensors; the logits equal either way, and
+    equal the runtime's own greedy tokens."""
+    config = DUMMY_MODELS["tiny-qwen3-moe"]
+    model = dummy(config, "float32", torch.device("cpu"), seed=3).model
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    hf = hf_from_runtime(model, config)
+    logits = hf(ids).logits
+    llm = LLM(LoadedModel(model, None, ()), device="cpu", num_kv_blocks=8)
+    ours = llm.generate([ids[0].tolist()], SamplingParams(max_tokens=6, ignore_eos=True))[0].outputs[0].token_ids
+    ref = hf.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)[0, 6:].tolist()
+    assert ours == ref
+    if interpreting():  # the fused kernels' layout (stack_experts needs CUDA or Triton's interpreter)
+        assert all(layer.mlp.stack_experts() for layer in model.model.layers)
+    fuse_projections(model)
+    hf = hf_from_runtime(model, config)
+    attn = model.model.layers[0].self_attn
+    assert hf.model.layers[0].self_attn.k_proj.weight.data_ptr() == attn.qkv_proj.weight[64].data_ptr()
+    if interpreting():
+        assert (
+            hf.model.layers[1].mlp.experts.down_proj.data_ptr() == model.model.layers[1].mlp.fused[1].weight.data_ptr()
+        )
+    assert torch.equal(hf(ids).logits, logits)

@@ -70,3 +70,37 @@ def test_a_tensor_of_the_wrong_shape_or_name_is_named():
         assign_weights(meta_model(), tensors, CPU)
     with pytest.raises(QuantkitError, match="cannot build a model from this config"):
         dummy({"model_type": "no-such-model"}, "float32", CPU)
+
+
+def test_dummy_quantized_weights_are_made_directly_and_float_experts_share_one_tensor_per_layer():
+    """``dummy(..., scheme=...)``: every decoder-layer linear quantized (codes random, zero points at mid-range,
+    the float initialisation's spread), lm_head, embedding and router float; float MoE experts are views of one
+    gate/up and one down tensor per layer (stacking then copies a layer at a time); other schemes are refused."""
+    from quantkit.nn.qlinear import QuantLinear
+    from quantkit.quant.scheme import QuantScheme
+    from quantkit.runtime.bench import DUMMY_MODELS
+
+    config = DUMMY_MODELS["tiny-qwen3-moe"]
+    model = dummy(config, "float32", CPU, scheme=QuantScheme(bits=4, group_size=32, sym=True)).model
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear | torch.nn.Linear)}
+    quantized = {n for n, m in linears.items() if isinstance(m, QuantLinear)}
+    assert quantized == {n for n in linears if n.startswith("model.layers.") and not n.endswith("mlp.gate")}
+    expert = model.model.layers[0].mlp.experts[3].down_proj
+    w = expert.dequantize_weight()
+    assert abs(w.std().item() - 0.02) < 0.002 and torch.equal(expert.g_idx, torch.arange(32) // 32)
+    assert torch.equal(torch.unique(expert.qzeros), torch.tensor([-2004318072], dtype=torch.int32))  # 0x88888888
+    assert len(torch.unique(w)) == 16  # every 4-bit code occurs
+    again = dummy(config, "float32", CPU, scheme=QuantScheme(bits=4, group_size=32, sym=True)).model
+    assert torch.equal(
+        again.model.layers[1].mlp.experts[0].gate_proj.qweight, model.model.layers[1].mlp.experts[0].gate_proj.qweight
+    )
+
+    block = dummy(config, "float32", CPU).model.model.layers[1].mlp
+    storages = {
+        name: {getattr(e, name).weight.untyped_storage().data_ptr() for e in block.experts}
+        for name in ("gate_proj", "up_proj", "down_proj")
+    }
+    assert storages["gate_proj"] == storages["up_proj"] and all(len(s) == 1 for s in storages.values())
+    assert abs(block.experts[5].up_proj.weight.std().item() - 0.02) < 0.004
+    with pytest.raises(QuantkitError, match="random quantized weights are integer weight-only"):
+        dummy(config, "float32", CPU, scheme=QuantScheme(bits=8, group_size=-1, act_bits=8, act_dynamic=True))
