@@ -17,6 +17,8 @@ Every figure goes from bf16 activations x [M, K] to a bf16 output [M, N] and is 
   --block mode only:
   fp8_block_gemm  the block GEMM alone on pre-quantized activations (M-major scales), to split the cost
   block_quant     the 1 x 128 tile quantizer alone (quantize_tiles, M-major scales)
+  block_quant_1   the same with one tile per program (tiles_per_program=1; the default takes block.QUANT_TILES
+                  from QUANT_TILES_FROM_M rows)
   fp8_block_ws2   fp8_block with the warp-specialized Hopper kernel, two consumer warp groups (128 x 128 tiles), at
                   M >= 64 (the dispatch uses it from block.WS_FROM_M rows, and from WS_ONE_WAVE_FROM_M where its
                   output tiles make one wave), to place those thresholds
@@ -99,14 +101,15 @@ VARIANTS = ["bf16", "int8", "int8_gemm", "quant", "int_mm", "fp8", "fp8_fast", "
             "fp8_block"]  # fmt: skip
 RATIO_VARIANTS = ["int8", "int_mm", "fp8", "fp8_fast", "scaled_mm", "scaled_mm_fast", "fp8_block"]
 BLOCK_VARIANTS = ["bf16", "fp8", "fp8_block", "fp8_block_gemm", "block_quant", "fp8_block_ws2", "fp8_block_ws3",
-                  "fp8_block_fused", "fp8_block_unfused"]  # fmt: skip
+                  "fp8_block_fused", "fp8_block_unfused", "block_quant_1"]  # fmt: skip
 BLOCK_RATIO_VARIANTS = ["fp8", "fp8_block", "fp8_block_gemm", "fp8_block_ws2", "fp8_block_ws3", "fp8_block_fused",
                         "fp8_block_unfused"]  # fmt: skip
 VARIANT_MS = {"fp8_block_ws2": (64, MS[-1]), "fp8_block_ws3": (64, MS[-1]), "fp8_block_fused": (1, 64),
               "fp8_block_unfused": (1, 64)}  # fmt: skip
 # variants a GPU or cuBLAS may refuse (reported as n/a)
 OPTIONAL = ("int_mm", "scaled_mm", "scaled_mm_fast", "fp8_block_ws2", "fp8_block_ws3")
-UNCHECKED = ("bf16", "quant", "block_quant")  # bf16 computes from unquantized operands; the quantizers give no y
+# bf16 computes from unquantized operands; the quantizers give no y
+UNCHECKED = ("bf16", "quant", "block_quant", "block_quant_1")
 
 # Sweep candidates per M regime, as K.CONFIG_KEYS tuples (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, num_warps,
 # num_stages), the same for int8 and fp8. Small M is weight-bandwidth bound: narrow N tiles give enough CTAs to fill
@@ -224,8 +227,9 @@ class Problem:
             qb, sb = self.block[i]
             fuse = variant == "fp8_block_fused"
             return lambda: KB.fp8_block_linear(x, qb, sb, BLOCK, fuse_quant=fuse)
-        if variant == "block_quant":
-            return lambda: KB.quantize_tiles(x, BLOCK, m_major=True)
+        if variant in ("block_quant", "block_quant_1"):
+            tiles = 1 if variant == "block_quant_1" else None
+            return lambda: KB.quantize_tiles(x, BLOCK, m_major=True, tiles_per_program=tiles)
         if variant in ("fp8_block_ws2", "fp8_block_ws3"):
             qb, sb = self.block[i]
             out = torch.empty(m, self.n, dtype=torch.bfloat16, device=x.device)

@@ -33,22 +33,23 @@ def layer(m, n, k, block, seed):
     return x, w, qw, ws
 
 
-def test_tile_quantizer_matches_reference_bit_for_bit():
+@pytest.mark.parametrize("tiles", [None, 2, 4])  # tiles per program; 3 tiles along K: the last program's are ragged
+def test_tile_quantizer_matches_reference_bit_for_bit(tiles):
     x = torch.randn(5, 80) * 3
     x[2] = 0
-    qa, s = KB.quantize_tiles(x.to(DEVICE), 32)
+    qa, s = KB.quantize_tiles(x.to(DEVICE), 32, tiles_per_program=tiles)
     rq, rs = KB.quantize_tiles_reference(x, 32)
     assert rs.shape == (5, 3) and torch.equal(s.cpu(), rs)
     assert torch.equal(qa.cpu().view(torch.uint8), rq.view(torch.uint8))
     assert torch.equal(rs[2], torch.full((3,), 1e-30 / 448))  # an all-zero row: tiny scales, zero codes, no NaN
 
 
-@pytest.mark.parametrize(("m", "k"), [(5, 80), (9, 64)])
-def test_tile_quantizer_writes_m_major_scales_for_the_hopper_kernel(m, k):
+@pytest.mark.parametrize(("m", "k", "tiles"), [(5, 80, 1), (9, 64, 1), (KB.QUANT_TILES_FROM_M + 3, 224, None)])
+def test_tile_quantizer_writes_m_major_scales_for_the_hopper_kernel(m, k, tiles):
     """M-major: the same values, unit stride along M, each tile's column padded to 16 bytes; ``m_major_scales``
     keeps such a tensor as it is and copies any other into that layout."""
     x = torch.randn(m, k).bfloat16()
-    qa, s = KB.quantize_tiles(x.to(DEVICE), 32, m_major=True)
+    qa, s = KB.quantize_tiles(x.to(DEVICE), 32, m_major=True, tiles_per_program=tiles)
     rq, rs = KB.quantize_tiles_reference(x, 32)
     assert s.shape == rs.shape and s.stride() == (1, -(-m // 4) * 4)
     assert torch.equal(s.cpu(), rs) and torch.equal(qa.cpu().view(torch.uint8), rq.view(torch.uint8))
