@@ -249,24 +249,37 @@ def engine(hf, args) -> LLM:
     )
 
 
-def measure_variant(name: str, hf, prompts, args, report: Report, hf_subset: int | None = None) -> LLM:
+def measure_variant(
+    name: str, hf, prompts, args, report: Report, hf_subset: int | None = None, b1_first: bool = False
+) -> LLM:
+    """Benchmarks 1, 2 and 4 of one variant into results[name]; ``b1_first``: batch-1 decode before the offline
+    run (a shape never timed keeps its batch-1 figure should the long run be cut short)."""
+    start = time.perf_counter()
     llm = engine(hf, args)
     row = report.results.setdefault(name, {})
     row["kv_blocks"] = llm.runner.num_blocks
+    row["engine_s"] = round(time.perf_counter() - start, 1)  # start-up: profiling, graph capture, compiles
+    report.write()
+
+    def batch1() -> None:
+        weight_bytes = weight_bytes_per_token(llm.model)
+        b1 = batch1_decode(llm, prompts[0][:128], args.b1_tokens)
+        roofline = report.meta.get("copy_Bps", float("nan")) / weight_bytes
+        row["batch1"] = {**b1, "weight_bytes": weight_bytes, "roofline_tok_s": roofline,
+                         "of_roofline": b1["tok_s"] / roofline}  # fmt: skip
+        report.write()
+
+    if b1_first:
+        batch1()
     result, tokens = offline_throughput(llm, prompts, args.output_len)
     row["throughput"] = result.to_dict()
     report.write()
-    weight_bytes = weight_bytes_per_token(llm.model)
-    b1 = batch1_decode(llm, prompts[0][:128], args.b1_tokens)
-    roofline = report.meta.get("copy_Bps", float("nan")) / weight_bytes
-    row["batch1"] = {
-        **b1,
-        "weight_bytes": weight_bytes,
-        "roofline_tok_s": roofline,
-        "of_roofline": b1["tok_s"] / roofline,
-    }
-    if hf_subset:
+    if not b1_first:
+        batch1()
+    if hf_subset:  # the subset's prompts ran above: no prefix cache hits on their leftover blocks (HF has none)
+        llm.block_manager.enable_prefix_caching = False
         sub, _ = offline_throughput(llm, prompts[:hf_subset], args.output_len)
+        llm.block_manager.enable_prefix_caching = llm.config.enable_prefix_caching
         row["throughput_hf_subset"] = sub.to_dict()
     row["tokens_sample"] = tokens[0][:16]
     return llm
@@ -280,9 +293,12 @@ def moe_variants(report: Report, shape: str, variants: list[str], prompts, hf_pr
     for name in variants:
         loaded = llm = None
         with report.phase(name):
+            start = time.perf_counter()
             loaded = dummy(config, dtype, torch.device(device), args.seed, scheme=SCHEMES.get(name))
+            sync()
             subset = len(hf_prompts) if name == "bf16" else None
-            llm = measure_variant(name, loaded, prompts, args, report, hf_subset=subset)
+            report.results.setdefault(name, {})["build_s"] = round(time.perf_counter() - start, 1)
+            llm = measure_variant(name, loaded, prompts, args, report, hf_subset=subset, b1_first=True)
         loaded = None
         hf = None
         if llm is not None and name == "bf16" and hf_prompts:
