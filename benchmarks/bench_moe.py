@@ -6,11 +6,11 @@ left out: the same for every variant), bf16 activations, timed in the same run:
   loop       the runtime's CPU path on the GPU: softmax top-k, pairs sorted by expert, one cuBLAS gate/up and down
              per expert that received tokens (bf16 weights), index_add back. It reads its expert counts on the host,
              so it cannot be captured: timed eagerly (``do_bench``, median), as it runs. The baseline of every ratio.
-  bf16       route + fused_moe on bf16 experts (ours)
+  bf16       routed_moe on bf16 experts (ours): route_and_align (one launch up to 16 tokens), fused_moe
   w4a16      the same on 4-bit experts, groups of 128 (the W4A16 kernel layout, stacked)
   fp8_block  the same on block-fp8 experts, B = 128 (DeepSeek-V3's layout, stacked; activations quantized per tile)
   dense      a bf16 dense SiLU MLP of the active parameters (width k * I): what the routed work costs without routing
-  routing    route + align alone (part of every fused figure): the share of the layer that is not GEMM
+  routing    route_and_align alone (part of every fused figure): the share of the layer that is not GEMM
 
 The fused variants and dense run in a CUDA graph replayed under ``do_bench`` (median; L2 flushed before each replay;
 the experts of one layer span far more than the L2, so one copy of the operands suffices). ``GB/s`` is the bytes of
@@ -112,8 +112,7 @@ def block_m(m: int, shape: tuple, fmt: str = "bf16") -> int:
 
 
 def fused_layer(x, logits, w13, w2, top_k, config=None):
-    weights, ids = M.route(logits, top_k)
-    return M.fused_moe(x, w13, w2, weights, ids, config=config)
+    return M.routed_moe(x, logits, w13, w2, top_k, config=config)
 
 
 def expert_bytes(w: ExpertWeights) -> int:
@@ -141,7 +140,7 @@ def run_shape(name, shape, ms, timer, dev, copy_bw, smoke) -> list[dict]:
         row = {"shape": name, "m": m, "experts_read": chosen, "loop_us": loop_us}
         row["dense_us"] = timer.per_call([lambda x=x: dense_mlp(x, dense13, dense2)])
         bm = block_m(m, shape)
-        row["routing_us"] = timer.per_call([lambda logits=logits, bm=bm: M.align(M.route(logits, k)[1], e, bm)])
+        row["routing_us"] = timer.per_call([lambda logits=logits, bm=bm: M.route_and_align(logits, k, bm)])
         for fmt, (w13, w2) in experts.items():
             weights, ids = M.route(logits, k)
             y = M.fused_moe(x, w13, w2, weights, ids)

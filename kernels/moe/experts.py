@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 from quantkit.kernels._device import dot_precision, interpreting
 from quantkit.kernels.dense.norm_rope import silu_mul, silu_mul_reference
-from quantkit.kernels.moe.routing import align
+from quantkit.kernels.moe.routing import align, max_blocks, route_and_align
 from quantkit.kernels.w4a16.epilogue import to_act
 from quantkit.kernels.w4a16.gemm import dequant_tile, load_group, magic_pattern, pattern_pair
 from quantkit.kernels.w4a16.weight import W4A16Weight, unpack_gptq_codes
@@ -420,8 +420,10 @@ def fused_moe(
     ids: torch.Tensor,
     out_dtype: torch.dtype | None = None,
     config: dict[str, int] | None = None,
+    aligned: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """y [T, H] (``out_dtype``, default x's: fp32 keeps the sum over k unrounded) of the routed experts."""
+    """y [T, H] (``out_dtype``, default x's: fp32 keeps the sum over k unrounded) of the routed experts.
+    ``aligned``: ``align(ids, E, BLOCK_M)`` already computed (``route_and_align``) for the config's BLOCK_M."""
     check_operands(x, w13, w2, weights, ids)
     t, h = x.shape
     k = ids.shape[1]
@@ -429,7 +431,13 @@ def fused_moe(
     if p == 0:
         return torch.zeros(t, h, dtype=out_dtype or x.dtype, device=x.device)
     cfg = {**moe_config(t, k, w13.num_experts, w13.fmt, h, inter), **(config or {})}
-    pairs, block_expert = align(ids, w13.num_experts, cfg["BLOCK_M"])
+    if aligned is None:
+        aligned = align(ids, w13.num_experts, cfg["BLOCK_M"])
+    pairs, block_expert = aligned
+    nb = max_blocks(p, w13.num_experts, cfg["BLOCK_M"])
+    if block_expert.shape != (nb,) or pairs.shape != (nb * cfg["BLOCK_M"],):
+        raise ValueError(f"aligned must be align(ids, {w13.num_experts}, {cfg['BLOCK_M']}) ([{nb * cfg['BLOCK_M']}] "
+                         f"and [{nb}]), got {tuple(pairs.shape)} and {tuple(block_expert.shape)}")  # fmt: skip
     gu = torch.empty(p, 2 * inter, dtype=x.dtype, device=x.device)
     o = torch.empty(p, h, dtype=x.dtype, device=x.device)
     route_w = weights.reshape(-1).contiguous()
@@ -448,3 +456,23 @@ def fused_moe(
         EMULATE_BF16=interpreting() and y.dtype == torch.bfloat16, num_warps=4,
     )  # fmt: skip
     return y
+
+
+def routed_moe(
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    w13: ExpertWeights,
+    w2: ExpertWeights,
+    top_k: int,
+    out_dtype: torch.dtype | None = None,
+    config: dict[str, int] | None = None,
+    **routing,
+) -> torch.Tensor:
+    """``fused_moe`` of ``route(logits, top_k, **routing)``, with routing and alignment in one launch where
+    ``route_and_align`` allows it (a decode step: route, one grouped GEMM per projection, the sum)."""
+    t, h = x.shape
+    if logits.shape != (t, w13.num_experts):
+        raise ValueError(f"logits must be [{t}, {w13.num_experts}], got {tuple(logits.shape)}")
+    cfg = {**moe_config(t, top_k, w13.num_experts, w13.fmt, h, w2.in_features), **(config or {})}
+    weights, ids, pairs, block_expert = route_and_align(logits, top_k, cfg["BLOCK_M"], **routing)
+    return fused_moe(x, w13, w2, weights, ids, out_dtype, cfg, (pairs, block_expert))

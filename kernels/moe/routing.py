@@ -28,6 +28,8 @@ How
     expert before it (a cumulative sum over the chunk's one-hot rows). It is serial over chunks, so above
     ``ALIGN_KERNEL_MAX_PAIRS`` pairs (prefill, large decode batches) ``align`` runs ``align_reference`` on the
     device instead: a stable sort and a scatter, a dozen launches and no host sync either; both give the same bits.
+    ``route_and_align``: where one ``_route_kernel`` program holds every token (up to 16), it stores the ids, waits
+    at a CTA barrier and runs ``_align_kernel``'s body itself: a decode step's routing is one launch, not two.
 
 Limits: E <= 1024; sigmoid routing needs E divisible by n_group with at least two experts per group. Hardware: the
 kernels are small and untuned (first choices); they run once per MoE layer per step.
@@ -134,15 +136,15 @@ def _pick(scores, cols, E_PAD: tl.constexpr):
 @triton.jit
 def _route_kernel(
     # pointers
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr,
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr,
     # sizes
-    T, E, scaling,
+    T, E, scaling, NB,
     # strides
     stride_lt,
     # meta-parameters
     TOP_K: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
     N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr,
-    K_PAD: tl.constexpr, G_PAD: tl.constexpr,
+    K_PAD: tl.constexpr, G_PAD: tl.constexpr, ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, E_PAD)
@@ -198,6 +200,9 @@ def _route_kernel(
     o_mask = t_mask[:, None] & (kcols < TOP_K)[None, :]
     tl.store(weights_ptr + out, w_acc, mask=o_mask)
     tl.store(ids_ptr + out, id_acc, mask=o_mask)
+    if ALIGN:  # one program holds every token: align the ids it just stored (a CTA barrier makes them visible)
+        tl.debug_barrier()
+        _align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, T * TOP_K, NB, BLOCK_M, E_PAD, CHUNK)
 
 
 @triton.jit
@@ -209,6 +214,13 @@ def _align_kernel(
     # meta-parameters
     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
+    _align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, P, NB, BLOCK_M, E_PAD, CHUNK)
+
+
+@triton.jit
+def _align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, P, NB, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
+                 CHUNK: tl.constexpr):  # fmt: skip
+    """The whole alignment of P pairs in the calling program (``_align_kernel``; ``_route_kernel`` with ALIGN)."""
     experts = tl.arange(0, E_PAD)
     offs = tl.arange(0, CHUNK)
     counts = tl.zeros((E_PAD,), tl.int32)
@@ -251,6 +263,29 @@ def _on_device(t: torch.Tensor) -> bool:
     return t.is_cuda or interpreting()
 
 
+def _check_route(logits, top_k, score, bias, n_group, topk_group) -> None:
+    _require(score in SCORES, f"score must be one of {SCORES}, got {score!r}")
+    _require(logits.dim() == 2 and logits.is_floating_point(), f"logits must be float [T, E], got {logits.shape}")
+    e = logits.shape[1]
+    _require(0 < top_k <= e <= MAX_EXPERTS, f"need 0 < top_k ({top_k}) <= E ({e}) <= {MAX_EXPERTS}")
+    _require(logits.stride(1) == 1, "logits must be contiguous along E")
+    _require(_on_device(logits), "logits must be a CUDA tensor (or set TRITON_INTERPRET=1)")
+    if score == "sigmoid":
+        _require(n_group >= 1 and e % n_group == 0 and (n_group == 1 or e // n_group >= 2),
+                 f"E ({e}) must split into n_group ({n_group}) groups of two experts or more")  # fmt: skip
+        _require(1 <= topk_group <= n_group, f"need 1 <= topk_group ({topk_group}) <= n_group ({n_group})")
+        _require(top_k <= topk_group * (e // n_group), f"top_k ({top_k}) exceeds the kept groups' experts")
+        _require(bias is None or (bias.shape == (e,) and bias.device == logits.device), f"bias must be [{e}]")
+
+
+def _tokens_per_program(t: int, e: int) -> int:
+    return max(1, min(16, 4096 // triton.next_power_of_2(e), triton.next_power_of_2(t)))
+
+
+def _align_chunk(num_experts: int) -> int:
+    return max(16, min(256, 8192 // triton.next_power_of_2(num_experts)))
+
+
 def route(
     logits: torch.Tensor,
     top_k: int,
@@ -262,34 +297,68 @@ def route(
     scaling: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``route_reference`` in one launch: (weights fp32 [T, k], ids int32 [T, k])."""
-    _require(score in SCORES, f"score must be one of {SCORES}, got {score!r}")
-    _require(logits.dim() == 2 and logits.is_floating_point(), f"logits must be float [T, E], got {logits.shape}")
-    t, e = logits.shape
-    _require(0 < top_k <= e <= MAX_EXPERTS, f"need 0 < top_k ({top_k}) <= E ({e}) <= {MAX_EXPERTS}")
-    _require(logits.stride(1) == 1, "logits must be contiguous along E")
-    _require(_on_device(logits), "logits must be a CUDA tensor (or set TRITON_INTERPRET=1)")
-    if score == "sigmoid":
-        _require(n_group >= 1 and e % n_group == 0 and (n_group == 1 or e // n_group >= 2),
-                 f"E ({e}) must split into n_group ({n_group}) groups of two experts or more")  # fmt: skip
-        _require(1 <= topk_group <= n_group, f"need 1 <= topk_group ({topk_group}) <= n_group ({n_group})")
-        _require(top_k <= topk_group * (e // n_group), f"top_k ({top_k}) exceeds the kept groups' experts")
-        _require(bias is None or (bias.shape == (e,) and bias.device == logits.device), f"bias must be [{e}]")
-    else:
-        bias = None
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
-    if t == 0:
-        return weights, ids
-    e_pad = triton.next_power_of_2(e)
-    block_t = max(1, min(16, 4096 // e_pad, triton.next_power_of_2(t)))
-    groups = n_group if score == "sigmoid" else 1
-    _route_kernel[(triton.cdiv(t, block_t),)](
-        logits, bias if bias is not None else logits, weights, ids, t, e, float(scaling), logits.stride(0),
-        TOP_K=top_k, SIGMOID=score == "sigmoid", RENORMALIZE=renormalize, HAS_BIAS=bias is not None,
-        N_GROUP=groups, TOPK_GROUP=topk_group if groups > 1 else 1, BLOCK_T=block_t, E_PAD=e_pad,
-        K_PAD=triton.next_power_of_2(top_k), G_PAD=triton.next_power_of_2(groups), num_warps=4,
-    )  # fmt: skip
+    _check_route(logits, top_k, score, bias, n_group, topk_group)
+    weights, ids = _empty_routing(logits, top_k)
+    if logits.shape[0]:
+        _launch_route(logits, top_k, score, renormalize, bias, n_group, topk_group, scaling, weights, ids)
     return weights, ids
+
+
+def route_and_align(
+    logits: torch.Tensor,
+    top_k: int,
+    block_m: int,
+    score: str = "softmax",
+    renormalize: bool = True,
+    bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weights, ids) of ``route`` and (sorted_pairs, block_expert) of ``align(ids, E, block_m)``: one launch where
+    one program routes every token (up to 16 tokens; fewer above 256 experts) and the pairs stay within
+    ``ALIGN_KERNEL_MAX_PAIRS``, else ``route`` then ``align``. The same bits either way."""
+    _check_route(logits, top_k, score, bias, n_group, topk_group)
+    _require(block_m > 0 and block_m & (block_m - 1) == 0, f"block_m must be a power of two, got {block_m}")
+    t, e = logits.shape
+    p = t * top_k
+    if t == 0 or t > _tokens_per_program(t, e) or p > ALIGN_KERNEL_MAX_PAIRS:
+        weights, ids = route(logits, top_k, score, renormalize, bias, n_group, topk_group, scaling)
+        return weights, ids, *align(ids, e, block_m)
+    weights, ids = _empty_routing(logits, top_k)
+    nb = max_blocks(p, e, block_m)
+    sorted_pairs = torch.empty(nb * block_m, dtype=torch.int32, device=logits.device)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=logits.device)
+    _launch_route(logits, top_k, score, renormalize, bias, n_group, topk_group, scaling, weights, ids,
+                  (sorted_pairs, block_expert, block_m))  # fmt: skip
+    return weights, ids, sorted_pairs, block_expert
+
+
+def _empty_routing(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    t = logits.shape[0]
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    return weights, torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
+
+
+def _launch_route(logits, top_k, score, renormalize, bias, n_group, topk_group, scaling, weights, ids,
+                  aligned=None) -> None:  # fmt: skip
+    """``_route_kernel`` over every token; ``aligned`` (sorted_pairs, block_expert, block_m): one program that
+    aligns the pairs too."""
+    t, e = logits.shape
+    e_pad = triton.next_power_of_2(e)
+    block_t = _tokens_per_program(t, e)
+    sigmoid = score == "sigmoid"
+    bias = bias if sigmoid else None
+    groups = n_group if sigmoid else 1
+    sorted_pairs, block_expert, block_m = aligned or (ids, ids, 1)
+    _route_kernel[(triton.cdiv(t, block_t),)](
+        logits, bias if bias is not None else logits, weights, ids, sorted_pairs, block_expert, t, e, float(scaling),
+        block_expert.numel() if aligned else 0, logits.stride(0),
+        TOP_K=top_k, SIGMOID=sigmoid, RENORMALIZE=renormalize, HAS_BIAS=bias is not None,
+        N_GROUP=groups, TOPK_GROUP=topk_group if groups > 1 else 1, BLOCK_T=block_t, E_PAD=e_pad,
+        K_PAD=triton.next_power_of_2(top_k), G_PAD=triton.next_power_of_2(groups), ALIGN=aligned is not None,
+        BLOCK_M=block_m, CHUNK=_align_chunk(e), num_warps=4,
+    )  # fmt: skip
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -305,8 +374,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     flat = ids.reshape(-1).contiguous()
     sorted_pairs = torch.empty(nb * block_m, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(nb, dtype=torch.int32, device=ids.device)
-    e_pad = triton.next_power_of_2(num_experts)
-    chunk = max(16, min(256, 8192 // e_pad))
-    _align_kernel[(1,)](flat, sorted_pairs, block_expert, p, nb, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk,
+    _align_kernel[(1,)](flat, sorted_pairs, block_expert, p, nb, BLOCK_M=block_m,
+                        E_PAD=triton.next_power_of_2(num_experts), CHUNK=_align_chunk(num_experts),
                         num_warps=8)  # fmt: skip
     return sorted_pairs, block_expert

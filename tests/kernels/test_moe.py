@@ -153,6 +153,21 @@ def test_align_kernel_equals_reference_and_keeps_the_invariants(t, k, e, block_m
     assert torch.equal(got[0].cpu(), ref[0]) and torch.equal(got[1].cpu(), ref[1])
 
 
+@pytest.mark.parametrize(
+    ("t", "e", "k", "block_m", "sigmoid"),
+    [(1, 128, 8, 16, False), (5, 8, 2, 4, False), (16, 16, 4, 8, True), (40, 8, 2, 16, False)],  # 40: two launches
+)
+def test_route_and_align_equals_route_then_align(t, e, k, block_m, sigmoid):
+    """One launch routes and aligns up to 16 tokens; the same bits as route, then the alignment reference."""
+    logits, bias = torch.randn(t, e) * 2, torch.randn(e) * 0.3
+    opts = {"score": "sigmoid", "bias": bias.to(DEVICE), "n_group": 4, "topk_group": 2} if sigmoid else {}
+    w, ids, pairs, block_expert = M.route_and_align(logits.to(DEVICE), k, block_m, **opts)
+    rw, rids = M.route(logits.to(DEVICE), k, **opts)
+    assert torch.equal(w, rw) and torch.equal(ids, rids)
+    ref = R.align_reference(ids.cpu(), e, block_m)
+    assert torch.equal(pairs.cpu(), ref[0]) and torch.equal(block_expert.cpu(), ref[1])
+
+
 # -- experts -----------------------------------------------------------------------------------------------------
 
 
@@ -304,6 +319,19 @@ def test_fused_moe_is_deterministic_and_reads_only_chosen_experts():
     assert (y.float() - ref.float()).abs().max() <= 2**-10 * ref.float().abs().max()
 
 
+@pytest.mark.parametrize(("fmt", "t"), [("float", 3), ("w4a16", 20)])  # 20 tokens: route, then align
+def test_routed_moe_equals_route_then_fused_moe(fmt, t):
+    g = torch.Generator().manual_seed(t)
+    w13, w2 = make_experts(fmt, torch.float16, g)
+    x, logits = torch.randn(t, H, generator=g).half().to(DEVICE), torch.randn(t, E, generator=g).to(DEVICE)
+    y = M.routed_moe(x, logits, w13, w2, 2, config=SMALL)
+    assert torch.equal(y, M.fused_moe(x, w13, w2, *M.route(logits, 2), config=SMALL))
+    with pytest.raises(ValueError, match=r"logits must be \[1, 8\]"):
+        M.routed_moe(x[:1], logits, w13, w2, 2)
+    with pytest.raises(ValueError, match="aligned must be align"):
+        M.fused_moe(x, w13, w2, *M.route(logits, 2), config=SMALL, aligned=R.align(M.route(logits, 2)[1], E, 32))
+
+
 def test_bad_operands_are_one_line_errors():
     g = torch.Generator().manual_seed(0)
     w13, w2 = make_experts("float", torch.float16, g)
@@ -323,7 +351,8 @@ def test_bad_operands_are_one_line_errors():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
 @pytest.mark.parametrize("t", [4, 600])  # 600 x 2 pairs: above ALIGN_KERNEL_MAX_PAIRS, the sort path
-def test_layer_is_captured_in_a_cuda_graph_and_replays_new_routing(t):
+@pytest.mark.parametrize("routed", [False, True])  # routed_moe: routing and alignment in one launch at t = 4
+def test_layer_is_captured_in_a_cuda_graph_and_replays_new_routing(t, routed):
     """route + fused_moe read nothing back to the host: one capture serves every routing of T tokens."""
     g = torch.Generator().manual_seed(5)
     w13, w2 = make_experts("float", torch.bfloat16, g)
@@ -331,6 +360,8 @@ def test_layer_is_captured_in_a_cuda_graph_and_replays_new_routing(t):
     logits = torch.randn(t, E, generator=g).to(DEVICE)
 
     def layer():
+        if routed:
+            return M.routed_moe(x, logits, w13, w2, 2)
         weights, ids = M.route(logits, 2)
         return M.fused_moe(x, w13, w2, weights, ids)
 
