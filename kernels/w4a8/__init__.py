@@ -2,12 +2,14 @@
 
 ``w4a8_linear`` (``dispatch.py``) permutes x for act-order, quantizes it per token with W8A8's quantizer
 (``w8a8/quant.py``) and runs the GEMM of ``gemm.py``, whose 4-bit codes become int8 or e4m3 operands in registers;
-``dispatch.CONFIG_TABLE`` picks its tiles by M (the small-M path: swap-AB tiles with split-K). The configs are
-untuned and the kernel's speed is not yet measured on a GPU.
+``dispatch.CONFIG_TABLE`` picks its tiles by M (the small-M path: swap-AB tiles with split-K; H100 figures in
+docs/results/w4a8.md). ``flat.py`` is the same product in one software-pipelined K loop, the unpacked weight tile the
+wgmma's register operand: opt-in through ``dispatch.FLAT_TABLE`` (``W4A8Config.flat``) until timed on a GPU.
 """
 
 from quantkit.kernels.w4a8.dispatch import (
     CONFIG_TABLE,
+    FLAT_TABLE,
     SMALL_M,
     LaunchPlan,
     Plan,
@@ -23,6 +25,7 @@ from quantkit.kernels.w4a8.gemm import check_w4a8_operands, signed_codes, w4a8_r
 
 __all__ = [
     "CONFIG_TABLE",
+    "FLAT_TABLE",
     "SMALL_M",
     "LaunchPlan",
     "Plan",

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from quantkit.kernels._device import device_of, num_sms, sms_of
+from quantkit.kernels.w4a8.flat import launch_flat
 from quantkit.kernels.w4a8.gemm import check_w4a8_operands, launch
 from quantkit.kernels.w4a16.configs import LOCK_SLOTS
 from quantkit.kernels.w4a16.weight import W4A16Weight
@@ -41,7 +42,8 @@ class W4A8Config:
     """One launch of the W4A8 GEMM: BLOCK_M x BLOCK_N output tiles, BLOCK_K deep steps (capped to divide the group),
     GROUP_M row tiles per L2 group, ``split_waves`` (split K until about that many waves of programs per SM
     exist; 0: never), ``swap_ab`` (y.T = W @ qa.T), warps and pipeline stages; ``byte_unpack``: the weight tile is
-    read as bytes and turned into int8 four codes per instruction (``gemm._bytes_to_signed``), else word by word."""
+    read as bytes and turned into int8 four codes per instruction (``gemm._bytes_to_signed``), else word by word;
+    ``flat``: the flat-loop kernel of ``flat.py`` (one software-pipelined K loop), else ``gemm.py``'s group loop."""
 
     block_m: int = 64
     block_n: int = 64
@@ -52,6 +54,7 @@ class W4A8Config:
     num_warps: int = 4
     num_stages: int = 3
     byte_unpack: bool = True
+    flat: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "group_m", "num_warps"):
@@ -66,9 +69,10 @@ class W4A8Config:
     def name(self) -> str:
         swap = "t" if self.swap_ab else ""
         words = "" if self.byte_unpack else "-words"
+        flat = "-flat" if self.flat else ""
         return (
             f"m{self.block_m}n{self.block_n}k{self.block_k}g{self.group_m}w{self.num_warps}s{self.num_stages}"
-            f"sw{self.split_waves}{swap}{words}"
+            f"sw{self.split_waves}{swap}{words}{flat}"
         )
 
 
@@ -80,6 +84,21 @@ CONFIG_TABLE: tuple[tuple[int, W4A8Config], ...] = (
     (64, W4A8Config(64, 64, 128, 8, split_waves=2, num_warps=8, num_stages=4)),
     (256, W4A8Config(64, 128, 64, 8, split_waves=1, num_warps=8, num_stages=4)),
     (2**31, W4A8Config(128, 64, 64, 8, split_waves=0, num_warps=8, num_stages=4, byte_unpack=False)),
+)
+
+
+# Opt-in: the flat-loop kernel (``flat.py``) above M = 16, swap-AB tiles (x's rows on the MMA's N side, 128 weight rows
+# on its M side, the unpacked weight tile the wgmma's register operand), 128 deep (one g128 group a step), 8 warps;
+# split-K as the table it stands beside.
+# Compiled offline for sm_90 (Triton 3.6, int8): 149 (64-row) and 221 (128-row) registers, no spills, the weight tile
+# from shared memory bytes straight into wgmma's register operand layout. Up to M = 16 it is today's entry. Not yet
+# timed: ``CONFIG_TABLE`` serves products until a GPU run of ``bench_w4a8.py`` (column w4a8_flat) shows it faster;
+# ``config_for(m, FLAT_TABLE)`` selects it.
+FLAT_TABLE: tuple[tuple[int, W4A8Config], ...] = (
+    CONFIG_TABLE[0],
+    (64, W4A8Config(64, 128, 128, 8, split_waves=2, swap_ab=True, num_warps=8, num_stages=4, flat=True)),
+    (256, W4A8Config(64, 128, 128, 8, split_waves=1, swap_ab=True, num_warps=8, num_stages=4, flat=True)),
+    (2**31, W4A8Config(128, 128, 128, 8, split_waves=0, swap_ab=True, num_warps=8, num_stages=4, flat=True)),
 )
 
 
@@ -132,7 +151,8 @@ class Plan:
 
     def __str__(self) -> str:
         split = f", split-K {self.launch.split}" if self.launch.split > 1 else ""
-        return f"W4A8 GEMM (Triton, w4a8/gemm.py) [{self.path}: {self.config.name}{split}]"
+        module = "flat.py" if self.config.flat else "gemm.py"
+        return f"W4A8 GEMM (Triton, w4a8/{module}) [{self.path}: {self.config.name}{split}]"
 
 
 def choose(m: int, n: int, k: int, group_size: int, sms: int, config: W4A8Config | None = None) -> Plan:
@@ -164,7 +184,8 @@ def w4a8_matmul(
     if m == 0 or w.out_features == 0:
         return out
     plan = choose(m, w.out_features, w.in_features, w.group_size, num_sms(qa.device), config)
-    return launch(qa, a_scale, w, bias, out, plan.config, plan.launch)
+    (launch_flat if plan.config.flat else launch)(qa, a_scale, w, bias, out, plan.config, plan.launch)
+    return out
 
 
 def w4a8_linear(

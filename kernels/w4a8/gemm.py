@@ -84,7 +84,7 @@ def w4a8_reference(
 # Kernels
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _codes_along_k(words):
+def codes_along_k(words):
     """int32 words [R, C] -> 4-bit codes [R, C * 8], code j of word c at column c * 8 + j.
 
     The joins nest so that the last one's selector becomes the least significant bit of j: the leaf pairs are
@@ -135,7 +135,7 @@ def _bytes_to_signed(b, zb, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _byte_tile(qb_ptrs, zb, t, K, stride_qbk, offs_kw, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
+def byte_tile(qb_ptrs, zb, t, K, stride_qbk, offs_kw, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """K tile ``t`` of the weight as int8 q - z [BLOCK_N, BLOCK_K], from its bytes [BLOCK_K / 8, BLOCK_N * 4] (word
     row r, byte 4n + j holds codes 8r + 2j (low nibble) and 8r + 2j + 1 (high) of column n)."""
@@ -155,7 +155,7 @@ def _group_dot(a_ptrs, qw_ptrs, qb_ptrs, z, zb, lo, hi, K, stride_ak, stride_qwk
                USE_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr):  # fmt: skip
     """The partial sum of K tiles lo .. hi - 1 (one group): int32 (int8) or fp32 (fp8), [BN, BM] when SWAP_AB.
-    BYTES: the weight tile comes from its bytes (``_byte_tile``), else from int32 words code by code."""
+    BYTES: the weight tile comes from its bytes (``byte_tile``), else from int32 words code by code."""
     BLOCK_KW: tl.constexpr = BLOCK_K // 8
     if SWAP_AB:
         part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32 if IS_FP8 else tl.int32)
@@ -168,14 +168,14 @@ def _group_dot(a_ptrs, qw_ptrs, qb_ptrs, z, zb, lo, hi, K, stride_ak, stride_qwk
         else:
             a = tl.load(a_ptrs + k0 * stride_ak, mask=(k0 + offs_k < K)[None, :], other=0.0)
         if BYTES:
-            wq = _byte_tile(qb_ptrs, zb, t, K, stride_qwk * 4, offs_kw, EVEN_K, USE_ASM, BLOCK_N, BLOCK_K)
+            wq = byte_tile(qb_ptrs, zb, t, K, stride_qwk * 4, offs_kw, EVEN_K, USE_ASM, BLOCK_N, BLOCK_K)
         else:
             if EVEN_K:
                 words = tl.load(qw_ptrs + t * BLOCK_KW * stride_qwk)
             else:  # codes past K (padding of the last word) meet zero activations
                 words = tl.load(qw_ptrs + t * BLOCK_KW * stride_qwk,
                                 mask=((t * BLOCK_KW + offs_kw) * 8 < K)[None, :], other=0)  # fmt: skip
-            wq = _codes_along_k(words) - z[:, None]  # [BN, BK] in [-15, 15]
+            wq = codes_along_k(words) - z[:, None]  # [BN, BK] in [-15, 15]
         if IS_FP8:
             wq = wq.to(tl.float16).to(a.dtype)  # exact: small integers
             if SWAP_AB:

@@ -31,6 +31,11 @@ SMALL = K.W4A8Config(16, 32, 64, 1, split_waves=8, swap_ab=True)  # the small-M 
 SMALL_ONE = K.W4A8Config(16, 32, 128, 1, split_waves=0, swap_ab=True, num_stages=2)  # no split
 TILES = K.W4A8Config(32, 32, 64, 2, num_stages=2)
 TILES_SPLIT = K.W4A8Config(16, 64, 32, 1, split_waves=8)  # 32-deep steps, many splits that start mid-group
+# the flat-loop kernel (flat.py): swap-AB as FLAT_TABLE's tiles, split K mid-group, plain tiles, word by word
+FLAT = K.W4A8Config(16, 32, 64, 1, swap_ab=True, num_stages=2, flat=True)
+FLAT_SPLIT = K.W4A8Config(16, 32, 32, 1, split_waves=8, swap_ab=True, flat=True)
+FLAT_AB = K.W4A8Config(32, 32, 64, 2, num_stages=2, flat=True)
+FLAT_WORDS = replace(FLAT, byte_unpack=False)
 
 
 def make_layer(n, k, group_size=128, sym=False, act_order=False, seed=0):
@@ -114,7 +119,22 @@ WORDS = [
 ]
 
 
-@pytest.mark.parametrize("fmt,m,n,k,group,sym,dtype,act_order,with_bias,config", CASES + WORDS)
+FLAT_CASES = [
+    ("int8", 70, 33, 256, 128, False, torch.float16, False, True, FLAT),  # ragged M and N tiles
+    ("int8", 3, 33, 200, 64, False, torch.bfloat16, True, True, FLAT),  # K % 32 != 0: padded words, masked K
+    ("fp8", 17, 40, 320, 32, False, torch.bfloat16, False, True, FLAT_SPLIT),  # splits start mid-group
+    ("int8", 16, 40, 320, 32, True, torch.float16, True, False, FLAT_SPLIT),
+    ("int8", 40, 24, 130, -1, False, torch.bfloat16, False, True, FLAT),  # per channel: one int32 accumulator
+    ("int8", 5, 96, 512, -1, True, torch.float16, False, True, FLAT_SPLIT),  # per channel, split K
+    ("fp8", 7, 50, 384, -1, False, torch.float16, True, False, FLAT),  # per channel, fp32 chain
+    ("int8", 100, 40, 256, 64, True, torch.bfloat16, True, True, FLAT_AB),  # weight tile as the right operand
+    ("fp8", 33, 48, 160, 32, False, torch.float16, False, True, FLAT_AB),
+    ("int8", 33, 48, 200, 64, False, torch.float16, False, True, FLAT_WORDS),  # word by word, masked K tail
+    ("int8", 7, 40, 256, -1, False, torch.bfloat16, False, False, FLAT_WORDS),
+]
+
+
+@pytest.mark.parametrize("fmt,m,n,k,group,sym,dtype,act_order,with_bias,config", CASES + WORDS + FLAT_CASES)
 def test_matches_float64_reference(fmt, m, n, k, group, sym, dtype, act_order, with_bias, config):
     qw, w = make_layer(n, k, group, sym, act_order, seed=m * 1000 + n)
     x = activations(m, k, dtype, seed=m + n)
@@ -198,11 +218,15 @@ def test_plans_and_the_table():
     bounds = [m for m, _ in K.CONFIG_TABLE]
     assert bounds == sorted(bounds) and K.config_for(10**6) == K.CONFIG_TABLE[-1][1]
     assert "small_m" in K.explain(1, 4096, 4096, 128, "cpu")
+    flat = K.config_for(1024, K.FLAT_TABLE)
+    assert flat.flat and flat.swap_ab and not K.config_for(1024).flat  # opt-in: the default table is unchanged
+    assert "w4a8/flat.py" in str(K.choose(1024, 4096, 4096, 128, 132, flat)) and flat.name.endswith("-flat")
+    assert K.config_for(16, K.FLAT_TABLE) == K.config_for(16)
 
 
-@pytest.mark.parametrize("regime", range(len(K.CONFIG_TABLE)))
-def test_table_configs_run(regime):
-    max_m, cfg = K.CONFIG_TABLE[regime]
+@pytest.mark.parametrize("table,regime", [(t, r) for t in ("CONFIG_TABLE", "FLAT_TABLE") for r in range(4)])
+def test_table_configs_run(table, regime):
+    max_m, cfg = getattr(K, table)[regime]
     m = min(max_m, 140)
     qw, w = make_layer(40, 256, 128, seed=regime)
     x = activations(m, 256, torch.float16, seed=regime)
