@@ -304,7 +304,7 @@ def moe_variants(report: Report, shape: str, variants: list[str], prompts, hf_pr
         if llm is not None and name == "bf16" and hf_prompts:
             with report.phase("hf model of the runtime's weights"):
                 hf = hf_from_runtime(llm.model, config)
-                report.meta["hf_experts"] = hf.config._experts_implementation
+                report.meta["hf_experts"] = getattr(hf.config, "_experts_implementation", None)
             if hf is not None:
                 with report.phase("agreement"):
                     report.results["agreement_bf16"] = agreement(llm, hf, prompts)
