@@ -9,6 +9,8 @@ Every figure goes from bf16 activations x [M, K] to a bf16 output [M, N] and is 
   w4a8_fp8   the same with e4m3 activations (fmt="fp8")
   w4a8_gemm  the int8 W4A8 GEMM alone on pre-quantized activations, to split the quantizer's cost off
   w4a8_words w4a8_int8 with the weight tile unpacked word by word (``byte_unpack=False``), the byte path's baseline
+  w4a8_flat  w4a8_int8 with the opt-in ``FLAT_TABLE`` (``kernels/w4a8/flat.py`` above M = 16: one pipelined K loop,
+             swap-AB tiles whose unpacked weight is the wgmma's register operand); the same as w4a8_int8 up to M = 16
 
 Weights are random 4-bit GPTQ-v2 buffers (every bit pattern a valid code and zero point, fp16 scales) in groups of
 ``--group`` (default 128; -1: per channel); the bf16 and int8 baselines get random weights of the same shape.
@@ -25,6 +27,8 @@ Modes (JSON + markdown written under --out, default out/w4a8; a short table is p
   python benchmarks/bench_w4a8.py                      full table: 6 Llama shapes x M in {1, 16, 64, 256, 1024, 4096}
   python benchmarks/bench_w4a8.py --quick              2 shapes x 3 M
   python benchmarks/bench_w4a8.py --group -1 --ms 1,256  per-channel weights, other rows
+  python benchmarks/bench_w4a8.py --flat-sweep         only bf16 and candidate flat-kernel tiles (``FLAT_SWEEP``),
+                                                       2 shapes x M in {64, 256, 1024, 4096}
   TRITON_INTERPRET=1 python benchmarks/bench_w4a8.py --smoke   CPU plumbing check: tiny shapes, wall clock
 """
 
@@ -62,12 +66,26 @@ QUICK_MS = [1, 256, 1024]
 SMOKE_SHAPES = [(96, 128), (40, 256)]
 SMOKE_MS = [1, 20, 70]
 SMOKE_GROUP = 64
-VARIANTS = ["bf16", "w4a16", "w8a8", "w4a8_int8", "w4a8_fp8", "w4a8_gemm", "w4a8_words"]
-RATIO_VARIANTS = ["w4a16", "w8a8", "w4a8_int8", "w4a8_fp8", "w4a8_words"]
+VARIANTS = ["bf16", "w4a16", "w8a8", "w4a8_int8", "w4a8_fp8", "w4a8_gemm", "w4a8_words", "w4a8_flat"]
+RATIO_VARIANTS = ["w4a16", "w8a8", "w4a8_int8", "w4a8_fp8", "w4a8_words", "w4a8_flat"]
+INT8_VARIANTS = ("w4a8_gemm", "w4a8_words", "w4a8_flat")  # int8 activations, checked like w4a8_int8
 W4A8_FORMATS = {"w4a8_int8": "int8", "w4a8_fp8": "fp8"}
 BASELINE_MAX_REL_ERROR = 1e-2
 # issue 49's targets over bf16 cuBLAS: (variant, M range, minimum speedup); at M = 1 the goal is relative to W4A16's
-TARGETS = [("w4a8_int8", (256, 256), 1.2), ("w4a8_int8", (1024, None), 1.4)]
+TARGETS = [(v, m, goal) for v in ("w4a8_int8", "w4a8_flat") for m, goal in (((256, 256), 1.2), ((1024, None), 1.4))]
+# --flat-sweep: flat-kernel tiles beside FLAT_TABLE's (all compiled for sm_90 without spills, Triton 3.6), to tune it
+FLAT = K.W4A8Config(128, 128, 128, 8, swap_ab=True, num_warps=8, num_stages=4, flat=True)
+FLAT_SWEEP = [
+    FLAT,
+    replace(FLAT, num_stages=3),
+    replace(FLAT, block_m=64),
+    replace(FLAT, block_m=64, split_waves=1),
+    replace(FLAT, block_m=64, block_n=256, num_stages=3),
+    replace(FLAT, block_n=64, num_warps=4),
+    replace(FLAT, byte_unpack=False, num_stages=3),
+    replace(FLAT, swap_ab=False, num_stages=3),
+]
+SWEEP_MS = [64, 256, 1024, 4096]
 M1_SHARE_OF_W4A16 = 0.9
 
 
@@ -126,6 +144,11 @@ class Problem:
         if variant == "w4a8_words":
             words = replace(K.config_for(self.m), byte_unpack=False)
             return lambda: K.w4a8_linear(x, w4, config=words)
+        if variant == "w4a8_flat":
+            flat = K.config_for(self.m, K.FLAT_TABLE)
+            return lambda: K.w4a8_linear(x, w4, config=flat)
+        if isinstance(variant, K.W4A8Config):
+            return lambda: K.w4a8_linear(x, w4, config=variant)
         if variant == "w4a8_gemm":
             qa, sa = self.qa[i]
             return lambda: K.w4a8_matmul(qa, sa, w4, out_dtype=torch.bfloat16)
@@ -135,7 +158,7 @@ class Problem:
         """Rotation 0's output against float64 (see the module docstring); raises AssertionError on a failure."""
         x, w4 = self.x[0], self.w4[0]
         where = f"{variant} N={self.n} K={self.k} M={self.m}"
-        if variant in W4A8_FORMATS or variant in ("w4a8_gemm", "w4a8_words"):
+        if variant in W4A8_FORMATS or variant in INT8_VARIANTS or isinstance(variant, K.W4A8Config):
             fmt = W4A8_FORMATS.get(variant, "int8")
             ref = K.w4a8_reference(x, w4, None, fmt)
             qa, sa = K8.quantize_activations_reference(x, fmt)
@@ -182,9 +205,30 @@ def run_table(shapes, ms, group: int, timer: Timer, device: str, save) -> list[d
             print(
                 f"N={n:6d} K={k:6d} M={m:5d}  bf16 {base:9.1f} us  w4a16 {sp['w4a16']:.2f}x  w8a8 {sp['w8a8']:.2f}x  "
                 f"w4a8 int8 {sp['w4a8_int8']:.2f}x  fp8 {sp['w4a8_fp8']:.2f}x  words {sp['w4a8_words']:.2f}x  "
+                f"flat {sp['w4a8_flat']:.2f}x  "
                 f"[{time.perf_counter() - t0:.1f} s]",
                 flush=True,
             )
+            del p
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def run_sweep(shapes, ms, group: int, timer: Timer, device: str) -> list[dict]:
+    """bf16 and every ``FLAT_SWEEP`` config at each (shape, M), each checked first; one printed line per point."""
+    rows = []
+    for n, k in shapes:
+        for m in ms:
+            p = Problem(n, k, m, group, device, seed=n + k + m, smoke=timer.smoke)
+            base = timer.per_call(p.calls("bf16"))
+            row = {"N": n, "K": k, "M": m, "bf16_us": base, "speedup": {}}
+            for cfg in FLAT_SWEEP:
+                p.check(cfg, p.calls(cfg)[0]())
+                row["speedup"][cfg.name] = base / timer.per_call(p.calls(cfg))
+            rows.append(row)
+            cells = "  ".join(f"{v:.2f}" for v in row["speedup"].values())
+            print(f"N={n:6d} K={k:6d} M={m:5d}  bf16 {base:8.1f} us  {cells}", flush=True)
             del p
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -250,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ms", help="comma-separated M values instead of 1,16,64,256,1024,4096")
     ap.add_argument("--group", type=int, default=128, help="weight group size (default 128; -1: per channel)")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (needs TRITON_INTERPRET=1)")
+    ap.add_argument("--flat-sweep", action="store_true", help="only bf16 and the FLAT_SWEEP tiles of the flat kernel")
     add_out_argument(ap, "w4a8")
     args = ap.parse_args(argv)
     if args.group != -1 and (args.group < 32 or args.group % 32):
@@ -270,6 +315,21 @@ def main(argv: list[str] | None = None) -> int:
         env["seconds"] = round(time.perf_counter() - t_start)
         (out_dir / "w4a8_results.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
 
+    if args.flat_sweep:
+        sweep_shapes = shapes if args.smoke else QUICK_SHAPES
+        sweep_ms = ms if args.smoke or args.ms else SWEEP_MS
+        print("speedup over bf16 cuBLAS per config, in this order:")
+        for i, cfg in enumerate(FLAT_SWEEP):
+            print(f"  {i}: {cfg.name}")
+        rows = run_sweep(sweep_shapes, sweep_ms, group, timer, device)
+        env["seconds"] = round(time.perf_counter() - t_start)
+        (out_dir / "w4a8_flat_sweep.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+        for i, cfg in enumerate(FLAT_SWEEP):
+            by_m = "  ".join(
+                f"M={m}: {geomean(r['speedup'][cfg.name] for r in rows if r['M'] == m):.2f}x" for m in sweep_ms
+            )
+            print(f"geomean {i} {cfg.name}: {by_m}")
+        return 0
     rows = run_table(shapes, ms, group, timer, device, save_rows)
     (out_dir / "w4a8_results.md").write_text(table_markdown(rows, env))
     print(f"\n{env['device']}, {env['date']}, {env['seconds']} s; full results in {out_dir}/w4a8_results.{{json,md}}")
