@@ -17,7 +17,8 @@ How
     Per K tile: the weight tile is unpacked to int8 / e4m3 q - z in registers (``gemm.byte_tile`` or word by
     word), multiplied into a fresh int32 (fp32 for fp8) partial, converted and scaled by its group's s into the
     fp32 accumulator. One group (per-channel weights): one accumulator over all of K, chained through the MMA
-    (int32 for int8, exact: |sum| <= 127 * 15 * K < 2**31 for K < 2**20), scaled once at the end. SWAP_AB
+    (int32 for int8, exact: |sum| <= 127 * 15 * K < 2**31 for K < 2**20; longer K converts per tile), scaled
+    once at the end. SWAP_AB
     computes y.T = W @ qa.T: the unpacked weight tile is the MMA's left operand, which sm_90's wgmma reads from
     registers (the activation tile, the right operand, from shared memory): with the byte unpacking, Triton 3.6 reads
     the staged weight bytes from shared memory straight into the layout whose unpacked codes are wgmma's register
@@ -185,7 +186,7 @@ def launch_flat(qa, a_scale, w: W4A16Weight, bias, out, cfg, plan) -> None:
         IS_FP8=qa.dtype == torch.float8_e4m3fn, SWAP_AB=cfg.swap_ab, SPLIT=plan.split > 1, HAS_BIAS=bias is not None,
         EVEN_K=k % plan.block_k == 0, BYTES=cfg.byte_unpack and w.qweight.stride(1) == 1,
         USE_ASM=not interpreting(), EMULATE_BF16=interpreting() and out.dtype == torch.bfloat16,
-        ONE_GROUP=plan.group_tiles >= -(-k // plan.block_k), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        ONE_GROUP=plan.group_tiles >= -(-k // plan.block_k) and k < 2**20, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=plan.block_k, GROUP_M=cfg.group_m, FIXUP=fixup_unroll(cfg.block_m, cfg.block_n),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
