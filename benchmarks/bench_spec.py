@@ -16,6 +16,15 @@ and batch 16. Every run draws k tokens every step (``adaptive=False``) except th
 each timed run with no step costs measured (so their figures include the probes that find where speculation pays),
 and then run the prompts again with the costs the rule measured (``speedup_measured``: a server that has run a while).
 
+Part 0 (``--train METHOD:TOKENS[:EPOCHS]``, repeatable): heads trained by ``train_draft`` on the target's features
+over ``--train-data`` (training text only: never the evaluation text the prompts come from), the target loaded once,
+at growing token budgets; each run's tokens, seconds and held-out loss are recorded, and its heads join part 1 as
+proposer ``METHOD-TOKENSxEPOCHS`` (tau against training tokens); ``METHOD:TOKENS:EPOCHS:self`` trains instead on the
+target's own continuations of passages of that text (``train_draft.self_distilled_ids``, ``--self-tokens``).
+``--trees N`` also measures the head proposers with draft trees of N tokens (``--tree-k`` deep; EAGLE-2's dynamic
+tree, Medusa's sparse one); ``--speed-proposers`` limits the end-to-end runs (``best-eagle``: the EAGLE heads of the
+highest greedy tau), and ``--speed-tree N`` adds a tree run of those heads.
+
 Part 2 (``--costs``, random weights in the Llama-3-8B shape, so acceptance is not meaningful there): median time of a
 decode step, of a verify step of k + 1 tokens per sequence and of one draft step (W4A16 self, and with half the
 layers), at batch 1 and 16, each on a 512-token context; then the projected batch-1 speed-up at the acceptance
@@ -86,6 +95,79 @@ def prompt_sets(tokenizer, n: int) -> dict[str, list]:
     }
 
 
+def train_heads(args, folder: str, device: str, settings: dict) -> list[dict]:
+    """Part 0: for each ``--train`` item, heads trained on the target's features (target and text loaded once); items
+    ending in ``:self`` train on the target's own continuations of the training text (``--self-tokens`` of them)."""
+    from quantkit.checkpoint.load import load_any
+    from quantkit.runtime.speculative.heads import WEIGHTS_FILE, read_meta
+    from quantkit.train_draft import TrainDraftConfig, self_distilled_ids, token_stream, train_draft
+
+    model, tokenizer = load_any(folder, torch.float32, device)
+    data = tuple(d for d in args.train_data.split(",") if d)
+    ids, data_print = token_stream(data, tokenizer)
+    parts = ", ".join(f"{d} {p['tokens']:,}" for d, p in zip(data, data_print, strict=True))
+    print(f"training text: {ids.numel():,} tokens ({parts})", flush=True)
+    streams = {"text": (ids, data_print)}
+    if any(item.split(":")[3:] == ["self"] for item in args.train):
+        llm, t0 = LLM(folder, **settings), time.perf_counter()
+        own, where = self_distilled_ids(llm, ids, args.self_tokens)
+        sync(llm)
+        streams["self"] = (own, [*data_print, where])
+        print(f"SELF-DISTILLED text: {own.numel():,} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    rows = []
+    for item in args.train:
+        method, tokens, *rest = item.split(":")
+        epochs = int(rest[0]) if rest else 1
+        source = rest[1] if len(rest) > 1 else "text"
+        name = f"{method}-{tokens if tokens == 'all' else f'{int(tokens) // 1000}k'}x{epochs}"
+        name += "-self" if source == "self" else ""
+        config = TrainDraftConfig(method=method, data=data, tokens=None if tokens == "all" else int(tokens),
+                                  epochs=epochs, seqlen=args.train_seqlen, batch_size=args.train_batch_size,
+                                  lr=args.train_lr, loss_positions=args.train_loss_positions or None)  # fmt: skip
+        heads = args.heads_dir / name
+        if (heads / WEIGHTS_FILE).exists():  # made by an earlier run: measured, not retrained
+            record = read_meta(heads)["training"]
+        else:
+            record = train_draft(
+                model, config, heads, tokenizer, ids=streams[source][0], device=device, data_print=streams[source][1]
+            )
+        args.trained[name] = dict(method=method, draft=str(heads))
+        rows.append(
+            dict(
+                name=name,
+                method=method,
+                epochs=epochs,
+                **{
+                    k: record[k]
+                    for k in (
+                        "train_tokens",
+                        "tokens_seen",
+                        "steps",
+                        "seconds",
+                        "before",
+                        "after",
+                        "curve",
+                        "device",
+                        "precision",
+                    )
+                },
+            )
+        )
+        r = rows[-1]
+        top1 = " ".join(f"{a:.3f}" for a in r["after"]["top1"])
+        curve = " ".join(f"{c['loss']:.3f}" for c in r["curve"][1:])
+        print(f"TRAIN {name}: {r['train_tokens']:,} tokens x {epochs} = {r['tokens_seen']:,} seen, {r['steps']} steps, "
+              f"{r['seconds']:.1f} s; held-out loss {r['before']['loss']:.3f} -> {r['after']['loss']:.3f} (per epoch "
+              f"{curve}), top-1 {top1}", flush=True)  # fmt: skip
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
 def proposers(args, layers: int) -> dict[str, dict]:
     out = {
         "self-g128": dict(method="self", draft_scheme="w4a16-g128"),
@@ -97,7 +179,8 @@ def proposers(args, layers: int) -> dict[str, dict]:
     for method in ("eagle", "medusa"):  # draft heads made by quantkit train-draft
         if getattr(args, f"{method}_heads"):
             out[method] = dict(method=method, draft=str(getattr(args, f"{method}_heads")))
-    return {k: v for k, v in out.items() if k in args.proposers.split(",")}
+    out = {k: v for k, v in out.items() if k in args.proposers.split(",")}
+    return {**args.trained, **out}
 
 
 def sync(llm: LLM) -> None:
@@ -128,59 +211,129 @@ def bucket_figures(b) -> dict:
     }
 
 
+def measure(llm: LLM, name: str, sets: dict, args, rows: list, ks, tree: int | None = None) -> None:
+    """Acceptance and tau of ``llm``'s proposer on every prompt set and temperature, at each k (the tree's depth)."""
+    for kind, prompts in sets.items():
+        if kind not in args.sets:
+            continue
+        for temperature in args.temperatures:
+            params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=0, ignore_eos=True)
+            for k in ks:
+                llm.spec.config = dataclasses.replace(llm.spec.config, num_speculative_tokens=k)
+                llm.spec.totals = type(llm.spec.totals)()
+                llm.generate(prompts, params)
+                t = llm.spec.totals
+                rows.append(dict(proposer=name, prompts=kind, temperature=temperature, k=k, tree=tree,
+                                 acceptance=t.acceptance_rate, tau=t.emitted / max(t.steps, 1)))  # fmt: skip
+                print(text_row([name, kind, temperature, k, tree or "-", f"{t.acceptance_rate:.3f}",
+                                f"{rows[-1]['tau']:.2f}"], [14, 10, 4, 2, 3, 6, 5]), flush=True)  # fmt: skip
+
+
+def speed(llm: LLM, plain: LLM, name: str, sets: dict, args, out: list, modes=(False, True), tree=None) -> None:
+    """End-to-end greedy tokens/s of ``llm`` against ``plain`` at the k the table favours (``args.speed_k``); modes:
+    fixed k (False) and adaptive (True)."""
+    for kind in args.speed_sets:
+        prompts = sets[kind][: args.speed_prompts]
+        params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+        for batch in args.batches:
+            for adaptive in modes:
+                llm.spec.config = dataclasses.replace(
+                    llm.spec.config, adaptive=adaptive, num_speculative_tokens=args.tree_k if tree else args.speed_k
+                )
+                timed(llm, prompts[:batch], params, batch)  # warm-up: compiles the verify shapes
+                llm.spec.buckets.clear()  # the adaptive rule starts the timed run knowing no step costs
+                base_s, base_n = timed(plain, prompts, params, batch)
+                spec_s, spec_n = timed(llm, prompts, params, batch)
+                out.append(dict(proposer=name, prompts=kind, batch=batch, k=llm.spec.config.num_speculative_tokens,
+                                tree=tree, adaptive=adaptive, plain_tok_s=base_n / base_s, spec_tok_s=spec_n / spec_s,
+                                speedup=(spec_n / spec_s) / (base_n / base_s)))  # fmt: skip
+                r = out[-1]
+                if adaptive:  # what the rule saw: per batch-size bucket, ms per step and tokens per sequence
+                    r["buckets"] = {size: bucket_figures(b) for size, b in sorted(llm.spec.buckets.items())}
+                    # and once it knows the step costs (a server that has run a while): the same again
+                    again_s, again_n = timed(llm, prompts, params, batch)
+                    r["speedup_measured"] = (again_n / again_s) / (base_n / base_s)
+                mode = f"tree {tree}" if tree else "adaptive" if adaptive else "fixed"
+                print(
+                    f"SPEED {name} {kind} batch {batch} k {r['k']} {mode}: "
+                    f"{r['plain_tok_s']:.1f} -> {r['spec_tok_s']:.1f} tok/s = {r['speedup']:.2f}x"
+                    + (f"; step costs known: {r['speedup_measured']:.2f}x {r['buckets']}" if adaptive else ""),
+                    flush=True,
+                )
+
+
+def best_eagle(rows: list[dict], k: int) -> str | None:
+    """The EAGLE proposer of the highest greedy tau at chain k, averaged over the prompt sets."""
+    taus: dict[str, list[float]] = {}
+    for r in rows:
+        if r["proposer"].startswith("eagle") and r["temperature"] == 0 and r["k"] == k and r["tree"] is None:
+            taus.setdefault(r["proposer"], []).append(r["tau"])
+    return max(taus, key=lambda n: sum(taus[n]) / len(taus[n]), default=None)
+
+
 def acceptance(args, folder: str, settings: dict) -> dict:
     """Part 1."""
     plain = LLM(folder, **settings)
     sets = prompt_sets(plain.tokenizer, args.num_prompts)
     layers = plain.model.config.num_hidden_layers
-    rows, speed = [], []
-    for name, spec in proposers(args, layers).items():
-        gpu = {"gpu_memory_utilization": 0.65} if "gpu_memory_utilization" in settings else {}
-        spec_settings = {**settings, **gpu}
-        llm = LLM(folder, **spec_settings, speculative=SpeculativeConfig(**spec, adaptive=False))
-        for kind, prompts in sets.items() if args.ks else ():
-            for temperature in args.temperatures:
-                params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=0, ignore_eos=True)
-                for k in args.ks:
-                    llm.spec.config = dataclasses.replace(llm.spec.config, num_speculative_tokens=k)
-                    llm.spec.totals = type(llm.spec.totals)()
-                    llm.generate(prompts, params)
-                    t = llm.spec.totals
-                    rows.append(dict(proposer=name, prompts=kind, temperature=temperature, k=k,
-                                     acceptance=t.acceptance_rate, tau=t.emitted / max(t.steps, 1)))  # fmt: skip
-                    print(text_row([name, kind, temperature, k, f"{t.acceptance_rate:.3f}", f"{rows[-1]['tau']:.2f}"],
-                                   [10, 10, 4, 2, 6, 5]), flush=True)  # fmt: skip
-        # end to end, greedy, at the k the table's greedy narrative and chat rows favour (args.speed_k)
-        for kind in args.speed_sets:
-            prompts = sets[kind]
-            params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-            for batch in args.batches:
-                for adaptive in (False, True):
-                    llm.spec.config = dataclasses.replace(llm.spec.config, num_speculative_tokens=args.speed_k,
-                                                          adaptive=adaptive)  # fmt: skip
-                    timed(llm, prompts[:batch], params, batch)  # warm-up: compiles the verify shapes
-                    llm.spec.buckets.clear()  # the adaptive rule starts the timed run knowing no step costs
-                    base_s, base_n = timed(plain, prompts, params, batch)
-                    spec_s, spec_n = timed(llm, prompts, params, batch)
-                    speed.append(dict(proposer=name, prompts=kind, batch=batch, k=args.speed_k, adaptive=adaptive,
-                                      plain_tok_s=base_n / base_s, spec_tok_s=spec_n / spec_s,
-                                      speedup=(spec_n / spec_s) / (base_n / base_s)))  # fmt: skip
-                    r = speed[-1]
-                    if adaptive:  # what the rule saw: per batch-size bucket, ms per step and tokens per sequence
-                        r["buckets"] = {size: bucket_figures(b) for size, b in sorted(llm.spec.buckets.items())}
-                        # and once it knows the step costs (a server that has run a while): the same again
-                        again_s, again_n = timed(llm, prompts, params, batch)
-                        r["speedup_measured"] = (again_n / again_s) / (base_n / base_s)
-                    print(
-                        f"{name} {kind} batch {batch} k {args.speed_k} {'adaptive' if adaptive else 'fixed'}: "
-                        f"{r['plain_tok_s']:.1f} -> {r['spec_tok_s']:.1f} tok/s = {r['speedup']:.2f}x"
-                        + (f"; step costs known: {r['speedup_measured']:.2f}x {r['buckets']}" if adaptive else ""),
-                        flush=True,
-                    )
+    rows, speeds = [], []
+    gpu = {"gpu_memory_utilization": 0.65} if "gpu_memory_utilization" in settings else {}
+    wanted = args.speed_proposers.split(",") if args.speed_proposers else None
+
+    def engine(spec: dict, **extra) -> LLM:
+        return LLM(folder, **{**settings, **gpu}, speculative=SpeculativeConfig(**spec, adaptive=False, **extra))
+
+    def release(llm: LLM) -> None:
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    return {"acceptance": rows, "speed": speed}
+
+    chosen = proposers(args, layers)
+    for name, spec in chosen.items():
+        heads = spec["method"] in ("eagle", "medusa")
+        llm = engine(spec)
+        measure(llm, name, sets, args, rows, args.ks)
+        if wanted is None or name in wanted:
+            speed(llm, plain, name, sets, args, speeds)
+        release(llm)
+        for n in args.trees if heads else ():  # draft trees: a tree drafter is built with the engine
+            llm = engine(spec, num_tree_tokens=n, num_speculative_tokens=args.tree_k)
+            measure(llm, name, sets, args, rows, [args.tree_k], tree=n)
+            release(llm)
+    best = best_eagle(rows, args.speed_k) if wanted and "best-eagle" in wanted else None
+    if best is not None:
+        print(f"best EAGLE heads (greedy tau, chain k = {args.speed_k}): {best}", flush=True)
+        if best not in wanted:
+            llm = engine(chosen[best])
+            speed(llm, plain, best, sets, args, speeds)
+            release(llm)
+        if args.speed_tree:
+            llm = engine(chosen[best], num_tree_tokens=args.speed_tree, num_speculative_tokens=args.tree_k)
+            speed(llm, plain, best, sets, args, speeds, modes=(False,), tree=args.speed_tree)
+            release(llm)
+    return {"acceptance": rows, "speed": speeds, "best_eagle": best}
+
+
+def summary(result: dict) -> None:
+    """A compact table: training runs; tau per proposer (chain or tree) and prompt set x temperature; speed."""
+    for r in result.get("training", []):
+        print(f"| {r['name']} | {r['tokens_seen']:,} | {r['seconds']:.1f} s | {r['after']['loss']:.3f} | "
+              f"{' '.join(f'{a:.3f}' for a in r['after']['top1'])} |")  # fmt: skip
+    cells: dict[tuple, dict] = {}
+    for r in result["acceptance"]:
+        key = (r["proposer"], r["k"], r["tree"])
+        cells.setdefault(key, {})[f"{r['prompts']} t{r['temperature']:g}"] = f"{r['acceptance']:.2f} / {r['tau']:.2f}"
+    columns = sorted({c for row in cells.values() for c in row})
+    print("| proposer | k | tree | " + " | ".join(columns) + " |")
+    for (name, k, tree), row in cells.items():
+        print(f"| {name} | {k} | {tree or '-'} | " + " | ".join(row.get(c, "") for c in columns) + " |")
+    for r in result["speed"]:
+        mode = f"tree {r['tree']}" if r["tree"] else "adaptive" if r["adaptive"] else "fixed"
+        extra = f" (costs known {r['speedup_measured']:.2f}x)" if "speedup_measured" in r else ""
+        print(
+            f"| {r['proposer']} | {r['prompts']} | {r['batch']} | {mode} | {r['plain_tok_s']:.0f} | "
+            f"{r['spec_tok_s']:.0f} | {r['speedup']:.2f}x{extra} |"
+        )
 
 
 def step_costs(args, settings: dict) -> dict:
@@ -273,8 +426,22 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--sets", default="narrative,chat,grounded", help="prompt sets of the acceptance table")
     ap.add_argument("--speed-k", type=int, default=4)
     ap.add_argument("--speed-sets", default="narrative,chat,grounded")
+    ap.add_argument("--speed-prompts", type=int, default=None, help="prompts of each set timed end to end (all)")
+    ap.add_argument("--speed-proposers", default=None, help="proposers timed end to end (all; best-eagle: see above)")
+    ap.add_argument("--speed-tree", type=int, default=None, help="also time the best EAGLE heads with this tree")
+    ap.add_argument("--trees", default="", help="tree sizes measured for the head proposers, --tree-k deep")
+    ap.add_argument("--tree-k", type=int, default=6, help="depth of the draft trees")
+    ap.add_argument("--train", action="append", default=[], help="part 0: heads to train, METHOD:TOKENS|all[:EPOCHS]")
+    ap.add_argument("--train-data", default="brown", help="part 0's training text (train-draft's --data, comma-joined)")
+    ap.add_argument("--train-batch-size", type=int, default=64)
+    ap.add_argument("--train-seqlen", type=int, default=256)
+    ap.add_argument("--train-lr", type=float, default=3e-3)
+    ap.add_argument("--train-loss-positions", type=int, default=64, help="0: every position")
+    ap.add_argument("--self-tokens", type=int, default=1_000_000, help="part 0: the target's own text, tokens")
+    ap.add_argument("--heads-dir", type=Path, default=None, help="where part 0 puts the heads (OUT/heads)")
     ap.add_argument("--costs", action="store_true", help="part 2 on random Llama-3-8B-shaped weights (GPU)")
     ap.add_argument("--acceptance", type=Path, help="part 1's JSON, for the projection of part 2")
     add_out_argument(ap, "spec")
@@ -283,7 +450,11 @@ def main() -> None:
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     args.batches = [int(b) for b in args.batches.split(",")]
     args.speed_sets = [s for s in args.speed_sets.split(",") if s]
+    args.trees = [int(n) for n in args.trees.split(",") if n]
+    args.sets = args.sets.split(",")
     out = out_folder(args.out)
+    args.heads_dir = args.heads_dir or out / "heads"
+    args.trained = {}
     settings = {k: v for k, v in dict(device=args.device, dtype=args.dtype).items() if v is not None}
     device = "cuda" if torch.cuda.is_available() and args.device in (None, "cuda") else "cpu"
     if device == "cuda" and not args.costs:  # the plain target (0.3 of the card) and a speculative engine share it
@@ -303,8 +474,13 @@ def main() -> None:
         return
     from quantkit.models.loading import resolve_model
 
-    result.update(acceptance(args, str(resolve_model(args.model)), settings))
+    folder = str(resolve_model(args.model))
+    if args.train:
+        result["training"] = train_heads(args, folder, device, settings)
+        (out / "acceptance.json").write_text(json.dumps(result, indent=2))
+    result.update(acceptance(args, folder, settings))
     (out / "acceptance.json").write_text(json.dumps(result, indent=2))
+    summary(result)
 
 
 if __name__ == "__main__":

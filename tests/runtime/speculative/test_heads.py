@@ -18,7 +18,7 @@ from quantkit.runtime.scheduler import ScheduledBatch
 from quantkit.runtime.sequence import Sequence
 from quantkit.runtime.speculative.config import SpeculativeConfig
 from quantkit.runtime.speculative.heads import FeatureStore, read_meta
-from quantkit.train_draft import RESUME_FILE, TrainDraftConfig, split_windows, train_draft
+from quantkit.train_draft import RESUME_FILE, TrainDraftConfig, self_distilled_ids, split_windows, train_draft
 from tests.runtime.helpers import random_prompts
 
 VOCAB = 96
@@ -146,6 +146,28 @@ def test_trained_heads_beat_untrained_on_acceptance(target, tmp_path):
         llm.generate(seen, SamplingParams(max_tokens=56, ignore_eos=True))
         rates.append(llm.spec.totals.acceptance_rate)
     assert rates[1] > rates[0] + 0.2, rates
+
+
+def test_self_distilled_text_trains_with_a_curve(target, tmp_path):
+    """The target's own continuations of training passages: the greedy half is the target's greedy output from them;
+    heads train on that text under bf16 autocast, recording the held-out loss before and after every epoch."""
+    model, folder = target
+    llm = LLM(str(folder), cpu_kv_blocks=64)
+    ids = markov_ids(2000)
+    own, where = self_distilled_ids(llm, ids, 600, prompt_len=8, new_tokens=24)
+    assert own.numel() == where["tokens"] == 19 * 32  # ceil(600 / 32) passages of 8 + 24 tokens
+    prompt = own[:8].tolist()
+    assert any(ids[i : i + 8].tolist() == prompt for i in range(ids.numel() - 8))
+    greedy = LLM(str(folder), cpu_kv_blocks=64).generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))
+    assert own[8:32].tolist() == greedy[0].outputs[0].token_ids
+    config = TrainDraftConfig(method="eagle", tokens=None, seqlen=32, batch_size=2, epochs=4, lr=3e-3,
+                              precision="bf16")  # fmt: skip
+    record = train_draft(model, config, tmp_path / "heads", ids=own, data_print=[where])
+    curve = record["curve"]
+    assert [c["epoch"] for c in curve] == [0, 1, 2, 3, 4] and record["precision"] == "bf16"
+    assert record["train_tokens"] + record["val_tokens"] == own.numel() // 32 * 32
+    assert curve[4]["tokens"] == 4 * record["train_tokens"] and curve[4]["loss"] < 0.9 * curve[0]["loss"], curve
+    assert read_meta(tmp_path / "heads")["data"] == [where]
 
 
 def test_heads_of_another_model_are_refused(trained, tmp_path):
