@@ -82,6 +82,7 @@ FLAT_SWEEP = [
     replace(FLAT, block_m=64, split_waves=1),
     replace(FLAT, block_m=64, block_n=256, num_stages=3),
     replace(FLAT, block_n=64, num_warps=4),
+    replace(FLAT, block_m=64, block_n=64, num_warps=4),  # 145 registers: three CTAs an SM, their MMAs interleave
     replace(FLAT, byte_unpack=False, num_stages=3),
     replace(FLAT, swap_ab=False, num_stages=3),
 ]
