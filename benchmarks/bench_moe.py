@@ -170,7 +170,7 @@ def tile(bm: int, bn: int, bk: int, warps: int, stages: int, swap: bool = False)
 # Candidates by the mean rows per expert at an M (<= 8, <= 48, more), beside the format's current default. Few rows:
 # small BLOCK_N (more programs over the chosen experts' weights), long K tiles, the weight tile as the MMA's M side;
 # many rows: larger tiles. Each distinct config compiles twice (gate/up, down) per format, a few seconds each; the
-# two shapes share the compiled kernels. Compiled offline for sm_90 (Triton 3.6), none of these spills (up to 183
+# two shapes share the compiled kernels. Compiled offline for sm_90 (Triton 3.6), none of these spills (up to 185
 # registers); 128 x 256 tiles did (bf16 down projection: 255 registers and local memory) and are left out.
 SWEEP_CANDIDATES = {
     8: [tile(16, 32, 128, 4, 4), tile(16, 64, 128, 4, 3), tile(16, 64, 128, 4, 4, True), tile(16, 128, 128, 4, 3, True),

@@ -27,18 +27,20 @@ How
     [NB blocks, N / BLOCK_N] with NB an upper bound that depends on T only (no host sync, capturable). A program
     reads its block's expert; blocks past the last run exit before loading anything, so at batch 1 only the
     chosen experts' weights are read. Rows are gathered through the sorted pair ids (x's row t = p // k for the
-    first GEMM, row p for the second) and stored at row p, so no permuted copy of x exists. The down projection
-    computes silu(g) * u from gu while loading its A operand (float and w4a16; fp8_block quantizes a first, so
-    there ``silu_mul`` and ``quantize_tiles`` run between the launches) and multiplies its fp32 result by the
-    routing weight before the store. w4a16 tiles are dequantized in registers by the W4A16 GEMM's own helpers
-    (``kernels.w4a16.gemm.dequant_tile``): each packed word loaded once, two codes per 32-bit operation through the
-    "magic number" bit pattern (fp16; bf16 converts in fp32), a word's codes kept in its thread, W rounded once to
-    x's dtype. ``SWAP_AB`` computes out.T = W.T @ A.T, so the weight tile is the MMA's M side: Hopper's wgmma for a
-    few rows per expert. One more launch (``_sum_k_kernel``) sums each token's k rows in order in fp32 and casts
-    them once.
+    first GEMM, row p for the second) and stored at row p, so no permuted copy of x exists. The gate/up launch
+    ends in SiLU-and-multiply: a BLOCK_N tile holds BLOCK_N / 2 gate rows of W13 and the matching up rows, so its
+    epilogue rounds both to x's dtype (gu's rounding), forms silu(g) * u in fp32 and stores a [T*k, I] once per
+    element (no gu buffer, no silu recomputed per down-projection tile; fp8_block quantizes a per tile between
+    the launches). The down launch multiplies its fp32 result by the routing weight before the store. w4a16 tiles
+    are dequantized in registers by the W4A16 GEMM's own helpers (``kernels.w4a16.gemm.dequant_tile``): each
+    packed word loaded once, two codes per 32-bit operation through the "magic number" bit pattern (fp16; bf16
+    converts in fp32), a word's codes kept in its thread, W rounded once to x's dtype. ``SWAP_AB`` computes
+    out.T = W.T @ A.T, so the weight tile is the MMA's M side: Hopper's wgmma for a few rows per expert. One more
+    launch (``_sum_k_kernel``) sums each token's k rows in order in fp32 and casts them once; ``routed_moe`` routes
+    and aligns a decode step in one launch (``routing.route_and_align``), so a layer is four launches.
 
-Limits: int32 offsets within an expert and within x, gu and o (the expert offset is 64-bit); the interpreter
-computes bf16 in fp32 and rounds by hand (``EMULATE_BF16``). Hardware: compiled offline for sm_90 with Triton 3.9
+Limits: int32 offsets within an expert and within x, a and o (the expert offset is 64-bit); the interpreter
+computes bf16 in fp32 and rounds by hand (``EMULATE_BF16``). Hardware: compiled offline for sm_90 with Triton 3.6
 (loads pipelined through cp.async, wgmma for the 64-row tiles). Tile configs (``moe_config``): a table per format
 and layer shape by tokens (``TUNED_CONFIGS``, from ``benchmarks/bench_moe.py --sweep``), else per-format first
 choices by the mean rows per expert.
@@ -53,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 from quantkit.kernels._device import dot_precision, interpreting
-from quantkit.kernels.dense.norm_rope import silu_mul, silu_mul_reference
+from quantkit.kernels.dense.norm_rope import silu_mul_reference
 from quantkit.kernels.moe.routing import align, max_blocks, route_and_align
 from quantkit.kernels.w4a16.epilogue import to_act
 from quantkit.kernels.w4a16.gemm import dequant_tile, load_group, magic_pattern, pattern_pair
@@ -207,19 +209,19 @@ FLOAT, W4A16, FP8_BLOCK = 0, 1, 2
 _FORMAT_CODE = {"float": FLOAT, "w4a16": W4A16, "fp8_block": FP8_BLOCK}
 
 
-@triton.jit(do_not_specialize=["P", "silu_offset", "magic_pair"])
+@triton.jit(do_not_specialize=["P", "magic_pair"])
 def _moe_gemm_kernel(
     # pointers
     a_ptr, a_scale_ptr, w_ptr, z_ptr, s_ptr, perm_ptr, out_ptr, pairs_ptr, block_expert_ptr, route_w_ptr,
     # sizes
-    N, K, P, group_size, silu_offset, a_div,
+    N, K, P, group_size, glu_offset, a_div,
     # w4a16: MAGIC:MAGIC as a run-time value (kept in a register, as the W4A16 GEMM does)
     magic_pair,
     # strides
     stride_am, stride_ak, stride_asm, stride_we, stride_wk, stride_wn, stride_ze, stride_zg, stride_zn,
     stride_se, stride_sg, stride_sn, stride_pe, stride_om, stride_on,
     # meta-parameters
-    FORMAT: tl.constexpr, PERM: tl.constexpr, BITS: tl.constexpr, SILU: tl.constexpr,
+    FORMAT: tl.constexpr, PERM: tl.constexpr, BITS: tl.constexpr, GLU: tl.constexpr,
     WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
     COMPUTE: tl.constexpr, PRECISION: tl.constexpr, MAGIC: tl.constexpr, HALF_SCALE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
@@ -232,9 +234,16 @@ def _moe_gemm_kernel(
     pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < P
     a_rows = tl.where(valid, pairs // a_div, 0)  # a run-time value: both layer shapes share one compiled kernel
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GLU:  # gate/up: the tile's first half holds gate rows n0 + j of W13, its second half up rows I + n0 + j
+        HALF: tl.constexpr = BLOCK_N // 2
+        j = tl.arange(0, BLOCK_N)
+        offs_out = pid_n * HALF + j % HALF  # the column of a = silu(g) * u that both halves feed
+        offs_n = offs_out + (j // HALF) * glu_offset
+        n_mask = offs_out < glu_offset
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < N
     e64 = expert.to(tl.int64)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     w_base = w_ptr + e64 * stride_we
@@ -252,10 +261,6 @@ def _moe_gemm_kernel(
         else:
             a_tile = a_ptrs + k0 * stride_ak
         a = tl.load(a_tile, mask=a_mask, other=0.0)
-        if SILU:  # A = silu(g) * u from gu [P, 2I], in fp32, rounded once
-            u = tl.load(a_tile + silu_offset * stride_ak, mask=a_mask, other=0.0).to(tl.float32)
-            g = a.to(tl.float32)
-            a = to_act(g / (1.0 + tl.exp(-g)) * u, a_ptr.dtype.element_ty, EMULATE_BF16)
         w_mask = k_mask[:, None] & n_mask[None, :]
         if FORMAT == 2:  # fp8_block: a B-long partial sum of codes, promoted with its two scales (BLOCK_K = B)
             w = tl.load(w_base + kk[:, None] * stride_wk + offs_n[None, :] * stride_wn, mask=w_mask, other=0.0)
@@ -286,10 +291,20 @@ def _moe_gemm_kernel(
                 acc = tl.dot(a.to(COMPUTE), w.to(COMPUTE), acc, input_precision=PRECISION)
     if SWAP_AB:
         acc = tl.trans(acc)
+    ACT: tl.constexpr = out_ptr.dtype.element_ty
+    if GLU:  # g and u rounded to x's dtype (the layer's gu), then silu(g) * u in fp32, rounded once when stored
+        gu = to_act(acc, ACT, EMULATE_BF16).to(tl.float32)
+        g, u = tl.split(tl.permute(tl.reshape(gu, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        acc = g / (1.0 + tl.exp(-g)) * u
+        offs_c = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        c_mask = offs_c < glu_offset
+    else:
+        offs_c = offs_n
+        c_mask = n_mask
     if WEIGHTED:
         acc = acc * tl.load(route_w_ptr + pairs, mask=valid, other=0.0)[:, None]
-    out_ptrs = out_ptr + pairs[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, to_act(acc, out_ptr.dtype.element_ty, EMULATE_BF16), mask=valid[:, None] & n_mask[None, :])
+    out_ptrs = out_ptr + pairs[:, None] * stride_om + offs_c[None, :] * stride_on
+    tl.store(out_ptrs, to_act(acc, ACT, EMULATE_BF16), mask=valid[:, None] & c_mask[None, :])
 
 
 @triton.jit
@@ -356,8 +371,9 @@ def _block_k(w: ExpertWeights, cfg: dict[str, int]) -> int:
     return bk
 
 
-def _grouped_gemm(a, a_scale, w: ExpertWeights, out, pairs, block_expert, route_w, p, a_div, silu, cfg) -> None:
-    """One launch: out[p] = A[p // a_div] @ W_e.T (silu: A from gu; route_w: times the pair's weight)."""
+def _grouped_gemm(a, a_scale, w: ExpertWeights, out, pairs, block_expert, route_w, p, a_div, glu, cfg) -> None:
+    """One launch: out[p] = A[p // a_div] @ W_e.T (glu: silu(gate) * up of W = [gate; up], out [P, N / 2];
+    route_w: times the pair's weight)."""
     n, k = w.out_features, w.in_features
     emulate = interpreting() and out.dtype == torch.bfloat16
     act = a.dtype
@@ -371,14 +387,14 @@ def _grouped_gemm(a, a_scale, w: ExpertWeights, out, pairs, block_expert, route_
         wst = (w.weight.stride(0), w.weight.stride(2), w.weight.stride(1))
     zst = (z.stride(0), z.stride(1), z.stride(2)) if w.qzeros is not None else (0, 0, 0)
     sst = (s.stride(0), s.stride(1), s.stride(2)) if w.scales is not None else (0, 0, 0)
-    grid = (block_expert.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
+    grid = (block_expert.numel(), triton.cdiv(n // 2, cfg["BLOCK_N"] // 2) if glu else triton.cdiv(n, cfg["BLOCK_N"]))
     perm = w.perm if w.perm is not None else w.weight
     magic = magic_pattern(w.bits, act) if w.fmt == "w4a16" else 0
     _moe_gemm_kernel[grid](
         a, a_s, w.weight, z, s, perm, out, pairs, block_expert, route_w if route_w is not None else out,
-        n, k, p, (w.group_size or 2**30) if w.fmt == "w4a16" else 0, k if silu else 0, a_div, pattern_pair(magic),
+        n, k, p, (w.group_size or 2**30) if w.fmt == "w4a16" else 0, n // 2 if glu else 0, a_div, pattern_pair(magic),
         a.stride(0), a.stride(1), a_s.stride(0), *wst, *zst, *sst, perm.stride(0), out.stride(0),
-        out.stride(1), FORMAT=_FORMAT_CODE[w.fmt], PERM=w.perm is not None, BITS=w.bits, SILU=silu,
+        out.stride(1), FORMAT=_FORMAT_CODE[w.fmt], PERM=w.perm is not None, BITS=w.bits, GLU=glu,
         WEIGHTED=route_w is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=_block_k(w, cfg),
         SWAP_AB=bool(cfg.get("SWAP_AB", 0)), COMPUTE=compute, PRECISION=dot_precision(act), MAGIC=magic,
         HALF_SCALE=act == torch.float16, EMULATE_BF16=emulate, num_warps=cfg["num_warps"],
@@ -438,17 +454,17 @@ def fused_moe(
     if block_expert.shape != (nb,) or pairs.shape != (nb * cfg["BLOCK_M"],):
         raise ValueError(f"aligned must be align(ids, {w13.num_experts}, {cfg['BLOCK_M']}) ([{nb * cfg['BLOCK_M']}] "
                          f"and [{nb}]), got {tuple(pairs.shape)} and {tuple(block_expert.shape)}")  # fmt: skip
-    gu = torch.empty(p, 2 * inter, dtype=x.dtype, device=x.device)
+    act = torch.empty(p, inter, dtype=x.dtype, device=x.device)  # silu(g) * u of every pair
     o = torch.empty(p, h, dtype=x.dtype, device=x.device)
     route_w = weights.reshape(-1).contiguous()
     if w13.fmt == "fp8_block":
         qx, x_scale = quantize_tiles(x, w13.group_size)
-        _grouped_gemm(qx, x_scale, w13, gu, pairs, block_expert, None, p, k, False, cfg)
-        qa, a_scale = quantize_tiles(silu_mul(gu[:, :inter], gu[:, inter:]), w2.group_size)
+        _grouped_gemm(qx, x_scale, w13, act, pairs, block_expert, None, p, k, True, cfg)
+        qa, a_scale = quantize_tiles(act, w2.group_size)
         _grouped_gemm(qa, a_scale, w2, o, pairs, block_expert, route_w, p, 1, False, cfg)
     else:
-        _grouped_gemm(x, None, w13, gu, pairs, block_expert, None, p, k, False, cfg)
-        _grouped_gemm(gu, None, w2, o, pairs, block_expert, route_w, p, 1, True, cfg)
+        _grouped_gemm(x, None, w13, act, pairs, block_expert, None, p, k, True, cfg)
+        _grouped_gemm(act, None, w2, o, pairs, block_expert, route_w, p, 1, False, cfg)
     y = torch.empty(t, h, dtype=out_dtype or x.dtype, device=x.device)
     block_h = min(1024, triton.next_power_of_2(h))
     _sum_k_kernel[(t, triton.cdiv(h, block_h))](

@@ -196,9 +196,9 @@ def w4a16_experts(n, k, bits, group, g, act_order=False):
     return w
 
 
-def make_experts(fmt, dtype, g):
+def make_experts(fmt, dtype, g, inter=INTER):
     if fmt == "float":
-        ws = [[torch.randn(n, k, generator=g) * k**-0.5 for _ in range(E)] for n, k in ((2 * INTER, H), (H, INTER))]
+        ws = [[torch.randn(n, k, generator=g) * k**-0.5 for _ in range(E)] for n, k in ((2 * inter, H), (H, inter))]
         return [ExpertWeights.from_float([w.to(dtype).to(DEVICE) for w in p]) for p in ws]
     if fmt.startswith("w4a16"):
         bits, act = (8 if fmt.endswith("8") else 4), fmt.endswith("act")
@@ -219,7 +219,7 @@ def exact(x, w13, w2, weights, ids):
         for j in range(k):
             e = int(ids[tok, j])
             gu = x[tok].double() @ w13.dequantize(e).to(x.dtype).double().cpu().t()
-            g, u = gu[:INTER], gu[INTER:]
+            g, u = gu.chunk(2)
             a = g * torch.sigmoid(g) * u
             y[tok] += (a @ w2.dequantize(e).to(x.dtype).double().cpu().t()) * float(weights[tok, j])
     return y
@@ -242,9 +242,9 @@ CASES = [  # (format, dtype, T, k, experts without tokens)
 ]
 
 
-def check_layer(fmt, dtype, t, k, skip, config, out_dtype=None):
+def check_layer(fmt, dtype, t, k, skip, config, out_dtype=None, inter=INTER):
     g = torch.Generator().manual_seed(t * 10 + k)
-    w13, w2 = make_experts(fmt, dtype, g)
+    w13, w2 = make_experts(fmt, dtype, g, inter)
     x = torch.randn(t, H, generator=g).to(dtype)
     weights, ids = routed(t, k, g, skip)
     y = M.fused_moe(x.to(DEVICE), w13, w2, weights.to(DEVICE), ids.to(DEVICE), out_dtype, config).cpu()
@@ -279,6 +279,12 @@ CONFIG_CASES = [  # (format, dtype, config, out_dtype): the tile options a tuned
 def test_fused_moe_tile_options_match_reference(fmt, dtype, config, out_dtype):
     """The weight tile as the MMA's M side (SWAP_AB), other K tiles, an fp32 output (the sum over k unrounded)."""
     check_layer(fmt, dtype, 5, 2, (3,), config, out_dtype)
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_gate_up_tiles_past_the_expert_width_are_masked(swap):
+    """I = 40: the last gate/up tile (16 gate and 16 up columns) holds 8 columns of each."""
+    check_layer("float", torch.float16, 4, 2, (), {**SMALL, "SWAP_AB": int(swap)}, inter=40)
 
 
 def test_moe_config_takes_the_tuned_entry_of_a_shape_else_the_format_default(monkeypatch):
