@@ -171,12 +171,14 @@ def tile(bm: int, bn: int, bk: int, warps: int, stages: int, swap: bool = False)
 # small BLOCK_N (more programs over the chosen experts' weights), long K tiles, the weight tile as the MMA's M side;
 # many rows: larger tiles. Each distinct config compiles twice (gate/up, down) per format, a few seconds each; the
 # two shapes share the compiled kernels. Compiled offline for sm_90 (Triton 3.6), none of these spills (up to 185
-# registers); 128 x 256 tiles did (bf16 down projection: 255 registers and local memory) and are left out.
+# registers; bf16 128 x 256: 211); w4a16's 128 x 256 tiles take all 255 registers and are left out.
+MOST_TILE = {"w4a16": 128 * 128}  # the largest BLOCK_M * BLOCK_N a format's candidates keep
 SWEEP_CANDIDATES = {
     8: [tile(16, 32, 128, 4, 4), tile(16, 64, 128, 4, 3), tile(16, 64, 128, 4, 4, True), tile(16, 128, 128, 4, 3, True),
         tile(16, 32, 64, 2, 4)],
     48: [tile(16, 64, 128, 4, 4, True), tile(32, 64, 64, 4, 4), tile(64, 64, 64, 4, 4), tile(64, 128, 64, 4, 3)],
-    2**62: [tile(64, 128, 64, 4, 4), tile(128, 128, 64, 8, 3), tile(128, 128, 64, 8, 4), tile(64, 256, 64, 8, 3)],
+    2**62: [tile(64, 128, 64, 4, 4), tile(128, 128, 64, 8, 3), tile(128, 128, 64, 8, 4), tile(64, 256, 64, 8, 3),
+            tile(128, 256, 64, 8, 3)],
 }  # fmt: skip
 SMOKE_CANDIDATES = [tile(16, 32, 32, 4, 1), tile(16, 32, 64, 4, 1, True)]
 
@@ -197,7 +199,7 @@ def sweep_candidates(m: int, shape: tuple, fmt: str, smoke: bool) -> list[dict]:
     pool = SMOKE_CANDIDATES if smoke else next(c for most, c in SWEEP_CANDIDATES.items() if m * k / e <= most)
     out: list[dict] = []
     for cfg in [default, *pool]:
-        if normalized(cfg, fmt) not in out:
+        if normalized(cfg, fmt) not in out and cfg["BLOCK_M"] * cfg["BLOCK_N"] <= MOST_TILE.get(fmt, 2**30):
             out.append(normalized(cfg, fmt))
     return out
 

@@ -236,9 +236,9 @@ def _moe_gemm_kernel(
     a_rows = tl.where(valid, pairs // a_div, 0)  # a run-time value: both layer shapes share one compiled kernel
     if GLU:  # gate/up: the tile's first half holds gate rows n0 + j of W13, its second half up rows I + n0 + j
         HALF: tl.constexpr = BLOCK_N // 2
-        j = tl.arange(0, BLOCK_N)
-        offs_out = pid_n * HALF + j % HALF  # the column of a = silu(g) * u that both halves feed
-        offs_n = offs_out + (j // HALF) * glu_offset
+        col = tl.arange(0, BLOCK_N)
+        offs_out = pid_n * HALF + col % HALF  # the column of a = silu(g) * u that both halves feed
+        offs_n = offs_out + (col // HALF) * glu_offset
         n_mask = offs_out < glu_offset
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
