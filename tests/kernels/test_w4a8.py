@@ -161,13 +161,14 @@ def test_linear_entry_point(fmt):
     assert_close_to_reference(y, x, qw, w, bias, fmt)
 
 
-def test_fp32_output_is_the_reference_to_fp32_rounding():
+@pytest.mark.parametrize("config", [None, FLAT, FLAT_AB])
+def test_fp32_output_is_the_reference_to_fp32_rounding(config):
     _, w = make_layer(40, 256, 64, seed=14)
     x = activations(5, 256, torch.float16, seed=15)
     bias = torch.randn(40, device=DEVICE)
     qa, a_scale = quantize_activations(x, "int8")
     out = torch.full((5, 40), float("nan"), device=DEVICE)
-    y = K.w4a8_matmul(qa, a_scale, w, bias, out_dtype=torch.float32, out=out)
+    y = K.w4a8_matmul(qa, a_scale, w, bias, out_dtype=torch.float32, out=out, config=config)
     ref = K.w4a8_reference(x, w, bias, "int8")
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
