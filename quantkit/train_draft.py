@@ -52,6 +52,8 @@ class TrainDraftConfig:
     - ``loss_positions``: positions per window where the loss is taken (its vocabulary-sized products are most of a
       step's cost; None: all). Validation takes every position.
     - ``precision``: ``auto`` (bf16 on a GPU, fp32 on the CPU), ``fp32`` or ``bf16`` (autocast).
+    - ``self_distill``: train on about this many tokens the target writes itself from passages of ``data``
+      (``self_distilled_ids``) instead of on ``data`` (None).
     - ``save_every``: steps between resume states."""
 
     method: str
@@ -66,6 +68,7 @@ class TrainDraftConfig:
     feature_noise: float = 0.1
     loss_positions: int | None = 64
     precision: str = "auto"
+    self_distill: int | None = None
     save_every: int = 50
     seed: int = 0
 
@@ -73,6 +76,7 @@ class TrainDraftConfig:
         if self.method not in METHODS:
             raise QuantkitError(f"unknown draft head method {self.method!r}; available: {', '.join(METHODS)}")
         integer("tokens", self.tokens, low=1, none=True)
+        integer("self_distill", self.self_distill, low=1, none=True)
         if self.precision not in PRECISIONS:
             raise QuantkitError(f"unknown precision {self.precision!r}; available: {', '.join(PRECISIONS)}")
         for name, low in (("num_heads", 1), ("seqlen", 2), ("batch_size", 1), ("epochs", 1),
@@ -278,13 +282,24 @@ def train_draft(
         raise QuantkitError(f"{out} already holds draft heads; choose another --out")
     if resume and not (out / RESUME_FILE).exists():
         raise QuantkitError(f"nothing to resume in {out} (no {RESUME_FILE})")
-    if isinstance(model, str | Path):
+    spec = str(model) if isinstance(model, str | Path) else None
+    if config.self_distill is not None and (spec is None or ids is not None):
+        raise QuantkitError("self_distill needs the model as a path or name and the text as data sources")
+    if spec is not None:
         from quantkit.checkpoint.load import load_any
 
-        model, tokenizer = load_any(str(model), torch.float32, str(device))
+        model, tokenizer = load_any(spec, torch.float32, str(device))
     model.eval().requires_grad_(False)
     if ids is None:
         ids, data_print = token_stream(config.data, tokenizer)
+        if config.self_distill is not None:
+            from quantkit.runtime import LLM
+
+            memory = {"gpu_memory_utilization": 0.3} if device.type == "cuda" else {}  # beside the target above
+            llm = LLM(spec, device=str(device), **memory)
+            ids, where = self_distilled_ids(llm, ids, config.self_distill, seed=config.seed)
+            data_print = [*data_print, where]
+            del llm
     elif data_print is None:
         data_print = [{"source": "token ids", "sha256": _digest(ids.cpu().numpy().tobytes()), "tokens": ids.numel()}]
     train_ids, val_ids = split_windows(ids.long(), config)

@@ -334,6 +334,12 @@ TRAIN = _defaults(TrainDraftConfig)
     help="Positions per window where the training loss is taken; 0: all.",
 )
 @click.option(
+    "--self-distill",
+    type=click.IntRange(min=1),
+    default=TRAIN["self_distill"],
+    help="Train on about this many tokens the target writes itself from passages of --data, not on --data.",
+)
+@click.option(
     "--precision",
     type=click.Choice(PRECISIONS),
     default=TRAIN["precision"],

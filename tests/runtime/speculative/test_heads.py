@@ -168,6 +168,8 @@ def test_self_distilled_text_trains_with_a_curve(target, tmp_path):
     assert record["train_tokens"] + record["val_tokens"] == own.numel() // 32 * 32
     assert curve[4]["tokens"] == 4 * record["train_tokens"] and curve[4]["loss"] < 0.9 * curve[0]["loss"], curve
     assert read_meta(tmp_path / "heads")["data"] == [where]
+    with pytest.raises(QuantkitError, match="self_distill needs the model as a path"):
+        train_draft(model, dataclasses.replace(config, self_distill=600), tmp_path / "again", ids=ids)
 
 
 def test_heads_of_another_model_are_refused(trained, tmp_path):
