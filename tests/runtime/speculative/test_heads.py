@@ -20,6 +20,7 @@ from quantkit.runtime.speculative.config import SpeculativeConfig
 from quantkit.runtime.speculative.heads import FeatureStore, read_meta
 from quantkit.train_draft import RESUME_FILE, TrainDraftConfig, self_distilled_ids, split_windows, train_draft
 from tests.runtime.helpers import random_prompts
+from tests.tiny_models import CHAT_TEMPLATE, tiny_model_dir, tiny_tokenizer
 
 VOCAB = 96
 
@@ -170,6 +171,39 @@ def test_self_distilled_text_trains_with_a_curve(target, tmp_path):
     assert read_meta(tmp_path / "heads")["data"] == [where]
     with pytest.raises(QuantkitError, match="self_distill needs the model as a path"):
         train_draft(model, dataclasses.replace(config, self_distill=600), tmp_path / "again", ids=ids)
+
+
+def test_cli_self_distill(tmp_path):
+    """train-draft --self-distill on a model with a chat template: the heads record the text and the target's own."""
+    folder = tiny_model_dir(tmp_path / "model")
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    args = [
+        "train-draft",
+        "--model",
+        str(folder),
+        "--method",
+        "eagle",
+        "--out",
+        str(tmp_path / "heads"),
+        "--self-distill",
+        "2000",
+        "--tokens",
+        "0",
+        "--seqlen",
+        "32",
+        "--batch-size",
+        "4",
+        "--device",
+        "cpu",
+    ]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    data = read_meta(tmp_path / "heads")["data"]
+    assert [d["source"].split(":")[0] for d in data][1:] == ["self-distilled"] and data[1]["tokens"] >= 2000
+    result = CliRunner().invoke(cli, [*args[:6], str(tmp_path / "other"), "--self-distill", "0"])
+    assert result.exit_code == 2 and "--self-distill" in result.output
 
 
 def test_heads_of_another_model_are_refused(trained, tmp_path):
