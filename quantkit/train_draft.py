@@ -293,10 +293,11 @@ def train_draft(
     if ids is None:
         ids, data_print = token_stream(config.data, tokenizer)
         if config.self_distill is not None:
+            from quantkit.models.loading import resolve_model
             from quantkit.runtime import LLM
 
             memory = {"gpu_memory_utilization": 0.3} if device.type == "cuda" else {}  # beside the target above
-            llm = LLM(spec, device=str(device), **memory)
+            llm = LLM(str(resolve_model(spec)), device=str(device), **memory)
             ids, where = self_distilled_ids(llm, ids, config.self_distill, seed=config.seed)
             data_print = [*data_print, where]
             del llm
