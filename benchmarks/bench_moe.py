@@ -162,9 +162,9 @@ def run_shape(name, shape, ms, timer, dev, copy_bw, smoke) -> list[dict]:
 # -- tile sweep ------------------------------------------------------------------------------------------------
 
 
-def tile(bm: int, bn: int, bk: int, warps: int, stages: int, swap: bool = False) -> dict[str, int]:
+def tile(bm: int, bn: int, bk: int, warps: int, stages: int, swap: bool = False, scale_tile: bool = False):
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages,
-            "SWAP_AB": int(swap)}  # fmt: skip
+            "SWAP_AB": int(swap), "SCALE_TILE": int(scale_tile)}  # fmt: skip
 
 
 # Candidates by the mean rows per expert at an M (<= 8, <= 48, more), beside the format's current default. Few rows:
@@ -175,21 +175,25 @@ def tile(bm: int, bn: int, bk: int, warps: int, stages: int, swap: bool = False)
 MOST_TILE = {"w4a16": 128 * 128}  # the largest BLOCK_M * BLOCK_N a format's candidates keep
 SWEEP_CANDIDATES = {
     8: [tile(16, 32, 128, 4, 4), tile(16, 64, 128, 4, 3), tile(16, 64, 128, 4, 4, True), tile(16, 128, 128, 4, 3, True),
-        tile(16, 32, 64, 2, 4)],
-    48: [tile(16, 64, 128, 4, 4, True), tile(32, 64, 64, 4, 4), tile(64, 64, 64, 4, 4), tile(64, 128, 64, 4, 3)],
+        tile(16, 32, 64, 2, 4), tile(16, 32, 128, 4, 4, scale_tile=True), tile(16, 64, 128, 4, 4, True, True)],
+    48: [tile(16, 64, 128, 4, 4, True), tile(32, 64, 64, 4, 4), tile(64, 64, 64, 4, 4), tile(64, 128, 64, 4, 3),
+         tile(64, 64, 64, 4, 4, scale_tile=True)],
     2**62: [tile(64, 128, 64, 4, 4), tile(128, 128, 64, 8, 3), tile(128, 128, 64, 8, 4), tile(64, 256, 64, 8, 3),
             tile(128, 256, 64, 8, 3)],
 }  # fmt: skip
 SMOKE_CANDIDATES = [tile(16, 32, 32, 4, 1), tile(16, 32, 64, 4, 1, True)]
 
 
-KEY_ORDER = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SWAP_AB")
+KEY_ORDER = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SWAP_AB", "SCALE_TILE")
 
 
 def normalized(cfg: dict, fmt: str) -> dict[str, int]:
-    """``cfg`` with every key explicit (BLOCK_K 64, SWAP_AB 0 where absent; fp8_block's BLOCK_K is B, dropped)."""
-    full = {"BLOCK_K": 64, "SWAP_AB": 0, **cfg}
-    return {key: full[key] for key in KEY_ORDER if key != "BLOCK_K" or fmt != "fp8_block"}
+    """``cfg`` with every key explicit (BLOCK_K 64, SWAP_AB and SCALE_TILE 0 where absent); fp8_block's BLOCK_K (B)
+    and SCALE_TILE outside w4a16 dropped."""
+    full = {"BLOCK_K": 64, "SWAP_AB": 0, "SCALE_TILE": 0, **cfg}
+    drop = {"BLOCK_K"} if fmt == "fp8_block" else set()
+    drop |= {"SCALE_TILE"} if fmt != "w4a16" else set()
+    return {key: full[key] for key in KEY_ORDER if key not in drop}
 
 
 def sweep_candidates(m: int, shape: tuple, fmt: str, smoke: bool) -> list[dict]:
@@ -239,41 +243,59 @@ def first_line(exc: BaseException) -> str:
 def label(cfg: dict) -> str:
     bk = f"x{cfg['BLOCK_K']}" if "BLOCK_K" in cfg else ""
     swap = " swap" if cfg.get("SWAP_AB") else ""
-    return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}{bk} w{cfg['num_warps']} s{cfg['num_stages']}{swap}"
+    scale = " tile-scaled" if cfg.get("SCALE_TILE") else ""
+    return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}{bk} w{cfg['num_warps']} s{cfg['num_stages']}{swap}{scale}"
 
 
-def sweep_shape(name, shape, ms, fmts, timer, dev, copy_bw, smoke, deadline) -> list[dict]:
-    """Every candidate of every (M, format): time (route + fused_moe in a graph), share of copy bandwidth and a
-    check against the reference. Past ``deadline`` (time.monotonic) the remaining candidates are skipped."""
-    h, inter, e, k = shape
+def sweep_order(ms: list[int]) -> list[int]:
+    """The swept M in order of value, so that a sweep cut short by its budget loses the least: batch 1 (the
+    bandwidth target), then the largest M (where the loop over experts wins), then the rest from both ends."""
+    rest, out = sorted(ms), []
+    while rest:
+        out.append(rest.pop(0))
+        if rest:
+            out.append(rest.pop())
+    return out
+
+
+def sweep(shapes, ms, fmts, timer, dev, copy_bw, smoke, deadline) -> list[dict]:
+    """Every candidate of every (shape, format, M), M in ``sweep_order``: time (routed_moe in a graph), share of
+    copy bandwidth and a check against the reference. Past ``deadline`` (time.monotonic) the remaining candidates
+    are skipped. Rows come back sorted by shape, format and M."""
     g = torch.Generator(device=dev).manual_seed(0)
-    experts = {f: [expert_weights(f, 2 * inter, h, e, dev, g), expert_weights(f, h, inter, e, dev, g)] for f in fmts}
+    experts = {(name, f): [expert_weights(f, 2 * inter, h, e, dev, g), expert_weights(f, h, inter, e, dev, g)]
+               for name, (h, inter, e, k) in shapes.items() for f in fmts}  # fmt: skip
     rows = []
-    for m in ms:
-        x = torch.randn(m, h, device=dev, generator=g).bfloat16()
-        logits = torch.randn(m, e, device=dev, generator=g).bfloat16()
-        weights, ids = M.route(logits, k)
-        chosen = ids.unique().numel()
-        for fmt, (w13, w2) in experts.items():
-            ref = M.fused_moe_reference(x, w13, w2, weights, ids).float()
-            tol = 4 * torch.finfo(torch.bfloat16).eps * ref.abs().max().item()
-            tried = []
-            for cfg in sweep_candidates(m, shape, fmt, smoke):
-                if time.monotonic() > deadline:
-                    tried.append({"config": cfg, "skipped": True})
-                    continue
-                try:  # a config the device cannot run (shared memory, registers) is reported, not fatal
-                    err = (M.fused_moe(x, w13, w2, weights, ids, config=cfg).float() - ref).abs().max().item()
-                except Exception as exc:
-                    print(f"sweep {name} {fmt} M={m}: {label(cfg)} failed: {first_line(exc)}")
-                    tried.append({"config": cfg, "failed": str(exc)[:500]})
-                    continue
-                us = timer.per_call([lambda x=x, logits=logits, w13=w13, w2=w2, cfg=cfg:
-                                     fused_layer(x, logits, w13, w2, k, cfg)])  # fmt: skip
-                gbs = chosen * (expert_bytes(w13) + expert_bytes(w2)) / us / 1e3
-                tried.append({"config": cfg, "us": us, "of_copy": gbs * 1e9 / copy_bw, "ok": err <= tol, "err": err})
-            rows.append(sweep_row(name, fmt, m, tried))
-    return rows
+    for m in sweep_order(ms):
+        for name, shape in shapes.items():
+            h, _, e, k = shape
+            x = torch.randn(m, h, device=dev, generator=g).bfloat16()
+            logits = torch.randn(m, e, device=dev, generator=g).bfloat16()
+            weights, ids = M.route(logits, k)
+            chosen = ids.unique().numel()
+            for fmt in fmts:
+                w13, w2 = experts[name, fmt]
+                ref = M.fused_moe_reference(x, w13, w2, weights, ids).float()
+                tol = 4 * torch.finfo(torch.bfloat16).eps * ref.abs().max().item()
+                tried = []
+                for cfg in sweep_candidates(m, shape, fmt, smoke):
+                    if time.monotonic() > deadline:
+                        tried.append({"config": cfg, "skipped": True})
+                        continue
+                    try:  # a config the device cannot run (shared memory, registers) is reported, not fatal
+                        err = (M.fused_moe(x, w13, w2, weights, ids, config=cfg).float() - ref).abs().max().item()
+                    except Exception as exc:
+                        print(f"sweep {name} {fmt} M={m}: {label(cfg)} failed: {first_line(exc)}")
+                        tried.append({"config": cfg, "failed": str(exc)[:500]})
+                        continue
+                    us = timer.per_call([lambda x=x, logits=logits, w13=w13, w2=w2, cfg=cfg, k=k:
+                                         fused_layer(x, logits, w13, w2, k, cfg)])  # fmt: skip
+                    gbs = chosen * (expert_bytes(w13) + expert_bytes(w2)) / us / 1e3
+                    tried.append({"config": cfg, "us": us, "of_copy": gbs * 1e9 / copy_bw, "ok": err <= tol,
+                                  "err": err})  # fmt: skip
+                rows.append(sweep_row(name, fmt, m, tried))
+    order = {name: i for i, name in enumerate(shapes)}
+    return sorted(rows, key=lambda r: (order[r["shape"]], fmts.index(r["fmt"]), r["m"]))
 
 
 def sweep_row(name: str, fmt: str, m: int, tried: list[dict]) -> dict:
@@ -308,7 +330,7 @@ def paste_block(rows: list[dict], shapes: dict) -> str:
             for i, r in enumerate(best):
                 most = 'float("inf")' if i == len(best) - 1 else str(r["m"])
                 cfg = r["best"]["config"]
-                keys = [key for key in KEY_ORDER if key in cfg and (key != "SWAP_AB" or cfg[key])]
+                keys = [key for key in KEY_ORDER if key in cfg and (key not in ("SWAP_AB", "SCALE_TILE") or cfg[key])]
                 text = ", ".join(f'"{key}": {cfg[key]}' for key in keys)
                 lines.append(f"        ({most}, {{{text}}}),  # {r['best']['us']:.1f} us")
             lines.append("    ],")
@@ -365,11 +387,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"sweep: {len(jobs)} (format, config) pairs compiled in {took:.0f} s by {workers} processes")
         except Exception as exc:
             print(f"sweep: parallel compile failed ({first_line(exc)}); compiling in the sweep")
-        rows = []
-        for name, shape in shapes.items():
-            rows += sweep_shape(name, shape, ms, fmts, timer, dev, copy_bw, args.smoke, deadline)
-            if dev == "cuda":
-                torch.cuda.empty_cache()
+        rows = sweep(shapes, ms, fmts, timer, dev, copy_bw, args.smoke, deadline)
         block = paste_block(rows, shapes)
         (out / "moe_sweep.json").write_text(json.dumps({"env": env, "copy_bandwidth": copy_bw, "rows": rows}, indent=1))
         (out / "moe_sweep.py").write_text(block)

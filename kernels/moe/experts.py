@@ -35,7 +35,10 @@ How
     are dequantized in registers by the W4A16 GEMM's own helpers (``kernels.w4a16.gemm.dequant_tile``): each
     packed word loaded once, two codes per 32-bit operation through the "magic number" bit pattern (fp16; bf16
     converts in fp32), a word's codes kept in its thread, W rounded once to x's dtype. ``SWAP_AB`` computes
-    out.T = W.T @ A.T, so the weight tile is the MMA's M side: Hopper's wgmma for a few rows per expert. One more
+    out.T = W.T @ A.T, so the weight tile is the MMA's M side: Hopper's wgmma for a few rows per expert.
+    ``SCALE_TILE`` (w4a16, off by default): the W4A16 GEMM's tile mode, the dot of the exact integers q - z (two
+    codes per operation in bf16 too) and its fp32 result times s per column and K tile: fewer ALU operations per
+    code, and W is never rounded, so the result is not bit-equal to ``fused_moe_reference`` (as exact or more). One more
     launch (``_sum_k_kernel``) sums each token's k rows in order in fp32 and casts them once; ``routed_moe`` routes
     and aligns a decode step in one launch (``routing.route_and_align``), so a layer is four launches.
 
@@ -223,6 +226,7 @@ def _moe_gemm_kernel(
     # meta-parameters
     FORMAT: tl.constexpr, PERM: tl.constexpr, BITS: tl.constexpr, GLU: tl.constexpr,
     WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    SCALE_TILE: tl.constexpr,
     COMPUTE: tl.constexpr, PRECISION: tl.constexpr, MAGIC: tl.constexpr, HALF_SCALE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
@@ -277,6 +281,7 @@ def _moe_gemm_kernel(
                 w = tl.load(w_base + kk[:, None] * stride_wk + offs_n[None, :] * stride_wn, mask=w_mask, other=0.0)
             else:  # w4a16: the W4A16 GEMM's unpacking, W = s * (q - z) rounded once to x's dtype (a tile: one group)
                 PF: tl.constexpr = 32 // BITS
+                FUSE_SCALE: tl.constexpr = not SCALE_TILE
                 rows = k0 // PF + tl.arange(0, BLOCK_K // PF)  # packed-word rows of this tile (BLOCK_K % 32 == 0)
                 words = tl.load(w_base + rows[:, None] * stride_wk + offs_n[None, :] * stride_wn,
                                 mask=(rows * PF < K)[:, None] & n_mask[None, :], other=0)  # fmt: skip
@@ -284,8 +289,13 @@ def _moe_gemm_kernel(
                                            offs_n[None, :], n_mask[None, :], stride_zg, stride_zn, stride_sg,
                                            stride_sn, BITS)  # fmt: skip
                 w = dequant_tile(words, zeros, scales, magic_pair, a_ptr.dtype.element_ty, COMPUTE, BITS, MAGIC,
-                                 True, HALF_SCALE, EMULATE_BF16)  # fmt: skip
-            if SWAP_AB:
+                                 FUSE_SCALE, HALF_SCALE, EMULATE_BF16)  # fmt: skip
+            if FORMAT == 1 and SCALE_TILE:  # w holds the exact q - z: the dot's fp32 result is scaled per column
+                if SWAP_AB:
+                    acc += tl.dot(tl.trans(w), tl.trans(a.to(COMPUTE))) * tl.trans(scales.to(tl.float32))
+                else:
+                    acc += tl.dot(a.to(COMPUTE), w) * scales.to(tl.float32)
+            elif SWAP_AB:
                 acc = tl.dot(tl.trans(w.to(COMPUTE)), tl.trans(a.to(COMPUTE)), acc, input_precision=PRECISION)
             else:
                 acc = tl.dot(a.to(COMPUTE), w.to(COMPUTE), acc, input_precision=PRECISION)
@@ -326,7 +336,8 @@ def _sum_k_kernel(o_ptr, y_ptr, H, stride_om, stride_ym, TOP_K: tl.constexpr, BL
 
 
 # Tile configs: BLOCK_M, BLOCK_N, num_warps, num_stages, and optionally BLOCK_K (w4a16: a multiple of 32 that divides
-# the group; float: 16 or more; fp8_block: B only) and SWAP_AB (the weight tile as the MMA's M side). One config
+# the group; float: 16 or more; fp8_block: B only), SWAP_AB (the weight tile as the MMA's M side) and SCALE_TILE
+# (w4a16: scale each K tile's product instead of rounding W; other numerics, see the module docstring). One config
 # serves both projections of a layer. ``DEFAULT_CONFIGS``: per format, by the mean rows per expert (first choices).
 # ``TUNED_CONFIGS``: per (format, H, I, E, top_k), by tokens: ``bench_moe.py --sweep`` prints entries to paste here.
 DEFAULT_CONFIGS: dict[str, list[tuple[float, dict[str, int]]]] = {
@@ -396,7 +407,8 @@ def _grouped_gemm(a, a_scale, w: ExpertWeights, out, pairs, block_expert, route_
         a.stride(0), a.stride(1), a_s.stride(0), *wst, *zst, *sst, perm.stride(0), out.stride(0),
         out.stride(1), FORMAT=_FORMAT_CODE[w.fmt], PERM=w.perm is not None, BITS=w.bits, GLU=glu,
         WEIGHTED=route_w is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=_block_k(w, cfg),
-        SWAP_AB=bool(cfg.get("SWAP_AB", 0)), COMPUTE=compute, PRECISION=dot_precision(act), MAGIC=magic,
+        SWAP_AB=bool(cfg.get("SWAP_AB", 0)), SCALE_TILE=w.fmt == "w4a16" and bool(cfg.get("SCALE_TILE", 0)),
+        COMPUTE=compute, PRECISION=dot_precision(act), MAGIC=magic,
         HALF_SCALE=act == torch.float16, EMULATE_BF16=emulate, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )  # fmt: skip

@@ -272,6 +272,8 @@ CONFIG_CASES = [  # (format, dtype, config, out_dtype): the tile options a tuned
     ("w4a16_8", torch.bfloat16, {**SWAP, "BLOCK_N": 64}, None),
     ("w4a16_act", torch.bfloat16, {**SMALL, "BLOCK_K": 32}, torch.float32),
     ("fp8_block", torch.float16, {**SWAP, "BLOCK_K": 32}, None),
+    ("w4a16", torch.float16, {**SWAP, "SCALE_TILE": 1}, None),  # tile-scaled: W itself is never rounded
+    ("w4a16_8", torch.bfloat16, {**SMALL, "SCALE_TILE": 1}, None),
 ]
 
 
