@@ -318,7 +318,7 @@ def sweep_row(name: str, fmt: str, m: int, tried: list[dict]) -> dict:
 
 
 def paste_block(rows: list[dict], shapes: dict) -> str:
-    """``TUNED_CONFIGS`` entries (kernels/moe/experts.py) from the sweep's best configs: each swept M is a bucket's
+    """``TUNED_CONFIGS`` entries (kernels/moe/configs.py) from the sweep's best configs: each swept M is a bucket's
     upper bound in tokens, the largest one open-ended."""
     lines = ["TUNED_CONFIGS = {"]
     for name, (h, inter, e, k) in shapes.items():

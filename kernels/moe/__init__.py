@@ -5,18 +5,13 @@ group-limited top-k), ``align`` (pairs sorted by expert, padded to blocks, on th
 ``route_and_align`` (both in one launch for a few tokens).
 ``experts.py``: ``ExpertWeights`` (float, W4A16 or block-fp8 experts stacked on a leading axis), ``fused_moe``
 (gate/up in one launch, SiLU-and-multiply, down with the routing weight, the sum back to token order) and
-``routed_moe`` (from router logits: route_and_align, then fused_moe).
+``routed_moe`` (from router logits: route_and_align, then fused_moe). ``configs.py``: the tile configs
+(``moe_config``: a tuned table per format and layer shape, else per-format defaults).
 Each module's plain PyTorch ``*_reference`` defines its numerics.
 """
 
-from quantkit.kernels.moe.experts import (
-    ExpertWeights,
-    check_operands,
-    fused_moe,
-    fused_moe_reference,
-    moe_config,
-    routed_moe,
-)
+from quantkit.kernels.moe.configs import moe_config
+from quantkit.kernels.moe.experts import ExpertWeights, check_operands, fused_moe, fused_moe_reference, routed_moe
 from quantkit.kernels.moe.routing import align, align_reference, max_blocks, route, route_and_align, route_reference
 
 __all__ = [

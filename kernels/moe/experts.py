@@ -44,9 +44,9 @@ How
 
 Limits: int32 offsets within an expert and within x, a and o (the expert offset is 64-bit); the interpreter
 computes bf16 in fp32 and rounds by hand (``EMULATE_BF16``). Hardware: compiled offline for sm_90 with Triton 3.6
-(loads pipelined through cp.async, wgmma for the 64-row tiles). Tile configs (``moe_config``): a table per format
-and layer shape by tokens (``TUNED_CONFIGS``, from ``benchmarks/bench_moe.py --sweep``), else per-format first
-choices by the mean rows per expert.
+(loads pipelined through cp.async, wgmma for the 64-row tiles). Tile configs (``configs.moe_config``): a table per
+format and layer shape by tokens (``TUNED_CONFIGS``, from ``benchmarks/bench_moe.py --sweep``), else per-format
+first choices by the mean rows per expert.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ import triton
 import triton.language as tl
 from quantkit.kernels._device import dot_precision, interpreting
 from quantkit.kernels.dense.norm_rope import silu_mul_reference
+from quantkit.kernels.moe.configs import FORMATS, block_k, moe_config
 from quantkit.kernels.moe.routing import align, max_blocks, route_and_align
 from quantkit.kernels.w4a16.epilogue import to_act
 from quantkit.kernels.w4a16.gemm import dequant_tile, load_group, magic_pattern, pattern_pair
@@ -70,7 +71,6 @@ from quantkit.kernels.w8a8.block import (
     quantize_tiles_reference,
 )
 
-FORMATS = ("float", "w4a16", "fp8_block")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -335,53 +335,6 @@ def _sum_k_kernel(o_ptr, y_ptr, H, stride_om, stride_ym, TOP_K: tl.constexpr, BL
 # ----------------------------------------------------------------------------------------------------------------
 
 
-# Tile configs: BLOCK_M, BLOCK_N, num_warps, num_stages, and optionally BLOCK_K (w4a16: a multiple of 32 that divides
-# the group; float: 16 or more; fp8_block: B only), SWAP_AB (the weight tile as the MMA's M side) and SCALE_TILE
-# (w4a16: scale each K tile's product instead of rounding W; other numerics, see the module docstring). One config
-# serves both projections of a layer. ``DEFAULT_CONFIGS``: per format, by the mean rows per expert (first choices).
-# ``TUNED_CONFIGS``: per (format, H, I, E, top_k), by tokens: ``bench_moe.py --sweep`` prints entries to paste here.
-DEFAULT_CONFIGS: dict[str, list[tuple[float, dict[str, int]]]] = {
-    fmt: [
-        (16, {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4}),
-        (64, {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4}),
-        (float("inf"), {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}),
-    ]
-    for fmt in FORMATS
-}
-TUNED_CONFIGS: dict[tuple[str, int, int, int, int], list[tuple[float, dict[str, int]]]] = {}
-
-
-def moe_config(
-    tokens: int, top_k: int, num_experts: int, fmt: str = "float", hidden: int = 0, inter: int = 0
-) -> dict[str, int]:
-    """The tile config of a layer of ``num_experts`` experts (H ``hidden``, I ``inter``, ``fmt`` one of FORMATS)
-    over ``tokens`` tokens routed to ``top_k`` experts each: the tuned table's entry for this shape if there is one,
-    else the format's default by the mean rows per expert."""
-    tuned = TUNED_CONFIGS.get((fmt, hidden, inter, num_experts, top_k))
-    if tuned:
-        return dict(next(cfg for most, cfg in tuned if tokens <= most))
-    per_expert = tokens * top_k / num_experts
-    return dict(next(cfg for most, cfg in DEFAULT_CONFIGS[fmt] if per_expert <= most))
-
-
-def _block_k(w: ExpertWeights, cfg: dict[str, int]) -> int:
-    """The K tile: the config's BLOCK_K where the format allows it (ValueError where not), else the default."""
-    bk = cfg.get("BLOCK_K", 0)
-    if w.fmt == "fp8_block":
-        if bk not in (0, w.group_size):
-            raise ValueError(f"fp8_block experts take BLOCK_K = B = {w.group_size}, got {bk}")
-        return w.group_size
-    if w.fmt == "w4a16":
-        bk = bk or (32 if w.group_size % 64 else 64)
-        if bk % 32 or bk & (bk - 1) or (w.group_size and w.group_size % bk):
-            raise ValueError(f"w4a16 BLOCK_K must be a power of two >= 32 dividing the group {w.group_size}, got {bk}")
-        return bk
-    bk = bk or 64
-    if bk < 16 or bk & (bk - 1):
-        raise ValueError(f"BLOCK_K must be a power of two from 16, got {bk}")
-    return bk
-
-
 def _grouped_gemm(a, a_scale, w: ExpertWeights, out, pairs, block_expert, route_w, p, a_div, glu, cfg) -> None:
     """One launch: out[p] = A[p // a_div] @ W_e.T (glu: silu(gate) * up of W = [gate; up], out [P, N / 2];
     route_w: times the pair's weight)."""
@@ -406,7 +359,8 @@ def _grouped_gemm(a, a_scale, w: ExpertWeights, out, pairs, block_expert, route_
         n, k, p, (w.group_size or 2**30) if w.fmt == "w4a16" else 0, n // 2 if glu else 0, a_div, pattern_pair(magic),
         a.stride(0), a.stride(1), a_s.stride(0), *wst, *zst, *sst, perm.stride(0), out.stride(0),
         out.stride(1), FORMAT=_FORMAT_CODE[w.fmt], PERM=w.perm is not None, BITS=w.bits, GLU=glu,
-        WEIGHTED=route_w is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=_block_k(w, cfg),
+        WEIGHTED=route_w is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=block_k(w.fmt, w.group_size, cfg),
         SWAP_AB=bool(cfg.get("SWAP_AB", 0)), SCALE_TILE=w.fmt == "w4a16" and bool(cfg.get("SCALE_TILE", 0)),
         COMPUTE=compute, PRECISION=dot_precision(act), MAGIC=magic,
         HALF_SCALE=act == torch.float16, EMULATE_BF16=emulate, num_warps=cfg["num_warps"],

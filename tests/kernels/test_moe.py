@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 from quantkit.kernels import moe as M
-from quantkit.kernels.moe import experts as X
+from quantkit.kernels.moe import configs as C
 from quantkit.kernels.moe import routing as R
 from quantkit.kernels.moe.experts import ExpertWeights
 from quantkit.kernels.w4a16 import prepare_gptq_weight
@@ -291,12 +291,12 @@ def test_gate_up_tiles_past_the_expert_width_are_masked(swap):
 
 def test_moe_config_takes_the_tuned_entry_of_a_shape_else_the_format_default(monkeypatch):
     tuned = [(1, {**SMALL, "SWAP_AB": 1}), (float("inf"), {**SMALL, "BLOCK_M": 64})]
-    monkeypatch.setitem(X.TUNED_CONFIGS, ("w4a16", 2048, 768, 128, 8), tuned)
+    monkeypatch.setitem(C.TUNED_CONFIGS, ("w4a16", 2048, 768, 128, 8), tuned)
     assert M.moe_config(1, 8, 128, "w4a16", 2048, 768)["SWAP_AB"] == 1
     assert M.moe_config(2, 8, 128, "w4a16", 2048, 768)["BLOCK_M"] == 64
-    default = X.DEFAULT_CONFIGS["float"]
+    default = C.DEFAULT_CONFIGS["float"]
     assert M.moe_config(1, 8, 128, "float", 2048, 768) == default[0][1]  # not tuned: by rows per expert
-    assert M.moe_config(4096, 2, 8, "w4a16", 4096, 14336) == X.DEFAULT_CONFIGS["w4a16"][-1][1]
+    assert M.moe_config(4096, 2, 8, "w4a16", 4096, 14336) == C.DEFAULT_CONFIGS["w4a16"][-1][1]
     M.moe_config(1, 8, 128, "float")["BLOCK_M"] = 0  # a copy: the table is not changed
     assert M.moe_config(1, 8, 128, "float") == default[0][1]
 
