@@ -108,7 +108,8 @@ def train_heads(args, folder: str, device: str, settings: dict) -> list[dict]:
     parts = ", ".join(f"{d} {p['tokens']:,}" for d, p in zip(data, data_print, strict=True))
     print(f"training text: {ids.numel():,} tokens ({parts})", flush=True)
     streams = {"text": (ids, data_print)}
-    if any(item.split(":")[3:] == ["self"] for item in args.train):
+
+    def self_stream() -> None:  # the target's own text, written once when first needed
         llm, t0 = LLM(folder, **settings), time.perf_counter()
         own, where = self_distilled_ids(llm, ids, args.self_tokens)
         sync(llm)
@@ -117,6 +118,7 @@ def train_heads(args, folder: str, device: str, settings: dict) -> list[dict]:
         del llm
         gc.collect()
         torch.cuda.empty_cache()
+
     rows = []
     for item in args.train:
         method, tokens, *rest = item.split(":")
@@ -131,6 +133,8 @@ def train_heads(args, folder: str, device: str, settings: dict) -> list[dict]:
         if (heads / WEIGHTS_FILE).exists():  # made by an earlier run: measured, not retrained
             record = read_meta(heads)["training"]
         else:
+            if source not in streams:
+                self_stream()
             record = train_draft(
                 model, config, heads, tokenizer, ids=streams[source][0], device=device, data_print=streams[source][1]
             )
@@ -262,11 +266,11 @@ def speed(llm: LLM, plain: LLM, name: str, sets: dict, args, out: list, modes=(F
                 )
 
 
-def best_eagle(rows: list[dict], k: int) -> str | None:
-    """The EAGLE proposer of the highest greedy tau at chain k, averaged over the prompt sets."""
+def best_eagle(rows: list[dict]) -> str | None:
+    """The EAGLE proposer of the highest greedy tau with chains, averaged over the prompt sets and k."""
     taus: dict[str, list[float]] = {}
     for r in rows:
-        if r["proposer"].startswith("eagle") and r["temperature"] == 0 and r["k"] == k and r["tree"] is None:
+        if r["proposer"].startswith("eagle") and r["temperature"] == 0 and r["tree"] is None:
             taus.setdefault(r["proposer"], []).append(r["tau"])
     return max(taus, key=lambda n: sum(taus[n]) / len(taus[n]), default=None)
 
@@ -300,9 +304,9 @@ def acceptance(args, folder: str, settings: dict) -> dict:
             llm = engine(spec, num_tree_tokens=n, num_speculative_tokens=args.tree_k)
             measure(llm, name, sets, args, rows, [args.tree_k], tree=n)
             release(llm)
-    best = best_eagle(rows, args.speed_k) if wanted and "best-eagle" in wanted else None
+    best = best_eagle(rows) if wanted and "best-eagle" in wanted else None
     if best is not None:
-        print(f"best EAGLE heads (greedy tau, chain k = {args.speed_k}): {best}", flush=True)
+        print(f"best EAGLE heads (greedy tau, chains): {best}", flush=True)
         if best not in wanted:
             llm = engine(chosen[best])
             speed(llm, plain, best, sets, args, speeds)
