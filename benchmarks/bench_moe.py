@@ -23,8 +23,13 @@ from ``quantkit.runtime.bench.DUMMY_MODELS``; M in {1, 16, 64, 256, 1024, 4096} 
 
   python benchmarks/bench_moe.py [--out DIR]          both shapes, every M
   python benchmarks/bench_moe.py --quick              M in {1, 64, 1024}
+  python benchmarks/bench_moe.py --sweep              tile candidates per (shape, format, M), each checked against
+                                                      the reference and timed; the best printed with its share of
+                                                      copy bandwidth and written as TUNED_CONFIGS entries
+                                                      (moe_sweep.py, for kernels/moe/configs.py); routing as one
+                                                      launch against two. --sweep-budget (s) bounds it.
   TRITON_INTERPRET=1 python benchmarks/bench_moe.py --smoke   CPU plumbing check: a tiny layer, wall clock
-Writes moe.json and moe.md under --out (default out/moe).
+Writes moe.json and moe.md (--sweep: moe_sweep.json and moe_sweep.py) under --out (default out/moe).
 """
 
 from __future__ import annotations
@@ -298,6 +303,20 @@ def sweep(shapes, ms, fmts, timer, dev, copy_bw, smoke, deadline) -> list[dict]:
     return sorted(rows, key=lambda r: (order[r["shape"]], fmts.index(r["fmt"]), r["m"]))
 
 
+def routing_launches(shapes, timer, dev) -> list[dict]:
+    """Routing of 1 and 16 tokens as two launches (route, align) and as one (route_and_align), in a graph."""
+    rows = []
+    for name, (h, inter, e, k) in shapes.items():
+        for m in (1, 16):
+            logits = torch.randn(m, e, device=dev).bfloat16()
+            bm = block_m(m, (h, inter, e, k))
+            two = timer.per_call([lambda logits=logits, bm=bm, e=e, k=k: M.align(M.route(logits, k)[1], e, bm)])
+            one = timer.per_call([lambda logits=logits, bm=bm, k=k: M.route_and_align(logits, k, bm)])
+            rows.append({"shape": name, "m": m, "route_then_align_us": two, "route_and_align_us": one})
+            print(f"sweep {name} routing M={m}: route + align {two:.1f} us, route_and_align {one:.1f} us", flush=True)
+    return rows
+
+
 def sweep_row(name: str, fmt: str, m: int, tried: list[dict]) -> dict:
     """One (shape, format, M): the candidates' figures, the best correct one and the default's (the first)."""
     timed = [t for t in tried if "us" in t]
@@ -387,9 +406,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"sweep: {len(jobs)} (format, config) pairs compiled in {took:.0f} s by {workers} processes")
         except Exception as exc:
             print(f"sweep: parallel compile failed ({first_line(exc)}); compiling in the sweep")
+        routing = routing_launches(shapes, timer, dev)
         rows = sweep(shapes, ms, fmts, timer, dev, copy_bw, args.smoke, deadline)
         block = paste_block(rows, shapes)
-        (out / "moe_sweep.json").write_text(json.dumps({"env": env, "copy_bandwidth": copy_bw, "rows": rows}, indent=1))
+        record = {"env": env, "copy_bandwidth": copy_bw, "routing": routing, "rows": rows}
+        (out / "moe_sweep.json").write_text(json.dumps(record, indent=1))
         (out / "moe_sweep.py").write_text(block)
         print(block + f"wrote {out}/moe_sweep.json and moe_sweep.py")
         return
