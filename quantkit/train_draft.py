@@ -224,7 +224,7 @@ def head_losses(heads, method: str, lm_head, embed, f, ids, noise: float, positi
     logits = lm_head(g)
     with torch.no_grad():
         target_logits = lm_head(target)
-    loss = F.smooth_l1_loss(g, target) + _kl(target_logits, logits)
+    loss = F.smooth_l1_loss(g.float(), target.float()) + _kl(target_logits, logits)
     return loss, [(logits.argmax(-1) == target_logits.argmax(-1)).float().mean().item()]
 
 
