@@ -307,9 +307,9 @@ def acceptance(args, folder: str, settings: dict) -> dict:
     best = best_eagle(rows) if wanted and "best-eagle" in wanted else None
     if best is not None:
         print(f"best EAGLE heads (greedy tau, chains): {best}", flush=True)
-        if best not in wanted:
+        if best not in wanted:  # fixed k: the heads' own speed (the adaptive rule is timed on the other proposers)
             llm = engine(chosen[best])
-            speed(llm, plain, best, sets, args, speeds)
+            speed(llm, plain, best, sets, args, speeds, modes=(False,))
             release(llm)
         if args.speed_tree:
             llm = engine(chosen[best], num_tree_tokens=args.speed_tree, num_speculative_tokens=args.tree_k)
