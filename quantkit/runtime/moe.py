@@ -14,8 +14,9 @@ Two paths, one numerics contract (fp32 routing weights, weighted expert outputs 
   on its contiguous slice, the weighted outputs summed back with one ``index_add_``. The host reads the per-expert
   token counts, so it cannot be captured in a CUDA graph.
 - fused (CUDA, after ``stack_experts`` at load time): the experts' weights stacked once per layer (float, W4A16
-  with or without act-order, block fp8), then ``quantkit.kernels.moe``: one routing launch, the pairs aligned to expert
-  blocks on the device, one grouped GEMM launch per projection. No host sync: decode steps are captured.
+  with or without act-order, block fp8), then ``quantkit.kernels.moe.routed_moe``: routing and the pairs' alignment to
+  expert blocks on the device (one launch for a decode step's few tokens), one grouped GEMM launch per projection.
+  No host sync: decode steps are captured.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantkit.kernels._device import interpreting
-from quantkit.kernels.moe import ExpertWeights, fused_moe, route, route_reference
+from quantkit.kernels.moe import ExpertWeights, route_reference, routed_moe
 
 MLPFactory = Callable[..., nn.Module]  # mlp(name prefix, inter=intermediate size) -> SiLU-gated MLP
 
@@ -104,8 +105,9 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
-            weights, ids = route(self.router_logits(x), self.top_k, **self.routing_args())
-            return self.add_shared(x, fused_moe(x, *self.fused, weights, ids, out_dtype=torch.float32))
+            logits = self.router_logits(x)  # routing and alignment in one launch for a few tokens (a decode step)
+            out = routed_moe(x, logits, *self.fused, self.top_k, out_dtype=torch.float32, **self.routing_args())
+            return self.add_shared(x, out)
         weights, chosen = self.route(x)
         pair_expert = chosen.flatten()  # [T * k] token-expert pairs, token-major
         order = torch.argsort(pair_expert, stable=True)  # pairs grouped by expert, tokens ascending within a group
