@@ -335,11 +335,11 @@ def train_draft(
     def evaluate() -> dict:
         return _evaluate(model, heads, config.method, val_ids, config.batch_size, device, precision)
 
-    t0 = time.perf_counter() - record.get("seconds", 0.0)
     if "before" not in record:
         record["before"] = evaluate()
         record["curve"] = [{"epoch": 0, "tokens": 0, "seconds": 0.0, "loss": record["before"]["loss"],
                             "top1": record["before"]["top1"]}]  # fmt: skip
+    t0 = time.perf_counter() - record.get("seconds", 0.0)  # training and the held-out evaluations between epochs
     while step < total:
         epoch, i = divmod(step, steps_per_epoch)
         order = torch.randperm(train_ids.shape[0], generator=torch.Generator().manual_seed(config.seed + 1 + epoch))
@@ -372,7 +372,7 @@ def train_draft(
             (out / f"{RESUME_FILE}.tmp").replace(out / RESUME_FILE)  # whole or not at all
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    seconds = round(time.perf_counter() - t0, 1)  # training, with the held-out evaluations before the last
+    seconds = round(time.perf_counter() - t0, 1)
     record["after"] = evaluate()
     record["curve"].append({"epoch": config.epochs, "tokens": config.epochs * n_tokens, "seconds": seconds,
                             "loss": record["after"]["loss"], "top1": record["after"]["top1"]})  # fmt: skip
