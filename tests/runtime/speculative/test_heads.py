@@ -549,3 +549,27 @@ def test_tree_greedy_with_forks_shared_prefixes_and_adaptive_speculation(trained
     assert [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)] == expected
     assert llm.spec.totals.steps > 0 and (adaptive or llm.spec.totals.accepted > 0)
     assert_released(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tree", [None, 12])
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_heads_train_and_draft_on_cuda(target, tmp_path, method, tree):
+    """On a GPU: heads train under bf16 autocast (the target's features of each batch on the device), and drafting
+    with them (chains through the verify graphs, or trees through the prefill kernel's tree mask) in fp32 gives the
+    plain greedy tokens."""
+    model, folder = target
+    config = TrainDraftConfig(method=method, tokens=2048, seqlen=64, batch_size=8, epochs=4, lr=3e-3)
+    record = train_draft(model.cuda(), config, tmp_path / "heads", ids=markov_ids(3000), device="cuda")
+    model.cpu()
+    assert record["precision"] == "bf16" and record["after"]["loss"] < record["before"]["loss"]
+    prompts = [markov_ids(n, seed=n).tolist() for n in (3, 9, 20, 33)] + random_prompts([5, 17], VOCAB, seed=1)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    settings = dict(device="cuda", dtype="float32", num_kv_blocks=64)
+    expected = [o.outputs[0].token_ids for o in LLM(str(folder), **settings).generate(prompts, params)]
+    spec = SpeculativeConfig(method=method, draft=str(tmp_path / "heads"), num_speculative_tokens=3,
+                             num_tree_tokens=tree, adaptive=False)  # fmt: skip
+    llm = LLM(str(folder), **settings, speculative=spec)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.spec.totals.accepted > 0
