@@ -133,11 +133,14 @@ def train_heads(args, folder: str, device: str, settings: dict) -> list[dict]:
         if (heads / WEIGHTS_FILE).exists():  # made by an earlier run: measured, not retrained
             record = read_meta(heads)["training"]
         else:
-            if source not in streams:
-                self_stream()
-            record = train_draft(
-                model, config, heads, tokenizer, ids=streams[source][0], device=device, data_print=streams[source][1]
-            )
+            try:  # a failed run is reported; the others still train and are measured
+                if source not in streams:
+                    self_stream()
+                record = train_draft(model, config, heads, tokenizer, ids=streams[source][0], device=device,
+                                     data_print=streams[source][1])  # fmt: skip
+            except Exception as exc:
+                print(f"FAILED training {name}: {type(exc).__name__}: {exc}", flush=True)
+                continue
         args.trained[name] = dict(method=method, draft=str(heads))
         rows.append(
             dict(
@@ -284,38 +287,47 @@ def acceptance(args, folder: str, settings: dict) -> dict:
     gpu = {"gpu_memory_utilization": 0.65} if "gpu_memory_utilization" in settings else {}
     wanted = args.speed_proposers.split(",") if args.speed_proposers else None
 
-    def engine(spec: dict, **extra) -> LLM:
-        return LLM(folder, **{**settings, **gpu}, speculative=SpeculativeConfig(**spec, adaptive=False, **extra))
+    failures = []
 
-    def release(llm: LLM) -> None:
-        del llm
+    def with_engine(label: str, spec: dict, work, **extra) -> None:
+        """``work(llm)`` on a speculative engine of ``spec``; a failure is reported and the next one runs (a
+        benchmark of many proposers keeps what the others measured)."""
+        try:
+            llm = LLM(folder, **{**settings, **gpu}, speculative=SpeculativeConfig(**spec, adaptive=False, **extra))
+            work(llm)
+        except Exception as exc:  # reported, and in the JSON
+            failures.append(f"{label}: {type(exc).__name__}: {exc}")
+            print(f"FAILED {failures[-1]}", flush=True)
+        llm = None
         gc.collect()
         torch.cuda.empty_cache()
 
     chosen = proposers(args, layers)
-    for name, spec in chosen.items():
-        heads = spec["method"] in ("eagle", "medusa")
-        llm = engine(spec)
-        measure(llm, name, sets, args, rows, args.ks)
-        if wanted is None or name in wanted:
-            speed(llm, plain, name, sets, args, speeds)
-        release(llm)
-        for n in args.trees if heads else ():  # draft trees: a tree drafter is built with the engine
-            llm = engine(spec, num_tree_tokens=n, num_speculative_tokens=args.tree_k)
-            measure(llm, name, sets, args, rows, [args.tree_k], tree=n)
-            release(llm)
+    for name, spec in chosen.items():  # chains first, so that a run cut short keeps them and the speed of the best
+        timed_here = wanted is None or name in wanted
+
+        def chain(llm, name=name, timed_here=timed_here):
+            measure(llm, name, sets, args, rows, args.ks)
+            if timed_here:
+                speed(llm, plain, name, sets, args, speeds)
+
+        with_engine(name, spec, chain)
     best = best_eagle(rows) if wanted and "best-eagle" in wanted else None
     if best is not None:
         print(f"best EAGLE heads (greedy tau, chains): {best}", flush=True)
-        if best not in wanted:  # fixed k: the heads' own speed (the adaptive rule is timed on the other proposers)
-            llm = engine(chosen[best])
-            speed(llm, plain, best, sets, args, speeds, modes=(False,))
-            release(llm)
-        if args.speed_tree:
-            llm = engine(chosen[best], num_tree_tokens=args.speed_tree, num_speculative_tokens=args.tree_k)
-            speed(llm, plain, best, sets, args, speeds, modes=(False,), tree=args.speed_tree)
-            release(llm)
-    return {"acceptance": rows, "speed": speeds, "best_eagle": best}
+    if best is not None and best not in wanted:  # fixed k: the heads' own speed (the adaptive rule: other proposers)
+        with_engine(f"{best} speed", chosen[best], lambda llm: speed(llm, plain, best, sets, args, speeds,
+                                                                     modes=(False,)))  # fmt: skip
+    heads = sorted((n for n, s in chosen.items() if s["method"] in ("eagle", "medusa")), key=lambda n: n != best)
+    for name, n in [(name, n) for name in heads for n in args.trees]:  # a tree drafter comes with its engine
+        with_engine(f"{name} tree {n}", chosen[name], lambda llm, name=name, n=n: measure(
+            llm, name, sets, args, rows, [args.tree_k], tree=n), num_tree_tokens=n,
+            num_speculative_tokens=args.tree_k)  # fmt: skip
+    if best is not None and args.speed_tree:
+        with_engine(f"{best} tree speed", chosen[best], lambda llm: speed(
+            llm, plain, best, sets, args, speeds, modes=(False,), tree=args.speed_tree),
+            num_tree_tokens=args.speed_tree, num_speculative_tokens=args.tree_k)  # fmt: skip
+    return {"acceptance": rows, "speed": speeds, "best_eagle": best, "failures": failures}
 
 
 def summary(result: dict) -> None:
@@ -331,6 +343,8 @@ def summary(result: dict) -> None:
     print("| proposer | k | tree | " + " | ".join(columns) + " |")
     for (name, k, tree), row in cells.items():
         print(f"| {name} | {k} | {tree or '-'} | " + " | ".join(row.get(c, "") for c in columns) + " |")
+    for failure in result["failures"]:
+        print(f"FAILED {failure}")
     for r in result["speed"]:
         mode = f"tree {r['tree']}" if r["tree"] else "adaptive" if r["adaptive"] else "fixed"
         extra = f" (costs known {r['speedup_measured']:.2f}x)" if "speedup_measured" in r else ""
