@@ -446,7 +446,8 @@ def fp8_block_linear(
         if x2.stride(1) != 1 or (m - 1) * x2.stride(0) + k > MAX_NUMEL:  # int32 offsets: a compact copy
             x2 = x2.contiguous()
         out = torch.empty(m, n, dtype=x.dtype, device=x2.device)
-        _launch_tiles(x2, None, qw, w_scale, block, bias, out, config or tile_config(m), False)
+        if m:  # no rows: no launch (the split plan divides by the output tiles)
+            _launch_tiles(x2, None, qw, w_scale, block, bias, out, config or tile_config(m), False)
         return out.reshape(*x.shape[:-1], n)
     pdl = (PDL_BY_DEFAULT if pdl is None else pdl) and use_pdl(x2)  # use_pdl: M <= PDL_MAX_M < WS_FROM_M
     qa, a_scale = quantize_tiles(x2, block, m_major=True, pdl=pdl)

@@ -114,6 +114,8 @@ def test_gemm_quantizing_its_own_tiles_gives_the_two_launch_result(m, n, k, conf
     assert torch.equal(KB.fp8_block_linear(x, qw, ws, block, bias, config=config, fuse_quant=False), two)
     with pytest.raises(ValueError, match="fewer than"):
         KB.fp8_block_linear(d(torch.zeros(KB.WS_FROM_M, k)), qw, ws, block, fuse_quant=True)
+    empty = KB.fp8_block_linear(d(torch.zeros(2, 0, k)), qw, ws, block, fuse_quant=True)  # no rows: no launch
+    assert empty.shape == (2, 0, n)
 
 
 def test_split_k_plan_and_bf16_output():
