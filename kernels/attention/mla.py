@@ -16,7 +16,8 @@ tile, so the programs of one sequence and split run side by side and all but the
 second kernel merges the splits by their log-sum-exps (flash-decoding). Accumulation is fp32; q is cast to the
 cache's dtype for the products.
 Limits: R and P up to 512 and 64 as DeepSeek-V3's (any size under the registers' budget works; powers of two are
-padded with masks otherwise). Tuned on: nothing yet (interpreter-tested against ``mla_decode_reference``).
+padded with masks otherwise); up to ``MAX_SEQUENCES`` sequences per call. Tuned on: nothing yet
+(interpreter-tested against ``mla_decode_reference``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import triton
 import triton.language as tl
 from quantkit.kernels._device import dot_precision
 from quantkit.kernels.attention.paged import LOG2E, default_num_splits, gather_context, merge_splits
+
+MAX_SEQUENCES = 65535  # sequences per launch: the split kernel's grid puts them on its third axis (CUDA's limit)
 
 
 def store_latent_reference(latent, latent_cache, slot_mapping) -> None:
@@ -189,6 +192,8 @@ def mla_decode(
         raise ValueError("mla_decode: block_tables and context_lens must be int32")
     if block_tables.shape[0] != bsz or context_lens.shape != (bsz,):
         raise ValueError(f"mla_decode: block_tables {tuple(block_tables.shape)} / context_lens do not match B={bsz}")
+    if bsz > MAX_SEQUENCES:
+        raise ValueError(f"mla_decode: {bsz} sequences; the grid's sequence axis (its third) allows {MAX_SEQUENCES}")
     q_lat = q_lat.to(latent_cache.dtype).contiguous()
     q_pe = q_pe.to(latent_cache.dtype).contiguous()
     out = torch.empty_like(q_lat)
