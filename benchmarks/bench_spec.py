@@ -16,11 +16,12 @@ and batch 16. Every run draws k tokens every step (``adaptive=False``) except th
 each timed run with no step costs measured (so their figures include the probes that find where speculation pays),
 and then run the prompts again with the costs the rule measured (``speedup_measured``: a server that has run a while).
 
-Part 0 (``--train METHOD:TOKENS[:EPOCHS]``, repeatable): heads trained by ``train_draft`` on the target's features
-over ``--train-data`` (training text only: never the evaluation text the prompts come from), the target loaded once,
-at growing token budgets; each run's tokens, seconds and held-out loss are recorded, and its heads join part 1 as
-proposer ``METHOD-TOKENSxEPOCHS`` (tau against training tokens); ``METHOD:TOKENS:EPOCHS:self`` trains instead on the
-target's own continuations of passages of that text (``train_draft.self_distilled_ids``, ``--self-tokens``).
+Part 0 (``--train METHOD:TOKENS|all[:EPOCHS[:self]]``, repeatable): heads trained by ``train_draft`` on the target's
+features over ``--train-data`` (training text only: never the evaluation text the prompts come from), the target
+loaded once, at growing token budgets; each run's tokens, seconds and held-out loss are recorded, and its heads join
+part 1 as proposer ``METHOD-TOKENSxEPOCHS`` (tau against training tokens); ``METHOD:TOKENS:EPOCHS:self`` trains
+instead on the target's own continuations of passages of that text (``train_draft.self_distilled_ids``,
+``--self-tokens``).
 ``--trees N`` also measures the head proposers with draft trees of N tokens (``--tree-k`` deep; EAGLE-2's dynamic
 tree, Medusa's sparse one); ``--speed-proposers`` limits the end-to-end runs (``best-eagle``: the EAGLE heads of the
 highest greedy tau), and ``--speed-tree N`` adds a tree run of those heads.
@@ -95,6 +96,25 @@ def prompt_sets(tokenizer, n: int) -> dict[str, list]:
     }
 
 
+def parse_train(item: str) -> tuple[str, int | None, int, str]:
+    """``--train METHOD:TOKENS|all[:EPOCHS[:self]]`` -> (method, tokens or None for all, epochs, text source);
+    ValueError naming the item otherwise."""
+    from quantkit.runtime.speculative.heads import METHODS
+
+    parts = item.split(":")
+    method, tokens, epochs, source = (parts + ["", "", "1", "text"][len(parts) :])[:4]
+    if not (
+        2 <= len(parts) <= 4
+        and method in METHODS
+        and (tokens == "all" or (tokens.isdigit() and int(tokens) > 0))
+        and epochs.isdigit()
+        and int(epochs) > 0
+        and source in ("text", "self")
+    ):
+        raise ValueError(f"--train {item!r}: expected METHOD:TOKENS|all[:EPOCHS[:self]], METHOD one of {METHODS}")
+    return method, None if tokens == "all" else int(tokens), int(epochs), source
+
+
 def train_heads(args, folder: str, device: str, settings: dict) -> list[dict]:
     """Part 0: for each ``--train`` item, heads trained on the target's features (target and text loaded once); items
     ending in ``:self`` train on the target's own continuations of the training text (``--self-tokens`` of them)."""
@@ -121,12 +141,10 @@ def train_heads(args, folder: str, device: str, settings: dict) -> list[dict]:
 
     rows = []
     for item in args.train:
-        method, tokens, *rest = item.split(":")
-        epochs = int(rest[0]) if rest else 1
-        source = rest[1] if len(rest) > 1 else "text"
-        name = f"{method}-{tokens if tokens == 'all' else f'{int(tokens) // 1000}k'}x{epochs}"
+        method, tokens, epochs, source = parse_train(item)
+        name = f"{method}-{'all' if tokens is None else f'{tokens // 1000}k'}x{epochs}"
         name += "-self" if source == "self" else ""
-        config = TrainDraftConfig(method=method, data=data, tokens=None if tokens == "all" else int(tokens),
+        config = TrainDraftConfig(method=method, data=data, tokens=tokens,
                                   epochs=epochs, seqlen=args.train_seqlen, batch_size=args.train_batch_size,
                                   lr=args.train_lr, loss_positions=args.train_loss_positions or None)  # fmt: skip
         heads = args.heads_dir / name
@@ -452,7 +470,7 @@ def main() -> None:
     ap.add_argument("--speed-tree", type=int, default=None, help="also time the best EAGLE heads with this tree")
     ap.add_argument("--trees", default="", help="tree sizes measured for the head proposers, --tree-k deep")
     ap.add_argument("--tree-k", type=int, default=6, help="depth of the draft trees")
-    ap.add_argument("--train", action="append", default=[], help="part 0: heads to train, METHOD:TOKENS|all[:EPOCHS]")
+    ap.add_argument("--train", action="append", default=[], help="part 0: heads, METHOD:TOKENS|all[:EPOCHS[:self]]")
     ap.add_argument("--train-data", default="brown", help="part 0's training text (train-draft's --data, comma-joined)")
     ap.add_argument("--train-batch-size", type=int, default=64)
     ap.add_argument("--train-seqlen", type=int, default=256)
@@ -464,6 +482,11 @@ def main() -> None:
     ap.add_argument("--acceptance", type=Path, help="part 1's JSON, for the projection of part 2")
     add_out_argument(ap, "spec")
     args = ap.parse_args()
+    for item in args.train:  # a malformed item is refused now, not after the heads before it have trained
+        try:
+            parse_train(item)
+        except ValueError as exc:
+            ap.error(str(exc))
     args.ks = [int(k) for k in args.ks.split(",") if k]
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     args.batches = [int(b) for b in args.batches.split(",")]

@@ -96,3 +96,11 @@ def test_serve_moe_smoke_agrees_with_hf_and_counts_active_parameters(tmp_path):
     refused = subprocess.run([sys.executable, str(BENCHMARKS / "bench_serve.py"), "--smoke", "--model",
                               "tiny-qwen3-moe", "--variants", "w8a8"], capture_output=True, text=True)  # fmt: skip
     assert refused.returncode == 2 and "choose from bf16,w4a16" in refused.stderr
+
+
+@pytest.mark.parametrize("item", ["eagle", "eagle:abc", "eagle:all:0", "eagle:all:3:slef", "medusa:1:2:self:x"])
+def test_spec_refuses_a_malformed_train_item_before_loading_anything(item, tmp_path):
+    cmd = [sys.executable, str(BENCHMARKS / "bench_spec.py"), "--train", "eagle:all:2:self", "--train", item,
+           "--model", str(tmp_path / "absent"), "--out", str(tmp_path)]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "expected METHOD:TOKENS|all[:EPOCHS[:self]]" in run.stderr.splitlines()[-1]
