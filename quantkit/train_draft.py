@@ -130,6 +130,8 @@ def self_distilled_ids(llm, ids: torch.Tensor, tokens: int, prompt_len: int = 64
     about ``tokens`` of them; the fingerprint of that text)."""
     from quantkit.runtime import SamplingParams
 
+    if ids.numel() <= prompt_len:
+        raise QuantkitError(f"self-distillation takes passages of {prompt_len} tokens; the text has {ids.numel()}")
     tokenizer = llm.tokenizer
     chat = getattr(tokenizer, "chat_template", None) is not None
     n = -(-tokens // (prompt_len + new_tokens))

@@ -171,6 +171,8 @@ def test_self_distilled_text_trains_with_a_curve(target, tmp_path):
     assert read_meta(tmp_path / "heads")["data"] == [where]
     with pytest.raises(QuantkitError, match="self_distill needs the model as a path"):
         train_draft(model, dataclasses.replace(config, self_distill=600), tmp_path / "again", ids=ids)
+    with pytest.raises(QuantkitError, match="passages of 8 tokens; the text has 8"):
+        self_distilled_ids(llm, ids[:8], 600, prompt_len=8, new_tokens=24)
 
 
 def test_cli_self_distill(tmp_path):
