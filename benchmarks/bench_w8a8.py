@@ -24,8 +24,9 @@ Every figure goes from bf16 activations x [M, K] to a bf16 output [M, N] and is 
                   output tiles make one wave), to place those thresholds
   fp8_block_ws3   the same with three consumer warp groups (192 x 128 tiles; block.WS3_FROM_M)
   fp8_block_fused / fp8_block_unfused
-                  fp8_block at M <= 64 with the activation tiles quantized inside the GEMM (fuse_quant=True; the
-                  dispatch does so up to block.FUSED_QUANT_MAX_M rows) / by quantize_tiles first (fuse_quant=False)
+                  fp8_block with the activation tiles quantized inside the GEMM (fuse_quant=True, below
+                  block.WS_ONE_WAVE_FROM_M rows; the dispatch does so up to block.FUSED_QUANT_MAX_M rows) / by
+                  quantize_tiles first (fuse_quant=False, M <= 64)
 
 Timing: a CUDA graph of R calls over R rotated copies of every operand (R chosen so that they span more than 3x
 the 60 MB L2), replayed under ``triton.testing.do_bench(return_mode="median")``, which also flushes L2 before each
@@ -104,7 +105,8 @@ BLOCK_VARIANTS = ["bf16", "fp8", "fp8_block", "fp8_block_gemm", "block_quant", "
                   "fp8_block_fused", "fp8_block_unfused", "block_quant_1"]  # fmt: skip
 BLOCK_RATIO_VARIANTS = ["fp8", "fp8_block", "fp8_block_gemm", "fp8_block_ws2", "fp8_block_ws3", "fp8_block_fused",
                         "fp8_block_unfused"]  # fmt: skip
-VARIANT_MS = {"fp8_block_ws2": (64, MS[-1]), "fp8_block_ws3": (64, MS[-1]), "fp8_block_fused": (1, 64),
+VARIANT_MS = {"fp8_block_ws2": (64, MS[-1]), "fp8_block_ws3": (64, MS[-1]),
+              "fp8_block_fused": (1, KB.WS_ONE_WAVE_FROM_M - 1),  # fp8_block_linear refuses to fuse from there
               "fp8_block_unfused": (1, 64)}  # fmt: skip
 # variants a GPU or cuBLAS may refuse (reported as n/a)
 OPTIONAL = ("int_mm", "scaled_mm", "scaled_mm_fast", "fp8_block_ws2", "fp8_block_ws3")

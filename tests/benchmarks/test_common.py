@@ -20,6 +20,15 @@ def test_every_benchmark_imports(name):
     assert callable(module.main)
 
 
+def test_w8a8_block_fused_variant_runs_only_where_fp8_block_linear_fuses():
+    """bench_w8a8 --block's fp8_block_fused calls fuse_quant=True, which fp8_block_linear refuses from
+    WS_ONE_WAVE_FROM_M rows (a ValueError the table does not catch)."""
+    bench = importlib.import_module("bench_w8a8")
+    lo, hi = bench.VARIANT_MS["fp8_block_fused"]
+    ms = [m for m in bench.MS if lo <= m <= hi]
+    assert ms and max(ms) < bench.KB.WS_ONE_WAVE_FROM_M
+
+
 def test_llama3_8b_linears_are_the_published_projections():
     layers = common.decoder_linears(common.LLAMA3_8B)
     assert layers == {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
