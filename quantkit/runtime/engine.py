@@ -138,10 +138,13 @@ class LLM:
             loaded = loader.dummy(model, self.config.dtype, device, self.config.seed, mtp=mtp)
         elif isinstance(model, loader.LoadedModel):  # built by the caller, e.g. ``loader.dummy`` with a scheme
             loaded = model
+            weight = next(loaded.model.parameters(), None)
+            if weight is not None and weight.device.type != device.type:
+                raise QuantkitError(f"the loaded model's weights are on {weight.device}, the engine's is {device}")
         else:
             raise QuantkitError(
-                "model must be a folder's path, a Hugging Face model or a config (a dict with model_type), "
-                f"got {_shown(model)}"
+                "model must be a folder's path, a Hugging Face model, a config (a dict with model_type) or a "
+                f"loader.LoadedModel, got {_shown(model)}"
             )
         self.model = loaded.model
         self.tokenizer = tokenizer or loaded.tokenizer

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.runtime import LLM, EngineConfig, SamplingParams
+from quantkit.runtime import LLM, EngineConfig, SamplingParams, loader
 from quantkit.runtime.engine import RequestOutput
 from quantkit.runtime.sampler import filter_logits
 from tests.runtime.helpers import hf_greedy, random_prompts, sharpen
@@ -201,6 +201,10 @@ def test_prompts_and_params_of_the_wrong_type_are_refused_and_queue_nothing(mode
             LLM(model_arg, device="cpu")
     with pytest.raises(QuantkitError, match="tokenizer must be a Hugging Face tokenizer, got str"):
         LLM(model, device="cpu", tokenizer="x")
+    with torch.device("meta"):  # a LoadedModel whose weights are elsewhere than the engine
+        elsewhere = torch.nn.Linear(2, 2)
+    with pytest.raises(QuantkitError, match="weights are on meta, the engine's is cpu"):
+        LLM(loader.LoadedModel(elsewhere, None, ()), device="cpu")
 
 
 def test_a_rejected_batch_queues_nothing(model):
