@@ -247,7 +247,7 @@ class BlockConfig:
 
 # Largest M of each regime -> config (small M: narrow tiles with K split over the SMs, as the W4A16 and W8A8 decode
 # paths do), the winners of ``bench_w8a8.py --sweep-block`` on an H100 (end to end, geomean of the Llama shapes);
-# above 256 rows the Hopper path is the warp-specialized kernel, these tiles serve other GPUs.
+# on Hopper the warp-specialized kernel serves from WS_FROM_M rows (from WS_ONE_WAVE_FROM_M on one-wave shapes).
 TILE_CONFIGS: tuple[tuple[int, BlockConfig], ...] = (
     (16, BlockConfig(16, 64, 1, split_waves=2, num_warps=4, num_stages=4)),
     (32, BlockConfig(32, 64, 1, split_waves=2, num_warps=4, num_stages=4)),
