@@ -17,16 +17,16 @@ Every figure goes from bf16 activations x [M, K] to a bf16 output [M, N] and is 
   --block mode only:
   fp8_block_gemm  the block GEMM alone on pre-quantized activations (M-major scales), to split the cost
   block_quant     the 1 x 128 tile quantizer alone (quantize_tiles, M-major scales)
-  block_quant_1   the same with one tile per program (tiles_per_program=1; the default takes block.QUANT_TILES
-                  from QUANT_TILES_FROM_M rows)
+  block_quant_4   the same with four tiles per program along K (tiles_per_program=4; the default is
+                  block.QUANT_TILES)
   fp8_block_ws2   fp8_block with the warp-specialized Hopper kernel, two consumer warp groups (128 x 128 tiles), at
                   M >= 64 (the dispatch uses it from block.WS_FROM_M rows, and from WS_ONE_WAVE_FROM_M where its
                   output tiles make one wave), to place those thresholds
   fp8_block_ws3   the same with three consumer warp groups (192 x 128 tiles; block.WS3_FROM_M)
   fp8_block_fused / fp8_block_unfused
                   fp8_block with the activation tiles quantized inside the GEMM (fuse_quant=True, below
-                  block.WS_ONE_WAVE_FROM_M rows; the dispatch does so up to block.FUSED_QUANT_MAX_M rows) / by
-                  quantize_tiles first (fuse_quant=False, M <= 64)
+                  block.WS_ONE_WAVE_FROM_M rows; the dispatch does so up to block.FUSED_QUANT_MAX_M rows, i.e.
+                  never) / by quantize_tiles first (fuse_quant=False, M <= 64)
 
 Timing: a CUDA graph of R calls over R rotated copies of every operand (R chosen so that they span more than 3x
 the 60 MB L2), replayed under ``triton.testing.do_bench(return_mode="median")``, which also flushes L2 before each
@@ -102,7 +102,7 @@ VARIANTS = ["bf16", "int8", "int8_gemm", "quant", "int_mm", "fp8", "fp8_fast", "
             "fp8_block"]  # fmt: skip
 RATIO_VARIANTS = ["int8", "int_mm", "fp8", "fp8_fast", "scaled_mm", "scaled_mm_fast", "fp8_block"]
 BLOCK_VARIANTS = ["bf16", "fp8", "fp8_block", "fp8_block_gemm", "block_quant", "fp8_block_ws2", "fp8_block_ws3",
-                  "fp8_block_fused", "fp8_block_unfused", "block_quant_1"]  # fmt: skip
+                  "fp8_block_fused", "fp8_block_unfused", "block_quant_4"]  # fmt: skip
 BLOCK_RATIO_VARIANTS = ["fp8", "fp8_block", "fp8_block_gemm", "fp8_block_ws2", "fp8_block_ws3", "fp8_block_fused",
                         "fp8_block_unfused"]  # fmt: skip
 VARIANT_MS = {"fp8_block_ws2": (64, MS[-1]), "fp8_block_ws3": (64, MS[-1]),
@@ -111,7 +111,7 @@ VARIANT_MS = {"fp8_block_ws2": (64, MS[-1]), "fp8_block_ws3": (64, MS[-1]),
 # variants a GPU or cuBLAS may refuse (reported as n/a)
 OPTIONAL = ("int_mm", "scaled_mm", "scaled_mm_fast", "fp8_block_ws2", "fp8_block_ws3")
 # bf16 computes from unquantized operands; the quantizers give no y
-UNCHECKED = ("bf16", "quant", "block_quant", "block_quant_1")
+UNCHECKED = ("bf16", "quant", "block_quant", "block_quant_4")
 
 # Sweep candidates per M regime, as K.CONFIG_KEYS tuples (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, num_warps,
 # num_stages), the same for int8 and fp8. Small M is weight-bandwidth bound: narrow N tiles give enough CTAs to fill
@@ -229,8 +229,8 @@ class Problem:
             qb, sb = self.block[i]
             fuse = variant == "fp8_block_fused"
             return lambda: KB.fp8_block_linear(x, qb, sb, BLOCK, fuse_quant=fuse)
-        if variant in ("block_quant", "block_quant_1"):
-            tiles = 1 if variant == "block_quant_1" else None
+        if variant in ("block_quant", "block_quant_4"):
+            tiles = 4 if variant == "block_quant_4" else None
             return lambda: KB.quantize_tiles(x, BLOCK, m_major=True, tiles_per_program=tiles)
         if variant in ("fp8_block_ws2", "fp8_block_ws3"):
             qb, sb = self.block[i]

@@ -13,8 +13,8 @@ How
     rounded to the e4m3 grid (the scales optionally stored M-major, as the Hopper kernel reads them). The GEMM
     tiles the output in BLOCK_M x BLOCK_N and walks K in steps of BLOCK_K = B, one scale pair per step; ragged M,
     N, K are masked (a short last tile's padding is zero in both operands). Small M splits K across programs (the serial
-    fix-up of ``w4a16.epilogue.finish_tile``); up to ``FUSED_QUANT_MAX_M`` rows ``fp8_block_linear`` quantizes
-    the activation tiles inside the GEMM instead. On Hopper with B = 128 and ``WS_FROM_M`` rows or more (from
+    fix-up of ``w4a16.epilogue.finish_tile``); ``fp8_block_linear(fuse_quant=True)`` quantizes the activation
+    tiles inside the GEMM instead. On Hopper with B = 128 and ``WS_FROM_M`` rows or more (from
     ``WS_ONE_WAVE_FROM_M`` where the output tiles make one wave) the warp-specialized Gluon kernel
     (``ws_kernel.py``) serves instead: in Triton's single loop each promotion waits
     for its wgmma, which left the block GEMM at 0.57x bf16 cuBLAS at M >= 1024 (H100, its best tile config).
@@ -72,13 +72,14 @@ WS3_FROM_M = 16384
 # w8a8_linear does up to dispatch.PDL_MAX_M rows): correct (GPU test) but no faster on the H100 (Llama geomean
 # 1.36x / 1.39x / 1.17x at M = 1 / 16 / 64 against 1.42x / 1.40x / 1.16x without), so off.
 PDL_BY_DEFAULT = False
-# Up to this many rows ``fp8_block_linear`` quantizes the activation tiles inside the GEMM (each program quantizes the
-# tiles it reads; programs of one K range repeat that work) instead of launching ``quantize_tiles`` first.
-FUSED_QUANT_MAX_M = 16
-# From this many rows each quantize_tiles program takes QUANT_TILES tiles along K (fewer, larger programs: at M =
-# 16384 the one-tile programs moved ~2.0 TB/s on the H100, two thirds of its copy bandwidth).
-QUANT_TILES_FROM_M = 1024
-QUANT_TILES = 4
+# Up to this many rows ``fp8_block_linear`` would quantize the activation tiles inside the GEMM (each program
+# quantizes the tiles it reads; programs of one K range repeat that work) instead of launching ``quantize_tiles``
+# first. Off: on the H100 the fused GEMM ran slower than the two launches it replaces (Llama geomean over bf16 cuBLAS
+# 1.06x / 1.10x at M = 1 / 16 against 1.44x / 1.41x, same run); ``fuse_quant=True`` asks for it.
+FUSED_QUANT_MAX_M = 0
+# quantize_tiles' programs take one tile along K unless ``tiles_per_program`` asks for more: four tiles per program
+# (8 warps) were slower on every large-M shape on the H100 (4096 x 14336, M = 16384: 548 us against 396 us).
+QUANT_TILES = 1
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
 
@@ -154,16 +155,20 @@ def _quantize_tiles_kernel(
     if PDL:  # the GEMM launched next may start now; it waits for this grid's writes before reading them
         tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    tiles = tl.program_id(1) * TILES + tl.arange(0, TILES)
     cols = tl.program_id(1) * (TILES * BLOCK) + tl.arange(0, TILES * BLOCK)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    codes, scale = _e4m3_tiles(tl.reshape(x, (ROWS * TILES, BLOCK)))  # row r's tile t is row r * TILES + t
-    s_mask = (rows < M)[:, None] & (tiles * BLOCK < K)[None, :]
-    tl.store(s_ptr + rows[:, None] * stride_sm + tiles[None, :] * stride_sk, tl.reshape(scale, (ROWS, TILES)),
-             mask=s_mask)  # fmt: skip
-    codes = tl.reshape(codes, (ROWS, TILES * BLOCK)).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], codes, mask=mask)
+    if TILES == 1:
+        codes, scale = _e4m3_tiles(x)
+        tl.store(s_ptr + rows * stride_sm + tl.program_id(1) * stride_sk, scale, mask=rows < M)
+    else:
+        tiles = tl.program_id(1) * TILES + tl.arange(0, TILES)
+        codes, scale = _e4m3_tiles(tl.reshape(x, (ROWS * TILES, BLOCK)))  # row r's tile t is row r * TILES + t
+        s_mask = (rows < M)[:, None] & (tiles * BLOCK < K)[None, :]
+        tl.store(s_ptr + rows[:, None] * stride_sm + tiles[None, :] * stride_sk, tl.reshape(scale, (ROWS, TILES)),
+                 mask=s_mask)  # fmt: skip
+        codes = tl.reshape(codes, (ROWS, TILES * BLOCK))
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], codes.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M", "steps_per_split"])
@@ -303,7 +308,7 @@ def quantize_tiles(
     ``m_major``: a_scale is a view of fp32 [ceil(K/B), M'] storage (M' = M rounded up to ``ws.SCALE_ALIGN``), strides
     (1, M'), the layout in which the Hopper kernel copies each K step's scales by TMA (DeepGEMM takes the same);
     ``fp8_block_matmul`` takes either layout. One program per ROWS rows x ``tiles_per_program`` tiles (a power of
-    two; None: ``QUANT_TILES`` from ``QUANT_TILES_FROM_M`` rows, else 1). ``pdl``: let the GEMM launched next with
+    two; None: ``QUANT_TILES``). ``pdl``: let the GEMM launched next with
     ``pdl=True`` start while this kernel runs (CUDA sm_90+)."""
     require(x.dim() == 2 and x.dtype in FLOAT_DTYPES, f"x must be 2-D fp16/bf16/fp32, got {x.dtype} {tuple(x.shape)}")
     require(block in BLOCK_SIZES, f"block must be one of {BLOCK_SIZES}, got {block}")
@@ -317,7 +322,7 @@ def quantize_tiles(
     qa = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     a_scale = empty_m_major(m, kb, x.device) if m_major else torch.empty(m, kb, dtype=torch.float32, device=x.device)
     if m and k:
-        tiles = tiles_per_program or (QUANT_TILES if m >= QUANT_TILES_FROM_M else 1)
+        tiles = tiles_per_program or QUANT_TILES
         require(tiles & (tiles - 1) == 0, f"tiles_per_program must be a power of two, got {tiles}")
         tiles = min(tiles, triton.next_power_of_2(kb))
         rows = min(triton.next_power_of_2(m), 64, max(8, 4096 // block))  # few rows: no programs of masked rows
@@ -431,10 +436,10 @@ def fp8_block_linear(
     fuse_quant: bool | None = None,
 ) -> torch.Tensor:
     """x [..., K] -> y [..., N] in x's dtype: quantize x per 1 x B tile, then the block GEMM (``config`` overrides
-    ``tile_config``). ``fuse_quant`` (None: M <= ``FUSED_QUANT_MAX_M``): the GEMM quantizes the tiles itself, one
-    launch, the same codes and scales. ``pdl`` (None: ``PDL_BY_DEFAULT``; unfused only): up to
-    ``dispatch.PDL_MAX_M`` rows on sm_90+ the GEMM starts while the quantizer runs (programmatic dependent launch, as
-    ``w8a8_linear``); elsewhere it has no effect."""
+    ``tile_config``). ``fuse_quant`` (None: M <= ``FUSED_QUANT_MAX_M``, i.e. never): the GEMM quantizes the tiles
+    itself, one launch, the same codes and scales (measured slower, see ``FUSED_QUANT_MAX_M``). ``pdl`` (None:
+    ``PDL_BY_DEFAULT``; unfused only): up to ``dispatch.PDL_MAX_M`` rows on sm_90+ the GEMM starts while the
+    quantizer runs (programmatic dependent launch, as ``w8a8_linear``); elsewhere it has no effect."""
     x2 = x.reshape(-1, x.shape[-1])
     m, k = x2.shape
     if fuse_quant is None:

@@ -44,7 +44,7 @@ def test_tile_quantizer_matches_reference_bit_for_bit(tiles):
     assert torch.equal(rs[2], torch.full((3,), 1e-30 / 448))  # an all-zero row: tiny scales, zero codes, no NaN
 
 
-@pytest.mark.parametrize(("m", "k", "tiles"), [(5, 80, 1), (9, 64, 1), (KB.QUANT_TILES_FROM_M + 3, 224, None)])
+@pytest.mark.parametrize(("m", "k", "tiles"), [(5, 80, 1), (9, 64, None), (1027, 224, 4)])
 def test_tile_quantizer_writes_m_major_scales_for_the_hopper_kernel(m, k, tiles):
     """M-major: the same values, unit stride along M, each tile's column padded to 16 bytes; ``m_major_scales``
     keeps such a tensor as it is and copies any other into that layout."""
@@ -100,18 +100,17 @@ def test_gemm_matches_reference(m, n, k, block, config):
 @pytest.mark.parametrize("config", [SMALL, SPLIT], ids=["tiles", "split_k"])
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 96), (7, 70, 80), (16, 48, 160)])  # ragged N and K included
 def test_gemm_quantizing_its_own_tiles_gives_the_two_launch_result(m, n, k, config):
-    """Up to FUSED_QUANT_MAX_M rows fp8_block_linear quantizes the activation tiles inside the GEMM: the same codes
-    and scales as quantize_tiles, so the same output bit for bit."""
+    """fp8_block_linear(fuse_quant=True) quantizes the activation tiles inside the GEMM: the same codes and scales as
+    quantize_tiles, so the same output bit for bit (and the default, no fusion, gives it too)."""
     block = 32
     x, _, qw, ws = layer(m, n, k, block, seed=m + k)
     d = lambda t: t.to(DEVICE)
     x, qw, ws, bias = d(x.bfloat16()), d(qw), d(ws), d(torch.randn(n).bfloat16())
-    assert m <= KB.FUSED_QUANT_MAX_M
     qa, a_s = KB.quantize_tiles(x, block, m_major=True)
     two = KB.fp8_block_matmul(qa, a_s, qw, ws, block, bias, torch.bfloat16, config=config)
-    fused = KB.fp8_block_linear(x.view(1, m, k), qw, ws, block, bias, config=config)
+    fused = KB.fp8_block_linear(x.view(1, m, k), qw, ws, block, bias, config=config, fuse_quant=True)
     assert fused.shape == (1, m, n) and torch.equal(fused[0], two)
-    assert torch.equal(KB.fp8_block_linear(x, qw, ws, block, bias, config=config, fuse_quant=False), two)
+    assert torch.equal(KB.fp8_block_linear(x, qw, ws, block, bias, config=config), two)
     with pytest.raises(ValueError, match="fewer than"):
         KB.fp8_block_linear(d(torch.zeros(KB.WS_FROM_M, k)), qw, ws, block, fuse_quant=True)
     empty = KB.fp8_block_linear(d(torch.zeros(2, 0, k)), qw, ws, block, fuse_quant=True)  # no rows: no launch
