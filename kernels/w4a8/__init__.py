@@ -4,12 +4,14 @@
 (``w8a8/quant.py``) and runs the GEMM of ``gemm.py``, whose 4-bit codes become int8 or e4m3 operands in registers;
 ``dispatch.CONFIG_TABLE`` picks its tiles by M (the small-M path: swap-AB tiles with split-K; H100 figures in
 docs/results/w4a8.md). ``flat.py`` is the same product in one software-pipelined K loop, the unpacked weight tile the
-wgmma's register operand: opt-in through ``dispatch.FLAT_TABLE`` (``W4A8Config.flat``) until timed on a GPU.
+wgmma's register operand: the default above M = 16 (``dispatch.FLAT_TABLE``, ``W4A8Config.flat``; faster than the
+group loop of ``gemm.py`` at every M measured, ``dispatch.GROUP_LOOP_TABLE`` keeps that one selectable).
 """
 
 from quantkit.kernels.w4a8.dispatch import (
     CONFIG_TABLE,
     FLAT_TABLE,
+    GROUP_LOOP_TABLE,
     SMALL_M,
     LaunchPlan,
     Plan,
@@ -26,6 +28,7 @@ from quantkit.kernels.w4a8.gemm import check_w4a8_operands, signed_codes, w4a8_r
 __all__ = [
     "CONFIG_TABLE",
     "FLAT_TABLE",
+    "GROUP_LOOP_TABLE",
     "SMALL_M",
     "LaunchPlan",
     "Plan",

@@ -9,7 +9,8 @@ makes. Two paths, one kernel:
   exist, as W4A16's few-row tiles do: a decode product has too few output tiles to fill the GPU otherwise.
 - ``tiles`` (larger M): plain tiles whose BLOCK_M grows with M, split-K only where the tiles leave SMs idle.
 
-``CONFIG_TABLE`` is a first choice by reasoning, not tuned (H100 figures: docs/results/w4a8.md). The tile shapes follow
+``GROUP_LOOP_TABLE`` (the group-loop kernel's tiles; above M = 16 the default ``CONFIG_TABLE`` is ``FLAT_TABLE``, the
+flat kernel's) is a first choice by reasoning, not tuned (H100 figures: docs/results/w4a8.md). The tile shapes follow
 W4A16's and W8A8's measured tables (16-row swap-AB tiles, 64 deep, for decode; 64-row tiles up to 256 rows; wider
 tiles above), cut down where an offline sm_90 compile (no GPU) spilled registers: the kernel keeps two accumulators
 per output (the fp32 sum and the current group's int32 / fp32 partial) plus the unpacked weight tile, so 128 x 128
@@ -76,10 +77,11 @@ class W4A8Config:
         )
 
 
-# Largest M of each regime -> config. First choices (see the module docstring); measured on an H100
-# (docs/results/w4a8.md): the byte unpacking ran M <= 16 at 1.33x bf16 against 1.07x word by word, and M >= 1024 at
-# 0.19x against 0.31x, so the large-M entry unpacks word by word.
-CONFIG_TABLE: tuple[tuple[int, W4A8Config], ...] = (
+# Largest M of each regime -> config of the group-loop kernel (gemm.py). First choices (see the module docstring);
+# measured on an H100 (docs/results/w4a8.md): the byte unpacking ran M <= 16 at 1.33x bf16 against 1.07x word by
+# word, and M >= 1024 at 0.19x against 0.31x, so the large-M entry unpacks word by word. Above M = 16 the flat kernel
+# (FLAT_TABLE) replaced it as the default.
+GROUP_LOOP_TABLE: tuple[tuple[int, W4A8Config], ...] = (
     (SMALL_M, W4A8Config(16, 64, 64, 1, split_waves=4, swap_ab=True, num_warps=4, num_stages=4)),
     (64, W4A8Config(64, 64, 128, 8, split_waves=2, num_warps=8, num_stages=4)),
     (256, W4A8Config(64, 128, 64, 8, split_waves=1, num_warps=8, num_stages=4)),
@@ -87,19 +89,22 @@ CONFIG_TABLE: tuple[tuple[int, W4A8Config], ...] = (
 )
 
 
-# Opt-in: the flat-loop kernel (``flat.py``) above M = 16, swap-AB tiles (x's rows on the MMA's N side, 128 weight rows
-# on its M side, the unpacked weight tile the wgmma's register operand), 128 deep (one g128 group a step), 8 warps;
-# split-K as the table it stands beside.
+# The default (``CONFIG_TABLE``): the flat-loop kernel (``flat.py``) above M = 16, swap-AB tiles (x's rows on the
+# MMA's N side, 128 weight rows on its M side, the unpacked weight tile the wgmma's register operand), 128 deep (one
+# g128 group a step), 8 warps; split-K as the group-loop table.
 # Compiled offline for sm_90 (Triton 3.6, int8): 149 (64-row) and 221 (128-row) registers, no spills, the weight tile
-# from shared memory bytes straight into wgmma's register operand layout. Up to M = 16 it is today's entry. Not yet
-# timed: ``CONFIG_TABLE`` serves products until a GPU run of ``bench_w4a8.py`` (column w4a8_flat) shows it faster;
-# ``config_for(m, FLAT_TABLE)`` selects it.
+# from shared memory bytes straight into wgmma's register operand layout. Up to M = 16 it is the group-loop entry.
+# H100, bench_w4a8.py, geomean over bf16 cuBLAS against the group-loop table in the same run: M = 64 0.70x against
+# 0.56x, 256 0.31x against 0.21x, 1024 0.48x against 0.30x, 4096 0.50x against 0.31x.
 FLAT_TABLE: tuple[tuple[int, W4A8Config], ...] = (
-    CONFIG_TABLE[0],
+    GROUP_LOOP_TABLE[0],
     (64, W4A8Config(64, 128, 128, 8, split_waves=2, swap_ab=True, num_warps=8, num_stages=4, flat=True)),
     (256, W4A8Config(64, 128, 128, 8, split_waves=1, swap_ab=True, num_warps=8, num_stages=4, flat=True)),
     (2**31, W4A8Config(128, 128, 128, 8, split_waves=0, swap_ab=True, num_warps=8, num_stages=4, flat=True)),
 )
+
+
+CONFIG_TABLE = FLAT_TABLE
 
 
 def config_for(m: int, table: tuple[tuple[int, W4A8Config], ...] | None = None) -> W4A8Config:

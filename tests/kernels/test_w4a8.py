@@ -219,13 +219,13 @@ def test_plans_and_the_table():
     bounds = [m for m, _ in K.CONFIG_TABLE]
     assert bounds == sorted(bounds) and K.config_for(10**6) == K.CONFIG_TABLE[-1][1]
     assert "small_m" in K.explain(1, 4096, 4096, 128, "cpu")
-    flat = K.config_for(1024, K.FLAT_TABLE)
-    assert flat.flat and flat.swap_ab and not K.config_for(1024).flat  # opt-in: the default table is unchanged
+    flat = K.config_for(1024)
+    assert flat.flat and flat.swap_ab and not K.config_for(1024, K.GROUP_LOOP_TABLE).flat  # the default: flat
     assert "w4a8/flat.py" in str(K.choose(1024, 4096, 4096, 128, 132, flat)) and flat.name.endswith("-flat")
-    assert K.config_for(16, K.FLAT_TABLE) == K.config_for(16)
+    assert K.config_for(16, K.GROUP_LOOP_TABLE) == K.config_for(16) and K.CONFIG_TABLE is K.FLAT_TABLE
 
 
-@pytest.mark.parametrize("table,regime", [(t, r) for t in ("CONFIG_TABLE", "FLAT_TABLE") for r in range(4)])
+@pytest.mark.parametrize("table,regime", [(t, r) for t in ("GROUP_LOOP_TABLE", "FLAT_TABLE") for r in range(4)])
 def test_table_configs_run(table, regime):
     max_m, cfg = getattr(K, table)[regime]
     m = min(max_m, 140)
