@@ -322,8 +322,8 @@ def quantize_tiles(
     qa = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     a_scale = empty_m_major(m, kb, x.device) if m_major else torch.empty(m, kb, dtype=torch.float32, device=x.device)
     if m and k:
-        tiles = tiles_per_program or QUANT_TILES
-        require(tiles & (tiles - 1) == 0, f"tiles_per_program must be a power of two, got {tiles}")
+        tiles = QUANT_TILES if tiles_per_program is None else tiles_per_program
+        require(tiles > 0 and tiles & (tiles - 1) == 0, f"tiles_per_program must be a power of two, got {tiles}")
         tiles = min(tiles, triton.next_power_of_2(kb))
         rows = min(triton.next_power_of_2(m), 64, max(8, 4096 // block))  # few rows: no programs of masked rows
         _quantize_tiles_kernel[(-(-m // rows), -(-kb // tiles))](

@@ -159,6 +159,9 @@ def test_bad_operands_are_refused_with_the_reason():
         KB.quantize_tiles(torch.randn(2, 64), 32, pdl=True)
     with pytest.raises(ValueError, match="pdl needs a CUDA device of compute capability"):
         KB.fp8_block_matmul(qa, a_s, qw, ws, 32, pdl=True)
+    for tiles in (0, 3):
+        with pytest.raises(ValueError, match="tiles_per_program must be a power of two"):
+            KB.quantize_tiles(torch.randn(2, 64).to(DEVICE), 32, tiles_per_program=tiles)
 
 
 def test_tile_quantizer_reads_row_slices_in_place_and_takes_empty_inputs():
