@@ -37,10 +37,9 @@ import torch
 import triton
 import triton.language as tl
 from quantkit.kernels._device import interpreting
-from quantkit.kernels.w4a8.gemm import byte_tile, codes_along_k, fixup_unroll
+from quantkit.kernels.w4a8.gemm import byte_tile, codes_along_k, fixup_unroll, tile_operands
 from quantkit.kernels.w4a16.epilogue import finish_tile
 from quantkit.kernels.w4a16.weight import W4A16Weight
-from quantkit.kernels.w8a8.gemm import grouped_tile
 
 
 @triton.jit
@@ -115,23 +114,11 @@ def _w4a8_flat_kernel(
     BYTES: tl.constexpr, USE_ASM: tl.constexpr, EMULATE_BF16: tl.constexpr, ONE_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FIXUP: tl.constexpr,
 ):  # fmt: skip
-    BLOCK_KW: tl.constexpr = BLOCK_K // 8
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_kw = tl.arange(0, BLOCK_KW)
-    rows = offs_m % M  # rows and columns past M / N wrap onto valid ones: loads need no mask, the store drops them
-    cols = offs_n % N
-    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak  # [BM, BK]
-    qw_ptrs = qw_ptr + offs_kw[None, :] * stride_qwk + cols[:, None] * stride_qwn  # [BN, BK / 8]
-    offs_nb = pid_n * BLOCK_N * 4 + tl.arange(0, BLOCK_N * 4)  # BYTES: byte 4n + j of each word row
-    cols_b = (offs_nb // 4) % N
-    byte_cols = tl.max_contiguous(tl.multiple_of(cols_b * 4 + offs_nb % 4, 4), 4)
-    qb_ptrs = qw_ptr.to(tl.pointer_type(tl.uint8)) + offs_kw[:, None] * (stride_qwk * 4) + byte_cols[None, :]
+    offs_m, offs_n, offs_k, offs_kw, rows, cols, cols_b, a_ptrs, qw_ptrs, qb_ptrs = tile_operands(
+        pid, a_ptr, qw_ptr, M, N, stride_am, stride_ak, stride_qwk, stride_qwn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M
+    )
 
     k_tiles = tl.cdiv(K, BLOCK_K)
     t_begin = pid_k * tiles_per_split

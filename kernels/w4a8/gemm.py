@@ -150,6 +150,29 @@ def byte_tile(qb_ptrs, zb, t, K, stride_qbk, offs_kw, EVEN_K: tl.constexpr, USE_
 
 
 @triton.jit
+def tile_operands(pid, a_ptr, qw_ptr, M, N, stride_am, stride_ak, stride_qwk, stride_qwn, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+    """Program ``pid``'s output tile and its operands at the first K tile: (offs_m, offs_n, offs_k, offs_kw, rows,
+    cols, cols_b, a_ptrs [BM, BK], qw_ptrs [BN, BK / 8] words, qb_ptrs [BK / 8, BN * 4] the same tile's bytes, byte
+    4n + j of each word row, word rows contiguous: stride_qwn == 1; cols_b the column of each byte). Rows and columns
+    past M / N wrap onto valid ones: loads need no mask, the store drops them."""
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_kw = tl.arange(0, BLOCK_K // 8)
+    rows = offs_m % M
+    cols = offs_n % N
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    qw_ptrs = qw_ptr + offs_kw[None, :] * stride_qwk + cols[:, None] * stride_qwn
+    offs_nb = pid_n * BLOCK_N * 4 + tl.arange(0, BLOCK_N * 4)
+    cols_b = (offs_nb // 4) % N
+    byte_cols = tl.max_contiguous(tl.multiple_of(cols_b * 4 + offs_nb % 4, 4), 4)
+    qb_ptrs = qw_ptr.to(tl.pointer_type(tl.uint8)) + offs_kw[:, None] * (stride_qwk * 4) + byte_cols[None, :]
+    return offs_m, offs_n, offs_k, offs_kw, rows, cols, cols_b, a_ptrs, qw_ptrs, qb_ptrs
+
+
+@triton.jit
 def _group_dot(a_ptrs, qw_ptrs, qb_ptrs, z, zb, lo, hi, K, stride_ak, stride_qwk, offs_k, offs_kw,
                IS_FP8: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, BYTES: tl.constexpr,
                USE_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -207,21 +230,9 @@ def _w4a8_gemm_kernel(
     BLOCK_KW: tl.constexpr = BLOCK_K // 8
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_kw = tl.arange(0, BLOCK_KW)
-    rows = offs_m % M  # rows and columns past M / N wrap onto valid ones: loads need no mask, the store drops them
-    cols = offs_n % N
-    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak  # [BM, BK]
-    qw_ptrs = qw_ptr + offs_kw[None, :] * stride_qwk + cols[:, None] * stride_qwn  # [BN, BK / 8]
-    # BYTES: the tile's bytes [BK / 8, BN * 4], byte 4n + j of each word row (rows contiguous: stride_qwn == 1)
-    offs_nb = pid_n * BLOCK_N * 4 + tl.arange(0, BLOCK_N * 4)
-    cols_b = (offs_nb // 4) % N
-    byte_cols = tl.max_contiguous(tl.multiple_of(cols_b * 4 + offs_nb % 4, 4), 4)
-    qb_ptrs = qw_ptr.to(tl.pointer_type(tl.uint8)) + offs_kw[:, None] * (stride_qwk * 4) + byte_cols[None, :]
+    offs_m, offs_n, offs_k, offs_kw, rows, cols, cols_b, a_ptrs, qw_ptrs, qb_ptrs = tile_operands(
+        pid, a_ptr, qw_ptr, M, N, stride_am, stride_ak, stride_qwk, stride_qwn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M
+    )
 
     k_tiles = tl.cdiv(K, BLOCK_K)
     t_begin = pid_k * tiles_per_split
