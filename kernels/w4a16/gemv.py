@@ -76,9 +76,9 @@ def w4a16_gemv_reference(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.T
 
 
 @triton.jit
-def _load_tile(qw_ptr, qz_ptr, s_ptr, t, offs_n, N, K, group_size, stride_qwk, stride_qwn, stride_qzg,
-               stride_qzn, stride_sg, stride_sn, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
-               EVEN_K: tl.constexpr):  # fmt: skip
+def load_tile(qw_ptr, qz_ptr, s_ptr, t, offs_n, N, K, group_size, stride_qwk, stride_qwn, stride_qzg,
+              stride_qzn, stride_sg, stride_sn, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
+              EVEN_K: tl.constexpr):  # fmt: skip
     """Weight loads of K tile t: words [BKW, BN], scales and integer zeros [BN]."""
     PF: tl.constexpr = 32 // BITS
     BKW: tl.constexpr = BLOCK_K // PF
@@ -235,8 +235,9 @@ def _row(words, r: tl.constexpr):
 
 
 @triton.jit
-def _mac(acc, words, scales, zeros, x_ptr, t, m0, M, K, stride_xm, stride_xk, magic, sixteen, BITS: tl.constexpr,
-         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FOLD: tl.constexpr, X_VEC: tl.constexpr):  # fmt: skip
+def mac_tile(acc, words, scales, zeros, x_ptr, t, m0, M, K, stride_xm, stride_xk, magic, sixteen, BITS: tl.constexpr,
+             BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FOLD: tl.constexpr, X_VEC: tl.constexpr):  # fmt: skip
+    """acc + K tile t's product (``_tile_mac_folded`` where FOLD, else ``_tile_mac``); also the MoE decode path's."""
     if FOLD:
         return _tile_mac_folded(acc, words, scales, zeros, x_ptr, t, m0, M, K, stride_xm, stride_xk, magic,
                                 sixteen, BLOCK_K, EVEN_K, X_VEC)  # fmt: skip
@@ -277,26 +278,26 @@ def _w4a16_gemv_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PREFETCH:  # software pipelining in registers: tile t + 1's loads are in flight during tile t's arithmetic
         t_last = tl.minimum(t_end, k_tiles) - 1
-        words, scales, zeros = _load_tile(qw_ptr, qz_ptr, s_ptr, tl.minimum(t_begin, t_last), offs_n, N, K,
-                                          group_size, stride_qwk, stride_qwn, stride_qzg, stride_qzn, stride_sg,
-                                          stride_sn, BITS, BLOCK_K, EVEN_K)  # fmt: skip
+        words, scales, zeros = load_tile(qw_ptr, qz_ptr, s_ptr, tl.minimum(t_begin, t_last), offs_n, N, K,
+                                         group_size, stride_qwk, stride_qwn, stride_qzg, stride_qzn, stride_sg,
+                                         stride_sn, BITS, BLOCK_K, EVEN_K)  # fmt: skip
         for t in tl.range(t_begin, t_end, num_stages=1):
             # the last tile reloads itself (an L2 hit) rather than reading past the split
-            w_next, s_next, z_next = _load_tile(qw_ptr, qz_ptr, s_ptr, tl.minimum(t + 1, t_last), offs_n, N, K,
-                                                group_size, stride_qwk, stride_qwn, stride_qzg, stride_qzn,
-                                                stride_sg, stride_sn, BITS, BLOCK_K, EVEN_K)  # fmt: skip
-            acc = _mac(acc, words, scales, zeros, x_ptr, t, m0, M, K, stride_xm, stride_xk, magic,
-                       sixteen, BITS, BLOCK_K, EVEN_K, FOLD, X_VEC)  # fmt: skip
+            w_next, s_next, z_next = load_tile(qw_ptr, qz_ptr, s_ptr, tl.minimum(t + 1, t_last), offs_n, N, K,
+                                               group_size, stride_qwk, stride_qwn, stride_qzg, stride_qzn,
+                                               stride_sg, stride_sn, BITS, BLOCK_K, EVEN_K)  # fmt: skip
+            acc = mac_tile(acc, words, scales, zeros, x_ptr, t, m0, M, K, stride_xm, stride_xk, magic,
+                           sixteen, BITS, BLOCK_K, EVEN_K, FOLD, X_VEC)  # fmt: skip
             words, scales, zeros = w_next, s_next, z_next
     else:
         # STAGES >= 2: Triton pipelines the tile's loads through shared memory (cp.async, STAGES - 1 tiles ahead);
         # STAGES = 1: plain loads, each issued by ptxas just before its use
         for t in tl.range(t_begin, t_end, num_stages=STAGES):
-            words, scales, zeros = _load_tile(qw_ptr, qz_ptr, s_ptr, t, offs_n, N, K, group_size, stride_qwk,
-                                              stride_qwn, stride_qzg, stride_qzn, stride_sg, stride_sn, BITS,
-                                              BLOCK_K, EVEN_K)  # fmt: skip
-            acc = _mac(acc, words, scales, zeros, x_ptr, t, m0, M, K, stride_xm, stride_xk, magic,
-                       sixteen, BITS, BLOCK_K, EVEN_K, FOLD, X_VEC)  # fmt: skip
+            words, scales, zeros = load_tile(qw_ptr, qz_ptr, s_ptr, t, offs_n, N, K, group_size, stride_qwk,
+                                             stride_qwn, stride_qzg, stride_qzn, stride_sg, stride_sn, BITS,
+                                             BLOCK_K, EVEN_K)  # fmt: skip
+            acc = mac_tile(acc, words, scales, zeros, x_ptr, t, m0, M, K, stride_xm, stride_xk, magic,
+                           sixteen, BITS, BLOCK_K, EVEN_K, FOLD, X_VEC)  # fmt: skip
     finish_tile(acc, bias_ptr, out_ptr, part_ptr, lock_ptr, pid, offs_m, offs_n, M, N, stride_om, stride_on,
                  SPLIT, HAS_BIAS, EMULATE_BF16, FIXUP)  # fmt: skip
 
