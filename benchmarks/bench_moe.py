@@ -6,8 +6,11 @@ left out: the same for every variant), bf16 activations, timed in the same run:
   loop       the runtime's CPU path on the GPU: softmax top-k, pairs sorted by expert, one cuBLAS gate/up and down
              per expert that received tokens (bf16 weights), index_add back. It reads its expert counts on the host,
              so it cannot be captured: timed eagerly (``do_bench``, median), as it runs. The baseline of every ratio.
-  bf16       routed_moe on bf16 experts (ours): route_and_align (one launch up to 16 tokens), fused_moe
+  bf16       routed_moe on bf16 experts (ours): route_and_align (one launch up to 16 tokens), fused_moe; the
+             decode path (GEMV programs, ``kernels/moe/decode.py``) up to DECODE_MAX_TOKENS, the tile path above
   w4a16      the same on 4-bit experts, groups of 128 (the W4A16 kernel layout, stacked)
+  bf16 tile, w4a16 tile  where the default is the decode path: the tile path on the same layer (``moe_config``'s
+             tiles), for the comparison in the same run
   fp8_block  the same on block-fp8 experts, B = 128 (DeepSeek-V3's layout, stacked; activations quantized per tile)
   dense      a bf16 dense SiLU MLP of the active parameters (width k * I): what the routed work costs without routing
   routing    route_and_align alone (part of every fused figure): the share of the layer that is not GEMM
@@ -58,6 +61,7 @@ QUICK_MS = [1, 64, 1024]
 SMOKE_SHAPES = {"tiny": (64, 32, 8, 2)}
 SMOKE_MS = [1, 5]
 FORMATS = ["bf16", "w4a16", "fp8_block"]
+TILE_FORMATS = ["bf16", "w4a16"]  # timed on the tile path too where the default is the decode path
 GROUP, BLOCK = 128, 128
 
 
@@ -111,9 +115,18 @@ KERNEL_FORMAT = {"bf16": "float", "w4a16": "w4a16", "fp8_block": "fp8_block"}  #
 
 
 def block_m(m: int, shape: tuple, fmt: str = "bf16") -> int:
-    """The BLOCK_M ``fused_moe`` aligns the pairs to for m tokens."""
+    """The BLOCK_M ``routed_moe`` aligns the pairs to for m tokens (the decode path's or the tile path's)."""
     h, inter, e, k = shape
-    return M.moe_config(m, k, e, KERNEL_FORMAT[fmt], h, inter)["BLOCK_M"]
+    return M.layer_config(m, k, e, KERNEL_FORMAT[fmt], h, inter, None)["BLOCK_M"]
+
+
+def tile_config(m: int, shape: tuple, fmt: str) -> dict[str, int] | None:
+    """The tile path's config where m tokens take the decode path by default, else None (nothing to compare)."""
+    h, inter, e, k = shape
+    kfmt = KERNEL_FORMAT[fmt]
+    if not M.layer_config(m, k, e, kfmt, h, inter, None)["DECODE"]:
+        return None
+    return {**M.moe_config(m, k, e, kfmt, h, inter), "DECODE": 0}
 
 
 def fused_layer(x, logits, w13, w2, top_k, config=None):
@@ -146,19 +159,23 @@ def run_shape(name, shape, ms, timer, dev, copy_bw, smoke) -> list[dict]:
         row["dense_us"] = timer.per_call([lambda x=x: dense_mlp(x, dense13, dense2)])
         bm = block_m(m, shape)
         row["routing_us"] = timer.per_call([lambda logits=logits, bm=bm: M.route_and_align(logits, k, bm)])
-        for fmt, (w13, w2) in experts.items():
+        variants = [(fmt, fmt, None) for fmt in FORMATS]
+        variants += [(f"{fmt} tile", fmt, cfg) for fmt in TILE_FORMATS if (cfg := tile_config(m, shape, fmt))]
+        for col, fmt, cfg in variants:
+            w13, w2 = experts[fmt]
             weights, ids = M.route(logits, k)
-            y = M.fused_moe(x, w13, w2, weights, ids)
+            y = M.fused_moe(x, w13, w2, weights, ids, config=cfg)
             ref = M.fused_moe_reference(x, w13, w2, weights, ids)
             err = (y.float() - ref.float()).abs().max().item()
             ok = err <= 4 * torch.finfo(torch.bfloat16).eps * ref.float().abs().max().item()
-            us = timer.per_call([lambda x=x, logits=logits, w13=w13, w2=w2: fused_layer(x, logits, w13, w2, k)])
+            us = timer.per_call([lambda x=x, logits=logits, w13=w13, w2=w2, cfg=cfg:
+                                 fused_layer(x, logits, w13, w2, k, cfg)])  # fmt: skip
             gbs = chosen * (expert_bytes(w13) + expert_bytes(w2)) / us / 1e3
-            row[fmt] = {"us": us, "speedup": loop_us / us, "gbs": gbs, "of_copy": gbs * 1e9 / copy_bw, "ok": ok,
+            row[col] = {"us": us, "speedup": loop_us / us, "gbs": gbs, "of_copy": gbs * 1e9 / copy_bw, "ok": ok,
                         "err": err}  # fmt: skip
         rows.append(row)
         cells = "  ".join(f"{f} {row[f]['us']:.1f} us {row[f]['speedup']:.2f}x {100 * row[f]['of_copy']:.0f}%"
-                          f"{'' if row[f]['ok'] else ' WRONG'}" for f in FORMATS)  # fmt: skip
+                          f"{'' if row[f]['ok'] else ' WRONG'}" for f in columns([row]))  # fmt: skip
         print(f"{name} M={m}: loop {loop_us:.1f} us, dense {row['dense_us']:.1f} us, routing + align "
               f"{row['routing_us']:.1f} us | {cells}", flush=True)  # fmt: skip
     return rows
@@ -356,6 +373,18 @@ def paste_block(rows: list[dict], shapes: dict) -> str:
     return "\n".join([*lines, "}"]) + "\n"
 
 
+def columns(rows: list[dict]) -> list[str]:
+    """The variants timed: FORMATS, then the tile path's columns where some row has them."""
+    return FORMATS + [f"{f} tile" for f in TILE_FORMATS if any(f"{f} tile" in r for r in rows)]
+
+
+def cell(r: dict, col: str) -> str:
+    if col not in r:
+        return "-"
+    c = r[col]
+    return f"{c['us']:.1f} ({c['speedup']:.2f}x, {100 * c['of_copy']:.0f}%)" + ("" if c["ok"] else " WRONG")
+
+
 def markdown(env: dict, copy_bw: float, rows: list[dict]) -> str:
     lines = [
         f"# Fused MoE layer vs a loop over experts -- {env['device']}, torch {env['torch']}, triton {env['triton']}, "
@@ -364,12 +393,11 @@ def markdown(env: dict, copy_bw: float, rows: list[dict]) -> str:
         f"Copy bandwidth {copy_bw / 1e9:.0f} GB/s. Each cell: microseconds, speedup over the loop, and the chosen "
         "experts' bytes per second as a fraction of copy bandwidth.",
         "",
-        "| shape | M | experts read | loop us | dense bf16 us | routing us | " + " | ".join(FORMATS) + " |",
-        "|---|---|---|---|---|---|" + "---|" * len(FORMATS),
+        "| shape | M | experts read | loop us | dense bf16 us | routing us | " + " | ".join(columns(rows)) + " |",
+        "|---|---|---|---|---|---|" + "---|" * len(columns(rows)),
     ]
     for r in rows:
-        cells = [f"{r[f]['us']:.1f} ({r[f]['speedup']:.2f}x, {100 * r[f]['of_copy']:.0f}%)"
-                 + ("" if r[f]["ok"] else " WRONG") for f in FORMATS]  # fmt: skip
+        cells = [cell(r, col) for col in columns(rows)]
         lines.append(f"| {r['shape']} | {r['m']} | {r['experts_read']} | {r['loop_us']:.1f} | {r['dense_us']:.1f} | "
                      f"{r['routing_us']:.1f} | "
                      + " | ".join(cells) + " |")  # fmt: skip
@@ -422,8 +450,8 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.empty_cache()
     (out / "moe.json").write_text(json.dumps({"env": env, "copy_bandwidth": copy_bw, "rows": rows}, indent=1))
     (out / "moe.md").write_text(markdown(env, copy_bw, rows))
-    correct = sum(r[f]["ok"] for r in rows for f in FORMATS)
-    print(f"{correct}/{len(rows) * len(FORMATS)} correct; wrote {out}/moe.json and moe.md")
+    timed = [r[col] for r in rows for col in columns(rows) if col in r]
+    print(f"{sum(c['ok'] for c in timed)}/{len(timed)} correct; wrote {out}/moe.json and moe.md")
 
 
 if __name__ == "__main__":

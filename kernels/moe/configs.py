@@ -4,6 +4,8 @@ options serve a layer of a given format and shape at a given number of tokens.
 ``moe_config`` reads ``TUNED_CONFIGS`` (per format and layer shape, by tokens: entries printed by
 ``benchmarks/bench_moe.py --sweep`` on a GPU, pasted here) and falls back on ``DEFAULT_CONFIGS`` (per format, by
 the mean rows per expert: first choices). ``block_k`` checks a config's K tile against the format's constraints.
+``decode_config`` and ``decode_plan``: the decode path (``decode.py``) up to ``DECODE_MAX_TOKENS`` tokens;
+``layer_config``: which of the two a layer of T tokens runs.
 """
 
 from __future__ import annotations
@@ -56,3 +58,67 @@ def block_k(fmt: str, group_size: int, cfg: dict[str, int]) -> int:
     if bk < 16 or bk & (bk - 1):
         raise ValueError(f"BLOCK_K must be a power of two from 16, got {bk}")
     return bk
+
+
+# The decode path (``decode.py``: CUDA-core GEMV over (expert block, N tile, K split)) serves a layer of at most
+# this many tokens in these formats; larger ones run the tile path above. First choices, not yet timed on a GPU:
+# at 16 tokens Mixtral-8x7B has ~4 rows per expert, where the GEMV still reads each weight once per block.
+DECODE_MAX_TOKENS = {"float": 16, "w4a16": 16}
+DECODE_MAX_ROWS = 4  # BLOCK_M of the decode path at most: rows of one expert per program (one FMA per row and weight)
+DECODE_WARPS_PER_SM = 16  # K is split until about this many warps per SM run (the dense W4A16 gemv's rule of thumb)
+
+
+def decode_config(tokens: int, top_k: int, num_experts: int) -> dict[str, int]:
+    """The decode path's config: ``DECODE`` 1 and BLOCK_M, the rows of one expert a program takes (the next power
+    of two of the mean rows per expert, at most ``DECODE_MAX_ROWS``). Optional keys a caller may add: BLOCK_N
+    (w4a16: a multiple of 128, 4 columns per thread; float: rows of W per program), num_warps and SPLIT_K (at most
+    that many K splits)."""
+    per_expert = -(-tokens * top_k // num_experts)
+    bm = 1
+    while bm < min(per_expert, DECODE_MAX_ROWS):
+        bm *= 2
+    return {"DECODE": 1, "BLOCK_M": bm}
+
+
+def layer_config(
+    tokens: int, top_k: int, num_experts: int, fmt: str, hidden: int, inter: int, config: dict[str, int] | None
+) -> dict[str, int]:
+    """The config a layer runs: ``config`` with a ``DECODE`` key is a decode config (1, completed by
+    ``decode_config``) or a tile config (0); without one it is a tile config over ``moe_config``'s; None picks the
+    decode path up to ``DECODE_MAX_TOKENS[fmt]`` tokens, else ``moe_config``."""
+    if config is None:
+        decode = tokens <= DECODE_MAX_TOKENS.get(fmt, 0)
+    else:
+        decode = bool(config.get("DECODE", 0))
+        if decode and fmt not in DECODE_MAX_TOKENS:
+            raise ValueError(f"the decode path serves {tuple(DECODE_MAX_TOKENS)} experts, not {fmt}")
+    base = decode_config(tokens, top_k, num_experts) if decode else moe_config(
+        tokens, top_k, num_experts, fmt, hidden, inter
+    )  # fmt: skip
+    return {**base, **(config or {}), "DECODE": int(decode)}
+
+
+def decode_plan(
+    cfg: dict[str, int], fmt: str, n: int, k: int, group_size: int, blocks: int, itemsize: int, num_sms: int
+) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, K tiles per split, splits) of one decode projection: ``n`` output columns per
+    expert (gate/up: columns of silu(g) * u, each program also takes the matching up columns), ``k`` inputs,
+    ``blocks`` the expert blocks expected to hold rows (the chosen experts at one row each), ``itemsize`` of a
+    float weight. Warps: 1, 2 or 4 by the columns per expert; K split until ``DECODE_WARPS_PER_SM`` warps per SM
+    (at most the config's SPLIT_K), whole K tiles per split and no empty split."""
+    warps = cfg.get("num_warps") or (4 if n >= 4096 else 2 if n >= 1024 else 1)
+    if fmt == "w4a16":  # the W4A16 gemv's tile: 4 columns (one 16-byte load of words) per thread, K tiles in a group
+        bn = cfg.get("BLOCK_N") or 128 * warps
+        bk = 128
+        while group_size and group_size % bk:
+            bk //= 2
+    else:  # [BLOCK_N, BLOCK_K] rows of W: 16 bytes per thread along K, BLOCK_N / num_warps rows per warp
+        bn = cfg.get("BLOCK_N") or 4 * warps
+        bk = 32 * 16 // itemsize
+    if bn & (bn - 1) or bk & (bk - 1) or bk < 32:
+        raise ValueError(f"decode BLOCK_N must be a power of two and BLOCK_K >= 32, got {bn} and {bk}")
+    k_tiles = -(-k // bk)
+    programs = max(1, blocks) * -(-n // bn)
+    split = max(1, min(-(-DECODE_WARPS_PER_SM * num_sms // (programs * warps)), k_tiles, cfg.get("SPLIT_K") or k_tiles))
+    per_split = -(-k_tiles // split)
+    return bn, bk, warps, per_split, -(-k_tiles // per_split)

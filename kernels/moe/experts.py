@@ -22,7 +22,15 @@ Expert weight layouts (``ExpertWeights``: one projection of every expert stacked
                [E, ceil(N/B), ceil(K/B)]; activations quantized per 1 x B tile of each row (``quantize_tiles``) and
                each B-long partial sum promoted to fp32 with its two scales (DeepSeek-V3's rule)
 
-How
+Two paths (``configs.layer_config``): up to ``configs.DECODE_MAX_TOKENS`` tokens (a threshold per format, not yet
+timed on a GPU) float and W4A16 experts take the decode path, ``decode.py``: GEMV programs over (expert block of
+1-4 rows, N tile, K split) on the dense W4A16 gemv's unpacking, because the tiles below pad an expert's one or two
+rows to BLOCK_M and read the 4-bit words through an MMA tile path built for many rows (batch 1 on H100: 10-14% of
+copy bandwidth). Larger layers, fp8_block experts and explicit tile configs take the tile path described here; the
+sum over k (``_sum_k_kernel``) serves both (the decode path's down projection leaves unweighted fp32 partials, so
+there it also adds the K splits and applies the routing weight).
+
+How (tile path)
     ``routing.align`` sorts the pairs by expert and pads each expert's run to BLOCK_M rows; the GEMM grid is
     [NB blocks, N / BLOCK_N] with NB an upper bound that depends on T only (no host sync, capturable). A program
     reads its block's expert; blocks past the last run exit before loading anything, so at batch 1 only the
@@ -59,7 +67,8 @@ import triton
 import triton.language as tl
 from quantkit.kernels._device import dot_precision, interpreting
 from quantkit.kernels.dense.norm_rope import silu_mul_reference
-from quantkit.kernels.moe.configs import FORMATS, block_k, moe_config
+from quantkit.kernels.moe.configs import FORMATS, block_k, layer_config
+from quantkit.kernels.moe.decode import decode_experts
 from quantkit.kernels.moe.routing import align, max_blocks, route_and_align
 from quantkit.kernels.w4a16.epilogue import to_act
 from quantkit.kernels.w4a16.gemm import dequant_tile, load_group, magic_pattern, pattern_pair
@@ -209,6 +218,7 @@ def fused_moe_reference(
 # ----------------------------------------------------------------------------------------------------------------
 
 FLOAT, W4A16, FP8_BLOCK = 0, 1, 2
+_TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _FORMAT_CODE = {"float": FLOAT, "w4a16": W4A16, "fp8_block": FP8_BLOCK}
 
 
@@ -318,15 +328,25 @@ def _moe_gemm_kernel(
 
 
 @triton.jit
-def _sum_k_kernel(o_ptr, y_ptr, H, stride_om, stride_ym, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+def _sum_k_kernel(o_ptr, w_ptr, y_ptr, H, splits, stride_os, stride_om, stride_ym, TOP_K: tl.constexpr,
+                  BLOCK_H: tl.constexpr, WEIGHTED: tl.constexpr, ACT: tl.constexpr, EMULATE_ACT: tl.constexpr,
                   EMULATE_BF16: tl.constexpr):  # fmt: skip
-    """y[t] = sum_j o[t * TOP_K + j] in fp32, j in order (the same bits on every run), cast once to y's dtype."""
+    """y[t] = sum_j o[t * TOP_K + j] in fp32, j in order (the same bits on every run), cast once to y's dtype.
+    o [splits, T * TOP_K, H]: each row the sum of its splits in order; WEIGHTED (o holds the down projection's fp32
+    partials): times the pair's routing weight and rounded to ACT first (o's rounding in the reference).
+    EMULATE_ACT / EMULATE_BF16: the interpreter's rounding to bf16 of o / y."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        acc += tl.load(o_ptr + (t * TOP_K + j) * stride_om + offs, mask=mask, other=0.0).to(tl.float32)
+        o = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        row = o_ptr + (t * TOP_K + j) * stride_om + offs
+        for s in range(splits):
+            o += tl.load(row + s * stride_os, mask=mask, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            o = to_act(o * tl.load(w_ptr + t * TOP_K + j), ACT, EMULATE_ACT).to(tl.float32)
+        acc += o
     tl.store(y_ptr + t * stride_ym + offs, to_act(acc, y_ptr.dtype.element_ty, EMULATE_BF16), mask=mask)
 
 
@@ -405,6 +425,8 @@ def fused_moe(
     aligned: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """y [T, H] (``out_dtype``, default x's: fp32 keeps the sum over k unrounded) of the routed experts.
+    ``config``: a tile config (keys of ``moe_config``) or, with ``DECODE`` 1, a decode config (``decode_config``);
+    None: ``configs.layer_config`` picks by T (the decode path up to ``DECODE_MAX_TOKENS``).
     ``aligned``: ``align(ids, E, BLOCK_M)`` already computed (``route_and_align``) for the config's BLOCK_M."""
     check_operands(x, w13, w2, weights, ids)
     t, h = x.shape
@@ -412,7 +434,7 @@ def fused_moe(
     p, inter = t * k, w2.in_features
     if p == 0:
         return torch.zeros(t, h, dtype=out_dtype or x.dtype, device=x.device)
-    cfg = {**moe_config(t, k, w13.num_experts, w13.fmt, h, inter), **(config or {})}
+    cfg = layer_config(t, k, w13.num_experts, w13.fmt, h, inter, config)
     if aligned is None:
         aligned = align(ids, w13.num_experts, cfg["BLOCK_M"])
     pairs, block_expert = aligned
@@ -420,21 +442,27 @@ def fused_moe(
     if block_expert.shape != (nb,) or pairs.shape != (nb * cfg["BLOCK_M"],):
         raise ValueError(f"aligned must be align(ids, {w13.num_experts}, {cfg['BLOCK_M']}) ([{nb * cfg['BLOCK_M']}] "
                          f"and [{nb}]), got {tuple(pairs.shape)} and {tuple(block_expert.shape)}")  # fmt: skip
-    act = torch.empty(p, inter, dtype=x.dtype, device=x.device)  # silu(g) * u of every pair
-    o = torch.empty(p, h, dtype=x.dtype, device=x.device)
     route_w = weights.reshape(-1).contiguous()
-    if w13.fmt == "fp8_block":
-        qx, x_scale = quantize_tiles(x, w13.group_size)
-        _grouped_gemm(qx, x_scale, w13, act, pairs, block_expert, None, p, k, True, cfg)
-        qa, a_scale = quantize_tiles(act, w2.group_size)
-        _grouped_gemm(qa, a_scale, w2, o, pairs, block_expert, route_w, p, 1, False, cfg)
+    if cfg["DECODE"]:  # fp32 partials of the down projection: weighted and rounded by the sum below
+        o, splits = decode_experts(x, w13, w2, ids, pairs, block_expert, cfg)
     else:
-        _grouped_gemm(x, None, w13, act, pairs, block_expert, None, p, k, True, cfg)
-        _grouped_gemm(act, None, w2, o, pairs, block_expert, route_w, p, 1, False, cfg)
+        splits = 1
+        act = torch.empty(p, inter, dtype=x.dtype, device=x.device)  # silu(g) * u of every pair
+        o = torch.empty(p, h, dtype=x.dtype, device=x.device)
+        if w13.fmt == "fp8_block":
+            qx, x_scale = quantize_tiles(x, w13.group_size)
+            _grouped_gemm(qx, x_scale, w13, act, pairs, block_expert, None, p, k, True, cfg)
+            qa, a_scale = quantize_tiles(act, w2.group_size)
+            _grouped_gemm(qa, a_scale, w2, o, pairs, block_expert, route_w, p, 1, False, cfg)
+        else:
+            _grouped_gemm(x, None, w13, act, pairs, block_expert, None, p, k, True, cfg)
+            _grouped_gemm(act, None, w2, o, pairs, block_expert, route_w, p, 1, False, cfg)
     y = torch.empty(t, h, dtype=out_dtype or x.dtype, device=x.device)
     block_h = min(1024, triton.next_power_of_2(h))
     _sum_k_kernel[(t, triton.cdiv(h, block_h))](
-        o, y, h, o.stride(0), y.stride(0), TOP_K=k, BLOCK_H=block_h,
+        o, route_w, y, h, splits, o.stride(0) if splits > 1 else 0, o.stride(-2), y.stride(0), TOP_K=k,
+        BLOCK_H=block_h, WEIGHTED=bool(cfg["DECODE"]), ACT=_TL_DTYPE[x.dtype],
+        EMULATE_ACT=interpreting() and x.dtype == torch.bfloat16,
         EMULATE_BF16=interpreting() and y.dtype == torch.bfloat16, num_warps=4,
     )  # fmt: skip
     return y
@@ -451,10 +479,11 @@ def routed_moe(
     **routing,
 ) -> torch.Tensor:
     """``fused_moe`` of ``route(logits, top_k, **routing)``, with routing and alignment in one launch where
-    ``route_and_align`` allows it (a decode step: route, one grouped GEMM per projection, the sum)."""
+    ``route_and_align`` allows it (a decode step: route, one grouped GEMM per projection, the sum). ``config`` as
+    ``fused_moe``'s: None takes the decode path (``decode.py``) up to ``configs.DECODE_MAX_TOKENS`` tokens."""
     t, h = x.shape
     if logits.shape != (t, w13.num_experts):
         raise ValueError(f"logits must be [{t}, {w13.num_experts}], got {tuple(logits.shape)}")
-    cfg = {**moe_config(t, top_k, w13.num_experts, w13.fmt, h, w2.in_features), **(config or {})}
+    cfg = layer_config(t, top_k, w13.num_experts, w13.fmt, h, w2.in_features, config)
     weights, ids, pairs, block_expert = route_and_align(logits, top_k, cfg["BLOCK_M"], **routing)
     return fused_moe(x, w13, w2, weights, ids, out_dtype, cfg, (pairs, block_expert))

@@ -289,6 +289,70 @@ def test_gate_up_tiles_past_the_expert_width_are_masked(swap):
     check_layer("float", torch.float16, 4, 2, (), {**SMALL, "SWAP_AB": int(swap)}, inter=40)
 
 
+DECODE = {"DECODE": 1, "BLOCK_M": 1}
+DECODE_CASES = [  # (format, dtype, T, k, experts without tokens, config): the GEMV path of a few tokens per expert
+    ("float", torch.float16, 7, 2, (2, 5), None),  # None: chosen by T (layer_config), K unsplit: SiLU in the epilogue
+    ("float", torch.bfloat16, 9, 3, (), {**DECODE, "SPLIT_K": 2, "BLOCK_N": 8}),
+    ("float", torch.float32, 1, 2, (), None),
+    ("w4a16", torch.float16, 5, 2, (0,), None),  # K split in two: gate/up through the GLU sum launch
+    ("w4a16", torch.bfloat16, 16, 2, (6,), {"DECODE": 1, "BLOCK_M": 4}),  # four rows of one expert per program
+    ("w4a16", torch.float16, 4, 2, (), {**DECODE, "SPLIT_K": 1}),  # gate/up unsplit: SiLU in the epilogue
+    ("w4a16_8", torch.bfloat16, 3, 2, (), {"DECODE": 1, "BLOCK_M": 2}),
+    ("w4a16_act", torch.float16, 6, 2, (1,), None),  # act-order: each expert's own column order
+    ("w4a16_act", torch.bfloat16, 1, 2, (), {**DECODE, "SPLIT_K": 1}),
+]
+
+
+@pytest.mark.parametrize(("fmt", "dtype", "t", "k", "skip", "config"), DECODE_CASES)
+def test_decode_path_matches_reference(fmt, dtype, t, k, skip, config):
+    """Float and W4A16 experts on the GEMV path: K split or not, 1-4 rows per program, experts without tokens."""
+    check_layer(fmt, dtype, t, k, skip, config)
+
+
+@pytest.mark.parametrize(("dtype", "out_dtype"), [(torch.float16, None), (torch.bfloat16, torch.float32)])
+def test_decode_path_ragged_sizes(dtype, out_dtype):
+    """I = 40 and H = 64: gate/up columns past the expert width masked, K not a multiple of the tile (float)."""
+    check_layer("float", dtype, 6, 2, (4,), {"DECODE": 1, "BLOCK_M": 2, "BLOCK_N": 16}, out_dtype, inter=40)
+
+
+def test_layer_config_picks_the_decode_path_by_tokens():
+    most = C.DECODE_MAX_TOKENS["w4a16"]
+    assert C.layer_config(most, 8, 128, "w4a16", 2048, 768, None) == {"DECODE": 1, "BLOCK_M": 1}
+    assert C.layer_config(16, 2, 8, "float", 4096, 14336, None)["BLOCK_M"] == 4  # 4 rows per expert
+    assert C.layer_config(most + 1, 8, 128, "w4a16", 2048, 768, None)["DECODE"] == 0
+    assert C.layer_config(1, 8, 128, "fp8_block", 2048, 768, None)["DECODE"] == 0  # not served by the GEMV path
+    assert C.layer_config(1, 2, 8, "float", 64, 64, SMALL) == {**SMALL, "DECODE": 0}  # a tile config stays one
+    with pytest.raises(ValueError, match="decode path serves"):
+        C.layer_config(1, 2, 8, "fp8_block", 64, 64, {"DECODE": 1})
+
+
+@pytest.mark.parametrize(
+    ("fmt", "n", "k", "blocks", "want"),
+    [  # H100 (132 SMs), batch 1: (BLOCK_N, BLOCK_K, warps, K tiles per split, splits)
+        ("w4a16", 768, 2048, 8, (128, 128, 1, 1, 16)),  # Qwen3-30B-A3B gate/up: 8 experts x 6 column tiles
+        ("w4a16", 2048, 768, 8, (256, 128, 2, 1, 6)),  # Qwen3-30B-A3B down
+        ("w4a16", 14336, 4096, 2, (512, 128, 4, 4, 8)),  # Mixtral-8x7B gate/up
+        ("w4a16", 4096, 14336, 2, (512, 128, 4, 4, 28)),  # Mixtral-8x7B down
+        ("float", 768, 2048, 8, (4, 256, 1, 4, 2)),
+    ],
+)
+def test_decode_plan_splits_k_until_the_device_is_busy(fmt, n, k, blocks, want):
+    assert C.decode_plan({"DECODE": 1, "BLOCK_M": 1}, fmt, n, k, 128, blocks, 2, 132) == want
+
+
+def test_decode_path_is_deterministic_and_reads_only_chosen_experts():
+    g = torch.Generator().manual_seed(4)
+    w13, w2 = make_experts("float", torch.bfloat16, g)
+    x = torch.randn(2, H, generator=g).bfloat16().to(DEVICE)
+    weights, ids = routed(2, 2, g)
+    args = (x, w13, w2, weights.to(DEVICE), ids.to(DEVICE))
+    for e in set(range(E)) - set(ids.flatten().tolist()):
+        w13.weight[e] = float("nan")
+        w2.weight[e] = float("nan")
+    y = M.fused_moe(*args, config={**DECODE, "SPLIT_K": 2})
+    assert torch.equal(y, M.fused_moe(*args, config={**DECODE, "SPLIT_K": 2})) and not y.isnan().any()
+
+
 def test_moe_config_takes_the_tuned_entry_of_a_shape_else_the_format_default(monkeypatch):
     tuned = [(1, {**SMALL, "SWAP_AB": 1}), (float("inf"), {**SMALL, "BLOCK_M": 64})]
     monkeypatch.setitem(C.TUNED_CONFIGS, ("w4a16", 2048, 768, 128, 8), tuned)
@@ -334,6 +398,10 @@ def test_routed_moe_equals_route_then_fused_moe(fmt, t):
     x, logits = torch.randn(t, H, generator=g).half().to(DEVICE), torch.randn(t, E, generator=g).to(DEVICE)
     y = M.routed_moe(x, logits, w13, w2, 2, config=SMALL)
     assert torch.equal(y, M.fused_moe(x, w13, w2, *M.route(logits, 2), config=SMALL))
+    y = M.routed_moe(x, logits, w13, w2, 2)  # the path layer_config picks: the decode path at 3 tokens
+    assert torch.equal(
+        y, M.fused_moe(x, w13, w2, *M.route(logits, 2), config=C.layer_config(t, 2, E, fmt, H, INTER, None))
+    )
     with pytest.raises(ValueError, match=r"logits must be \[1, 8\]"):
         M.routed_moe(x[:1], logits, w13, w2, 2)
     with pytest.raises(ValueError, match="aligned must be align"):

@@ -1,0 +1,202 @@
+"""Decode path of the fused MoE experts: a few tokens per expert (batch 1 to ~16 tokens), CUDA-core GEMV programs.
+
+What it computes
+    The layer of ``experts.py`` (``fused_moe_reference`` defines it) for float and W4A16 experts, same layouts:
+    gu = x @ W13.T, a = silu(g) * u, o = (a @ W2.T) * weight, y = sum over k of o, fp32 accumulation. ``experts.py``
+    calls ``decode_experts`` from ``fused_moe`` where ``configs.layer_config`` picks this path and sums o itself.
+
+How
+    The pairs are aligned to blocks of BLOCK_M = 1-4 rows of one expert (``routing.align``, as the tile path with a
+    smaller block): at batch 1 every block is one (token, expert) pair. The grid is [NB blocks, N tiles, K splits],
+    NB an upper bound from T alone (no host sync, capturable); blocks past the last run exit before any load, so
+    only the chosen experts' weights are read, each word once per block. A program's rows are gathered through the
+    sorted pair ids, and the row pointers go to the dense W4A16 gemv's own helpers (``gemv.load_tile``,
+    ``gemv.mac_tile``): threads only along N, one 16-byte load of four packed words per thread and word row, codes
+    unpacked exactly in registers through the fp32 magic-number pattern, the zero folded out of the inner loop
+    (4-bit), one FFMA per code and row, the group's scale applied once per K tile and column in fp32 (W is never
+    rounded to 16 bits: not bit-equal to the reference, as exact or more). Float experts ([E, N, K], K contiguous)
+    take [BLOCK_N, BLOCK_K] tiles with 16 bytes per thread along K, products accumulated elementwise in fp32 and
+    summed over K once at the end. Gate/up run in one launch: a program takes BLOCK_N columns of a = silu(g) * u, so
+    the gate rows and the matching up rows of W13 (two column sets, one pass over K each).
+    K is split over grid axis 2 until ``configs.DECODE_WARPS_PER_SM`` warps per SM run (at batch 1 Qwen3-30B-A3B
+    has only 8 experts x 768 gate/up column pairs): split programs store fp32 partials [S, P, N] and the next launch
+    adds them in split order (deterministic: the same bits on every run). Gate/up without a split applies
+    SiLU-and-multiply in its epilogue (g and u rounded to x's dtype first, as the reference); with one,
+    ``_glu_splits_kernel`` does it after the sum. The down projection always leaves fp32 partials: ``experts.py``'s
+    ``_sum_k_kernel`` adds the splits, multiplies by the routing weight, rounds o to x's dtype and sums over k in
+    order. Act-order W4A16 experts gather the rows' columns through each expert's perm first (two gathers).
+    A layer is route_and_align, gate/up, (the GLU sum where gate/up is split), down and the sum: 4-5 launches.
+
+Limits: float and W4A16 experts; BLOCK_M at most ``configs.DECODE_MAX_ROWS`` (a row costs one FMA per weight);
+int32 offsets within an expert and within x, a and the partials; the interpreter computes bf16 in fp32 and rounds
+by hand (``EMULATE_BF16``). Not yet timed on a GPU (``benchmarks/bench_moe.py`` times it against the tile path in
+the same run); split rule and threshold are first choices (``configs.DECODE_MAX_TOKENS``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from quantkit.kernels._device import interpreting, num_sms
+from quantkit.kernels.moe.configs import decode_plan
+from quantkit.kernels.w4a16.epilogue import to_act
+from quantkit.kernels.w4a16.gemv import MAGIC_F32, load_tile, mac_tile
+
+FLOAT, W4A16 = 0, 1
+
+
+@triton.jit
+def _project(x_rows, w_base, z_base, s_base, offs_n, N, K, group_size, t_begin, t_end, magic, sixteen,
+             stride_wk, stride_wn, stride_zg, stride_zn, stride_sg, stride_sn,
+             FORMAT: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FOLD: tl.constexpr, X_VEC: tl.constexpr):  # fmt: skip
+    """fp32 [BLOCK_M, BLOCK_N]: rows x_rows (pointers [BLOCK_M]) times columns offs_n (< N) of one expert's W, over
+    K tiles t_begin .. t_end."""
+    if FORMAT == 1:  # the dense W4A16 gemv's tile: row pointers as x, no row stride
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for t in tl.range(t_begin, t_end, num_stages=1):
+            words, scales, zeros = load_tile(w_base, z_base, s_base, t, offs_n, N, K, group_size, stride_wk,
+                                             stride_wn, stride_zg, stride_zn, stride_sg, stride_sn, BITS, BLOCK_K,
+                                             EVEN_K)  # fmt: skip
+            acc = mac_tile(acc, words, scales, zeros, x_rows, t, 0, BLOCK_M, K, 0, 1, magic, sixteen, BITS,
+                           BLOCK_K, EVEN_K, FOLD, X_VEC)  # fmt: skip
+    else:  # float [N, K] rows: products kept per K position, summed across the threads once
+        offs_k = tl.arange(0, BLOCK_K)
+        n_mask = offs_n < N
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for t in tl.range(t_begin, t_end):
+            kk = t * BLOCK_K + offs_k
+            k_mask = kk < K
+            w = tl.load(w_base + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk,
+                        mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")  # fmt: skip
+            x = tl.load(x_rows[:, None] + kk[None, :], mask=k_mask[None, :], other=0.0)
+            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        acc = tl.sum(acc3, axis=2)
+    return acc
+
+
+@triton.jit(do_not_specialize=["P", "group_size", "tiles_per_split", "magic", "sixteen"])
+def _moe_gemv_kernel(
+    # pointers
+    a_ptr, w_ptr, z_ptr, s_ptr, part_ptr, act_ptr, pairs_ptr, block_expert_ptr,
+    # sizes: N columns of the output (gate/up: of a = silu(g) * u; W13 has 2N rows), K inputs, P pairs
+    N, K, P, group_size, tiles_per_split, a_div,
+    # w4a16: the gemv's magic constants as run-time values (kept in registers)
+    magic, sixteen,
+    # strides
+    stride_am, stride_we, stride_wk, stride_wn, stride_ze, stride_zg, stride_zn, stride_se, stride_sg, stride_sn,
+    stride_ps, stride_pm, stride_om,
+    # meta-parameters
+    FORMAT: tl.constexpr, BITS: tl.constexpr, GLU: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FOLD: tl.constexpr, X_VEC: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):  # fmt: skip
+    expert = tl.load(block_expert_ptr + tl.program_id(0))
+    if expert < 0:  # past the last run: no weight read
+        return
+    pairs = tl.load(pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < P
+    x_rows = a_ptr + tl.where(valid, pairs // a_div, 0) * stride_am  # padding rows read row 0, stored nowhere
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_begin = tl.program_id(2) * tiles_per_split
+    t_end = tl.minimum(t_begin + tiles_per_split, tl.cdiv(K, BLOCK_K))
+    e64 = expert.to(tl.int64)
+    w_base, z_base, s_base = w_ptr + e64 * stride_we, z_ptr + e64 * stride_ze, s_ptr + e64 * stride_se
+    acc = _project(x_rows, w_base, z_base, s_base, offs_n, N, K, group_size, t_begin, t_end, magic, sixteen,
+                   stride_wk, stride_wn, stride_zg, stride_zn, stride_sg, stride_sn, FORMAT, BITS, BLOCK_M, BLOCK_N,
+                   BLOCK_K, EVEN_K, FOLD, X_VEC)  # fmt: skip
+    if GLU:  # the up rows N + offs_n of W13 (masked at 2N: the same columns as the gate rows)
+        acc_u = _project(x_rows, w_base, z_base, s_base, offs_n + N, 2 * N, K, group_size, t_begin, t_end, magic,
+                         sixteen, stride_wk, stride_wn, stride_zg, stride_zn, stride_sg, stride_sn, FORMAT, BITS,
+                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FOLD, X_VEC)  # fmt: skip
+    mask = valid[:, None] & (offs_n < N)[None, :]
+    if PARTIAL:  # fp32 partials [S, P, N] (gate/up: [S, P, 2N], g then u), summed by the next launch
+        part = part_ptr + tl.program_id(2) * stride_ps + pairs[:, None] * stride_pm + offs_n[None, :]
+        tl.store(part, acc, mask=mask)
+        if GLU:
+            tl.store(part + N, acc_u, mask=mask)
+    else:  # gate/up in one split: g and u rounded to x's dtype, silu(g) * u in fp32, rounded once
+        ACT: tl.constexpr = act_ptr.dtype.element_ty
+        g = to_act(acc, ACT, EMULATE_BF16).to(tl.float32)
+        u = to_act(acc_u, ACT, EMULATE_BF16).to(tl.float32)
+        tl.store(act_ptr + pairs[:, None] * stride_om + offs_n[None, :], to_act(g / (1.0 + tl.exp(-g)) * u, ACT,
+                 EMULATE_BF16), mask=mask)  # fmt: skip
+
+
+@triton.jit
+def _glu_splits_kernel(part_ptr, act_ptr, N, splits, stride_ps, stride_pm, stride_om, BLOCK: tl.constexpr,
+                       EMULATE_BF16: tl.constexpr):  # fmt: skip
+    """a[p] = silu(g) * u of gate/up's split partials: g and u summed over the splits in order, rounded to a's
+    dtype, the product in fp32 rounded once."""
+    p = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    g = tl.zeros((BLOCK,), dtype=tl.float32)
+    u = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(splits):
+        row = part_ptr + s * stride_ps + p * stride_pm
+        g += tl.load(row + offs, mask=mask, other=0.0)
+        u += tl.load(row + N + offs, mask=mask, other=0.0)
+    ACT: tl.constexpr = act_ptr.dtype.element_ty
+    g = to_act(g, ACT, EMULATE_BF16).to(tl.float32)
+    u = to_act(u, ACT, EMULATE_BF16).to(tl.float32)
+    tl.store(act_ptr + p * stride_om + offs, to_act(g / (1.0 + tl.exp(-g)) * u, ACT, EMULATE_BF16), mask=mask)
+
+
+def _project_launch(a, w, out, pairs, block_expert, p, a_div, glu, cfg, blocks) -> tuple[int, torch.Tensor]:
+    """One decode launch of projection ``w`` over rows of ``a``. glu: silu(g) * u into ``out`` [P, N / 2] (through
+    fp32 partials and ``_glu_splits_kernel`` where K is split); else fp32 partials [S, P, N]. Returns (S, partials
+    or ``out``)."""
+    n = w.out_features // 2 if glu else w.out_features
+    k = w.in_features
+    bn, bk, warps, per_split, splits = decode_plan(cfg, w.fmt, n, k, w.group_size, blocks, a.element_size(),
+                                                   num_sms(a.device))  # fmt: skip
+    partial = splits > 1 or not glu
+    part = torch.empty(splits, p, 2 * n if glu else n, dtype=torch.float32, device=a.device) if partial else out
+    out = out if glu else part
+    quant = w.fmt == "w4a16"
+    z = w.qzeros if quant else w.weight
+    s = w.scales if quant else w.weight
+    if quant:  # qweight [E, K / pf, N]
+        wst = (w.weight.stride(0), w.weight.stride(1), w.weight.stride(2))
+    else:  # [E, N, K]
+        wst = (w.weight.stride(0), w.weight.stride(2), w.weight.stride(1))
+    fold = quant and w.bits == 4
+    aligned = a.data_ptr() % 8 == 0 and a.stride(0) % 4 == 0
+    grid = (block_expert.numel(), triton.cdiv(n, bn), splits)
+    _moe_gemv_kernel[grid](
+        a, w.weight, z, s, part, out, pairs, block_expert,
+        n, k, p, (w.group_size or 2**30) if quant else 0, per_split, a_div, MAGIC_F32, 16,
+        a.stride(0), *wst, z.stride(0), z.stride(1), z.stride(2), s.stride(0), s.stride(1), s.stride(2),
+        part.stride(0), part.stride(1), out.stride(0),
+        FORMAT=W4A16 if quant else FLOAT, BITS=w.bits, GLU=glu, PARTIAL=partial, BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, FOLD=fold, X_VEC=fold and k % bk == 0 and aligned,
+        EMULATE_BF16=interpreting() and a.dtype == torch.bfloat16, num_warps=warps, num_stages=1,
+    )  # fmt: skip
+    if glu and partial:
+        block = min(1024, triton.next_power_of_2(n))
+        _glu_splits_kernel[(p, triton.cdiv(n, block))](
+            part, out, n, splits, part.stride(0), part.stride(1), out.stride(0), BLOCK=block,
+            EMULATE_BF16=interpreting() and out.dtype == torch.bfloat16, num_warps=4,
+        )  # fmt: skip
+    return splits, part
+
+
+def decode_experts(x, w13, w2, ids, pairs, block_expert, cfg) -> tuple[torch.Tensor, int]:
+    """The down projection's fp32 partial sums [S, T * k, H], unweighted, and S: the layer's routed experts on the
+    decode path. ``x`` [T, H] and the experts checked by ``experts.check_operands``; ``pairs`` and ``block_expert``
+    from ``align(ids, E, cfg["BLOCK_M"])``."""
+    t, k = ids.shape
+    p = t * k
+    blocks = min(triton.cdiv(p, cfg["BLOCK_M"]), w13.num_experts)  # blocks expected to hold rows
+    flat = ids.reshape(-1).long()
+    a_div = k
+    if w13.perm is not None:  # act-order: row p reads x[p // k] in expert ids[p]'s channel order
+        x, a_div = x.repeat_interleave(k, dim=0).gather(1, w13.perm[flat]), 1
+    act = torch.empty(p, w2.in_features, dtype=x.dtype, device=x.device)  # silu(g) * u of every pair
+    _project_launch(x, w13, act, pairs, block_expert, p, a_div, True, cfg, blocks)
+    if w2.perm is not None:
+        act = act.gather(1, w2.perm[flat])
+    splits, part = _project_launch(act, w2, None, pairs, block_expert, p, 1, False, cfg, blocks)
+    return part, splits
