@@ -12,6 +12,7 @@ from quantkit.kernels.w4a8.dispatch import (
     CONFIG_TABLE,
     FLAT_TABLE,
     GROUP_LOOP_TABLE,
+    PROGRESSIVE_TABLE,
     SMALL_M,
     LaunchPlan,
     Plan,
@@ -24,20 +25,33 @@ from quantkit.kernels.w4a8.dispatch import (
     w4a8_matmul,
 )
 from quantkit.kernels.w4a8.gemm import check_w4a8_operands, signed_codes, w4a8_reference
+from quantkit.kernels.w4a8.progressive import (
+    ProgressiveWeight,
+    dequantize,
+    int8_weight,
+    progressive_reference,
+    quantize_progressive,
+)
 
 __all__ = [
     "CONFIG_TABLE",
     "FLAT_TABLE",
     "GROUP_LOOP_TABLE",
+    "PROGRESSIVE_TABLE",
     "SMALL_M",
     "LaunchPlan",
     "Plan",
+    "ProgressiveWeight",
     "W4A8Config",
     "check_w4a8_operands",
     "choose",
     "config_for",
+    "dequantize",
     "explain",
+    "int8_weight",
     "plan_launch",
+    "progressive_reference",
+    "quantize_progressive",
     "signed_codes",
     "w4a8_linear",
     "w4a8_matmul",

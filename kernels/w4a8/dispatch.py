@@ -21,12 +21,13 @@ spills, int8 and fp8 (Triton 3.6: 109-255 registers; 3.9: 122-255: the 64 x 128 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from quantkit.kernels._device import device_of, num_sms, sms_of
 from quantkit.kernels.w4a8.flat import launch_flat
 from quantkit.kernels.w4a8.gemm import check_w4a8_operands, launch
+from quantkit.kernels.w4a8.progressive import ProgressiveWeight, check_progressive_operands, launch_progressive
 from quantkit.kernels.w4a16.configs import LOCK_SLOTS
 from quantkit.kernels.w4a16.weight import W4A16Weight
 from quantkit.kernels.w8a8.quant import DTYPE_OF_FORMAT, quantize_activations, require
@@ -107,6 +108,11 @@ FLAT_TABLE: tuple[tuple[int, W4A8Config], ...] = (
 CONFIG_TABLE = FLAT_TABLE
 
 
+# Progressive weights (``progressive.py``, one int32 accumulator over K): FLAT_TABLE's tiles, the small-M entry
+# included, all run by that module's flat-loop kernel. Not yet timed or compiled into a table of its own.
+PROGRESSIVE_TABLE: tuple[tuple[int, W4A8Config], ...] = tuple((m, replace(cfg, flat=True)) for m, cfg in FLAT_TABLE)
+
+
 def config_for(m: int, table: tuple[tuple[int, W4A8Config], ...] | None = None) -> W4A8Config:
     """The config of the regime that ``m`` rows fall in (``table``, default ``CONFIG_TABLE``)."""
     table = CONFIG_TABLE if table is None else table
@@ -148,54 +154,72 @@ def plan_launch(cfg: W4A8Config, m: int, n: int, k: int, group_size: int, sms: i
 
 @dataclass(frozen=True)
 class Plan:
-    """The choice for one product: the ``path`` ("small_m" or "tiles"), its config and launch plan."""
+    """The choice for one product: the ``path`` ("small_m" or "tiles"), its config and launch plan, and whether the
+    weight is progressive (``progressive.py``'s kernel)."""
 
     path: str
     config: W4A8Config
     launch: LaunchPlan
+    progressive: bool = False
 
     def __str__(self) -> str:
         split = f", split-K {self.launch.split}" if self.launch.split > 1 else ""
-        module = "flat.py" if self.config.flat else "gemm.py"
+        module = "progressive.py" if self.progressive else "flat.py" if self.config.flat else "gemm.py"
         return f"W4A8 GEMM (Triton, w4a8/{module}) [{self.path}: {self.config.name}{split}]"
 
 
-def choose(m: int, n: int, k: int, group_size: int, sms: int, config: W4A8Config | None = None) -> Plan:
+def choose(
+    m: int,
+    n: int,
+    k: int,
+    group_size: int,
+    sms: int,
+    config: W4A8Config | None = None,
+    progressive: bool = False,
+) -> Plan:
     """The plan for qa [m, k] @ W.T, W [n, k] in groups of ``group_size`` (0: one), on ``sms`` SMs; ``config``
-    overrides the table's."""
-    cfg = config or config_for(m)
+    overrides the table's (``PROGRESSIVE_TABLE`` for a progressive weight, else ``CONFIG_TABLE``)."""
+    cfg = config or config_for(m, PROGRESSIVE_TABLE if progressive else None)
     path = "small_m" if m <= SMALL_M and config is None else "tiles"
-    return Plan(path, cfg, plan_launch(cfg, m, n, k, group_size, sms))
+    return Plan(path, cfg, plan_launch(cfg, m, n, k, group_size, sms), progressive)
 
 
-def explain(m: int, n: int, k: int, group_size: int, device: torch.device | str = "cuda") -> str:
+def explain(
+    m: int, n: int, k: int, group_size: int, device: torch.device | str = "cuda", progressive: bool = False
+) -> str:
     """One line: the path and config that serve x [m, k] @ W.T for W [n, k] on ``device`` (4 SMs off CUDA)."""
-    return str(choose(m, n, k, group_size, sms_of(device_of(device))))
+    return str(choose(m, n, k, group_size, sms_of(device_of(device)), progressive=progressive))
 
 
 def w4a8_matmul(
     qa: torch.Tensor,
     a_scale: torch.Tensor,
-    w: W4A16Weight,
+    w: W4A16Weight | ProgressiveWeight,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float16,
     out: torch.Tensor | None = None,
     config: W4A8Config | None = None,
 ) -> torch.Tensor:
     """qa [M, K] int8 | float8_e4m3fn (kernel channel order) with per-token fp32 scales [M] x the 4-bit weight ->
-    y [M, N] in ``out_dtype`` (``out`` if given); ``config`` overrides the table."""
-    out = check_w4a8_operands(qa, a_scale, w, bias, out_dtype, out)
+    y [M, N] in ``out_dtype`` (``out`` if given); ``config`` overrides the table. A ``ProgressiveWeight`` (int8
+    activations only) runs ``progressive.py``'s kernel."""
+    progressive = isinstance(w, ProgressiveWeight)
+    if progressive:
+        out = check_progressive_operands(qa, a_scale, w, bias, out_dtype, out)
+    else:
+        out = check_w4a8_operands(qa, a_scale, w, bias, out_dtype, out)
     m = qa.shape[0]
     if m == 0 or w.out_features == 0:
         return out
-    plan = choose(m, w.out_features, w.in_features, w.group_size, num_sms(qa.device), config)
-    (launch_flat if plan.config.flat else launch)(qa, a_scale, w, bias, out, plan.config, plan.launch)
+    plan = choose(m, w.out_features, w.in_features, w.group_size, num_sms(qa.device), config, progressive)
+    run = launch_progressive if progressive else launch_flat if plan.config.flat else launch
+    run(qa, a_scale, w, bias, out, plan.config, plan.launch)
     return out
 
 
 def w4a8_linear(
     x: torch.Tensor,
-    w: W4A16Weight,
+    w: W4A16Weight | ProgressiveWeight,
     bias: torch.Tensor | None = None,
     fmt: str = "int8",
     config: W4A8Config | None = None,

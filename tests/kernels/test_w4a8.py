@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from quantkit.kernels import w4a8 as K
+from quantkit.kernels.w4a8.progressive import MAX_K, pack_codes, unpack_codes
 from quantkit.kernels.w4a16 import prepare_gptq_weight
 from quantkit.kernels.w8a8.quant import quantize_activations, quantize_activations_reference
 
@@ -257,3 +258,160 @@ def test_bad_operands_are_named():
     with pytest.raises(ValueError, match="4-bit"):
         K.w4a8_matmul(qa, a_scale, w)
     assert K.w4a8_matmul(qa[:0], a_scale[:0], make_layer(16, 64, 32)[1]).shape == (0, 16)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Progressive weights (kernels/w4a8/progressive.py): int8 d = q * s2 - sz, one int32 accumulator over K
+# ---------------------------------------------------------------------------------------------------------------
+def progressive_layer(n, k, group_size=128, seed=0):
+    """A progressive weight quantized from a random float weight with outlier rows and columns and one-signed
+    groups (the RTN's clamps and both ends of the protective range are reached)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.02
+    w[:, k // 2] *= 10  # an outlier input channel
+    w[0] = w[0].abs()  # an all-positive row: zero points at 0
+    if n > 1:
+        w[1] = -w[1].abs()
+    return w, K.quantize_progressive(w.to(DEVICE), group_size)
+
+
+def assert_close_to_progressive_reference(y, x, w, bias):
+    ref = K.progressive_reference(x, w, bias)
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    x2 = x.reshape(-1, x.shape[-1])
+    qa, a_scale = quantize_activations_reference(x2, "int8")
+    x_dq = qa.double() * a_scale.double()[:, None]
+    torch_y = F.linear(x_dq.to(x.dtype), K.dequantize(w, torch.float64).to(x.dtype), bias)
+    ref2 = ref.reshape(-1, ref.shape[-1])
+    torch_err = (torch_y.double() - ref2).abs().max().item()
+    err = (y.double() - ref).abs().reshape(ref2.shape)
+    floor = 2**-20 * ref.abs().max().item()
+    assert err.max().item() <= 2 * torch_err + floor, f"kernel error {err.max():.3g} vs PyTorch's {torch_err:.3g}"
+    # element by element: one output ulp plus fp32 slack on the sum of |terms| (the int32 sum itself is exact)
+    qa_k = qa if w.perm is None else quantize_activations_reference(x2.index_select(1, w.perm), "int8")[0]
+    terms = (qa_k.double().abs() @ K.int8_weight(w).double().abs().t()) * a_scale.double()[:, None]
+    bound = torch.finfo(x.dtype).eps * ref2.abs() + 8 * torch.finfo(torch.float32).eps * terms * w.s1.double()
+    assert (err <= bound).all(), f"max excess {(err - bound).max():.3g}"
+
+
+PROG_SWAP = K.W4A8Config(16, 32, 64, 1, swap_ab=True, num_stages=2, flat=True)
+PROG_SPLIT = K.W4A8Config(16, 32, 32, 1, split_waves=8, swap_ab=True, flat=True)  # 32-deep steps, splits mid-group
+PROG_AB = K.W4A8Config(32, 32, 64, 2, num_stages=2, flat=True)  # the weight tile as the right operand
+# (M, N, K, group, dtype, bias, config): ragged M / N / K (K % 32 != 0: padded chunk, masked K), per channel (0)
+PROGRESSIVE_CASES = [
+    (1, 77, 576, 128, torch.float16, True, None),  # ragged last group, the small-M table entry with split-K
+    (3, 33, 200, 64, torch.bfloat16, True, PROG_SWAP),
+    (70, 33, 256, 128, torch.float16, False, PROG_SWAP),
+    (17, 40, 320, 32, torch.bfloat16, True, PROG_SPLIT),
+    (5, 96, 512, 0, torch.float16, True, PROG_SPLIT),  # one group, split K
+    (40, 24, 130, 0, torch.bfloat16, False, PROG_AB),
+    (100, 40, 256, 64, torch.bfloat16, True, PROG_AB),
+    (33, 48, 200, 64, torch.float16, True, None),
+]
+
+
+def test_progressive_packing_round_trips():
+    g = torch.Generator().manual_seed(20)
+    for k in (32, 200, 256):
+        q = torch.randint(0, 16, (24, k), generator=g, dtype=torch.uint8)
+        packed = pack_codes(q)
+        assert packed.dtype == torch.int32 and packed.shape == (-(-k // 32) * 4, 24)
+        assert torch.equal(unpack_codes(packed, k), q)
+    q = torch.arange(32, dtype=torch.uint8).remainder(16).reshape(1, 32)  # word c: k = 4c + j (low), 16 + 4c + j
+    byte = pack_codes(q).view(torch.uint8).reshape(4, 4)  # [c, j]
+    assert torch.equal(byte & 15, torch.arange(16).reshape(4, 4).to(torch.uint8))
+    assert torch.equal(byte >> 4, torch.arange(16).reshape(4, 4).to(torch.uint8))  # 16 + 4c + j, mod 16
+
+
+def test_progressive_rtn_keeps_d_in_int8_and_is_as_good_as_one_level_rtn():
+    w, pw = progressive_layer(64, 384, 128, seed=21)
+    d = K.int8_weight(pw)
+    assert d.abs().max() <= 127 and d.abs().max() >= 112  # the protective range is reached, never passed
+    assert pw.s2.min() >= 1 and pw.s2.max() <= 16 and int(pw.sz.max()) <= 240
+    assert bool((pw.sz.int() % pw.s2.int() == 0).all()) and bool((pw.sz.int() // pw.s2.int() <= 15).all())
+    assert (pw.sz[:, 0] == 0).all()  # the all-positive row: zero point 0
+    # one-level asymmetric 4-bit RTN in groups of 128 (0 in range, float scale): the two-level grid within 25%
+    wg = w.reshape(64, 3, 128)
+    lo, hi = wg.amin(-1, keepdim=True).clamp(max=0), wg.amax(-1, keepdim=True).clamp(min=0)
+    s = (hi - lo) / 15
+    z = (-lo / s).round()
+    one_level = (((wg / s).round() + z).clamp(0, 15) - z) * s
+    err1 = (one_level.reshape(64, 384) - w).norm()
+    err2 = (K.dequantize(pw).cpu() - w).norm()
+    assert err2 <= 1.25 * err1, f"progressive RTN error {err2:.4g} vs one-level {err1:.4g}"
+
+
+def test_progressive_packed_arithmetic_is_exact():
+    """The PTX's word arithmetic, here on int64: x * s2 + (0x80808080 - sz * 0x01010101) mod 2**32, XOR 0x80808080,
+    gives per byte the int8 q * s2 - sz, for every (s2, z) and four codes whose d lie in [-127, 127]."""
+    g = torch.Generator().manual_seed(22)
+    s2 = torch.arange(1, 17).repeat_interleave(16)  # every s2 and z
+    z = torch.arange(16).repeat(16)
+    for _ in range(20):
+        q = torch.randint(0, 16, (256, 4), generator=g)
+        d = s2[:, None] * (q - z[:, None])
+        q = torch.where(d.abs() <= 127, q, z[:, None])  # codes outside the int8 range are never stored
+        d = s2[:, None] * (q - z[:, None])
+        x = (q << torch.tensor([0, 8, 16, 24])).sum(1)
+        word = (x * s2 + (0x80808080 - z * s2 * 0x01010101)) % 2**32 ^ 0x80808080
+        got = ((word[:, None] >> (8 * torch.arange(4))) & 255).to(torch.uint8).view(torch.int8)
+        assert torch.equal(got.long(), d)
+
+
+@pytest.mark.parametrize("m,n,k,group,dtype,with_bias,config", PROGRESSIVE_CASES)
+def test_progressive_matches_float64_reference(m, n, k, group, dtype, with_bias, config):
+    _, w = progressive_layer(n, k, group, seed=m * 1000 + n)
+    x = activations(m, k, dtype, seed=m + n)
+    bias = torch.randn(n, device=DEVICE).to(dtype) if with_bias else None
+    qa, a_scale = quantize_activations(x, "int8")
+    out = torch.full((m, n), float("nan"), device=DEVICE, dtype=dtype)
+    y = K.w4a8_matmul(qa, a_scale, w, bias, out_dtype=dtype, out=out, config=config)
+    assert y.data_ptr() == out.data_ptr() and not y.isnan().any()
+    assert not w.locks.any()  # the last split of each tile reset its semaphore
+    assert_close_to_progressive_reference(y, x, w, bias)
+
+
+def test_progressive_linear_act_order_and_fp32_output():
+    """w4a8_linear on a progressive weight with a channel permutation: x permuted inside, leading dims kept; fp32
+    output is the reference to fp32 rounding."""
+    _, w = progressive_layer(36, 256, 64, seed=23)
+    w.perm = torch.randperm(256, generator=torch.Generator().manual_seed(24)).to(DEVICE)
+    x = activations(6, 256, torch.bfloat16, seed=25).reshape(2, 3, 256)
+    bias = torch.randn(36, device=DEVICE).to(torch.bfloat16)
+    y = K.w4a8_linear(x, w, bias)
+    assert y.shape == (2, 3, 36) and y.dtype == torch.bfloat16
+    assert_close_to_progressive_reference(y, x, w, bias)
+    qa, a_scale = quantize_activations(x.reshape(6, 256).index_select(1, w.perm), "int8")
+    y32 = K.w4a8_matmul(qa, a_scale, w, out_dtype=torch.float32, config=PROG_AB)
+    ref = K.progressive_reference(x.reshape(6, 256), w)
+    torch.testing.assert_close(y32.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert "w4a8/progressive.py" in K.explain(1024, 4096, 4096, 128, "cpu", progressive=True)
+
+
+@pytest.mark.parametrize("regime", range(4))
+def test_progressive_table_configs_run(regime):
+    max_m, cfg = K.PROGRESSIVE_TABLE[regime]
+    m = min(max_m, 140)
+    _, w = progressive_layer(40, 256, 128, seed=regime)
+    x = activations(m, 256, torch.float16, seed=regime)
+    qa, a_scale = quantize_activations(x, "int8")
+    out = torch.full((m, 40), float("nan"), device=DEVICE, dtype=torch.float16)
+    assert_close_to_progressive_reference(K.w4a8_matmul(qa, a_scale, w, out=out, config=cfg), x, w, None)
+
+
+def test_progressive_split_k_is_deterministic_and_bad_operands_are_named():
+    _, w = progressive_layer(64, 512, 128, seed=26)
+    x = activations(2, 512, torch.float16, seed=27)
+    qa, a_scale = quantize_activations(x, "int8")
+    assert K.choose(2, 64, 512, 128, 4, PROG_SPLIT, progressive=True).launch.split > 1
+    y1 = K.w4a8_matmul(qa, a_scale, w, config=PROG_SPLIT)
+    assert torch.equal(y1, K.w4a8_matmul(qa, a_scale, w, config=PROG_SPLIT)) and not w.locks.any()
+    with pytest.raises(ValueError, match="int8 for a progressive"):
+        K.w4a8_linear(x, w, fmt="fp8")
+    with pytest.raises(ValueError, match="group_size"):
+        K.quantize_progressive(torch.randn(4, 64), 48)
+    with pytest.raises(ValueError, match="s2 must be"):
+        K.w4a8_matmul(qa, a_scale, replace(w, s2=w.s2.int()))
+    big = replace(w, in_features=MAX_K + 32)
+    with pytest.raises(ValueError, match="int32 accumulator"):
+        K.w4a8_matmul(torch.zeros(1, big.in_features, dtype=torch.int8, device=DEVICE), a_scale[:1], big)

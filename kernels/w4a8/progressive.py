@@ -1,0 +1,333 @@
+"""W4A8 with progressive group quantization (QServe, Lin et al. 2024, arXiv 2405.04532): one int32 accumulator over K.
+
+The format (``ProgressiveWeight``)
+    Level 1, per output channel n: symmetric int8 with an fp32 scale s1[n] = max_k |w[n, k]| / 119 and codes
+    w8 = round(w / s1) in the protective range [-119, 119]. Level 2, per group of ``group_size`` along K: the int8
+    values quantized again, asymmetric 4-bit codes q in [0, 15] with an integer scale s2[g, n] in [1, 16] and an
+    integer zero point z[g, n] in [0, 15]. Stored: the codes, s1, s2 and the scaled zeros sz = z * s2 (uint8, at
+    most 240). The weight is w = s1 * d, d = q * s2 - sz = s2 * (q - z): no float scale inside K.
+
+Why d is an exact int8 value
+    RTN (``quantize_progressive``): s2 = round((max - min) / 15) over the group's w8 with 0 included, clamped to
+    [1, 16] (the range is at most 238, so the rounding never exceeds 16); z = round(-min / s2); q = round(w8 / s2)
+    + z, clamped to [0, 15]. Before the clamp d = s2 * round(w8 / s2) lies within s2 / 2 <= 8 of w8, so |d| <= 127;
+    the clamp moves d into [-sz, s2 * 15 - sz], an interval that holds 0, which never makes |d| larger. So every d
+    is an int8 in [-127, 127], the protective range's purpose: 119 + 16 / 2 = 127.
+
+What the kernel computes
+    y[m, n] = a_scale[m] * s1[n] * sum_k qa[m, k] * d[k, n]  (+ bias[n]), qa, a_scale the per-token int8 codes and
+    fp32 scales of ``w8a8.quant.quantize_activations``. The sum is one int32 MMA accumulation over all of K, exact:
+    |sum| <= 127 * 127 * K < 2**31 for K <= 2**17 (``MAX_K``; longer K is refused). The epilogue converts it once,
+    scales by s1 and a_scale, adds the bias and rounds once to the output dtype. No per-group conversion: the loop
+    is W8A8's (``w8a8/gemm.py``) plus the 4-bit -> int8 step in registers.
+
+The 4-bit -> int8 step (subtraction after multiplication, packed)
+    One 32-bit word holds eight codes of one output channel: byte j (j = 0..3) has the code of k = 4c + j in its low
+    nibble and of k = 16 + 4c + j in its high nibble, word c = 0..3 of each 32-deep K chunk. Per word, on the GPU
+    (inline PTX, seven instructions for eight codes): x = word & 0x0F0F0F0F holds four codes, one a byte; x * s2 +
+    (0x80808080 - sz * 0x01010101), one IMAD, has per byte q * s2 + 128 - sz = d + 128 in [1, 255], so no byte
+    carries into or borrows from the next and the 32-bit sum is exact; XOR 0x80808080 makes each byte the int8 d.
+    The same for the high nibbles (a shift first). The two words are k = 4c .. 4c + 3 and 16 + 4c .. 16 + 4c + 3:
+    the two K quads that thread 4r + c holds of an int8 wgmma / mma register operand, so with SWAP_AB (the weight
+    tile the MMA's left operand, in registers) a thread unpacks exactly the words it multiplies.
+
+Layouts
+    qweight int32 [ceil(K/32) * 4, N] (word row 4T + c of chunk T as above; codes past K are 0), s1 fp32 [N], s2 and
+    sz uint8 [n_groups, N] (contiguous groups along K; ``group_size`` 0: one group), ``perm`` int64 [K] or None (the
+    kernel reads x[:, perm]); qa [M, K] int8, a_scale fp32 [M], bias [N] any float dtype.
+
+Kernel: the flat kernel's structure (``flat.py``: one software-pipelined loop over K tiles, each inside one group,
+SWAP_AB for small M, ``gemm.tile_operands`` for the prologue, ``w4a16.epilogue.finish_tile`` for the store and the
+split-K fix-up). Limits: int8 activations only; int32 offsets; the split-K semaphores live in the weight (one stream
+per weight). Hardware: written for sm_90 (8-bit wgmma); not yet timed on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from quantkit.kernels._device import interpreting
+from quantkit.kernels.w4a8.gemm import fixup_unroll, tile_operands
+from quantkit.kernels.w4a16.configs import LOCK_SLOTS
+from quantkit.kernels.w4a16.epilogue import finish_tile
+from quantkit.kernels.w8a8.quant import FLOAT_DTYPES, quantize_activations_reference, require
+
+W8_MAX = 119  # level 1's protective range: level 2's rounding (at most 16 / 2) keeps d within [-127, 127]
+S2_MAX = 16  # level 2's largest scale: q * s2 <= 240 fits a byte
+MAX_K = 2**17  # 127 * 127 * K < 2**31: the int32 accumulator over all of K is exact
+LAYOUT = "progressive_w4_chunk32"  # the packing above
+LAYOUT_VERSION = 1
+
+
+@dataclass
+class ProgressiveWeight:
+    """A progressive W4A8 weight in the kernel layout (see the module docstring for every buffer's shape and dtype).
+    ``locks`` int32 [LOCK_SLOTS] zeros: split-K semaphores, reset by the kernel after every use."""
+
+    qweight: torch.Tensor
+    s1: torch.Tensor
+    s2: torch.Tensor
+    sz: torch.Tensor
+    group_size: int
+    in_features: int
+    perm: torch.Tensor | None = None
+    layout: str = LAYOUT
+    layout_version: int = LAYOUT_VERSION
+    locks: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.locks = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=self.qweight.device)
+
+    @property
+    def out_features(self) -> int:
+        return self.s1.shape[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Format: packing, RTN quantization, dequantization, reference
+# ---------------------------------------------------------------------------------------------------------------
+def pack_codes(q: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] (any integer dtype, 0..15) -> qweight int32 [ceil(K/32) * 4, N] (module docstring)."""
+    n, k = q.shape
+    q = F.pad(q.to(torch.uint8), (0, -k % 32))  # codes past K are 0
+    q = q.reshape(n, -1, 2, 4, 4)  # [N, T, h, c, j]: k = 32T + 16h + 4c + j
+    byte = q[:, :, 0] | (q[:, :, 1] << 4)  # [N, T, c, j]
+    return byte.permute(1, 2, 0, 3).contiguous().reshape(-1, n * 4).view(torch.int32)  # [4T, N], byte j of word
+
+
+def unpack_codes(qweight: torch.Tensor, k: int) -> torch.Tensor:
+    """qweight int32 [ceil(K/32) * 4, N] -> codes uint8 [N, K] (the inverse of ``pack_codes``)."""
+    rows, n = qweight.shape
+    byte = qweight.contiguous().view(torch.uint8).reshape(rows // 4, 4, n, 4).permute(2, 0, 1, 3)  # [N, T, c, j]
+    q = torch.stack((byte & 15, byte >> 4), dim=2)  # [N, T, h, c, j]
+    return q.reshape(n, -1)[:, :k]
+
+
+def _group_of(k: int, group_size: int, device) -> torch.Tensor:
+    """int64 [K]: the group of each input channel (``group_size`` 0: one group)."""
+    return torch.arange(k, device=device) // (group_size or max(k, 1))
+
+
+def quantize_progressive(w: torch.Tensor, group_size: int = 128) -> ProgressiveWeight:
+    """RTN of a float weight w [N, K] (nn.Linear's layout) into the progressive format (module docstring);
+    ``group_size`` a positive multiple of 32, or 0 for one group."""
+    require(w.dim() == 2 and w.is_floating_point(), f"w must be a float [N, K] tensor, got {w.dtype} {tuple(w.shape)}")
+    require(group_size == 0 or (group_size > 0 and group_size % 32 == 0),
+            f"group_size must be 0 or a positive multiple of 32, got {group_size}")  # fmt: skip
+    n, k = w.shape
+    w = w.float()
+    s1 = w.abs().amax(1) / W8_MAX if k else torch.ones(n, device=w.device)
+    s1 = torch.where(s1 > 0, s1, torch.ones_like(s1))  # an all-zero row: any scale
+    w8 = (w / s1[:, None]).round().clamp(-W8_MAX, W8_MAX)  # [N, K] integers
+    g = group_size or max(k, 1)
+    w8g = F.pad(w8, (0, -k % g)).reshape(n, -1, g)  # [N, n_g, g]; padding 0 lies in every group's range anyway
+    lo = w8g.amin(-1).clamp(max=0)
+    hi = w8g.amax(-1).clamp(min=0)
+    s2 = ((hi - lo) / 15).round().clamp(1, S2_MAX)  # [N, n_g]
+    z = (-lo / s2).round().clamp(0, 15)
+    q = ((w8g / s2[..., None]).round() + z[..., None]).clamp(0, 15).reshape(n, -1)[:, :k]
+    return ProgressiveWeight(
+        qweight=pack_codes(q.to(torch.uint8)),
+        s1=s1.contiguous(),
+        s2=s2.t().to(torch.uint8).contiguous(),
+        sz=(z * s2).t().to(torch.uint8).contiguous(),
+        group_size=group_size,
+        in_features=k,
+    )
+
+
+def int8_weight(w: ProgressiveWeight) -> torch.Tensor:
+    """d = q * s2 - sz, int32 [N, K] in kernel channel order: every value in [-127, 127]."""
+    k = w.in_features
+    g = _group_of(k, w.group_size, w.qweight.device)
+    q = unpack_codes(w.qweight, k).int()
+    return q * w.s2.t().int()[:, g] - w.sz.t().int()[:, g]
+
+
+def dequantize(w: ProgressiveWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight s1 * d [N, K] in ``dtype``, in checkpoint channel order (act-order undone)."""
+    wk = w.s1.to(torch.float64)[:, None] * int8_weight(w).to(torch.float64)
+    if w.perm is not None:
+        wk = torch.empty_like(wk).index_copy_(1, w.perm, wk)
+    return wk.to(dtype)
+
+
+def progressive_reference(x: torch.Tensor, w: ProgressiveWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 y [..., N] of the quantized operands: x [..., K] (checkpoint order) permuted for act-order, quantized
+    per token to int8, times the exact int8 weight d, scaled by a_scale[m] * s1[n]."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if w.perm is not None:
+        x2 = x2.index_select(1, w.perm)
+    qa, a_scale = quantize_activations_reference(x2, "int8")
+    y = (qa.double() @ int8_weight(w).double().t()) * a_scale.double()[:, None] * w.s1.double()[None, :]
+    if bias is not None:
+        y = y + bias.double()
+    return y.reshape(*x.shape[:-1], w.out_features)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernel
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _int8_quads(b, s2, sz, USE_ASM: tl.constexpr):
+    """uint8 [R, C] bytes of the packed words, with each byte column's s2 and sz (int32 [R, C]) -> (lo, hi) int8
+    [R, C]: d = q * s2 - sz of the low and of the high nibbles. On the GPU one word (four bytes) a register: the
+    IMAD's addend 0x80808080 - sz * 0x01010101 (module docstring) is computed per column, outside the asm, and the
+    asm reads the first of the four equal int32 registers of s2 and of that addend."""
+    if USE_ASM:
+        addend = -2139062144 - sz * 16843009  # 0x80808080 - sz * 0x01010101 mod 2**32 (int32 arithmetic wraps)
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t, u;
+            and.b32 t, $2, 0x0F0F0F0F;
+            mad.lo.u32 t, t, $3, $7;
+            xor.b32 $0, t, 0x80808080;
+            shr.u32 u, $2, 4;
+            and.b32 u, u, 0x0F0F0F0F;
+            mad.lo.u32 u, u, $3, $7;
+            xor.b32 $1, u, 0x80808080;
+            }""",
+            constraints="=r,=r,r,r,r,r,r,r,r,r,r",
+            args=[b, s2, addend],
+            dtype=(tl.int8, tl.int8),
+            is_pure=True,
+            pack=4,
+        )
+    else:  # Triton's interpreter runs no PTX: the same values per byte
+        lo = ((b & 15).to(tl.int32) * s2 - sz).to(tl.int8)
+        hi = ((b >> 4).to(tl.int32) * s2 - sz).to(tl.int8)
+    return lo, hi
+
+
+@triton.jit
+def _weight_tile(qb_ptrs, s2, sz, t, KW, stride_qbk, offs_kw, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """K tile ``t`` of the weight as int8 d [BLOCK_N, BLOCK_K] from its bytes [BLOCK_K / 8, BLOCK_N * 4] (word row
+    r, byte 4n + j) and the tile's group's s2, sz (int32 [BLOCK_N]); KW: word rows in all."""
+    BLOCK_KW: tl.constexpr = BLOCK_K // 8
+    if EVEN_K:
+        b = tl.load(qb_ptrs + t * BLOCK_KW * stride_qbk)
+    else:  # word rows past the last chunk: zeros (their activations are zero too)
+        b = tl.load(qb_ptrs + t * BLOCK_KW * stride_qbk, mask=(t * BLOCK_KW + offs_kw < KW)[:, None], other=0)
+    # per column, broadcast to its four bytes of every word row: each thread reads the values of its own rows
+    s2 = tl.reshape(tl.broadcast_to(s2[None, :, None], (BLOCK_KW, BLOCK_N, 4)), (BLOCK_KW, BLOCK_N * 4))
+    sz = tl.reshape(tl.broadcast_to(sz[None, :, None], (BLOCK_KW, BLOCK_N, 4)), (BLOCK_KW, BLOCK_N * 4))
+    lo, hi = _int8_quads(b, s2, sz, USE_ASM)  # [BKW, BN * 4]: k = 32T + 4c + j and 16 + 32T + 4c + j
+    d = tl.reshape(tl.join(lo, hi), (BLOCK_KW // 4, 4, BLOCK_N, 4, 2))  # [T, c, n, j, h]
+    return tl.reshape(tl.permute(d, (2, 0, 4, 1, 3)), (BLOCK_N, BLOCK_K))  # [n, T, h, c, j]: k = 32T + 16h + 4c + j
+
+
+@triton.jit(do_not_specialize=["M", "group_tiles", "tiles_per_split"])
+def _w4a8_progressive_kernel(
+    # pointers
+    a_ptr, a_scale_ptr, qw_ptr, s1_ptr, s2_ptr, sz_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+    # sizes
+    M, N, K, group_tiles, tiles_per_split,
+    # strides
+    stride_am, stride_ak, stride_qwk, stride_qwn, stride_sg, stride_om, stride_on,
+    # meta-parameters
+    SWAP_AB: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
+    EMULATE_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, FIXUP: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m, offs_n, offs_k, offs_kw, rows, cols, _, a_ptrs, _, qb_ptrs = tile_operands(
+        pid, a_ptr, qw_ptr, M, N, stride_am, stride_ak, stride_qwk, stride_qwn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M
+    )
+    KW = tl.cdiv(K, 32) * 4
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    t_begin = pid_k * tiles_per_split
+    t_end = tl.minimum(t_begin + tiles_per_split, k_tiles)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for t in range(t_begin, t_end):
+        k0 = t * BLOCK_K
+        if EVEN_K:
+            a = tl.load(a_ptrs + k0 * stride_ak)
+        else:
+            a = tl.load(a_ptrs + k0 * stride_ak, mask=(k0 + offs_k < K)[None, :], other=0)
+        g = t // group_tiles  # each K tile lies in one group
+        s2 = tl.load(s2_ptr + g * stride_sg + cols).to(tl.int32)  # [BN]
+        sz = tl.load(sz_ptr + g * stride_sg + cols).to(tl.int32)
+        d = _weight_tile(qb_ptrs, s2, sz, t, KW, stride_qwk * 4, offs_kw, EVEN_K, USE_ASM, BLOCK_N, BLOCK_K)
+        if SWAP_AB:
+            acc = tl.dot(d, tl.trans(a), acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(a, tl.trans(d), acc, out_dtype=tl.int32)
+    s1 = tl.load(s1_ptr + cols)
+    if SWAP_AB:
+        y = tl.trans(acc.to(tl.float32) * s1[:, None])  # [BM, BN]
+    else:
+        y = acc.to(tl.float32) * s1[None, :]
+    y = y * tl.load(a_scale_ptr + rows)[:, None]
+    finish_tile(y, bias_ptr, out_ptr, part_ptr, lock_ptr, pid, offs_m, offs_n, M, N, stride_om, stride_on, SPLIT,
+                HAS_BIAS, EMULATE_BF16, FIXUP)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launcher
+# ---------------------------------------------------------------------------------------------------------------
+def check_progressive_operands(qa, a_scale, w: ProgressiveWeight, bias, out_dtype, out) -> torch.Tensor:
+    """Shapes, dtypes and devices of qa [M, K] @ W.T into out [M, N]; raises ValueError naming the operand; returns
+    ``out``, allocated when None."""
+    k, n = w.in_features, w.out_features
+    require(qa.dim() == 2 and qa.shape[1] == k, f"qa must be [M, {k}], got {tuple(qa.shape)}")
+    require(qa.dtype == torch.int8, f"qa must be int8 for a progressive weight, got {qa.dtype}")
+    require(qa.is_cuda or interpreting(), "qa must be a CUDA tensor (or set TRITON_INTERPRET=1 to run on CPU)")
+    require(k <= MAX_K, f"K = {k} is over {MAX_K}: the int32 accumulator over K could overflow")
+    m = qa.shape[0]
+    require(
+        a_scale.dtype == torch.float32 and a_scale.shape == (m,) and a_scale.is_contiguous(),
+        f"a_scale must be contiguous fp32 [{m}], got {a_scale.dtype} {tuple(a_scale.shape)}",
+    )
+    rows, n_g = -(-k // 32) * 4, -(-k // (w.group_size or max(k, 1)))
+    require(
+        w.qweight.dtype == torch.int32 and tuple(w.qweight.shape) == (rows, n) and w.qweight.is_contiguous(),
+        f"qweight must be contiguous int32 [{rows}, {n}], got {w.qweight.dtype} {tuple(w.qweight.shape)}",
+    )
+    require(w.s1.dtype == torch.float32 and w.s1.is_contiguous(), f"s1 must be contiguous fp32 [{n}]")
+    for name in ("s2", "sz"):
+        t = getattr(w, name)
+        require(
+            t.dtype == torch.uint8 and tuple(t.shape) == (n_g, n) and t.is_contiguous(),
+            f"{name} must be contiguous uint8 [{n_g}, {n}], got {t.dtype} {tuple(t.shape)}",
+        )
+    require(bias is None or (bias.shape == (n,) and bias.is_floating_point()), f"bias must be a float tensor [{n}]")
+    require(out_dtype in FLOAT_DTYPES, f"out_dtype must be fp16, bf16 or fp32, got {out_dtype}")
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype, device=qa.device)
+    require(
+        tuple(out.shape) == (m, n) and out.dtype == out_dtype,
+        f"out must be {out_dtype} [{m}, {n}], got {out.dtype} {tuple(out.shape)}",
+    )
+    devices = {t.device for t in (qa, a_scale, w.qweight, w.s1, w.s2, w.sz, bias, out) if t is not None}
+    require(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    require(max(qa.numel(), w.qweight.numel(), m * n) < 2**31, "tensors of 2**31 elements or more are not served")
+    return out
+
+
+def launch_progressive(qa, a_scale, w: ProgressiveWeight, bias, out, cfg, plan) -> None:
+    """Run the progressive GEMM with tile config ``cfg`` (``dispatch.W4A8Config``; its BLOCK_K a multiple of 32)
+    and launch plan ``plan`` (``dispatch.plan_launch``) on checked operands."""
+    m, k = qa.shape
+    n = w.out_features
+    part = out
+    if plan.split > 1:
+        part = torch.empty(plan.split, m, n, dtype=torch.float32, device=qa.device)
+    _w4a8_progressive_kernel[plan.grid](
+        qa, a_scale, w.qweight, w.s1, w.s2, w.sz, bias if bias is not None else a_scale, out, part, w.locks,
+        m, n, k, plan.group_tiles, plan.tiles_per_split,
+        qa.stride(0), qa.stride(1), w.qweight.stride(0), w.qweight.stride(1), w.s2.stride(0), out.stride(0),
+        out.stride(1),
+        SWAP_AB=cfg.swap_ab, SPLIT=plan.split > 1, HAS_BIAS=bias is not None, EVEN_K=k % plan.block_k == 0,
+        USE_ASM=not interpreting(), EMULATE_BF16=interpreting() and out.dtype == torch.bfloat16,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=plan.block_k, GROUP_M=cfg.group_m,
+        FIXUP=fixup_unroll(cfg.block_m, cfg.block_n), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
