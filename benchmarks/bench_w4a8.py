@@ -11,13 +11,16 @@ Every figure goes from bf16 activations x [M, K] to a bf16 output [M, N] and is 
   w4a8_words w4a8_int8 with the weight tile unpacked word by word (``byte_unpack=False``), the byte path's baseline
   w4a8_group w4a8_int8 with ``GROUP_LOOP_TABLE`` (``kernels/w4a8/gemm.py``'s loop per group above M = 16, the default
              before the flat kernel of ``flat.py``); the same as w4a8_int8 up to M = 16
+  w4a8_prog  w4a8_linear on a progressive weight (``kernels/w4a8/progressive.py``: QServe's int8 per-channel level
+             and 4-bit groups with integer scales, one int32 accumulator over K), RTN of the bf16 baseline's weight,
+             ``PROGRESSIVE_TABLE``'s tiles
 
 Weights are random 4-bit GPTQ-v2 buffers (every bit pattern a valid code and zero point, fp16 scales) in groups of
 ``--group`` (default 128; -1: per channel); the bf16 and int8 baselines get random weights of the same shape.
 Correctness, before any timing, at every (shape, M): each W4A8 variant against the float64 reference of its
-quantized operands (``w4a8_reference``) with flash-attn's rule (error <= 2x PyTorch's bf16 error on the same
-dequantized operands + 2**-20 max|y|); the W4A16 and W8A8 baselines by relative error against their own float64
-products (< 1e-2). A failure stops the run.
+quantized operands (``w4a8_reference``; ``progressive_reference`` for w4a8_prog) with flash-attn's rule (error
+<= 2x PyTorch's bf16 error on the same dequantized operands + 2**-20 max|y|); the W4A16 and W8A8 baselines by
+relative error against their own float64 products (< 1e-2). A failure stops the run.
 
 Timing: a CUDA graph of R calls over R rotated copies of every operand (R chosen so that the 4-bit weights and
 activations of one pass span more than 3x the 60 MB L2), replayed under ``triton.testing.do_bench(return_mode=
@@ -66,13 +69,13 @@ QUICK_MS = [1, 256, 1024]
 SMOKE_SHAPES = [(96, 128), (40, 256)]
 SMOKE_MS = [1, 20, 70]
 SMOKE_GROUP = 64
-VARIANTS = ["bf16", "w4a16", "w8a8", "w4a8_int8", "w4a8_fp8", "w4a8_gemm", "w4a8_words", "w4a8_group"]
-RATIO_VARIANTS = ["w4a16", "w8a8", "w4a8_int8", "w4a8_fp8", "w4a8_words", "w4a8_group"]
+VARIANTS = ["bf16", "w4a16", "w8a8", "w4a8_int8", "w4a8_fp8", "w4a8_gemm", "w4a8_words", "w4a8_group", "w4a8_prog"]
+RATIO_VARIANTS = ["w4a16", "w8a8", "w4a8_int8", "w4a8_fp8", "w4a8_words", "w4a8_group", "w4a8_prog"]
 INT8_VARIANTS = ("w4a8_gemm", "w4a8_words", "w4a8_group")  # int8 activations, checked like w4a8_int8
 W4A8_FORMATS = {"w4a8_int8": "int8", "w4a8_fp8": "fp8"}
 BASELINE_MAX_REL_ERROR = 1e-2
 # issue 49's targets over bf16 cuBLAS: (variant, M range, minimum speedup); at M = 1 the goal is relative to W4A16's
-TARGETS = [("w4a8_int8", m, goal) for m, goal in (((256, 256), 1.2), ((1024, None), 1.4))]
+TARGETS = [(v, m, goal) for v in ("w4a8_int8", "w4a8_prog") for m, goal in (((256, 256), 1.2), ((1024, None), 1.4))]
 # --flat-sweep: flat-kernel tiles beside FLAT_TABLE's (all compiled for sm_90 without spills, Triton 3.6), to tune it
 FLAT = K.W4A8Config(128, 128, 128, 8, swap_ab=True, num_warps=8, num_stages=4, flat=True)
 FLAT_SWEEP = [
@@ -118,13 +121,14 @@ class Problem:
         gen = torch.Generator(device=device).manual_seed(seed)
         self.x = [torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16) for _ in range(self.r)]
         self.w4 = [random_weight(n, k, group, device, gen) for _ in range(self.r)]
-        self.w16, self.w8, self.w8_scale = [], [], []
+        self.w16, self.w8, self.w8_scale, self.wp = [], [], [], []
         for _ in range(self.r):
             w = (torch.randn(n, k, generator=gen, device=device) * 0.02).to(torch.bfloat16)
             q, s = K8.quantize_rows_reference(w, "int8")
             self.w16.append(w)
             self.w8.append(q)
             self.w8_scale.append(s)
+            self.wp.append(K.quantize_progressive(w, 0 if group == -1 else group))
         self.qa = [K8.quantize_activations(x, "int8") for x in self.x]
 
     def calls(self, variant: str) -> list:
@@ -148,6 +152,8 @@ class Problem:
         if variant == "w4a8_group":
             group = K.config_for(self.m, K.GROUP_LOOP_TABLE)
             return lambda: K.w4a8_linear(x, w4, config=group)
+        if variant == "w4a8_prog":
+            return lambda: K.w4a8_linear(x, self.wp[i])
         if isinstance(variant, K.W4A8Config):
             return lambda: K.w4a8_linear(x, w4, config=variant)
         if variant == "w4a8_gemm":
@@ -159,6 +165,16 @@ class Problem:
         """Rotation 0's output against float64 (see the module docstring); raises AssertionError on a failure."""
         x, w4 = self.x[0], self.w4[0]
         where = f"{variant} N={self.n} K={self.k} M={self.m}"
+        if variant == "w4a8_prog":
+            ref = K.progressive_reference(x, self.wp[0])
+            qa, sa = K8.quantize_activations_reference(x, "int8")
+            x_dq = (qa.double() * sa.double()[:, None]).to(torch.bfloat16)
+            w_dq = K.dequantize(self.wp[0], torch.float64).to(torch.bfloat16)
+            torch_err = ((x_dq @ w_dq.t()).double() - ref).abs().max().item()
+            err = (y.double() - ref).abs().max().item()
+            if not err <= 2 * torch_err + 2**-20 * ref.abs().max().item():
+                raise AssertionError(f"{where}: error {err:.3g} > 2 x PyTorch bf16's {torch_err:.3g}")
+            return {"err": err, "torch_err": torch_err}
         if variant in W4A8_FORMATS or variant in INT8_VARIANTS or isinstance(variant, K.W4A8Config):
             fmt = W4A8_FORMATS.get(variant, "int8")
             ref = K.w4a8_reference(x, w4, None, fmt)
@@ -206,7 +222,7 @@ def run_table(shapes, ms, group: int, timer: Timer, device: str, save) -> list[d
             print(
                 f"N={n:6d} K={k:6d} M={m:5d}  bf16 {base:9.1f} us  w4a16 {sp['w4a16']:.2f}x  w8a8 {sp['w8a8']:.2f}x  "
                 f"w4a8 int8 {sp['w4a8_int8']:.2f}x  fp8 {sp['w4a8_fp8']:.2f}x  words {sp['w4a8_words']:.2f}x  "
-                f"group loop {sp['w4a8_group']:.2f}x  "
+                f"group loop {sp['w4a8_group']:.2f}x  progressive {sp['w4a8_prog']:.2f}x  "
                 f"[{time.perf_counter() - t0:.1f} s]",
                 flush=True,
             )
@@ -240,10 +256,10 @@ def target_report(rows: list[dict]) -> list[str]:
     """Issue 49's speed targets, met or not, from the rows measured (none for M ranges not run)."""
     lines = []
     at_one = [r for r in rows if r["M"] == 1]
-    if at_one:
-        share = geomean(r["speedup"]["w4a8_int8"] / r["speedup"]["w4a16"] for r in at_one)
+    for variant in ("w4a8_int8", "w4a8_prog") if at_one else ():
+        share = geomean(r["speedup"][variant] / r["speedup"]["w4a16"] for r in at_one)
         verdict = "met" if share >= M1_SHARE_OF_W4A16 else "NOT met"
-        lines.append(f"w4a8_int8 M = 1: target {M1_SHARE_OF_W4A16:.1f}x of W4A16's speed-up, geomean {share:.2f}x "
+        lines.append(f"{variant} M = 1: target {M1_SHARE_OF_W4A16:.1f}x of W4A16's speed-up, geomean {share:.2f}x "
                      f"-> {verdict}")  # fmt: skip
     for variant, (lo, hi), goal in TARGETS:
         got = [r["speedup"][variant] for r in rows if r["M"] >= lo and (hi is None or r["M"] <= hi)]
