@@ -54,6 +54,7 @@ from quantkit.kernels._device import interpreting
 from quantkit.kernels.w4a8.gemm import fixup_unroll, tile_operands
 from quantkit.kernels.w4a16.configs import LOCK_SLOTS
 from quantkit.kernels.w4a16.epilogue import finish_tile
+from quantkit.kernels.w8a8.gemm import grouped_tile
 from quantkit.kernels.w8a8.quant import FLOAT_DTYPES, quantize_activations_reference, require
 
 W8_MAX = 119  # level 1's protective range: level 2's rounding (at most 16 / 2) keeps d within [-127, 127]
@@ -221,24 +222,28 @@ def _weight_tile(qb_ptrs, s2, sz, t, KW, stride_qbk, offs_kw, EVEN_K: tl.constex
     return tl.reshape(tl.permute(d, (2, 0, 4, 1, 3)), (BLOCK_N, BLOCK_K))  # [n, T, h, c, j]: k = 32T + 16h + 4c + j
 
 
-@triton.jit(do_not_specialize=["M", "group_tiles", "tiles_per_split"])
+@triton.jit(do_not_specialize=["M", "tiles_per_split"])
 def _w4a8_progressive_kernel(
     # pointers
     a_ptr, a_scale_ptr, qw_ptr, s1_ptr, s2_ptr, sz_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
     # sizes
-    M, N, K, group_tiles, tiles_per_split,
+    M, N, K, tiles_per_split,
     # strides
     stride_am, stride_ak, stride_qwk, stride_qwn, stride_sg, stride_om, stride_on,
     # meta-parameters
-    SWAP_AB: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
-    EMULATE_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, FIXUP: tl.constexpr,
+    SWAP_AB: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    USE_ASM: tl.constexpr, EMULATE_BF16: tl.constexpr, GROUP_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FIXUP: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m, offs_n, offs_k, offs_kw, rows, cols, _, a_ptrs, _, qb_ptrs = tile_operands(
         pid, a_ptr, qw_ptr, M, N, stride_am, stride_ak, stride_qwk, stride_qwn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M
     )
+    if EVEN_N:  # no column wraps: each word row of the tile is BLOCK_N * 4 contiguous bytes (16-byte cp.async)
+        _, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        offs_nb = pid_n * BLOCK_N * 4 + tl.arange(0, BLOCK_N * 4)
+        qb_ptrs = qw_ptr.to(tl.pointer_type(tl.uint8)) + offs_kw[:, None] * (stride_qwk * 4) + offs_nb[None, :]
     KW = tl.cdiv(K, 32) * 4
     k_tiles = tl.cdiv(K, BLOCK_K)
     t_begin = pid_k * tiles_per_split
@@ -253,7 +258,7 @@ def _w4a8_progressive_kernel(
             a = tl.load(a_ptrs + k0 * stride_ak)
         else:
             a = tl.load(a_ptrs + k0 * stride_ak, mask=(k0 + offs_k < K)[None, :], other=0)
-        g = t // group_tiles  # each K tile lies in one group
+        g = t // GROUP_TILES if GROUP_TILES else 0  # each K tile lies in one group (GROUP_TILES 0: one group)
         s2 = tl.load(s2_ptr + g * stride_sg + cols).to(tl.int32)  # [BN]
         sz = tl.load(sz_ptr + g * stride_sg + cols).to(tl.int32)
         d = _weight_tile(qb_ptrs, s2, sz, t, KW, stride_qwk * 4, offs_kw, EVEN_K, USE_ASM, BLOCK_N, BLOCK_K)
@@ -323,11 +328,13 @@ def launch_progressive(qa, a_scale, w: ProgressiveWeight, bias, out, cfg, plan) 
         part = torch.empty(plan.split, m, n, dtype=torch.float32, device=qa.device)
     _w4a8_progressive_kernel[plan.grid](
         qa, a_scale, w.qweight, w.s1, w.s2, w.sz, bias if bias is not None else a_scale, out, part, w.locks,
-        m, n, k, plan.group_tiles, plan.tiles_per_split,
+        m, n, k, plan.tiles_per_split,
         qa.stride(0), qa.stride(1), w.qweight.stride(0), w.qweight.stride(1), w.s2.stride(0), out.stride(0),
         out.stride(1),
         SWAP_AB=cfg.swap_ab, SPLIT=plan.split > 1, HAS_BIAS=bias is not None, EVEN_K=k % plan.block_k == 0,
-        USE_ASM=not interpreting(), EMULATE_BF16=interpreting() and out.dtype == torch.bfloat16,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=plan.block_k, GROUP_M=cfg.group_m,
+        EVEN_N=n % cfg.block_n == 0, USE_ASM=not interpreting(),
+        EMULATE_BF16=interpreting() and out.dtype == torch.bfloat16,
+        GROUP_TILES=plan.group_tiles if w.group_size else 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=plan.block_k, GROUP_M=cfg.group_m,
         FIXUP=fixup_unroll(cfg.block_m, cfg.block_n), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
