@@ -6,6 +6,9 @@
 docs/results/w4a8.md). ``flat.py`` is the same product in one software-pipelined K loop, the unpacked weight tile the
 wgmma's register operand: the default above M = 16 (``dispatch.FLAT_TABLE``, ``W4A8Config.flat``; faster than the
 group loop of ``gemm.py`` at every M measured, ``dispatch.GROUP_LOOP_TABLE`` keeps that one selectable).
+``progressive.py`` is QServe's format, a ``ProgressiveWeight`` (int8 per-channel level, 4-bit groups with integer
+scales): the same entry points run it with one int32 accumulator over K (``dispatch.PROGRESSIVE_TABLE``; int8
+activations; not yet timed on a GPU).
 """
 
 from quantkit.kernels.w4a8.dispatch import (

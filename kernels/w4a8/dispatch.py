@@ -16,7 +16,9 @@ tiles above), cut down where an offline sm_90 compile (no GPU) spilled registers
 per output (the fp32 sum and the current group's int32 / fp32 partial) plus the unpacked weight tile, so 128 x 128
 tiles spilled (Triton 3.9: 584 bytes of stack with 8 warps) while every entry below compiled to 8-bit wgmma without
 spills, int8 and fp8 (Triton 3.6: 109-255 registers; 3.9: 122-255: the 64 x 128 tile is at the limit).
-``benchmarks/bench_w4a8.py`` times them on a GPU; the table is to be tuned from it.
+``benchmarks/bench_w4a8.py`` times them on a GPU; the table is to be tuned from it. A ``ProgressiveWeight`` runs
+``progressive.py``'s kernel with ``PROGRESSIVE_TABLE`` (``FLAT_TABLE``'s tiles; compiled offline for sm_90 without
+spills, 43-125 registers; not yet timed).
 """
 
 from __future__ import annotations
