@@ -32,6 +32,7 @@ Modes (JSON + markdown written under --out, default out/w4a8; a short table is p
   python benchmarks/bench_w4a8.py --group -1 --ms 1,256  per-channel weights, other rows
   python benchmarks/bench_w4a8.py --flat-sweep         only bf16 and candidate flat-kernel tiles (``FLAT_SWEEP``),
                                                        2 shapes x M in {64, 256, 1024, 4096}
+  python benchmarks/bench_w4a8.py --prog-sweep         the same for the progressive kernel's tiles (``PROG_SWEEP``)
   TRITON_INTERPRET=1 python benchmarks/bench_w4a8.py --smoke   CPU plumbing check: tiny shapes, wall clock
 """
 
@@ -88,6 +89,21 @@ FLAT_SWEEP = [
     replace(FLAT, block_m=64, block_n=64, num_warps=4),  # 145 registers: three CTAs an SM, their MMAs interleave
     replace(FLAT, byte_unpack=False, num_stages=3),
     replace(FLAT, swap_ab=False, num_stages=3),
+]
+# --prog-sweep: progressive-kernel tiles (``("prog", cfg)`` variants), compiled for sm_90 without spills (Triton 3.6):
+# the table's 128 x 128 (125 registers), 3 stages (66 KB of shared memory: two CTAs an SM), 256 rows of x (n256
+# wgmma, 195 registers, 177 loop instructions for twice the MMAs), 64 rows, 128 x 64 and 64 x 64 on four warps,
+# not swapped
+PROG = K.PROGRESSIVE_TABLE[-1][1]
+PROG_SWEEP = [
+    PROG,
+    replace(PROG, num_stages=3),
+    replace(PROG, block_m=256, num_stages=3),
+    replace(PROG, block_m=64),
+    replace(PROG, block_m=64, split_waves=1),
+    replace(PROG, block_n=64, num_warps=4),
+    replace(PROG, block_m=64, block_n=64, num_warps=4),
+    replace(PROG, swap_ab=False, num_stages=3),
 ]
 SWEEP_MS = [64, 256, 1024, 4096]
 M1_SHARE_OF_W4A16 = 0.9
@@ -156,6 +172,8 @@ class Problem:
             return lambda: K.w4a8_linear(x, self.wp[i])
         if isinstance(variant, K.W4A8Config):
             return lambda: K.w4a8_linear(x, w4, config=variant)
+        if isinstance(variant, tuple):  # ("prog", config): the progressive kernel with that config
+            return lambda: K.w4a8_linear(x, self.wp[i], config=variant[1])
         if variant == "w4a8_gemm":
             qa, sa = self.qa[i]
             return lambda: K.w4a8_matmul(qa, sa, w4, out_dtype=torch.bfloat16)
@@ -165,7 +183,7 @@ class Problem:
         """Rotation 0's output against float64 (see the module docstring); raises AssertionError on a failure."""
         x, w4 = self.x[0], self.w4[0]
         where = f"{variant} N={self.n} K={self.k} M={self.m}"
-        if variant == "w4a8_prog":
+        if variant == "w4a8_prog" or isinstance(variant, tuple):
             ref = K.progressive_reference(x, self.wp[0])
             qa, sa = K8.quantize_activations_reference(x, "int8")
             x_dq = (qa.double() * sa.double()[:, None]).to(torch.bfloat16)
@@ -232,17 +250,19 @@ def run_table(shapes, ms, group: int, timer: Timer, device: str, save) -> list[d
     return rows
 
 
-def run_sweep(shapes, ms, group: int, timer: Timer, device: str) -> list[dict]:
-    """bf16 and every ``FLAT_SWEEP`` config at each (shape, M), each checked first; one printed line per point."""
+def run_sweep(shapes, ms, group: int, timer: Timer, device: str, variants: list) -> list[dict]:
+    """bf16 and every variant (``FLAT_SWEEP`` configs, or ``("prog", cfg)``) at each (shape, M), each checked first;
+    one printed line per point."""
     rows = []
     for n, k in shapes:
         for m in ms:
             p = Problem(n, k, m, group, device, seed=n + k + m, smoke=timer.smoke)
             base = timer.per_call(p.calls("bf16"))
             row = {"N": n, "K": k, "M": m, "bf16_us": base, "speedup": {}}
-            for cfg in FLAT_SWEEP:
-                p.check(cfg, p.calls(cfg)[0]())
-                row["speedup"][cfg.name] = base / timer.per_call(p.calls(cfg))
+            for variant in variants:
+                name = variant[1].name if isinstance(variant, tuple) else variant.name
+                p.check(variant, p.calls(variant)[0]())
+                row["speedup"][name] = base / timer.per_call(p.calls(variant))
             rows.append(row)
             cells = "  ".join(f"{v:.2f}" for v in row["speedup"].values())
             print(f"N={n:6d} K={k:6d} M={m:5d}  bf16 {base:8.1f} us  {cells}", flush=True)
@@ -312,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", type=int, default=128, help="weight group size (default 128; -1: per channel)")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (needs TRITON_INTERPRET=1)")
     ap.add_argument("--flat-sweep", action="store_true", help="only bf16 and the FLAT_SWEEP tiles of the flat kernel")
+    ap.add_argument("--prog-sweep", action="store_true", help="only bf16 and the PROG_SWEEP tiles, progressive kernel")
     add_out_argument(ap, "w4a8")
     args = ap.parse_args(argv)
     if args.group != -1 and (args.group < 32 or args.group % 32):
@@ -332,16 +353,19 @@ def main(argv: list[str] | None = None) -> int:
         env["seconds"] = round(time.perf_counter() - t_start)
         (out_dir / "w4a8_results.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
 
-    if args.flat_sweep:
+    if args.flat_sweep or args.prog_sweep:
+        configs = PROG_SWEEP if args.prog_sweep else FLAT_SWEEP
         sweep_shapes = shapes if args.smoke else QUICK_SHAPES
         sweep_ms = ms if args.smoke or args.ms else SWEEP_MS
         print("speedup over bf16 cuBLAS per config, in this order:")
-        for i, cfg in enumerate(FLAT_SWEEP):
+        for i, cfg in enumerate(configs):
             print(f"  {i}: {cfg.name}")
-        rows = run_sweep(sweep_shapes, sweep_ms, group, timer, device)
+        variants = [("prog", cfg) for cfg in configs] if args.prog_sweep else configs
+        rows = run_sweep(sweep_shapes, sweep_ms, group, timer, device, variants)
         env["seconds"] = round(time.perf_counter() - t_start)
-        (out_dir / "w4a8_flat_sweep.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
-        for i, cfg in enumerate(FLAT_SWEEP):
+        name = "prog" if args.prog_sweep else "flat"
+        (out_dir / f"w4a8_{name}_sweep.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+        for i, cfg in enumerate(configs):
             by_m = "  ".join(
                 f"M={m}: {geomean(r['speedup'][cfg.name] for r in rows if r['M'] == m):.2f}x" for m in sweep_ms
             )
