@@ -25,7 +25,52 @@ DEFAULT_CONFIGS: dict[str, list[tuple[float, dict[str, int]]]] = {
     ]
     for fmt in FORMATS
 }
-TUNED_CONFIGS: dict[tuple[str, int, int, int, int], list[tuple[float, dict[str, int]]]] = {}
+INF = float("inf")
+
+
+def _tile(bm: int, bn: int, bk: int, warps: int, stages: int, swap: int = 0, group: int = 0) -> dict[str, int]:
+    """A tuned entry: BLOCK_M x BLOCK_N x BLOCK_K, warps, stages, SWAP_AB and (w4a16) the group it was timed with."""
+    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "SWAP_AB": swap}
+    return {**cfg, "TUNED_GROUP": group} if group else cfg
+
+
+# H100 (NVIDIA H100 80GB HBM3), bench_moe.py --sweep on the code of commit 4ef6b29, the fused layer in a CUDA graph:
+# the best of 5-8 timed candidates per M (us in the comments); every candidate checked against the reference.
+# w4a16 entries were measured with groups of 128 (TUNED_GROUP): other groups keep the format's K tile.
+TUNED_CONFIGS: dict[tuple[str, int, int, int, int], list[tuple[float, dict[str, int]]]] = {
+    ("float", 2048, 768, 128, 8): [  # qwen3-30b-a3b
+        (1, _tile(16, 64, 128, 4, 4, swap=1)),  # 51.4 us
+        (16, _tile(16, 128, 128, 4, 3, swap=1)),  # 277.3 us
+        (64, _tile(16, 128, 128, 4, 3, swap=1)),  # 439.6 us
+        (256, _tile(16, 64, 128, 4, 4, swap=1)),  # 530.0 us
+        (1024, _tile(128, 128, 64, 8, 3)),  # 646.2 us
+        (INF, _tile(128, 256, 64, 8, 3)),  # 1049.0 us
+    ],
+    ("w4a16", 2048, 768, 128, 8): [  # qwen3-30b-a3b
+        (1, _tile(16, 64, 128, 4, 4, swap=1, group=128)),  # 46.7 us
+        (16, _tile(16, 64, 128, 4, 4, swap=1, group=128)),  # 199.2 us
+        (64, _tile(16, 64, 128, 4, 4, swap=1, group=128)),  # 326.0 us
+        (256, _tile(16, 64, 128, 4, 4, swap=1, group=128)),  # 511.9 us
+        (1024, _tile(128, 128, 64, 8, 3, group=128)),  # 765.4 us
+        (INF, _tile(128, 128, 64, 8, 3, group=128)),  # 1692.5 us
+    ],
+    ("float", 4096, 14336, 8, 2): [  # mixtral-8x7b
+        (1, _tile(16, 64, 128, 4, 4, swap=1)),  # 248.3 us
+        (16, _tile(16, 64, 128, 4, 4, swap=1)),  # 799.7 us
+        (64, _tile(16, 64, 128, 4, 4, swap=1)),  # 929.8 us
+        (256, _tile(128, 128, 64, 8, 3)),  # 977.8 us
+        (1024, _tile(128, 256, 64, 8, 3)),  # 1596.5 us
+        (INF, _tile(128, 256, 64, 8, 3)),  # 5193.2 us
+    ],
+    ("w4a16", 4096, 14336, 8, 2): [  # mixtral-8x7b
+        (1, _tile(16, 64, 128, 4, 4, swap=1, group=128)),  # 247.5 us
+        (16, _tile(16, 64, 128, 4, 4, swap=1, group=128)),  # 577.1 us
+        (64, _tile(16, 64, 128, 4, 4, swap=1, group=128)),  # 884.3 us
+        (256, _tile(128, 128, 64, 8, 3, group=128)),  # 1300.0 us
+        (1024, _tile(128, 128, 64, 8, 3, group=128)),  # 3175.3 us
+        (INF, _tile(128, 128, 64, 8, 3, group=128)),  # 10658.4 us
+    ],
+}
 
 
 def moe_config(
@@ -43,8 +88,11 @@ def moe_config(
 
 def block_k(fmt: str, group_size: int, cfg: dict[str, int]) -> int:
     """The K tile of experts in ``fmt`` (``group_size``: w4a16's group, fp8_block's B): the config's BLOCK_K where
-    the format allows it (ValueError where not), else the format's default."""
+    the format allows it (ValueError where not), else the format's default. A tuned w4a16 entry's K tile applies to
+    the group it was timed with (``TUNED_GROUP``); experts of another group size take the format's default."""
     bk = cfg.get("BLOCK_K", 0)
+    if fmt == "w4a16" and cfg.get("TUNED_GROUP", group_size) != group_size:
+        bk = 0
     if fmt == "fp8_block":
         if bk not in (0, group_size):
             raise ValueError(f"fp8_block experts take BLOCK_K = B = {group_size}, got {bk}")
@@ -101,8 +149,8 @@ def layer_config(
 def decode_plan(
     cfg: dict[str, int], fmt: str, n: int, k: int, group_size: int, blocks: int, itemsize: int, num_sms: int
 ) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, K tiles per split, splits) of one decode projection: ``n`` output columns per
-    expert (gate/up: columns of silu(g) * u, each program also takes the matching up columns), ``k`` inputs,
+    """(BLOCK_N, BLOCK_K, num_warps, K tiles per split, splits) of one decode projection: ``n`` rows of W per
+    expert (gate/up: 2I, a program's BLOCK_N rows are BLOCK_N / 2 gate rows and the matching up rows), ``k`` inputs,
     ``blocks`` the expert blocks expected to hold rows (the chosen experts at one row each), ``itemsize`` of a
     float weight. Warps: 1, 2 or 4 by the columns per expert; K split until ``DECODE_WARPS_PER_SM`` warps per SM
     (at most the config's SPLIT_K), whole K tiles per split and no empty split."""
@@ -112,8 +160,8 @@ def decode_plan(
         bk = 128
         while group_size and group_size % bk:
             bk //= 2
-    else:  # [BLOCK_N, BLOCK_K] rows of W: 16 bytes per thread along K, BLOCK_N / num_warps rows per warp
-        bn = cfg.get("BLOCK_N") or 4 * warps
+    else:  # [BLOCK_N, BLOCK_K] rows of W, 16 bytes per thread along K; rows per warp x BLOCK_M = 8 (64 fp32 sums)
+        bn = cfg.get("BLOCK_N") or warps * max(1, 8 // cfg["BLOCK_M"])
         bk = 32 * 16 // itemsize
     if bn & (bn - 1) or bk & (bk - 1) or bk < 32:
         raise ValueError(f"decode BLOCK_N must be a power of two and BLOCK_K >= 32, got {bn} and {bk}")

@@ -98,30 +98,32 @@ def _moe_gemv_kernel(
     pairs = tl.load(pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < P
     x_rows = a_ptr + tl.where(valid, pairs // a_div, 0) * stride_am  # padding rows read row 0, stored nowhere
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GLU:  # the first half of the tile: gate rows n0 + j of W13, the second half: the up rows N + n0 + j
+        HALF: tl.constexpr = BLOCK_N // 2
+        col = tl.arange(0, BLOCK_N)
+        offs_c = tl.program_id(1) * HALF + col % HALF  # the column of a = silu(g) * u that both halves feed
+        offs_n = offs_c + (col // HALF) * N
+        n_lim = 2 * N
+    else:
+        offs_c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = offs_c
+        n_lim = N
     t_begin = tl.program_id(2) * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, tl.cdiv(K, BLOCK_K))
     e64 = expert.to(tl.int64)
-    w_base, z_base, s_base = w_ptr + e64 * stride_we, z_ptr + e64 * stride_ze, s_ptr + e64 * stride_se
-    acc = _project(x_rows, w_base, z_base, s_base, offs_n, N, K, group_size, t_begin, t_end, magic, sixteen,
-                   stride_wk, stride_wn, stride_zg, stride_zn, stride_sg, stride_sn, FORMAT, BITS, BLOCK_M, BLOCK_N,
-                   BLOCK_K, EVEN_K, FOLD, X_VEC)  # fmt: skip
-    if GLU:  # the up rows N + offs_n of W13 (masked at 2N: the same columns as the gate rows)
-        acc_u = _project(x_rows, w_base, z_base, s_base, offs_n + N, 2 * N, K, group_size, t_begin, t_end, magic,
-                         sixteen, stride_wk, stride_wn, stride_zg, stride_zn, stride_sg, stride_sn, FORMAT, BITS,
-                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FOLD, X_VEC)  # fmt: skip
-    mask = valid[:, None] & (offs_n < N)[None, :]
-    if PARTIAL:  # fp32 partials [S, P, N] (gate/up: [S, P, 2N], g then u), summed by the next launch
+    acc = _project(x_rows, w_ptr + e64 * stride_we, z_ptr + e64 * stride_ze, s_ptr + e64 * stride_se, offs_n, n_lim,
+                   K, group_size, t_begin, t_end, magic, sixteen, stride_wk, stride_wn, stride_zg, stride_zn,
+                   stride_sg, stride_sn, FORMAT, BITS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FOLD, X_VEC)  # fmt: skip
+    if PARTIAL:  # fp32 partials [S, P, N] (gate/up: [S, P, 2N], the row of gu), summed by the next launch
         part = part_ptr + tl.program_id(2) * stride_ps + pairs[:, None] * stride_pm + offs_n[None, :]
-        tl.store(part, acc, mask=mask)
-        if GLU:
-            tl.store(part + N, acc_u, mask=mask)
+        tl.store(part, acc, mask=valid[:, None] & (offs_c < N)[None, :])
     else:  # gate/up in one split: g and u rounded to x's dtype, silu(g) * u in fp32, rounded once
         ACT: tl.constexpr = act_ptr.dtype.element_ty
-        g = to_act(acc, ACT, EMULATE_BF16).to(tl.float32)
-        u = to_act(acc_u, ACT, EMULATE_BF16).to(tl.float32)
-        tl.store(act_ptr + pairs[:, None] * stride_om + offs_n[None, :], to_act(g / (1.0 + tl.exp(-g)) * u, ACT,
-                 EMULATE_BF16), mask=mask)  # fmt: skip
+        gu = to_act(acc, ACT, EMULATE_BF16).to(tl.float32)
+        g, u = tl.split(tl.permute(tl.reshape(gu, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        offs_a = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(act_ptr + pairs[:, None] * stride_om + offs_a[None, :], to_act(g / (1.0 + tl.exp(-g)) * u, ACT,
+                 EMULATE_BF16), mask=valid[:, None] & (offs_a < N)[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -148,10 +150,10 @@ def _project_launch(a, w, out, pairs, block_expert, p, a_div, glu, cfg, blocks) 
     """One decode launch of projection ``w`` over rows of ``a``. glu: silu(g) * u into ``out`` [P, N / 2] (through
     fp32 partials and ``_glu_splits_kernel`` where K is split); else fp32 partials [S, P, N]. Returns (S, partials
     or ``out``)."""
-    n = w.out_features // 2 if glu else w.out_features
+    n = w.out_features // 2 if glu else w.out_features  # columns of the output
     k = w.in_features
-    bn, bk, warps, per_split, splits = decode_plan(cfg, w.fmt, n, k, w.group_size, blocks, a.element_size(),
-                                                   num_sms(a.device))  # fmt: skip
+    bn, bk, warps, per_split, splits = decode_plan(cfg, w.fmt, w.out_features, k, w.group_size, blocks,
+                                                   a.element_size(), num_sms(a.device))  # fmt: skip
     partial = splits > 1 or not glu
     part = torch.empty(splits, p, 2 * n if glu else n, dtype=torch.float32, device=a.device) if partial else out
     out = out if glu else part
@@ -164,7 +166,7 @@ def _project_launch(a, w, out, pairs, block_expert, p, a_div, glu, cfg, blocks) 
         wst = (w.weight.stride(0), w.weight.stride(2), w.weight.stride(1))
     fold = quant and w.bits == 4
     aligned = a.data_ptr() % 8 == 0 and a.stride(0) % 4 == 0
-    grid = (block_expert.numel(), triton.cdiv(n, bn), splits)
+    grid = (block_expert.numel(), triton.cdiv(n, bn // 2) if glu else triton.cdiv(n, bn), splits)
     _moe_gemv_kernel[grid](
         a, w.weight, z, s, part, out, pairs, block_expert,
         n, k, p, (w.group_size or 2**30) if quant else 0, per_split, a_div, MAGIC_F32, 16,

@@ -329,11 +329,11 @@ def test_layer_config_picks_the_decode_path_by_tokens():
 @pytest.mark.parametrize(
     ("fmt", "n", "k", "blocks", "want"),
     [  # H100 (132 SMs), batch 1: (BLOCK_N, BLOCK_K, warps, K tiles per split, splits)
-        ("w4a16", 768, 2048, 8, (128, 128, 1, 1, 16)),  # Qwen3-30B-A3B gate/up: 8 experts x 6 column tiles
+        ("w4a16", 1536, 2048, 8, (256, 128, 2, 1, 16)),  # Qwen3-30B-A3B gate/up: 8 experts x 6 row tiles of W13
         ("w4a16", 2048, 768, 8, (256, 128, 2, 1, 6)),  # Qwen3-30B-A3B down
-        ("w4a16", 14336, 4096, 2, (512, 128, 4, 4, 8)),  # Mixtral-8x7B gate/up
+        ("w4a16", 28672, 4096, 2, (512, 128, 4, 7, 5)),  # Mixtral-8x7B gate/up
         ("w4a16", 4096, 14336, 2, (512, 128, 4, 4, 28)),  # Mixtral-8x7B down
-        ("float", 768, 2048, 8, (4, 256, 1, 4, 2)),
+        ("float", 1536, 2048, 8, (16, 256, 2, 4, 2)),  # Qwen3-30B-A3B bf16 gate/up
     ],
 )
 def test_decode_plan_splits_k_until_the_device_is_busy(fmt, n, k, blocks, want):
@@ -355,7 +355,7 @@ def test_decode_path_is_deterministic_and_reads_only_chosen_experts():
 
 def test_moe_config_takes_the_tuned_entry_of_a_shape_else_the_format_default(monkeypatch):
     tuned = [(1, {**SMALL, "SWAP_AB": 1}), (float("inf"), {**SMALL, "BLOCK_M": 64})]
-    monkeypatch.setitem(C.TUNED_CONFIGS, ("w4a16", 2048, 768, 128, 8), tuned)
+    monkeypatch.setattr(C, "TUNED_CONFIGS", {("w4a16", 2048, 768, 128, 8): tuned})
     assert M.moe_config(1, 8, 128, "w4a16", 2048, 768)["SWAP_AB"] == 1
     assert M.moe_config(2, 8, 128, "w4a16", 2048, 768)["BLOCK_M"] == 64
     default = C.DEFAULT_CONFIGS["float"]
@@ -363,6 +363,14 @@ def test_moe_config_takes_the_tuned_entry_of_a_shape_else_the_format_default(mon
     assert M.moe_config(4096, 2, 8, "w4a16", 4096, 14336) == C.DEFAULT_CONFIGS["w4a16"][-1][1]
     M.moe_config(1, 8, 128, "float")["BLOCK_M"] = 0  # a copy: the table is not changed
     assert M.moe_config(1, 8, 128, "float") == default[0][1]
+
+
+def test_a_tuned_w4a16_k_tile_serves_the_group_it_was_timed_with():
+    tuned = {"BLOCK_K": 128, "TUNED_GROUP": 128}
+    assert C.block_k("w4a16", 128, tuned) == 128
+    assert C.block_k("w4a16", 64, tuned) == C.block_k("w4a16", 64, {})  # another group: the format's default
+    with pytest.raises(ValueError, match="divid"):  # a K tile asked for without TUNED_GROUP is checked as before
+        C.block_k("w4a16", 64, {"BLOCK_K": 128})
 
 
 def test_bad_tile_configs_are_one_line_errors():
