@@ -28,10 +28,13 @@ DEFAULT_CONFIGS: dict[str, list[tuple[float, dict[str, int]]]] = {
 INF = float("inf")
 
 
-def _tile(bm: int, bn: int, bk: int, warps: int, stages: int, swap: int = 0, group: int = 0) -> dict[str, int]:
-    """A tuned entry: BLOCK_M x BLOCK_N x BLOCK_K, warps, stages, SWAP_AB and (w4a16) the group it was timed with."""
+def _tile(
+    bm: int, bn: int, bk: int, warps: int, stages: int, swap: int = 0, scale_tile: int = 0, group: int = 0
+) -> dict[str, int]:
+    """A tuned entry: BLOCK_M x BLOCK_N x BLOCK_K (0: the format's), warps, stages, SWAP_AB, SCALE_TILE and (w4a16)
+    the group it was timed with."""
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "SWAP_AB": swap}
-    return {**cfg, "TUNED_GROUP": group} if group else cfg
+    return {**cfg, "SCALE_TILE": scale_tile, "TUNED_GROUP": group} if group else cfg
 
 
 # H100 (NVIDIA H100 80GB HBM3), bench_moe.py --sweep on the code of commit 4ef6b29, the fused layer in a CUDA graph:
