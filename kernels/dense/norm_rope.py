@@ -141,10 +141,17 @@ def rotary_(q, k, cos, sin) -> None:
         )
 
 
+def _one_buffer(*tensors) -> bool:
+    """Whether the tensors are views of one allocation: tensors allocated apart may still lie next to each other
+    (Qwen3's q/k norms return new tensors that the caching allocator often places back to back), and a view
+    spanning both would reach past its storage."""
+    return len({x.untyped_storage().data_ptr() for x in tensors}) == 1
+
+
 def _rotary_operands(q, k) -> tuple:
     """(q, k), or one [T, Hq + Hkv, D] view of both when k's heads follow q's in memory with the same strides (the
     fused q/k/v projection's output): one launch instead of two."""
-    follows = k.data_ptr() == q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size()
+    follows = k.data_ptr() == q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size() and _one_buffer(q, k)
     same_rows = q.shape[0] == k.shape[0] and (q.shape[0] == 1 or q.stride(0) == k.stride(0))  # one row: any stride
     if q.dtype == k.dtype and q.stride()[1:] == k.stride()[1:] and same_rows and follows:
         return (q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride()),)
@@ -215,6 +222,7 @@ def rotary_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_h: in
         and q.stride(1) == d
         and (t == 1 or q.stride(0) == k.stride(0) == v.stride(0))  # one row: any row stride
         and q.dtype == k.dtype == v.dtype
+        and _one_buffer(q, k, v)
     )
     if not (consecutive and k_cache.is_contiguous() and v_cache.is_contiguous()):
         return False

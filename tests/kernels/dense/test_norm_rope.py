@@ -145,3 +145,19 @@ def test_rotary_store_declines_separate_tensors():
     assert torch.equal(q, before) and not cache.any()
     with pytest.raises(ValueError, match="disagree"):
         K.rotary_store_(q, k, v[:1], cos, sin, cache, cache.clone(), slots)
+
+
+def test_rotary_keeps_adjacent_allocations_apart():
+    """q and k allocated apart but back to back in memory (as Qwen3's q/k norm outputs often are on the GPU) are
+    two operands, never one view reaching past q's storage; k and v after them are not taken for a fused row."""
+    import numpy as np
+
+    memory = np.random.default_rng(0).standard_normal(1 * (4 + 2 + 2) * 16).astype(np.float32)
+    q, k, v = (torch.from_numpy(memory[a:b]).view(1, -1, 16) for a, b in ((0, 64), (64, 96), (96, 128)))
+    assert k.data_ptr() == q.data_ptr() + q.numel() * 4  # adjacent, yet separate storages
+    assert len(K._rotary_operands(q, k)) == 2
+    cache = torch.zeros(4, 4, 2, 16)
+    assert not K.rotary_store_(q, k, v, torch.ones(1, 16), torch.ones(1, 16), cache, cache.clone(),
+                               torch.zeros(1, dtype=torch.int32))  # fmt: skip
+    fused = torch.from_numpy(memory).view(1, 8, 16)
+    assert len(K._rotary_operands(fused[:, :4], fused[:, 4:6])) == 1  # views of one buffer: one launch
