@@ -26,6 +26,7 @@ from ``quantkit.runtime.bench.DUMMY_MODELS``; M in {1, 16, 64, 256, 1024, 4096} 
 
   python benchmarks/bench_moe.py [--out DIR]          both shapes, every M
   python benchmarks/bench_moe.py --quick              M in {1, 64, 1024}
+  python benchmarks/bench_moe.py --ms 1,16            the given M (here: the decode path against the tile path)
   python benchmarks/bench_moe.py --sweep              tile candidates per (shape, format, M), each checked against
                                                       the reference and timed; the best printed with its share of
                                                       copy bandwidth and written as TUNED_CONFIGS entries
@@ -364,11 +365,12 @@ def paste_block(rows: list[dict], shapes: dict) -> str:
                 continue
             lines.append(f'    ("{KERNEL_FORMAT[fmt]}", {h}, {inter}, {e}, {k}): [  # {name}')
             for i, r in enumerate(best):
-                most = 'float("inf")' if i == len(best) - 1 else str(r["m"])
+                most = "INF" if i == len(best) - 1 else str(r["m"])
                 cfg = r["best"]["config"]
-                keys = [key for key in KEY_ORDER if key in cfg and (key not in ("SWAP_AB", "SCALE_TILE") or cfg[key])]
-                text = ", ".join(f'"{key}": {cfg[key]}' for key in keys)
-                lines.append(f"        ({most}, {{{text}}}),  # {r['best']['us']:.1f} us")
+                args = [str(cfg.get(key, 0)) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")]
+                args += ["swap=1"] * bool(cfg.get("SWAP_AB")) + ["scale_tile=1"] * bool(cfg.get("SCALE_TILE"))
+                args += [f"group={GROUP}"] * (KERNEL_FORMAT[fmt] == "w4a16")
+                lines.append(f"        ({most}, _tile({', '.join(args)})),  # {r['best']['us']:.1f} us")
             lines.append("    ],")
     return "\n".join([*lines, "}"]) + "\n"
 
@@ -407,6 +409,7 @@ def markdown(env: dict, copy_bw: float, rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help=f"M in {QUICK_MS}")
+    ap.add_argument("--ms", default="", help="comma-separated M values instead (e.g. 1,16: the decode path)")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (needs TRITON_INTERPRET=1)")
     ap.add_argument("--sweep", action="store_true", help="time candidate tile configs, print the best per M")
     ap.add_argument("--sweep-formats", default="bf16,w4a16", help="formats the sweep covers (default bf16,w4a16)")
@@ -417,6 +420,11 @@ def main(argv: list[str] | None = None) -> None:
     copy_bw = copy_bandwidth(dev, smoke=args.smoke)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     ms = SMOKE_MS if args.smoke else QUICK_MS if args.quick else MS
+    if args.ms:
+        try:
+            ms = [int(v) for v in args.ms.split(",")]
+        except ValueError:
+            raise SystemExit(f"--ms takes comma-separated token counts, got {args.ms!r}") from None
     out = out_folder(args.out)
     env = environment(dev)
     if args.sweep:
