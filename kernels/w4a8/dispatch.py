@@ -98,12 +98,14 @@ GROUP_LOOP_TABLE: tuple[tuple[int, W4A8Config], ...] = (
 # Compiled offline for sm_90 (Triton 3.6, int8): 149 (64-row) and 221 (128-row) registers, no spills, the weight tile
 # from shared memory bytes straight into wgmma's register operand layout. Up to M = 16 it is the group-loop entry.
 # H100, bench_w4a8.py, geomean over bf16 cuBLAS against the group-loop table in the same run: M = 64 0.70x against
-# 0.56x, 256 0.31x against 0.21x, 1024 0.48x against 0.30x, 4096 0.50x against 0.31x.
+# 0.56x, 256 0.31x against 0.21x, 1024 0.48x against 0.30x, 4096 0.50x against 0.31x. Above M = 64, the winner of
+# ``bench_w4a8.py --flat-sweep`` (H100, two shapes, 4096 x 4096 and 28672 x 8192, nine tiles in one run): 128 x 64
+# tiles with 4 warps, 0.53x / 0.52x / 0.56x at M = 256 / 1024 / 4096 against 0.44x / 0.44x / 0.47x for 128 x 128 with
+# 8 warps and 0.32x-0.34x for 64 x 128 (the entry it replaces up to M = 256).
 FLAT_TABLE: tuple[tuple[int, W4A8Config], ...] = (
     GROUP_LOOP_TABLE[0],
     (64, W4A8Config(64, 128, 128, 8, split_waves=2, swap_ab=True, num_warps=8, num_stages=4, flat=True)),
-    (256, W4A8Config(64, 128, 128, 8, split_waves=1, swap_ab=True, num_warps=8, num_stages=4, flat=True)),
-    (2**31, W4A8Config(128, 128, 128, 8, split_waves=0, swap_ab=True, num_warps=8, num_stages=4, flat=True)),
+    (2**31, W4A8Config(128, 64, 128, 8, split_waves=0, swap_ab=True, num_warps=4, num_stages=4, flat=True)),
 )
 
 

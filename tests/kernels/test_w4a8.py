@@ -226,7 +226,9 @@ def test_plans_and_the_table():
     assert K.config_for(16, K.GROUP_LOOP_TABLE) == K.config_for(16) and K.CONFIG_TABLE is K.FLAT_TABLE
 
 
-@pytest.mark.parametrize("table,regime", [(t, r) for t in ("GROUP_LOOP_TABLE", "FLAT_TABLE") for r in range(4)])
+@pytest.mark.parametrize(
+    "table,regime", [(t, r) for t in ("GROUP_LOOP_TABLE", "FLAT_TABLE") for r in range(len(getattr(K, t)))]
+)
 def test_table_configs_run(table, regime):
     max_m, cfg = getattr(K, table)[regime]
     m = min(max_m, 140)
@@ -388,7 +390,7 @@ def test_progressive_linear_act_order_and_fp32_output():
     assert "w4a8/progressive.py" in K.explain(1024, 4096, 4096, 128, "cpu", progressive=True)
 
 
-@pytest.mark.parametrize("regime", range(4))
+@pytest.mark.parametrize("regime", range(len(K.PROGRESSIVE_TABLE)))
 def test_progressive_table_configs_run(regime):
     max_m, cfg = K.PROGRESSIVE_TABLE[regime]
     m = min(max_m, 140)
