@@ -10,7 +10,8 @@ left out: the same for every variant), bf16 activations, timed in the same run:
              decode path (GEMV programs, ``kernels/moe/decode.py``) up to DECODE_MAX_TOKENS, the tile path above
   w4a16      the same on 4-bit experts, groups of 128 (the W4A16 kernel layout, stacked)
   bf16 tile, w4a16 tile  where the default is the decode path: the tile path on the same layer (``moe_config``'s
-             tiles), for the comparison in the same run
+             tiles); bf16 decode, w4a16 decode: above DECODE_MAX_TOKENS up to M = 64, the decode path; both to
+             compare the two paths (and place the threshold) in the same run
   fp8_block  the same on block-fp8 experts, B = 128 (DeepSeek-V3's layout, stacked; activations quantized per tile)
   dense      a bf16 dense SiLU MLP of the active parameters (width k * I): what the routed work costs without routing
   routing    route_and_align alone (part of every fused figure): the share of the layer that is not GEMM
@@ -62,7 +63,7 @@ QUICK_MS = [1, 64, 1024]
 SMOKE_SHAPES = {"tiny": (64, 32, 8, 2)}
 SMOKE_MS = [1, 5]
 FORMATS = ["bf16", "w4a16", "fp8_block"]
-TILE_FORMATS = ["bf16", "w4a16"]  # timed on the tile path too where the default is the decode path
+COMPARE_FORMATS = ["bf16", "w4a16"]  # timed on both paths up to COMPARE_MAX_M
 GROUP, BLOCK = 128, 128
 
 
@@ -121,13 +122,19 @@ def block_m(m: int, shape: tuple, fmt: str = "bf16") -> int:
     return M.layer_config(m, k, e, KERNEL_FORMAT[fmt], h, inter, None)["BLOCK_M"]
 
 
-def tile_config(m: int, shape: tuple, fmt: str) -> dict[str, int] | None:
-    """The tile path's config where m tokens take the decode path by default, else None (nothing to compare)."""
+COMPARE_MAX_M = 64  # up to this M, bf16 and w4a16 are also timed on the path the default does not take
+
+
+def other_path(m: int, shape: tuple, fmt: str) -> tuple[str, dict[str, int]] | None:
+    """(column, config) of the path m tokens do not take by default (the tile path where the default is the decode
+    path, the decode path up to COMPARE_MAX_M above it), None where there is nothing to compare."""
     h, inter, e, k = shape
     kfmt = KERNEL_FORMAT[fmt]
-    if not M.layer_config(m, k, e, kfmt, h, inter, None)["DECODE"]:
-        return None
-    return {**M.moe_config(m, k, e, kfmt, h, inter), "DECODE": 0}
+    if M.layer_config(m, k, e, kfmt, h, inter, None)["DECODE"]:
+        return f"{fmt} tile", {**M.moe_config(m, k, e, kfmt, h, inter), "DECODE": 0}
+    if m <= COMPARE_MAX_M:
+        return f"{fmt} decode", M.decode_config(m, k, e)
+    return None
 
 
 def fused_layer(x, logits, w13, w2, top_k, config=None):
@@ -161,7 +168,7 @@ def run_shape(name, shape, ms, timer, dev, copy_bw, smoke) -> list[dict]:
         bm = block_m(m, shape)
         row["routing_us"] = timer.per_call([lambda logits=logits, bm=bm: M.route_and_align(logits, k, bm)])
         variants = [(fmt, fmt, None) for fmt in FORMATS]
-        variants += [(f"{fmt} tile", fmt, cfg) for fmt in TILE_FORMATS if (cfg := tile_config(m, shape, fmt))]
+        variants += [(o[0], fmt, o[1]) for fmt in COMPARE_FORMATS if (o := other_path(m, shape, fmt))]
         for col, fmt, cfg in variants:
             w13, w2 = experts[fmt]
             weights, ids = M.route(logits, k)
@@ -376,8 +383,9 @@ def paste_block(rows: list[dict], shapes: dict) -> str:
 
 
 def columns(rows: list[dict]) -> list[str]:
-    """The variants timed: FORMATS, then the tile path's columns where some row has them."""
-    return FORMATS + [f"{f} tile" for f in TILE_FORMATS if any(f"{f} tile" in r for r in rows)]
+    """The variants timed: FORMATS, then the other path's columns where some row has them."""
+    other = [f"{f} {path}" for path in ("tile", "decode") for f in COMPARE_FORMATS]
+    return FORMATS + [c for c in other if any(c in r for r in rows)]
 
 
 def cell(r: dict, col: str) -> str:
