@@ -16,15 +16,16 @@ How
     (4-bit), one FFMA per code and row, the group's scale applied once per K tile and column in fp32 (W is never
     rounded to 16 bits: not bit-equal to the reference, as exact or more). Float experts ([E, N, K], K contiguous)
     take [BLOCK_N, BLOCK_K] tiles with 16 bytes per thread along K, products accumulated elementwise in fp32 and
-    summed over K once at the end. Gate/up run in one launch: a program takes BLOCK_N columns of a = silu(g) * u, so
-    the gate rows and the matching up rows of W13 (two column sets, one pass over K each).
+    summed over K once at the end (BLOCK_M x rows per warp = 8: 64 fp32 sums per thread). Gate/up run in one launch
+    and one pass over K: a tile's first BLOCK_N / 2 rows are gate rows of W13, the rest the matching up rows.
     K is split over grid axis 2 until ``configs.DECODE_WARPS_PER_SM`` warps per SM run (at batch 1 Qwen3-30B-A3B
-    has only 8 experts x 768 gate/up column pairs): split programs store fp32 partials [S, P, N] and the next launch
-    adds them in split order (deterministic: the same bits on every run). Gate/up without a split applies
-    SiLU-and-multiply in its epilogue (g and u rounded to x's dtype first, as the reference); with one,
-    ``_glu_splits_kernel`` does it after the sum. The down projection always leaves fp32 partials: ``experts.py``'s
-    ``_sum_k_kernel`` adds the splits, multiplies by the routing weight, rounds o to x's dtype and sums over k in
-    order. Act-order W4A16 experts gather the rows' columns through each expert's perm first (two gathers).
+    has only 8 experts x 768 gate/up row pairs): split programs store fp32 partials [S, P, N] and the next launch
+    loads all S of an element at once and adds them in one fixed tree (deterministic: the same bits on every run).
+    Gate/up without a split applies SiLU-and-multiply in its epilogue (g and u rounded to x's dtype first, as the
+    reference); with one, ``_glu_splits_kernel`` does it after the sum. The down projection always leaves fp32
+    partials: ``experts.py``'s ``_sum_k_kernel`` adds the splits, multiplies by the routing weight, rounds o to x's
+    dtype and sums over k in order. Act-order W4A16 experts gather the rows' columns through each expert's perm
+    first (two gathers).
     A layer is route_and_align, gate/up, (the GLU sum where gate/up is split), down and the sum: 4-5 launches.
 
 Limits: float and W4A16 experts; BLOCK_M at most ``configs.DECODE_MAX_ROWS`` (a row costs one FMA per weight);
@@ -127,23 +128,21 @@ def _moe_gemv_kernel(
 
 
 @triton.jit
-def _glu_splits_kernel(part_ptr, act_ptr, N, splits, stride_ps, stride_pm, stride_om, BLOCK: tl.constexpr,
-                       EMULATE_BF16: tl.constexpr):  # fmt: skip
-    """a[p] = silu(g) * u of gate/up's split partials: g and u summed over the splits in order, rounded to a's
-    dtype, the product in fp32 rounded once."""
+def _glu_splits_kernel(part_ptr, act_ptr, N, splits, stride_ps, stride_pm, stride_om, SPLITS_PAD: tl.constexpr,
+                       BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr):  # fmt: skip
+    """a[p] = silu(g) * u of gate/up's split partials: g and u summed over the splits (all loaded at once, one fixed
+    reduction tree: the same bits on every run), rounded to a's dtype, the product in fp32 rounded once."""
     p = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    g = tl.zeros((BLOCK,), dtype=tl.float32)
-    u = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(splits):
-        row = part_ptr + s * stride_ps + p * stride_pm
-        g += tl.load(row + offs, mask=mask, other=0.0)
-        u += tl.load(row + N + offs, mask=mask, other=0.0)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    mask = (offs_s < splits)[:, None] & (offs < N)[None, :]
+    rows = part_ptr + offs_s[:, None] * stride_ps + p * stride_pm + offs[None, :]
+    g = tl.sum(tl.load(rows, mask=mask, other=0.0), axis=0)
+    u = tl.sum(tl.load(rows + N, mask=mask, other=0.0), axis=0)
     ACT: tl.constexpr = act_ptr.dtype.element_ty
     g = to_act(g, ACT, EMULATE_BF16).to(tl.float32)
     u = to_act(u, ACT, EMULATE_BF16).to(tl.float32)
-    tl.store(act_ptr + p * stride_om + offs, to_act(g / (1.0 + tl.exp(-g)) * u, ACT, EMULATE_BF16), mask=mask)
+    tl.store(act_ptr + p * stride_om + offs, to_act(g / (1.0 + tl.exp(-g)) * u, ACT, EMULATE_BF16), mask=offs < N)
 
 
 def _project_launch(a, w, out, pairs, block_expert, p, a_div, glu, cfg, blocks) -> tuple[int, torch.Tensor]:
@@ -177,9 +176,10 @@ def _project_launch(a, w, out, pairs, block_expert, p, a_div, glu, cfg, blocks) 
         EMULATE_BF16=interpreting() and a.dtype == torch.bfloat16, num_warps=warps, num_stages=1,
     )  # fmt: skip
     if glu and partial:
-        block = min(1024, triton.next_power_of_2(n))
+        pad = triton.next_power_of_2(splits)
+        block = min(max(32, 1024 // pad), triton.next_power_of_2(n))  # 8 partials of g and of u per thread
         _glu_splits_kernel[(p, triton.cdiv(n, block))](
-            part, out, n, splits, part.stride(0), part.stride(1), out.stride(0), BLOCK=block,
+            part, out, n, splits, part.stride(0), part.stride(1), out.stride(0), SPLITS_PAD=pad, BLOCK=block,
             EMULATE_BF16=interpreting() and out.dtype == torch.bfloat16, num_warps=4,
         )  # fmt: skip
     return splits, part

@@ -329,21 +329,22 @@ def _moe_gemm_kernel(
 
 @triton.jit
 def _sum_k_kernel(o_ptr, w_ptr, y_ptr, H, splits, stride_os, stride_om, stride_ym, TOP_K: tl.constexpr,
-                  BLOCK_H: tl.constexpr, WEIGHTED: tl.constexpr, ACT: tl.constexpr, EMULATE_ACT: tl.constexpr,
-                  EMULATE_BF16: tl.constexpr):  # fmt: skip
+                  SPLITS_PAD: tl.constexpr, BLOCK_H: tl.constexpr, WEIGHTED: tl.constexpr, ACT: tl.constexpr,
+                  EMULATE_ACT: tl.constexpr, EMULATE_BF16: tl.constexpr):  # fmt: skip
     """y[t] = sum_j o[t * TOP_K + j] in fp32, j in order (the same bits on every run), cast once to y's dtype.
-    o [splits, T * TOP_K, H]: each row the sum of its splits in order; WEIGHTED (o holds the down projection's fp32
-    partials): times the pair's routing weight and rounded to ACT first (o's rounding in the reference).
-    EMULATE_ACT / EMULATE_BF16: the interpreter's rounding to bf16 of o / y."""
+    o [splits, T * TOP_K, H]: each row the sum of its splits (all loaded at once, one fixed reduction tree; splits
+    <= SPLITS_PAD); WEIGHTED (o holds the down projection's fp32 partials): times the pair's routing weight and
+    rounded to ACT first (o's rounding in the reference). EMULATE_ACT / EMULATE_BF16: the interpreter's rounding to
+    bf16 of o / y."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
+    offs_s = tl.arange(0, SPLITS_PAD)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        o = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        row = o_ptr + (t * TOP_K + j) * stride_om + offs
-        for s in range(splits):
-            o += tl.load(row + s * stride_os, mask=mask, other=0.0).to(tl.float32)
+        rows = o_ptr + (t * TOP_K + j) * stride_om + offs_s[:, None] * stride_os + offs[None, :]
+        parts = tl.load(rows, mask=(offs_s < splits)[:, None] & mask[None, :], other=0.0)
+        o = tl.sum(parts.to(tl.float32), axis=0)
         if WEIGHTED:
             o = to_act(o * tl.load(w_ptr + t * TOP_K + j), ACT, EMULATE_ACT).to(tl.float32)
         acc += o
@@ -458,10 +459,11 @@ def fused_moe(
             _grouped_gemm(x, None, w13, act, pairs, block_expert, None, p, k, True, cfg)
             _grouped_gemm(act, None, w2, o, pairs, block_expert, route_w, p, 1, False, cfg)
     y = torch.empty(t, h, dtype=out_dtype or x.dtype, device=x.device)
-    block_h = min(1024, triton.next_power_of_2(h))
+    pad = triton.next_power_of_2(splits)
+    block_h = min(max(32, 2048 // pad), 1024, triton.next_power_of_2(h))  # 16 partials per thread and pair
     _sum_k_kernel[(t, triton.cdiv(h, block_h))](
         o, route_w, y, h, splits, o.stride(0) if splits > 1 else 0, o.stride(-2), y.stride(0), TOP_K=k,
-        BLOCK_H=block_h, WEIGHTED=bool(cfg["DECODE"]), ACT=_TL_DTYPE[x.dtype],
+        SPLITS_PAD=pad, BLOCK_H=block_h, WEIGHTED=bool(cfg["DECODE"]), ACT=_TL_DTYPE[x.dtype],
         EMULATE_ACT=interpreting() and x.dtype == torch.bfloat16,
         EMULATE_BF16=interpreting() and y.dtype == torch.bfloat16, num_warps=4,
     )  # fmt: skip
