@@ -116,14 +116,15 @@ def block_k(fmt: str, group_size: int, cfg: dict[str, int]) -> int:
 # at 16 tokens Mixtral-8x7B has ~4 rows per expert, where the GEMV still reads each weight once per block.
 DECODE_MAX_TOKENS = {"float": 16, "w4a16": 16}
 DECODE_MAX_ROWS = 4  # BLOCK_M of the decode path at most: rows of one expert per program (one FMA per row and weight)
-DECODE_WARPS_PER_SM = 16  # K is split until about this many warps per SM run (the dense W4A16 gemv's rule of thumb)
+DECODE_WARPS_PER_SM = 12  # K is split until about this many warps per SM run: one wave at ~168 registers a thread
 
 
 def decode_config(tokens: int, top_k: int, num_experts: int) -> dict[str, int]:
     """The decode path's config: ``DECODE`` 1 and BLOCK_M, the rows of one expert a program takes (the next power
     of two of the mean rows per expert, at most ``DECODE_MAX_ROWS``). Optional keys a caller may add: BLOCK_N
-    (w4a16: a multiple of 128, 4 columns per thread; float: rows of W per program), num_warps and SPLIT_K (at most
-    that many K splits)."""
+    (w4a16: a multiple of 128, 4 columns per thread; float: rows of W per program), num_warps, SPLIT_K (at most
+    that many K splits) and HOIST (w4a16, default 1: a barrier after each K tile's loads, so that all of them issue
+    before its arithmetic; 0: ptxas's own order, which may issue each word row's load just before its use)."""
     per_expert = -(-tokens * top_k // num_experts)
     bm = 1
     while bm < min(per_expert, DECODE_MAX_ROWS):

@@ -14,9 +14,13 @@ How
     ``gemv.mac_tile``): threads only along N, one 16-byte load of four packed words per thread and word row, codes
     unpacked exactly in registers through the fp32 magic-number pattern, the zero folded out of the inner loop
     (4-bit), one FFMA per code and row, the group's scale applied once per K tile and column in fp32 (W is never
-    rounded to 16 bits: not bit-equal to the reference, as exact or more). Float experts ([E, N, K], K contiguous)
-    take [BLOCK_N, BLOCK_K] tiles with 16 bytes per thread along K, products accumulated elementwise in fp32 and
-    summed over K once at the end (BLOCK_M x rows per warp = 8: 64 fp32 sums per thread). Gate/up run in one launch
+    rounded to 16 bits: not bit-equal to the reference, as exact or more). A barrier after each K tile's loads
+    (``HOIST``) makes ptxas issue all of the tile's word loads before its arithmetic (offline sm_90 compiles,
+    Triton 3.6: 167 registers, no spills; without it the down projection's program issued each word row's load just
+    before its use, 96 registers): a split is one to a few K tiles, so its loads had better all be in flight.
+    Float experts ([E, N, K], K contiguous) take [BLOCK_N, BLOCK_K] tiles with 16 bytes per thread along K,
+    products accumulated elementwise in fp32 and summed over K once at the end (BLOCK_M x rows per warp = 8: 64
+    fp32 sums per thread; 117-154 registers, each tile's loads issued first by ptxas itself). Gate/up run in one launch
     and one pass over K: a tile's first BLOCK_N / 2 rows are gate rows of W13, the rest the matching up rows.
     K is split over grid axis 2 until ``configs.DECODE_WARPS_PER_SM`` warps per SM run (at batch 1 Qwen3-30B-A3B
     has only 8 experts x 768 gate/up row pairs): split programs store fp32 partials [S, P, N] and the next launch
@@ -51,15 +55,18 @@ FLOAT, W4A16 = 0, 1
 def _project(x_rows, w_base, z_base, s_base, offs_n, N, K, group_size, t_begin, t_end, magic, sixteen,
              stride_wk, stride_wn, stride_zg, stride_zn, stride_sg, stride_sn,
              FORMAT: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FOLD: tl.constexpr, X_VEC: tl.constexpr):  # fmt: skip
+             BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FOLD: tl.constexpr, X_VEC: tl.constexpr,
+             HOIST: tl.constexpr = False):  # fmt: skip
     """fp32 [BLOCK_M, BLOCK_N]: rows x_rows (pointers [BLOCK_M]) times columns offs_n (< N) of one expert's W, over
-    K tiles t_begin .. t_end."""
+    K tiles t_begin .. t_end. HOIST: a barrier between a tile's loads and its arithmetic (see the header)."""
     if FORMAT == 1:  # the dense W4A16 gemv's tile: row pointers as x, no row stride
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for t in tl.range(t_begin, t_end, num_stages=1):
             words, scales, zeros = load_tile(w_base, z_base, s_base, t, offs_n, N, K, group_size, stride_wk,
                                              stride_wn, stride_zg, stride_zn, stride_sg, stride_sn, BITS, BLOCK_K,
                                              EVEN_K)  # fmt: skip
+            if HOIST:
+                tl.debug_barrier()
             acc = mac_tile(acc, words, scales, zeros, x_rows, t, 0, BLOCK_M, K, 0, 1, magic, sixteen, BITS,
                            BLOCK_K, EVEN_K, FOLD, X_VEC)  # fmt: skip
     else:  # float [N, K] rows: products kept per K position, summed across the threads once
@@ -91,7 +98,7 @@ def _moe_gemv_kernel(
     # meta-parameters
     FORMAT: tl.constexpr, BITS: tl.constexpr, GLU: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FOLD: tl.constexpr, X_VEC: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
+    EMULATE_BF16: tl.constexpr, HOIST: tl.constexpr,
 ):  # fmt: skip
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:  # past the last run: no weight read
@@ -114,7 +121,8 @@ def _moe_gemv_kernel(
     e64 = expert.to(tl.int64)
     acc = _project(x_rows, w_ptr + e64 * stride_we, z_ptr + e64 * stride_ze, s_ptr + e64 * stride_se, offs_n, n_lim,
                    K, group_size, t_begin, t_end, magic, sixteen, stride_wk, stride_wn, stride_zg, stride_zn,
-                   stride_sg, stride_sn, FORMAT, BITS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FOLD, X_VEC)  # fmt: skip
+                   stride_sg, stride_sn, FORMAT, BITS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FOLD, X_VEC,
+                   HOIST)  # fmt: skip
     if PARTIAL:  # fp32 partials [S, P, N] (gate/up: [S, P, 2N], the row of gu), summed by the next launch
         part = part_ptr + tl.program_id(2) * stride_ps + pairs[:, None] * stride_pm + offs_n[None, :]
         tl.store(part, acc, mask=valid[:, None] & (offs_c < N)[None, :])
@@ -173,7 +181,8 @@ def _project_launch(a, w, out, pairs, block_expert, p, a_div, glu, cfg, blocks) 
         part.stride(0), part.stride(1), out.stride(0),
         FORMAT=W4A16 if quant else FLOAT, BITS=w.bits, GLU=glu, PARTIAL=partial, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, FOLD=fold, X_VEC=fold and k % bk == 0 and aligned,
-        EMULATE_BF16=interpreting() and a.dtype == torch.bfloat16, num_warps=warps, num_stages=1,
+        EMULATE_BF16=interpreting() and a.dtype == torch.bfloat16, HOIST=quant and bool(cfg.get("HOIST", 1)),
+        num_warps=warps, num_stages=1,
     )  # fmt: skip
     if glu and partial:
         pad = triton.next_power_of_2(splits)
