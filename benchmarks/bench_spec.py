@@ -4,6 +4,8 @@ of draft, verify and decode steps of a Llama-3-8B-shaped model with the batch-1 
   python benchmarks/bench_spec.py --model smollm2-135m --device cpu     acceptance / tau (fp32), CPU tokens/s
   python benchmarks/bench_spec.py --model FOLDER --dtype float16        the same on a GPU (fp16)
   python benchmarks/bench_spec.py --costs --acceptance out/spec/acceptance.json   8B-shaped step costs (GPU)
+  python benchmarks/bench_spec.py --mtp                 MTP drafting's costs on dummy:deepseek-v3-tiny (GPU, bf16)
+  TRITON_INTERPRET=1 python benchmarks/bench_spec.py --mtp --smoke       the same code, tiny config, fp32 CPU
 
 Part 1 (a real model): for each proposer (``self-g128``: the target's weights rounded to w4a16-g128; ``self-gptq``:
 a GPTQ checkpoint of the same model given by ``--gptq-draft``; ``self-half``: w4a16-g128 with the first half of the
@@ -31,6 +33,13 @@ decode step, of a verify step of k + 1 tokens per sequence and of one draft step
 layers), at batch 1 and 16, each on a 512-token context; then the projected batch-1 speed-up at the acceptance
 measured in part 1: speed-up = E(a, k) * t_decode / (k * t_draft + t_verify(k)), E(a, k) = (1 - a^(k+1)) / (1 - a)
 (a projection: labelled so in the table).
+
+Part 2, MTP (``--mtp``, issue 51; ``spec_costs.mtp_costs``): DeepSeek-V3's MTP drafter on ``dummy:deepseek-v3-tiny``
+(random bf16 weights with one random MTP layer), at batch 1 and 8 on a 512-token context, k = 1, 2, 3: a decode
+step as a plain engine runs it, the drafter's chain of k tokens (cost per draft token, and its ratio to the decode
+step), a verify step of k + 1 tokens per sequence; acceptance and tau measured end to end on random prompts
+(meaningless for quality with random weights: the point is the cost); the speed-up these costs project at
+DeepSeek-V3's reported 85-90% second-token acceptance (labelled a projection). Writes OUT/mtp.json and OUT/mtp.md.
 """
 
 from __future__ import annotations
@@ -46,11 +55,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import add_out_argument, environment, out_folder, text_row
+from common import add_out_argument, environment, kernel_device, out_folder, text_row
+from spec_costs import mtp_costs, mtp_table, project, step_costs
 
 from quantkit.runtime import LLM, SamplingParams
 from quantkit.runtime.speculative.config import SpeculativeConfig
-from quantkit.runtime.speculative.decoder import expected_tokens
 
 QUESTIONS = [
     "What is the capital of France, and why is it famous?",
@@ -372,82 +381,6 @@ def summary(result: dict) -> None:
         )
 
 
-def step_costs(args, settings: dict) -> dict:
-    """Part 2: median seconds of decode, verify and draft steps on random Llama-3-8B-shaped weights."""
-    from quantkit.runtime.bench import DUMMY_MODELS
-    from quantkit.runtime.scheduler import ScheduledBatch
-    from quantkit.runtime.sequence import Sequence
-
-    config = DUMMY_MODELS["llama-3-8b"]
-    context = 512
-    out = {}
-
-    def batch_of(llm_runner, bm, b: int, new: int, seed: int) -> ScheduledBatch:
-        gen = torch.Generator().manual_seed(seed)
-        batch = ScheduledBatch()
-        params = SamplingParams(max_tokens=64)
-        for i in range(b):
-            ids = torch.randint(3, 1000, (context + new,), generator=gen).tolist()
-            seq = Sequence(10_000 + seed * 1000 + i, i, ids, params)
-            bm.admit(seq, [], context + new)
-            seq.num_computed_tokens = context
-            seq.num_draft_tokens = new - 1  # the step scores new tokens and returns the logits of all of them
-            batch.add(seq, new, [])
-        return batch
-
-    def median_step(runner, batch, reps: int = 20) -> float:
-        for _ in range(3):
-            runner.run(batch)
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            runner.run(batch)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2]
-
-    for name, spec in (("self-g128", dict(method="self", draft_scheme="w4a16-g128")),
-                       ("self-half", dict(method="self", draft_scheme="w4a16-g128", draft_layers=16))):  # fmt: skip
-        llm = LLM(config, **settings, max_model_len=2048, speculative=SpeculativeConfig(**spec, adaptive=False))
-        draft = llm.spec.proposer
-        for b in args.batches:
-            if name == "self-g128":
-                out[f"decode b{b}"] = median_step(llm.runner, batch_of(llm.runner, llm.block_manager, b, 1, 1))
-                for k in args.ks:
-                    out[f"verify k{k} b{b}"] = median_step(
-                        llm.runner, batch_of(llm.runner, llm.block_manager, b, k + 1, 2 + k)
-                    )
-            out[f"draft {name} b{b}"] = median_step(draft.runner, batch_of(draft.runner, draft.bm, b, 1, 50 + b))
-            for key in [k for k in out if k.endswith(f"b{b}")]:
-                print(f"{key}: {1e3 * out[key]:.3f} ms", flush=True)
-        del llm, draft
-        torch.cuda.empty_cache()
-    return out
-
-
-def project(costs: dict, accepted: list[dict], ks, batches) -> list[dict]:
-    """Projected speed-up per proposer, k and batch from measured costs and measured acceptance (greedy)."""
-    rows = []
-    for name in ("self-g128", "self-half"):
-        rates = [r["acceptance"] for r in accepted if r["proposer"] == name and r["temperature"] == 0]
-        if not rates:
-            continue
-        for kind in sorted({r["prompts"] for r in accepted}):
-            for k in ks:
-                a = next((r["acceptance"] for r in accepted if (r["proposer"], r["prompts"], r["k"], r["temperature"])
-                          == (name, kind, k, 0)), None)  # fmt: skip
-                if a is None:
-                    continue
-                for b in batches:
-                    spec_s = k * costs[f"draft {name} b{b}"] + costs[f"verify k{k} b{b}"]
-                    speedup = expected_tokens(a, k) * costs[f"decode b{b}"] / spec_s
-                    rows.append(
-                        dict(proposer=name, prompts=kind, k=k, batch=b, acceptance=a, projected_speedup=speedup)
-                    )
-    return rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m", help="target: a float folder or built-in name (part 1)")
@@ -457,11 +390,11 @@ def main() -> None:
     ap.add_argument("--gptq-draft", type=Path, help="a quantkit GPTQ checkpoint of the target (proposer self-gptq)")
     ap.add_argument("--eagle-heads", type=Path, help="EAGLE heads of the target from train-draft (proposer eagle)")
     ap.add_argument("--medusa-heads", type=Path, help="Medusa heads of the target from train-draft (proposer medusa)")
-    ap.add_argument("--ks", default="2,4,6", help="k of the acceptance table ('': no table, speed only)")
-    ap.add_argument("--temperatures", default="0,0.7")
-    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--ks", default=None, help="k of the table ('': speed only; 2,4,6; --mtp 1,2,3)")
+    ap.add_argument("--temperatures", default=None, help="0,0.7 (--mtp: 0)")
+    ap.add_argument("--batches", default=None, help="1,16 (--mtp: 1,8)")
     ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=None, help="64 (--mtp: 16)")
     ap.add_argument("--sets", default="narrative,chat,grounded", help="prompt sets of the acceptance table")
     ap.add_argument("--speed-k", type=int, default=4)
     ap.add_argument("--speed-sets", default="narrative,chat,grounded")
@@ -480,6 +413,9 @@ def main() -> None:
     ap.add_argument("--heads-dir", type=Path, default=None, help="where part 0 puts the heads (OUT/heads)")
     ap.add_argument("--costs", action="store_true", help="part 2 on random Llama-3-8B-shaped weights (GPU)")
     ap.add_argument("--acceptance", type=Path, help="part 1's JSON, for the projection of part 2")
+    ap.add_argument("--mtp", action="store_true", help="part 2: MTP drafting's costs on dummy:deepseek-v3-tiny (GPU)")
+    ap.add_argument("--context", type=int, default=None, help="--mtp: tokens before the timed steps (512; smoke 32)")
+    ap.add_argument("--smoke", action="store_true", help="--mtp on a tiny config, fp32 CPU (TRITON_INTERPRET=1)")
     add_out_argument(ap, "spec")
     args = ap.parse_args()
     for item in args.train:  # a malformed item is refused now, not after the heads before it have trained
@@ -487,9 +423,18 @@ def main() -> None:
             parse_train(item)
         except ValueError as exc:
             ap.error(str(exc))
+    if args.smoke and not args.mtp:
+        ap.error("--smoke runs --mtp only")
+    mode = {"ks": ("2,4,6", "1,2,3"), "temperatures": ("0,0.7", "0"), "batches": ("1,16", "1,8"),
+            "max_tokens": (64, 16), "context": (512, 32 if args.smoke else 512)}  # fmt: skip
+    for name, defaults in mode.items():
+        if getattr(args, name) is None:
+            setattr(args, name, defaults[args.mtp])
     args.ks = [int(k) for k in args.ks.split(",") if k]
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     args.batches = [int(b) for b in args.batches.split(",")]
+    if args.mtp and not (args.ks and args.batches and min(args.ks + args.batches) > 0 and args.context > 0):
+        ap.error("--mtp needs k >= 1, batch sizes >= 1 and --context >= 1")
     args.speed_sets = [s for s in args.speed_sets.split(",") if s]
     args.trees = [int(n) for n in args.trees.split(",") if n]
     args.sets = args.sets.split(",")
@@ -498,9 +443,26 @@ def main() -> None:
     args.trained = {}
     settings = {k: v for k, v in dict(device=args.device, dtype=args.dtype).items() if v is not None}
     device = "cuda" if torch.cuda.is_available() and args.device in (None, "cuda") else "cpu"
+    if args.mtp:  # a GPU run, or --smoke on the CPU
+        device = kernel_device(args.smoke)
     if device == "cuda" and not args.costs:  # the plain target (0.3 of the card) and a speculative engine share it
         settings["gpu_memory_utilization"] = 0.3
     result = {"environment": environment(device)}
+    if args.mtp:
+        args.sets = ["random"]
+
+        def tau(llm: LLM, prompts: list) -> list[dict]:
+            rows: list[dict] = []
+            measure(llm, "mtp", {"random": prompts}, args, rows, args.ks)
+            return rows
+
+        dtype = "float32" if args.smoke else "bfloat16"
+        result["mtp"] = mtp_costs(args, dict(device=device, dtype=dtype), args.smoke, tau)
+        table = "\n".join(mtp_table(result))
+        print(table)
+        (out / "mtp.json").write_text(json.dumps(result, indent=2))
+        (out / "mtp.md").write_text(table + "\n")
+        return
     if args.costs:
         costs = step_costs(args, settings)
         result["costs_s"] = costs

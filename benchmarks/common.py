@@ -172,9 +172,9 @@ class Timer:
         return seconds_per_call(calls, self.smoke, self.warmup_ms, self.rep_ms) * 1e6
 
 
-def median_seconds(fn, graph: bool = False, smoke: bool = False) -> float:
-    """Median seconds per call of one launch: ``do_bench`` (``do_bench_cudagraph`` with ``graph``); under ``smoke``
-    the wall clock of the second of two calls."""
+def median_seconds(fn, graph: bool = False, smoke: bool = False, rep_ms: int | None = None) -> float:
+    """Median seconds per call of one launch: ``do_bench`` (``do_bench_cudagraph`` with ``graph``) over ``rep_ms``
+    milliseconds of calls (their default where None); under ``smoke`` the wall clock of the second of two calls."""
     if smoke:
         fn()
         start = time.perf_counter()
@@ -182,9 +182,10 @@ def median_seconds(fn, graph: bool = False, smoke: bool = False) -> float:
         return time.perf_counter() - start
     import triton.testing
 
+    rep = {} if rep_ms is None else {"rep": rep_ms}
     if graph:
-        return triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e-3
-    return triton.testing.do_bench(fn, return_mode="median") * 1e-3
+        return triton.testing.do_bench_cudagraph(fn, return_mode="median", **rep) * 1e-3
+    return triton.testing.do_bench(fn, return_mode="median", **rep) * 1e-3
 
 
 def copy_bandwidth(device: str = "cuda", smoke: bool = False, warmup_ms: int = 25, rep_ms: int = 100) -> float:

@@ -104,3 +104,25 @@ def test_spec_refuses_a_malformed_train_item_before_loading_anything(item, tmp_p
            "--model", str(tmp_path / "absent"), "--out", str(tmp_path)]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "expected METHOD:TOKENS|all[:EPOCHS[:self]]" in run.stderr.splitlines()[-1]
+
+
+def test_spec_mtp_smoke_times_every_step_and_projects_from_them(tmp_path):
+    """``bench_spec.py --mtp --smoke``: the GPU mode's code on a tiny DeepSeek-V3 in fp32 on the CPU; every batch
+    and k has a decode, a draft chain (k tokens drafted per sequence, else the run fails) and a verify time, and
+    the projected speed-up is E(a, k) * t_decode / (t_chain + t_verify) of those times."""
+    from quantkit.runtime.speculative.decoder import expected_tokens
+
+    run = smoke("bench_spec.py", tmp_path, "--mtp", "--smoke")
+    data = json.loads((tmp_path / "mtp.json").read_text())["mtp"]
+    assert [(r["batch"], r["k"]) for r in data["rows"]] == [(b, k) for b in (1, 8) for k in (1, 2, 3)]
+    assert [r["k"] for r in data["acceptance"]] == [1, 2, 3] and data["dtype"] == "float32"
+    for r in data["rows"]:
+        chain, verify, decode = (
+            data["costs_s"][f"{s} b{r['batch']}"] for s in (f"draft k{r['k']}", f"verify k{r['k']}", "decode")
+        )
+        assert min(chain, verify, decode) > 0 and r["draft_token_over_decode"] == chain / r["k"] / decode
+        assert r["projected_speedup_a0.85"] == expected_tokens(0.85, r["k"]) * decode / (chain + verify)
+    assert "projection" in run.stdout and "MEANINGLESS" in (tmp_path / "mtp.md").read_text()
+    refused = subprocess.run([sys.executable, str(BENCHMARKS / "bench_spec.py"), "--smoke", "--out", str(tmp_path)],
+                             capture_output=True, text=True)  # fmt: skip
+    assert refused.returncode == 2 and "--smoke runs --mtp only" in refused.stderr
