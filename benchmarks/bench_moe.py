@@ -32,7 +32,9 @@ from ``quantkit.runtime.bench.DUMMY_MODELS``; M in {1, 16, 64, 256, 1024, 4096} 
                                                       the reference and timed; the best printed with its share of
                                                       copy bandwidth and written as TUNED_CONFIGS entries
                                                       (moe_sweep.py, for kernels/moe/configs.py); routing as one
-                                                      launch against two. --sweep-budget (s) bounds it.
+                                                      launch against two. Where the decode path is the
+                                                      default (bf16, w4a16), its variants are timed first (their
+                                                      best printed as a comment). --sweep-budget (s) bounds it.
   TRITON_INTERPRET=1 python benchmarks/bench_moe.py --smoke   CPU plumbing check: a tiny layer, wall clock
 Writes moe.json and moe.md (--sweep: moe_sweep.json and moe_sweep.py) under --out (default out/moe).
 """
@@ -226,12 +228,29 @@ def normalized(cfg: dict, fmt: str) -> dict[str, int]:
     return {key: full[key] for key in KEY_ORDER if key not in drop}
 
 
+def decode_candidates(m: int, shape: tuple, fmt: str) -> list[dict]:
+    """Where m tokens take the decode path by default (bf16, w4a16): its config first, then variants of it (no K
+    split, other warps, w4a16 without HOIST, half or twice the rows per program)."""
+    h, inter, e, k = shape
+    if fmt not in COMPARE_FORMATS or not M.layer_config(m, k, e, KERNEL_FORMAT[fmt], h, inter, None)["DECODE"]:
+        return []
+    base = M.decode_config(m, k, e)
+    bm = base["BLOCK_M"]
+    out = [base, {**base, "SPLIT_K": 1}, {**base, "SPLIT_K": 4}, {**base, "num_warps": 1}, {**base, "num_warps": 4}]
+    out += [{**base, "HOIST": 0}] * (fmt == "w4a16") + [{**base, "BLOCK_M": bm // 2}] * (bm > 1)
+    return out + [{**base, "BLOCK_M": bm * 2}] * (bm < 4 and m * k > e)
+
+
 def sweep_candidates(m: int, shape: tuple, fmt: str, smoke: bool) -> list[dict]:
-    """The default config first, then the candidates of m's rows per expert, without duplicates."""
+    """The default config first (the decode path's where m tokens take it, with its variants), then the tile
+    candidates of m's rows per expert, without duplicates."""
     h, inter, e, k = shape
     default = M.moe_config(m, k, e, KERNEL_FORMAT[fmt], h, inter)
     pool = SMOKE_CANDIDATES if smoke else next(c for most, c in SWEEP_CANDIDATES.items() if m * k / e <= most)
     out: list[dict] = []
+    for cfg in decode_candidates(m, shape, fmt):
+        if cfg not in out:
+            out.append(cfg)
     for cfg in [default, *pool]:
         if normalized(cfg, fmt) not in out and cfg["BLOCK_M"] * cfg["BLOCK_N"] <= MOST_TILE.get(fmt, 2**30):
             out.append(normalized(cfg, fmt))
@@ -271,6 +290,8 @@ def first_line(exc: BaseException) -> str:
 
 
 def label(cfg: dict) -> str:
+    if cfg.get("DECODE"):
+        return "decode " + " ".join(f"{key}={v}" for key, v in cfg.items() if key != "DECODE")
     bk = f"x{cfg['BLOCK_K']}" if "BLOCK_K" in cfg else ""
     swap = " swap" if cfg.get("SWAP_AB") else ""
     scale = " tile-scaled" if cfg.get("SCALE_TILE") else ""
@@ -347,8 +368,11 @@ def sweep_row(name: str, fmt: str, m: int, tried: list[dict]) -> dict:
     timed = [t for t in tried if "us" in t]
     good = [t for t in timed if t["ok"]]
     best = min(good, key=lambda t: t["us"]) if good else None
+    tiles = [t for t in good if not t["config"].get("DECODE")]
+    best_tile = min(tiles, key=lambda t: t["us"]) if tiles else None  # what TUNED_CONFIGS can hold
     default = timed[0] if timed else None
-    row = {"shape": name, "fmt": fmt, "m": m, "tried": tried, "best": best, "default": default}
+    row = {"shape": name, "fmt": fmt, "m": m, "tried": tried, "best": best, "best_tile": best_tile,
+           "default": default}  # fmt: skip
     wrong = sum(not t["ok"] for t in timed)
     skipped = sum(bool(t.get("skipped")) for t in tried)
     if best is None:
@@ -367,17 +391,19 @@ def paste_block(rows: list[dict], shapes: dict) -> str:
     lines = ["TUNED_CONFIGS = {"]
     for name, (h, inter, e, k) in shapes.items():
         for fmt in dict.fromkeys(r["fmt"] for r in rows):
-            best = [r for r in rows if r["shape"] == name and r["fmt"] == fmt and r["best"]]
+            best = [r for r in rows if r["shape"] == name and r["fmt"] == fmt and r["best_tile"]]
             if not best:
                 continue
             lines.append(f'    ("{KERNEL_FORMAT[fmt]}", {h}, {inter}, {e}, {k}): [  # {name}')
             for i, r in enumerate(best):
                 most = "INF" if i == len(best) - 1 else str(r["m"])
-                cfg = r["best"]["config"]
+                if r["best"]["config"].get("DECODE"):  # the decode path won: its config, for configs.py by hand
+                    lines.append(f"        # M = {r['m']}: {label(r['best']['config'])} {r['best']['us']:.1f} us")
+                cfg = r["best_tile"]["config"]
                 args = [str(cfg.get(key, 0)) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")]
                 args += ["swap=1"] * bool(cfg.get("SWAP_AB")) + ["scale_tile=1"] * bool(cfg.get("SCALE_TILE"))
                 args += [f"group={GROUP}"] * (KERNEL_FORMAT[fmt] == "w4a16")
-                lines.append(f"        ({most}, _tile({', '.join(args)})),  # {r['best']['us']:.1f} us")
+                lines.append(f"        ({most}, _tile({', '.join(args)})),  # {r['best_tile']['us']:.1f} us")
             lines.append("    ],")
     return "\n".join([*lines, "}"]) + "\n"
 
