@@ -202,7 +202,8 @@ def make_experts(fmt, dtype, g, inter=INTER):
         return [ExpertWeights.from_float([w.to(dtype).to(DEVICE) for w in p]) for p in ws]
     if fmt.startswith("w4a16"):
         bits, act = (8 if fmt.endswith("8") else 4), fmt.endswith("act")
-        return w4a16_experts(2 * INTER, H, bits, 32, g, act), w4a16_experts(H, INTER, bits, 32, g, act)
+        group = -1 if fmt.endswith("pc") else 32  # pc: one group per output channel
+        return w4a16_experts(2 * inter, H, bits, group, g, act), w4a16_experts(H, inter, bits, group, g, act)
     out = []
     for n, k in ((2 * INTER, H), (H, INTER)):
         # B = 32: 8-bit tensor-core products need K tiles of 32 or more on the GPU
@@ -311,8 +312,10 @@ def test_decode_path_matches_reference(fmt, dtype, t, k, skip, config):
 
 @pytest.mark.parametrize(("dtype", "out_dtype"), [(torch.float16, None), (torch.bfloat16, torch.float32)])
 def test_decode_path_ragged_sizes(dtype, out_dtype):
-    """I = 40 and H = 64: gate/up columns past the expert width masked, K not a multiple of the tile (float)."""
+    """I = 40 and H = 64: gate/up columns past the expert width masked, K not a multiple of the tile (float);
+    W4A16 with I = 96 in one group per channel: K tiles of 128 over K = 64 and 96, N = 192 over tiles of 128."""
     check_layer("float", dtype, 6, 2, (4,), {"DECODE": 1, "BLOCK_M": 2, "BLOCK_N": 16}, out_dtype, inter=40)
+    check_layer("w4a16_pc", dtype, 3, 2, (), {"DECODE": 1, "BLOCK_M": 1}, out_dtype, inter=96)
 
 
 def test_layer_config_picks_the_decode_path_by_tokens():
