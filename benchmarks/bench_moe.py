@@ -230,15 +230,15 @@ def normalized(cfg: dict, fmt: str) -> dict[str, int]:
 
 def decode_candidates(m: int, shape: tuple, fmt: str) -> list[dict]:
     """Where m tokens take the decode path by default (bf16, w4a16): its config first, then variants of it (no K
-    split, other warps, w4a16 without HOIST, half or twice the rows per program)."""
+    split, other warps, w4a16 with HOIST flipped, half or twice the rows per program)."""
     h, inter, e, k = shape
     if fmt not in COMPARE_FORMATS or not M.layer_config(m, k, e, KERNEL_FORMAT[fmt], h, inter, None)["DECODE"]:
         return []
     base = M.decode_config(m, k, e)
     bm = base["BLOCK_M"]
     out = [base, {**base, "SPLIT_K": 1}, {**base, "SPLIT_K": 4}, {**base, "num_warps": 1}, {**base, "num_warps": 4}]
-    out += [{**base, "HOIST": 0}] * (fmt == "w4a16") + [{**base, "BLOCK_M": bm // 2}] * (bm > 1)
-    return out + [{**base, "BLOCK_M": bm * 2}] * (bm < 4 and m * k > e)
+    out += [{**base, "HOIST": int(bm > 1)}] * (fmt == "w4a16") + [{**base, "BLOCK_M": bm // 2}] * (bm > 1)
+    return out + [{**base, "BLOCK_M": bm * 2}] * (bm < 4 and m * k >= e)
 
 
 def sweep_candidates(m: int, shape: tuple, fmt: str, smoke: bool) -> list[dict]:

@@ -14,10 +14,11 @@ How
     ``gemv.mac_tile``): threads only along N, one 16-byte load of four packed words per thread and word row, codes
     unpacked exactly in registers through the fp32 magic-number pattern, the zero folded out of the inner loop
     (4-bit), one FFMA per code and row, the group's scale applied once per K tile and column in fp32 (W is never
-    rounded to 16 bits: not bit-equal to the reference, as exact or more). A barrier after each K tile's loads
-    (``HOIST``) makes ptxas issue all of the tile's word loads before its arithmetic (offline sm_90 compiles,
-    Triton 3.6: 167 registers, no spills; without it the down projection's program issued each word row's load just
-    before its use, 96 registers): a split is one to a few K tiles, so its loads had better all be in flight.
+    rounded to 16 bits: not bit-equal to the reference, as exact or more). At one row per program a barrier after
+    each K tile's loads (``HOIST``) makes ptxas issue all of the tile's word loads before its arithmetic (offline
+    sm_90 compiles, Triton 3.6: 167 registers, no spills; without it the down projection's program issued each word
+    row's load just before its use, 96 registers): a split is one to a few K tiles, so its loads had better all be
+    in flight. Two and four rows take 167-168 and 254 registers without it (with it, two rows spill).
     Float experts ([E, N, K], K contiguous) take [BLOCK_N, BLOCK_K] tiles with 16 bytes per thread along K,
     products accumulated elementwise in fp32 and summed over K once at the end (BLOCK_M x rows per warp = 8: 64
     fp32 sums per thread; 117-154 registers, each tile's loads issued first by ptxas itself). Gate/up run in one launch
@@ -159,6 +160,7 @@ def _project_launch(a, w, out, pairs, block_expert, p, a_div, glu, cfg, blocks) 
     or ``out``)."""
     n = w.out_features // 2 if glu else w.out_features  # columns of the output
     k = w.in_features
+    bm = cfg["BLOCK_M"]
     bn, bk, warps, per_split, splits = decode_plan(cfg, w.fmt, w.out_features, k, w.group_size, blocks,
                                                    a.element_size(), num_sms(a.device))  # fmt: skip
     partial = splits > 1 or not glu
@@ -179,9 +181,9 @@ def _project_launch(a, w, out, pairs, block_expert, p, a_div, glu, cfg, blocks) 
         n, k, p, (w.group_size or 2**30) if quant else 0, per_split, a_div, MAGIC_F32, 16,
         a.stride(0), *wst, z.stride(0), z.stride(1), z.stride(2), s.stride(0), s.stride(1), s.stride(2),
         part.stride(0), part.stride(1), out.stride(0),
-        FORMAT=W4A16 if quant else FLOAT, BITS=w.bits, GLU=glu, PARTIAL=partial, BLOCK_M=cfg["BLOCK_M"],
+        FORMAT=W4A16 if quant else FLOAT, BITS=w.bits, GLU=glu, PARTIAL=partial, BLOCK_M=bm,
         BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, FOLD=fold, X_VEC=fold and k % bk == 0 and aligned,
-        EMULATE_BF16=interpreting() and a.dtype == torch.bfloat16, HOIST=quant and bool(cfg.get("HOIST", 1)),
+        EMULATE_BF16=interpreting() and a.dtype == torch.bfloat16, HOIST=quant and bool(cfg.get("HOIST", bm == 1)),
         num_warps=warps, num_stages=1,
     )  # fmt: skip
     if glu and partial:
