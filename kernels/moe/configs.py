@@ -123,8 +123,9 @@ def decode_config(tokens: int, top_k: int, num_experts: int) -> dict[str, int]:
     """The decode path's config: ``DECODE`` 1 and BLOCK_M, the rows of one expert a program takes (the next power
     of two of the mean rows per expert, at most ``DECODE_MAX_ROWS``). Optional keys a caller may add: BLOCK_N
     (w4a16: a multiple of 128, 4 columns per thread; float: rows of W per program), num_warps, SPLIT_K (at most
-    that many K splits) and HOIST (w4a16, default 1 at BLOCK_M = 1: a barrier after each K tile's loads, so that all
-    of them issue before its arithmetic; 0: ptxas's own order, which may issue each load just before its use)."""
+    that many K splits) and HOIST (w4a16, default 1 at BLOCK_M = 1 and 4 bits: a barrier after each K tile's loads,
+    so that all of them issue before its arithmetic; 0: ptxas's own order, which may issue each load just before
+    its use)."""
     per_expert = -(-tokens * top_k // num_experts)
     bm = 1
     while bm < min(per_expert, DECODE_MAX_ROWS):

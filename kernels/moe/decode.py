@@ -18,7 +18,8 @@ How
     each K tile's loads (``HOIST``) makes ptxas issue all of the tile's word loads before its arithmetic (offline
     sm_90 compiles, Triton 3.6: 167 registers, no spills; without it the down projection's program issued each word
     row's load just before its use, 96 registers): a split is one to a few K tiles, so its loads had better all be
-    in flight. Two and four rows take 167-168 and 254 registers without it (with it, two rows spill).
+    in flight. Two and four rows take 167-168 and 254 registers without it (with it, two rows spill); 8-bit codes
+    (twice the words per tile) take 254 with it, so it is on by default for 4-bit codes at one row only.
     Float experts ([E, N, K], K contiguous) take [BLOCK_N, BLOCK_K] tiles with 16 bytes per thread along K,
     products accumulated elementwise in fp32 and summed over K once at the end (BLOCK_M x rows per warp = 8: 64
     fp32 sums per thread; 117-154 registers, each tile's loads issued first by ptxas itself). Gate/up run in one launch
@@ -174,6 +175,7 @@ def _project_launch(a, w, out, pairs, block_expert, p, a_div, glu, cfg, blocks) 
     else:  # [E, N, K]
         wst = (w.weight.stride(0), w.weight.stride(2), w.weight.stride(1))
     fold = quant and w.bits == 4
+    hoist = quant and bool(cfg.get("HOIST", bm == 1 and w.bits == 4))
     aligned = a.data_ptr() % 8 == 0 and a.stride(0) % 4 == 0
     grid = (block_expert.numel(), triton.cdiv(n, bn // 2) if glu else triton.cdiv(n, bn), splits)
     _moe_gemv_kernel[grid](
@@ -183,8 +185,7 @@ def _project_launch(a, w, out, pairs, block_expert, p, a_div, glu, cfg, blocks) 
         part.stride(0), part.stride(1), out.stride(0),
         FORMAT=W4A16 if quant else FLOAT, BITS=w.bits, GLU=glu, PARTIAL=partial, BLOCK_M=bm,
         BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, FOLD=fold, X_VEC=fold and k % bk == 0 and aligned,
-        EMULATE_BF16=interpreting() and a.dtype == torch.bfloat16, HOIST=quant and bool(cfg.get("HOIST", bm == 1)),
-        num_warps=warps, num_stages=1,
+        EMULATE_BF16=interpreting() and a.dtype == torch.bfloat16, HOIST=hoist, num_warps=warps, num_stages=1,
     )  # fmt: skip
     if glu and partial:
         pad = triton.next_power_of_2(splits)
