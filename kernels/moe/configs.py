@@ -115,6 +115,8 @@ def block_k(fmt: str, group_size: int, cfg: dict[str, int]) -> int:
 # this many tokens in these formats; larger ones run the tile path above. First choices, not yet timed on a GPU:
 # at 16 tokens Mixtral-8x7B has ~4 rows per expert, where the GEMV still reads each weight once per block.
 DECODE_MAX_TOKENS = {"float": 16, "w4a16": 16}
+# Per (format, H, I, E, top_k): the measured threshold of a layer shape where it differs from the format's.
+TUNED_DECODE_MAX_TOKENS: dict[tuple[str, int, int, int, int], int] = {}
 DECODE_MAX_ROWS = 4  # BLOCK_M of the decode path at most: rows of one expert per program (one FMA per row and weight)
 DECODE_WARPS_PER_SM = 12  # K is split until about this many warps per SM run: one wave at ~168 registers a thread
 
@@ -138,9 +140,11 @@ def layer_config(
 ) -> dict[str, int]:
     """The config a layer runs: ``config`` with a ``DECODE`` key is a decode config (1, completed by
     ``decode_config``) or a tile config (0); without one it is a tile config over ``moe_config``'s; None picks the
-    decode path up to ``DECODE_MAX_TOKENS[fmt]`` tokens, else ``moe_config``."""
+    decode path up to the shape's ``TUNED_DECODE_MAX_TOKENS`` (else ``DECODE_MAX_TOKENS[fmt]``) tokens, else
+    ``moe_config``."""
     if config is None:
-        decode = tokens <= DECODE_MAX_TOKENS.get(fmt, 0)
+        most = TUNED_DECODE_MAX_TOKENS.get((fmt, hidden, inter, num_experts, top_k), DECODE_MAX_TOKENS.get(fmt, 0))
+        decode = fmt in DECODE_MAX_TOKENS and tokens <= most
     else:
         decode = bool(config.get("DECODE", 0))
         if decode and fmt not in DECODE_MAX_TOKENS:

@@ -318,7 +318,7 @@ def test_decode_path_ragged_sizes(dtype, out_dtype):
     check_layer("w4a16_pc", dtype, 3, 2, (), {"DECODE": 1, "BLOCK_M": 1}, out_dtype, inter=96)
 
 
-def test_layer_config_picks_the_decode_path_by_tokens():
+def test_layer_config_picks_the_decode_path_by_tokens(monkeypatch):
     most = C.DECODE_MAX_TOKENS["w4a16"]
     assert C.layer_config(most, 8, 128, "w4a16", 2048, 768, None) == {"DECODE": 1, "BLOCK_M": 1}
     assert C.layer_config(16, 2, 8, "float", 4096, 14336, None)["BLOCK_M"] == 4  # 4 rows per expert
@@ -327,6 +327,9 @@ def test_layer_config_picks_the_decode_path_by_tokens():
     assert C.layer_config(1, 2, 8, "float", 64, 64, SMALL) == {**SMALL, "DECODE": 0}  # a tile config stays one
     with pytest.raises(ValueError, match="decode path serves"):
         C.layer_config(1, 2, 8, "fp8_block", 64, 64, {"DECODE": 1})
+    monkeypatch.setitem(C.TUNED_DECODE_MAX_TOKENS, ("float", 4096, 14336, 8, 2), 0)  # a shape's measured threshold
+    assert C.layer_config(1, 2, 8, "float", 4096, 14336, None)["DECODE"] == 0
+    assert C.layer_config(1, 2, 8, "w4a16", 4096, 14336, None)["DECODE"] == 1
 
 
 @pytest.mark.parametrize(
