@@ -230,7 +230,8 @@ def normalized(cfg: dict, fmt: str) -> dict[str, int]:
 
 def decode_candidates(m: int, shape: tuple, fmt: str) -> list[dict]:
     """Where m tokens take the decode path by default (bf16, w4a16): its config first, then variants of it (no K
-    split, other warps, w4a16 with HOIST flipped, half or twice the rows per program)."""
+    split, other warps, w4a16 with HOIST flipped, half or twice the rows per program, gate/up's split summed in a
+    launch of its own)."""
     h, inter, e, k = shape
     if fmt not in COMPARE_FORMATS or not M.layer_config(m, k, e, KERNEL_FORMAT[fmt], h, inter, None)["DECODE"]:
         return []
@@ -238,6 +239,7 @@ def decode_candidates(m: int, shape: tuple, fmt: str) -> list[dict]:
     bm = base["BLOCK_M"]
     out = [base, {**base, "SPLIT_K": 1}, {**base, "SPLIT_K": 4}, {**base, "num_warps": 1}, {**base, "num_warps": 4}]
     out += [{**base, "HOIST": int(bm > 1)}] * (fmt == "w4a16") + [{**base, "BLOCK_M": bm // 2}] * (bm > 1)
+    out += [{**base, "FIXUP": 0}]
     return out + [{**base, "BLOCK_M": bm * 2}] * (bm < 4 and m * k >= e)
 
 

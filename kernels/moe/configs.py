@@ -118,6 +118,7 @@ DECODE_MAX_TOKENS = {"float": 16, "w4a16": 16}
 # Per (format, H, I, E, top_k): the measured threshold of a layer shape where it differs from the format's.
 TUNED_DECODE_MAX_TOKENS: dict[tuple[str, int, int, int, int], int] = {}
 DECODE_MAX_ROWS = 4  # BLOCK_M of the decode path at most: rows of one expert per program (one FMA per row and weight)
+DECODE_LOCK_SLOTS = 4096  # split gate/up tiles (expert blocks x N tiles) one launch may fix up in place
 DECODE_WARPS_PER_SM = 12  # K is split until about this many warps per SM run: one wave at ~168 registers a thread
 
 

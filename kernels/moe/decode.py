@@ -25,19 +25,22 @@ How
     fp32 sums per thread; 117-154 registers, each tile's loads issued first by ptxas itself). Gate/up run in one launch
     and one pass over K: a tile's first BLOCK_N / 2 rows are gate rows of W13, the rest the matching up rows.
     K is split over grid axis 2 until ``configs.DECODE_WARPS_PER_SM`` warps per SM run (at batch 1 Qwen3-30B-A3B
-    has only 8 experts x 768 gate/up row pairs): split programs store fp32 partials [S, P, N] and the next launch
-    loads all S of an element at once and adds them in one fixed tree (deterministic: the same bits on every run).
-    Gate/up without a split applies SiLU-and-multiply in its epilogue (g and u rounded to x's dtype first, as the
-    reference); with one, ``_glu_splits_kernel`` does it after the sum. The down projection always leaves fp32
-    partials: ``experts.py``'s ``_sum_k_kernel`` adds the splits, multiplies by the routing weight, rounds o to x's
-    dtype and sums over k in order. Act-order W4A16 experts gather the rows' columns through each expert's perm
-    first (two gathers).
-    A layer is route_and_align, gate/up, (the GLU sum where gate/up is split), down and the sum: 4-5 launches.
+    has only 8 experts x 768 gate/up row pairs): split programs store fp32 partials [S, P, N]. Gate/up fixes them up
+    in the same launch, as the dense gemv's ``epilogue.finish_tile`` does: each program counts itself in on its
+    tile's semaphore (``ExpertWeights.locks``, reset after use) and the last to arrive adds the S partials in split
+    order (deterministic: the same bits on every run), rounds g and u to x's dtype (as the reference) and stores
+    silu(g) * u; ``_glu_splits_kernel`` does it in a launch of its own where the tiles outnumber the semaphores.
+    Unsplit gate/up applies SiLU-and-multiply in its epilogue. The down projection always leaves fp32 partials:
+    ``experts.py``'s ``_sum_k_kernel`` loads an element's S partials at once, adds them in one fixed tree,
+    multiplies by the routing weight, rounds o to x's dtype and sums over k in order. Act-order W4A16 experts
+    gather the rows' columns through each expert's perm first (two gathers). A layer is route_and_align, gate/up,
+    down and the sum: four launches.
 
-Limits: float and W4A16 experts; BLOCK_M at most ``configs.DECODE_MAX_ROWS`` (a row costs one FMA per weight);
-int32 offsets within an expert and within x, a and the partials; the interpreter computes bf16 in fp32 and rounds
-by hand (``EMULATE_BF16``). Not yet timed on a GPU (``benchmarks/bench_moe.py`` times it against the tile path in
-the same run); split rule and threshold are first choices (``configs.DECODE_MAX_TOKENS``).
+Limits: float and W4A16 experts; one stream at a time per ExpertWeights (its semaphores); BLOCK_M at most
+``configs.DECODE_MAX_ROWS`` (a row costs one FMA per weight); int32 offsets within an expert and within x, a and the
+partials; the interpreter computes bf16 in fp32 and rounds by hand (``EMULATE_BF16``). Not yet timed on a GPU
+(``benchmarks/bench_moe.py`` times it against the tile path in the same run); split rule and threshold are first
+choices (``configs.DECODE_MAX_TOKENS``).
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ def _project(x_rows, w_base, z_base, s_base, offs_n, N, K, group_size, t_begin, 
 @triton.jit(do_not_specialize=["P", "group_size", "tiles_per_split", "magic", "sixteen"])
 def _moe_gemv_kernel(
     # pointers
-    a_ptr, w_ptr, z_ptr, s_ptr, part_ptr, act_ptr, pairs_ptr, block_expert_ptr,
+    a_ptr, w_ptr, z_ptr, s_ptr, part_ptr, act_ptr, pairs_ptr, block_expert_ptr, lock_ptr,
     # sizes: N columns of the output (gate/up: of a = silu(g) * u; W13 has 2N rows), K inputs, P pairs
     N, K, P, group_size, tiles_per_split, a_div,
     # w4a16: the gemv's magic constants as run-time values (kept in registers)
@@ -100,7 +103,7 @@ def _moe_gemv_kernel(
     # meta-parameters
     FORMAT: tl.constexpr, BITS: tl.constexpr, GLU: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FOLD: tl.constexpr, X_VEC: tl.constexpr,
-    EMULATE_BF16: tl.constexpr, HOIST: tl.constexpr,
+    EMULATE_BF16: tl.constexpr, HOIST: tl.constexpr, FIXUP: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:  # past the last run: no weight read
@@ -125,16 +128,39 @@ def _moe_gemv_kernel(
                    K, group_size, t_begin, t_end, magic, sixteen, stride_wk, stride_wn, stride_zg, stride_zn,
                    stride_sg, stride_sn, FORMAT, BITS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FOLD, X_VEC,
                    HOIST)  # fmt: skip
-    if PARTIAL:  # fp32 partials [S, P, N] (gate/up: [S, P, 2N], the row of gu), summed by the next launch
-        part = part_ptr + tl.program_id(2) * stride_ps + pairs[:, None] * stride_pm + offs_n[None, :]
-        tl.store(part, acc, mask=valid[:, None] & (offs_c < N)[None, :])
-    else:  # gate/up in one split: g and u rounded to x's dtype, silu(g) * u in fp32, rounded once
-        ACT: tl.constexpr = act_ptr.dtype.element_ty
-        gu = to_act(acc, ACT, EMULATE_BF16).to(tl.float32)
-        g, u = tl.split(tl.permute(tl.reshape(gu, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-        offs_a = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(act_ptr + pairs[:, None] * stride_om + offs_a[None, :], to_act(g / (1.0 + tl.exp(-g)) * u, ACT,
-                 EMULATE_BF16), mask=valid[:, None] & (offs_a < N)[None, :])  # fmt: skip
+    if PARTIAL:  # fp32 partials [S, P, N] (gate/up: [S, P, 2N], the row of gu)
+        offs_p = pairs[:, None] * stride_pm + offs_n[None, :]
+        mask = valid[:, None] & (offs_c < N)[None, :]
+        tl.store(part_ptr + tl.program_id(2) * stride_ps + offs_p, acc, mask=mask)
+        if FIXUP:  # gate/up: the tile's last split to arrive adds all of them in split order, then SiLU
+            tl.debug_barrier()  # this CTA's partial stores happen before its release below
+            lock = lock_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+            splits = tl.num_programs(2)
+            if arrived == splits - 1:
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s0 in range(0, splits, UNROLL):  # UNROLL partials in flight per round
+                    for j in tl.static_range(UNROLL):
+                        in_split = offs_p * 0 + s0 + j < splits
+                        total += tl.load(part_ptr + (s0 + j) * stride_ps + offs_p, mask=mask & in_split, other=0.0,
+                                         cache_modifier=".cg")  # fmt: skip
+                tl.atomic_xchg(lock, 0)  # ready for the next launch
+                _silu_store(total, act_ptr, pairs, valid, N, stride_om, BLOCK_M, BLOCK_N, EMULATE_BF16)
+    else:  # gate/up in one split
+        _silu_store(acc, act_ptr, pairs, valid, N, stride_om, BLOCK_M, BLOCK_N, EMULATE_BF16)
+
+
+@triton.jit
+def _silu_store(gu, act_ptr, pairs, valid, N, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                EMULATE_BF16: tl.constexpr):  # fmt: skip
+    """a[pairs, n0 + j] = silu(g) * u of a gate/up tile [BLOCK_M, BLOCK_N] (gate columns, then the matching up
+    columns): g and u rounded to a's dtype, the product in fp32, rounded once."""
+    ACT: tl.constexpr = act_ptr.dtype.element_ty
+    gu = to_act(gu, ACT, EMULATE_BF16).to(tl.float32)
+    g, u = tl.split(tl.permute(tl.reshape(gu, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+    offs_a = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(act_ptr + pairs[:, None] * stride_om + offs_a[None, :], to_act(g / (1.0 + tl.exp(-g)) * u, ACT,
+             EMULATE_BF16), mask=valid[:, None] & (offs_a < N)[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -156,9 +182,10 @@ def _glu_splits_kernel(part_ptr, act_ptr, N, splits, stride_ps, stride_pm, strid
 
 
 def _project_launch(a, w, out, pairs, block_expert, p, a_div, glu, cfg, blocks) -> tuple[int, torch.Tensor]:
-    """One decode launch of projection ``w`` over rows of ``a``. glu: silu(g) * u into ``out`` [P, N / 2] (through
-    fp32 partials and ``_glu_splits_kernel`` where K is split); else fp32 partials [S, P, N]. Returns (S, partials
-    or ``out``)."""
+    """One decode launch of projection ``w`` over rows of ``a``. glu: silu(g) * u into ``out`` [P, N / 2] (where K
+    is split, through fp32 partials: fixed up in the launch, or summed by ``_glu_splits_kernel`` where the tiles
+    outnumber ``w.locks`` or the config says FIXUP 0); else fp32 partials [S, P, N]. Returns (S, partials or
+    ``out``)."""
     n = w.out_features // 2 if glu else w.out_features  # columns of the output
     k = w.in_features
     bm = cfg["BLOCK_M"]
@@ -167,6 +194,9 @@ def _project_launch(a, w, out, pairs, block_expert, p, a_div, glu, cfg, blocks) 
     partial = splits > 1 or not glu
     part = torch.empty(splits, p, 2 * n if glu else n, dtype=torch.float32, device=a.device) if partial else out
     out = out if glu else part
+    n_tiles = triton.cdiv(n, bn // 2) if glu else triton.cdiv(n, bn)
+    # gate/up split: fixed up in place where the tiles have semaphores, else summed by _glu_splits_kernel
+    fixup = glu and partial and bool(cfg.get("FIXUP", 1)) and block_expert.numel() * n_tiles <= w.locks.numel()
     quant = w.fmt == "w4a16"
     z = w.qzeros if quant else w.weight
     s = w.scales if quant else w.weight
@@ -177,17 +207,18 @@ def _project_launch(a, w, out, pairs, block_expert, p, a_div, glu, cfg, blocks) 
     fold = quant and w.bits == 4
     hoist = quant and bool(cfg.get("HOIST", bm == 1 and w.bits == 4))
     aligned = a.data_ptr() % 8 == 0 and a.stride(0) % 4 == 0
-    grid = (block_expert.numel(), triton.cdiv(n, bn // 2) if glu else triton.cdiv(n, bn), splits)
+    grid = (block_expert.numel(), n_tiles, splits)
     _moe_gemv_kernel[grid](
-        a, w.weight, z, s, part, out, pairs, block_expert,
+        a, w.weight, z, s, part, out, pairs, block_expert, w.locks,
         n, k, p, (w.group_size or 2**30) if quant else 0, per_split, a_div, MAGIC_F32, 16,
         a.stride(0), *wst, z.stride(0), z.stride(1), z.stride(2), s.stride(0), s.stride(1), s.stride(2),
         part.stride(0), part.stride(1), out.stride(0),
         FORMAT=W4A16 if quant else FLOAT, BITS=w.bits, GLU=glu, PARTIAL=partial, BLOCK_M=bm,
         BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, FOLD=fold, X_VEC=fold and k % bk == 0 and aligned,
-        EMULATE_BF16=interpreting() and a.dtype == torch.bfloat16, HOIST=hoist, num_warps=warps, num_stages=1,
+        EMULATE_BF16=interpreting() and a.dtype == torch.bfloat16, HOIST=hoist, FIXUP=fixup,
+        UNROLL=min(8, triton.next_power_of_2(splits)), num_warps=warps, num_stages=1,
     )  # fmt: skip
-    if glu and partial:
+    if glu and partial and not fixup:
         pad = triton.next_power_of_2(splits)
         block = min(max(32, 1024 // pad), triton.next_power_of_2(n))  # 8 partials of g and of u per thread
         _glu_splits_kernel[(p, triton.cdiv(n, block))](

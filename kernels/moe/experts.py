@@ -60,14 +60,14 @@ first choices by the mean rows per expert.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
 import triton.language as tl
 from quantkit.kernels._device import dot_precision, interpreting
 from quantkit.kernels.dense.norm_rope import silu_mul_reference
-from quantkit.kernels.moe.configs import FORMATS, block_k, layer_config
+from quantkit.kernels.moe.configs import DECODE_LOCK_SLOTS, FORMATS, block_k, layer_config
 from quantkit.kernels.moe.decode import decode_experts
 from quantkit.kernels.moe.routing import align, max_blocks, route_and_align
 from quantkit.kernels.w4a16.epilogue import to_act
@@ -87,7 +87,8 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class ExpertWeights:
     """One projection of all E experts, stacked (layouts in the module docstring): ``fmt`` one of FORMATS,
     ``in_features`` K and ``out_features`` N per expert; ``bits`` (w4a16) 4 or 8; ``group_size`` w4a16's
-    contiguous group length (0: one group) or fp8_block's B; ``perm`` (w4a16 act-order) int64 [E, K]."""
+    contiguous group length (0: one group) or fp8_block's B; ``perm`` (w4a16 act-order) int64 [E, K]; ``locks``
+    int32 [DECODE_LOCK_SLOTS] zeros: the decode path's split-K semaphores, reset by its kernel after every use."""
 
     fmt: str
     weight: torch.Tensor
@@ -98,6 +99,11 @@ class ExpertWeights:
     bits: int = 0
     group_size: int = 0
     perm: torch.Tensor | None = None
+    locks: torch.Tensor = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # the decode path's split-K semaphores (``decode.py``), zero between launches: one stream at a time
+        self.locks = torch.zeros(DECODE_LOCK_SLOTS, dtype=torch.int32, device=self.weight.device)
 
     @property
     def num_experts(self) -> int:
