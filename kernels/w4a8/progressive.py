@@ -1,19 +1,20 @@
 """W4A8 with progressive group quantization (QServe, Lin et al. 2024, arXiv 2405.04532): one int32 accumulator over K.
 
 The format (``ProgressiveWeight``)
-    Level 1, per output channel n: symmetric int8 with an fp32 scale s1[n] = max_k |w[n, k]| / 119 and codes
-    w8 = round(w / s1) in the protective range [-119, 119]. Level 2, per group of ``group_size`` along K: the int8
-    values quantized again, asymmetric 4-bit codes q in [0, 15] with an integer scale s2[g, n] in [1, 16] and an
-    integer zero point z[g, n] in [0, 15]. Stored: the codes, s1, s2 and the scaled zeros sz = z * s2 (uint8, at
-    most 240). The weight is w = s1 * d, d = q * s2 - sz = s2 * (q - z): no float scale inside K.
+    Level 1, per output channel n: symmetric int8 with an fp32 scale s1[n] = max_k |w[n, k]| / 116 and codes
+    w8 = round(w / s1) in the protective range [-116, 116]. Level 2, per group of ``group_size`` along K: the int8
+    values quantized again, asymmetric 4-bit codes q in [0, 15] with an integer scale s2[g, n] in [1, 15] and an
+    integer zero point z[g, n] in [0, 15] (``group_grid``). Stored: the codes, s1, s2 and the scaled zeros
+    sz = z * s2 (uint8). The weight is w = s1 * d, d = q * s2 - sz = s2 * (q - z): no float scale inside K.
 
-Why d is an exact int8 value
-    RTN (``quantize_progressive``): s2 = round((max - min) / 15) over the group's w8 with 0 included, clamped to
-    [1, 16] (the range is at most 238, so the rounding never exceeds 16); z = round(-min / s2); q = round(w8 / s2)
-    + z, clamped to [0, 15]. Before the clamp d = s2 * round(w8 / s2) lies within s2 / 2 <= 8 of w8, so |d| <= 127;
-    the clamp moves d into [-sz, s2 * 15 - sz], an interval that holds 0, which never makes |d| larger. So every d
-    is an int8 in [-127, 127], the protective range's purpose: 119 + 16 / 2 = 127. Any other producer of the format
-    (a GPTQ on this grid) must keep every stored d in [-128, 127] too: the kernel's packed arithmetic relies on it.
+Why every d is an exact int8 value
+    ``group_grid``: s2 = round((max - min) / 15), clamped to [1, 15], over the group's w8 with 0 included (so
+    min <= 0 <= max, integers in [-116, 116]), and z = round(-min / s2), clamped to [0, 15]. Over every such
+    (min, max) pair (enumerated in the tests) sz <= 121 and 15 * s2 - sz <= 126: every code 0..15 of every group,
+    not only the codes RTN picks, decodes to d in [-121, 126]. So an algorithm that picks any code on this grid
+    (GPTQ's error feedback included) stays exact. 116 is the largest range with that property: QServe's 119 keeps
+    the codes RTN picks within 119 + 16 / 2 = 127, but the code 15 of some groups decodes to 128-132 there.
+    Producers of the format must keep every stored d in [-128, 127]: the kernel's packed arithmetic relies on it.
 
 What the kernel computes
     y[m, n] = a_scale[m] * s1[n] * sum_k qa[m, k] * d[k, n]  (+ bias[n]), qa, a_scale the per-token int8 codes and
@@ -60,8 +61,8 @@ from quantkit.kernels.w4a16.epilogue import finish_tile
 from quantkit.kernels.w8a8.gemm import grouped_tile
 from quantkit.kernels.w8a8.quant import FLOAT_DTYPES, quantize_activations_reference, require
 
-W8_MAX = 119  # level 1's protective range: level 2's rounding (at most 16 / 2) keeps d within [-127, 127]
-S2_MAX = 16  # level 2's largest scale: q * s2 <= 240 fits a byte
+W8_MAX = 116  # level 1's protective range: with it every code of every group decodes into int8 (module docstring)
+S2_MAX = 15  # level 2's largest scale (reached at a range of 232): q * s2 <= 225 fits a byte
 MAX_K = 2**17  # 127 * 127 * K < 2**31: the int32 accumulator over all of K is exact
 LAYOUT = "progressive_w4_chunk32"  # the packing above
 LAYOUT_VERSION = 1
@@ -116,6 +117,15 @@ def _group_of(k: int, group_size: int, device) -> torch.Tensor:
     return torch.arange(k, device=device) // (group_size or max(k, 1))
 
 
+def group_grid(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Level 2's grid of groups whose int8 values span [lo, hi] (integers in [-116, 116]; 0 is added to the range):
+    (s2 in [1, 15], z in [0, 15]) as float tensors, asymmetric min-max as QServe's; every code of the grid decodes
+    into int8 (module docstring)."""
+    lo, hi = lo.float().clamp(max=0), hi.float().clamp(min=0)
+    s2 = ((hi - lo) / 15).round().clamp(1, S2_MAX)
+    return s2, (-lo / s2).round().clamp(0, 15)
+
+
 def quantize_progressive(w: torch.Tensor, group_size: int = 128) -> ProgressiveWeight:
     """RTN of a float weight w [N, K] (nn.Linear's layout) into the progressive format (module docstring);
     ``group_size`` a positive multiple of 32, or 0 for one group."""
@@ -129,10 +139,7 @@ def quantize_progressive(w: torch.Tensor, group_size: int = 128) -> ProgressiveW
     w8 = (w / s1[:, None]).round().clamp(-W8_MAX, W8_MAX)  # [N, K] integers
     g = group_size or max(k, 1)
     w8g = F.pad(w8, (0, -k % g)).reshape(n, -1, g)  # [N, n_g, g]; padding 0 lies in every group's range anyway
-    lo = w8g.amin(-1).clamp(max=0)
-    hi = w8g.amax(-1).clamp(min=0)
-    s2 = ((hi - lo) / 15).round().clamp(1, S2_MAX)  # [N, n_g]
-    z = (-lo / s2).round().clamp(0, 15)
+    s2, z = group_grid(w8g.amin(-1), w8g.amax(-1))  # [N, n_g]
     q = ((w8g / s2[..., None]).round() + z[..., None]).clamp(0, 15).reshape(n, -1)[:, :k]
     return ProgressiveWeight(
         qweight=pack_codes(q.to(torch.uint8)),

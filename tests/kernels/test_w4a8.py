@@ -328,8 +328,8 @@ def test_progressive_packing_round_trips():
 def test_progressive_rtn_keeps_d_in_int8_and_is_as_good_as_one_level_rtn():
     w, pw = progressive_layer(64, 384, 128, seed=21)
     d = K.int8_weight(pw)
-    assert d.abs().max() <= 127 and d.abs().max() >= 112  # the protective range is reached, never passed
-    assert pw.s2.min() >= 1 and pw.s2.max() <= 16 and int(pw.sz.max()) <= 240
+    assert d.abs().max() <= 126 and d.abs().max() >= 110  # the protective range is reached, never passed
+    assert pw.s2.min() >= 1 and pw.s2.max() <= 15 and int(pw.sz.max()) <= 121
     assert bool((pw.sz.int() % pw.s2.int() == 0).all()) and bool((pw.sz.int() // pw.s2.int() <= 15).all())
     assert (pw.sz[:, 0] == 0).all()  # the all-positive row: zero point 0
     # one-level asymmetric 4-bit RTN in groups of 128 (0 in range, float scale): the two-level grid within 25%
@@ -341,6 +341,20 @@ def test_progressive_rtn_keeps_d_in_int8_and_is_as_good_as_one_level_rtn():
     err1 = (one_level.reshape(64, 384) - w).norm()
     err2 = (K.dequantize(pw).cpu() - w).norm()
     assert err2 <= 1.25 * err1, f"progressive RTN error {err2:.4g} vs one-level {err1:.4g}"
+
+
+def test_progressive_grid_decodes_every_code_into_int8():
+    """The format's invariant, by enumeration: for every integer range [lo, hi] within the protective range
+    [-116, 116], every code 0..15 of ``group_grid``'s grid decodes to d = s2 * (q - z) in [-121, 126]; at 117 the
+    code 15 of some grid decodes past 127 (116 is the largest range with the property)."""
+    for limit, holds in ((116, True), (117, False)):
+        lo = torch.arange(-limit, 1).repeat_interleave(limit + 1)
+        hi = torch.arange(0, limit + 1).repeat(limit + 1)
+        s2, z = K.progressive.group_grid(lo, hi)
+        d_min, d_max = (-s2 * z).min().item(), (s2 * (15 - z)).max().item()
+        assert (d_min >= -128 and d_max <= 127) == holds, (limit, d_min, d_max)
+        if holds:
+            assert (d_min, d_max) == (-121, 126) and s2.max() == 15
 
 
 def test_progressive_packed_arithmetic_is_exact():
