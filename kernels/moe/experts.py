@@ -22,13 +22,11 @@ Expert weight layouts (``ExpertWeights``: one projection of every expert stacked
                [E, ceil(N/B), ceil(K/B)]; activations quantized per 1 x B tile of each row (``quantize_tiles``) and
                each B-long partial sum promoted to fp32 with its two scales (DeepSeek-V3's rule)
 
-Two paths (``configs.layer_config``): up to ``configs.DECODE_MAX_TOKENS`` tokens (a threshold per format, not yet
-timed on a GPU) float and W4A16 experts take the decode path, ``decode.py``: GEMV programs over (expert block of
-1-4 rows, N tile, K split) on the dense W4A16 gemv's unpacking, because the tiles below pad an expert's one or two
-rows to BLOCK_M and read the 4-bit words through an MMA tile path built for many rows (batch 1 on H100: 10-14% of
-copy bandwidth). Larger layers, fp8_block experts and explicit tile configs take the tile path described here; the
-sum over k (``_sum_k_kernel``) serves both (the decode path's down projection leaves unweighted fp32 partials, so
-there it also adds the K splits and applies the routing weight).
+Two paths (``configs.layer_config``): up to ``configs.DECODE_MAX_TOKENS`` tokens (not yet timed on a GPU) float
+and W4A16 experts take ``decode.py``'s GEMV programs over (expert block of 1-4 rows, N tile, K split) on the dense
+W4A16 gemv's unpacking: the tiles below pad an expert's one or two rows to BLOCK_M (batch 1 on H100: W4A16 at
+10-25% of copy bandwidth). Larger layers, fp8_block experts and tile configs take the tile path; ``_sum_k_kernel``
+serves both (on the decode path it also adds the down projection's K splits and applies the routing weight).
 
 How (tile path)
     ``routing.align`` sorts the pairs by expert and pads each expert's run to BLOCK_M rows; the GEMM grid is
@@ -348,9 +346,13 @@ def _sum_k_kernel(o_ptr, w_ptr, y_ptr, H, splits, stride_os, stride_om, stride_y
     offs_s = tl.arange(0, SPLITS_PAD)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        rows = o_ptr + (t * TOP_K + j) * stride_om + offs_s[:, None] * stride_os + offs[None, :]
-        parts = tl.load(rows, mask=(offs_s < splits)[:, None] & mask[None, :], other=0.0)
-        o = tl.sum(parts.to(tl.float32), axis=0)
+        row = o_ptr + (t * TOP_K + j) * stride_om + offs
+        if SPLITS_PAD == 1:
+            o = tl.load(row, mask=mask, other=0.0).to(tl.float32)
+        else:
+            parts = tl.load(row[None, :] + offs_s[:, None] * stride_os, mask=(offs_s < splits)[:, None] & mask[None, :],
+                            other=0.0)  # fmt: skip
+            o = tl.sum(parts.to(tl.float32), axis=0)
         if WEIGHTED:
             o = to_act(o * tl.load(w_ptr + t * TOP_K + j), ACT, EMULATE_ACT).to(tl.float32)
         acc += o
