@@ -164,6 +164,9 @@ def decode_plan(
     ``blocks`` the expert blocks expected to hold rows (the chosen experts at one row each), ``itemsize`` of a
     float weight. Warps: 1, 2 or 4 by the columns per expert; K split until ``DECODE_WARPS_PER_SM`` warps per SM
     (at most the config's SPLIT_K), whole K tiles per split and no empty split."""
+    bm = cfg["BLOCK_M"]
+    if bm > DECODE_MAX_ROWS or bm & (bm - 1):
+        raise ValueError(f"decode BLOCK_M must be a power of two up to {DECODE_MAX_ROWS}, got {bm}")
     warps = cfg.get("num_warps") or (4 if n >= 4096 else 2 if n >= 1024 else 1)
     if fmt == "w4a16":  # the W4A16 gemv's tile: 4 columns (one 16-byte load of words) per thread, K tiles in a group
         bn = cfg.get("BLOCK_N") or 128 * warps
@@ -171,7 +174,7 @@ def decode_plan(
         while group_size and group_size % bk:
             bk //= 2
     else:  # [BLOCK_N, BLOCK_K] rows of W, 16 bytes per thread along K; rows per warp x BLOCK_M = 8 (64 fp32 sums)
-        bn = cfg.get("BLOCK_N") or warps * max(1, 8 // cfg["BLOCK_M"])
+        bn = cfg.get("BLOCK_N") or warps * max(1, 8 // bm)
         bk = 32 * 16 // itemsize
     if bn & (bn - 1) or bk & (bk - 1) or bk < 32:
         raise ValueError(f"decode BLOCK_N must be a power of two and BLOCK_K >= 32, got {bn} and {bk}")

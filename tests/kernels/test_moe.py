@@ -344,6 +344,8 @@ def test_layer_config_picks_the_decode_path_by_tokens(monkeypatch):
 )
 def test_decode_plan_splits_k_until_the_device_is_busy(fmt, n, k, blocks, want):
     assert C.decode_plan({"DECODE": 1, "BLOCK_M": 1}, fmt, n, k, 128, blocks, 2, 132) == want
+    with pytest.raises(ValueError, match="BLOCK_M must be a power of two up to 4"):
+        C.decode_plan({"DECODE": 1, "BLOCK_M": 8}, fmt, n, k, 128, blocks, 2, 132)
 
 
 def test_decode_path_is_deterministic_and_reads_only_chosen_experts():
