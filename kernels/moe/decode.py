@@ -192,6 +192,9 @@ def _project_launch(a, w, out, pairs, block_expert, p, a_div, glu, cfg, blocks) 
     bn, bk, warps, per_split, splits = decode_plan(cfg, w.fmt, w.out_features, k, w.group_size, blocks,
                                                    a.element_size(), num_sms(a.device))  # fmt: skip
     partial = splits > 1 or not glu
+    if partial and splits * p * w.out_features >= 2**31:  # the operand check bounds one split's rows, not S of them
+        raise ValueError(f"{splits} K splits of {p} pairs x {w.out_features} fp32 partials pass 2**31 elements "
+                         "(32-bit offsets): fewer tokens or SPLIT_K")  # fmt: skip
     part = torch.empty(splits, p, 2 * n if glu else n, dtype=torch.float32, device=a.device) if partial else out
     out = out if glu else part
     n_tiles = triton.cdiv(n, bn // 2) if glu else triton.cdiv(n, bn)

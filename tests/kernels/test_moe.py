@@ -364,6 +364,21 @@ def test_decode_path_is_deterministic_and_reads_only_chosen_experts():
     assert torch.equal(y, M.fused_moe(*args, config={**DECODE, "SPLIT_K": 2}))
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="meta tensors stand in for the operands under the interpreter only")
+def test_decode_partials_past_32_bit_offsets_are_a_one_line_error():
+    """K split s ways multiplies the partials [S, T * k, N] past what the operand check bounds (T * k * N < 2**31):
+    with int32 offsets they would wrap, so the launcher refuses them (meta tensors: nothing allocated or run)."""
+    h, inter, p = 1024, 4096, 2**18 - 1
+    w13 = ExpertWeights("float", torch.empty(1, 2 * inter, h, dtype=torch.float16, device="meta"), h, 2 * inter)
+    w2 = ExpertWeights("float", torch.empty(1, h, inter, dtype=torch.float16, device="meta"), inter, h)
+    x = torch.empty(p, h, dtype=torch.float16, device="meta")
+    ids = torch.zeros(p, 1, dtype=torch.int32, device="meta")
+    weights = torch.ones(p, 1, device="meta")
+    aligned = tuple(torch.empty(p + 1, dtype=torch.int32, device="meta") for _ in range(2))  # align(ids, 1, 1)
+    with pytest.raises(ValueError, match=r"2\*\*31"):
+        M.fused_moe(x, w13, w2, weights, ids, config={"DECODE": 1, "BLOCK_M": 1, "BLOCK_N": 1024}, aligned=aligned)
+
+
 def test_moe_config_takes_the_tuned_entry_of_a_shape_else_the_format_default(monkeypatch):
     tuned = [(1, {**SMALL, "SWAP_AB": 1}), (float("inf"), {**SMALL, "BLOCK_M": 64})]
     monkeypatch.setattr(C, "TUNED_CONFIGS", {("w4a16", 2048, 768, 128, 8): tuned})
