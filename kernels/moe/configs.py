@@ -176,8 +176,10 @@ def decode_plan(
     else:  # [BLOCK_N, BLOCK_K] rows of W, 16 bytes per thread along K; rows per warp x BLOCK_M = 8 (64 fp32 sums)
         bn = cfg.get("BLOCK_N") or warps * max(1, 8 // bm)
         bk = 32 * 16 // itemsize
-    if bn & (bn - 1) or bk & (bk - 1) or bk < 32:
-        raise ValueError(f"decode BLOCK_N must be a power of two and BLOCK_K >= 32, got {bn} and {bk}")
+    if warps < 1 or warps & (warps - 1):
+        raise ValueError(f"decode num_warps must be a power of two, got {warps}")
+    if bn < 2 or bn & (bn - 1) or bk & (bk - 1) or bk < 32:  # gate/up: BLOCK_N / 2 gate rows, as many up rows
+        raise ValueError(f"decode BLOCK_N must be a power of two from 2 and BLOCK_K >= 32, got {bn} and {bk}")
     k_tiles = -(-k // bk)
     programs = max(1, blocks) * -(-n // bn)
     split = max(1, min(-(-DECODE_WARPS_PER_SM * num_sms // (programs * warps)), k_tiles, cfg.get("SPLIT_K") or k_tiles))

@@ -348,6 +348,18 @@ def test_decode_plan_splits_k_until_the_device_is_busy(fmt, n, k, blocks, want):
         C.decode_plan({"DECODE": 1, "BLOCK_M": 8}, fmt, n, k, 128, blocks, 2, 132)
 
 
+def test_bad_decode_configs_are_one_line_errors():
+    """A float gate/up tile of one row has no up half (it divided by zero in the kernel's setup), and a warp count
+    that is not a power of two was reported as a BLOCK_N error."""
+    g = torch.Generator().manual_seed(5)
+    w13, w2 = make_experts("float", torch.float16, g)
+    x = torch.randn(2, H, generator=g).half().to(DEVICE)
+    weights, ids = (t.to(DEVICE) for t in routed(2, 2, g))
+    for bad, match in [({"BLOCK_N": 1}, "BLOCK_N must be a power of two from 2"), ({"num_warps": 3}, "num_warps")]:
+        with pytest.raises(ValueError, match=match):
+            M.fused_moe(x, w13, w2, weights, ids, config={**DECODE, **bad})
+
+
 def test_decode_path_is_deterministic_and_reads_only_chosen_experts():
     """K split in two (gate/up fixed up in the launch): the same bits on a second run (the semaphores were reset),
     and experts no token chose, their scales NaN, are never read."""
