@@ -214,7 +214,7 @@ def fused_moe_reference(
         gu = _project_reference(x[pairs // k], w13, e).to(x.dtype)
         a = silu_mul_reference(gu[:, :inter], gu[:, inter:])
         out[pairs] = (_project_reference(a, w2, e) * weights.reshape(-1)[pairs, None].float()).to(x.dtype)
-    return out.view(t, k, -1).float().sum(dim=1).to(x.dtype)
+    return out.view(t, k, x.shape[1]).float().sum(dim=1).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------

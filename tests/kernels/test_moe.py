@@ -411,6 +411,18 @@ def test_a_tuned_w4a16_k_tile_serves_the_group_it_was_timed_with():
         C.block_k("w4a16", 64, {"BLOCK_K": 128})
 
 
+@pytest.mark.parametrize(("t", "k"), [(0, 2), (3, 0)])
+def test_no_pairs_give_zeros_in_the_kernel_and_the_reference(t, k):
+    """T = 0 (an empty batch) or k = 0: no pair to route, y is [T, H] zeros (the reference's view of its zero pairs
+    as [T, k, -1] was ambiguous and raised)."""
+    g = torch.Generator().manual_seed(6)
+    w13, w2 = make_experts("float", torch.float16, g)
+    x = torch.randn(t, H, generator=g).half().to(DEVICE)
+    weights, ids = torch.ones(t, k, device=DEVICE), torch.zeros(t, k, dtype=torch.int64, device=DEVICE)
+    for y in (M.fused_moe(x, w13, w2, weights, ids), M.fused_moe_reference(x, w13, w2, weights, ids)):
+        assert y.shape == (t, H) and y.dtype == x.dtype and not y.any()
+
+
 def test_bad_tile_configs_are_one_line_errors():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, H).half().to(DEVICE)
