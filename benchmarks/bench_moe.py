@@ -452,15 +452,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sweep-budget", type=float, default=240.0, help="seconds after which the sweep skips the rest")
     add_out_argument(ap, "moe")
     args = ap.parse_args(argv)
+    if args.ms and not all(v.isdigit() and int(v) > 0 for v in args.ms.split(",")):
+        ap.error(f"--ms takes comma-separated token counts from 1, got {args.ms!r}")
     dev = kernel_device(args.smoke)
     copy_bw = copy_bandwidth(dev, smoke=args.smoke)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    ms = SMOKE_MS if args.smoke else QUICK_MS if args.quick else MS
-    if args.ms:
-        try:
-            ms = [int(v) for v in args.ms.split(",")]
-        except ValueError:
-            raise SystemExit(f"--ms takes comma-separated token counts, got {args.ms!r}") from None
+    ms = [int(v) for v in args.ms.split(",")] if args.ms else SMOKE_MS if args.smoke else QUICK_MS if args.quick else MS
     out = out_folder(args.out)
     env = environment(dev)
     if args.sweep:

@@ -126,3 +126,11 @@ def test_spec_mtp_smoke_times_every_step_and_projects_from_them(tmp_path):
     refused = subprocess.run([sys.executable, str(BENCHMARKS / "bench_spec.py"), "--smoke", "--out", str(tmp_path)],
                              capture_output=True, text=True)  # fmt: skip
     assert refused.returncode == 2 and "--smoke runs --mtp only" in refused.stderr
+
+
+@pytest.mark.parametrize("ms", ["0", "1,-2", "x"])
+def test_moe_refuses_bad_token_counts_in_one_line(ms, tmp_path):
+    """``bench_moe.py --ms 0`` ran an empty layer into a traceback; every bad --ms is argparse's one-line exit 2."""
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "bench_moe.py"), "--ms", ms, "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 2 and "--ms takes comma-separated token counts from 1" in run.stderr.splitlines()[-1]
