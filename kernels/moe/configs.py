@@ -77,12 +77,13 @@ TUNED_CONFIGS: dict[tuple[str, int, int, int, int], list[tuple[float, dict[str, 
 
 
 def moe_config(
-    tokens: int, top_k: int, num_experts: int, fmt: str = "float", hidden: int = 0, inter: int = 0
+    tokens: int, top_k: int, num_experts: int, fmt: str = "float", hidden: int = 0, inter: int = 0, act_bytes: int = 2
 ) -> dict[str, int]:
     """The tile config of a layer of ``num_experts`` experts (H ``hidden``, I ``inter``, ``fmt`` one of FORMATS)
-    over ``tokens`` tokens routed to ``top_k`` experts each: the tuned table's entry for this shape if there is one,
-    else the format's default by the mean rows per expert."""
-    tuned = TUNED_CONFIGS.get((fmt, hidden, inter, num_experts, top_k))
+    over ``tokens`` tokens routed to ``top_k`` experts each: the tuned table's entry for this shape if there is one
+    (timed with 16-bit activations: fp32 ones, ``act_bytes`` 4, take the defaults, whose tiles fit shared memory at
+    twice the bytes), else the format's default by the mean rows per expert."""
+    tuned = TUNED_CONFIGS.get((fmt, hidden, inter, num_experts, top_k)) if act_bytes <= 2 else None
     if tuned:
         return dict(next(cfg for most, cfg in tuned if tokens <= most))
     per_expert = tokens * top_k / num_experts
@@ -137,12 +138,19 @@ def decode_config(tokens: int, top_k: int, num_experts: int) -> dict[str, int]:
 
 
 def layer_config(
-    tokens: int, top_k: int, num_experts: int, fmt: str, hidden: int, inter: int, config: dict[str, int] | None
+    tokens: int,
+    top_k: int,
+    num_experts: int,
+    fmt: str,
+    hidden: int,
+    inter: int,
+    config: dict[str, int] | None,
+    act_bytes: int = 2,
 ) -> dict[str, int]:
     """The config a layer runs: ``config`` with a ``DECODE`` key is a decode config (1, completed by
     ``decode_config``) or a tile config (0); without one it is a tile config over ``moe_config``'s; None picks the
     decode path up to the shape's ``TUNED_DECODE_MAX_TOKENS`` (else ``DECODE_MAX_TOKENS[fmt]``) tokens, else
-    ``moe_config``."""
+    ``moe_config`` (``act_bytes``: the activations' element size)."""
     if config is None:
         most = TUNED_DECODE_MAX_TOKENS.get((fmt, hidden, inter, num_experts, top_k), DECODE_MAX_TOKENS.get(fmt, 0))
         decode = fmt in DECODE_MAX_TOKENS and tokens <= most
@@ -151,7 +159,7 @@ def layer_config(
         if decode and fmt not in DECODE_MAX_TOKENS:
             raise ValueError(f"the decode path serves {tuple(DECODE_MAX_TOKENS)} experts, not {fmt}")
     base = decode_config(tokens, top_k, num_experts) if decode else moe_config(
-        tokens, top_k, num_experts, fmt, hidden, inter
+        tokens, top_k, num_experts, fmt, hidden, inter, act_bytes
     )  # fmt: skip
     return {**base, **(config or {}), "DECODE": int(decode)}
 

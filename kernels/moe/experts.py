@@ -443,7 +443,7 @@ def fused_moe(
     p, inter = t * k, w2.in_features
     if p == 0:
         return torch.zeros(t, h, dtype=out_dtype or x.dtype, device=x.device)
-    cfg = layer_config(t, k, w13.num_experts, w13.fmt, h, inter, config)
+    cfg = layer_config(t, k, w13.num_experts, w13.fmt, h, inter, config, x.element_size())
     if aligned is None:
         aligned = align(ids, w13.num_experts, cfg["BLOCK_M"])
     pairs, block_expert = aligned
@@ -494,6 +494,6 @@ def routed_moe(
     t, h = x.shape
     if logits.shape != (t, w13.num_experts):
         raise ValueError(f"logits must be [{t}, {w13.num_experts}], got {tuple(logits.shape)}")
-    cfg = layer_config(t, top_k, w13.num_experts, w13.fmt, h, w2.in_features, config)
+    cfg = layer_config(t, top_k, w13.num_experts, w13.fmt, h, w2.in_features, config, x.element_size())
     weights, ids, pairs, block_expert = route_and_align(logits, top_k, cfg["BLOCK_M"], **routing)
     return fused_moe(x, w13, w2, weights, ids, out_dtype, cfg, (pairs, block_expert))

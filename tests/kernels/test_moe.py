@@ -399,6 +399,7 @@ def test_moe_config_takes_the_tuned_entry_of_a_shape_else_the_format_default(mon
     default = C.DEFAULT_CONFIGS["float"]
     assert M.moe_config(1, 8, 128, "float", 2048, 768) == default[0][1]  # not tuned: by rows per expert
     assert M.moe_config(4096, 2, 8, "w4a16", 4096, 14336) == C.DEFAULT_CONFIGS["w4a16"][-1][1]
+    assert M.moe_config(1, 8, 128, "w4a16", 2048, 768, act_bytes=4) == C.DEFAULT_CONFIGS["w4a16"][0][1]  # fp32 x
     M.moe_config(1, 8, 128, "float")["BLOCK_M"] = 0  # a copy: the table is not changed
     assert M.moe_config(1, 8, 128, "float") == default[0][1]
 
