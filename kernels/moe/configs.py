@@ -113,9 +113,11 @@ def block_k(fmt: str, group_size: int, cfg: dict[str, int]) -> int:
 
 
 # The decode path (``decode.py``: CUDA-core GEMV over (expert block, N tile, K split)) serves a layer of at most
-# this many tokens in these formats; larger ones run the tile path above. First choices, not yet timed on a GPU:
-# at 16 tokens Mixtral-8x7B has ~4 rows per expert, where the GEMV still reads each weight once per block.
-DECODE_MAX_TOKENS = {"float": 16, "w4a16": 16}
+# this many tokens in these formats; larger ones run the tile path above. Off (0) until timed on a GPU: a config
+# with ``DECODE: 1`` selects it, and ``bench_moe.py`` times it beside the tile path up to M = 64. The first choice
+# to try is 16 tokens (Mixtral-8x7B: ~4 rows per expert, where the GEMV still reads each weight once per block);
+# the tuned tile path already reaches 94% of copy bandwidth for bf16 Mixtral at batch 1 (H100).
+DECODE_MAX_TOKENS = {"float": 0, "w4a16": 0}
 # Per (format, H, I, E, top_k): the measured threshold of a layer shape where it differs from the format's.
 TUNED_DECODE_MAX_TOKENS: dict[tuple[str, int, int, int, int], int] = {}
 DECODE_MAX_ROWS = 4  # BLOCK_M of the decode path at most: rows of one expert per program (one FMA per row and weight)

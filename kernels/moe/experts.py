@@ -22,7 +22,7 @@ Expert weight layouts (``ExpertWeights``: one projection of every expert stacked
                [E, ceil(N/B), ceil(K/B)]; activations quantized per 1 x B tile of each row (``quantize_tiles``) and
                each B-long partial sum promoted to fp32 with its two scales (DeepSeek-V3's rule)
 
-Two paths (``configs.layer_config``): up to ``configs.DECODE_MAX_TOKENS`` tokens (not yet timed on a GPU) float
+Two paths (``configs.layer_config``): up to ``configs.DECODE_MAX_TOKENS`` tokens (0 until timed on a GPU) float
 and W4A16 experts take ``decode.py``'s GEMV programs over (expert block of 1-4 rows, N tile, K split) on the dense
 W4A16 gemv's unpacking: the tiles below pad an expert's one or two rows to BLOCK_M (batch 1 on H100: W4A16 at
 10-25% of copy bandwidth). Larger layers, fp8_block experts and tile configs take the tile path; ``_sum_k_kernel``
@@ -490,7 +490,7 @@ def routed_moe(
 ) -> torch.Tensor:
     """``fused_moe`` of ``route(logits, top_k, **routing)``, with routing and alignment in one launch where
     ``route_and_align`` allows it (a decode step: route, one grouped GEMM per projection, the sum). ``config`` as
-    ``fused_moe``'s: None takes the decode path (``decode.py``) up to ``configs.DECODE_MAX_TOKENS`` tokens."""
+    ``fused_moe``'s: None takes the decode path (``decode.py``) up to ``configs.DECODE_MAX_TOKENS`` tokens (0: off)."""
     t, h = x.shape
     if logits.shape != (t, w13.num_experts):
         raise ValueError(f"logits must be [{t}, {w13.num_experts}], got {tuple(logits.shape)}")

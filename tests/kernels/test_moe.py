@@ -319,6 +319,8 @@ def test_decode_path_ragged_sizes(dtype, out_dtype):
 
 
 def test_layer_config_picks_the_decode_path_by_tokens(monkeypatch):
+    assert C.layer_config(1, 8, 128, "w4a16", 2048, 768, None)["DECODE"] == 0  # off until timed on a GPU
+    monkeypatch.setattr(C, "DECODE_MAX_TOKENS", {"float": 16, "w4a16": 16})
     most = C.DECODE_MAX_TOKENS["w4a16"]
     assert C.layer_config(most, 8, 128, "w4a16", 2048, 768, None) == {"DECODE": 1, "BLOCK_M": 1}
     assert C.layer_config(16, 2, 8, "float", 4096, 14336, None)["BLOCK_M"] == 4  # 4 rows per expert
@@ -457,7 +459,7 @@ def test_routed_moe_equals_route_then_fused_moe(fmt, t):
     x, logits = torch.randn(t, H, generator=g).half().to(DEVICE), torch.randn(t, E, generator=g).to(DEVICE)
     y = M.routed_moe(x, logits, w13, w2, 2, config=SMALL)
     assert torch.equal(y, M.fused_moe(x, w13, w2, *M.route(logits, 2), config=SMALL))
-    y = M.routed_moe(x, logits, w13, w2, 2)  # the path layer_config picks: the decode path at 3 tokens
+    y = M.routed_moe(x, logits, w13, w2, 2)  # the path layer_config picks (by DECODE_MAX_TOKENS)
     assert torch.equal(
         y, M.fused_moe(x, w13, w2, *M.route(logits, 2), config=C.layer_config(t, 2, E, fmt, H, INTER, None))
     )
@@ -487,7 +489,8 @@ def test_bad_operands_are_one_line_errors():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
 @pytest.mark.parametrize("t", [4, 600])  # 600 x 2 pairs: above ALIGN_KERNEL_MAX_PAIRS, the sort path
 @pytest.mark.parametrize("routed", [False, True])  # routed_moe: routing and alignment in one launch at t = 4
-def test_layer_is_captured_in_a_cuda_graph_and_replays_new_routing(t, routed):
+@pytest.mark.parametrize("config", [None, {"DECODE": 1}], ids=["default", "decode"])
+def test_layer_is_captured_in_a_cuda_graph_and_replays_new_routing(t, routed, config):
     """route + fused_moe read nothing back to the host: one capture serves every routing of T tokens."""
     g = torch.Generator().manual_seed(5)
     w13, w2 = make_experts("float", torch.bfloat16, g)
@@ -496,9 +499,9 @@ def test_layer_is_captured_in_a_cuda_graph_and_replays_new_routing(t, routed):
 
     def layer():
         if routed:
-            return M.routed_moe(x, logits, w13, w2, 2)
+            return M.routed_moe(x, logits, w13, w2, 2, config=config)
         weights, ids = M.route(logits, 2)
-        return M.fused_moe(x, w13, w2, weights, ids)
+        return M.fused_moe(x, w13, w2, weights, ids, config=config)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
