@@ -276,14 +276,7 @@ def check_w4a8_operands(qa, a_scale, w: W4A16Weight, bias, out_dtype, out) -> to
     ``out``, allocated when None."""
     k, n = w.in_features, w.out_features
     require(w.bits == 4, f"W4A8 needs 4-bit weights, got {w.bits}-bit")
-    require(qa.dim() == 2 and qa.shape[1] == k, f"qa must be [M, {k}], got {tuple(qa.shape)}")
     require(qa.dtype in FORMAT_OF_DTYPE, f"qa must be int8 or float8_e4m3fn, got {qa.dtype}")
-    require(qa.is_cuda or interpreting(), "qa must be a CUDA tensor (or set TRITON_INTERPRET=1 to run on CPU)")
-    m = qa.shape[0]
-    require(
-        a_scale.dtype == torch.float32 and a_scale.shape == (m,) and a_scale.is_contiguous(),
-        f"a_scale must be contiguous fp32 [{m}], got {a_scale.dtype} {tuple(a_scale.shape)}",
-    )
     rows, n_g = -(-k // 32) * 4, w.scales.shape[0]
     require(
         w.qweight.dtype == torch.int32 and tuple(w.qweight.shape) == (rows, n),
@@ -297,17 +290,30 @@ def check_w4a8_operands(qa, a_scale, w: W4A16Weight, bias, out_dtype, out) -> to
         w.scales.dtype == torch.float16 and w.scales.shape[1] == n,
         f"scales must be float16 [n_groups, {n}], got {w.scales.dtype} {tuple(w.scales.shape)}",
     )
+    return check_product(qa, a_scale, (w.qweight, w.qzeros, w.scales), k, n, bias, out_dtype, out)
+
+
+def check_product(qa, a_scale, weights: tuple, k: int, n: int, bias, out_dtype, out) -> torch.Tensor:
+    """The checks every W4A8 weight format shares, after its own: qa [M, K] on a CUDA device (or the interpreter),
+    a_scale fp32 [M], bias [N], the output (allocated when None), one device for all and 32-bit sizes."""
+    require(qa.dim() == 2 and qa.shape[1] == k, f"qa must be [M, {k}], got {tuple(qa.shape)}")
+    require(qa.is_cuda or interpreting(), "qa must be a CUDA tensor (or set TRITON_INTERPRET=1 to run on CPU)")
+    m = qa.shape[0]
+    require(
+        a_scale.dtype == torch.float32 and a_scale.shape == (m,) and a_scale.is_contiguous(),
+        f"a_scale must be contiguous fp32 [{m}], got {a_scale.dtype} {tuple(a_scale.shape)}",
+    )
     require(bias is None or (bias.shape == (n,) and bias.is_floating_point()), f"bias must be a float tensor [{n}]")
     require(out_dtype in FLOAT_DTYPES, f"out_dtype must be fp16, bf16 or fp32, got {out_dtype}")
+    devices = {t.device for t in (qa, a_scale, *weights, bias, out) if t is not None}
+    require(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    require(max(qa.numel(), weights[0].numel(), m * n) < 2**31, "tensors of 2**31 elements or more are not served")
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype, device=qa.device)
     require(
         tuple(out.shape) == (m, n) and out.dtype == out_dtype,
         f"out must be {out_dtype} [{m}, {n}], got {out.dtype} {tuple(out.shape)}",
     )
-    devices = {t.device for t in (qa, a_scale, w.qweight, w.qzeros, w.scales, bias, out) if t is not None}
-    require(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    require(max(qa.numel(), w.qweight.numel(), m * n) < 2**31, "tensors of 2**31 elements or more are not served")
     return out
 
 

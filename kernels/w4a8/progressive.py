@@ -55,11 +55,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from quantkit.kernels._device import interpreting
-from quantkit.kernels.w4a8.gemm import fixup_unroll, tile_operands
+from quantkit.kernels.w4a8.gemm import check_product, fixup_unroll, tile_operands
 from quantkit.kernels.w4a16.configs import LOCK_SLOTS
 from quantkit.kernels.w4a16.epilogue import finish_tile
 from quantkit.kernels.w8a8.gemm import grouped_tile
-from quantkit.kernels.w8a8.quant import FLOAT_DTYPES, quantize_activations_reference, require
+from quantkit.kernels.w8a8.quant import quantize_activations_reference, require
 
 W8_MAX = 116  # level 1's protective range: with it every code of every group decodes into int8 (module docstring)
 S2_MAX = 15  # level 2's largest scale (reached at a range of 232): q * s2 <= 225 fits a byte
@@ -293,15 +293,8 @@ def check_progressive_operands(qa, a_scale, w: ProgressiveWeight, bias, out_dtyp
     """Shapes, dtypes and devices of qa [M, K] @ W.T into out [M, N]; raises ValueError naming the operand; returns
     ``out``, allocated when None."""
     k, n = w.in_features, w.out_features
-    require(qa.dim() == 2 and qa.shape[1] == k, f"qa must be [M, {k}], got {tuple(qa.shape)}")
     require(qa.dtype == torch.int8, f"qa must be int8 for a progressive weight, got {qa.dtype}")
-    require(qa.is_cuda or interpreting(), "qa must be a CUDA tensor (or set TRITON_INTERPRET=1 to run on CPU)")
     require(k <= MAX_K, f"K = {k} is over {MAX_K}: the int32 accumulator over K could overflow")
-    m = qa.shape[0]
-    require(
-        a_scale.dtype == torch.float32 and a_scale.shape == (m,) and a_scale.is_contiguous(),
-        f"a_scale must be contiguous fp32 [{m}], got {a_scale.dtype} {tuple(a_scale.shape)}",
-    )
     rows, n_g = -(-k // 32) * 4, -(-k // (w.group_size or max(k, 1)))
     require(
         w.qweight.dtype == torch.int32 and tuple(w.qweight.shape) == (rows, n) and w.qweight.is_contiguous(),
@@ -314,18 +307,7 @@ def check_progressive_operands(qa, a_scale, w: ProgressiveWeight, bias, out_dtyp
             t.dtype == torch.uint8 and tuple(t.shape) == (n_g, n) and t.is_contiguous(),
             f"{name} must be contiguous uint8 [{n_g}, {n}], got {t.dtype} {tuple(t.shape)}",
         )
-    require(bias is None or (bias.shape == (n,) and bias.is_floating_point()), f"bias must be a float tensor [{n}]")
-    require(out_dtype in FLOAT_DTYPES, f"out_dtype must be fp16, bf16 or fp32, got {out_dtype}")
-    if out is None:
-        out = torch.empty(m, n, dtype=out_dtype, device=qa.device)
-    require(
-        tuple(out.shape) == (m, n) and out.dtype == out_dtype,
-        f"out must be {out_dtype} [{m}, {n}], got {out.dtype} {tuple(out.shape)}",
-    )
-    devices = {t.device for t in (qa, a_scale, w.qweight, w.s1, w.s2, w.sz, bias, out) if t is not None}
-    require(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    require(max(qa.numel(), w.qweight.numel(), m * n) < 2**31, "tensors of 2**31 elements or more are not served")
-    return out
+    return check_product(qa, a_scale, (w.qweight, w.s1, w.s2, w.sz), k, n, bias, out_dtype, out)
 
 
 def launch_progressive(qa, a_scale, w: ProgressiveWeight, bias, out, cfg, plan) -> None:
