@@ -12,6 +12,7 @@ WEIGHT_BITS = (2, 3, 4, 8)
 FORMATS = ("int", "fp8")
 W4A8_ACT_NAMES = {"int": "int8", "fp8": "fp8"}  # act_fmt -> the name's activation word (w4a8-int8, w4a8-fp8)
 BLOCK_SIZES = (16, 32, 64, 128, 256, 512)
+PROGRESSIVE_GROUP_ALIGN = 32  # the progressive kernel's K tiles (multiples of 32) each lie inside one group
 DEFAULT_BLOCK = 128
 _KIND_WORDS = {int: "an integer", bool: "true or false", str: "a string"}
 
@@ -32,6 +33,10 @@ class QuantScheme:
     - ``block_size``: ``None``, or B for block-wise fp8 W8A8 (DeepSeek-V3's scheme, ``w8a8-fp8-block``): one fp32
       scale per B x B weight block and per 1 x B activation tile (computed at run time); B a power of two, 16-512
       (the GEMM's K tile). Needs ``fmt="fp8"``, ``act_bits=8``, dynamic activations and ``group_size=-1``.
+    - ``progressive``: W4A8 with int8 activations only (``w4a8-int8-g128-progressive``): QServe's two-level weight
+      format (``quantkit.kernels.w4a8.progressive``): a per-channel fp32 scale s1 over int8 values, and per group of
+      ``group_size`` (a positive multiple of 32) 4-bit codes with an integer scale s2 in [1, 15] and zero z in
+      [0, 15]. Its groups are asymmetric by construction, so ``sym`` is set to false (whatever was asked).
     """
 
     bits: int = 4
@@ -42,10 +47,11 @@ class QuantScheme:
     act_dynamic: bool = True
     block_size: int | None = None
     act_fmt: str | None = None
+    progressive: bool = False
 
     def __post_init__(self) -> None:
         for name, kind in (("bits", int), ("group_size", int), ("sym", bool), ("act_bits", int),
-                           ("act_dynamic", bool), ("fmt", str), ("act_fmt", str)):  # fmt: skip
+                           ("act_dynamic", bool), ("fmt", str), ("act_fmt", str), ("progressive", bool)):  # fmt: skip
             value = getattr(self, name)
             if value is None and name in ("act_bits", "act_fmt"):
                 continue
@@ -64,6 +70,7 @@ class QuantScheme:
         if self.act_bits not in (None, 8):
             raise QuantkitError(f"act_bits must be null (weight-only) or 8, got {self.act_bits}")
         self._check_activations()
+        self._check_progressive()
         if self.block_size is not None:
             b = self.block_size
             if not isinstance(b, int) or isinstance(b, bool) or b not in BLOCK_SIZES:
@@ -96,6 +103,20 @@ class QuantScheme:
             raise QuantkitError(f"W8A8 activations take the weights' format (fmt {self.fmt}); act_fmt is for W4A8")
         object.__setattr__(self, "act_fmt", None)
 
+    def _check_progressive(self) -> None:
+        """The progressive format's rules; sets ``sym`` false (its level-2 groups are asymmetric)."""
+        if not self.progressive:
+            return
+        if not self.w4a8:
+            raise QuantkitError(f"progressive is a W4A8 weight format (bits 4, act_bits 8), not for {self.name}")
+        if self.act_fmt != "int":
+            raise QuantkitError("progressive W4A8 takes int8 activations (act_fmt int): its kernel sums int8 products "
+                                "in one int32 accumulator")  # fmt: skip
+        if self.group_size <= 0 or self.group_size % PROGRESSIVE_GROUP_ALIGN:
+            raise QuantkitError(f"progressive W4A8 needs a group_size that is a positive multiple of "
+                                f"{PROGRESSIVE_GROUP_ALIGN} (the kernel's K tiles), got {self.group_size}")  # fmt: skip
+        object.__setattr__(self, "sym", False)
+
     @property
     def weight_only(self) -> bool:
         return self.act_bits is None
@@ -107,8 +128,9 @@ class QuantScheme:
 
     @property
     def packed(self) -> bool:
-        """Whether the weight is stored in GPTQ-v2 buffers (qweight, qzeros, scales, g_idx): W*A16 and W4A8."""
-        return self.weight_only or self.w4a8
+        """Whether the weight is stored in GPTQ-v2 buffers (qweight, qzeros, scales, g_idx): W*A16 and W4A8 (not
+        progressive W4A8, which has buffers of its own)."""
+        return (self.weight_only or self.w4a8) and not self.progressive
 
     @property
     def maxq(self) -> int:
@@ -125,8 +147,11 @@ class QuantScheme:
 
     @property
     def name(self) -> str:
-        """Short human name, e.g. ``w4a16-g128-sym``, ``w8a8-int8-dynamic`` or ``w4a8-int8-g128-sym``."""
+        """Short human name, e.g. ``w4a16-g128-sym``, ``w8a8-int8-dynamic``, ``w4a8-int8-g128-sym`` or
+        ``w4a8-int8-g128-progressive``."""
         g = "pc" if self.group_size == -1 else f"g{self.group_size}"
+        if self.progressive and self.w4a8:
+            return f"w4a8-int8-{g}-progressive"
         if self.w4a8:
             return f"w4a8-{W4A8_ACT_NAMES[self.act_fmt]}-{g}-{'sym' if self.sym else 'asym'}"
         if self.block_size is not None:
@@ -136,10 +161,11 @@ class QuantScheme:
         return f"w{self.bits}a16-{g}-{'sym' if self.sym else 'asym'}"
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a plain dict; ``block_size`` and ``act_fmt`` only when set (other schemes read as before)."""
+        """The fields as a plain dict; ``block_size``, ``act_fmt`` and ``progressive`` only when set (other schemes
+        read as before)."""
         data = asdict(self)
-        for key in ("block_size", "act_fmt"):
-            if data[key] is None:
+        for key in ("block_size", "act_fmt", "progressive"):
+            if data[key] in (None, False):
                 del data[key]
         return data
 
