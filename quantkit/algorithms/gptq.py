@@ -26,6 +26,9 @@ where F are the remaining columns. Paper notation below:
   rounding error, searched over 80 shrink factors; it matters most per channel, where a few outliers set the grid.
   Whether it helps a layer depends on the layer: :func:`choose_grid` decides by the output error on held-out
   calibration tokens (the gptq recipe stage's default).
+- Progressive W4A8 (QServe's two-level grid, :class:`~quantkit.quant.tensor.GroupGrid`): the per-channel level-1
+  scales come from the original rows, before any error feedback; each group's integer level-2 scale and zero are
+  fixed like any group's grid (scale = s1 * s2, zero = z), so every code the loop picks is on the stored grid.
 - Act-order (``desc_act``): columns are processed by decreasing diag(H). Without static groups, groups are runs of
   G consecutive columns in processing order, so ``g_idx`` (the group of each ORIGINAL column) is non-monotonic;
   with static groups ``g_idx[k] = k // G``.
@@ -49,7 +52,7 @@ from quantkit.errors import QuantkitError
 from quantkit.kernels.gptq.block import MAX_BLOCK as MAX_KERNEL_BLOCK
 from quantkit.kernels.gptq.block import gptq_block, gptq_block_reference
 from quantkit.quant.scheme import QuantScheme
-from quantkit.quant.tensor import QuantizedWeight, compute_qparams, group_index, search_qparams
+from quantkit.quant.tensor import GroupGrid, QuantizedWeight, group_index
 
 log = logging.getLogger(__name__)
 
@@ -146,10 +149,10 @@ def gptq(
     G = scheme.group_of(K)
     n_groups = scheme.n_groups(K)
     maxq = scheme.maxq
-    qparams = search_qparams if mse else compute_qparams
+    grid = GroupGrid.for_weight(W, scheme, mse)  # progressive: s1 of the original rows, before error feedback
 
     if static_groups or n_groups == 1:
-        scales, zeros = group_qparams(W, scheme, mse=mse)  # [N, n_g], groups of contiguous original columns
+        scales, zeros = group_qparams(W, scheme, grid=grid)  # [N, n_g], groups of contiguous original columns
     else:
         scales = torch.empty(N, n_groups, device=W.device)
         zeros = torch.empty(N, n_groups, device=W.device)
@@ -170,7 +173,7 @@ def gptq(
     for i1, i2 in block_bounds(K, block_size, G):
         if not (static_groups or n_groups == 1) and i1 % G == 0:
             g = i1 // G  # a group starts here; W[:, i1:] holds every update from earlier blocks
-            scales[:, g], zeros[:, g] = qparams(W[:, i1 : i1 + G], scheme.bits, scheme.sym)
+            scales[:, g], zeros[:, g] = grid(W[:, i1 : i1 + G])
         s1 = scales[:, proc_group[i1:i2]]  # [N, B]: the grid of each column of the block
         z1 = zeros[:, proc_group[i1:i2]]
         Q1, E1 = block_step(W[:, i1:i2], U[i1:i2, i1:i2], s1, z1, maxq)  # codes, scaled errors [N, B]
@@ -180,7 +183,7 @@ def gptq(
 
     inv = torch.argsort(perm)  # processing position of each original column
     g_idx = proc_group[inv].to(torch.int32)  # group of each original column
-    qw = QuantizedWeight(codes[:, inv], scales, zeros.to(torch.int32), g_idx, scheme)
+    qw = QuantizedWeight(codes[:, inv], scales, zeros.to(torch.int32), g_idx, scheme, grid.channel_scale)
     info = {
         "loss": reconstruction_loss(W0, qw.dequantize(), H_obj),
         "damp": damp_used,

@@ -4,7 +4,9 @@ Notation of the GPTQ format: W [N, K] (N outputs, K inputs), group g of input ch
 
     W[n, k] ~= scales[n, g_idx[k]] * (q[n, k] - zeros[n, g_idx[k]])
 
-with unsigned integer codes q in [0, 2**bits - 1].
+with unsigned integer codes q in [0, 2**bits - 1]. Progressive W4A8 (QServe's format,
+``quantkit.kernels.w4a8.progressive``) is the same with ``scales[n, g] = s1[n] * s2[n, g]``: a per-channel fp32
+scale s1 times an integer group scale s2 in [1, 15], zeros z in [0, 15]; it is stored as s1 * (s2 * (q - z)).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from quantkit.errors import QuantkitError
+from quantkit.kernels.w4a8.progressive import W8_MAX, group_grid
 from quantkit.quant.packing import pack_cols, pack_rows, unpack_cols, unpack_rows
 from quantkit.quant.scheme import QuantScheme
 
@@ -93,6 +97,54 @@ def search_qparams(
     return best_scale, best_zero
 
 
+def progressive_channel_scale(w: torch.Tensor) -> torch.Tensor:
+    """Level 1 of the progressive format: s1 [N] = max_k |w[n, k]| / 116 of w [N, K] (1 for an all-zero row), as
+    ``quantize_progressive`` computes it."""
+    s1 = w.float().abs().amax(dim=1) / W8_MAX if w.shape[1] else torch.ones(w.shape[0], device=w.device)
+    return torch.where(s1 > 0, s1, torch.ones_like(s1))
+
+
+def progressive_qparams(w: torch.Tensor, s1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Level 2 of the progressive format for groups w [N, ..., G] of rows with level-1 scales s1 [N]: the group's
+    int8 values round(w / s1) (clamped to +-116) give s2 and z (``group_grid``); returns (scale = s1 * s2, zero = z),
+    each [N, ...]. Every code 0..15 of such a grid decodes to an int8 d = s2 * (q - z)."""
+    s1 = s1.view(-1, *([1] * (w.dim() - 1)))  # [N, 1, ..., 1]
+    w8 = (w.float() / s1).round().clamp(-W8_MAX, W8_MAX)  # [N, ..., G] integers
+    s2, z = group_grid(w8.amin(dim=-1), w8.amax(dim=-1))
+    return s1[..., 0] * s2, z
+
+
+@dataclass(frozen=True)
+class GroupGrid:
+    """The rule that gives each group of one weight its (scale, zero): ``grid(wg)`` for groups wg [N, ..., G] of
+    the weight's rows -> (scale [N, ...], zero [N, ...]).
+
+    One-level schemes: each group's own min-max grid (:func:`compute_qparams`), or its clipped one (``mse``,
+    :func:`search_qparams`). Progressive schemes: the level-1 scales s1 (``channel_scale`` [N]) come from the whole
+    rows of the weight :meth:`for_weight` was given (GPTQ: the original rows, before any error feedback), and each
+    group's level 2 from its values as they are when its grid is fixed (:func:`progressive_qparams`).
+    """
+
+    scheme: QuantScheme
+    mse: bool = False
+    channel_scale: torch.Tensor | None = None
+
+    @classmethod
+    def for_weight(cls, w: torch.Tensor, scheme: QuantScheme, mse: bool = False) -> GroupGrid:
+        """The grid rule of w [N, K] under ``scheme``."""
+        if not scheme.progressive:
+            return cls(scheme, mse)
+        if mse:
+            raise QuantkitError(f"{scheme.name} takes QServe's min-max grids: MSE-clipped grids (mse) do not apply")
+        return cls(scheme, channel_scale=progressive_channel_scale(w))
+
+    def __call__(self, wg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.channel_scale is not None:
+            return progressive_qparams(wg, self.channel_scale)
+        compute = search_qparams if self.mse else compute_qparams
+        return compute(wg, self.scheme.bits, self.scheme.sym)
+
+
 def quantize_with_qparams(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
     """Codes q = clamp(round(w / scale) + zero, 0, maxq); scale and zero broadcast against w."""
     return torch.clamp(torch.round(w / scale) + zero, 0, maxq)
@@ -120,6 +172,7 @@ class QuantizedWeight:
     - ``scales``: fp32 [N, n_groups]
     - ``zeros``: int32 [N, n_groups] (``2**(bits-1)`` everywhere when symmetric)
     - ``g_idx``: int32 [K], group of each input channel (non-monotonic after act-order)
+    - ``channel_scale``: progressive schemes only: s1 fp32 [N]; then ``scales`` = s1 * s2 (s2: ``group_scale``)
     """
 
     q: torch.Tensor
@@ -127,20 +180,33 @@ class QuantizedWeight:
     zeros: torch.Tensor
     g_idx: torch.Tensor
     scheme: QuantScheme
+    channel_scale: torch.Tensor | None = None
+
+    @property
+    def group_scale(self) -> torch.Tensor:
+        """Progressive schemes: the integer level-2 scales s2 = scales / s1, int32 [N, n_groups]."""
+        if self.channel_scale is None:
+            raise QuantkitError(f"{self.scheme.name} has no level-2 group scales (not a progressive scheme)")
+        return (self.scales.float() / self.channel_scale.float()[:, None]).round().to(torch.int32)
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)  # type: ignore[return-value]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """W [N, K] in ``dtype`` (computed in fp32)."""
+        """W [N, K] in ``dtype``, computed in fp32 (progressive: s1 * d, d = s2 * (q - z) an integer, as stored)."""
         g = self.g_idx.long()
+        if self.channel_scale is not None:
+            d = self.group_scale[:, g] * (self.q.int() - self.zeros[:, g].int())  # [N, K] int8 values
+            return (self.channel_scale.float()[:, None] * d.float()).to(dtype)
         w = (self.q.float() - self.zeros.float()[:, g]) * self.scales.float()[:, g]
         return w.to(dtype)
 
     def pack(self) -> dict[str, torch.Tensor]:
         """GPTQ-v2 buffers: qweight int32 [ceil(K/32)*b, N], qzeros int32 [n_g, ceil(N/32)*b],
         scales fp16 [n_g, N], g_idx int32 [K]."""
+        if not self.scheme.packed:
+            raise QuantkitError(f"{self.scheme.name} is not stored in GPTQ-v2 buffers")
         b = self.scheme.bits
         return {
             "qweight": pack_rows(self.q.t(), b),
