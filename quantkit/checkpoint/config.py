@@ -24,6 +24,8 @@ FORMAT_VERSION = 1
 
 
 def layout_of(scheme: QuantScheme) -> Layout:
+    if scheme.progressive:
+        return Layout.PROGRESSIVE_W4A8
     if scheme.packed:  # W*A16 and W4A8: the activations' format is in the scheme, not the layout
         return Layout.GPTQ_V2
     if scheme.block_size is not None:

@@ -11,10 +11,11 @@ from quantkit.quant.tensor import QuantizedWeight
 
 
 def quantized_module_types() -> tuple[type, ...]:
+    from quantkit.nn.progressive import ProgressiveW4A8Linear
     from quantkit.nn.w4a8 import W4A8Linear
     from quantkit.nn.w8a8 import W8A8Linear
 
-    return (QuantLinear, W4A8Linear, W8A8Linear)
+    return (QuantLinear, W4A8Linear, ProgressiveW4A8Linear, W8A8Linear)
 
 
 def make_quantized_linear(
@@ -22,6 +23,10 @@ def make_quantized_linear(
 ) -> nn.Module:
     if qw.scheme.weight_only:
         return QuantLinear.from_quantized(qw, bias, dtype)
+    if qw.scheme.progressive:
+        from quantkit.nn.progressive import ProgressiveW4A8Linear
+
+        return ProgressiveW4A8Linear.from_quantized(qw, bias, dtype)
     if qw.scheme.w4a8:
         from quantkit.nn.w4a8 import W4A8Linear
 
@@ -37,6 +42,10 @@ def empty_quantized_linear(
     """A module with the right buffers for ``scheme``, to be filled by ``load_state_dict``."""
     if scheme.weight_only:
         return QuantLinear(in_features, out_features, scheme, bias=bias, dtype=dtype, device=device)
+    if scheme.progressive:
+        from quantkit.nn.progressive import ProgressiveW4A8Linear
+
+        return ProgressiveW4A8Linear(in_features, out_features, scheme, bias=bias, dtype=dtype, device=device)
     if scheme.w4a8:
         from quantkit.nn.w4a8 import W4A8Linear
 

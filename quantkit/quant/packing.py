@@ -33,15 +33,27 @@ class Layout(str, Enum):
 
     ``fp8_block``: block-wise W8A8 fp8 (block B): ``weight`` float8_e4m3fn [N, K], ``weight_scale`` fp32
     [ceil(N/B), ceil(K/B)] with ``W[n, k] ~= weight[n, k] * weight_scale[n // B, k // B]``, optional ``bias`` [N].
+
+    ``progressive_w4a8``: QServe's two-level W4A8 (``quantkit.nn.progressive``): ``qweight`` int32 [ceil(K/32)*4, N]
+    in the progressive kernel's packing, ``weight_scale`` fp32 [N], ``group_scale`` and ``group_zero`` uint8
+    [n_groups, N], ``perm`` int32 [K], optional ``bias`` [N]; ``W[:, perm[j]] = weight_scale * group_scale[g] *
+    (code[:, j] - group_zero[g])`` with g = j // group_size.
     """
 
     GPTQ_V2 = "gptq_v2"
     INT8_ROWMAJOR = "int8_rowmajor"
     FP8_ROWMAJOR = "fp8_rowmajor"
     FP8_BLOCK = "fp8_block"
+    PROGRESSIVE_W4A8 = "progressive_w4a8"
 
 
-LAYOUT_VERSIONS = {Layout.GPTQ_V2: 1, Layout.INT8_ROWMAJOR: 1, Layout.FP8_ROWMAJOR: 1, Layout.FP8_BLOCK: 1}
+LAYOUT_VERSIONS = {
+    Layout.GPTQ_V2: 1,
+    Layout.INT8_ROWMAJOR: 1,
+    Layout.FP8_ROWMAJOR: 1,
+    Layout.FP8_BLOCK: 1,
+    Layout.PROGRESSIVE_W4A8: 1,
+}
 
 
 def packed_rows(n: int, bits: int) -> int:

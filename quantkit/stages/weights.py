@@ -119,14 +119,14 @@ def settled_children(done: list, to_do: list) -> set[str]:
 class RTNStage(WeightStage):
     """Round-to-nearest: no calibration data needed for weight-only schemes.
 
-    W4A8 layers take the same grid as W4A16 ones. W8A8 layers use the module's own per-channel RTN (int8 abs-max
-    / 127, or fp8 e4m3), the grid its kernels' activation quantizer shares.
+    W4A8 layers take the same grid as W4A16 ones (progressive W4A8: QServe's two-level grid). W8A8 layers use the
+    module's own per-channel RTN (int8 abs-max / 127, or fp8 e4m3), the grid its kernels' activation quantizer shares.
     """
 
     def quantize(self, w, stats, scheme):
         return rtn(w, scheme), {}
 
     def quantized_module(self, module, stats, scheme, input_scale):
-        if scheme.packed:  # W*A16 and W4A8: the 4-bit grid of rtn()
+        if scheme.packed or scheme.progressive:  # W*A16 and W4A8: the 4-bit grid of rtn()
             return super().quantized_module(module, stats, scheme, input_scale)
         return W8A8Linear.from_float(module, scheme, input_scale), {}
