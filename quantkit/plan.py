@@ -76,6 +76,8 @@ def _spans(indices: list[int]) -> str:
 
 def quantized_bytes(scheme: QuantScheme, n: int, k: int) -> int:
     """Bytes of a quantized linear's buffers (docs/checkpoints.md): packed codes, zero points, scales, g_idx."""
+    if scheme.progressive:  # codes, s1 fp32, s2 and z uint8 per group, perm int32
+        return 16 * -(-k // 32) * n + 4 * n + 2 * scheme.n_groups(k) * n + 4 * k
     if not scheme.packed:
         return n * k + 4 * n + 4
     n_g = scheme.n_groups(k)

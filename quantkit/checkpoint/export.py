@@ -84,6 +84,7 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, fmt: str, 
     check_apart(check_output(out, overwrite), folder)  # refuse a bad output before the work
     tensors = read_tensors(folder)
     layers = {name: module_tensors(name, tensors) for name in schemes}
+    _refuse_progressive(schemes, fmt)
     for name, layer in layers.items():
         need = {"qweight", "qzeros", "scales", "g_idx"} if schemes[name].packed else {"weight", "weight_scale"}
         if not need <= set(layer):
@@ -214,6 +215,15 @@ def _refuse_activations(scheme: QuantScheme, fmt: str) -> None:
                             "run it as W4A16): export it as compressed-tensors")  # fmt: skip
 
 
+def _refuse_progressive(schemes: dict[str, QuantScheme], fmt: str) -> None:
+    """Progressive W4A8's weights are 4-bit codes under integer group scales and zeros under a per-channel fp32
+    scale: no export format can say a two-level integer grid (a one-level rewrite would re-quantize the scales)."""
+    progressive = sorted({s.name for s in schemes.values() if s.progressive})
+    if progressive:
+        raise QuantkitError(f"{fmt} cannot hold {progressive[0]}'s two-level grid (int8 group scales and zeros under "
+                            "a per-channel scale, QServe's format): it stays a quantkit checkpoint")  # fmt: skip
+
+
 def _dims(layer: dict[str, torch.Tensor], scheme: QuantScheme) -> tuple[int, int]:
     """(N, K) of a layer as stored."""
     if scheme.packed:
@@ -260,6 +270,7 @@ def _ct_args(scheme: QuantScheme) -> dict:
 
 
 def _to_compressed_tensors(tensors, layers, schemes, float_linears) -> dict:
+    _refuse_progressive(schemes, "compressed-tensors")
     groups: dict[str, dict] = {}
     for name, scheme in schemes.items():
         layer = layers[name]
@@ -310,6 +321,7 @@ def _to_compressed_tensors(tensors, layers, schemes, float_linears) -> dict:
 
 
 def _to_gptq(tensors, layers, schemes, float_linears) -> dict:
+    _refuse_progressive(schemes, "GPTQ")
     scheme = _one_scheme(schemes, "GPTQ")
     _refuse_activations(scheme, "GPTQ")
     if not scheme.weight_only or scheme.fmt != "int":
@@ -371,6 +383,7 @@ def awq_unpack(words: torch.Tensor) -> torch.Tensor:
 
 
 def _to_awq(tensors, layers, schemes, float_linears) -> dict:
+    _refuse_progressive(schemes, "AWQ")
     scheme = _one_scheme(schemes, "AWQ")
     _refuse_activations(scheme, "AWQ")
     if not scheme.weight_only or scheme.fmt != "int" or scheme.bits != 4 or scheme.group_size == -1:
@@ -400,6 +413,7 @@ def _to_awq(tensors, layers, schemes, float_linears) -> dict:
 
 
 def _to_fp8_block(tensors, layers, schemes, float_linears) -> dict:
+    _refuse_progressive(schemes, "fp8")
     scheme = _one_scheme(schemes, "fp8")
     _refuse_activations(scheme, "fp8 (DeepSeek-V3's layout)")
     if not scheme.block_size:

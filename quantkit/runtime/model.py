@@ -321,8 +321,9 @@ def fuse_projections(model: CausalLM) -> int:
 
     One GEMM instead of three (two) saves launches and reads the k/v weights at full bandwidth, which is what
     batch-1 decode is bound by; a W8A8 or W4A8 group also quantizes its shared input once. Float, W4A16
-    (``QuantLinear``, packed buffers concatenated along N), W4A8 (the same buffers) and W8A8 parts fuse when they
-    are all of one kind and compatible (same scheme, same act-order group map, ...); other groups stay separate.
+    (``QuantLinear``, packed buffers concatenated along N), W4A8 (the same buffers; progressive W4A8's per-channel
+    buffers along N too) and W8A8 parts fuse when they are all of one kind and compatible (same scheme, same
+    act-order group map, ...); other groups stay separate.
     Done on CUDA only: on CPU the runtime must match transformers' fp32 outputs token for token, and a fused GEMM
     may sum in another order.
     """
@@ -349,6 +350,7 @@ def fuse_projections(model: CausalLM) -> int:
 
 def _concat(parts: tuple[nn.Module, ...]) -> nn.Module | None:
     """The parts as one linear, or None when they are of different kinds or cannot share one weight."""
+    from quantkit.nn.progressive import ProgressiveW4A8Linear
     from quantkit.nn.qlinear import QuantLinear
     from quantkit.nn.w4a8 import W4A8Linear
     from quantkit.nn.w8a8 import W8A8Linear
@@ -358,7 +360,7 @@ def _concat(parts: tuple[nn.Module, ...]) -> nn.Module | None:
         return None
     if kind in (nn.Linear, FloatLinear):
         return _concat_linears(parts)
-    if kind in (QuantLinear, W4A8Linear, W8A8Linear):
+    if kind in (QuantLinear, W4A8Linear, ProgressiveW4A8Linear, W8A8Linear):
         try:
             return kind.concat(list(parts))
         except ValueError:

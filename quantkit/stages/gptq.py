@@ -108,7 +108,7 @@ class GPTQStage(WeightStage):
     def collect(self, ctx, modules):
         """The statistics of all calibration windows, and (mse "auto") X^T X of the held-out ones apart."""
         # the grid is chosen on held-out windows at SERVED_BITS only: below them every grid is clipped
-        judged = {n: m for n, m in modules.items() if self.stage.scheme_for(ctx.full_name(n), m).bits in SERVED_BITS}
+        judged = {n: m for n, m in modules.items() if _judged(self.stage.scheme_for(ctx.full_name(n), m))}
         if self.params.mse != "auto" or not judged:
             return super().collect(ctx, modules)
         held: dict[str, HeldOut] = {}
@@ -174,7 +174,10 @@ class GPTQStage(WeightStage):
         kwargs = dict(damp=p.damp, block_size=p.block_size, act_order=p.act_order, static_groups=static)
         extra = {"groups": "static" if static or not p.act_order else "act-order"} if scheme.group_size != -1 else {}
         mse = p.mse
-        if mse == "auto" and scheme.bits not in SERVED_BITS:
+        if mse == "auto" and scheme.progressive:
+            mse = False
+            extra.update(grid="minmax", grid_reason="progressive: QServe's min-max grid")
+        elif mse == "auto" and scheme.bits not in SERVED_BITS:
             mse = True
             extra.update(grid="mse", grid_reason=f"{scheme.bits}-bit: clipped grids")
         elif mse == "auto":
@@ -199,3 +202,9 @@ class GPTQStage(WeightStage):
             "heldout_loss": {k: float(f"{v:.6g}") for k, v in losses.items()},
             "heldout_tokens": held.n_tokens,
         }
+
+
+def _judged(scheme) -> bool:
+    """Whether mse "auto" chooses the grid of a linear of ``scheme`` on held-out windows: at SERVED_BITS, except
+    progressive W4A8, whose two-level grid is min-max only."""
+    return scheme.bits in SERVED_BITS and not scheme.progressive

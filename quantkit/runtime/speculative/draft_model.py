@@ -189,9 +189,10 @@ def keep_layers(model: CausalLM, num_layers: int) -> CausalLM:
 
 
 def _is_weight_only_quantized(model: CausalLM) -> bool:
+    from quantkit.nn.progressive import ProgressiveW4A8Linear
     from quantkit.nn.qlinear import QuantLinear
 
-    return any(isinstance(m, QuantLinear) for m in model.modules())
+    return any(isinstance(m, QuantLinear | ProgressiveW4A8Linear) for m in model.modules())
 
 
 def load_draft(spec: SpeculativeConfig, target: CausalLM, target_tokenizer, dtype: str, device) -> CausalLM | None:
