@@ -11,7 +11,9 @@ the settings those figures were measured with (act-order groups, MSE-clipped gri
 stage also judges with; plain ``gptq`` takes the stage's defaults (at 4 and 8 bits static groups and grids chosen on
 held-out windows; below 4 bits act-order groups and MSE-clipped grids, the settings of earlier versions).
 ``w4a8`` reads: SmoothQuant migration (its alpha searched against the W4A8 numerics), then GPTQ on the smoothed
-weights to 4-bit groups of 128, with int8 activations per token (``act_fmt: fp8`` for e4m3).
+weights to 4-bit groups of 128, with int8 activations per token (``act_fmt: fp8`` for e4m3). ``w4a8-progressive``
+is the same on QServe's progressive grid (``w4a8-int8-g128-progressive``: int8 per channel, then 4-bit asymmetric
+groups with integer scales and zeros; int8 activations only), which ``--method w4a8 --progressive`` also gives.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ W4A16 = {"bits": 4, "group_size": 128, "sym": True}
 W8A8 = {"bits": 8, "group_size": -1, "sym": True, "act_bits": 8, "act_dynamic": True}
 FP8_BLOCK = {**W8A8, "fmt": "fp8", "block_size": 128}  # DeepSeek-V3's w8a8-fp8-block
 W4A8 = {**W4A16, "act_bits": 8, "act_dynamic": True}  # w4a8-int8-g128-sym (act_fmt fp8: w4a8-fp8)
+W4A8_PROGRESSIVE = {**W4A8, "sym": False, "progressive": True}  # w4a8-int8-g128-progressive
 AWQ_GPTQ = {"static_groups": False, "mse": True}  # the GPTQ that awq+gptq's figures and its AWQ stage's judge use
 
 PRESETS: dict[str, tuple[list, dict]] = {  # stages: a method name, or (name, its parameters)
@@ -35,6 +38,7 @@ PRESETS: dict[str, tuple[list, dict]] = {  # stages: a method name, or (name, it
     "smoothquant": (["smoothquant", "rtn"], W8A8),
     "smoothquant+gptq": (["smoothquant", "gptq"], W8A8),
     "w4a8": (["smoothquant", "gptq"], W4A8),
+    "w4a8-progressive": (["smoothquant", "gptq"], W4A8_PROGRESSIVE),
 }
 
 

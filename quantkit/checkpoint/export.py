@@ -220,8 +220,8 @@ def _refuse_progressive(schemes: dict[str, QuantScheme], fmt: str) -> None:
     scale: no export format can say a two-level integer grid (a one-level rewrite would re-quantize the scales)."""
     progressive = sorted({s.name for s in schemes.values() if s.progressive})
     if progressive:
-        raise QuantkitError(f"{fmt} cannot hold {progressive[0]}'s two-level grid (int8 group scales and zeros under "
-                            "a per-channel scale, QServe's format): it stays a quantkit checkpoint")  # fmt: skip
+        raise QuantkitError(f"{fmt} cannot hold {progressive[0]}'s two-level grid (integer group scales and zeros "
+                            "under a per-channel scale, QServe's format): it stays a quantkit checkpoint")  # fmt: skip
 
 
 def _dims(layer: dict[str, torch.Tensor], scheme: QuantScheme) -> tuple[int, int]:

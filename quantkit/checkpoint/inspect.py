@@ -13,8 +13,13 @@ import torch
 from quantkit.checkpoint.config import layout_of, module_schemes
 from quantkit.checkpoint.read import read_quantization_config, tensor_headers
 from quantkit.errors import QuantkitError
+from quantkit.quant.packing import Layout
 
 DTYPE_BYTES = {"I32": 4, "F16": 2, "BF16": 2, "F32": 4, "I8": 1, "U8": 1, "F8_E4M3": 1, "I64": 8, "BOOL": 1}
+NEEDED = {  # the tensors of a layout that give a layer's shape (others: weight, weight_scale)
+    Layout.GPTQ_V2: ("qweight", "qzeros", "scales", "g_idx"),
+    Layout.PROGRESSIVE_W4A8: ("qweight", "weight_scale", "group_scale", "group_zero", "perm"),
+}
 
 
 def _nbytes(shape: list[int], dtype: str) -> int:
@@ -36,12 +41,14 @@ def inspect_checkpoint(folder: str | os.PathLike) -> dict:
         own = {k.removeprefix(name + "."): v for k, v in headers.items() if k.startswith(name + ".")}
         if not own:
             raise QuantkitError(f"checkpoint {folder} lacks the tensors of {name}")
-        needed = ("qweight", "qzeros", "scales", "g_idx") if scheme.packed else ("weight", "weight_scale")
+        needed = NEEDED.get(layout_of(scheme), ("weight", "weight_scale"))
         absent = [t for t in needed if t not in own]
         if absent:
             raise QuantkitError(f"corrupt checkpoint {folder}: {name}.{absent[0]} is missing")
         if scheme.packed:
             n, k = own["scales"][0][1], own["g_idx"][0][0]
+        elif scheme.progressive:
+            n, k = own["weight_scale"][0][0], own["perm"][0][0]
         else:
             n, k = own["weight"][0]
         nbytes = sum(_nbytes(*v) for v in own.values())

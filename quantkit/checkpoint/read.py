@@ -15,7 +15,8 @@ from quantkit.models.loading import read_config
 from quantkit.nn.factory import quantized_modules
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-                      torch.int32: "I32", torch.int8: "I8", torch.float8_e4m3fn: "F8_E4M3"}  # fmt: skip
+                      torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8",
+                      torch.float8_e4m3fn: "F8_E4M3"}  # fmt: skip
 
 
 def read_quantization_config(folder: Path) -> dict:

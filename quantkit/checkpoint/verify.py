@@ -18,6 +18,8 @@ fp8 folders) and compares it with what is stored:
 - ``scales``: quantization scales are positive.
 - ``zero_points``: a symmetric scheme's zero points are the grid's midpoint, and unused bits of packed words are 0.
 - ``g_idx``: each entry names a group of its layer, and each group holds as many inputs as the scheme gives it.
+  Progressive W4A8 instead: its group scales lie in [1, 15] (``scales``), its zero points in [0, 15]
+  (``zero_points``), every code decodes to an int8 value, and ``perm`` is a permutation of its inputs (``g_idx``).
 
 With a float ``baseline``, the checkpoint is loaded and compared on a few evaluation windows: mean KL divergence and
 top-1 agreement (:mod:`quantkit.eval.perplexity`) against thresholds. A folder that cannot be verified at all (not
@@ -219,6 +221,8 @@ def _check_module(name: str, module, layer: dict[str, torch.Tensor], problems: d
         t = layer.get(key)
         if t is not None and t.is_floating_point() and bool((t.float() <= 0).any()):
             problems["scales"].append(f"{name}.{key} holds scales <= 0")
+    if scheme.progressive:
+        _check_progressive(name, module, layer, problems)
     if not scheme.packed:
         return
     b, n, k = scheme.bits, module.out_features, module.in_features
@@ -243,6 +247,31 @@ def _check_module(name: str, module, layer: dict[str, torch.Tensor], problems: d
     if not torch.equal(counts, want):
         problems["g_idx"].append(f"{name}.g_idx gives groups of {counts.min()}..{counts.max()} inputs, the scheme "
                                  f"{scheme.name} groups of {size}")  # fmt: skip
+
+
+def _check_progressive(name: str, module, layer: dict[str, torch.Tensor], problems: dict) -> None:
+    """The progressive grid's ranges (``quantkit.nn.progressive``), on tensors of the shapes and dtypes the layer
+    reads (others are reported as such)."""
+    from quantkit.kernels.w4a8.progressive import unpack_codes
+    from quantkit.nn.progressive import INT8_RANGE
+
+    if any(layer[key].dtype != buf.dtype for key, buf in module.named_buffers(recurse=False)):
+        return
+    s2, z, perm = layer["group_scale"], layer["group_zero"], layer["perm"]
+    if s2.numel() and (int(s2.min()) < 1 or int(s2.max()) > 15):
+        problems["scales"].append(f"{name}.group_scale holds scales outside [1, 15]")
+    if z.numel() and int(z.max()) > 15:
+        problems["zero_points"].append(f"{name}.group_zero holds zero points over 15")
+    if not torch.equal(torch.sort(perm.long()).values, torch.arange(module.in_features)):
+        problems["g_idx"].append(f"{name}.perm is not a permutation of its {module.in_features} inputs")
+        return
+    k = module.in_features
+    group = torch.arange(k) // module.scheme.group_size  # of each kernel position
+    codes = unpack_codes(layer["qweight"], k).int()  # [N, K] in kernel order
+    values = s2.t().int()[:, group] * (codes - z.t().int()[:, group])
+    lo, hi = INT8_RANGE
+    if values.numel() and (int(values.min()) < lo or int(values.max()) > hi):
+        problems["zero_points"].append(f"{name}: codes decode outside int8 [{lo}, {hi}] (s2 * (q - z))")
 
 
 def compare_with_baseline(folder: Path, method: str, baseline: str, data: str, windows: int, seqlen: int,
