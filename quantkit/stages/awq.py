@@ -385,12 +385,6 @@ class AWQStage:
         }
         if not targets:
             return
-        for name, module in targets.items():
-            scheme = self.stage.scheme_for(ctx.full_name(name), module)
-            if scheme.progressive:
-                raise QuantkitError(f"awq: {ctx.full_name(name)} is {scheme.name}, whose two-level grid AWQ's "
-                                    "clip search does not fit (it clips one-level groups): set clip false "
-                                    "(--no-clip)")  # fmt: skip
         samples = sample_inputs(ctx, targets, self.params.clip_tokens)
         for name, module in targets.items():
             x = samples.get(name)
