@@ -13,7 +13,7 @@ held-out windows; below 4 bits act-order groups and MSE-clipped grids, the setti
 ``w4a8`` reads: SmoothQuant migration (its alpha searched against the W4A8 numerics), then GPTQ on the smoothed
 weights to 4-bit groups of 128, with int8 activations per token (``act_fmt: fp8`` for e4m3). ``w4a8-progressive``
 is the same on QServe's progressive grid (``w4a8-int8-g128-progressive``: int8 per channel, then 4-bit asymmetric
-groups with integer scales and zeros; int8 activations only), which ``--method w4a8 --progressive`` also gives.
+groups with integer scales and zeros; int8 activations only; in a recipe: ``progressive: true`` in the scheme).
 """
 
 from __future__ import annotations

@@ -38,7 +38,6 @@ FLAG_MAP = {
     "sym": ("scheme", "sym"),
     "act_static": ("scheme", "act_dynamic"),
     "act_fmt": ("scheme", "act_fmt"),
-    "progressive": ("scheme", "progressive"),
     "calib": ("calibration", "source"),
     "nsamples": ("calibration", "nsamples"),
     "seqlen": ("calibration", "seqlen"),
@@ -114,9 +113,7 @@ def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out:
 
 @click.command("quantize", cls=QuantkitCommand)
 @click.option("--model", default="smollm2-135m", show_default=True, help="HF folder, .gguf file or built-in name.")
-@click.option(
-    "--method", default=None, help="Preset: rtn, gptq, awq, awq+gptq, w8a8, w4a8, w4a8-progressive, fp8-block, ..."
-)
+@click.option("--method", default=None, help="Preset: rtn, gptq, awq, awq+gptq, w8a8, w4a8, w4a8-progressive, ...")
 @click.option("--recipe", "recipe_spec", default=None, help="A YAML recipe file or shipped recipe name.")
 @click.option(
     "--out", type=click.Path(path_type=Path), required=True, help="Output checkpoint folder (made with its parents)."
@@ -158,13 +155,6 @@ def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out:
 @click.option("--alpha-search/--no-alpha-search", default=None, help="SmoothQuant: search alpha per layer.")
 @click.option("--act-static", is_flag=True, default=None, help="W8A8: static per-tensor activation scales.")
 @click.option("--act-fmt", type=click.Choice(["int", "fp8"]), default=None, help="W4A8: int8 or e4m3 activations.")
-@click.option(
-    "--progressive",
-    is_flag=True,
-    default=None,
-    help="W4A8: QServe's progressive weights (w4a8-int8-gG-progressive): int8 per channel, then 4-bit asymmetric "
-    "groups with integer scales and zeros; int8 activations, groups a multiple of 32.",
-)
 @click.option("--grid", type=int, default=None, help="AWQ: scale-search grid size.")
 @click.option(
     "--refine-steps",

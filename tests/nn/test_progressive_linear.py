@@ -259,7 +259,7 @@ def test_awq_refuses_progressive_as_every_w4a8_scheme():
 def test_cli_quantize_method_w4a8_progressive_then_inspect(tmp_path):
     tiny = tiny_model_dir(tmp_path / "tiny")
     out = tmp_path / "q"
-    args = ["quantize", "--model", tiny, "--method", "w4a8", "--progressive", "--group-size", "32",
+    args = ["quantize", "--model", tiny, "--method", "w4a8-progressive", "--group-size", "32",
             "--nsamples", "4", "--seqlen", "32", "--out", out]  # fmt: skip
     r = CliRunner().invoke(cli, [str(a) for a in args])
     assert r.exit_code == 0, r.output
@@ -268,8 +268,8 @@ def test_cli_quantize_method_w4a8_progressive_then_inspect(tmp_path):
     r = CliRunner().invoke(cli, ["inspect", str(out), "--json"])
     assert r.exit_code == 0, r.output
     assert {m["scheme"] for m in json.loads(r.stdout)["modules"]} == {NAME}
-    bad = CliRunner().invoke(cli, ["quantize", "--model", str(tiny), "--method", "w4a8", "--progressive",
-                                   "--act-fmt", "fp8", "--out", str(tmp_path / "bad")])  # fmt: skip
+    bad = CliRunner().invoke(cli, ["quantize", "--model", str(tiny), "--method", "w4a8-progressive", "--act-fmt",
+                                   "fp8", "--out", str(tmp_path / "bad")])  # fmt: skip
     assert bad.exit_code == 2 and "progressive W4A8 takes int8 activations" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1 and not (tmp_path / "bad").exists()
 
