@@ -28,6 +28,7 @@ from quantkit.checkpoint.verify import verify_checkpoint
 from quantkit.cli.main import cli
 from quantkit.errors import QuantkitError
 from quantkit.nn.progressive import ProgressiveW4A8Linear
+from quantkit.plan import quantized_bytes
 from quantkit.presets import preset_recipe
 from quantkit.quant.scheme import QuantScheme
 from tests.runtime.helpers import hf_greedy, random_prompts, sharpen
@@ -126,6 +127,8 @@ def test_buffers_round_trip_the_quantized_weight(act_order):
     assert shapes == {"qweight": ((20, n), torch.int32), "weight_scale": ((n,), torch.float32),
                       "group_scale": ((3, n), torch.uint8), "group_zero": ((3, n), torch.uint8),
                       "perm": ((k,), torch.int32), "bias": ((n,), torch.float32)}  # fmt: skip
+    stored = sum(t.numel() * t.element_size() for name, t in mod.state_dict().items() if name != "bias")
+    assert quantized_bytes(mod.scheme, n, k) == stored  # the plan's estimate of a checkpoint's size
     again = ProgressiveW4A8Linear.from_quantized(mod.quantized_weight(), mod.bias, torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(mod.state_dict().values(), again.state_dict().values(), strict=True))
     assert torch.equal(mod.dequantize_weight(), mod.quantized_weight().dequantize())
