@@ -1,4 +1,5 @@
 """W4A8 linear layer: 4-bit integer weights with 8-bit activations quantized per token at run time (int8 or e4m3).
+QServe's progressive (two-level) 4-bit format has buffers of its own: ``quantkit.nn.progressive``.
 
 Buffers: exactly ``QuantLinear``'s (``Layout.GPTQ_V2``), so every packing, checkpoint and export path of W4A16
 weights applies (N = out_features, K = in_features, n_g = ceil(K / G)):

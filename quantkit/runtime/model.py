@@ -4,13 +4,13 @@ cache of the compressed latent: ``runtime.mla``; routed and shared experts) on p
 
 Tokens of all sequences in a step lie on one axis [T]; attention reads and writes the paged KV cache
 (``runtime.attention``). Module names equal Hugging Face's, so checkpoints load by name, and every linear is made by
-a factory: ``FloatLinear`` for float weights, ``QuantLinear`` (W4A8: ``W4A8Linear``) / ``W8A8Linear``. The arithmetic
-follows transformers' modeling code step for step (RMSNorm in fp32, rotary tables in fp32 cast to the activation
-dtype), so fp32 greedy outputs match it token for token. On CUDA, RMSNorm (fused with the residual add before
-it), the rotary embedding (fused with the KV-cache store when q/k/v come from one fused projection) and the
-SiLU-gated product run as single Triton kernels (``quantkit.kernels.dense.norm_rope``): same arithmetic, a few
-launches per layer instead of ~40; float linears
-take one row of x (batch-1 decode) through ``quantkit.kernels.dense.gemv``, 6-31% faster than cuBLAS on these shapes.
+a factory: ``FloatLinear`` for float weights, ``QuantLinear`` (W4A8: ``W4A8Linear``; progressive W4A8:
+``ProgressiveW4A8Linear``) / ``W8A8Linear``. The arithmetic follows transformers' modeling code step for step
+(RMSNorm in fp32, rotary tables in fp32 cast to the activation dtype), so fp32 greedy outputs match it token for
+token. On CUDA, RMSNorm (fused with the residual add before it), the rotary embedding (fused with the KV-cache store
+when q/k/v come from one fused projection) and the SiLU-gated product run as single Triton kernels
+(``quantkit.kernels.dense.norm_rope``): same arithmetic, a few launches per layer instead of ~40; float linears take
+one row of x (batch-1 decode) through ``quantkit.kernels.dense.gemv``, 6-31% faster than cuBLAS on these shapes.
 """
 
 from __future__ import annotations
