@@ -28,7 +28,9 @@ where F are the remaining columns. Paper notation below:
   calibration tokens (the gptq recipe stage's default).
 - Progressive W4A8 (QServe's two-level grid, :class:`~quantkit.quant.tensor.GroupGrid`): the per-channel level-1
   scales come from the original rows, before any error feedback; each group's integer level-2 scale and zero are
-  fixed like any group's grid (scale = s1 * s2, zero = z), so every code the loop picks is on the stored grid.
+  fixed like any group's grid (scale = s1 * s2, zero = z), so every code the loop picks is on the stored grid
+  (the loop sees each value as (q - z) * fp32(s1 * s2), the stored weight is s1 * (s2 * (q - z)): one fp32 rounding
+  apart).
 - Act-order (``desc_act``): columns are processed by decreasing diag(H). Without static groups, groups are runs of
   G consecutive columns in processing order, so ``g_idx`` (the group of each ORIGINAL column) is non-monotonic;
   with static groups ``g_idx[k] = k // G``.
