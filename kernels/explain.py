@@ -1,13 +1,16 @@
 """``explain(m, n, k, scheme, device)``: which kernel and config serve a product of M rows on an [N, K] layer.
 
-The answer comes from the families' own dispatch tables (``w4a16.dispatch.choose``, ``w8a8.dispatch.choose``) and
+The answer comes from the families' own dispatch tables (``w4a16.dispatch.choose``, ``w8a8.dispatch.choose``,
+``w4a8.dispatch.choose``) and
 rules (``w4a16.weight.unsupported_reason``, ``dense.gemv.serves``), asked about a ``Product`` built from the sizes,
-so it is what ``w4a16_linear``, ``w8a8_linear`` and the runtime's float layers would run for contiguous operands.
+so it is what ``w4a16_linear``, ``w8a8_linear``, ``w4a8_linear`` and the runtime's float layers would run for
+contiguous operands.
 
 ``scheme``: a ``QuantScheme`` or any object with its fields (``bits``, ``group_size``, ``fmt``, ``act_bits``), or a
 short string: "w4a16-g128" (also "w8a16-g64", "w4a16-pc" or "w4a16-g-1" for one group per output channel, and
 ``QuantScheme.name``'s "-sym" / "-asym" suffixes), "w8a8-int8", "w8a8-fp8" (a "-fast" suffix: fp8 with fast
-accumulation), or "float". ``device``: "cpu", "cuda" (the current GPU; "cuda:1" another), a ``torch.device``, or a
+accumulation), "w4a8-int8-g128" / "w4a8-fp8-g128" (W4A8; "-pc" per channel, "-progressive": QServe's format,
+int8 only), or "float". ``device``: "cpu", "cuda" (the current GPU; "cuda:1" another), a ``torch.device``, or a
 ``GPU`` description (compute capability, SM count), so that a CPU machine can ask about a GPU it does not have.
 """
 
@@ -24,16 +27,18 @@ from quantkit.kernels._device import GPU, device_of
 
 _WEIGHT_ONLY = re.compile(r"w(\d+)a16(?:-(?:g(-?\d+)|pc))?(?:-(?:sym|asym))?")
 _W8A8 = re.compile(r"w8a8-(int8|fp8)(?:-(?:dynamic|static))?(-fast)?")
+_W4A8 = re.compile(r"w4a8-(int8|fp8)(?:-(?:g(-?\d+)|pc))?(?:-(sym|asym|progressive))?")
 
 
 @dataclass(frozen=True)
 class _Scheme:
-    kind: str  # "float", "weight_only" or "w8a8"
+    kind: str  # "float", "weight_only", "w8a8" or "w4a8"
     bits: int = 16
     group_size: int = -1  # -1: one group per output channel
-    fmt: str = "int8"  # w8a8: "int8" or "fp8"
+    fmt: str = "int8"  # w8a8 and w4a8 activations: "int8" or "fp8"
     fast: bool = False
     name: str = "float"
+    progressive: bool = False  # w4a8: QServe's two-level weights
 
 
 def _scheme(scheme) -> _Scheme:
@@ -43,13 +48,20 @@ def _scheme(scheme) -> _Scheme:
             return _Scheme("float")
         if match := _W8A8.fullmatch(text):
             return _Scheme("w8a8", 8, -1, match[1], bool(match[2]), f"w8a8-{match[1]}" + ("-fast" if match[2] else ""))
+        if match := _W4A8.fullmatch(text):
+            group = -1 if match[2] is None and "-pc" in text else int(match[2] or 128)
+            progressive = match[3] == "progressive"
+            if progressive and match[1] != "int8":
+                raise ValueError(f"scheme {scheme!r}: progressive W4A8 takes int8 activations")
+            name = f"w4a8-{match[1]}-" + ("pc" if group == -1 else f"g{group}") + ("-progressive" * progressive)
+            return _Scheme("w4a8", 4, group, match[1], progressive=progressive, name=name)
         if match := _WEIGHT_ONLY.fullmatch(text):
             group = -1 if match[2] is None and "-pc" in text else int(match[2] or 128)
             name = f"w{match[1]}a16-" + ("pc" if group == -1 else f"g{group}")
             return _Scheme("weight_only", int(match[1]), group, name=name)
         raise ValueError(
-            f"scheme {scheme!r}: expected 'w4a16-g128' (w<bits>a16-g<group> or -pc), 'w8a8-int8', 'w8a8-fp8' or "
-            "'float', or a QuantScheme"
+            f"scheme {scheme!r}: expected 'w4a16-g128' (w<bits>a16-g<group> or -pc), 'w8a8-int8', 'w8a8-fp8', "
+            "'w4a8-int8-g128' (w4a8-<int8|fp8>-g<group>[-progressive]) or 'float', or a QuantScheme"
         )
     try:
         bits, group, act_bits = scheme.bits, scheme.group_size, scheme.act_bits
@@ -57,6 +69,9 @@ def _scheme(scheme) -> _Scheme:
     except AttributeError as err:
         raise ValueError(f"scheme must be a string or QuantScheme-like (bits, group_size, act_bits): {err}") from None
     name = getattr(scheme, "name", None) or type(scheme).__name__
+    if act_bits is not None and bits == 4:
+        act = "fp8" if getattr(scheme, "act_fmt", "int") == "fp8" else "int8"
+        return _Scheme("w4a8", 4, group, act, progressive=bool(getattr(scheme, "progressive", False)), name=name)
     if act_bits is not None:
         return _Scheme("w8a8", 8, -1, "fp8" if fmt == "fp8" else "int8", name=name)
     if fmt == "fp8":
@@ -88,6 +103,8 @@ def explain(m: int, n: int, k: int, scheme, device="cuda", dtype: torch.dtype = 
         return head + _float(m, n, dtype, gpu)
     if s.kind == "w8a8":
         return head + _w8a8(m, n, k, s, dtype, gpu)
+    if s.kind == "w4a8":
+        return head + _w4a8(m, n, k, s, gpu)
     return head + _weight_only(m, n, k, s, dtype, gpu)
 
 
@@ -135,3 +152,15 @@ def _w8a8(m: int, n: int, k: int, s: _Scheme, dtype: torch.dtype, gpu: GPU | Non
     extras = ", programmatic dependent launch after the quantizer" if pdl else ""
     extras += f", L2 prefetch {ahead} K tiles ahead" if ahead and plan.path == "tiles" else ""
     return f"activations quantized per token (Triton, w8a8/quant.py), then {plan}{extras} (execution 'integer')"
+
+
+def _w4a8(m: int, n: int, k: int, s: _Scheme, gpu: GPU | None) -> str:
+    from quantkit.kernels.w4a8.dispatch import choose
+
+    layer = "ProgressiveW4A8Linear" if s.progressive else "W4A8Linear"
+    if gpu is None:
+        return (f"{layer} simulated (reference per-token quantizer, fp32 matmul of the dequantized operands; the "
+                "Triton kernels run on the CPU only under TRITON_INTERPRET=1, for tests)")  # fmt: skip
+    group = 0 if s.group_size == -1 or s.group_size >= k else s.group_size
+    plan = choose(m, n, k, group, gpu.sms, progressive=s.progressive)
+    return f"activations quantized per token to {s.fmt} (Triton, w8a8/quant.py), then {plan}"

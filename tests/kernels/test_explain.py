@@ -6,6 +6,7 @@ import pytest
 import torch
 import triton
 from quantkit.kernels import GPU, explain
+from quantkit.kernels.w4a8 import dispatch as w4a8_dispatch
 from quantkit.kernels.w4a16 import dispatch as w4a16_dispatch
 from quantkit.kernels.w4a16.problem import Product as W4A16Product
 from quantkit.kernels.w8a8 import dispatch as w8a8_dispatch
@@ -99,3 +100,25 @@ def test_cpu_and_float_answers():
 def test_cuda_without_a_gpu_says_how_to_ask():
     with pytest.raises(ValueError, match="GPU description"):
         explain(1, 64, 64, "float", "cuda")
+
+
+@pytest.mark.parametrize("m", [1, 16, 256, 4096])
+@pytest.mark.parametrize("progressive", [False, True])
+def test_w4a8_names_its_own_dispatch_plan(m, progressive):
+    """W4A8 layers (8-bit activations, 4-bit weights) are W4A8's plan, not W8A8's; progressive weights its table."""
+    plan = w4a8_dispatch.choose(m, 8192, 8192, 128, H200.sms, progressive=progressive)
+    name = "w4a8-int8-g128" + ("-progressive" if progressive else "")
+    text = explain(m, 8192, 8192, name, H200)
+    assert text.startswith(name + ",") and text.endswith(str(plan)) and "per token to int8" in text
+    scheme = QuantScheme(bits=4, group_size=128, act_bits=8, progressive=progressive)
+    assert explain(m, 8192, 8192, scheme, H200).split(": ", 1)[1] == text.split(": ", 1)[1]
+
+
+def test_w4a8_strings_and_cpu_answers():
+    assert "per token to fp8" in explain(64, 4096, 4096, QuantScheme(bits=4, act_bits=8, act_fmt="fp8"), H200)
+    pc = explain(1, 4096, 4096, "w4a8-int8-pc", H200)
+    assert pc.split(": ", 1)[1] == explain(1, 4096, 4096, "w4a8-int8-g4096", H200).split(": ", 1)[1]
+    assert "W4A8Linear simulated" in explain(8, 4096, 4096, "w4a8-fp8-g128-sym", "cpu")
+    assert "ProgressiveW4A8Linear simulated" in explain(8, 4096, 4096, "w4a8-int8-g128-progressive", "cpu")
+    with pytest.raises(ValueError, match="int8 activations"):
+        explain(1, 64, 64, "w4a8-fp8-g128-progressive", H200)
