@@ -31,7 +31,7 @@ from torch import nn
 from quantkit.errors import QuantkitError
 from quantkit.kernels.w4a8.progressive import ProgressiveWeight, dequantize, pack_codes, unpack_codes
 from quantkit.kernels.w8a8.quant import quantize_activations_reference
-from quantkit.nn.w4a8 import cuda_w4a8_linear
+from quantkit.nn.w4a8 import KernelOrSimulated, cuda_w4a8_linear, require_half_activations
 from quantkit.quant.packing import Layout
 from quantkit.quant.scheme import QuantScheme
 from quantkit.quant.tensor import QuantizedWeight
@@ -50,7 +50,7 @@ def kernel_order(g_idx: torch.Tensor, group_size: int) -> torch.Tensor:
     return perm
 
 
-class ProgressiveW4A8Linear(nn.Module):
+class ProgressiveW4A8Linear(KernelOrSimulated, nn.Module):
     """Progressive W4A8 weights (see the module doc), simulated on the CPU, the progressive kernel on CUDA."""
 
     layout = Layout.PROGRESSIVE_W4A8
@@ -174,26 +174,6 @@ class ProgressiveW4A8Linear(nn.Module):
         """x [M, K] -> (qa int8 [M, K], a_scale fp32 [M]) with the reference quantizer (checkpoint channel order)."""
         return quantize_activations_reference(x2, "int8")
 
-    def _forward_simulated(self, x2: torch.Tensor) -> torch.Tensor:
-        qa, a_scale = self.quantize_input(x2)
-        y = (qa.float() * a_scale[:, None]) @ self.dequantize_weight(torch.float32).t()
-        if self.bias is not None:
-            y = y + self.bias.float()
-        return y.to(x2.dtype)
-
     def _forward_cuda(self, x2: torch.Tensor) -> torch.Tensor:
-        if x2.dtype not in (torch.float16, torch.bfloat16):
-            raise QuantkitError(f"the W4A8 kernel takes float16 or bfloat16 activations, got {x2.dtype}: load the "
-                                "model in one of them (the CPU simulation takes any float dtype)")  # fmt: skip
+        require_half_activations(x2)
         return cuda_w4a8_linear()(x2, self.kernel_weight(), bias=self.bias, fmt="int8")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"expected input [..., {self.in_features}], got {tuple(x.shape)}")
-        x2 = x.reshape(-1, self.in_features)
-        y = self._forward_cuda(x2) if x2.is_cuda else self._forward_simulated(x2)
-        return y.reshape(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        where = "kernel on CUDA, simulated elsewhere"
-        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name} ({where})"

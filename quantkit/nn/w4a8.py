@@ -45,7 +45,38 @@ def cuda_w4a8_linear():
     return w4a8_linear
 
 
-class W4A8Linear(QuantLinear):
+def require_half_activations(x2: torch.Tensor) -> None:
+    """The W4A8 kernels take fp16 or bf16 activations; a one-line error otherwise."""
+    if x2.dtype not in (torch.float16, torch.bfloat16):
+        raise QuantkitError(f"the W4A8 kernel takes float16 or bfloat16 activations, got {x2.dtype}: load the "
+                            "model in one of them (the CPU simulation takes any float dtype)")  # fmt: skip
+
+
+class KernelOrSimulated:
+    """``forward`` of a W4A8 layer: its Triton kernel on CUDA (``_forward_cuda``), a faithful simulation on any
+    other device (the layer's ``quantize_input`` and ``dequantize_weight``, multiplied in fp32), both on x [M, K]."""
+
+    def _forward_simulated(self, x2: torch.Tensor) -> torch.Tensor:
+        qa, a_scale = self.quantize_input(x2)
+        x_fq = qa.float() * a_scale[:, None]  # [M, K] fake-quantized activations, fp32
+        y = x_fq @ self.dequantize_weight(torch.float32).t()
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x2.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected input [..., {self.in_features}], got {tuple(x.shape)}")
+        x2 = x.reshape(-1, self.in_features)
+        y = self._forward_cuda(x2) if x2.is_cuda else self._forward_simulated(x2)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        where = "kernel on CUDA, simulated elsewhere"
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name} ({where})"
+
+
+class W4A8Linear(KernelOrSimulated, QuantLinear):
     """``QuantLinear``'s 4-bit buffers, with activations quantized per token (see the module doc)."""
 
     @staticmethod
@@ -62,35 +93,14 @@ class W4A8Linear(QuantLinear):
         """x [M, K] -> (qa [M, K] int8 | float8_e4m3fn, a_scale fp32 [M]) with the reference quantizer."""
         return quantize_activations_reference(x2, self.act_format)
 
-    def _forward_simulated(self, x2: torch.Tensor) -> torch.Tensor:
-        qa, a_scale = self.quantize_input(x2)
-        x_fq = qa.float() * a_scale[:, None]  # [M, K] fake-quantized activations, fp32
-        y = x_fq @ self.dequantize_weight(torch.float32).t()
-        if self.bias is not None:
-            y = y + self.bias.float()
-        return y.to(x2.dtype)
-
     def _forward_cuda(self, x2: torch.Tensor) -> torch.Tensor:
         from quantkit.kernels.w4a16 import unsupported_reason
         from quantkit.nn.dispatch import kernel_weight
 
-        if x2.dtype not in (torch.float16, torch.bfloat16):
-            raise QuantkitError(f"the W4A8 kernel takes float16 or bfloat16 activations, got {x2.dtype}: load the "
-                                "model in one of them (the CPU simulation takes any float dtype)")  # fmt: skip
+        require_half_activations(x2)
         w4a8_linear = cuda_w4a8_linear()
         weight = kernel_weight(self)
         if weight is None:
             reason = unsupported_reason(self.scheme.bits, self.scheme.group_size, self.g_idx)
             raise QuantkitError(f"the W4A8 kernel cannot serve this layer: {reason}")
         return w4a8_linear(x2, weight, bias=self.bias, fmt=self.act_format)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"expected input [..., {self.in_features}], got {tuple(x.shape)}")
-        x2 = x.reshape(-1, self.in_features)
-        y = self._forward_cuda(x2) if x2.is_cuda else self._forward_simulated(x2)
-        return y.reshape(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        where = "kernel on CUDA, simulated elsewhere"
-        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name} ({where})"
