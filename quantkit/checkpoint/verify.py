@@ -253,7 +253,7 @@ def _check_progressive(name: str, module, layer: dict[str, torch.Tensor], proble
     """The progressive grid's ranges (``quantkit.nn.progressive``), on tensors of the shapes and dtypes the layer
     reads (others are reported as such)."""
     from quantkit.kernels.w4a8.progressive import unpack_codes
-    from quantkit.nn.progressive import INT8_RANGE
+    from quantkit.nn.progressive import INT8_RANGE, decodes_into_int8
 
     if any(layer[key].dtype != buf.dtype for key, buf in module.named_buffers(recurse=False)):
         return
@@ -267,10 +267,9 @@ def _check_progressive(name: str, module, layer: dict[str, torch.Tensor], proble
         return
     k = module.in_features
     group = torch.arange(k) // module.scheme.group_size  # of each kernel position
-    codes = unpack_codes(layer["qweight"], k).int()  # [N, K] in kernel order
-    values = s2.t().int()[:, group] * (codes - z.t().int()[:, group])
-    lo, hi = INT8_RANGE
-    if values.numel() and (int(values.min()) < lo or int(values.max()) > hi):
+    codes = unpack_codes(layer["qweight"], k)  # [N, K] in kernel order
+    if not decodes_into_int8(s2.t().int(), z.t().int(), codes, group):
+        lo, hi = INT8_RANGE
         problems["zero_points"].append(f"{name}: codes decode outside int8 [{lo}, {hi}] (s2 * (q - z))")
 
 

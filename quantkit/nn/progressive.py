@@ -39,6 +39,16 @@ from quantkit.quant.tensor import QuantizedWeight
 INT8_RANGE = (-128, 127)  # the kernel's packed 4-bit -> int8 step relies on every d lying in it
 
 
+def decodes_into_int8(s2: torch.Tensor, z: torch.Tensor, codes: torch.Tensor, group: torch.Tensor) -> bool:
+    """Whether every code of a weight [N, K] decodes into ``INT8_RANGE``: d = s2[n, g] * (codes[n, k] - z[n, g]) with
+    g = group[k], for level-2 scales and zero points s2, z [N, G] (integers, any dtype)."""
+    if not codes.numel():
+        return True
+    d = s2[:, group] * (codes.int() - z[:, group])
+    lo, hi = INT8_RANGE
+    return lo <= int(d.min()) and int(d.max()) <= hi
+
+
 def kernel_order(g_idx: torch.Tensor, group_size: int) -> torch.Tensor:
     """perm int64 [K]: the input channels sorted by group (stably), so that group g holds kernel positions
     [g * G, (g + 1) * G); a QuantkitError where the groups are not G channels each (the last one shorter)."""
@@ -94,10 +104,7 @@ class ProgressiveW4A8Linear(KernelOrSimulated, nn.Module):
         mod = cls(k, n, qw.scheme, bias=bias is not None, dtype=dtype, device=qw.q.device)
         perm = kernel_order(qw.g_idx, qw.scheme.group_size)
         s2, z = qw.group_scale, qw.zeros
-        g = qw.g_idx.long()
-        d = s2[:, g] * (qw.q.int() - z[:, g])  # [N, K]
-        lo, hi = INT8_RANGE
-        if d.numel() and (int(d.min()) < lo or int(d.max()) > hi or int(s2.min()) < 1 or int(s2.max()) > 15):
+        if not decodes_into_int8(s2, z, qw.q, qw.g_idx.long()) or (s2.numel() and not 1 <= s2.min() <= s2.max() <= 15):
             raise QuantkitError(f"{qw.scheme.name}: the weight decodes outside int8 or has group scales outside "
                                 "[1, 15]: it is not on the progressive grid")  # fmt: skip
         mod.qweight.copy_(pack_codes(qw.q[:, perm]))
