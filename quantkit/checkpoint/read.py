@@ -92,8 +92,8 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def check_quantized_tensors(where, model: torch.nn.Module, stored: dict[str, str]) -> None:
     """A checkpoint's integer and fp8 tensors must be stored in the dtype the layer reads (a cast would change the
-    codes), its scales must be finite and every ``g_idx`` must name one of its layer's groups. ``stored``: name ->
-    safetensors dtype."""
+    codes), its scales must be finite, every ``g_idx`` must name one of its layer's groups and every progressive W4A8
+    layer's buffers must lie on its grid. ``stored``: name -> safetensors dtype."""
     buffers = dict(model.named_buffers())
     for name, buf in buffers.items():
         if name.endswith((".scales", ".weight_scale")) and not bool(torch.isfinite(buf).all()):
@@ -108,23 +108,37 @@ def check_quantized_tensors(where, model: torch.nn.Module, stored: dict[str, str
             groups = scales.shape[0]
             if int(buf.min()) < 0 or int(buf.max()) >= groups:
                 raise QuantkitError(f"corrupt checkpoint {where}: {name} names groups outside [0, {groups})")
+    for name, module in quantized_modules(model).items():  # progressive W4A8: its buffers' integer grid
+        problem = module.grid_problem() if module.scheme.progressive else None
+        if problem:
+            raise QuantkitError(f"corrupt checkpoint {where}: {name}.{problem}")
 
 
 def check_stored_shapes(where, model: torch.nn.Module, files) -> None:
     """Every tensor of a quantized module in the safetensors ``files`` must have the shape that module's scheme in
     config.json gives it (``model``: the skeleton with quantized modules swapped in). Read from the files' headers,
     before any weight is loaded, so that a config edited or copied from another checkpoint is named as such
-    instead of surfacing as transformers' size-mismatch report."""
-    shapes = {}
+    instead of surfacing as transformers' size-mismatch report. Their integer and fp8 tensors must also be stored
+    in the dtype the module declares: transformers keeps an integer tensor's stored dtype (no cast), so after
+    loading the module's buffer no longer tells what it should have been."""
+    shapes, dtypes = {}, {}
     for f in files:
         if not str(f).endswith(".safetensors"):
             continue
         try:
             with safe_open(str(f), framework="pt") as st:
-                shapes |= {key: tuple(st.get_slice(key).get_shape()) for key in st.keys()}  # noqa: SIM118
+                for key in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    shapes[key], dtypes[key] = tuple(st.get_slice(key).get_shape()), st.get_slice(key).get_dtype()
         except Exception as exc:
             raise QuantkitError(f"cannot load {f}: not a readable safetensors file: {exc}") from None
     check_shapes(where, model, shapes)
+    for name, module in quantized_modules(model).items():
+        for key, buf in module.named_buffers(recurse=False):
+            if buf.dtype.is_floating_point and buf.dtype != torch.float8_e4m3fn:
+                continue
+            want, got = SAFETENSORS_DTYPES[buf.dtype], dtypes.get(f"{name}.{key}")
+            if got is not None and got != want:
+                raise QuantkitError(f"corrupt checkpoint {where}: {name}.{key} is stored as {got}, expected {want}")
 
 
 def check_shapes(where, model: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> None:

@@ -116,6 +116,22 @@ class ProgressiveW4A8Linear(KernelOrSimulated, nn.Module):
             mod.bias.copy_(bias.detach().to(dtype))
         return mod
 
+    def grid_problem(self) -> str | None:
+        """What puts the buffers (as loaded) off the progressive grid, or None: group scales outside [1, 15], zero
+        points over 15, a ``perm`` that is not a permutation of the inputs, codes that decode outside int8 (the
+        rules ``quantkit verify`` checks)."""
+        s2, z, perm, k = self.group_scale.int(), self.group_zero.int(), self.perm.long(), self.in_features
+        if s2.numel() and (int(s2.min()) < 1 or int(s2.max()) > 15):
+            return "group_scale holds scales outside [1, 15]"
+        if z.numel() and (int(z.min()) < 0 or int(z.max()) > 15):
+            return "group_zero holds zero points outside [0, 15]"
+        if not torch.equal(torch.sort(perm).values, torch.arange(k, device=perm.device)):
+            return f"perm is not a permutation of its {k} inputs"
+        group = torch.arange(k, device=perm.device) // self.scheme.group_size  # of each kernel position
+        if not decodes_into_int8(s2.t(), z.t(), unpack_codes(self.qweight, k), group):
+            return f"qweight: codes decode outside int8 {list(INT8_RANGE)} (s2 * (q - z))"
+        return None
+
     def quantized_weight(self) -> QuantizedWeight:
         """The codes in checkpoint channel order, scales s1 * s2, zeros z, and each input channel's group."""
         perm = self.perm.long()

@@ -236,6 +236,83 @@ def test_verify_names_a_group_scale_off_the_grid(tmp_path):
     assert problems["scales"] == ["model.layers.0.mlp.up_proj.group_scale holds scales outside [1, 15]"]
 
 
+UP = "model.layers.0.mlp.up_proj"
+
+
+def _set(key, index, value):
+    def damage(tensors):
+        tensors[f"{UP}.{key}"][index] = value
+
+    return damage
+
+
+def _cast(key, dtype):
+    def damage(tensors):
+        tensors[f"{UP}.{key}"] = tensors[f"{UP}.{key}"].to(dtype)
+
+    return damage
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (_set("group_scale", (0, 0), 0), "group_scale holds scales outside [1, 15]"),
+        (_set("group_scale", (0, 0), 200), "group_scale holds scales outside [1, 15]"),
+        (_set("group_zero", (0, 0), 200), "group_zero holds zero points outside [0, 15]"),
+        (_set("perm", 0, 1), "perm is not a permutation of its 64 inputs"),
+        (_set("perm", 0, 10_000), "perm is not a permutation of its 64 inputs"),
+        (_set("perm", 0, -1), "perm is not a permutation of its 64 inputs"),
+        (_cast("group_scale", torch.int32), "group_scale is stored as I32, expected U8"),
+        (_cast("group_zero", torch.int8), "group_zero is stored as I8, expected U8"),
+        (_cast("perm", torch.int64), "perm is stored as I64, expected I32"),
+        (_cast("qweight", torch.uint8), "qweight is stored as U8, expected I32"),
+    ],
+    ids=[
+        "s2-0",
+        "s2-200",
+        "z-200",
+        "perm-repeats",
+        "perm-past-k",
+        "perm-negative",
+        "s2-int32",
+        "z-int8",
+        "perm-int64",
+        "qweight-uint8",
+    ],
+)
+def test_loading_refuses_buffers_off_the_grid_or_of_another_dtype(tmp_path, damage, message):
+    """Unchecked, such a checkpoint loads and runs on wrong weights (the CUDA kernel wrapping past int8) or fails at
+    its first forward with an IndexError. transformers keeps an integer tensor's stored dtype, so the dtype is
+    checked against the layer's before the weights load, by the hook too."""
+    model = tiny_model("llama")
+    quantkit.quantize(model, {"scheme": progressive(), "stages": [{"method": "rtn"}]})
+    folder = quantkit.save_quantized(model, tmp_path / "q")
+    tensors = load_file(folder / "model.safetensors")
+    damage(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(QuantkitError) as err:
+        quantkit.load_quantized(folder)
+    assert str(err.value) == f"corrupt checkpoint {folder}: {UP}.{message}"
+    if "stored as" in message:
+        with pytest.raises(QuantkitError, match=f"{UP}.{message}"):
+            AutoModelForCausalLM.from_pretrained(folder)
+
+
+def test_loading_refuses_codes_that_decode_outside_int8(tmp_path):
+    """Scales and zero points each in range, yet s2 * (q - z) past int8 for some code of the group."""
+    model = tiny_model("llama")
+    quantkit.quantize(model, {"scheme": progressive(), "stages": [{"method": "rtn"}]})
+    folder = quantkit.save_quantized(model, tmp_path / "q")
+    tensors = load_file(folder / "model.safetensors")
+    tensors[f"{UP}.group_scale"][0, 0], tensors[f"{UP}.group_zero"][0, 0] = 15, 15
+    tensors[f"{UP}.qweight"][:4, 0] = 0  # codes 0 of the first 32 inputs of output 0: d = 15 * (0 - 15) = -225
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(QuantkitError) as err:
+        quantkit.load_quantized(folder)
+    assert str(err.value) == (f"corrupt checkpoint {folder}: {UP}.qweight: codes decode outside int8 [-128, 127] "
+                              "(s2 * (q - z))")  # fmt: skip
+
+
 def test_every_export_format_refuses_the_two_level_grid_in_one_line(tmp_path):
     model = tiny_model("llama")
     quantkit.quantize(model, {"scheme": progressive(), "stages": [{"method": "rtn"}]})
