@@ -18,7 +18,7 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from quantkit.checkpoint.config import QUANT_METHOD, module_schemes
-from quantkit.checkpoint.read import check_stored_shapes
+from quantkit.checkpoint.read import check_quantized_tensors, check_stored_shapes, tensor_headers
 from quantkit.errors import QuantkitError
 
 
@@ -50,10 +50,25 @@ class QuantkitHfQuantizer(HfQuantizer):
         swap_in_quantized_modules(model, module_schemes(qc), split_experts=qc.get("split_experts", False))
         files = kwargs.get("checkpoint_files") or []
         if files:
-            check_stored_shapes(Path(files[0]).parent, model, files)
+            self._folder = Path(files[0]).parent
+            check_stored_shapes(self._folder, model, files)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        """Every quantized buffer was stored (transformers leaves a missing one uninitialised, with a warning) and
+        the loaded values pass ``check_quantized_tensors`` (finite scales, g_idx in range, progressive grids; the
+        dtypes were checked before loading). Skipped where accelerate left buffers on the meta device (offloaded)."""
+        from quantkit.nn.factory import quantized_modules
+
+        folder = getattr(self, "_folder", None)
+        if folder is None or any(b.is_meta for b in model.buffers()):
+            return model
+        stored = tensor_headers(folder)
+        missing = [f"{name}.{key}" for name, module in quantized_modules(model).items()
+                   for key, _ in module.named_buffers(recurse=False) if f"{name}.{key}" not in stored]  # fmt: skip
+        if missing:
+            raise QuantkitError(f"corrupt checkpoint {folder}: {len(missing)} tensors missing, e.g. {missing[0]}")
+        check_quantized_tensors(folder, model, {})
         return model
 
     def is_serializable(self, *args, **kwargs) -> bool:
