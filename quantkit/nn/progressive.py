@@ -118,8 +118,8 @@ class ProgressiveW4A8Linear(KernelOrSimulated, nn.Module):
 
     def grid_problem(self) -> str | None:
         """What puts the buffers (as loaded) off the progressive grid, or None: group scales outside [1, 15], zero
-        points over 15, a ``perm`` that is not a permutation of the inputs, codes that decode outside int8 (the
-        rules ``quantkit verify`` checks)."""
+        points outside [0, 15], a ``perm`` that is not a permutation of the inputs, codes that decode outside int8
+        (the rules ``quantkit verify`` checks)."""
         s2, z, perm, k = self.group_scale.int(), self.group_zero.int(), self.perm.long(), self.in_features
         if s2.numel() and (int(s2.min()) < 1 or int(s2.max()) > 15):
             return "group_scale holds scales outside [1, 15]"
