@@ -60,6 +60,9 @@ def validate_stage(stage: Stage, where: str) -> None:
     cls = stage_class(stage.method)
     if cls.kind == "weights" and stage.scheme is None:
         raise QuantkitError(f"{where}: method {stage.method!r} needs a scheme (in the stage or the recipe)")
+    check = getattr(cls, "check_stage", None)
+    if check is not None:
+        check(stage, where)
 
 
 def build_stage(stage: Stage):

@@ -180,14 +180,19 @@ class AWQStage:
             if self.save_search is not None and self.load_search is not None:
                 raise QuantkitError("awq: give save_search or load_search, not both")
 
+    @classmethod
+    def check_stage(cls, stage: Stage, where: str = "awq") -> None:
+        scheme = stage.scheme
+        if scheme is None:
+            raise QuantkitError(f"{where}: awq needs a scheme (the recipe's default scheme) for its fake-quantization "
+                                "objective")  # fmt: skip
+        if not scheme.weight_only or scheme.fmt != "int":
+            raise QuantkitError(f"{where}: awq searches for weight-only integer schemes, got {scheme.name}")
+
     def __init__(self, stage: Stage) -> None:
         self.stage = stage
         self.params = stage.params if stage.params is not None else self.Params()
-        scheme = stage.scheme
-        if scheme is None:
-            raise QuantkitError("awq needs a scheme (the recipe's default scheme) for its fake-quantization objective")
-        if not scheme.weight_only or scheme.fmt != "int":
-            raise QuantkitError(f"awq searches for weight-only integer schemes, got {scheme.name}")
+        self.check_stage(stage)
 
     @classmethod
     def needs_calibration(cls, stage: Stage) -> bool:

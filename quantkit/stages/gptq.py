@@ -90,6 +90,14 @@ class GPTQStage(WeightStage):
             if not isinstance(self.mse, bool) and self.mse != "auto":
                 raise QuantkitError(f"gptq mse must be auto, true or false, got {self.mse!r}")
 
+    @classmethod
+    def check_stage(cls, stage, where: str) -> None:
+        if stage.params is not None and stage.params.mse is True:
+            for scheme in stage.schemes():
+                if scheme.progressive:
+                    raise QuantkitError(f"{where}: gptq mse: true clips grids, but {scheme.name} takes QServe's "
+                                        "min-max grids; use mse: auto or false")  # fmt: skip
+
     def __init__(self, stage) -> None:
         super().__init__(stage)
         if self.params is None:

@@ -85,6 +85,15 @@ class Stage:
                 scheme = QuantScheme.from_dict({**scheme.to_dict(), **o.scheme}, f"override {o.match!r}")
         return scheme
 
+    def schemes(self) -> list[QuantScheme]:
+        """The stage's scheme and that scheme under each override (none without a scheme)."""
+        if self.scheme is None:
+            return []
+        base = self.scheme.to_dict()
+        return [self.scheme] + [
+            QuantScheme.from_dict({**base, **o.scheme}, f"override {o.match!r}") for o in self.overrides
+        ]
+
     def to_dict(self) -> dict:
         out: dict[str, Any] = {"method": self.method}
         if self.scheme is not None:

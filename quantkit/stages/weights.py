@@ -35,6 +35,10 @@ class WeightStage:
         self.params = stage.params
 
     @classmethod
+    def check_stage(cls, stage: Stage, where: str) -> None:
+        """Refuse, when the recipe is read, settings that no module of ``stage`` could run with (none here)."""
+
+    @classmethod
     def needs_calibration(cls, stage: Stage) -> bool:
         """Calibration data is needed for Hessians, or for the input scale of static W8A8 activations."""
         return cls.needs_hessian or (stage.scheme is not None and not stage.scheme.act_dynamic)

@@ -31,6 +31,7 @@ from quantkit.nn.progressive import ProgressiveW4A8Linear
 from quantkit.plan import quantized_bytes
 from quantkit.presets import preset_recipe
 from quantkit.quant.scheme import QuantScheme
+from quantkit.recipe import Recipe
 from tests.runtime.helpers import hf_greedy, random_prompts, sharpen
 from tests.tiny_models import COMMON, tiny_model, tiny_model_dir, tiny_tokenizer
 
@@ -344,7 +345,19 @@ def test_awq_refuses_progressive_as_every_w4a8_scheme():
     """AWQ's scale and clip searches are for weight-only schemes; SmoothQuant is W4A8's migration."""
     with pytest.raises(QuantkitError) as err:
         quantkit.quantize(tiny_model("llama"), {"scheme": progressive(), "stages": [{"method": "awq"}]}, calib=CALIB)
-    assert str(err.value) == f"awq searches for weight-only integer schemes, got {NAME}"
+    assert str(err.value).endswith(f": awq searches for weight-only integer schemes, got {NAME}")
+
+
+@pytest.mark.parametrize("where", ["stage", "override"])
+def test_gptq_clipped_grids_are_refused_when_the_recipe_is_read(where):
+    """mse: true with a progressive scheme (the stage's, or one an override makes) fails before any model loads."""
+    recipe = {"scheme": progressive(), "stages": [{"method": "gptq", "params": {"mse": True}}]}
+    if where == "override":
+        override = {"match": "re:.*down_proj", "scheme": {"progressive": True}}
+        stage = {"method": "gptq", "params": {"mse": True}, "overrides": [override]}
+        recipe = {"scheme": {**progressive(), "progressive": False}, "stages": [stage]}
+    with pytest.raises(QuantkitError, match=r"stages\[0\]: gptq mse: true clips grids, but .* takes QServe's min-max"):
+        Recipe.from_dict(recipe)
 
 
 # -- the CLI and the runtime ---------------------------------------------------------------------------------------
