@@ -79,6 +79,12 @@ def resolve_recipe(method: str | None, recipe_spec: str | None, flags: dict):
         if value is not None:
             changes[section][key] = value
     recipe = preset_recipe(method) if method else load_recipe(recipe_spec or "default")
+    bits, preset = changes["scheme"].get("bits"), recipe.scheme or {}
+    if method and preset.get("act_bits") and bits not in (None, preset["bits"]):  # its name fixes the widths
+        other = {4: "w4a8", 8: "w8a8"}.get(bits)
+        hint = f"; --method {other} has {bits}-bit weights" if other else ""
+        raise QuantkitError(f"--method {method} has {preset['bits']}-bit weights and {preset['act_bits']}-bit "
+                            f"activations: --bits {bits} does not apply{hint}")  # fmt: skip
     known = {f for s in recipe.stages for f in stage_class(s.method).Params.__dataclass_fields__}
     stray = sorted(set(changes["params"]) - known)
     if stray:

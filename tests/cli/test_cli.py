@@ -160,6 +160,14 @@ def test_missing_calibration_file(tiny_dir, tmp_path):
     assert_clean_failure(r, "text source not found", out)
 
 
+@pytest.mark.parametrize(("method", "bits", "hint"), [("w4a8-progressive", 8, "w8a8"), ("w8a8", 4, "w4a8")])
+def test_a_preset_named_by_its_widths_refuses_other_bits(tiny_dir, tmp_path, method, bits, hint):
+    out = tmp_path / "q"
+    r = run("quantize", "--model", tiny_dir, "--out", out, "--method", method, "--bits", bits)
+    assert_clean_failure(r, f"--bits {bits} does not apply; --method {hint}", out)
+    assert not out.with_name(".q.resume").exists()
+
+
 def test_existing_output_is_refused_and_kept(tiny_dir, tmp_path):
     out = tmp_path / "q"
     out.mkdir()
