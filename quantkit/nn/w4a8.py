@@ -18,10 +18,14 @@ W8A8 kernels reproduce); then ``y = (qa * a_scale[:, None]) @ W.T + bias`` with 
   quantizer and multiplied, in fp32, by the dequantized 4-bit weight. Same quantized operands as the kernel; only
   the fp32 summation order differs.
 - CUDA: ``quantkit.kernels.w4a8.w4a8_linear`` on the W4A16 kernel layout of the buffers (``W4A16Weight``, built
-  once and cached). There is no silent fallback: a missing kernel or a layer the layout cannot hold raises.
+  once and cached). There is no silent fallback: a missing kernel or a layer the layout cannot hold raises. The
+  kernel takes fp16 / bf16 activations; fp32 ones (an fp32 model calibrated on a GPU: the next layer's inputs come
+  from the quantized layer) run the simulation on the GPU, with a warning once.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -52,9 +56,14 @@ def require_half_activations(x2: torch.Tensor) -> None:
                             "model in one of them (the CPU simulation takes any float dtype)")  # fmt: skip
 
 
+FP32_ON_CUDA = ("W4A8 layers with float32 activations on CUDA run the fp32 simulation, not the kernel (which takes "
+                "float16 or bfloat16): load the model in one of them for the kernel's speed")  # fmt: skip
+
+
 class KernelOrSimulated:
     """``forward`` of a W4A8 layer: its Triton kernel on CUDA (``_forward_cuda``), a faithful simulation on any
-    other device (the layer's ``quantize_input`` and ``dequantize_weight``, multiplied in fp32), both on x [M, K]."""
+    other device and for fp32 activations (the layer's ``quantize_input`` and ``dequantize_weight``, multiplied in
+    fp32), both on x [M, K]."""
 
     def _forward_simulated(self, x2: torch.Tensor) -> torch.Tensor:
         qa, a_scale = self.quantize_input(x2)
@@ -68,7 +77,10 @@ class KernelOrSimulated:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected input [..., {self.in_features}], got {tuple(x.shape)}")
         x2 = x.reshape(-1, self.in_features)
-        y = self._forward_cuda(x2) if x2.is_cuda else self._forward_simulated(x2)
+        if x2.is_cuda and x2.dtype == torch.float32:
+            warnings.warn(FP32_ON_CUDA, stacklevel=2)  # shown once per place (Python's default filter)
+        kernel = x2.is_cuda and x2.dtype != torch.float32
+        y = self._forward_cuda(x2) if kernel else self._forward_simulated(x2)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
