@@ -5,7 +5,9 @@ Tolerances. The tile quantizer is checked bit for bit (the family's row quantize
 For the GEMM both sides form each B-long partial sum of e4m3 products in fp32, scale it and add it per tile: against
 float64 from the same codes the error is a few fp32 roundings per tile of the accumulated magnitude,
 (K/B + 2) * 4 * eps(fp32) * sum |terms| (Higham's bound, per tile), plus one rounding to the output dtype (fp16:
-2**-10 relative; the interpreter's dot goes through fp16, exact for e4m3 codes).
+2**-10 relative; the interpreter's dot goes through fp16, exact for e4m3 codes). On a Hopper GPU the tiles of 64 rows
+and more form each partial sum in wgmma, whose fp8 adder keeps ~14 mantissa bits (DeepSeek-V3, arXiv 2412.19437,
+sec. 3.3.2): there one B-long partial may err by up to B * 2**-14 of its magnitude (``hopper_slack``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F32_EPS = torch.finfo(torch.float32).eps
 SMALL = KB.BlockConfig(16, 32, 1, num_stages=2)
 SPLIT = KB.BlockConfig(16, 16, 2, split_waves=8, num_stages=2)  # K split over the 4 "SMs" of the interpreter
+
+
+def hopper_slack(mag: torch.Tensor, block: int) -> torch.Tensor:
+    """What Hopper's fp8 tensor-core adder may lose in B-long partial sums of total magnitude ``mag`` (0 off CUDA)."""
+    return mag * (block * 2.0**-14 if DEVICE == "cuda" else 0.0)
 
 
 def layer(m, n, k, block, seed):
@@ -94,7 +101,8 @@ def test_gemm_matches_reference(m, n, k, block, config):
     qa16, as16 = KB.quantize_tiles_reference(x.half(), block)
     exact16 = KB.fp8_block_matmul_reference(qa16, as16, qw, ws, block, bias.half(), torch.float32)
     assert y16.dtype == torch.float16
-    assert ((y16.float() - exact16).abs() <= exact16.abs() * 2**-10 + bound.float() + 1e-3).all()
+    slack = bound.float() + hopper_slack(mag, block).float() + 1e-3  # the default tile at M = 33 has 64 rows
+    assert ((y16.float() - exact16).abs() <= exact16.abs() * 2**-10 + slack).all()
 
 
 @pytest.mark.parametrize("config", [SMALL, SPLIT], ids=["tiles", "split_k"])
