@@ -113,13 +113,16 @@ def block_k(fmt: str, group_size: int, cfg: dict[str, int]) -> int:
 
 
 # The decode path (``decode.py``: CUDA-core GEMV over (expert block, N tile, K split)) serves a layer of at most
-# this many tokens in these formats; larger ones run the tile path above. Off (0) until timed on a GPU: a config
-# with ``DECODE: 1`` selects it, and ``bench_moe.py`` times it beside the tile path up to M = 64. The first choice
-# to try is 16 tokens (Mixtral-8x7B: ~4 rows per expert, where the GEMV still reads each weight once per block);
-# the tuned tile path already reaches 94% of copy bandwidth for bf16 Mixtral at batch 1 (H100).
-DECODE_MAX_TOKENS = {"float": 0, "w4a16": 0}
+# this many tokens in these formats; larger ones run the tile path above (a config with ``DECODE`` picks either).
+# Measured on the H100 (``bench_moe.py --ms 1,16,64``, 2026-12-07), decode path against the tile path:
+# - w4a16: faster at M = 1 on both shapes (Mixtral-8x7B 116.9 us against 257.1, 52% of copy bandwidth against
+#   24%; Qwen3-30B-A3B 42.0 against 47.4) and at M = 16 on Qwen3-30B-A3B (178.4 against 201.8); slower at M = 16
+#   on Mixtral-8x7B (1031 against 649) and at M = 64 on both. So 1 token, 16 on Qwen3-30B-A3B's shape.
+# - float: slower at every M measured (M = 1: 55.9 against 52.0 us on Qwen3-30B-A3B, 275.2 against 248.6 on
+#   Mixtral-8x7B, whose tuned tiles reach 94% of copy bandwidth), so off.
+DECODE_MAX_TOKENS = {"float": 0, "w4a16": 1}
 # Per (format, H, I, E, top_k): the measured threshold of a layer shape where it differs from the format's.
-TUNED_DECODE_MAX_TOKENS: dict[tuple[str, int, int, int, int], int] = {}
+TUNED_DECODE_MAX_TOKENS: dict[tuple[str, int, int, int, int], int] = {("w4a16", 2048, 768, 128, 8): 16}
 DECODE_MAX_ROWS = 4  # BLOCK_M of the decode path at most: rows of one expert per program (one FMA per row and weight)
 DECODE_LOCK_SLOTS = 4096  # split gate/up tiles (expert blocks x N tiles) one launch may fix up in place
 DECODE_WARPS_PER_SM = 12  # K is split until about this many warps per SM run: one wave at ~168 registers a thread

@@ -22,11 +22,12 @@ Expert weight layouts (``ExpertWeights``: one projection of every expert stacked
                [E, ceil(N/B), ceil(K/B)]; activations quantized per 1 x B tile of each row (``quantize_tiles``) and
                each B-long partial sum promoted to fp32 with its two scales (DeepSeek-V3's rule)
 
-Two paths (``configs.layer_config``): up to ``configs.DECODE_MAX_TOKENS`` tokens (0 until timed on a GPU) float
-and W4A16 experts take ``decode.py``'s GEMV programs over (expert block of 1-4 rows, N tile, K split) on the dense
-W4A16 gemv's unpacking: the tiles below pad an expert's one or two rows to BLOCK_M (batch 1 on H100: W4A16 at
-10-25% of copy bandwidth). Larger layers, fp8_block experts and tile configs take the tile path; ``_sum_k_kernel``
-serves both (on the decode path it also adds the down projection's K splits and applies the routing weight).
+Two paths (``configs.layer_config``): up to ``configs.DECODE_MAX_TOKENS`` tokens (W4A16: 1, or the shape's
+measured threshold; float: 0, the tiles measured faster) experts take ``decode.py``'s GEMV programs over (expert
+block of 1-4 rows, N tile, K split) on the dense W4A16 gemv's unpacking: the tiles below pad an expert's one or two
+rows to BLOCK_M (batch 1 on the H100, Mixtral-8x7B W4A16: 24% of copy bandwidth on the tiles, 52% on the GEMV).
+Larger layers, fp8_block experts and tile configs take the tile path; ``_sum_k_kernel`` serves both (on the decode
+path it also adds the down projection's K splits and applies the routing weight).
 
 How (tile path)
     ``routing.align`` sorts the pairs by expert and pads each expert's run to BLOCK_M rows; the GEMM grid is
@@ -490,7 +491,8 @@ def routed_moe(
 ) -> torch.Tensor:
     """``fused_moe`` of ``route(logits, top_k, **routing)``, with routing and alignment in one launch where
     ``route_and_align`` allows it (a decode step: route, one grouped GEMM per projection, the sum). ``config`` as
-    ``fused_moe``'s: None takes the decode path (``decode.py``) up to ``configs.DECODE_MAX_TOKENS`` tokens (0: off)."""
+    ``fused_moe``'s: None takes the decode path (``decode.py``) up to ``configs.layer_config``'s threshold
+    (``DECODE_MAX_TOKENS``)."""
     t, h = x.shape
     if logits.shape != (t, w13.num_experts):
         raise ValueError(f"logits must be [{t}, {w13.num_experts}], got {tuple(logits.shape)}")

@@ -319,7 +319,12 @@ def test_decode_path_ragged_sizes(dtype, out_dtype):
 
 
 def test_layer_config_picks_the_decode_path_by_tokens(monkeypatch):
-    assert C.layer_config(1, 8, 128, "w4a16", 2048, 768, None)["DECODE"] == 0  # off until timed on a GPU
+    # the thresholds measured on the H100: W4A16 at 1 token, up to 16 on Qwen3-30B-A3B's shape; float never
+    assert C.layer_config(1, 2, 8, "w4a16", 4096, 14336, None)["DECODE"] == 1
+    assert C.layer_config(2, 2, 8, "w4a16", 4096, 14336, None)["DECODE"] == 0
+    assert C.layer_config(16, 8, 128, "w4a16", 2048, 768, None)["DECODE"] == 1
+    assert C.layer_config(17, 8, 128, "w4a16", 2048, 768, None)["DECODE"] == 0
+    assert C.layer_config(1, 2, 8, "float", 4096, 14336, None)["DECODE"] == 0
     monkeypatch.setattr(C, "DECODE_MAX_TOKENS", {"float": 16, "w4a16": 16})
     most = C.DECODE_MAX_TOKENS["w4a16"]
     assert C.layer_config(most, 8, 128, "w4a16", 2048, 768, None) == {"DECODE": 1, "BLOCK_M": 1}
