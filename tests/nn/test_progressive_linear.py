@@ -226,18 +226,24 @@ def test_quantize_save_load_and_hook_give_identical_logits(tmp_path, recipe):
     assert verify_checkpoint(folder).ok
 
 
-def test_verify_names_a_group_scale_off_the_grid(tmp_path):
+UP = "model.layers.0.mlp.up_proj"
+
+
+def damaged_checkpoint(tmp_path, damage):
+    """A tiny progressive RTN checkpoint whose tensors ``damage`` edits in place."""
     model = tiny_model("llama")
     quantkit.quantize(model, {"scheme": progressive(), "stages": [{"method": "rtn"}]})
     folder = quantkit.save_quantized(model, tmp_path / "q")
     tensors = load_file(folder / "model.safetensors")
-    tensors["model.layers.0.mlp.up_proj.group_scale"][0, 0] = 16
+    damage(tensors)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_verify_names_a_group_scale_off_the_grid(tmp_path):
+    folder = damaged_checkpoint(tmp_path, _set("group_scale", (0, 0), 16))
     problems = verify_checkpoint(folder).problems
-    assert problems["scales"] == ["model.layers.0.mlp.up_proj.group_scale holds scales outside [1, 15]"]
-
-
-UP = "model.layers.0.mlp.up_proj"
+    assert problems["scales"] == [f"{UP}.group_scale holds scales outside [1, 15]"]
 
 
 def _set(key, index, value):
@@ -285,12 +291,7 @@ def test_loading_refuses_buffers_off_the_grid_or_of_another_dtype(tmp_path, dama
     """Unchecked, such a checkpoint loads and runs on wrong weights (the CUDA kernel wrapping past int8) or fails at
     its first forward with an IndexError. transformers keeps an integer tensor's stored dtype, so the dtype is
     checked against the layer's before the weights load."""
-    model = tiny_model("llama")
-    quantkit.quantize(model, {"scheme": progressive(), "stages": [{"method": "rtn"}]})
-    folder = quantkit.save_quantized(model, tmp_path / "q")
-    tensors = load_file(folder / "model.safetensors")
-    damage(tensors)
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    folder = damaged_checkpoint(tmp_path, damage)
     for load in (quantkit.load_quantized, AutoModelForCausalLM.from_pretrained):  # the hook checks as much
         with pytest.raises(QuantkitError) as err:
             load(folder)
@@ -299,12 +300,7 @@ def test_loading_refuses_buffers_off_the_grid_or_of_another_dtype(tmp_path, dama
 
 def test_the_hook_refuses_a_missing_buffer(tmp_path):
     """transformers leaves a buffer the checkpoint lacks uninitialised (a warning): the hook names it."""
-    model = tiny_model("llama")
-    quantkit.quantize(model, {"scheme": progressive(), "stages": [{"method": "rtn"}]})
-    folder = quantkit.save_quantized(model, tmp_path / "q")
-    tensors = load_file(folder / "model.safetensors")
-    del tensors[f"{UP}.perm"]
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    folder = damaged_checkpoint(tmp_path, lambda tensors: tensors.pop(f"{UP}.perm"))
     with pytest.raises(QuantkitError) as err:
         AutoModelForCausalLM.from_pretrained(folder)
     assert str(err.value) == f"corrupt checkpoint {folder}: 1 tensors missing, e.g. {UP}.perm"
@@ -312,13 +308,12 @@ def test_the_hook_refuses_a_missing_buffer(tmp_path):
 
 def test_loading_refuses_codes_that_decode_outside_int8(tmp_path):
     """Scales and zero points each in range, yet s2 * (q - z) past int8 for some code of the group."""
-    model = tiny_model("llama")
-    quantkit.quantize(model, {"scheme": progressive(), "stages": [{"method": "rtn"}]})
-    folder = quantkit.save_quantized(model, tmp_path / "q")
-    tensors = load_file(folder / "model.safetensors")
-    tensors[f"{UP}.group_scale"][0, 0], tensors[f"{UP}.group_zero"][0, 0] = 15, 15
-    tensors[f"{UP}.qweight"][:4, 0] = 0  # codes 0 of the first 32 inputs of output 0: d = 15 * (0 - 15) = -225
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+    def damage(tensors):
+        tensors[f"{UP}.group_scale"][0, 0], tensors[f"{UP}.group_zero"][0, 0] = 15, 15
+        tensors[f"{UP}.qweight"][:4, 0] = 0  # codes 0 of the first 32 inputs of output 0: d = 15 * (0 - 15) = -225
+
+    folder = damaged_checkpoint(tmp_path, damage)
     from quantkit.runtime import LLM
 
     serve = lambda f: LLM(str(f), device="cpu", num_kv_blocks=32)  # the runtime's own loader
