@@ -42,6 +42,17 @@ PRESETS: dict[str, tuple[list, dict]] = {  # stages: a method name, or (name, it
 }
 
 
+def check_preset_bits(method: str | None, bits: int | None) -> None:
+    """A preset with 8-bit activations is named by its widths (``w4a8``, ``w8a8``, ...): ``bits`` other than its
+    weights' is a one-line error naming the preset that has them."""
+    preset = PRESETS.get(method, ([], {}))[1]
+    if preset.get("act_bits") and bits not in (None, preset["bits"]):
+        other = {4: "w4a8", 8: "w8a8"}.get(bits)
+        hint = f"; --method {other} has {bits}-bit weights" if other else ""
+        raise QuantkitError(f"--method {method} has {preset['bits']}-bit weights and {preset['act_bits']}-bit "
+                            f"activations: --bits {bits} does not apply{hint}")  # fmt: skip
+
+
 def preset_recipe(method: str, scheme: dict | None = None, calibration: dict | None = None, params: dict | None = None):
     """The recipe of preset ``method`` with ``scheme`` keys over its default scheme."""
     if method not in PRESETS:

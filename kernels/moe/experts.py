@@ -22,10 +22,9 @@ Expert weight layouts (``ExpertWeights``: one projection of every expert stacked
                [E, ceil(N/B), ceil(K/B)]; activations quantized per 1 x B tile of each row (``quantize_tiles``) and
                each B-long partial sum promoted to fp32 with its two scales (DeepSeek-V3's rule)
 
-Two paths (``configs.layer_config``): up to ``configs.DECODE_MAX_TOKENS`` tokens (W4A16: 1, or the shape's
-measured threshold; float: 0, the tiles measured faster) experts take ``decode.py``'s GEMV programs over (expert
-block of 1-4 rows, N tile, K split) on the dense W4A16 gemv's unpacking: the tiles below pad an expert's one or two
-rows to BLOCK_M (batch 1 on the H100, Mixtral-8x7B W4A16: 24% of copy bandwidth on the tiles, 52% on the GEMV).
+Two paths (``configs.layer_config``): up to ``DECODE_MAX_TOKENS`` tokens (measured: W4A16 1, float 0) experts take
+``decode.py``'s GEMV programs over (expert block of 1-4 rows, N tile, K split) on the W4A16 gemv's unpacking: the
+tiles pad an expert's rows to BLOCK_M (H100, Mixtral-8x7B W4A16, batch 1: 24% of copy bandwidth; the GEMV 52%).
 Larger layers, fp8_block experts and tile configs take the tile path; ``_sum_k_kernel`` serves both (on the decode
 path it also adds the down projection's K splits and applies the routing weight).
 

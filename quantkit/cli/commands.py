@@ -64,7 +64,7 @@ FLAG_VALUES = {"act_static": lambda v: not v, "clip_qk": lambda v: [] if v else 
 
 def resolve_recipe(method: str | None, recipe_spec: str | None, flags: dict):
     """Recipe from --recipe or --method (default: the shipped 'default' recipe), CLI flags on top."""
-    from quantkit.presets import preset_recipe
+    from quantkit.presets import check_preset_bits, preset_recipe
     from quantkit.recipe import load_recipe
     from quantkit.stages import stage_class
 
@@ -79,12 +79,7 @@ def resolve_recipe(method: str | None, recipe_spec: str | None, flags: dict):
         if value is not None:
             changes[section][key] = value
     recipe = preset_recipe(method) if method else load_recipe(recipe_spec or "default")
-    bits, preset = changes["scheme"].get("bits"), recipe.scheme or {}
-    if method and preset.get("act_bits") and bits not in (None, preset["bits"]):  # its name fixes the widths
-        other = {4: "w4a8", 8: "w8a8"}.get(bits)
-        hint = f"; --method {other} has {bits}-bit weights" if other else ""
-        raise QuantkitError(f"--method {method} has {preset['bits']}-bit weights and {preset['act_bits']}-bit "
-                            f"activations: --bits {bits} does not apply{hint}")  # fmt: skip
+    check_preset_bits(method, changes["scheme"].get("bits"))  # None: no preset, nothing to check
     known = {f for s in recipe.stages for f in stage_class(s.method).Params.__dataclass_fields__}
     stray = sorted(set(changes["params"]) - known)
     if stray:
@@ -162,12 +157,8 @@ def summary_table(recipe, model_spec: str, device: str, dtype: torch.dtype, out:
 @click.option("--act-static", is_flag=True, default=None, help="W8A8: static per-tensor activation scales.")
 @click.option("--act-fmt", type=click.Choice(["int", "fp8"]), default=None, help="W4A8: int8 or e4m3 activations.")
 @click.option("--grid", type=int, default=None, help="AWQ: scale-search grid size.")
-@click.option(
-    "--refine-steps",
-    type=int,
-    default=None,
-    help="AWQ: Adam steps refining each channel's scale after the grid (default 50; 0: the grid alone).",
-)
+@click.option("--refine-steps", type=int, default=None,
+              help="AWQ: Adam steps refining each channel's scale after the grid (default 50; 0: none).")  # fmt: skip
 @click.option("--clip/--no-clip", default=None, help="AWQ: clipping search.")
 @click.option("--clip-qk", is_flag=True, default=None, help="AWQ: clip q_proj and k_proj too (skipped by default).")
 @click.option(
