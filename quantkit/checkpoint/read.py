@@ -128,7 +128,8 @@ def check_stored_shapes(where, model: torch.nn.Module, files) -> None:
         try:
             with safe_open(str(f), framework="pt") as st:
                 for key in st.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    shapes[key], dtypes[key] = tuple(st.get_slice(key).get_shape()), st.get_slice(key).get_dtype()
+                    part = st.get_slice(key)
+                    shapes[key], dtypes[key] = tuple(part.get_shape()), part.get_dtype()
         except Exception as exc:
             raise QuantkitError(f"cannot load {f}: not a readable safetensors file: {exc}") from None
     check_shapes(where, model, shapes)

@@ -252,25 +252,13 @@ def _check_module(name: str, module, layer: dict[str, torch.Tensor], problems: d
 def _check_progressive(name: str, module, layer: dict[str, torch.Tensor], problems: dict) -> None:
     """The progressive grid's ranges (``quantkit.nn.progressive``), on tensors of the shapes and dtypes the layer
     reads (others are reported as such)."""
-    from quantkit.kernels.w4a8.progressive import unpack_codes
-    from quantkit.nn.progressive import INT8_RANGE, decodes_into_int8
+    from quantkit.nn.progressive import grid_problems
 
     if any(layer[key].dtype != buf.dtype for key, buf in module.named_buffers(recurse=False)):
         return
-    s2, z, perm = layer["group_scale"], layer["group_zero"], layer["perm"]
-    if s2.numel() and (int(s2.min()) < 1 or int(s2.max()) > 15):
-        problems["scales"].append(f"{name}.group_scale holds scales outside [1, 15]")
-    if z.numel() and int(z.max()) > 15:
-        problems["zero_points"].append(f"{name}.group_zero holds zero points over 15")
-    if not torch.equal(torch.sort(perm.long()).values, torch.arange(module.in_features)):
-        problems["g_idx"].append(f"{name}.perm is not a permutation of its {module.in_features} inputs")
-        return
-    k = module.in_features
-    group = torch.arange(k) // module.scheme.group_size  # of each kernel position
-    codes = unpack_codes(layer["qweight"], k)  # [N, K] in kernel order
-    if not decodes_into_int8(s2.t().int(), z.t().int(), codes, group):
-        lo, hi = INT8_RANGE
-        problems["zero_points"].append(f"{name}: codes decode outside int8 [{lo}, {hi}] (s2 * (q - z))")
+    args = (layer[key] for key in ("group_scale", "group_zero", "perm", "qweight"))
+    for kind, what in grid_problems(*args, module.scheme.group_size):
+        problems[kind].append(f"{name}.{what}")
 
 
 def compare_with_baseline(folder: Path, method: str, baseline: str, data: str, windows: int, seqlen: int,

@@ -49,6 +49,24 @@ def decodes_into_int8(s2: torch.Tensor, z: torch.Tensor, codes: torch.Tensor, gr
     return lo <= int(d.min()) and int(d.max()) <= hi
 
 
+def grid_problems(group_scale, group_zero, perm, qweight, group_size: int) -> list[tuple[str, str]]:
+    """What puts a layer's buffers off the progressive grid, as (kind, "buffer: what") pairs, kind one of
+    ``verify``'s ("scales", "zero_points", "g_idx"): group scales outside [1, 15], zero points outside [0, 15], a
+    ``perm`` that is not a permutation of the inputs (then nothing further), codes that decode outside int8."""
+    s2, z, perm, k = group_scale.int(), group_zero.int(), perm.long(), perm.numel()
+    problems = []
+    if s2.numel() and (int(s2.min()) < 1 or int(s2.max()) > 15):
+        problems.append(("scales", "group_scale holds scales outside [1, 15]"))
+    if z.numel() and (int(z.min()) < 0 or int(z.max()) > 15):
+        problems.append(("zero_points", "group_zero holds zero points outside [0, 15]"))
+    if not torch.equal(torch.sort(perm).values, torch.arange(k, device=perm.device)):
+        return [*problems, ("g_idx", f"perm is not a permutation of its {k} inputs")]
+    group = torch.arange(k, device=perm.device) // group_size  # of each kernel position
+    if not decodes_into_int8(s2.t(), z.t(), unpack_codes(qweight, k), group):
+        problems.append(("zero_points", f"qweight: codes decode outside int8 {list(INT8_RANGE)} (s2 * (q - z))"))
+    return problems
+
+
 def kernel_order(g_idx: torch.Tensor, group_size: int) -> torch.Tensor:
     """perm int64 [K]: the input channels sorted by group (stably), so that group g holds kernel positions
     [g * G, (g + 1) * G); a QuantkitError where the groups are not G channels each (the last one shorter)."""
@@ -117,20 +135,9 @@ class ProgressiveW4A8Linear(KernelOrSimulated, nn.Module):
         return mod
 
     def grid_problem(self) -> str | None:
-        """What puts the buffers (as loaded) off the progressive grid, or None: group scales outside [1, 15], zero
-        points outside [0, 15], a ``perm`` that is not a permutation of the inputs, codes that decode outside int8
-        (the rules ``quantkit verify`` checks)."""
-        s2, z, perm, k = self.group_scale.int(), self.group_zero.int(), self.perm.long(), self.in_features
-        if s2.numel() and (int(s2.min()) < 1 or int(s2.max()) > 15):
-            return "group_scale holds scales outside [1, 15]"
-        if z.numel() and (int(z.min()) < 0 or int(z.max()) > 15):
-            return "group_zero holds zero points outside [0, 15]"
-        if not torch.equal(torch.sort(perm).values, torch.arange(k, device=perm.device)):
-            return f"perm is not a permutation of its {k} inputs"
-        group = torch.arange(k, device=perm.device) // self.scheme.group_size  # of each kernel position
-        if not decodes_into_int8(s2.t(), z.t(), unpack_codes(self.qweight, k), group):
-            return f"qweight: codes decode outside int8 {list(INT8_RANGE)} (s2 * (q - z))"
-        return None
+        """The first of ``grid_problems`` of the buffers as loaded, or None."""
+        problems = grid_problems(self.group_scale, self.group_zero, self.perm, self.qweight, self.scheme.group_size)
+        return problems[0][1] if problems else None
 
     def quantized_weight(self) -> QuantizedWeight:
         """The codes in checkpoint channel order, scales s1 * s2, zeros z, and each input channel's group."""
