@@ -33,6 +33,8 @@ Modes (JSON + markdown written under --out, default out/w4a8; a short table is p
   python benchmarks/bench_w4a8.py --flat-sweep         only bf16 and candidate flat-kernel tiles (``FLAT_SWEEP``),
                                                        2 shapes x M in {64, 256, 1024, 4096}
   python benchmarks/bench_w4a8.py --prog-sweep         the same for the progressive kernel's tiles (``PROG_SWEEP``)
+  python benchmarks/bench_w4a8.py --prog-small-sweep   its small-M tiles (``PROG_SMALL_SWEEP``) beside W4A16,
+                                                       6 shapes x M in {1, 16}
   TRITON_INTERPRET=1 python benchmarks/bench_w4a8.py --smoke   CPU plumbing check: tiny shapes, wall clock
 """
 
@@ -106,6 +108,21 @@ PROG_SWEEP = [
     replace(PROG, swap_ab=False, num_stages=3),
 ]
 SWEEP_MS = [64, 256, 1024, 4096]
+# --prog-small-sweep: the progressive kernel's small-M tiles (x's rows on the MMA's N side, 16 wide), timed at M = 1
+# and 16 on all six shapes beside W4A16 and the default: deeper and wider weight tiles, more or fewer K splits
+PROG_SMALL = K.PROGRESSIVE_TABLE[0][1]
+PROG_SMALL_SWEEP = [
+    PROG_SMALL,
+    replace(PROG_SMALL, block_k=128),
+    replace(PROG_SMALL, block_n=128),
+    replace(PROG_SMALL, block_n=128, block_k=128),
+    replace(PROG_SMALL, block_n=32, block_k=128),
+    replace(PROG_SMALL, split_waves=8),
+    replace(PROG_SMALL, split_waves=2),
+    replace(PROG_SMALL, block_k=128, num_stages=6),
+    replace(PROG_SMALL, block_n=128, block_k=128, num_warps=8),
+]
+SMALL_SWEEP_MS = [1, 16]
 M1_SHARE_OF_W4A16 = 0.9
 
 
@@ -260,7 +277,13 @@ def run_sweep(shapes, ms, group: int, timer: Timer, device: str, variants: list)
             base = timer.per_call(p.calls("bf16"))
             row = {"N": n, "K": k, "M": m, "bf16_us": base, "speedup": {}}
             for variant in variants:
-                name = variant[1].name if isinstance(variant, tuple) else variant.name
+                name = (
+                    variant
+                    if isinstance(variant, str)
+                    else variant[1].name
+                    if isinstance(variant, tuple)
+                    else variant.name
+                )
                 p.check(variant, p.calls(variant)[0]())
                 row["speedup"][name] = base / timer.per_call(p.calls(variant))
             rows.append(row)
@@ -333,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (needs TRITON_INTERPRET=1)")
     ap.add_argument("--flat-sweep", action="store_true", help="only bf16 and the FLAT_SWEEP tiles of the flat kernel")
     ap.add_argument("--prog-sweep", action="store_true", help="only bf16 and the PROG_SWEEP tiles, progressive kernel")
+    ap.add_argument(
+        "--prog-small-sweep",
+        action="store_true",
+        help="bf16, W4A16, the default and the PROG_SMALL_SWEEP tiles of the progressive kernel at M 1, 16",
+    )
     add_out_argument(ap, "w4a8")
     args = ap.parse_args(argv)
     if args.group != -1 and (args.group < 32 or args.group % 32):
@@ -353,23 +381,26 @@ def main(argv: list[str] | None = None) -> int:
         env["seconds"] = round(time.perf_counter() - t_start)
         (out_dir / "w4a8_results.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
 
-    if args.flat_sweep or args.prog_sweep:
-        configs = PROG_SWEEP if args.prog_sweep else FLAT_SWEEP
-        sweep_shapes = shapes if args.smoke else QUICK_SHAPES
-        sweep_ms = ms if args.smoke or args.ms else SWEEP_MS
-        print("speedup over bf16 cuBLAS per config, in this order:")
-        for i, cfg in enumerate(configs):
-            print(f"  {i}: {cfg.name}")
-        variants = [("prog", cfg) for cfg in configs] if args.prog_sweep else configs
+    if args.flat_sweep or args.prog_sweep or args.prog_small_sweep:
+        small = args.prog_small_sweep
+        configs = PROG_SWEEP if args.prog_sweep else PROG_SMALL_SWEEP if small else FLAT_SWEEP
+        sweep_shapes = shapes if args.smoke or small else QUICK_SHAPES
+        sweep_ms = ms if args.smoke or args.ms else SMALL_SWEEP_MS if small else SWEEP_MS
+        variants = ["w4a16"] if small else []
+        variants += [("prog", cfg) for cfg in configs] if args.prog_sweep or small else configs
+        names = [v if isinstance(v, str) else v[1].name if isinstance(v, tuple) else v.name for v in variants]
+        print("speedup over bf16 cuBLAS per variant, in this order:")
+        for i, name in enumerate(names):
+            print(f"  {i}: {name}")
         rows = run_sweep(sweep_shapes, sweep_ms, group, timer, device, variants)
         env["seconds"] = round(time.perf_counter() - t_start)
-        name = "prog" if args.prog_sweep else "flat"
+        name = "prog_small" if small else "prog" if args.prog_sweep else "flat"
         (out_dir / f"w4a8_{name}_sweep.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
-        for i, cfg in enumerate(configs):
+        for i, name in enumerate(names):
             by_m = "  ".join(
-                f"M={m}: {geomean(r['speedup'][cfg.name] for r in rows if r['M'] == m):.2f}x" for m in sweep_ms
+                f"M={m}: {geomean(r['speedup'][name] for r in rows if r['M'] == m):.2f}x" for m in sweep_ms
             )
-            print(f"geomean {i} {cfg.name}: {by_m}")
+            print(f"geomean {i} {name}: {by_m}")
         return 0
     rows = run_table(shapes, ms, group, timer, device, save_rows)
     (out_dir / "w4a8_results.md").write_text(table_markdown(rows, env))
