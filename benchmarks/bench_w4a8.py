@@ -189,8 +189,9 @@ class Problem:
             return lambda: K.w4a8_linear(x, self.wp[i])
         if isinstance(variant, K.W4A8Config):
             return lambda: K.w4a8_linear(x, w4, config=variant)
-        if isinstance(variant, tuple):  # ("prog", config): the progressive kernel with that config
-            return lambda: K.w4a8_linear(x, self.wp[i], config=variant[1])
+        if isinstance(variant, tuple):  # ("prog" | "prog-pdl", config): the progressive kernel with that config
+            pdl = variant[0] == "prog-pdl"
+            return lambda: K.w4a8_linear(x, self.wp[i], config=variant[1], pdl=pdl)
         if variant == "w4a8_gemm":
             qa, sa = self.qa[i]
             return lambda: K.w4a8_matmul(qa, sa, w4, out_dtype=torch.bfloat16)
@@ -265,6 +266,15 @@ def run_table(shapes, ms, group: int, timer: Timer, device: str, save) -> list[d
             if device == "cuda":
                 torch.cuda.empty_cache()
     return rows
+
+
+def variant_name(variant) -> str:
+    """A variant's column name: its own (a string), its config's, or its config's with "-pdl" (("prog-pdl", cfg))."""
+    if isinstance(variant, str):
+        return variant
+    if isinstance(variant, tuple):
+        return variant[1].name + ("-pdl" if variant[0] == "prog-pdl" else "")
+    return variant.name
 
 
 def run_sweep(shapes, ms, group: int, timer: Timer, device: str, variants: list) -> list[dict]:
@@ -388,7 +398,9 @@ def main(argv: list[str] | None = None) -> int:
         sweep_ms = ms if args.smoke or args.ms else SMALL_SWEEP_MS if small else SWEEP_MS
         variants = ["w4a16"] if small else []
         variants += [("prog", cfg) for cfg in configs] if args.prog_sweep or small else configs
-        names = [v if isinstance(v, str) else v[1].name if isinstance(v, tuple) else v.name for v in variants]
+        if small and device == "cuda":  # programmatic dependent launch after the quantizer, default tiles
+            variants.append(("prog-pdl", PROG_SMALL))
+        names = [variant_name(v) for v in variants]
         print("speedup over bf16 cuBLAS per variant, in this order:")
         for i, name in enumerate(names):
             print(f"  {i}: {name}")

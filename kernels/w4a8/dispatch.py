@@ -26,15 +26,20 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-from quantkit.kernels._device import device_of, num_sms, sms_of
+from quantkit.kernels._device import device_of, interpreting, num_sms, sms_of
 from quantkit.kernels.w4a8.flat import launch_flat
 from quantkit.kernels.w4a8.gemm import check_w4a8_operands, launch
 from quantkit.kernels.w4a8.progressive import ProgressiveWeight, check_progressive_operands, launch_progressive
 from quantkit.kernels.w4a16.configs import LOCK_SLOTS
 from quantkit.kernels.w4a16.weight import W4A16Weight
+from quantkit.kernels.w8a8.dispatch import use_pdl
 from quantkit.kernels.w8a8.quant import DTYPE_OF_FORMAT, quantize_activations, require
 
 SMALL_M = 16  # the small-M path serves up to this many rows
+# Programmatic dependent launch of the progressive GEMM after its activation quantizer, up to W8A8's PDL_MAX_M rows
+# (``w8a8.dispatch.pdl_rule``: +3-4% end to end there on the H100). Off until timed for W4A8 (``bench_w4a8.py
+# --prog-small-sweep``, variant prog-pdl); ``w4a8_linear(pdl=True)`` asks for it.
+PROGRESSIVE_PDL = False
 
 
 def _pow2(v: int) -> bool:
@@ -203,10 +208,12 @@ def w4a8_matmul(
     out_dtype: torch.dtype = torch.float16,
     out: torch.Tensor | None = None,
     config: W4A8Config | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """qa [M, K] int8 | float8_e4m3fn (kernel channel order) with per-token fp32 scales [M] x the 4-bit weight ->
     y [M, N] in ``out_dtype`` (``out`` if given); ``config`` overrides the table. A ``ProgressiveWeight`` (int8
-    activations only) runs ``progressive.py``'s kernel."""
+    activations only) runs ``progressive.py``'s kernel; ``pdl`` (progressive only): launch it with programmatic
+    dependent launch after a quantizer launched with ``pdl=True``."""
     progressive = isinstance(w, ProgressiveWeight)
     if progressive:
         out = check_progressive_operands(qa, a_scale, w, bias, out_dtype, out)
@@ -215,9 +222,12 @@ def w4a8_matmul(
     m = qa.shape[0]
     if m == 0 or w.out_features == 0:
         return out
+    require(not pdl or progressive, "pdl is only for progressive weights")
     plan = choose(m, w.out_features, w.in_features, w.group_size, num_sms(qa.device), config, progressive)
-    run = launch_progressive if progressive else launch_flat if plan.config.flat else launch
-    run(qa, a_scale, w, bias, out, plan.config, plan.launch)
+    if progressive:
+        launch_progressive(qa, a_scale, w, bias, out, plan.config, plan.launch, pdl)
+    else:
+        (launch_flat if plan.config.flat else launch)(qa, a_scale, w, bias, out, plan.config, plan.launch)
     return out
 
 
@@ -227,15 +237,22 @@ def w4a8_linear(
     bias: torch.Tensor | None = None,
     fmt: str = "int8",
     config: W4A8Config | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W.T + bias in x's dtype (fp16 / bf16): x permuted for act-order, quantized per token
-    to ``fmt`` ("int8" or "fp8"), then the W4A8 GEMM with ``choose``'s plan (``config`` overrides the table)."""
+    to ``fmt`` ("int8" or "fp8"), then the W4A8 GEMM with ``choose``'s plan (``config`` overrides the table).
+    ``pdl`` (progressive weights; None: ``PROGRESSIVE_PDL`` and W8A8's ``pdl_rule``): the GEMM starts while the
+    quantizer runs (programmatic dependent launch, sm_90+)."""
     require(fmt in DTYPE_OF_FORMAT, f"fmt must be one of {sorted(DTYPE_OF_FORMAT)}, got {fmt!r}")
     require(x.dtype in (torch.float16, torch.bfloat16), f"x must be float16 or bfloat16, got {x.dtype}")
     require(x.shape[-1] == w.in_features, f"x must be [..., {w.in_features}], got {tuple(x.shape)}")
     x2 = x.reshape(-1, x.shape[-1])
     if w.perm is not None:
         x2 = x2.index_select(1, w.perm)
-    qa, a_scale = quantize_activations(x2, fmt)
-    y = w4a8_matmul(qa, a_scale, w, bias, out_dtype=x.dtype, config=config)
+    progressive = isinstance(w, ProgressiveWeight)
+    if pdl is None:
+        pdl = progressive and PROGRESSIVE_PDL and use_pdl(x2)
+    require(not pdl or (progressive and x2.is_cuda and not interpreting()), "pdl needs a progressive weight on CUDA")
+    qa, a_scale = quantize_activations(x2, fmt, pdl=pdl)
+    y = w4a8_matmul(qa, a_scale, w, bias, out_dtype=x.dtype, config=config, pdl=pdl)
     return y.reshape(*x.shape[:-1], w.out_features)

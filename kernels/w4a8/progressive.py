@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from quantkit.kernels._device import interpreting
+from quantkit.kernels._device import interpreting, prefetch_block_l2, threads
 from quantkit.kernels.w4a8.gemm import check_product, fixup_unroll, tile_operands
 from quantkit.kernels.w4a16.configs import LOCK_SLOTS
 from quantkit.kernels.w4a16.epilogue import finish_tile
@@ -64,6 +64,7 @@ from quantkit.kernels.w8a8.quant import quantize_activations_reference, require
 W8_MAX = 116  # level 1's protective range: with it every code of every group decodes into int8 (module docstring)
 S2_MAX = 15  # level 2's largest scale (reached at a range of 232): q * s2 <= 225 fits a byte
 MAX_K = 2**17  # 127 * 127 * K < 2**31: the int32 accumulator over all of K is exact
+PDL_PREFETCH_TILES = 2  # under programmatic dependent launch, weight K tiles asked from L2 before the wait
 LAYOUT = "progressive_w4_chunk32"  # the packing above
 LAYOUT_VERSION = 1
 
@@ -243,7 +244,8 @@ def _w4a8_progressive_kernel(
     # meta-parameters
     SWAP_AB: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_ASM: tl.constexpr, EMULATE_BF16: tl.constexpr, GROUP_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FIXUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FIXUP: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_TILES: tl.constexpr, THREADS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -258,6 +260,12 @@ def _w4a8_progressive_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     t_begin = pid_k * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, k_tiles)
+    if PDL:  # launched while the activation quantizer may still run: the first weight tiles to L2, then wait for it
+        if PREFETCH_TILES > 0:
+            _, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            prefetch_block_l2(qw_ptr, t_begin * (BLOCK_K // 8), KW, stride_qwk, pid_n * BLOCK_N, N, t_begin < t_end,
+                              PREFETCH_TILES * (BLOCK_K // 8), BLOCK_N, THREADS)  # fmt: skip
+        tl.extra.cuda.gdc_wait()
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
     else:
@@ -310,9 +318,11 @@ def check_progressive_operands(qa, a_scale, w: ProgressiveWeight, bias, out_dtyp
     return check_product(qa, a_scale, (w.qweight, w.s1, w.s2, w.sz), k, n, bias, out_dtype, out)
 
 
-def launch_progressive(qa, a_scale, w: ProgressiveWeight, bias, out, cfg, plan) -> None:
+def launch_progressive(qa, a_scale, w: ProgressiveWeight, bias, out, cfg, plan, pdl: bool = False) -> None:
     """Run the progressive GEMM with tile config ``cfg`` (``dispatch.W4A8Config``; its BLOCK_K a multiple of 32)
-    and launch plan ``plan`` (``dispatch.plan_launch``) on checked operands."""
+    and launch plan ``plan`` (``dispatch.plan_launch``) on checked operands. ``pdl``: programmatic dependent launch
+    after a quantizer launched with ``pdl=True`` (the grid prefetches its first ``PDL_PREFETCH_TILES`` weight tiles
+    to L2, then waits for the codes)."""
     m, k = qa.shape
     n = w.out_features
     part = out
@@ -328,5 +338,7 @@ def launch_progressive(qa, a_scale, w: ProgressiveWeight, bias, out, cfg, plan) 
         EMULATE_BF16=interpreting() and out.dtype == torch.bfloat16,
         GROUP_TILES=plan.group_tiles if w.group_size else 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=plan.block_k, GROUP_M=cfg.group_m,
-        FIXUP=fixup_unroll(cfg.block_m, cfg.block_n), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FIXUP=fixup_unroll(cfg.block_m, cfg.block_n), PDL=pdl, PREFETCH_TILES=PDL_PREFETCH_TILES,
+        THREADS=threads(cfg.num_warps), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip

@@ -431,3 +431,26 @@ def test_progressive_split_k_is_deterministic_and_bad_operands_are_named():
     big = replace(w, in_features=MAX_K + 32)
     with pytest.raises(ValueError, match="int32 accumulator"):
         K.w4a8_matmul(torch.zeros(1, big.in_features, dtype=torch.int8, device=DEVICE), a_scale[:1], big)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="programmatic dependent launch needs a GPU")
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_progressive_pdl_matches_the_plain_launch(m):
+    """Under programmatic dependent launch (the quantizer still running when the GEMM starts) the output is the
+    plain launch's, bit for bit, split-K included."""
+    _, w = progressive_layer(512, 1024, 128, seed=m)
+    x = activations(m, 1024, torch.bfloat16, seed=m + 1)
+    plain = K.w4a8_linear(x, w, pdl=False)
+    assert torch.equal(K.w4a8_linear(x, w, pdl=True), plain) and not w.locks.any()
+    assert_close_to_progressive_reference(plain, x, w, None)
+
+
+def test_pdl_is_refused_where_it_cannot_run():
+    _, w = progressive_layer(64, 256, 128, seed=28)
+    x = activations(2, 256, torch.float16, seed=29)
+    if DEVICE != "cuda":
+        with pytest.raises(ValueError, match="pdl needs a progressive weight on CUDA"):
+            K.w4a8_linear(x, w, pdl=True)
+    qa, a_scale = quantize_activations(x, "int8")
+    with pytest.raises(ValueError, match="pdl is only for progressive"):
+        K.w4a8_matmul(qa, a_scale, make_layer(64, 256)[1], pdl=True)
