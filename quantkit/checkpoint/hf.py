@@ -69,6 +69,7 @@ class QuantkitHfQuantizer(HfQuantizer):
         if missing:
             raise QuantkitError(f"corrupt checkpoint {folder}: {len(missing)} tensors missing, e.g. {missing[0]}")
         check_quantized_tensors(folder, model, {})
+        self.checked_tensors = True  # load_quantized need not check them again
         return model
 
     def is_serializable(self, *args, **kwargs) -> bool:

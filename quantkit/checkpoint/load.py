@@ -64,8 +64,11 @@ def load_quantized(path: str | os.PathLike, dtype: torch.dtype | None = None, de
     absent = sorted(set(qc["modules"]) - set(found))
     if absent:
         raise QuantkitError(f"checkpoint {folder}: quantized module {absent[0]} was not restored")
-    stored = {name: dtype for name, (_, dtype) in tensor_headers(folder).items()}
-    check_quantized_tensors(folder, model, stored)
+    if not getattr(getattr(model, "hf_quantizer", None), "checked_tensors", False) and not any(
+        b.is_meta for b in model.buffers()
+    ):  # the hook checks them after loading; this covers a transformers that does not call it that way
+        stored = {name: dtype for name, (_, dtype) in tensor_headers(folder).items()}
+        check_quantized_tensors(folder, model, stored)
     model.eval()
     return model
 

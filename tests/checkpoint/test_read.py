@@ -56,6 +56,7 @@ def test_the_quantization_config_is_read_and_checked(rtn_checkpoint, tmp_path):
 def test_stored_tensors_are_checked_against_the_layers(rtn_checkpoint):
     folder, _ = rtn_checkpoint
     model = quantkit.load_quantized(folder)
+    assert model.hf_quantizer.checked_tensors  # the hook checked them once; load_quantized did not again
     stored = {k: dtype for k, (_, dtype) in tensor_headers(folder).items()}
     check_quantized_tensors(folder, model, stored)  # as saved: nothing to report
     name = "model.layers.0.mlp.up_proj"
