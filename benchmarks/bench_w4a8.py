@@ -109,7 +109,9 @@ PROG_SWEEP = [
 ]
 SWEEP_MS = [64, 256, 1024, 4096]
 # --prog-small-sweep: the progressive kernel's small-M tiles (x's rows on the MMA's N side, 16 wide), timed at M = 1
-# and 16 on all six shapes beside W4A16 and the default: deeper and wider weight tiles, more or fewer K splits
+# and 16 on all six shapes beside W4A16 and the default: deeper and wider weight tiles, more or fewer K splits; then
+# prog-gemv (``kernels/w4a8/gemv.py`` at M = 1, the default tiles at 16) and prog-pdl (the default tiles launched
+# with programmatic dependent launch after the quantizer)
 PROG_SMALL = K.PROGRESSIVE_TABLE[0][1]
 PROG_SMALL_SWEEP = [
     PROG_SMALL,
@@ -189,7 +191,9 @@ class Problem:
             return lambda: K.w4a8_linear(x, self.wp[i])
         if isinstance(variant, K.W4A8Config):
             return lambda: K.w4a8_linear(x, w4, config=variant)
-        if isinstance(variant, tuple):  # ("prog" | "prog-pdl", config): the progressive kernel with that config
+        if isinstance(variant, tuple):  # ("prog" | "prog-pdl" | "prog-gemv", config): the progressive kernel
+            if variant[0] == "prog-gemv":  # gemv.py at one row, the default tiles above
+                return lambda: K.w4a8_linear(x, self.wp[i], gemv=self.m == 1)
             pdl = variant[0] == "prog-pdl"
             return lambda: K.w4a8_linear(x, self.wp[i], config=variant[1], pdl=pdl)
         if variant == "w4a8_gemm":
@@ -269,17 +273,18 @@ def run_table(shapes, ms, group: int, timer: Timer, device: str, save) -> list[d
 
 
 def variant_name(variant) -> str:
-    """A variant's column name: its own (a string), its config's, or its config's with "-pdl" (("prog-pdl", cfg))."""
+    """A variant's column name: its own (a string), its config's, or for ("prog-pdl" | "prog-gemv", cfg) "prog-pdl"
+    and "prog-gemv"."""
     if isinstance(variant, str):
         return variant
     if isinstance(variant, tuple):
-        return variant[1].name + ("-pdl" if variant[0] == "prog-pdl" else "")
+        return variant[1].name if variant[0] == "prog" else variant[0]
     return variant.name
 
 
 def run_sweep(shapes, ms, group: int, timer: Timer, device: str, variants: list) -> list[dict]:
-    """bf16 and every variant (``FLAT_SWEEP`` configs, or ``("prog", cfg)``) at each (shape, M), each checked first;
-    one printed line per point."""
+    """bf16 and every variant (``FLAT_SWEEP`` configs, ``("prog", cfg)`` and the others of ``variant_name``) at each
+    (shape, M), each checked first; one printed line per point."""
     rows = []
     for n, k in shapes:
         for m in ms:
@@ -287,13 +292,7 @@ def run_sweep(shapes, ms, group: int, timer: Timer, device: str, variants: list)
             base = timer.per_call(p.calls("bf16"))
             row = {"N": n, "K": k, "M": m, "bf16_us": base, "speedup": {}}
             for variant in variants:
-                name = (
-                    variant
-                    if isinstance(variant, str)
-                    else variant[1].name
-                    if isinstance(variant, tuple)
-                    else variant.name
-                )
+                name = variant_name(variant)
                 p.check(variant, p.calls(variant)[0]())
                 row["speedup"][name] = base / timer.per_call(p.calls(variant))
             rows.append(row)
@@ -398,8 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         sweep_ms = ms if args.smoke or args.ms else SMALL_SWEEP_MS if small else SWEEP_MS
         variants = ["w4a16"] if small else []
         variants += [("prog", cfg) for cfg in configs] if args.prog_sweep or small else configs
-        if small and device == "cuda":  # programmatic dependent launch after the quantizer, default tiles
-            variants.append(("prog-pdl", PROG_SMALL))
+        if small:  # the dp4a GEMV at M = 1; programmatic dependent launch after the quantizer (GPU only)
+            variants += [("prog-gemv", PROG_SMALL)] + [("prog-pdl", PROG_SMALL)] * (device == "cuda")
         names = [variant_name(v) for v in variants]
         print("speedup over bf16 cuBLAS per variant, in this order:")
         for i, name in enumerate(names):

@@ -29,6 +29,7 @@ import torch
 from quantkit.kernels._device import device_of, interpreting, num_sms, sms_of
 from quantkit.kernels.w4a8.flat import launch_flat
 from quantkit.kernels.w4a8.gemm import check_w4a8_operands, launch
+from quantkit.kernels.w4a8.gemv import gemv_fits, launch_progressive_gemv
 from quantkit.kernels.w4a8.progressive import ProgressiveWeight, check_progressive_operands, launch_progressive
 from quantkit.kernels.w4a16.configs import LOCK_SLOTS
 from quantkit.kernels.w4a16.weight import W4A16Weight
@@ -40,6 +41,9 @@ SMALL_M = 16  # the small-M path serves up to this many rows
 # (``w8a8.dispatch.pdl_rule``: +3-4% end to end there on the H100). Off until timed for W4A8 (``bench_w4a8.py
 # --prog-small-sweep``, variant prog-pdl); ``w4a8_linear(pdl=True)`` asks for it.
 PROGRESSIVE_PDL = False
+# One row of x on a progressive weight: ``gemv.py``'s dp4a GEMV instead of the 16-row tiles. Off until timed
+# (``bench_w4a8.py --prog-small-sweep``, variant prog-gemv); ``w4a8_linear(gemv=True)`` asks for it.
+PROGRESSIVE_GEMV = False
 
 
 def _pow2(v: int) -> bool:
@@ -209,11 +213,13 @@ def w4a8_matmul(
     out: torch.Tensor | None = None,
     config: W4A8Config | None = None,
     pdl: bool = False,
+    gemv: bool | None = None,
 ) -> torch.Tensor:
     """qa [M, K] int8 | float8_e4m3fn (kernel channel order) with per-token fp32 scales [M] x the 4-bit weight ->
     y [M, N] in ``out_dtype`` (``out`` if given); ``config`` overrides the table. A ``ProgressiveWeight`` (int8
     activations only) runs ``progressive.py``'s kernel; ``pdl`` (progressive only): launch it with programmatic
-    dependent launch after a quantizer launched with ``pdl=True``."""
+    dependent launch after a quantizer launched with ``pdl=True``. ``gemv`` (None: ``PROGRESSIVE_GEMV`` where no
+    ``config`` is given): one row on a progressive weight runs ``gemv.py``'s GEMV (refused where it cannot)."""
     progressive = isinstance(w, ProgressiveWeight)
     if progressive:
         out = check_progressive_operands(qa, a_scale, w, bias, out_dtype, out)
@@ -223,6 +229,13 @@ def w4a8_matmul(
     if m == 0 or w.out_features == 0:
         return out
     require(not pdl or progressive, "pdl is only for progressive weights")
+    if gemv is None:
+        gemv = progressive and PROGRESSIVE_GEMV and config is None and not pdl and gemv_fits(qa, w)
+    if gemv:
+        require(progressive and not pdl and gemv_fits(qa, w),
+                "gemv needs a progressive weight, one contiguous row of x, K a multiple of 4 and no pdl")  # fmt: skip
+        launch_progressive_gemv(qa, a_scale, w, bias, out, num_sms(qa.device))
+        return out
     plan = choose(m, w.out_features, w.in_features, w.group_size, num_sms(qa.device), config, progressive)
     if progressive:
         launch_progressive(qa, a_scale, w, bias, out, plan.config, plan.launch, pdl)
@@ -238,11 +251,12 @@ def w4a8_linear(
     fmt: str = "int8",
     config: W4A8Config | None = None,
     pdl: bool | None = None,
+    gemv: bool | None = None,
 ) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W.T + bias in x's dtype (fp16 / bf16): x permuted for act-order, quantized per token
     to ``fmt`` ("int8" or "fp8"), then the W4A8 GEMM with ``choose``'s plan (``config`` overrides the table).
     ``pdl`` (progressive weights; None: ``PROGRESSIVE_PDL`` and W8A8's ``pdl_rule``): the GEMM starts while the
-    quantizer runs (programmatic dependent launch, sm_90+)."""
+    quantizer runs (programmatic dependent launch, sm_90+). ``gemv``: as ``w4a8_matmul``'s."""
     require(fmt in DTYPE_OF_FORMAT, f"fmt must be one of {sorted(DTYPE_OF_FORMAT)}, got {fmt!r}")
     require(x.dtype in (torch.float16, torch.bfloat16), f"x must be float16 or bfloat16, got {x.dtype}")
     require(x.shape[-1] == w.in_features, f"x must be [..., {w.in_features}], got {tuple(x.shape)}")
@@ -254,5 +268,5 @@ def w4a8_linear(
         pdl = progressive and PROGRESSIVE_PDL and use_pdl(x2)
     require(not pdl or (progressive and x2.is_cuda and not interpreting()), "pdl needs a progressive weight on CUDA")
     qa, a_scale = quantize_activations(x2, fmt, pdl=pdl)
-    y = w4a8_matmul(qa, a_scale, w, bias, out_dtype=x.dtype, config=config, pdl=pdl)
+    y = w4a8_matmul(qa, a_scale, w, bias, out_dtype=x.dtype, config=config, pdl=pdl, gemv=gemv)
     return y.reshape(*x.shape[:-1], w.out_features)

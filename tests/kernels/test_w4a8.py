@@ -454,3 +454,42 @@ def test_pdl_is_refused_where_it_cannot_run():
     qa, a_scale = quantize_activations(x, "int8")
     with pytest.raises(ValueError, match="pdl is only for progressive"):
         K.w4a8_matmul(qa, a_scale, make_layer(64, 256)[1], pdl=True)
+
+
+@pytest.mark.parametrize(
+    "n,k,group,dtype,with_bias",
+    [
+        (77, 576, 128, torch.float16, True),  # ragged last group, split K
+        (1030, 512, 0, torch.bfloat16, False),  # one group, a second column tile past N
+        (33, 200, 64, torch.bfloat16, True),  # K not a multiple of 32: the last chunk's activation words masked
+        (40, 4096, 32, torch.float16, False),  # many splits
+    ],
+)
+def test_progressive_gemv_matches_float64_reference(n, k, group, dtype, with_bias):
+    """The dp4a GEMV (``gemv.py``) at one row: the reference's value, and the tile kernel's to fp32 rounding of
+    the split sums (both exact int32 sums scaled once)."""
+    _, w = progressive_layer(n, k, group, seed=n + k)
+    x = activations(1, k, dtype, seed=n)
+    bias = torch.randn(n, device=DEVICE).to(dtype) if with_bias else None
+    qa, a_scale = quantize_activations(x, "int8")
+    out = torch.full((1, n), float("nan"), device=DEVICE, dtype=dtype)
+    y = K.w4a8_matmul(qa, a_scale, w, bias, out_dtype=dtype, out=out, gemv=True)
+    assert y.data_ptr() == out.data_ptr() and not y.isnan().any() and not w.locks.any()
+    assert_close_to_progressive_reference(y, x, w, bias)
+    y32 = K.w4a8_matmul(qa, a_scale, w, out_dtype=torch.float32, gemv=True)
+    tiles = K.w4a8_matmul(qa, a_scale, w, out_dtype=torch.float32, gemv=False)
+    torch.testing.assert_close(y32, tiles, rtol=1e-6, atol=1e-6 * tiles.abs().max().item())
+
+
+def test_progressive_gemv_is_refused_where_it_cannot_run():
+    _, w = progressive_layer(64, 256, 128, seed=30)
+    qa, a_scale = quantize_activations(activations(2, 256, torch.float16, seed=31), "int8")
+    with pytest.raises(ValueError, match="gemv needs a progressive weight, one contiguous row"):
+        K.w4a8_matmul(qa, a_scale, w, gemv=True)
+    with pytest.raises(ValueError, match="gemv needs a progressive weight"):
+        K.w4a8_matmul(qa[:1], a_scale[:1], make_layer(64, 256)[1], gemv=True)
+    _, odd = progressive_layer(64, 258, 0, seed=32)
+    qa, a_scale = quantize_activations(activations(1, 258, torch.float16, seed=33), "int8")
+    with pytest.raises(ValueError, match="K a multiple of 4"):
+        K.w4a8_matmul(qa, a_scale, odd, gemv=True)
+    assert torch.equal(K.w4a8_matmul(qa, a_scale, odd), K.w4a8_matmul(qa, a_scale, odd, gemv=False))
