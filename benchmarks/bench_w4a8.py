@@ -95,7 +95,8 @@ FLAT_SWEEP = [
 # --prog-sweep: progressive-kernel tiles (``("prog", cfg)`` variants), compiled for sm_90 without spills (Triton 3.6):
 # PROGRESSIVE_TABLE's large-M entry, 128 x 128 on 8 warps (125 registers), the same on 3 stages (66 KB of shared
 # memory: two CTAs an SM), 256 rows of x (n256 wgmma, 195 registers, 177 loop instructions for twice the MMAs),
-# 64 rows, 64 x 64 on four warps, not swapped
+# 64 rows, 64 x 64 on four warps, not swapped; 256 rows of x against 64 weight rows on one warp group (not compiled
+# offline: twice the MMAs per unpacked code, as the 256-row entry)
 PROG = K.W4A8Config(128, 128, 128, 8, swap_ab=True, num_warps=8, num_stages=4, flat=True)
 PROG_SWEEP = [
     K.PROGRESSIVE_TABLE[-1][1],
@@ -106,6 +107,7 @@ PROG_SWEEP = [
     replace(PROG, block_m=64, split_waves=1),
     replace(PROG, block_m=64, block_n=64, num_warps=4),
     replace(PROG, swap_ab=False, num_stages=3),
+    replace(PROG, block_m=256, block_n=64, num_warps=4),
 ]
 SWEEP_MS = [64, 256, 1024, 4096]
 # --prog-small-sweep: the progressive kernel's small-M tiles (x's rows on the MMA's N side, 16 wide), timed at M = 1
