@@ -323,9 +323,10 @@ def route_and_align(
     """(weights, ids) of ``route`` and (sorted_pairs, block_expert) of ``align(ids, E, block_m)``: one launch where
     one program routes every token (up to 16 tokens; fewer above 256 experts) and the pairs stay within
     ``ALIGN_KERNEL_MAX_PAIRS``, else ``route`` then ``align``. The same bits either way. ``num_warps`` (None:
-    ``ROUTE_WARPS``) sets the one program's warps."""
+    ``ROUTE_WARPS``) sets the one program's warps (the two-launch path keeps its own)."""
     _check_route(logits, top_k, score, bias, n_group, topk_group)
     _require(block_m > 0 and block_m & (block_m - 1) == 0, f"block_m must be a power of two, got {block_m}")
+    _require(num_warps in (None, 1, 2, 4, 8), f"num_warps must be 1, 2, 4 or 8, got {num_warps}")
     t, e = logits.shape
     p = t * top_k
     if t == 0 or t > _tokens_per_program(t, e) or p > ALIGN_KERNEL_MAX_PAIRS:
@@ -335,7 +336,6 @@ def route_and_align(
     nb = max_blocks(p, e, block_m)
     sorted_pairs = torch.empty(nb * block_m, dtype=torch.int32, device=logits.device)
     block_expert = torch.empty(nb, dtype=torch.int32, device=logits.device)
-    _require(num_warps in (None, 1, 2, 4, 8), f"num_warps must be 1, 2, 4 or 8, got {num_warps}")
     _launch_route(logits, top_k, score, renormalize, bias, n_group, topk_group, scaling, weights, ids,
                   (sorted_pairs, block_expert, block_m), num_warps or ROUTE_WARPS)  # fmt: skip
     return weights, ids, sorted_pairs, block_expert

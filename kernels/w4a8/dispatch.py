@@ -181,6 +181,14 @@ class Plan:
         return f"W4A8 GEMM (Triton, w4a8/{module}) [{self.path}: {self.config.name}{split}]"
 
 
+PDL_REFUSED = "pdl needs a CUDA device of compute capability 9.0 or newer, outside Triton's interpreter"
+
+
+def pdl_possible(t: torch.Tensor) -> bool:
+    """Whether kernels on ``t``'s device can use programmatic dependent launch (griddepcontrol: sm_90+)."""
+    return t.is_cuda and not interpreting() and device_of(t.device).capability >= (9, 0)
+
+
 def choose(
     m: int,
     n: int,
@@ -229,6 +237,7 @@ def w4a8_matmul(
     if m == 0 or w.out_features == 0:
         return out
     require(not pdl or progressive, "pdl is only for progressive weights")
+    require(not pdl or pdl_possible(qa), PDL_REFUSED)
     if gemv is None:
         gemv = progressive and PROGRESSIVE_GEMV and config is None and not pdl and gemv_fits(qa, w)
     if gemv:
@@ -264,9 +273,10 @@ def w4a8_linear(
     if w.perm is not None:
         x2 = x2.index_select(1, w.perm)
     progressive = isinstance(w, ProgressiveWeight)
-    if pdl is None:
-        pdl = progressive and PROGRESSIVE_PDL and use_pdl(x2)
-    require(not pdl or (progressive and x2.is_cuda and not interpreting()), "pdl needs a progressive weight on CUDA")
+    if pdl is None:  # the GEMV, where asked for, takes no programmatic dependent launch
+        pdl = progressive and PROGRESSIVE_PDL and not gemv and use_pdl(x2)
+    require(not pdl or progressive, "pdl is only for progressive weights")
+    require(not pdl or pdl_possible(x2), PDL_REFUSED)
     qa, a_scale = quantize_activations(x2, fmt, pdl=pdl)
     y = w4a8_matmul(qa, a_scale, w, bias, out_dtype=x.dtype, config=config, pdl=pdl, gemv=gemv)
     return y.reshape(*x.shape[:-1], w.out_features)

@@ -449,9 +449,12 @@ def test_pdl_is_refused_where_it_cannot_run():
     _, w = progressive_layer(64, 256, 128, seed=28)
     x = activations(2, 256, torch.float16, seed=29)
     if DEVICE != "cuda":
-        with pytest.raises(ValueError, match="pdl needs a progressive weight on CUDA"):
+        with pytest.raises(ValueError, match="pdl needs a CUDA device of compute capability 9"):
             K.w4a8_linear(x, w, pdl=True)
     qa, a_scale = quantize_activations(x, "int8")
+    if DEVICE != "cuda":
+        with pytest.raises(ValueError, match="pdl needs a CUDA device of compute capability 9"):
+            K.w4a8_matmul(qa, a_scale, w, pdl=True)
     with pytest.raises(ValueError, match="pdl is only for progressive"):
         K.w4a8_matmul(qa, a_scale, make_layer(64, 256)[1], pdl=True)
 
