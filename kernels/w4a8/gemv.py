@@ -31,10 +31,12 @@ from quantkit.kernels._device import interpreting
 from quantkit.kernels.w4a16.configs import LOCK_SLOTS
 from quantkit.kernels.w4a16.epilogue import finish_tile
 
-GEMV_BLOCK_N = 512  # 4 warps x 32 threads x 4 columns
+GEMV_BLOCK_N = 512  # 4 warps x 32 threads x 4 columns (the tiles of W4A16's M = 1 GEMV, configs.CONFIG_TABLE)
 GEMV_BLOCK_K = 128  # codes per K tile: 16 word rows
 GEMV_WARPS = 4
 GEMV_SPLIT_WAVES = 4  # split K until about this many programs per SM exist
+GEMV_FIXUP = 32  # partials the split-K fix-up loads per round: all of them at once (W4A16's M = 1 entry)
+GEMV_STAGES = 1  # no shared-memory pipeline of the loads (W4A16's GEMV measured 10-25% slower with one)
 
 
 @triton.jit
@@ -149,5 +151,5 @@ def launch_progressive_gemv(qa, a_scale, w, bias, out, sms: int) -> None:
         SPLIT=split > 1, HAS_BIAS=bias is not None, USE_ASM=not interpreting(),
         EMULATE_BF16=interpreting() and out.dtype == torch.bfloat16, EVEN_N4=n % 4 == 0,
         GROUP_TILES=w.group_size // block_k if w.group_size else 0, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k,
-        FIXUP=4, num_warps=GEMV_WARPS,
+        FIXUP=GEMV_FIXUP, num_warps=GEMV_WARPS, num_stages=GEMV_STAGES,
     )  # fmt: skip
