@@ -14,8 +14,7 @@ left out: the same for every variant), bf16 activations, timed in the same run:
              compare the two paths (and place the threshold) in the same run
   fp8_block  the same on block-fp8 experts, B = 128 (DeepSeek-V3's layout, stacked; activations quantized per tile)
   dense      a bf16 dense SiLU MLP of the active parameters (width k * I): what the routed work costs without routing
-  routing    route_and_align alone (part of every fused figure): the share of the layer that is not GEMM; up to
-             M = 16 also with its one program on 1 warp (``routing_1w``) against ``ROUTE_WARPS``
+  routing    route_and_align alone (part of every fused figure): the share of the layer that is not GEMM
 
 The fused variants and dense run in a CUDA graph replayed under ``do_bench`` (median; L2 flushed before each replay;
 the experts of one layer span far more than the L2, so one copy of the operands suffices). ``GB/s`` is the bytes of
@@ -170,9 +169,6 @@ def run_shape(name, shape, ms, timer, dev, copy_bw, smoke) -> list[dict]:
         row["dense_us"] = timer.per_call([lambda x=x: dense_mlp(x, dense13, dense2)])
         bm = block_m(m, shape)
         row["routing_us"] = timer.per_call([lambda logits=logits, bm=bm: M.route_and_align(logits, k, bm)])
-        if m <= 16:  # one program routes and aligns: its warps
-            one = lambda logits=logits, bm=bm: M.route_and_align(logits, k, bm, num_warps=1)
-            row["routing_1w_us"] = timer.per_call([one])
         variants = [(fmt, fmt, None) for fmt in FORMATS]
         variants += [(o[0], fmt, o[1]) for fmt in COMPARE_FORMATS if (o := other_path(m, shape, fmt))]
         for col, fmt, cfg in variants:
@@ -190,9 +186,8 @@ def run_shape(name, shape, ms, timer, dev, copy_bw, smoke) -> list[dict]:
         rows.append(row)
         cells = "  ".join(f"{f} {row[f]['us']:.1f} us {row[f]['speedup']:.2f}x {100 * row[f]['of_copy']:.0f}%"
                           f"{'' if row[f]['ok'] else ' WRONG'}" for f in columns([row]))  # fmt: skip
-        one_warp = f" (1 warp {row['routing_1w_us']:.1f})" if "routing_1w_us" in row else ""
         print(f"{name} M={m}: loop {loop_us:.1f} us, dense {row['dense_us']:.1f} us, routing + align "
-              f"{row['routing_us']:.1f} us{one_warp} | {cells}", flush=True)  # fmt: skip
+              f"{row['routing_us']:.1f} us | {cells}", flush=True)  # fmt: skip
     return rows
 
 

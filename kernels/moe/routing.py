@@ -47,10 +47,10 @@ MAX_EXPERTS = 1024
 # Above this many pairs the sort path's dozen launches should beat one program walking the pairs serially (a first
 # guess from counting loop trips, not timed yet: bench_moe.py's routing column shows both sides of it).
 ALIGN_KERNEL_MAX_PAIRS = 1024
-# Warps of route_and_align's one program (a decode step: up to 16 tokens). Its top-k is TOP_K rounds of row
-# reductions over the experts; with 4 warps each is a cross-warp reduction through shared memory. bench_moe.py times
-# 1 warp beside it (routing_1w); 4 until that run says otherwise.
-ROUTE_WARPS = 4
+# route_and_align's one program runs 4 warps. One warp was timed against it (H100, bench_moe.py, 2026-12-07): no
+# faster on Qwen3-30B-A3B at M = 1 (10.7 against 10.9 us), slower at M = 16 (69.8 against 16.4 us) and on
+# Mixtral-8x7B at M = 1 (9.9 against 7.4 us); and in two GPU test cases its outputs were not the 4-warp launch's
+# (not diagnosed: the alignment reads ids that other threads of the program stored). Dropped.
 DENOMINATOR_EPS = 1e-20  # DeepSeek-V3's renormalisation: weights / (sum + 1e-20)
 
 
@@ -318,15 +318,12 @@ def route_and_align(
     n_group: int = 1,
     topk_group: int = 1,
     scaling: float = 1.0,
-    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights, ids) of ``route`` and (sorted_pairs, block_expert) of ``align(ids, E, block_m)``: one launch where
     one program routes every token (up to 16 tokens; fewer above 256 experts) and the pairs stay within
-    ``ALIGN_KERNEL_MAX_PAIRS``, else ``route`` then ``align``. The same bits either way. ``num_warps`` (None:
-    ``ROUTE_WARPS``) sets the one program's warps (the two-launch path keeps its own)."""
+    ``ALIGN_KERNEL_MAX_PAIRS``, else ``route`` then ``align``. The same bits either way."""
     _check_route(logits, top_k, score, bias, n_group, topk_group)
     _require(block_m > 0 and block_m & (block_m - 1) == 0, f"block_m must be a power of two, got {block_m}")
-    _require(num_warps in (None, 1, 2, 4, 8), f"num_warps must be 1, 2, 4 or 8, got {num_warps}")
     t, e = logits.shape
     p = t * top_k
     if t == 0 or t > _tokens_per_program(t, e) or p > ALIGN_KERNEL_MAX_PAIRS:
@@ -337,7 +334,7 @@ def route_and_align(
     sorted_pairs = torch.empty(nb * block_m, dtype=torch.int32, device=logits.device)
     block_expert = torch.empty(nb, dtype=torch.int32, device=logits.device)
     _launch_route(logits, top_k, score, renormalize, bias, n_group, topk_group, scaling, weights, ids,
-                  (sorted_pairs, block_expert, block_m), num_warps or ROUTE_WARPS)  # fmt: skip
+                  (sorted_pairs, block_expert, block_m))  # fmt: skip
     return weights, ids, sorted_pairs, block_expert
 
 
@@ -348,9 +345,9 @@ def _empty_routing(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torc
 
 
 def _launch_route(logits, top_k, score, renormalize, bias, n_group, topk_group, scaling, weights, ids,
-                  aligned=None, num_warps=4) -> None:  # fmt: skip
-    """``_route_kernel`` over every token with ``num_warps`` warps a program; ``aligned`` (sorted_pairs,
-    block_expert, block_m): one program that aligns the pairs too."""
+                  aligned=None) -> None:  # fmt: skip
+    """``_route_kernel`` over every token; ``aligned`` (sorted_pairs, block_expert, block_m): one program that
+    aligns the pairs too."""
     t, e = logits.shape
     e_pad = triton.next_power_of_2(e)
     block_t = _tokens_per_program(t, e)
@@ -364,7 +361,7 @@ def _launch_route(logits, top_k, score, renormalize, bias, n_group, topk_group, 
         TOP_K=top_k, SIGMOID=sigmoid, RENORMALIZE=renormalize, HAS_BIAS=bias is not None,
         N_GROUP=groups, TOPK_GROUP=topk_group if groups > 1 else 1, BLOCK_T=block_t, E_PAD=e_pad,
         K_PAD=triton.next_power_of_2(top_k), G_PAD=triton.next_power_of_2(groups), ALIGN=aligned is not None,
-        BLOCK_M=block_m, CHUNK=_align_chunk(e), num_warps=num_warps,
+        BLOCK_M=block_m, CHUNK=_align_chunk(e), num_warps=4,
     )  # fmt: skip
 
 
