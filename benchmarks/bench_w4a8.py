@@ -93,13 +93,13 @@ FLAT_SWEEP = [
     replace(FLAT, swap_ab=False, num_stages=3),
 ]
 # --prog-sweep: progressive-kernel tiles (``("prog", cfg)`` variants), compiled for sm_90 without spills (Triton 3.6):
-# PROGRESSIVE_TABLE's large-M entry, 128 x 128 on 8 warps (125 registers), the same on 3 stages (66 KB of shared
-# memory: two CTAs an SM), 256 rows of x (n256 wgmma, 195 registers, 177 loop instructions for twice the MMAs),
-# 64 rows, 64 x 64 on four warps, not swapped; 256 rows of x against 64 weight rows on one warp group (not compiled
-# offline: twice the MMAs per unpacked code, as the 256-row entry)
+# 128 x 64 on 4 warps (PROGRESSIVE_TABLE's M 65-256 entry), 128 x 128 on 8 warps (125 registers; its entry above
+# M = 256), the same on 3 stages (66 KB of shared memory: two CTAs an SM), 256 rows of x (n256 wgmma, 195 registers,
+# 177 loop instructions for twice the MMAs), 64 rows, 64 x 64 on four warps (the M 17-64 entry), not swapped; 256
+# rows of x against 64 weight rows on one warp group (not compiled offline: twice the MMAs per unpacked code)
 PROG = K.W4A8Config(128, 128, 128, 8, swap_ab=True, num_warps=8, num_stages=4, flat=True)
 PROG_SWEEP = [
-    K.PROGRESSIVE_TABLE[-1][1],
+    replace(PROG, block_n=64, num_warps=4),
     PROG,
     replace(PROG, num_stages=3),
     replace(PROG, block_m=256, num_stages=3),

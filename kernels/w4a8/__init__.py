@@ -8,8 +8,9 @@ wgmma's register operand: the default above M = 16 (``dispatch.FLAT_TABLE``, ``W
 group loop of ``gemm.py`` at every M measured, ``dispatch.GROUP_LOOP_TABLE`` keeps that one selectable).
 ``progressive.py`` is QServe's format, a ``ProgressiveWeight`` (int8 per-channel level, 4-bit groups with integer
 scales): the same entry points run it with one int32 accumulator over K (``dispatch.PROGRESSIVE_TABLE``; int8
-activations). ``gemv.py`` serves one row of x on a progressive weight with dp4a on CUDA cores (``w4a8_linear(gemv=
-True)``; ``dispatch.PROGRESSIVE_GEMV`` makes it the default once timed).
+activations). ``gemv.py`` serves one row of x on a progressive weight with dp4a on CUDA cores where asked
+(``w4a8_linear(gemv=True)``; ``dispatch.PROGRESSIVE_GEMV``: measured behind the tiles with programmatic dependent
+launch, so off).
 """
 
 from quantkit.kernels.w4a8.dispatch import (

@@ -17,8 +17,9 @@ per output (the fp32 sum and the current group's int32 / fp32 partial) plus the 
 tiles spilled (Triton 3.9: 584 bytes of stack with 8 warps) while every entry below compiled to 8-bit wgmma without
 spills, int8 and fp8 (Triton 3.6: 109-255 registers; 3.9: 122-255: the 64 x 128 tile is at the limit).
 ``benchmarks/bench_w4a8.py`` times them on a GPU; the table is to be tuned from it. A ``ProgressiveWeight`` runs
-``progressive.py``'s kernel with ``PROGRESSIVE_TABLE`` (``FLAT_TABLE``'s tiles; compiled offline for sm_90 without
-spills, 43-125 registers; not yet timed).
+``progressive.py``'s kernel with ``PROGRESSIVE_TABLE`` (tiles swept on the H100), launched up to ``PDL_MAX_M`` rows
+with programmatic dependent launch after its quantizer; ``gemv.py``'s GEMV serves one row where asked
+(``PROGRESSIVE_GEMV``).
 """
 
 from __future__ import annotations
@@ -38,11 +39,14 @@ from quantkit.kernels.w8a8.quant import DTYPE_OF_FORMAT, quantize_activations, r
 
 SMALL_M = 16  # the small-M path serves up to this many rows
 # Programmatic dependent launch of the progressive GEMM after its activation quantizer, up to W8A8's PDL_MAX_M rows
-# (``w8a8.dispatch.pdl_rule``: +3-4% end to end there on the H100). Off until timed for W4A8 (``bench_w4a8.py
-# --prog-small-sweep``, variant prog-pdl); ``w4a8_linear(pdl=True)`` asks for it.
-PROGRESSIVE_PDL = False
-# One row of x on a progressive weight: ``gemv.py``'s dp4a GEMV instead of the 16-row tiles. Off until timed
-# (``bench_w4a8.py --prog-small-sweep``, variant prog-gemv); ``w4a8_linear(gemv=True)`` asks for it.
+# (``w8a8.dispatch.pdl_rule``). H100, ``bench_w4a8.py --prog-small-sweep`` (2026-12-07, six Llama shapes, same run):
+# 2.17x bf16 cuBLAS at M = 1 against 2.05x launched plainly, 2.05x at M = 16 both ways; the runtime's batch-1 decode
+# (bench_serve.py, Llama-3-8B shape) 1.76x bf16 against 1.71x. ``w4a8_linear(pdl=False)`` turns it off.
+PROGRESSIVE_PDL = True
+# One row of x on a progressive weight: ``gemv.py``'s dp4a GEMV instead of the 16-row tiles. Off: on the H100
+# (``bench_w4a8.py --prog-small-sweep``, 2026-12-07) it read 2.11x bf16 cuBLAS at M = 1, ahead of the tiles launched
+# plainly (2.05x), behind them with programmatic dependent launch (2.17x), which the GEMV does not take yet.
+# ``w4a8_linear(gemv=True)`` asks for it.
 PROGRESSIVE_GEMV = False
 
 
@@ -121,9 +125,23 @@ FLAT_TABLE: tuple[tuple[int, W4A8Config], ...] = (
 CONFIG_TABLE = FLAT_TABLE
 
 
-# Progressive weights (``progressive.py``, one int32 accumulator over K): FLAT_TABLE's tiles, the small-M entry
-# included, all run by that module's flat-loop kernel. Not yet timed or compiled into a table of its own.
-PROGRESSIVE_TABLE: tuple[tuple[int, W4A8Config], ...] = tuple((m, replace(cfg, flat=True)) for m, cfg in FLAT_TABLE)
+# Progressive weights (``progressive.py``'s kernel, one int32 accumulator over K): from two sweeps on the H100
+# (2026-12-07; geomean over bf16 cuBLAS, end to end, every candidate in the same run):
+# - ``bench_w4a8.py --prog-small-sweep`` (six Llama shapes): at M = 1 FLAT_TABLE's small-M tile, 16 x 64, 64 deep,
+#   K split over 4 waves, leads (2.05x; 128 deep 2.00x, 8 or 2 waves 1.98x / 1.94x, 128 wide 1.66x, 32 wide 1.10x);
+#   at M = 16 the 128-deep one does (2.15x against 2.05x).
+# - ``--prog-sweep`` (4096 x 4096 and 28672 x 8192): M 17-64, 64 x 64 tiles on 4 warps (1.63x against 1.36-1.38x for
+#   64 x 128 on 8 warps and 1.28x for 128 x 64); M 65-256, FLAT_TABLE's 128 x 64 on 4 warps (1.07x, the best); above,
+#   128 x 128 on 8 warps (1.15x / 1.23x at M = 1024 / 4096 against 1.02x / 1.04x). 256 rows of x (twice the MMAs per
+#   unpacked code) lost at every M (at best 1.14x, M = 4096) and the unswapped 128 x 128 tile read 0.35-0.41x.
+_PROG_SMALL = replace(GROUP_LOOP_TABLE[0][1], flat=True)
+PROGRESSIVE_TABLE: tuple[tuple[int, W4A8Config], ...] = (
+    (1, _PROG_SMALL),
+    (SMALL_M, replace(_PROG_SMALL, block_k=128)),
+    (64, W4A8Config(64, 64, 128, 8, split_waves=0, swap_ab=True, num_warps=4, num_stages=4, flat=True)),
+    (256, FLAT_TABLE[-1][1]),
+    (2**31, W4A8Config(128, 128, 128, 8, split_waves=0, swap_ab=True, num_warps=8, num_stages=4, flat=True)),
+)
 
 
 def config_for(m: int, table: tuple[tuple[int, W4A8Config], ...] | None = None) -> W4A8Config:
