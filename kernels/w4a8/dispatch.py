@@ -45,8 +45,8 @@ SMALL_M = 16  # the small-M path serves up to this many rows
 PROGRESSIVE_PDL = True
 # One row of x on a progressive weight: ``gemv.py``'s dp4a GEMV instead of the 16-row tiles. Off: on the H100
 # (``bench_w4a8.py --prog-small-sweep``, 2026-12-07) it read 2.11x bf16 cuBLAS at M = 1, ahead of the tiles launched
-# plainly (2.05x), behind them with programmatic dependent launch (2.17x), which the GEMV does not take yet.
-# ``w4a8_linear(gemv=True)`` asks for it.
+# plainly (2.05x), behind them with programmatic dependent launch (2.17x), which the GEMV then did not take (it does
+# now, untimed). ``w4a8_linear(gemv=True)`` asks for it.
 PROGRESSIVE_GEMV = False
 
 
@@ -257,11 +257,11 @@ def w4a8_matmul(
     require(not pdl or progressive, "pdl is only for progressive weights")
     require(not pdl or pdl_possible(qa), PDL_REFUSED)
     if gemv is None:
-        gemv = progressive and PROGRESSIVE_GEMV and config is None and not pdl and gemv_fits(qa, w)
+        gemv = progressive and PROGRESSIVE_GEMV and config is None and gemv_fits(qa, w)
     if gemv:
-        require(progressive and not pdl and gemv_fits(qa, w),
-                "gemv needs a progressive weight, one contiguous row of x, K a multiple of 4 and no pdl")  # fmt: skip
-        launch_progressive_gemv(qa, a_scale, w, bias, out, num_sms(qa.device))
+        require(progressive and gemv_fits(qa, w),
+                "gemv needs a progressive weight, one contiguous row of x and K a multiple of 4")  # fmt: skip
+        launch_progressive_gemv(qa, a_scale, w, bias, out, num_sms(qa.device), pdl)
         return out
     plan = choose(m, w.out_features, w.in_features, w.group_size, num_sms(qa.device), config, progressive)
     if progressive:
@@ -291,8 +291,8 @@ def w4a8_linear(
     if w.perm is not None:
         x2 = x2.index_select(1, w.perm)
     progressive = isinstance(w, ProgressiveWeight)
-    if pdl is None:  # the GEMV, where asked for, takes no programmatic dependent launch
-        pdl = progressive and PROGRESSIVE_PDL and not gemv and use_pdl(x2)
+    if pdl is None:
+        pdl = progressive and PROGRESSIVE_PDL and use_pdl(x2)
     require(not pdl or progressive, "pdl is only for progressive weights")
     require(not pdl or pdl_possible(x2), PDL_REFUSED)
     qa, a_scale = quantize_activations(x2, fmt, pdl=pdl)

@@ -20,7 +20,8 @@ Limits: one row of x; K a multiple of 4 and qa contiguous (its bytes read as int
 split-K semaphores of the weight (one stream per weight). Triton's interpreter runs no PTX: the same sums byte by
 byte. H100 (``benchmarks/bench_w4a8.py --prog-small-sweep``, variant prog-gemv, 2026-12-07): 2.11x bf16 cuBLAS at
 M = 1 (geomean of six Llama shapes), ahead of the tile kernel launched plainly (2.05x) and behind it with
-programmatic dependent launch (2.17x), which this kernel does not take yet; so ``dispatch.PROGRESSIVE_GEMV`` is off.
+programmatic dependent launch (2.17x), which it then did not take; so ``dispatch.PROGRESSIVE_GEMV`` is off. It takes it
+now (``pdl``: the first ``PDL_PREFETCH_TILES`` weight tiles to L2, then the wait), not yet timed so.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from quantkit.kernels._device import interpreting
+from quantkit.kernels._device import interpreting, prefetch_block_l2, threads
+from quantkit.kernels.w4a8.progressive import PDL_PREFETCH_TILES
 from quantkit.kernels.w4a16.configs import LOCK_SLOTS
 from quantkit.kernels.w4a16.epilogue import finish_tile
 
@@ -86,7 +88,7 @@ def _progressive_gemv_kernel(
     # meta-parameters
     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, EMULATE_BF16: tl.constexpr,
     GROUP_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FIXUP: tl.constexpr,
-    EVEN_N4: tl.constexpr,
+    EVEN_N4: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, THREADS: tl.constexpr,
 ):  # fmt: skip
     BLOCK_KW: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
@@ -102,6 +104,11 @@ def _progressive_gemv_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     t_begin = pid_k * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, k_tiles)
+    if PDL:  # launched while the quantizer may still run: this split's first weight tiles to L2, then wait for it
+        if PREFETCH_TILES > 0:
+            prefetch_block_l2(qw_ptr, t_begin * BLOCK_KW, KW, stride_qwk, pid_n * BLOCK_N, N, t_begin < t_end,
+                              PREFETCH_TILES * BLOCK_KW, BLOCK_N, THREADS)  # fmt: skip
+        tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.int32)
     for t in range(t_begin, t_end):
         r = t * BLOCK_KW + offs_r  # word row 4T + c: activation words 8T + c (low nibbles) and 8T + 4 + c (high)
@@ -139,8 +146,9 @@ def gemv_fits(qa, w) -> bool:
     return qa.shape[0] == 1 and qa.is_contiguous() and w.in_features % 4 == 0 and qa.data_ptr() % 4 == 0
 
 
-def launch_progressive_gemv(qa, a_scale, w, bias, out, sms: int) -> None:
-    """Run the GEMV on checked operands (``progressive.check_progressive_operands``) that ``gemv_fits``."""
+def launch_progressive_gemv(qa, a_scale, w, bias, out, sms: int, pdl: bool = False) -> None:
+    """Run the GEMV on checked operands (``progressive.check_progressive_operands``) that ``gemv_fits``; ``pdl``:
+    with programmatic dependent launch after a quantizer launched with ``pdl=True`` (as the tile kernel's)."""
     n, k = w.out_features, w.in_features
     block_k, split, per_split = gemv_split(n, k, w.group_size, sms)
     part = out
@@ -152,5 +160,6 @@ def launch_progressive_gemv(qa, a_scale, w, bias, out, sms: int) -> None:
         SPLIT=split > 1, HAS_BIAS=bias is not None, USE_ASM=not interpreting(),
         EMULATE_BF16=interpreting() and out.dtype == torch.bfloat16, EVEN_N4=n % 4 == 0,
         GROUP_TILES=w.group_size // block_k if w.group_size else 0, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k,
-        FIXUP=GEMV_FIXUP, num_warps=GEMV_WARPS, num_stages=GEMV_STAGES,
+        FIXUP=GEMV_FIXUP, PDL=pdl, PREFETCH_TILES=PDL_PREFETCH_TILES, THREADS=threads(GEMV_WARPS),
+        num_warps=GEMV_WARPS, num_stages=GEMV_STAGES, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip

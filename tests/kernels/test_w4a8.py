@@ -443,6 +443,9 @@ def test_progressive_pdl_matches_the_plain_launch(m):
     plain = K.w4a8_linear(x, w, pdl=False)
     assert torch.equal(K.w4a8_linear(x, w, pdl=True), plain) and not w.locks.any()
     assert_close_to_progressive_reference(plain, x, w, None)
+    if m == 1:  # the GEMV too
+        gemv = K.w4a8_linear(x, w, pdl=False, gemv=True)
+        assert torch.equal(K.w4a8_linear(x, w, pdl=True, gemv=True), gemv) and not w.locks.any()
 
 
 def test_pdl_is_refused_where_it_cannot_run():
