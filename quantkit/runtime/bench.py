@@ -211,11 +211,11 @@ WARM_UP_BATCH = 17  # then this many prompts at once, more tokens than one step 
 
 def warm_up(llm: LLM, seed: int = 12345, full: bool | None = None) -> None:
     """Compile every kernel the runtime's eager steps may launch before anything is timed: one short generation per
-    ``WARM_UP_LENGTHS``, then ``WARM_UP_BATCH`` prompts together. The prompts are random tokens of their own (no
-    timed prompt can then start with a block that the warm-up left in the prefix cache), each capped so that it and
-    its 2 new tokens fit the model length and the whole KV cache. ``full`` (default: on CUDA only): off CUDA nothing
-    is compiled (PyTorch kernels, or Triton's interpreter), so one short prompt warms up the rest there, without
-    the cost of the whole sequence on a CPU."""
+    ``WARM_UP_LENGTHS``, then ``WARM_UP_BATCH`` prompts together, then (where they fit) ``long_chunk_prompts``. The
+    prompts are random tokens of their own (no timed prompt can then start with a block that the warm-up left in
+    the prefix cache), each capped so that it and its 2 new tokens fit the model length and the whole KV cache.
+    ``full`` (default: on CUDA only): off CUDA nothing is compiled (PyTorch kernels, or Triton's interpreter), so
+    one short prompt warms up the rest there, without the cost of the whole sequence on a CPU."""
     cache_tokens = llm.runner.num_blocks * llm.runner.block_size
     longest = min(max(WARM_UP_LENGTHS), llm.max_model_len, cache_tokens) - 2
     gen = torch.Generator().manual_seed(seed)
@@ -232,6 +232,30 @@ def warm_up(llm: LLM, seed: int = 12345, full: bool | None = None) -> None:
         llm.generate([prompt(n)], params)
     per_prompt = min(longest, -(-llm.config.max_num_batched_tokens // (WARM_UP_BATCH - 1)) | 1)  # odd: ragged
     llm.generate([prompt(per_prompt) for _ in range(WARM_UP_BATCH)], params)
+    lengths = long_chunk_prompts(llm.config.max_num_batched_tokens, longest, llm.max_model_len, cache_tokens,
+                                 llm.config.max_num_seqs)  # fmt: skip
+    if lengths:
+        llm.generate([prompt(n) for n in lengths], params)
+
+
+def long_chunk_prompts(budget: int, longest: int, max_model_len: int, cache_tokens: int, max_seqs: int):
+    """Prompt lengths whose prefill makes a chunk of more than the small prefill tiles' limit after cached context
+    (``attention.prefill.PREFILL_CONFIGS``), the chunk a preempted sequence's recomputation runs: fillers (each at
+    most ``longest``) take all of one step's ``budget`` but the long prompt's first chunk, and its second chunk, in
+    the next step, is the rest. None where the model length, the cache or the step limits leave no room for it (on
+    Qwen3-30B-A3B's shape a timed bf16 run compiled that variant after 60 preemptions, docs/results/serve.md)."""
+    from quantkit.kernels.attention.prefill import PREFILL_CONFIGS
+
+    long_len = min(max_model_len, cache_tokens) - 2
+    first = long_len - (PREFILL_CONFIGS[0][0] + 1)
+    fill = budget - first
+    if first < 1 or fill < 0 or longest < 1:
+        return None
+    n = -(-fill // longest)
+    fillers = [fill // n + (i < fill % n) for i in range(n)] if n else []
+    if n + 1 > max_seqs or fill + long_len + 2 * (n + 1) > cache_tokens:
+        return None
+    return [*fillers, long_len]
 
 
 def offline_throughput(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[Throughput, list[list[int]]]:

@@ -14,6 +14,7 @@ from quantkit.runtime.bench import (
     WARM_UP_LENGTHS,
     compiled_kernels,
     hf_from_runtime,
+    long_chunk_prompts,
     offline_throughput,
     warm_up,
 )
@@ -115,3 +116,24 @@ def test_hf_from_runtime_holds_the_runtime_tensors_and_computes_the_same_logits(
             hf.model.layers[1].mlp.experts.down_proj.data_ptr() == model.model.layers[1].mlp.fused[1].weight.data_ptr()
         )
     assert torch.equal(hf(ids).logits, logits)
+
+
+def test_warm_up_makes_a_long_chunk_after_cached_context():
+    """Where the model length and the cache allow it, the warm-up ends with prompts whose prefill runs a chunk of
+    more than the small prefill tiles' limit after cached context (what a preempted sequence's recompute runs), so
+    that kernel variant is compiled before a timed run too."""
+    from quantkit.kernels.attention.prefill import PREFILL_CONFIGS
+
+    llm = LLM(tiny_model("llama"), device="cpu", num_kv_blocks=256, max_model_len=2048, max_num_batched_tokens=1536)
+    chunks = []
+    run = llm.runner.run
+    llm.runner.run = lambda batch, *a: (
+        chunks.extend((s.num_computed_tokens, n) for s, n in zip(batch.seqs, batch.num_new, strict=True))
+        or run(batch, *a)
+    )
+    warm_up(llm, full=True)
+    assert any(done > 0 and n > PREFILL_CONFIGS[0][0] for done, n in chunks)
+    assert long_chunk_prompts(1536, 998, 2048, 4096, 256) == [515, 2046]  # 1,021 + 1,025 tokens of the long one
+    assert long_chunk_prompts(16384, 998, 2048, 1 << 20, 256)[-1] == 2046
+    assert long_chunk_prompts(1536, 126, 128, 2048, 256) is None  # the model length leaves no such chunk
+    assert long_chunk_prompts(1536, 998, 2048, 2048, 256) is None  # nor a small cache
