@@ -30,7 +30,15 @@ import torch
 from quantkit.kernels._device import device_of, interpreting, num_sms, sms_of
 from quantkit.kernels.w4a8.flat import launch_flat
 from quantkit.kernels.w4a8.gemm import check_w4a8_operands, launch
-from quantkit.kernels.w4a8.gemv import gemv_fits, launch_progressive_gemv
+from quantkit.kernels.w4a8.gemv import (
+    GEMV_BLOCK_K,
+    GEMV_BLOCK_N,
+    GEMV_SPLIT_WAVES,
+    GEMV_STAGES,
+    GEMV_WARPS,
+    gemv_fits,
+    launch_progressive_gemv,
+)
 from quantkit.kernels.w4a8.progressive import ProgressiveWeight, check_progressive_operands, launch_progressive
 from quantkit.kernels.w4a16.configs import LOCK_SLOTS
 from quantkit.kernels.w4a16.weight import W4A16Weight
@@ -142,6 +150,12 @@ PROGRESSIVE_TABLE: tuple[tuple[int, W4A8Config], ...] = (
     (256, FLAT_TABLE[-1][1]),
     (2**31, W4A8Config(128, 128, 128, 8, split_waves=0, swap_ab=True, num_warps=8, num_stages=4, flat=True)),
 )
+
+
+# The GEMV's launch as a config, so that ``plan_launch`` splits its K as the tiles': one row in a program's 16-row
+# slot (the tiles' minimum; one row of x is all it reads), GEMV_BLOCK_N columns, GEMV_BLOCK_K deep.
+GEMV_CONFIG = W4A8Config(16, GEMV_BLOCK_N, GEMV_BLOCK_K, 1, split_waves=GEMV_SPLIT_WAVES, num_warps=GEMV_WARPS,
+                         num_stages=GEMV_STAGES)  # fmt: skip
 
 
 def config_for(m: int, table: tuple[tuple[int, W4A8Config], ...] | None = None) -> W4A8Config:
@@ -261,7 +275,8 @@ def w4a8_matmul(
     if gemv:
         require(progressive and gemv_fits(qa, w),
                 "gemv needs a progressive weight, one contiguous row of x and K a multiple of 4")  # fmt: skip
-        launch_progressive_gemv(qa, a_scale, w, bias, out, num_sms(qa.device), pdl)
+        plan = plan_launch(GEMV_CONFIG, 1, w.out_features, w.in_features, w.group_size, num_sms(qa.device))
+        launch_progressive_gemv(qa, a_scale, w, bias, out, plan, pdl)
         return out
     plan = choose(m, w.out_features, w.in_features, w.group_size, num_sms(qa.device), config, progressive)
     if progressive:

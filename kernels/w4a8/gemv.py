@@ -31,13 +31,15 @@ import triton
 import triton.language as tl
 from quantkit.kernels._device import interpreting, prefetch_block_l2, threads
 from quantkit.kernels.w4a8.progressive import PDL_PREFETCH_TILES
-from quantkit.kernels.w4a16.configs import LOCK_SLOTS
 from quantkit.kernels.w4a16.epilogue import finish_tile
 
-GEMV_BLOCK_N = 512  # 4 warps x 32 threads x 4 columns (the tiles of W4A16's M = 1 GEMV, configs.CONFIG_TABLE)
-GEMV_BLOCK_K = 128  # codes per K tile: 16 word rows
+# The launch (``dispatch.GEMV_CONFIG`` plans its K split with the tiles' ``plan_launch``): W4A16's M = 1 GEMV's
+# (``w4a16.configs.CONFIG_TABLE``): 512 columns a program (4 warps x 32 threads x 4 columns), 128 codes a K tile
+# (16 word rows), K split until about 4 programs per SM exist
+GEMV_BLOCK_N = 512
+GEMV_BLOCK_K = 128
 GEMV_WARPS = 4
-GEMV_SPLIT_WAVES = 4  # split K until about this many programs per SM exist
+GEMV_SPLIT_WAVES = 4
 GEMV_FIXUP = 32  # partials the split-K fix-up loads per round: all of them at once (W4A16's M = 1 entry)
 GEMV_STAGES = 1  # no shared-memory pipeline of the loads (W4A16's GEMV measured 10-25% slower with one)
 
@@ -126,40 +128,26 @@ def _progressive_gemv_kernel(
                 stride_on, SPLIT, HAS_BIAS, EMULATE_BF16, FIXUP)  # fmt: skip
 
 
-def gemv_split(n: int, k: int, group_size: int, sms: int) -> tuple[int, int, int]:
-    """(BLOCK_K after the group cap, split, tiles per split): K split until about GEMV_SPLIT_WAVES programs per SM,
-    no split empty, none where the output has more tiles than the weight has split-K semaphores."""
-    block_k = GEMV_BLOCK_K
-    if group_size:
-        while group_size % block_k:
-            block_k //= 2
-    k_tiles = -(-k // block_k)
-    tiles = -(-n // GEMV_BLOCK_N)
-    split = max(1, min(-(-GEMV_SPLIT_WAVES * sms // tiles), k_tiles)) if tiles <= LOCK_SLOTS else 1
-    per_split = -(-k_tiles // split)
-    return block_k, -(-k_tiles // per_split), per_split
-
-
 def gemv_fits(qa, w) -> bool:
     """Whether the GEMV serves qa [M, K] @ W.T: one row, whole int32 words of activations, and a BLOCK_K of at
     least 32 (the group size a multiple of 32, as the format requires)."""
     return qa.shape[0] == 1 and qa.is_contiguous() and w.in_features % 4 == 0 and qa.data_ptr() % 4 == 0
 
 
-def launch_progressive_gemv(qa, a_scale, w, bias, out, sms: int, pdl: bool = False) -> None:
-    """Run the GEMV on checked operands (``progressive.check_progressive_operands``) that ``gemv_fits``; ``pdl``:
-    with programmatic dependent launch after a quantizer launched with ``pdl=True`` (as the tile kernel's)."""
+def launch_progressive_gemv(qa, a_scale, w, bias, out, plan, pdl: bool = False) -> None:
+    """Run the GEMV on checked operands (``progressive.check_progressive_operands``) that ``gemv_fits``, with the
+    K split of ``plan`` (``dispatch.plan_launch`` for ``dispatch.GEMV_CONFIG``); ``pdl``: with programmatic dependent
+    launch after a quantizer launched with ``pdl=True`` (as the tile kernel's)."""
     n, k = w.out_features, w.in_features
-    block_k, split, per_split = gemv_split(n, k, w.group_size, sms)
     part = out
-    if split > 1:
-        part = torch.empty(split, 1, n, dtype=torch.float32, device=qa.device)
-    _progressive_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N), split)](
+    if plan.split > 1:
+        part = torch.empty(plan.split, 1, n, dtype=torch.float32, device=qa.device)
+    _progressive_gemv_kernel[plan.grid](
         qa, a_scale, w.qweight, w.s1, w.s2, w.sz, bias if bias is not None else a_scale, out, part, w.locks,
-        n, k, per_split, w.qweight.stride(0), w.s2.stride(0), out.stride(1),
-        SPLIT=split > 1, HAS_BIAS=bias is not None, USE_ASM=not interpreting(),
+        n, k, plan.tiles_per_split, w.qweight.stride(0), w.s2.stride(0), out.stride(1),
+        SPLIT=plan.split > 1, HAS_BIAS=bias is not None, USE_ASM=not interpreting(),
         EMULATE_BF16=interpreting() and out.dtype == torch.bfloat16, EVEN_N4=n % 4 == 0,
-        GROUP_TILES=w.group_size // block_k if w.group_size else 0, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k,
+        GROUP_TILES=plan.group_tiles if w.group_size else 0, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=plan.block_k,
         FIXUP=GEMV_FIXUP, PDL=pdl, PREFETCH_TILES=PDL_PREFETCH_TILES, THREADS=threads(GEMV_WARPS),
         num_warps=GEMV_WARPS, num_stages=GEMV_STAGES, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
