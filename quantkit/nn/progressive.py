@@ -20,7 +20,8 @@ Numerics: x is permuted by ``perm``, each row quantized to int8 by the reference
 - CPU (any non-CUDA device): a faithful simulation: the fake-quantized activations times the exactly dequantized
   weight (s1 * d, one fp32 rounding), in fp32. Same quantized operands as the kernel; only the summation differs.
 - CUDA: ``quantkit.kernels.w4a8.w4a8_linear`` on a ``ProgressiveWeight`` built from the buffers once and cached
-  (one int32 accumulation over K, int8 activations only). No silent fallback.
+  (one int32 accumulation over K, int8 activations only). No silent fallback. ``forward_quantized`` takes codes
+  already made, as ``W4A8Linear``'s does (``quantkit.nn.w4a8``), with ``w4a8_linear``'s programmatic-launch rule.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
+from quantkit.kernels.w4a8 import dispatch as w4a8_dispatch
 from quantkit.kernels.w4a8.progressive import ProgressiveWeight, dequantize, pack_codes, unpack_codes
+from quantkit.kernels.w8a8.dispatch import use_pdl
 from quantkit.kernels.w8a8.quant import quantize_activations_reference
 from quantkit.nn.w4a8 import KernelOrSimulated, cuda_w4a8_linear, require_half_activations
 from quantkit.quant.packing import Layout
@@ -199,6 +202,16 @@ class ProgressiveW4A8Linear(KernelOrSimulated, nn.Module):
                 [p.bias if p.bias is not None else p.weight_scale.new_zeros(p.out_features, dtype=dtype) for p in parts]
             )
         return out
+
+    act_format = "int8"  # the activations' format (the kernel's one int32 accumulator takes int8 products)
+
+    def _w4a8_weight(self) -> ProgressiveWeight:
+        return self.kernel_weight()
+
+    def quantized_input_pdl(self, x2: torch.Tensor) -> bool:
+        """``w4a8_linear``'s rule for a progressive weight: ``PROGRESSIVE_PDL`` and W8A8's ``use_pdl(x2)`` (sm_90+, at
+        most ``PDL_MAX_M`` rows, outside the interpreter), read when called."""
+        return w4a8_dispatch.PROGRESSIVE_PDL and use_pdl(x2)
 
     def quantize_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, K] -> (qa int8 [M, K], a_scale fp32 [M]) with the reference quantizer (checkpoint channel order)."""

@@ -21,6 +21,9 @@ W8A8 kernels reproduce); then ``y = (qa * a_scale[:, None]) @ W.T + bias`` with 
   once and cached). There is no silent fallback: a missing kernel or a layer the layout cannot hold raises. The
   kernel takes fp16 / bf16 activations; fp32 ones (an fp32 model calibrated on a GPU: the next layer's inputs come
   from the quantized layer) run the simulation on the GPU, with a warning once.
+- Quantized input: where ``takes_quantized_input(x)`` (CUDA, int8 activations, no act-order permutation in the
+  kernel), ``forward_quantized(qa, a_scale, out_dtype)`` runs the GEMM on codes a kernel before the layer made
+  (the runtime's norm and SiLU kernels fused with the quantizer: ``quantkit.kernels.dense.norm_quant``).
 """
 
 from __future__ import annotations
@@ -37,16 +40,29 @@ from quantkit.quant.scheme import QuantScheme
 KERNEL_FORMAT = {"int": "int8", "fp8": "fp8"}  # QuantScheme.act_fmt -> the kernels' format name
 
 
+def _missing_kernel(name: str, exc: ImportError) -> QuantkitError:
+    return QuantkitError(
+        f"W4A8 on CUDA needs the Triton kernel quantkit.kernels.w4a8.{name}, which cannot be imported "
+        f"({exc}); run the model on the CPU (simulated W4A8) or install a quantkit that ships it"
+    )
+
+
 def cuda_w4a8_linear():
     """``quantkit.kernels.w4a8.w4a8_linear``, imported on first use on CUDA; a one-line error where it is absent."""
     try:
         from quantkit.kernels.w4a8 import w4a8_linear
     except ImportError as exc:
-        raise QuantkitError(
-            f"W4A8 on CUDA needs the Triton kernel quantkit.kernels.w4a8.w4a8_linear, which cannot be imported "
-            f"({exc}); run the model on the CPU (simulated W4A8) or install a quantkit that ships it"
-        ) from None
+        raise _missing_kernel("w4a8_linear", exc) from None
     return w4a8_linear
+
+
+def cuda_w4a8_matmul():
+    """``quantkit.kernels.w4a8.w4a8_matmul`` (the GEMM on quantized activations), as ``cuda_w4a8_linear``."""
+    try:
+        from quantkit.kernels.w4a8 import w4a8_matmul
+    except ImportError as exc:
+        raise _missing_kernel("w4a8_matmul", exc) from None
+    return w4a8_matmul
 
 
 def require_half_activations(x2: torch.Tensor) -> None:
@@ -83,6 +99,34 @@ class KernelOrSimulated:
         y = self._forward_cuda(x2) if kernel else self._forward_simulated(x2)
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def takes_quantized_input(self, x: torch.Tensor) -> bool:
+        """Whether ``forward_quantized`` may take x's per-token int8 codes (made by a kernel that fuses the quantizer
+        into the operation before this layer) in place of ``forward(x)``: x on CUDA in fp16 / bf16 (the kernel path),
+        int8 activations, and a kernel weight that reads the input channels in x's own order. An act-order layer
+        whose kernel permutes x's columns (``perm`` not None) keeps ``forward``, which permutes x before quantizing;
+        so does any layer the kernel cannot serve (``forward`` says why)."""
+        if not (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and self.act_format == "int8"):
+            return False
+        weight = self._w4a8_weight()
+        return weight is not None and weight.perm is None
+
+    def quantized_input_pdl(self, x2: torch.Tensor) -> bool:
+        """The ``pdl`` flag ``w4a8_linear`` gives this layer's quantizer and GEMM for x [M, K]: a kernel that makes
+        the codes in the quantizer's place is launched with it, and ``forward_quantized`` launches the GEMM with it.
+        Progressive weights only (``ProgressiveW4A8Linear``); never here."""
+        return False
+
+    def forward_quantized(self, qa: torch.Tensor, a_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """y [M, N] in ``out_dtype`` from x's codes qa int8 [M, K] and scales a_scale fp32 [M], as
+        ``quantize_activations(x, "int8")`` makes them (or a kernel with its numerics): the GEMM ``forward(x)`` runs,
+        launched as ``w4a8_linear`` launches it, so the same result bit for bit. Only where
+        ``takes_quantized_input``."""
+        weight = self._w4a8_weight()
+        if weight is None or weight.perm is not None or self.act_format != "int8":
+            raise QuantkitError("this W4A8 layer does not take quantized input (see takes_quantized_input)")
+        pdl = self.quantized_input_pdl(qa)
+        return cuda_w4a8_matmul()(qa, a_scale, weight, self.bias, out_dtype=out_dtype, pdl=pdl)
+
     def extra_repr(self) -> str:
         where = "kernel on CUDA, simulated elsewhere"
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name} ({where})"
@@ -105,13 +149,18 @@ class W4A8Linear(KernelOrSimulated, QuantLinear):
         """x [M, K] -> (qa [M, K] int8 | float8_e4m3fn, a_scale fp32 [M]) with the reference quantizer."""
         return quantize_activations_reference(x2, self.act_format)
 
+    def _w4a8_weight(self):
+        """The kernel's ``W4A16Weight`` of the buffers (cached), or None where its layout cannot hold the layer."""
+        from quantkit.nn.dispatch import kernel_weight
+
+        return kernel_weight(self)
+
     def _forward_cuda(self, x2: torch.Tensor) -> torch.Tensor:
         from quantkit.kernels.w4a16 import unsupported_reason
-        from quantkit.nn.dispatch import kernel_weight
 
         require_half_activations(x2)
         w4a8_linear = cuda_w4a8_linear()
-        weight = kernel_weight(self)
+        weight = self._w4a8_weight()
         if weight is None:
             reason = unsupported_reason(self.scheme.bits, self.scheme.group_size, self.g_idx)
             raise QuantkitError(f"the W4A8 kernel cannot serve this layer: {reason}")
