@@ -11,6 +11,9 @@ token. On CUDA, RMSNorm (fused with the residual add before it), the rotary embe
 when q/k/v come from one fused projection) and the SiLU-gated product run as single Triton kernels
 (``quantkit.kernels.dense.norm_rope``): same arithmetic, a few launches per layer instead of ~40; float linears take
 one row of x (batch-1 decode) through ``quantkit.kernels.dense.gemv``, 6-31% faster than cuBLAS on these shapes.
+Where the fused q/k/v or gate/up projection, or down, is a W4A8 layer that takes int8 codes (``takes_codes``), the
+norm or the SiLU-gated product before it quantizes its output in the same launch (``kernels.dense.norm_quant``):
+the codes the layer would make, three launches fewer per layer.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from torch import nn
 
 from quantkit.errors import QuantkitError
 from quantkit.kernels.dense.gemv import gemv, use_gemv
+from quantkit.kernels.dense.norm_quant import add_rms_norm_quant, silu_mul_quant
 from quantkit.kernels.dense.norm_rope import add_rms_norm, add_rms_norm_reference, rotary_, rotary_store_, silu_mul
+from quantkit.nn.w4a8 import KernelOrSimulated
 from quantkit.runtime.attention import AttentionMetadata, paged_attention
 from quantkit.runtime.mla import MLAttention
 from quantkit.runtime.moe import MoESpec, SparseMoE, is_sparse_layer
@@ -130,6 +135,30 @@ class FloatLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+@dataclass(frozen=True)
+class QuantizedRows:
+    """A projection's input x [T, n] as the per-token int8 codes that the kernel before it made (qa int8 [T, n],
+    a_scale fp32 [T]; ``quantize_activations(x, "int8")``'s numerics), and x's dtype, the projection's output dtype."""
+
+    qa: torch.Tensor
+    a_scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def takes_codes(linear: nn.Module | None, x: torch.Tensor) -> bool:
+    """Whether ``linear`` is a W4A8 layer that takes x's per-token int8 codes in x's place
+    (``KernelOrSimulated.takes_quantized_input``: x on CUDA in fp16 / bf16, int8 activations, no act-order
+    permutation in the kernel); the kernel before it then makes them in its own launch."""
+    return isinstance(linear, KernelOrSimulated) and linear.takes_quantized_input(x)
+
+
+def project(linear: nn.Module, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+    """``linear(x)``, or the layer's GEMM on the codes of x made before it."""
+    if isinstance(x, QuantizedRows):
+        return linear.forward_quantized(x.qa, x.a_scale, x.dtype)
+    return linear(x)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype=None):
         super().__init__()
@@ -141,8 +170,16 @@ class RMSNorm(nn.Module):
             return add_rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps)[0].view(x.shape)
         return add_rms_norm_reference(x, self.weight, self.eps)[0]
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual) for x, residual [T, n]; without residual, (norm(x), x)."""
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, consumer: nn.Module | None = None
+    ) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+        """(norm(x + residual), x + residual) for x, residual [T, n]; without residual, (norm(x), x). Where
+        ``consumer``, the projection the norm feeds, ``takes_codes``, the norm comes as its int8 codes
+        (``QuantizedRows``, made in the norm's launch, launched with the projection's ``pdl`` flag)."""
+        if takes_codes(consumer, x):
+            pdl = consumer.quantized_input_pdl(x)
+            qa, a_scale, h = add_rms_norm_quant(x, self.weight, self.eps, residual, pdl=pdl)
+            return QuantizedRows(qa, a_scale, x.dtype), h
         norm = add_rms_norm if x.is_cuda else add_rms_norm_reference
         return norm(x, self.weight, self.eps, residual)
 
@@ -178,11 +215,12 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]):
-        t = x.shape[0]
+        """x [T, hidden], or ``QuantizedRows`` of it where the fused ``qkv_proj`` ``takes_codes``."""
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # strided views, head dim contiguous
+            q, k, v = project(self.qkv_proj, x).split(self.sizes, dim=-1)  # strided views, head dim contiguous
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -213,12 +251,17 @@ class MLP(nn.Module):
         self.gate_up_proj = None  # set by fuse_projections
         self.inter = inter
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        """x [T, hidden], or ``QuantizedRows`` of it where the fused ``gate_up_proj`` ``takes_codes``. Where
+        ``down_proj`` does, the SiLU-gated product comes as its codes, made in one launch."""
         if self.gate_up_proj is not None:
-            g, u = self.gate_up_proj(x).split(self.inter, dim=-1)
+            g, u = project(self.gate_up_proj, x).split(self.inter, dim=-1)
         else:
             g, u = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(silu_mul(g, u) if x.is_cuda else F.silu(g) * u)
+        if takes_codes(self.down_proj, g):
+            qa, a_scale = silu_mul_quant(g, u, pdl=self.down_proj.quantized_input_pdl(g))
+            return self.down_proj.forward_quantized(qa, a_scale, g.dtype)
+        return self.down_proj(silu_mul(g, u) if g.is_cuda else F.silu(g) * u)
 
 
 class DecoderLayer(nn.Module):
@@ -240,10 +283,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, cos, sin, meta, kv_cache):
         """x: the previous layer's output (not yet added to the residual stream ``residual``; None at layer 0).
-        Returns (this layer's MLP output, the residual stream before it), so each add fuses into the next norm."""
-        h, residual = self.input_layernorm.add_forward(x, residual)
+        Returns (this layer's MLP output, the residual stream before it), so each add fuses into the next norm. A norm
+        feeding a fused W4A8 projection that ``takes_codes`` hands it int8 codes it quantized itself."""
+        qkv = self.self_attn.qkv_proj if isinstance(self.self_attn, Attention) else None
+        h, residual = self.input_layernorm.add_forward(x, residual, qkv)
         a = self.self_attn(h, cos, sin, meta, kv_cache)
-        h, residual = self.post_attention_layernorm.add_forward(a, residual)
+        gate_up = self.mlp.gate_up_proj if isinstance(self.mlp, MLP) else None
+        h, residual = self.post_attention_layernorm.add_forward(a, residual, gate_up)
         return self.mlp(h), residual
 
 
