@@ -24,6 +24,7 @@ from tests.runtime.helpers import random_prompts
 from tests.tiny_models import COMMON
 
 SCHEME = QuantScheme(bits=4, group_size=32, act_bits=8, progressive=True)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def progressive_model(dtype, device="cpu", seed=0) -> M.CausalLM:
@@ -47,7 +48,8 @@ def progressive_model(dtype, device="cpu", seed=0) -> M.CausalLM:
 
 
 def on_cuda(monkeypatch):
-    """The predicate as on CUDA (the interpreter runs the kernels on CPU tensors); the rest of it unchanged."""
+    """The predicate as on CUDA (the interpreter runs the kernels on CPU tensors); the rest of it unchanged. The
+    programmatic-launch flag stays what the device gives (off in the interpreter)."""
     real = KernelOrSimulated.takes_quantized_input
     fake = lambda self, x: real(self, types.SimpleNamespace(is_cuda=True, dtype=x.dtype))
     monkeypatch.setattr(KernelOrSimulated, "takes_quantized_input", fake)
@@ -78,11 +80,11 @@ def test_cpu_keeps_the_unfused_path(monkeypatch):
 def test_fused_norm_and_mlp_equal_the_unfused_kernels(monkeypatch, dtype, t):
     """norm -> gate/up -> SiLU gate -> down with the quantizer fused into the norm and the gate: the result of the
     norm kernel, the layers' own quantizing kernel path and the SiLU kernel, bit for bit; no quantizer launched."""
-    model = progressive_model(dtype)
+    model = progressive_model(dtype, DEVICE)
     layer = model.model.layers[1]
     norm, mlp = layer.post_attention_layernorm, layer.mlp
     gen = torch.Generator().manual_seed(t)
-    x, r = (torch.randn(t, COMMON["hidden_size"], generator=gen).to(dtype) for _ in range(2))
+    x, r = (torch.randn(t, COMMON["hidden_size"], generator=gen).to(dtype).to(DEVICE) for _ in range(2))
     y, h_want = add_rms_norm(x, norm.weight, norm.eps, r)
     g, u = mlp.gate_up_proj._forward_cuda(y).split(mlp.inter, dim=-1)
     want = mlp.down_proj._forward_cuda(silu_mul(g, u))
@@ -94,6 +96,16 @@ def test_fused_norm_and_mlp_equal_the_unfused_kernels(monkeypatch, dtype, t):
     assert torch.equal(mlp(rows), want)
     rows, _ = norm.add_forward(x, r, layer.self_attn.qkv_proj)
     assert torch.equal(M.project(layer.self_attn.qkv_proj, rows), qkv_want)
+
+
+def test_a_gate_wider_than_silu_quant_max_keeps_two_launches(monkeypatch):
+    model = progressive_model(torch.float16, DEVICE)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, COMMON["hidden_size"], dtype=torch.float16, device=DEVICE)
+    on_cuda(monkeypatch)
+    monkeypatch.setattr(M, "SILU_QUANT_MAX", mlp.inter - 1)
+    monkeypatch.setattr(M, "silu_mul_quant", lambda *a, **k: pytest.fail("fused above SILU_QUANT_MAX"))
+    assert mlp(x).shape == x.shape
 
 
 def test_decoder_layer_hands_each_norm_its_projection(monkeypatch):
@@ -135,7 +147,7 @@ def test_fused_quantizers_give_the_unfused_logits_on_cuda(monkeypatch, dtype):
         rows = record_logits(llm)
         llm.generate(prompts, params)
         assert bool(launches) == fused and launches.count("norm") == 2 * launches.count("silu")
-        logits[fused] = [torch.stack([row for _, _, row in rows[k]]) for k in sorted(rows)]
+        logits[fused] = [torch.stack(rows[k]) for k in sorted(rows)]
     assert len(logits[True]) == len(logits[False]) == len(prompts)
     for a, b in zip(logits[True], logits[False], strict=True):
         assert a.shape == (params.max_tokens, COMMON["vocab_size"]) and torch.equal(a, b)
