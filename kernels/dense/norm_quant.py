@@ -36,6 +36,10 @@ from quantkit.kernels.w8a8.quant import (
     MIN_AMAX,
     quantize_activations_reference,
     quantize_launch_params,
+    resolve_split,
+    row_amax_across_programs,
+    split_phases,
+    split_workspace,
     store_codes,
 )
 
@@ -156,10 +160,33 @@ def _silu_mul_quant_kernel(
             store_codes(q_row + k0 + offs, _silu_mul_block(g_row, u_row, k0 + offs, mask) * inv, mask, _QMAX, False)
 
 
-def silu_mul_quant(g, u, pdl: bool = False, block: int | None = None, num_warps: int | None = None):
+@triton.jit
+def _silu_mul_quant_split_kernel(
+    g_ptr, u_ptr, q_ptr, scale_ptr, ws_ptr, n, ws_rows, stride_g, stride_u,
+    PHASE: tl.constexpr, PDL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Block ``program_id(1)`` of row ``program_id(0)``: the quantizer's split rows (``w8a8.quant``'s module doc)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    offs = part * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    y = _silu_mul_block(g_ptr + row * stride_g, u_ptr + row * stride_u, offs, mask)
+    amax = row_amax_across_programs(ws_ptr, ws_rows, row, tl.max(tl.abs(y), axis=0), tl.num_programs(1), PHASE)
+    if PHASE != 1:
+        if part == 0:
+            tl.store(scale_ptr + row, tl.math.div_rn(amax, _QMAX))
+        store_codes(q_ptr + row * n + offs, y * tl.math.div_rn(_QMAX, amax), mask, _QMAX, False)
+
+
+def silu_mul_quant(
+    g, u, pdl: bool = False, block: int | None = None, num_warps: int | None = None, split: int | None = None
+):
     """g, u [T, n] fp16 / bf16 (rows dense, any row strides) -> (qa int8 [T, n], a_scale fp32 [T]): the per-token int8
     codes of ``silu_mul(g, u)``. ``pdl``: see the module doc. Launch overrides (probes): ``block`` (a power of two;
-    one shorter than n selects the two-sweep path) and ``num_warps``."""
+    one shorter than n selects the two-sweep path) and ``num_warps``; ``split``: programs per row (None:
+    ``w8a8.quant.split_rows``'s rule, 1: one; refused with ``block``)."""
     if g.shape != u.shape or g.dim() != 2 or g.stride(1) != 1 or u.stride(1) != 1 or g.dtype != u.dtype:
         raise ValueError(f"silu_mul_quant: g {tuple(g.shape)} and u {tuple(u.shape)} must be equal 2-D, rows dense")
     if g.dtype not in (torch.float16, torch.bfloat16):
@@ -170,7 +197,16 @@ def silu_mul_quant(g, u, pdl: bool = False, block: int | None = None, num_warps:
     _check_pdl(pdl, g, "silu_mul_quant")
     qa = torch.empty((t, n), dtype=torch.int8, device=g.device)
     a_scale = torch.empty(t, dtype=torch.float32, device=g.device)
-    if t:
+    split = resolve_split(split, t, n, g.device, block is None, "silu_mul_quant")
+    ws = split_workspace(g.device) if t and split > 1 else None
+    if ws is not None:
+        width = triton.next_power_of_2(triton.cdiv(n, split))
+        grid = (t, triton.cdiv(n, width))
+        args = (g, u, qa, a_scale, ws, n, ws.shape[1], g.stride(0), u.stride(0))
+        warps = num_warps or (4 if width <= 2048 else 8)
+        for phase in split_phases():
+            _silu_mul_quant_split_kernel[grid](*args, PHASE=phase, PDL=pdl, BLOCK=width, num_warps=warps)
+    elif t:
         block, one_pass, warps = quantize_launch_params(n, block, "int8", t)
         _silu_mul_quant_kernel[(t,)](
             g, u, qa, a_scale, n, g.stride(0), u.stride(0), ONE_PASS=one_pass, PDL=pdl, BLOCK=block,

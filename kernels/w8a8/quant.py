@@ -10,6 +10,18 @@ fp32 so the GPU and Triton's interpreter agree with ``torch.round`` / ``Tensor.t
 (the interpreter's own fp32 -> fp8 cast does not round to nearest even). With ``pdl`` the GEMM launched after it
 (programmatic dependent launch) may start at once and waits for the codes itself.
 
+Split rows (``split_rows``): at few rows a long row is one program's serial work while the rest of the GPU idles
+(H100, M = 1: 4.4 us alone at K = 14336, 7.7 us at 28672, against 2.5 us at 4096). There, dynamic rows of at least
+``SPLIT_MIN_K`` elements are cut into blocks of about ``SPLIT_BLOCK_K``, one program each, all resident at once
+(M x programs <= SMs). Each program publishes its block's abs-max (``atomic_max`` on the fp32 bits: non-negative
+floats order as their bit patterns), counts itself in on its row's counter and waits until the row's programs are
+all in; the last one out resets the row's three words of ``split_workspace``. The max is exact in any order, so
+the codes and scales are the one-program path's, bit for bit. The interpreter runs programs one after another,
+so there a split launch is two launches (publish, then quantize and reset): the same code without the wait.
+Limits: the workspace is per device, so split launches on two streams of one device at once are not supported (the
+runtime and the benchmarks run one stream); it is allocated on the first split call, which therefore must not be
+inside a CUDA graph capture (a capture that finds none takes the one-program path, same numbers).
+
 The plain PyTorch references here define the numerics; ``quantize_rows_reference`` also quantizes weights (rows =
 output channels) for ``quantkit.nn.W8A8Linear``.
 """
@@ -19,7 +31,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from quantkit.kernels._device import round_half_even
+from quantkit.kernels._device import interpreting, num_sms, round_half_even
 
 INT8_MAX = 127.0
 E4M3_MAX = 448.0
@@ -27,6 +39,9 @@ MIN_AMAX = 1e-30  # keeps QMAX / amax finite in fp32 for all-zero (or subnormal)
 ONE_PASS_MAX_K = 32768  # rows up to this length may be quantized from registers after a single read
 SWEEP_BLOCK_K = 8192  # the block of the two-sweep path (abs-max sweep, then quantizing sweep) for longer rows
 MAX_NUMEL = 2**31 - 1  # 32-bit offsets
+SPLIT_MIN_K = 8192  # dynamic rows at least this long, at few rows, are split over several programs
+SPLIT_BLOCK_K = 2048  # elements per program of a split row (rounded up to a power of two)
+SPLIT_MAX_M = 16  # more rows fill the GPU with one program each
 
 FORMAT_OF_DTYPE = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
 DTYPE_OF_FORMAT = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -170,6 +185,107 @@ def _quantize_rows_kernel(
             store_codes(q_row + (k0 + offs) * stride_qk, x * inv, mask, QMAX, IS_FP8)
 
 
+@triton.jit
+def row_amax_across_programs(ws_ptr, ws_rows, row, partial, parts, PHASE: tl.constexpr):
+    """The abs-max of a row split over ``parts`` programs (grid axis 1), each holding the ``partial`` abs-max (fp32,
+    >= 0) of its block, floored at MIN_AMAX. ``ws_ptr``: int32 [3, ws_rows], zeros between launches (the row's max
+    bits, arrivals, departures). PHASE 0: publish, wait for the row's programs, read, leave (the last one out resets
+    the row's words); 1: publish only; 2: read and leave (1 then 2 in two launches: the interpreter's way)."""
+    amax_ptr = ws_ptr + row
+    arrive_ptr = ws_ptr + ws_rows + row
+    leave_ptr = ws_ptr + 2 * ws_rows + row
+    if PHASE != 2:
+        tl.atomic_max(amax_ptr, partial.to(tl.int32, bitcast=True), sem="relaxed", scope="gpu")
+        tl.atomic_add(arrive_ptr, 1, sem="release", scope="gpu")
+    if PHASE == 0:
+        arrived = tl.atomic_add(arrive_ptr, 0, sem="acquire", scope="gpu")
+        while arrived < parts:
+            arrived = tl.atomic_add(arrive_ptr, 0, sem="acquire", scope="gpu")
+    bits = tl.atomic_add(amax_ptr, 0, sem="acquire", scope="gpu")
+    if PHASE != 1:
+        left = tl.atomic_add(leave_ptr, 1, sem="acq_rel", scope="gpu")
+        if left == parts - 1:  # every program of the row has read the max: ready for the next launch
+            tl.atomic_xchg(amax_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(arrive_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(leave_ptr, 0, sem="relaxed", scope="gpu")
+    return tl.maximum(bits.to(tl.float32, bitcast=True), _MIN_AMAX)
+
+
+@triton.jit
+def _quantize_split_kernel(
+    x_ptr, q_ptr, scale_ptr, ws_ptr, K, ws_rows, stride_xm, stride_xk, stride_qm, stride_qk,
+    QMAX: tl.constexpr, IS_FP8: tl.constexpr, PHASE: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Dynamic quantization of row ``program_id(0)``'s block ``program_id(1)`` (see ``row_amax_across_programs``)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    offs = part * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = offs < K
+    x = tl.load(x_ptr + row * stride_xm + offs * stride_xk, mask=mask, other=0.0).to(tl.float32)
+    amax = row_amax_across_programs(ws_ptr, ws_rows, row, tl.max(tl.abs(x), axis=0), tl.num_programs(1), PHASE)
+    if PHASE != 1:
+        if part == 0:
+            tl.store(scale_ptr + row, tl.math.div_rn(amax, QMAX))
+        store_codes(q_ptr + row * stride_qm + offs * stride_qk, x * tl.math.div_rn(QMAX, amax), mask, QMAX, IS_FP8)
+
+
+_SPLIT_WORKSPACE: dict[torch.device, torch.Tensor] = {}
+
+
+def split_workspace(device: torch.device) -> torch.Tensor | None:
+    """The split rows' int32 [3, SPLIT_MAX_M] words of ``device`` (zeros between launches), made on first use; None
+    where there is none yet and the current stream is capturing a CUDA graph (nothing may be allocated for it)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    ws = _SPLIT_WORKSPACE.get(device)
+    if ws is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        ws = _SPLIT_WORKSPACE[device] = torch.zeros(3, SPLIT_MAX_M, dtype=torch.int32, device=device)
+    return ws
+
+
+def split_rows(m: int, k: int, sms: int) -> int:
+    """Programs per row of dynamic quantization: 1, or for rows of at least ``SPLIT_MIN_K`` elements at M <=
+    ``SPLIT_MAX_M``, one per block of ``SPLIT_BLOCK_K`` as long as the M x programs all fit one wave (<= sms)."""
+    if m > SPLIT_MAX_M or k < SPLIT_MIN_K:
+        return 1
+    parts = min(triton.cdiv(k, SPLIT_BLOCK_K), sms // max(m, 1))
+    return parts if parts >= 2 else 1
+
+
+def split_phases() -> tuple[int, ...]:
+    """The PHASE of each launch of a split grid: one launch whose programs wait for each other on a GPU, two in the
+    interpreter (which runs programs one after another): publish the blocks' maxima, then quantize."""
+    return (1, 2) if interpreting() else (0,)
+
+
+def resolve_split(split: int | None, m: int, k: int, device: torch.device, allowed: bool, name: str) -> int:
+    """Programs per row: ``split_rows``'s where ``split`` is None (1 where not ``allowed``: static scales or a
+    forced block), else ``split`` checked (a ValueError naming ``name``)."""
+    if split is None:
+        return split_rows(m, k, num_sms(device)) if allowed else 1
+    resident = interpreting() or m * split <= num_sms(device)  # a row's programs wait for each other
+    require(split == 1 or (isinstance(split, int) and split > 1 and allowed and m <= SPLIT_MAX_M and resident),
+            f"{name}: split 1, or 2 or more programs per row of dynamic quantization without a forced block, at "
+            f"most {SPLIT_MAX_M} rows and rows x programs within the SMs; got {split} for {m} rows")  # fmt: skip
+    return split
+
+
+def launch_split(x, out, scale, ws, fmt: str, parts: int, pdl: bool) -> None:
+    """``_quantize_split_kernel`` over ``parts`` blocks per row (fewer where the power-of-two blocks cover K so)."""
+    m, k = x.shape
+    block_k = triton.next_power_of_2(triton.cdiv(k, parts))
+    grid = (m, triton.cdiv(k, block_k))
+    args = (x, out, scale, ws, k, ws.shape[1], x.stride(0), x.stride(1), out.stride(0), out.stride(1))
+    for phase in split_phases():
+        _quantize_split_kernel[grid](*args, QMAX=QMAX_OF_FORMAT[fmt], IS_FP8=fmt == "fp8", PHASE=phase,
+                                     BLOCK_K=block_k, PDL=pdl, num_warps=4 if block_k <= 2048 else 8)  # fmt: skip
+
+
 def quantize_launch_params(k: int, block_k: int | None, fmt: str, m: int) -> tuple[int, bool, int]:
     """(block_k, one_pass, num_warps) for rows of length k, from an H200 probe.
 
@@ -197,6 +313,7 @@ def quantize_activations(
     out_scale: torch.Tensor | None = None,
     block_k: int | None = None,
     pdl: bool = False,
+    split: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] fp16/bf16/fp32 -> (qa [M, K] int8 | float8_e4m3fn, a_scale fp32 [M]); static when ``input_scale``
     (fp32 [1]) is given, and then the returned scale is ``input_scale`` itself.
@@ -205,7 +322,8 @@ def quantize_activations(
     while this one runs (CUDA, sm_90+; not in the interpreter).
 
     ``out`` / ``out_scale`` may be preallocated (contiguous, right shape and dtype); ``block_k`` overrides the row
-    block (a block shorter than K selects the two-sweep path).
+    block (a block shorter than K selects the two-sweep path). ``split`` (dynamic only): programs per row, 1 for one
+    (None: ``split_rows``'s rule; see the module doc).
     """
     require(fmt in QMAX_OF_FORMAT, f"fmt must be one of {sorted(QMAX_OF_FORMAT)}, got {fmt!r}")
     require(x.dim() == 2, f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
@@ -236,6 +354,11 @@ def quantize_activations(
         )
         scale = input_scale
     if m == 0:
+        return out, scale
+    split = resolve_split(split, m, k, x.device, dynamic and block_k is None, "quantize_activations")
+    ws = split_workspace(x.device) if split > 1 else None
+    if ws is not None:
+        launch_split(x, out, scale, ws, fmt, split, pdl)
         return out, scale
     block_k, one_pass, num_warps = quantize_launch_params(k, block_k, fmt, m)
     _quantize_rows_kernel[(m,)](

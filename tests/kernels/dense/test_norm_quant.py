@@ -12,7 +12,7 @@ import pytest
 import torch
 from quantkit.kernels.dense import norm_quant as Q
 from quantkit.kernels.dense.norm_rope import add_rms_norm, silu_mul
-from quantkit.kernels.w8a8.quant import quantize_activations, quantize_activations_reference
+from quantkit.kernels.w8a8.quant import quantize_activations, quantize_activations_reference, split_workspace
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HALF = [torch.float16, torch.bfloat16]
@@ -116,17 +116,30 @@ def test_silu_mul_quant_of_the_gate_up_views_is_the_two_launches(dtype, t, n):
     assert near(*got, *Q.silu_mul_quant_reference(g, u), dtype)
 
 
-@pytest.mark.parametrize("block", [None, 2048], ids=["one-pass", "two-sweeps"])
-def test_silu_mul_quant_of_a_long_row(block):
-    """Llama-3-8B's doubled intermediate width (28672): held in one block at one row, or swept twice in blocks
-    (the outlier in the last block sets the scale)."""
+@pytest.mark.parametrize(("block", "split"), [(None, 1), (2048, None), (None, None)],
+                         ids=["one-pass", "two-sweeps", "split-rows"])  # fmt: skip
+def test_silu_mul_quant_of_a_long_row(block, split):
+    """Llama-3-8B's doubled intermediate width (28672): held in one block at one row, swept twice in blocks, or
+    split over several programs (the default at few rows); the outlier in the last block sets the scale."""
     n = 28672
     g, u = rows(1, n, torch.bfloat16, 13, spread=2.0), rows(1, n, torch.bfloat16, 14)
     g[0, -5] = 100
     u[0, -5] = 200  # far past the outlier channels' products
-    got = Q.silu_mul_quant(g, u, block=block)
+    got = Q.silu_mul_quant(g, u, block=block, split=split)
     assert_same(got, quantize_activations(silu_mul(g, u), "int8"))
     assert got[0][0, -5] == 127
+
+
+@pytest.mark.parametrize("split", [2, 3])
+def test_silu_mul_quant_split_over_programs_is_the_two_launches(split):
+    """Rows of the gate/up views cut into 2 or 3 programs that share each row's abs-max; the workspace is zeros
+    after."""
+    gate_up = rows(3, 2 * 1000, torch.bfloat16, 17, spread=3.0)
+    g, u = gate_up.split(1000, dim=-1)
+    assert_same(Q.silu_mul_quant(g, u, split=split), quantize_activations(silu_mul(g, u), "int8", split=1))
+    assert not split_workspace(g.device).any()
+    with pytest.raises(ValueError, match="split"):
+        Q.silu_mul_quant(g, u, split=2, block=512)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # silu of g < -88 (the interpreter's numpy)
