@@ -286,6 +286,13 @@ def w4a8_matmul(
     return out
 
 
+def progressive_pdl(x2: torch.Tensor) -> bool:
+    """Whether a progressive weight's quantizer and GEMM run under programmatic dependent launch for x [M, K] by
+    default: ``PROGRESSIVE_PDL`` and W8A8's ``use_pdl`` (sm_90+, few rows, outside the interpreter), read when
+    called; shared by ``w4a8_linear`` and the kernels that make the codes in the quantizer's place."""
+    return PROGRESSIVE_PDL and use_pdl(x2)
+
+
 def w4a8_linear(
     x: torch.Tensor,
     w: W4A16Weight | ProgressiveWeight,
@@ -307,7 +314,7 @@ def w4a8_linear(
         x2 = x2.index_select(1, w.perm)
     progressive = isinstance(w, ProgressiveWeight)
     if pdl is None:
-        pdl = progressive and PROGRESSIVE_PDL and use_pdl(x2)
+        pdl = progressive and progressive_pdl(x2)
     require(not pdl or progressive, "pdl is only for progressive weights")
     require(not pdl or pdl_possible(x2), PDL_REFUSED)
     qa, a_scale = quantize_activations(x2, fmt, pdl=pdl)

@@ -32,7 +32,6 @@ from torch import nn
 from quantkit.errors import QuantkitError
 from quantkit.kernels.w4a8 import dispatch as w4a8_dispatch
 from quantkit.kernels.w4a8.progressive import ProgressiveWeight, dequantize, pack_codes, unpack_codes
-from quantkit.kernels.w8a8.dispatch import use_pdl
 from quantkit.kernels.w8a8.quant import quantize_activations_reference
 from quantkit.nn.w4a8 import KernelOrSimulated, cuda_w4a8_linear, require_half_activations
 from quantkit.quant.packing import Layout
@@ -209,9 +208,8 @@ class ProgressiveW4A8Linear(KernelOrSimulated, nn.Module):
         return self.kernel_weight()
 
     def quantized_input_pdl(self, x2: torch.Tensor) -> bool:
-        """``w4a8_linear``'s rule for a progressive weight: ``PROGRESSIVE_PDL`` and W8A8's ``use_pdl(x2)`` (sm_90+, at
-        most ``PDL_MAX_M`` rows, outside the interpreter), read when called."""
-        return w4a8_dispatch.PROGRESSIVE_PDL and use_pdl(x2)
+        """``w4a8_linear``'s rule for a progressive weight (``kernels.w4a8.dispatch.progressive_pdl``)."""
+        return w4a8_dispatch.progressive_pdl(x2)
 
     def quantize_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, K] -> (qa int8 [M, K], a_scale fp32 [M]) with the reference quantizer (checkpoint channel order)."""

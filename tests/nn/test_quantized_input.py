@@ -14,7 +14,6 @@ import torch
 from quantkit.kernels.w4a8 import dispatch as w4a8_dispatch
 from quantkit.kernels.w8a8.quant import quantize_activations
 
-import quantkit.nn.progressive as P
 from quantkit.algorithms.gptq import gptq
 from quantkit.algorithms.rtn import rtn
 from quantkit.errors import QuantkitError
@@ -96,7 +95,7 @@ def test_progressive_pdl_follows_w4a8_linears_rule(monkeypatch):
     mod, plain = make(ProgressiveW4A8Linear), make(W4A8Linear)
     qa = torch.zeros(2, 96, dtype=torch.int8)
     assert not mod.quantized_input_pdl(qa) or DEVICE == "cuda"
-    monkeypatch.setattr(P, "use_pdl", lambda x: x.shape[0] <= 64)
+    monkeypatch.setattr(w4a8_dispatch, "use_pdl", lambda x: x.shape[0] <= 64)
     assert mod.quantized_input_pdl(qa) and not mod.quantized_input_pdl(torch.zeros(65, 96, dtype=torch.int8))
     assert not plain.quantized_input_pdl(qa)
     monkeypatch.setitem(sys.modules, "quantkit.kernels.w4a8", types.SimpleNamespace(w4a8_matmul=w4a8_matmul))
