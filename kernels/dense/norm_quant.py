@@ -197,7 +197,7 @@ def silu_mul_quant(
     _check_pdl(pdl, g, "silu_mul_quant")
     qa = torch.empty((t, n), dtype=torch.int8, device=g.device)
     a_scale = torch.empty(t, dtype=torch.float32, device=g.device)
-    split = resolve_split(split, t, n, g.device, block is None, "silu_mul_quant")
+    split = resolve_split(split, t, n, g.device, block is None, pdl, "silu_mul_quant")
     ws = split_workspace(g.device) if t and split > 1 else None
     if ws is not None:
         width = triton.next_power_of_2(triton.cdiv(n, split))

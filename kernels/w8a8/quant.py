@@ -10,14 +10,19 @@ fp32 so the GPU and Triton's interpreter agree with ``torch.round`` / ``Tensor.t
 (the interpreter's own fp32 -> fp8 cast does not round to nearest even). With ``pdl`` the GEMM launched after it
 (programmatic dependent launch) may start at once and waits for the codes itself.
 
-Split rows (``split_rows``): at few rows a long row is one program's serial work while the rest of the GPU idles
-(H100, M = 1: 4.4 us alone at K = 14336, 7.7 us at 28672, against 2.5 us at 4096). There, dynamic rows of at least
-``SPLIT_MIN_K`` elements are cut into blocks of about ``SPLIT_BLOCK_K``, one program each, all resident at once
-(M x programs <= SMs). Each program publishes its block's abs-max (``atomic_max`` on the fp32 bits: non-negative
-floats order as their bit patterns), counts itself in on its row's counter and waits until the row's programs are
-all in; the last one out resets the row's three words of ``split_workspace``. The max is exact in any order, so
-the codes and scales are the one-program path's, bit for bit. The interpreter runs programs one after another,
-so there a split launch is two launches (publish, then quantize and reset): the same code without the wait.
+Split rows (``split_rows``): at few rows a long row is one program's serial work while the rest of the GPU idles.
+There, dynamic rows of at least ``SPLIT_MIN_K`` elements may be cut into blocks of about ``SPLIT_BLOCK_K``, one
+program each, all resident at once (M x programs <= SMs). Each program publishes its block's abs-max
+(``atomic_max`` on the fp32 bits: non-negative floats order as their bit patterns), counts itself in on its row's
+counter and waits until the row's programs are all in; the last one out resets the row's three words of
+``split_workspace``. The max is exact in any order, so the codes and scales are the one-program path's, bit for
+bit. The interpreter runs programs one after another, so there a split launch is two launches (publish, then
+quantize and reset): the same code without the wait. Measured (H100, bf16, CUDA graphs, the quantizer alone, one
+program / split): M = 1 K = 8192 3.1 / 4.0 us, 14336 4.0 / 4.1, 28672 6.0 / 4.3; M = 16 K = 28672 6.3 / 4.9. But
+under programmatic dependent launch, before the progressive W4A8 GEMM, the split lost every time (8192 x 28672 at
+M = 1: 65.9 us against 60.2; at M = 16 4096 x 14336: 27.4 against 20.5): the GEMM's programs start at once and
+stream weights while the row's programs wait on each other. So the rule splits rows of 16384 or more only where
+``pdl`` is off (pre-Hopper GPUs, W8A8 above its PDL rows, direct calls); ``split`` asks for it anywhere.
 Limits: the workspace is per device, so split launches on two streams of one device at once are not supported (the
 runtime and the benchmarks run one stream); it is allocated on the first split call, which therefore must not be
 inside a CUDA graph capture (a capture that finds none takes the one-program path, same numbers).
@@ -39,7 +44,7 @@ MIN_AMAX = 1e-30  # keeps QMAX / amax finite in fp32 for all-zero (or subnormal)
 ONE_PASS_MAX_K = 32768  # rows up to this length may be quantized from registers after a single read
 SWEEP_BLOCK_K = 8192  # the block of the two-sweep path (abs-max sweep, then quantizing sweep) for longer rows
 MAX_NUMEL = 2**31 - 1  # 32-bit offsets
-SPLIT_MIN_K = 8192  # dynamic rows at least this long, at few rows, are split over several programs
+SPLIT_MIN_K = 16384  # dynamic rows at least this long, at few rows and without pdl, are split (module doc)
 SPLIT_BLOCK_K = 2048  # elements per program of a split row (rounded up to a power of two)
 SPLIT_MAX_M = 16  # more rows fill the GPU with one program each
 
@@ -248,10 +253,10 @@ def split_workspace(device: torch.device) -> torch.Tensor | None:
     return ws
 
 
-def split_rows(m: int, k: int, sms: int) -> int:
-    """Programs per row of dynamic quantization: 1, or for rows of at least ``SPLIT_MIN_K`` elements at M <=
-    ``SPLIT_MAX_M``, one per block of ``SPLIT_BLOCK_K`` as long as the M x programs all fit one wave (<= sms)."""
-    if m > SPLIT_MAX_M or k < SPLIT_MIN_K:
+def split_rows(m: int, k: int, sms: int, pdl: bool = False) -> int:
+    """Programs per row of dynamic quantization: 1, or without ``pdl`` for rows of at least ``SPLIT_MIN_K`` elements
+    at M <= ``SPLIT_MAX_M``, one per block of ``SPLIT_BLOCK_K`` as long as the M x programs fit one wave (<= sms)."""
+    if pdl or m > SPLIT_MAX_M or k < SPLIT_MIN_K:
         return 1
     parts = min(triton.cdiv(k, SPLIT_BLOCK_K), sms // max(m, 1))
     return parts if parts >= 2 else 1
@@ -263,11 +268,11 @@ def split_phases() -> tuple[int, ...]:
     return (1, 2) if interpreting() else (0,)
 
 
-def resolve_split(split: int | None, m: int, k: int, device: torch.device, allowed: bool, name: str) -> int:
+def resolve_split(split: int | None, m: int, k: int, device: torch.device, allowed: bool, pdl: bool, name: str) -> int:
     """Programs per row: ``split_rows``'s where ``split`` is None (1 where not ``allowed``: static scales or a
     forced block), else ``split`` checked (a ValueError naming ``name``)."""
     if split is None:
-        return split_rows(m, k, num_sms(device)) if allowed else 1
+        return split_rows(m, k, num_sms(device), pdl) if allowed else 1
     resident = interpreting() or m * split <= num_sms(device)  # a row's programs wait for each other
     require(split == 1 or (isinstance(split, int) and split > 1 and allowed and m <= SPLIT_MAX_M and resident),
             f"{name}: split 1, or 2 or more programs per row of dynamic quantization without a forced block, at "
@@ -355,7 +360,7 @@ def quantize_activations(
         scale = input_scale
     if m == 0:
         return out, scale
-    split = resolve_split(split, m, k, x.device, dynamic and block_k is None, "quantize_activations")
+    split = resolve_split(split, m, k, x.device, dynamic and block_k is None, pdl, "quantize_activations")
     ws = split_workspace(x.device) if split > 1 else None
     if ws is not None:
         launch_split(x, out, scale, ws, fmt, split, pdl)
