@@ -81,6 +81,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+PDL_REFUSED = "pdl needs a CUDA device of compute capability 9.0 or newer, outside Triton's interpreter"
+
+
+def pdl_possible(t: torch.Tensor) -> bool:
+    """Whether kernels on ``t``'s device can use programmatic dependent launch (griddepcontrol: sm_90+)."""
+    return t.is_cuda and not interpreting() and device_of(t.device).capability >= (9, 0)
+
+
 def num_sms(device: torch.device) -> int:
     """Multiprocessors of a CUDA device; 4 under the interpreter (so small test shapes still split K)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4

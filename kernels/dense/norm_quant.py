@@ -14,7 +14,9 @@ launches per layer that only read back a row just written. These kernels produce
   returns (qa, a_scale). g and u may be strided row views (the fused gate/up projection's output split in two). One
   program per row: rows the quantizer reads once (``quantize_launch_params``: up to 32768 int8 elements at M <= 64,
   16384 otherwise) are held in registers, longer ones take two sweeps (abs-max, then quantize), the product
-  recomputed in the second. Any width works; above ``SILU_QUANT_MAX`` it is slower than the two launches.
+  recomputed in the second. Where the quantizer splits rows (``w8a8.quant.split_rows``: few rows, at least 16384
+  wide, no ``pdl``), so does this kernel, on the same workspace and rule. ``silu_quant_pays`` says where the
+  runtime fuses.
 
 Outputs are bit for bit those of the two launches they replace (``add_rms_norm`` or ``silu_mul``, then
 ``quantize_activations(y, "int8")``). ``pdl``: the kernel first lets a GEMM launched after it with programmatic
@@ -29,17 +31,25 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from quantkit.kernels._device import device_of, interpreting
-from quantkit.kernels.dense.norm_rope import MAX_HIDDEN, add_rms_norm_reference, silu_mul_reference
+from quantkit.kernels._device import PDL_REFUSED, num_sms, pdl_possible
+from quantkit.kernels.dense.norm_rope import (
+    MAX_HIDDEN,
+    add_rms_norm_reference,
+    add_rms_norm_row,
+    silu_mul_reference,
+    silu_mul_row,
+)
 from quantkit.kernels.w8a8.quant import (
     INT8_MAX,
     MIN_AMAX,
     quantize_activations_reference,
     quantize_launch_params,
-    resolve_split,
+    quantize_row_dynamic,
     row_amax_across_programs,
+    split_launch,
     split_phases,
-    split_workspace,
+    split_plan,
+    split_rows,
     store_codes,
 )
 
@@ -65,12 +75,12 @@ def silu_mul_quant_reference(g, u):
     return quantize_activations_reference(silu_mul_reference(g, u), "int8")
 
 
-@triton.jit
-def _quantize_row(q_row, scale_ptr, y, offs, mask):
-    """y fp32 [BLOCK] (a whole row, zeros past its end) -> its scale at ``scale_ptr`` and its codes at ``q_row``."""
-    amax = tl.maximum(tl.max(tl.abs(y), axis=0), _MIN_AMAX)
-    tl.store(scale_ptr, tl.math.div_rn(amax, _QMAX))
-    store_codes(q_row + offs, y * tl.math.div_rn(_QMAX, amax), mask, _QMAX, False)
+def silu_quant_pays(g: torch.Tensor, pdl: bool) -> bool:
+    """Whether ``silu_mul_quant`` beats ``silu_mul`` + ``quantize_activations`` for the gate rows g [T, n]: rows up to
+    ``SILU_QUANT_MAX``, or rows it splits (H100, bf16, CUDA graphs, 28672 wide without pdl: 4.9 against 6.1 us at
+    T = 1, 6.1 against 7.4 us at T = 16, the two launches' quantizer split too)."""
+    t, n = g.shape
+    return n <= SILU_QUANT_MAX or split_rows(t, n, num_sms(g.device), pdl) > 1
 
 
 @triton.jit
@@ -83,20 +93,13 @@ def _add_rms_norm_quant_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
-    h = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        h = (h.to(tl.float32) + tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
-        tl.store(h_ptr + row * n + offs, h, mask=mask)
-    f = h.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(f * f, axis=0) / n + eps)  # add_rms_norm's expression: the same rounding
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    y = (w.to(tl.float32) * (f * rstd).to(h.dtype).to(tl.float32)).to(h.dtype).to(tl.float32)
-    _quantize_row(q_ptr + row * n, scale_ptr + row, y, offs, mask)
+    y = add_rms_norm_row(x_ptr, r_ptr, w_ptr, h_ptr, row, n, stride_x, stride_r, eps, offs, mask, HAS_RESIDUAL)
+    quantize_row_dynamic(q_ptr + row * n + offs, scale_ptr + row, y.to(tl.float32), mask, _QMAX, False)
 
 
 def _check_pdl(pdl: bool, x: torch.Tensor, name: str) -> None:
-    if pdl and not (x.is_cuda and not interpreting() and device_of(x.device).capability >= (9, 0)):
-        raise ValueError(f"{name}: pdl needs a CUDA device of compute capability 9.0 or newer, outside the interpreter")
+    if pdl and not pdl_possible(x):
+        raise ValueError(f"{name}: {PDL_REFUSED}")
 
 
 def add_rms_norm_quant(x, weight, eps: float, residual=None, pdl: bool = False):
@@ -127,11 +130,8 @@ def add_rms_norm_quant(x, weight, eps: float, residual=None, pdl: bool = False):
 
 @triton.jit
 def _silu_mul_block(g_row, u_row, offs, mask):
-    """silu(g) * u of one block of a row, as ``silu_mul`` computes it (rounded to g's dtype), as fp32."""
-    g = tl.load(g_row + offs, mask=mask, other=0.0)
-    u = tl.load(u_row + offs, mask=mask, other=0.0).to(tl.float32)
-    f = g.to(tl.float32)
-    return (f / (1.0 + tl.exp(-f)) * u).to(g.dtype).to(tl.float32)
+    """``silu_mul``'s values at ``offs`` of one row (rounded to g's dtype), as fp32."""
+    return silu_mul_row(g_row, u_row, offs, mask).to(tl.float32)
 
 
 @triton.jit
@@ -146,7 +146,8 @@ def _silu_mul_quant_kernel(
     offs = tl.arange(0, BLOCK)
     if ONE_PASS:  # the whole row in one block
         mask = offs < n
-        _quantize_row(q_row, scale_ptr + row, _silu_mul_block(g_row, u_row, offs, mask), offs, mask)
+        quantize_row_dynamic(q_row + offs, scale_ptr + row, _silu_mul_block(g_row, u_row, offs, mask), mask, _QMAX,
+                             False)  # fmt: skip
     else:  # long rows: abs-max sweep, then a quantizing sweep that computes the product again
         running = tl.zeros([BLOCK], dtype=tl.float32)
         for k0 in range(0, n, BLOCK):
@@ -197,15 +198,13 @@ def silu_mul_quant(
     _check_pdl(pdl, g, "silu_mul_quant")
     qa = torch.empty((t, n), dtype=torch.int8, device=g.device)
     a_scale = torch.empty(t, dtype=torch.float32, device=g.device)
-    split = resolve_split(split, t, n, g.device, block is None, pdl, "silu_mul_quant")
-    ws = split_workspace(g.device) if t and split > 1 else None
+    split, ws = split_plan(split, t, n, g.device, block is None, pdl, "silu_mul_quant") if t else (1, None)
     if ws is not None:
-        width = triton.next_power_of_2(triton.cdiv(n, split))
-        grid = (t, triton.cdiv(n, width))
+        width, programs, warps = split_launch(n, split)
         args = (g, u, qa, a_scale, ws, n, ws.shape[1], g.stride(0), u.stride(0))
-        warps = num_warps or (4 if width <= 2048 else 8)
         for phase in split_phases():
-            _silu_mul_quant_split_kernel[grid](*args, PHASE=phase, PDL=pdl, BLOCK=width, num_warps=warps)
+            _silu_mul_quant_split_kernel[(t, programs)](*args, PHASE=phase, PDL=pdl, BLOCK=width,
+                                                        num_warps=num_warps or warps)  # fmt: skip
     elif t:
         block, one_pass, warps = quantize_launch_params(n, block, "int8", t)
         _silu_mul_quant_kernel[(t,)](

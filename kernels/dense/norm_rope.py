@@ -55,12 +55,10 @@ def silu_mul_reference(g, u):
 
 
 @triton.jit
-def _add_rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, n, stride_x, stride_r, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr
-):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n
+def add_rms_norm_row(x_ptr, r_ptr, w_ptr, h_ptr, row, n, stride_x, stride_r, eps, offs, mask,
+                     HAS_RESIDUAL: tl.constexpr):  # fmt: skip
+    """Row ``row`` of ``add_rms_norm`` (offs: the whole row, masked past n): stores h = x + residual
+    (HAS_RESIDUAL) and returns y in x's dtype. ``norm_quant`` quantizes the same y."""
     h = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         h = (h.to(tl.float32) + tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
@@ -68,7 +66,17 @@ def _add_rms_norm_kernel(
     f = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(f * f, axis=0) / n + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    y = w.to(tl.float32) * (f * rstd).to(h.dtype).to(tl.float32)
+    return (w.to(tl.float32) * (f * rstd).to(h.dtype).to(tl.float32)).to(h.dtype)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, n, stride_x, stride_r, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    y = add_rms_norm_row(x_ptr, r_ptr, w_ptr, h_ptr, row, n, stride_x, stride_r, eps, offs, mask, HAS_RESIDUAL)
     tl.store(y_ptr + row * n + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -237,14 +245,22 @@ def rotary_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_h: in
 
 
 @triton.jit
+def silu_mul_row(g_row, u_row, offs, mask):
+    """silu(g) * u at ``offs`` of one row (g_row, u_row: its starts), computed in fp32 and rounded once to g's dtype.
+    ``norm_quant`` quantizes the same values."""
+    g = tl.load(g_row + offs, mask=mask, other=0.0)
+    u = tl.load(u_row + offs, mask=mask, other=0.0).to(tl.float32)
+    f = g.to(tl.float32)
+    return (f / (1.0 + tl.exp(-f)) * u).to(g.dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, stride_g, stride_u, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0)
-    u = tl.load(u_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
-    f = g.to(tl.float32)
-    tl.store(out_ptr + row * n + offs, (f / (1.0 + tl.exp(-f)) * u).to(g.dtype), mask=mask)
+    tl.store(out_ptr + row * n + offs, silu_mul_row(g_ptr + row * stride_g, u_ptr + row * stride_u, offs, mask),
+             mask=mask)  # fmt: skip
 
 
 def silu_mul(g, u, block: int | None = None, num_warps: int = 4):

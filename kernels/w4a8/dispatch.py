@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-from quantkit.kernels._device import device_of, interpreting, num_sms, sms_of
+from quantkit.kernels._device import PDL_REFUSED, device_of, num_sms, pdl_possible, sms_of
 from quantkit.kernels.w4a8.flat import launch_flat
 from quantkit.kernels.w4a8.gemm import check_w4a8_operands, launch
 from quantkit.kernels.w4a8.gemv import (
@@ -211,14 +211,6 @@ class Plan:
         split = f", split-K {self.launch.split}" if self.launch.split > 1 else ""
         module = "progressive.py" if self.progressive else "flat.py" if self.config.flat else "gemm.py"
         return f"W4A8 GEMM (Triton, w4a8/{module}) [{self.path}: {self.config.name}{split}]"
-
-
-PDL_REFUSED = "pdl needs a CUDA device of compute capability 9.0 or newer, outside Triton's interpreter"
-
-
-def pdl_possible(t: torch.Tensor) -> bool:
-    """Whether kernels on ``t``'s device can use programmatic dependent launch (griddepcontrol: sm_90+)."""
-    return t.is_cuda and not interpreting() and device_of(t.device).capability >= (9, 0)
 
 
 def choose(

@@ -22,10 +22,12 @@ program / split): M = 1 K = 8192 3.1 / 4.0 us, 14336 4.0 / 4.1, 28672 6.0 / 4.3;
 under programmatic dependent launch, before the progressive W4A8 GEMM, the split lost every time (8192 x 28672 at
 M = 1: 65.9 us against 60.2; at M = 16 4096 x 14336: 27.4 against 20.5): the GEMM's programs start at once and
 stream weights while the row's programs wait on each other. So the rule splits rows of 16384 or more only where
-``pdl`` is off (pre-Hopper GPUs, W8A8 above its PDL rows, direct calls); ``split`` asks for it anywhere.
+``pdl`` is off (pre-Hopper GPUs, one-level W4A8 layers, direct calls); ``split`` asks for it anywhere. Bit for
+bit holds for finite inputs: the split's max over the bit patterns ranks NaN above infinity.
 Limits: the workspace is per device, so split launches on two streams of one device at once are not supported (the
 runtime and the benchmarks run one stream); it is allocated on the first split call, which therefore must not be
-inside a CUDA graph capture (a capture that finds none takes the one-program path, same numbers).
+inside a CUDA graph capture (a capture that finds none takes the one-program path, same numbers, where the rule
+chose the split; an explicit ``split`` is refused there).
 
 The plain PyTorch references here define the numerics; ``quantize_rows_reference`` also quantizes weights (rows =
 output channels) for ``quantkit.nn.W8A8Linear``.
@@ -135,6 +137,14 @@ def store_codes(q_ptrs, v, mask, QMAX: tl.constexpr, IS_FP8: tl.constexpr):
 
 
 @triton.jit
+def quantize_row_dynamic(q_ptrs, scale_ptr, x, mask, QMAX: tl.constexpr, IS_FP8: tl.constexpr):
+    """A whole row x fp32 (zeros where masked): its scale amax / QMAX at ``scale_ptr``, its codes at ``q_ptrs``."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=0), _MIN_AMAX)
+    tl.store(scale_ptr, tl.math.div_rn(amax, QMAX))
+    store_codes(q_ptrs, x * tl.math.div_rn(QMAX, amax), mask, QMAX, IS_FP8)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     # pointers
     x_ptr,
@@ -166,12 +176,9 @@ def _quantize_rows_kernel(
         mask = offs < K
         x = tl.load(x_row + offs * stride_xk, mask=mask, other=0.0).to(tl.float32)
         if DYNAMIC:
-            amax = tl.maximum(tl.max(tl.abs(x), axis=0), _MIN_AMAX)
-            tl.store(scale_ptr + row, tl.math.div_rn(amax, QMAX))
-            inv = tl.math.div_rn(QMAX, amax)
+            quantize_row_dynamic(q_row + offs * stride_qk, scale_ptr + row, x, mask, QMAX, IS_FP8)
         else:
-            inv = tl.math.div_rn(1.0, tl.load(scale_ptr))
-        store_codes(q_row + offs * stride_qk, x * inv, mask, QMAX, IS_FP8)
+            store_codes(q_row + offs * stride_qk, x * tl.math.div_rn(1.0, tl.load(scale_ptr)), mask, QMAX, IS_FP8)
     else:  # long rows: abs-max sweep, then a quantizing sweep (the row is in L2 by then)
         if DYNAMIC:
             running = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -193,9 +200,10 @@ def _quantize_rows_kernel(
 @triton.jit
 def row_amax_across_programs(ws_ptr, ws_rows, row, partial, parts, PHASE: tl.constexpr):
     """The abs-max of a row split over ``parts`` programs (grid axis 1), each holding the ``partial`` abs-max (fp32,
-    >= 0) of its block, floored at MIN_AMAX. ``ws_ptr``: int32 [3, ws_rows], zeros between launches (the row's max
-    bits, arrivals, departures). PHASE 0: publish, wait for the row's programs, read, leave (the last one out resets
-    the row's words); 1: publish only; 2: read and leave (1 then 2 in two launches: the interpreter's way)."""
+    >= 0) of its block; the result is floored at MIN_AMAX. ``ws_ptr``: int32 [3, ws_rows], zeros between launches
+    (the row's max bits, arrivals, departures). PHASE 0: publish, wait for the row's programs, read, leave (the last
+    one out resets the row's words); 1: publish only; 2: read and leave (1 then 2 in two launches: the interpreter's
+    way)."""
     amax_ptr = ws_ptr + row
     arrive_ptr = ws_ptr + ws_rows + row
     leave_ptr = ws_ptr + 2 * ws_rows + row
@@ -268,27 +276,42 @@ def split_phases() -> tuple[int, ...]:
     return (1, 2) if interpreting() else (0,)
 
 
-def resolve_split(split: int | None, m: int, k: int, device: torch.device, allowed: bool, pdl: bool, name: str) -> int:
-    """Programs per row: ``split_rows``'s where ``split`` is None (1 where not ``allowed``: static scales or a
-    forced block), else ``split`` checked (a ValueError naming ``name``)."""
-    if split is None:
-        return split_rows(m, k, num_sms(device), pdl) if allowed else 1
+def split_plan(
+    split: int | None, m: int, k: int, device: torch.device, allowed: bool, pdl: bool, name: str
+) -> tuple[int, torch.Tensor | None]:
+    """(programs per row, the workspace; None for one program): ``split_rows``'s where ``split`` is None (one where
+    not ``allowed``: static scales or a forced block), else ``split`` checked (a ValueError naming ``name``)."""
+    explicit = split is not None
+    if not explicit:
+        split = split_rows(m, k, num_sms(device), pdl) if allowed else 1
+    require(isinstance(split, int) and split >= 1, f"{name}: split must be a positive int, got {split!r}")
+    if split == 1:
+        return 1, None
     resident = interpreting() or m * split <= num_sms(device)  # a row's programs wait for each other
-    require(split == 1 or (isinstance(split, int) and split > 1 and allowed and m <= SPLIT_MAX_M and resident),
+    require(allowed and m <= SPLIT_MAX_M and resident,
             f"{name}: split 1, or 2 or more programs per row of dynamic quantization without a forced block, at "
             f"most {SPLIT_MAX_M} rows and rows x programs within the SMs; got {split} for {m} rows")  # fmt: skip
-    return split
+    ws = split_workspace(device)
+    require(ws is not None or not explicit, f"{name}: split rows need their workspace, made on a first call "
+            "outside a CUDA graph capture; call once before capturing")  # fmt: skip
+    return (split, ws) if ws is not None else (1, None)
+
+
+def split_launch(k: int, parts: int) -> tuple[int, int, int]:
+    """(elements per program, programs per row, num_warps) of a split row of k elements over about ``parts``
+    programs: power-of-two blocks, so fewer programs where they cover k so."""
+    block = triton.next_power_of_2(triton.cdiv(k, parts))
+    return block, triton.cdiv(k, block), 4 if block <= 2048 else 8
 
 
 def launch_split(x, out, scale, ws, fmt: str, parts: int, pdl: bool) -> None:
-    """``_quantize_split_kernel`` over ``parts`` blocks per row (fewer where the power-of-two blocks cover K so)."""
+    """``_quantize_split_kernel`` over ``parts`` blocks per row (``split_launch``)."""
     m, k = x.shape
-    block_k = triton.next_power_of_2(triton.cdiv(k, parts))
-    grid = (m, triton.cdiv(k, block_k))
+    block_k, programs, num_warps = split_launch(k, parts)
     args = (x, out, scale, ws, k, ws.shape[1], x.stride(0), x.stride(1), out.stride(0), out.stride(1))
     for phase in split_phases():
-        _quantize_split_kernel[grid](*args, QMAX=QMAX_OF_FORMAT[fmt], IS_FP8=fmt == "fp8", PHASE=phase,
-                                     BLOCK_K=block_k, PDL=pdl, num_warps=4 if block_k <= 2048 else 8)  # fmt: skip
+        _quantize_split_kernel[(m, programs)](*args, QMAX=QMAX_OF_FORMAT[fmt], IS_FP8=fmt == "fp8", PHASE=phase,
+                                              BLOCK_K=block_k, PDL=pdl, num_warps=num_warps)  # fmt: skip
 
 
 def quantize_launch_params(k: int, block_k: int | None, fmt: str, m: int) -> tuple[int, bool, int]:
@@ -360,8 +383,7 @@ def quantize_activations(
         scale = input_scale
     if m == 0:
         return out, scale
-    split = resolve_split(split, m, k, x.device, dynamic and block_k is None, pdl, "quantize_activations")
-    ws = split_workspace(x.device) if split > 1 else None
+    split, ws = split_plan(split, m, k, x.device, dynamic and block_k is None, pdl, "quantize_activations")
     if ws is not None:
         launch_split(x, out, scale, ws, fmt, split, pdl)
         return out, scale

@@ -21,9 +21,9 @@ W8A8 kernels reproduce); then ``y = (qa * a_scale[:, None]) @ W.T + bias`` with 
   once and cached). There is no silent fallback: a missing kernel or a layer the layout cannot hold raises. The
   kernel takes fp16 / bf16 activations; fp32 ones (an fp32 model calibrated on a GPU: the next layer's inputs come
   from the quantized layer) run the simulation on the GPU, with a warning once.
-- Quantized input: where ``takes_quantized_input(x)`` (CUDA, int8 activations, no act-order permutation in the
-  kernel), ``forward_quantized(qa, a_scale, out_dtype)`` runs the GEMM on codes a kernel before the layer made
-  (the runtime's norm and SiLU kernels fused with the quantizer: ``quantkit.kernels.dense.norm_quant``).
+- Quantized input: where ``takes_quantized_input(x)`` (x on CUDA in fp16 / bf16, int8 activations, no act-order
+  permutation in the kernel), ``forward_quantized(qa, a_scale, out_dtype)`` runs the GEMM on codes a kernel before
+  the layer made (the runtime's norm and SiLU kernels fused with the quantizer: ``quantkit.kernels.dense.norm_quant``).
 """
 
 from __future__ import annotations

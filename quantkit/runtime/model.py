@@ -28,7 +28,7 @@ from torch import nn
 
 from quantkit.errors import QuantkitError
 from quantkit.kernels.dense.gemv import gemv, use_gemv
-from quantkit.kernels.dense.norm_quant import SILU_QUANT_MAX, add_rms_norm_quant, silu_mul_quant
+from quantkit.kernels.dense.norm_quant import add_rms_norm_quant, silu_mul_quant, silu_quant_pays
 from quantkit.kernels.dense.norm_rope import add_rms_norm, add_rms_norm_reference, rotary_, rotary_store_, silu_mul
 from quantkit.nn.w4a8 import KernelOrSimulated
 from quantkit.runtime.attention import AttentionMetadata, paged_attention
@@ -253,15 +253,17 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         """x [T, hidden], or ``QuantizedRows`` of it where the fused ``gate_up_proj`` ``takes_codes``. Where
-        ``down_proj`` does, the SiLU-gated product comes as its codes, made in one launch, on rows up to
-        ``SILU_QUANT_MAX`` wide (longer ones were slower in one launch than in two)."""
+        ``down_proj`` does, the SiLU-gated product comes as its codes, made in one launch where that is faster than
+        two (``silu_quant_pays``)."""
         if self.gate_up_proj is not None:
             g, u = project(self.gate_up_proj, x).split(self.inter, dim=-1)
         else:
             g, u = self.gate_proj(x), self.up_proj(x)
-        if g.shape[-1] <= SILU_QUANT_MAX and takes_codes(self.down_proj, g):
-            qa, a_scale = silu_mul_quant(g, u, pdl=self.down_proj.quantized_input_pdl(g))
-            return self.down_proj.forward_quantized(qa, a_scale, g.dtype)
+        if takes_codes(self.down_proj, g):
+            pdl = self.down_proj.quantized_input_pdl(g)
+            if silu_quant_pays(g, pdl):
+                qa, a_scale = silu_mul_quant(g, u, pdl=pdl)
+                return self.down_proj.forward_quantized(qa, a_scale, g.dtype)
         return self.down_proj(silu_mul(g, u) if g.is_cuda else F.silu(g) * u)
 
 

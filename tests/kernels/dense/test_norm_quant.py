@@ -119,7 +119,7 @@ def test_silu_mul_quant_of_the_gate_up_views_is_the_two_launches(dtype, t, n):
 @pytest.mark.parametrize(("block", "split"), [(None, 1), (2048, None), (None, None)],
                          ids=["one-pass", "two-sweeps", "split-rows"])  # fmt: skip
 def test_silu_mul_quant_of_a_long_row(block, split):
-    """Llama-3-8B's doubled intermediate width (28672): held in one block at one row, swept twice in blocks, or
+    """Llama-3-70B's intermediate width (28672): held in one block at one row, swept twice in blocks, or
     split over several programs (the default at few rows); the outlier in the last block sets the scale."""
     n = 28672
     g, u = rows(1, n, torch.bfloat16, 13, spread=2.0), rows(1, n, torch.bfloat16, 14)

@@ -75,6 +75,18 @@ def test_split_refusals(kwargs, m):
         K.quantize_activations(x, "int8", **kwargs)
 
 
+def test_explicit_split_is_never_dropped(monkeypatch):
+    """Without a workspace (a first call inside a CUDA graph capture) the rule's split quietly becomes one program
+    (the same numbers), an explicit one is refused; a split that is no int is refused too."""
+    monkeypatch.setattr(Q, "split_workspace", lambda device: None)
+    monkeypatch.setattr(Q, "num_sms", lambda device: 132)
+    assert Q.split_plan(None, 1, 28672, torch.device(DEVICE), True, False, "q") == (1, None)
+    with pytest.raises(ValueError, match="workspace"):
+        Q.split_plan(4, 1, 28672, torch.device(DEVICE), True, False, "q")
+    with pytest.raises(ValueError, match="positive int"):
+        Q.split_plan(2.5, 1, 28672, torch.device(DEVICE), True, False, "q")
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("pdl", [False, True])
