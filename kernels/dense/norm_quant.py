@@ -45,7 +45,7 @@ from quantkit.kernels.w8a8.quant import (
     quantize_activations_reference,
     quantize_launch_params,
     quantize_row_dynamic,
-    row_amax_across_programs,
+    quantize_split_block,
     split_launch,
     split_phases,
     split_plan,
@@ -170,15 +170,10 @@ def _silu_mul_quant_split_kernel(
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
-    part = tl.program_id(1)
-    offs = part * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     y = _silu_mul_block(g_ptr + row * stride_g, u_ptr + row * stride_u, offs, mask)
-    amax = row_amax_across_programs(ws_ptr, ws_rows, row, tl.max(tl.abs(y), axis=0), tl.num_programs(1), PHASE)
-    if PHASE != 1:
-        if part == 0:
-            tl.store(scale_ptr + row, tl.math.div_rn(amax, _QMAX))
-        store_codes(q_ptr + row * n + offs, y * tl.math.div_rn(_QMAX, amax), mask, _QMAX, False)
+    quantize_split_block(q_ptr + row * n + offs, scale_ptr + row, y, mask, ws_ptr, ws_rows, row, _QMAX, False, PHASE)
 
 
 def silu_mul_quant(

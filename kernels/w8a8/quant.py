@@ -225,6 +225,18 @@ def row_amax_across_programs(ws_ptr, ws_rows, row, partial, parts, PHASE: tl.con
 
 
 @triton.jit
+def quantize_split_block(q_ptrs, scale_ptr, x, mask, ws_ptr, ws_rows, row, QMAX: tl.constexpr, IS_FP8: tl.constexpr,
+                         PHASE: tl.constexpr):  # fmt: skip
+    """Block ``program_id(1)`` of split row ``row`` (x fp32, zeros where masked): the row's scale at ``scale_ptr``
+    (written by block 0) and this block's codes at ``q_ptrs`` (``row_amax_across_programs``'s PHASE)."""
+    amax = row_amax_across_programs(ws_ptr, ws_rows, row, tl.max(tl.abs(x), axis=0), tl.num_programs(1), PHASE)
+    if PHASE != 1:
+        if tl.program_id(1) == 0:
+            tl.store(scale_ptr, tl.math.div_rn(amax, QMAX))
+        store_codes(q_ptrs, x * tl.math.div_rn(QMAX, amax), mask, QMAX, IS_FP8)
+
+
+@triton.jit
 def _quantize_split_kernel(
     x_ptr, q_ptr, scale_ptr, ws_ptr, K, ws_rows, stride_xm, stride_xk, stride_qm, stride_qk,
     QMAX: tl.constexpr, IS_FP8: tl.constexpr, PHASE: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
@@ -233,15 +245,11 @@ def _quantize_split_kernel(
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
-    part = tl.program_id(1)
-    offs = part * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = offs < K
     x = tl.load(x_ptr + row * stride_xm + offs * stride_xk, mask=mask, other=0.0).to(tl.float32)
-    amax = row_amax_across_programs(ws_ptr, ws_rows, row, tl.max(tl.abs(x), axis=0), tl.num_programs(1), PHASE)
-    if PHASE != 1:
-        if part == 0:
-            tl.store(scale_ptr + row, tl.math.div_rn(amax, QMAX))
-        store_codes(q_ptr + row * stride_qm + offs * stride_qk, x * tl.math.div_rn(QMAX, amax), mask, QMAX, IS_FP8)
+    quantize_split_block(q_ptr + row * stride_qm + offs * stride_qk, scale_ptr + row, x, mask, ws_ptr, ws_rows, row,
+                         QMAX, IS_FP8, PHASE)  # fmt: skip
 
 
 _SPLIT_WORKSPACE: dict[torch.device, torch.Tensor] = {}
