@@ -56,7 +56,9 @@ from quantkit.kernels.w8a8.quant import (
 # The longest row on which ``silu_mul_quant`` beats ``silu_mul`` + ``quantize_activations`` (the runtime keeps the two
 # launches above it). H100, bf16, CUDA graphs, T = 1 / 16: 14336 (Llama-3-8B) 5.26 / 5.36 us against 5.39 / 5.74 us;
 # 28672 (Llama-3-70B) 8.73 / 8.92 us against 7.48 / 7.96 us: one program per row, against silu_mul's 2048-wide
-# programs, and no block or warp count of the fused kernel did better (two sweeps of 8192: 12.8 us).
+# programs, and no block or warp count of the fused kernel did better (two sweeps of 8192: 12.8 us). Not timed alone
+# at prefill's thousands of rows; the runtime's offline workload (prefill chunks included) rose from 1.08x to 1.16x
+# bf16 with the fusion on (docs/results/w4a8.md).
 SILU_QUANT_MAX = 16384
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
 _QMAX = tl.constexpr(INT8_MAX)
