@@ -36,6 +36,7 @@ from quantkit.kernels.dense.norm_rope import (
     MAX_HIDDEN,
     add_rms_norm_reference,
     add_rms_norm_row,
+    norm_launch,
     silu_mul_reference,
     silu_mul_row,
 )
@@ -54,11 +55,11 @@ from quantkit.kernels.w8a8.quant import (
 )
 
 # The longest row on which ``silu_mul_quant`` beats ``silu_mul`` + ``quantize_activations`` (the runtime keeps the two
-# launches above it). H100, bf16, CUDA graphs, T = 1 / 16: 14336 (Llama-3-8B) 5.26 / 5.36 us against 5.39 / 5.74 us;
-# 28672 (Llama-3-70B) 8.73 / 8.92 us against 7.48 / 7.96 us: one program per row, against silu_mul's 2048-wide
-# programs, and no block or warp count of the fused kernel did better (two sweeps of 8192: 12.8 us). Not timed alone
-# at prefill's thousands of rows; the runtime's offline workload (prefill chunks included) rose from 1.08x to 1.16x
-# bf16 with the fusion on (docs/results/w4a8.md).
+# launches above it). ``benchmarks/bench_quantizer.py``, H100, bf16, CUDA graphs, T = 1 / 16: 14336 (Llama-3-8B) 5.26 /
+# 5.36 us against 5.39 / 5.74 us; 28672 (Llama-3-70B) 8.73 / 8.92 us against 7.48 / 7.96 us: one program per row,
+# against silu_mul's 2048-wide programs, and no block or warp count of the fused kernel did better (two sweeps of 8192:
+# 12.8 us). Not timed alone at prefill's thousands of rows; the runtime's offline workload (prefill chunks included)
+# rose from 1.08x to 1.16x bf16 with the fusion on (docs/results/w4a8.md).
 SILU_QUANT_MAX = 16384
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
 _QMAX = tl.constexpr(INT8_MAX)
@@ -121,11 +122,11 @@ def add_rms_norm_quant(x, weight, eps: float, residual=None, pdl: bool = False):
     a_scale = torch.empty(t, dtype=torch.float32, device=x.device)
     h = x if residual is None else torch.empty((t, n), dtype=x.dtype, device=x.device)
     if t:
-        block = triton.next_power_of_2(n)
+        block, warps = norm_launch(n)
         _add_rms_norm_quant_kernel[(t,)](
             x, x if residual is None else residual, weight, qa, a_scale, h, n, x.stride(0),
             x.stride(0) if residual is None else residual.stride(0), eps,
-            HAS_RESIDUAL=residual is not None, PDL=pdl, BLOCK=block, num_warps=max(1, min(8, block // 512)),
+            HAS_RESIDUAL=residual is not None, PDL=pdl, BLOCK=block, num_warps=warps,
         )  # fmt: skip
     return qa, a_scale, h
 

@@ -80,6 +80,13 @@ def _add_rms_norm_kernel(
     tl.store(y_ptr + row * n + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def norm_launch(n: int) -> tuple[int, int]:
+    """(block, num_warps) of a norm program over a row of n elements: the whole row, a warp per 512 elements (1-8).
+    ``norm_quant`` launches its norm so too: the same reduction, the same bits."""
+    block = triton.next_power_of_2(n)
+    return block, max(1, min(8, block // 512))
+
+
 def add_rms_norm(x, weight, eps: float, residual=None, num_warps: int | None = None):
     """x [T, n] (and residual [T, n]) -> (y [T, n], h [T, n]) with h = x + residual (or x itself).
     ``num_warps``: overrides the launch's warps (probes)."""
@@ -93,7 +100,7 @@ def add_rms_norm(x, weight, eps: float, residual=None, num_warps: int | None = N
     y = torch.empty((t, n), dtype=x.dtype, device=x.device)
     h = x if residual is None else torch.empty((t, n), dtype=x.dtype, device=x.device)
     if t:
-        block = triton.next_power_of_2(n)
+        block, warps = norm_launch(n)
         _add_rms_norm_kernel[(t,)](
             x,
             x if residual is None else residual,
@@ -106,7 +113,7 @@ def add_rms_norm(x, weight, eps: float, residual=None, num_warps: int | None = N
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
-            num_warps=num_warps or max(1, min(8, block // 512)),
+            num_warps=num_warps or warps,
         )
     return y, h
 

@@ -10,20 +10,20 @@ fp32 so the GPU and Triton's interpreter agree with ``torch.round`` / ``Tensor.t
 (the interpreter's own fp32 -> fp8 cast does not round to nearest even). With ``pdl`` the GEMM launched after it
 (programmatic dependent launch) may start at once and waits for the codes itself.
 
-Split rows (``split_rows``): at few rows a long row is one program's serial work while the rest of the GPU idles.
-There, dynamic rows of at least ``SPLIT_MIN_K`` elements may be cut into blocks of about ``SPLIT_BLOCK_K``, one
-program each, all resident at once (M x programs <= SMs). Each program publishes its block's abs-max
-(``atomic_max`` on the fp32 bits: non-negative floats order as their bit patterns), counts itself in on its row's
-counter and waits until the row's programs are all in; the last one out resets the row's three words of
-``split_workspace``. The max is exact in any order, so the codes and scales are the one-program path's, bit for
-bit. The interpreter runs programs one after another, so there a split launch is two launches (publish, then
-quantize and reset): the same code without the wait. Measured (H100, bf16, CUDA graphs, the quantizer alone, one
-program / split): M = 1 K = 8192 3.1 / 4.0 us, 14336 4.0 / 4.1, 28672 6.0 / 4.3; M = 16 K = 28672 6.3 / 4.9. But
-under programmatic dependent launch, before the progressive W4A8 GEMM, the split lost every time (8192 x 28672 at
-M = 1: 65.9 us against 60.2; at M = 16 4096 x 14336: 27.4 against 20.5): the GEMM's programs start at once and
-stream weights while the row's programs wait on each other. So the rule splits rows of 16384 or more only where
-``pdl`` is off (pre-Hopper GPUs, one-level W4A8 layers, direct calls); ``split`` asks for it anywhere. Bit for
-bit holds for finite inputs: the split's max over the bit patterns ranks NaN above infinity.
+Split rows (``split_rows``): at few rows a long row is one program's serial work while the rest of the GPU idles. There,
+dynamic rows of at least ``SPLIT_MIN_K`` elements may be cut into blocks of about ``SPLIT_BLOCK_K``, one program each,
+all resident at once (M x programs <= SMs). Each program publishes its block's abs-max (``atomic_max`` on the fp32 bits:
+non-negative floats order as their bit patterns), counts itself in on its row's counter and waits until the row's
+programs are all in; the last one out resets the row's three words of ``split_workspace``. The max is exact in any
+order, so the codes and scales are the one-program path's, bit for bit. The interpreter runs programs one after another,
+so there a split launch is two launches (publish, then quantize and reset): the same code without the wait. Measured
+(``benchmarks/bench_quantizer.py``; H100, bf16, CUDA graphs, the quantizer alone, one program / split): M = 1 K = 8192
+3.1 / 4.0 us, 14336 4.0 / 4.1, 28672 6.0 / 4.3; M = 16 K = 28672 6.3 / 4.9. But under programmatic dependent launch,
+before the progressive W4A8 GEMM, the split lost every time (8192 x 28672 at M = 1: 65.9 us against 60.2; at M = 16 4096
+x 14336: 27.4 against 20.5): the GEMM's programs start at once and stream weights while the row's programs wait on each
+other. So the rule splits rows of 16384 or more only where ``pdl`` is off (pre-Hopper GPUs, one-level W4A8 layers,
+direct calls); ``split`` asks for it anywhere. Bit for bit holds for finite inputs: the split's max over the bit
+patterns ranks NaN above infinity.
 Limits: the workspace is per device, so split launches on two streams of one device at once are not supported (the
 runtime and the benchmarks run one stream); it is allocated on the first split call, which therefore must not be
 inside a CUDA graph capture (a capture that finds none takes the one-program path, same numbers, where the rule

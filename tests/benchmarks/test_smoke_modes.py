@@ -40,6 +40,7 @@ def smoke(script: str, out: Path, *args: str) -> subprocess.CompletedProcess:
     [
         pytest.param("bench_w8a8.py", "w8a8_results.json", marks=interpreted),
         pytest.param("bench_w4a8.py", "w4a8_results.json", marks=interpreted),
+        pytest.param("bench_quantizer.py", "quantizer.json", marks=interpreted),
         pytest.param("bench_gemv.py", "gemv.json", marks=interpreted),
         pytest.param("bench_attention.py", "bench_attention_smoke.json", marks=interpreted),
         pytest.param("bench_moe.py", "moe.json", marks=interpreted),
