@@ -105,23 +105,27 @@ def prompt_sets(tokenizer, n: int) -> dict[str, list]:
     }
 
 
-def parse_train(item: str) -> tuple[str, int | None, int, str]:
-    """``--train METHOD:TOKENS|all[:EPOCHS[:self]]`` -> (method, tokens or None for all, epochs, text source);
-    ValueError naming the item otherwise."""
+def parse_train(item: str) -> tuple[str, int | None, int, str, int]:
+    """``--train METHOD:TOKENS|all[:EPOCHS[:text|self[:UNROLL]]]`` -> (method, tokens or None for all, epochs, text
+    source, EAGLE's unrolled steps); ValueError naming the item otherwise."""
     from quantkit.runtime.speculative.heads import METHODS
 
     parts = item.split(":")
-    method, tokens, epochs, source = (parts + ["", "", "1", "text"][len(parts) :])[:4]
+    method, tokens, epochs, source, unroll = (parts + ["", "", "1", "text", "1"][len(parts) :])[:5]
     if not (
-        2 <= len(parts) <= 4
+        2 <= len(parts) <= 5
         and method in METHODS
         and (tokens == "all" or (tokens.isdigit() and int(tokens) > 0))
         and epochs.isdigit()
         and int(epochs) > 0
         and source in ("text", "self")
+        and unroll.isdigit()
+        and int(unroll) > 0
     ):
-        raise ValueError(f"--train {item!r}: expected METHOD:TOKENS|all[:EPOCHS[:self]], METHOD one of {METHODS}")
-    return method, None if tokens == "all" else int(tokens), int(epochs), source
+        raise ValueError(
+            f"--train {item!r}: expected METHOD:TOKENS|all[:EPOCHS[:text|self[:UNROLL]]], METHOD one of {METHODS}"
+        )
+    return method, None if tokens == "all" else int(tokens), int(epochs), source, int(unroll)
 
 
 def train_heads(args, folder: str, device: str, settings: dict) -> list[dict]:
@@ -138,22 +142,31 @@ def train_heads(args, folder: str, device: str, settings: dict) -> list[dict]:
     print(f"training text: {ids.numel():,} tokens ({parts})", flush=True)
     streams = {"text": (ids, data_print)}
 
-    def self_stream() -> None:  # the target's own text, written once when first needed
+    def self_stream() -> None:  # the target's own text, written once when first needed (kept in --heads-dir)
+        saved = args.heads_dir / f"self-distilled-{args.self_tokens}.pt"
+        if saved.exists():
+            state = torch.load(saved)
+            if state["text"] == data_print:
+                streams["self"] = (state["ids"], [*data_print, state["where"]])
+                print(f"SELF-DISTILLED text: {state['ids'].numel():,} tokens, written earlier ({saved})", flush=True)
+                return
         llm, t0 = LLM(folder, **settings), time.perf_counter()
         own, where = self_distilled_ids(llm, ids, args.self_tokens)
         sync(llm)
         streams["self"] = (own, [*data_print, where])
         print(f"SELF-DISTILLED text: {own.numel():,} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"ids": own, "where": where, "text": data_print}, saved)
         del llm
         gc.collect()
         torch.cuda.empty_cache()
 
     rows = []
     for item in args.train:
-        method, tokens, epochs, source = parse_train(item)
+        method, tokens, epochs, source, unroll = parse_train(item)
         name = f"{method}-{'all' if tokens is None else f'{tokens // 1000}k'}x{epochs}"
-        name += "-self" if source == "self" else ""
-        config = TrainDraftConfig(method=method, data=data, tokens=tokens,
+        name += ("-self" if source == "self" else "") + (f"-u{unroll}" if unroll > 1 else "")
+        config = TrainDraftConfig(method=method, data=data, tokens=tokens, unroll=unroll,
                                   epochs=epochs, seqlen=args.train_seqlen, batch_size=args.train_batch_size,
                                   lr=args.train_lr, loss_positions=args.train_loss_positions or None)  # fmt: skip
         heads = args.heads_dir / name
@@ -403,7 +416,9 @@ def main() -> None:
     ap.add_argument("--speed-tree", type=int, default=None, help="also time the best EAGLE heads with this tree")
     ap.add_argument("--trees", default="", help="tree sizes measured for the head proposers, --tree-k deep")
     ap.add_argument("--tree-k", type=int, default=6, help="depth of the draft trees")
-    ap.add_argument("--train", action="append", default=[], help="part 0: heads, METHOD:TOKENS|all[:EPOCHS[:self]]")
+    ap.add_argument(
+        "--train", action="append", default=[], help="part 0: heads, METHOD:TOKENS|all[:EPOCHS[:text|self[:UNROLL]]]"
+    )
     ap.add_argument("--train-data", default="brown", help="part 0's training text (train-draft's --data, comma-joined)")
     ap.add_argument("--train-batch-size", type=int, default=64)
     ap.add_argument("--train-seqlen", type=int, default=256)

@@ -49,6 +49,8 @@ class TrainDraftConfig:
       ``val_fraction``: held-out windows, as a share of the training ones.
     - ``batch_size`` windows per step, ``epochs`` passes, AdamW at ``lr`` (20-step warm-up, cosine to lr / 10).
     - ``feature_noise``: EAGLE's input noise, as a fraction of the features' RMS.
+    - ``unroll``: EAGLE's drafting steps trained in a row, each on the features the steps before it predicted
+      (``EagleHead.unrolled``; 1: on the target's features alone, as EAGLE-1 and -2 train).
     - ``loss_positions``: positions per window where the loss is taken (its vocabulary-sized products are most of a
       step's cost; None: all). Validation takes every position.
     - ``precision``: ``auto`` (bf16 on a GPU, fp32 on the CPU), ``fp32`` or ``bf16`` (autocast).
@@ -66,6 +68,7 @@ class TrainDraftConfig:
     epochs: int = 1
     lr: float = 1e-3
     feature_noise: float = 0.1
+    unroll: int = 1
     loss_positions: int | None = 64
     precision: str = "auto"
     self_distill: int | None = None
@@ -86,6 +89,9 @@ class TrainDraftConfig:
         number("lr", self.lr, 0.0, 1.0, low_open=True)
         number("feature_noise", self.feature_noise, 0.0, 10.0)
         integer("loss_positions", self.loss_positions, low=1, none=True)
+        integer("unroll", self.unroll, low=1, high=self.seqlen - 1)
+        if self.method != "eagle" and self.unroll != 1:
+            raise QuantkitError(f"unroll trains EAGLE's chained drafting steps; {self.method} heads take unroll 1")
         object.__setattr__(self, "data", tuple(self.data) if not isinstance(self.data, str) else (self.data,))
 
 
@@ -201,9 +207,11 @@ def _pick(n: int, count: int | None, generator) -> torch.Tensor:
     return torch.randperm(n, generator=generator, device=device)[:count].sort().values
 
 
-def head_losses(heads, method: str, lm_head, embed, f, ids, noise: float, positions: int | None, generator=None):
-    """(loss, [top-1 agreement of each head with the target's argmax]) for features f [B, T, H], tokens ids [B, T];
-    the vocabulary-sized products (the loss's cost) are taken at ``positions`` random positions per window."""
+def head_losses(heads, method: str, lm_head, embed, f, ids, noise: float, positions: int | None, generator=None,
+                unroll: int = 1):  # fmt: skip
+    """(loss, [top-1 agreement with the target's argmax of each Medusa head, or of each of EAGLE's ``unroll``
+    drafting steps]) for features f [B, T, H], tokens ids [B, T]; the vocabulary-sized products (the loss's cost) are
+    taken at ``positions`` random positions per window (and step)."""
     t = f.shape[1]
     if method == "medusa":
         outs = heads(f)
@@ -220,17 +228,20 @@ def head_losses(heads, method: str, lm_head, embed, f, ids, noise: float, positi
     if noise > 0:
         rms = inputs.pow(2).mean().sqrt()
         inputs = inputs + noise * rms * torch.randn(inputs.shape, generator=generator, device=f.device)
-    g, _ = heads(inputs, embed(ids[:, 1:]), torch.arange(t - 1, device=f.device))
-    at = _pick(t - 1, positions, generator).to(f.device)
-    g, target = g[:, at], f[:, at + 1]
-    logits = lm_head(g)
-    with torch.no_grad():
-        target_logits = lm_head(target)
-    loss = F.smooth_l1_loss(g.float(), target.float()) + _kl(target_logits, logits)
-    return loss, [(logits.argmax(-1) == target_logits.argmax(-1)).float().mean().item()]
+    outs = heads.unrolled(inputs, embed(ids[:, 1:]), unroll)
+    loss, agree = 0.0, []
+    for s, g in enumerate(outs):  # step s at position m >= s predicts f_{m+1} after drafting s features itself
+        at = _pick(t - 1 - s, positions, generator).to(f.device) + s
+        g, target = g[:, at], f[:, at + 1]
+        logits = lm_head(g)
+        with torch.no_grad():
+            target_logits = lm_head(target)
+        loss = loss + F.smooth_l1_loss(g.float(), target.float()) + _kl(target_logits, logits)
+        agree.append((logits.argmax(-1) == target_logits.argmax(-1)).float().mean().item())
+    return loss / len(outs), agree
 
 
-def _evaluate(model, heads, method, ids, batch_size: int, device, precision: str) -> dict:
+def _evaluate(model, heads, method, ids, batch_size: int, device, precision: str, unroll: int = 1) -> dict:
     """Held-out loss and top-1 agreement of the heads on windows ids [m, T] (every position, no noise)."""
     lm_head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     heads.eval()
@@ -238,7 +249,8 @@ def _evaluate(model, heads, method, ids, batch_size: int, device, precision: str
     with torch.no_grad(), autocast(device, precision):
         for i in range(0, ids.shape[0], batch_size):
             x = ids[i : i + batch_size].to(device)
-            loss, a = head_losses(heads, method, lm_head, embed, target_features(model, x), x, 0.0, None)
+            loss, a = head_losses(heads, method, lm_head, embed, target_features(model, x), x, 0.0, None,
+                                  unroll=unroll)  # fmt: skip
             losses.append(float(loss))
             agree.append(a)
         out = {"loss": round(sum(losses) / len(losses), 5),
@@ -335,7 +347,7 @@ def train_draft(
     precision = config.precision if config.precision != "auto" else "bf16" if device.type == "cuda" else "fp32"
 
     def evaluate() -> dict:
-        return _evaluate(model, heads, config.method, val_ids, config.batch_size, device, precision)
+        return _evaluate(model, heads, config.method, val_ids, config.batch_size, device, precision, config.unroll)
 
     if "before" not in record:
         record["before"] = evaluate()
@@ -351,8 +363,9 @@ def train_draft(
         noise_gen = torch.Generator(device).manual_seed(config.seed * 1_000_003 + step)
         x = train_ids[rows].to(device)
         with autocast(device, precision):
-            loss, agree = head_losses(heads, config.method, lm_head, embed, target_features(model, x), x,
-                                      config.feature_noise, config.loss_positions, noise_gen)  # fmt: skip
+            f = target_features(model, x)
+            loss, agree = head_losses(heads, config.method, lm_head, embed, f, x, config.feature_noise,
+                                      config.loss_positions, noise_gen, config.unroll)  # fmt: skip
         optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)

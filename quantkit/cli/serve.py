@@ -334,6 +334,13 @@ TRAIN = _defaults(TrainDraftConfig)
     help="Positions per window where the training loss is taken; 0: all.",
 )
 @click.option(
+    "--unroll",
+    type=click.IntRange(min=1),
+    default=TRAIN["unroll"],
+    show_default=True,
+    help="eagle: drafting steps trained in a row, each on the features the steps before it predicted.",
+)
+@click.option(
     "--self-distill",
     type=click.IntRange(min=1),
     default=TRAIN["self_distill"],

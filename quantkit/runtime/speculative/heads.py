@@ -118,9 +118,10 @@ class EagleHead(nn.Module):
     def set_rope(self, max_len: int, device) -> None:
         self.cos, self.sin = rope_tables(self.config, max_len, device)
 
-    def forward(self, features, embeds, positions, past=None):
+    def _project(self, features, embeds, positions):
+        """fc, the input norm and q / k / v with RoPE at ``positions``: (x [B, T, H], q, k, v [B, T, heads, D])."""
         x = self.fc(torch.cat([features, embeds], dim=-1))
-        attn, mlp = self.layer.self_attn, self.layer.mlp
+        attn = self.layer.self_attn
         b, t, _ = x.shape
         h = _norm(self.layer.input_layernorm, x)
         q = attn.q_proj(h).view(b, t, attn.num_heads, attn.head_dim)
@@ -129,11 +130,13 @@ class EagleHead(nn.Module):
         if attn.q_norm is not None:
             q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
         cos, sin = self.cos[positions].to(q.dtype), self.sin[positions].to(q.dtype)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        if past is not None:
-            k, v = torch.cat([past[0], k], dim=1), torch.cat([past[1], v], dim=1)
-        t0, rep = k.shape[1] - t, attn.num_heads // attn.num_kv_heads
-        mask = torch.arange(t0 + t, device=x.device)[None, :] <= t0 + torch.arange(t, device=x.device)[:, None]
+        return x, rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def _finish(self, x, q, k, v, mask):
+        """Attention of q over k / v under ``mask`` [T, Tk] (True: attend), then the MLP and the final norm."""
+        attn, mlp = self.layer.self_attn, self.layer.mlp
+        b, t, _ = x.shape
+        rep = attn.num_heads // attn.num_kv_heads
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.repeat_interleave(rep, dim=2).transpose(1, 2),
@@ -144,7 +147,38 @@ class EagleHead(nn.Module):
         x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
         h = _norm(self.layer.post_attention_layernorm, x)
         x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
-        return _norm(self.norm, x), (k, v)
+        return _norm(self.norm, x)
+
+    def forward(self, features, embeds, positions, past=None):
+        x, q, k, v = self._project(features, embeds, positions)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=1), torch.cat([past[1], v], dim=1)
+        t = x.shape[1]
+        t0 = k.shape[1] - t
+        mask = torch.arange(t0 + t, device=x.device)[None, :] <= t0 + torch.arange(t, device=x.device)[:, None]
+        return self._finish(x, q, k, v, mask), (k, v)
+
+    def unrolled(self, features, embeds, steps: int) -> list[torch.Tensor]:
+        """Training on the head's own features ("training-time test", Li et al. 2025, EAGLE-3): ``steps`` drafting
+        steps over windows features, embeds [B, T, H] (position m: f_m and e(x_{m+1})) -> each step's predicted
+        features [B, T, H]. Step 0 is ``forward``; step s >= 1 at position m reads step s - 1's prediction of f_m (its
+        output at m - 1) and attends as a chain drafted after position m - s does: to step 0's keys up to m - s
+        and to one key of each step 1 .. s (positions m - s + 1 .. m). Its output at m predicts f_{m+1}; positions
+        m < s have no such chain (their outputs are not to be trained on)."""
+        t, device = features.shape[1], features.device
+        positions = torch.arange(t, device=device)
+        outs, keys, values = [], [], []
+        x_in = features
+        for s in range(steps):
+            x, q, k, v = self._project(x_in, embeds, positions)
+            keys.append(k)
+            values.append(v)
+            m = positions[:, None]  # query positions [T, 1]
+            j = positions[None, :]
+            mask = torch.cat([j <= m - s] + [j == m - s + r for r in range(1, s + 1)], dim=1)  # [T, (s + 1) T]
+            outs.append(self._finish(x, q, torch.cat(keys, dim=1), torch.cat(values, dim=1), mask))
+            x_in = torch.cat([outs[-1][:, :1], outs[-1][:, :-1]], dim=1)  # position m reads the prediction of f_m
+        return outs
 
 
 def make_heads(method: str, config, num_heads: int, dtype: torch.dtype = torch.float32) -> nn.Module:

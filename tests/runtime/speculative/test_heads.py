@@ -311,6 +311,42 @@ def test_an_eagle_head_of_an_moe_target_is_one_dense_layer():
     assert out.shape == (1, 5, 64) and k.shape[1] == 5
 
 
+@pytest.mark.parametrize("steps", [1, 3])
+def test_unrolled_steps_are_the_chain_the_proposer_drafts(steps):
+    """``EagleHead.unrolled``'s step s at position m is what drafting computes: the layer over the target's features
+    up to m - s (its KV cache), then s steps on its own predicted features, one position each."""
+    from quantkit.runtime.speculative.heads import make_heads
+
+    torch.manual_seed(0)
+    head = make_heads("eagle", tiny_model().config, 1).double()
+    head.set_rope(32, "cpu")
+    head.cos, head.sin = head.cos.double(), head.sin.double()
+    features, embeds = torch.randn(2, 12, 64, dtype=torch.double), torch.randn(2, 12, 64, dtype=torch.double)
+    outs = head.unrolled(features, embeds, steps)
+    assert len(outs) == steps
+    torch.testing.assert_close(outs[0], head(features, embeds, torch.arange(12))[0])
+    for start in (0, 4, 12 - steps):  # the chain drafted after position start
+        g, kv = head(features[:, : start + 1], embeds[:, : start + 1], torch.arange(start + 1))
+        g = g[:, -1:]
+        for s in range(1, steps):
+            m = start + s
+            torch.testing.assert_close(outs[s - 1][:, m - 1 : m], g)
+            g, kv = head(g, embeds[:, m : m + 1], torch.tensor([m]), kv)
+        torch.testing.assert_close(outs[steps - 1][:, start + steps - 1 : start + steps], g)
+
+
+def test_unrolled_training_records_each_steps_agreement(target, tmp_path):
+    model, _ = target
+    config = TrainDraftConfig(method="eagle", tokens=1024, seqlen=32, batch_size=2, epochs=2, lr=3e-3, unroll=3)
+    record = train_draft(model, config, tmp_path / "h", ids=markov_ids(1600))
+    assert len(record["after"]["top1"]) == 3 and record["after"]["loss"] < record["before"]["loss"]
+    assert read_meta(tmp_path / "h")["settings"]["unroll"] == 3
+    with pytest.raises(QuantkitError, match="medusa heads take unroll 1"):
+        TrainDraftConfig(method="medusa", unroll=2)
+    with pytest.raises(QuantkitError, match=r"unroll must be in \[1, 31\]"):
+        TrainDraftConfig(method="eagle", seqlen=32, unroll=32)
+
+
 # -- draft trees (num_tree_tokens) ----------------------------------------------------------------------------------
 
 
