@@ -99,12 +99,26 @@ def test_serve_moe_smoke_agrees_with_hf_and_counts_active_parameters(tmp_path):
     assert refused.returncode == 2 and "choose from bf16,w4a16" in refused.stderr
 
 
-@pytest.mark.parametrize("item", ["eagle", "eagle:abc", "eagle:all:0", "eagle:all:3:slef", "medusa:1:2:self:x"])
+@pytest.mark.parametrize(
+    "item",
+    [
+        "eagle",
+        "eagle:abc",
+        "eagle:all:0",
+        "eagle:all:3:slef",
+        "medusa:1:2:self:x",
+        "eagle:1:2:self:0",
+        "eagle:1:2:self:3:4",
+    ],
+)
 def test_spec_refuses_a_malformed_train_item_before_loading_anything(item, tmp_path):
     cmd = [sys.executable, str(BENCHMARKS / "bench_spec.py"), "--train", "eagle:all:2:self", "--train", item,
            "--model", str(tmp_path / "absent"), "--out", str(tmp_path)]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 2 and "expected METHOD:TOKENS|all[:EPOCHS[:self]]" in run.stderr.splitlines()[-1]
+    assert (
+        run.returncode == 2
+        and "expected METHOD:TOKENS|all[:EPOCHS[:text|self[:UNROLL]]]" in run.stderr.splitlines()[-1]
+    )
 
 
 def test_spec_mtp_smoke_times_every_step_and_projects_from_them(tmp_path):
