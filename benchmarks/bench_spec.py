@@ -56,7 +56,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import add_out_argument, environment, kernel_device, out_folder, text_row
-from spec_costs import mtp_costs, mtp_table, project, step_costs
+from spec_costs import head_costs, head_projection, mtp_costs, mtp_table, project, step_costs
 
 from quantkit.runtime import LLM, SamplingParams
 from quantkit.runtime.speculative.config import SpeculativeConfig
@@ -428,9 +428,11 @@ def main() -> None:
     ap.add_argument("--heads-dir", type=Path, default=None, help="where part 0 puts the heads (OUT/heads)")
     ap.add_argument("--costs", action="store_true", help="part 2 on random Llama-3-8B-shaped weights (GPU)")
     ap.add_argument("--acceptance", type=Path, help="part 1's JSON, for the projection of part 2")
+    ap.add_argument("--head-costs", action="store_true", help="part 2: EAGLE / Medusa chains and trees (--trees), 8B")
+    ap.add_argument("--head-targets", default="bf16,w4a16", help="--head-costs: targets (bf16, w4a16)")
     ap.add_argument("--mtp", action="store_true", help="part 2: MTP drafting's costs on dummy:deepseek-v3-tiny (GPU)")
     ap.add_argument("--context", type=int, default=None, help="--mtp: tokens before the timed steps (512; smoke 32)")
-    ap.add_argument("--smoke", action="store_true", help="--mtp on a tiny config, fp32 CPU (TRITON_INTERPRET=1)")
+    ap.add_argument("--smoke", action="store_true", help="--mtp, --head-costs on a tiny config, fp32 CPU")
     add_out_argument(ap, "spec")
     args = ap.parse_args()
     for item in args.train:  # a malformed item is refused now, not after the heads before it have trained
@@ -438,8 +440,8 @@ def main() -> None:
             parse_train(item)
         except ValueError as exc:
             ap.error(str(exc))
-    if args.smoke and not args.mtp:
-        ap.error("--smoke runs --mtp only")
+    if args.smoke and not (args.mtp or args.head_costs):
+        ap.error("--smoke runs --mtp and --head-costs only")
     mode = {"ks": ("2,4,6", "1,2,3"), "temperatures": ("0,0.7", "0"), "batches": ("1,16", "1,8"),
             "max_tokens": (64, 16), "context": (512, 32 if args.smoke else 512)}  # fmt: skip
     for name, defaults in mode.items():
@@ -452,6 +454,9 @@ def main() -> None:
         ap.error("--mtp needs k >= 1, batch sizes >= 1 and --context >= 1")
     args.speed_sets = [s for s in args.speed_sets.split(",") if s]
     args.trees = [int(n) for n in args.trees.split(",") if n]
+    args.head_targets = [t for t in args.head_targets.split(",") if t]
+    if args.head_costs and not set(args.head_targets) <= {"bf16", "w4a16"}:
+        ap.error("--head-targets takes bf16 and w4a16")
     args.sets = args.sets.split(",")
     out = out_folder(args.out)
     args.heads_dir = args.heads_dir or out / "heads"
@@ -477,6 +482,16 @@ def main() -> None:
         print(table)
         (out / "mtp.json").write_text(json.dumps(result, indent=2))
         (out / "mtp.md").write_text(table + "\n")
+        return
+    if args.head_costs:  # part 2 for draft heads and trees: random weights, batch 1
+        result["head_costs_s"] = costs = head_costs(args, out, smoke=args.smoke)
+        accepted = json.loads(args.acceptance.read_text()).get("acceptance", []) if args.acceptance else []
+        result["head_projection"] = head_projection(costs, accepted, args.speed_k, args.trees)
+        for r in result["head_projection"]:
+            print(f"PROJECTION {r['target']} {r['proposer']} {r['prompts']} tree {r['tree']}: tau {r['tau']:.2f}, "
+                  f"step {r['step_ms']:.2f} ms -> {r['projected_speedup']:.2f}x over its plain decode"
+                  + (f", {r['projected_over_bf16']:.2f}x over bf16" if "projected_over_bf16" in r else ""))  # fmt: skip
+        (out / "head_costs.json").write_text(json.dumps(result, indent=2))
         return
     if args.costs:
         costs = step_costs(args, settings)

@@ -18,6 +18,7 @@ call); the step costs of ``step_costs`` are medians of 20 synchronised steps.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 from common import median_seconds, text_row
@@ -31,7 +32,10 @@ from quantkit.runtime.speculative.decoder import expected_tokens
 
 # DeepSeek-V3's report (arXiv 2412.19437, section 5.4.3): its MTP module's second token is accepted 85-90% of the time
 REPORTED_ACCEPTANCE = (0.85, 0.90)
+MEDUSA_HEADS = 4  # the random Medusa heads --head-costs times
 REP_MS = 400  # do_bench's time per measurement: eager DeepSeek-V3 steps take milliseconds, so 100 ms is a few calls
+HEAD_SMOKE = dict(DUMMY_MODELS["llama-3-8b"], vocab_size=512, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, dtype="float32")  # fmt: skip
 # the --smoke shape: DeepSeek-V3's layout (dense first layer, grouped router, shared expert, MLA, one MTP layer) tiny
 MTP_SMOKE = dict(
     DUMMY_MODELS["deepseek-v3-tiny"], vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -245,3 +249,119 @@ def mtp_table(result: dict) -> list[str]:
     lines += ["| k | temperature | acceptance | tau |", "|---|---|---|---|"]
     lines += [f"| {r['k']} | {r['temperature']} | {r['acceptance']:.3f} | {r['tau']:.2f} |" for r in m["acceptance"]]
     return lines
+
+
+# -- draft heads (EAGLE, Medusa) and draft trees on the Llama-3-8B shape ----------------------------------------------
+
+
+def random_heads(llm: LLM, method: str, folder, num_heads: int = MEDUSA_HEADS):
+    """Untrained heads of ``method`` for ``llm``'s model saved in ``folder`` (random weights: their cost is the
+    trained heads' cost), so the engine's own loader takes them."""
+    from quantkit.runtime.speculative.heads import base_fingerprint, make_heads, save_heads
+
+    torch.manual_seed(0)
+    model = llm.model
+    count = num_heads if method == "medusa" else 1
+    heads = make_heads(method, model.config, count)
+    if method == "medusa":  # non-zero blocks: the product runs as it would trained
+        for block in heads.blocks:
+            torch.nn.init.normal_(block.weight, std=0.02)
+    base = base_fingerprint(model.config, model.model.embed_tokens.weight)
+    save_heads(folder, heads, {"method": method, "num_heads": count, "base": base})
+    return folder
+
+
+def head_costs(args, folder, smoke: bool = False) -> dict:
+    """``--head-costs``: on random Llama-3-8B-shaped weights (bf16, and each of ``args.head_targets``: ``w4a16`` is
+    RTN g128 codes), batch 1 on an ``args.context``-token context, the median seconds of: a decode step (CUDA
+    graph); a verify step of k + 1 tokens (CUDA graph, with the heads' feature store attached); EAGLE's chain of k
+    draft tokens (catch-up on the newest position, k - 1 layer steps, k readouts); Medusa's K = 4 heads on the newest
+    feature (4 readouts); each ``args.trees`` N: the EAGLE-2 / Medusa tree of N tokens (``args.tree_k`` deep) and the
+    eager verify step of that tree. The heads are random: their cost is a trained head's. ``smoke``: a tiny Llama on
+    the CPU (timings meaningless)."""
+    from quantkit.quant.scheme import QuantScheme
+    from quantkit.runtime import loader
+    from quantkit.runtime.speculative.heads import head_proposer
+    from quantkit.runtime.speculative.tree_draft import tree_drafter
+
+    config = HEAD_SMOKE if smoke else DUMMY_MODELS["llama-3-8b"]
+    context, k, depth = args.context, args.speed_k, args.tree_k
+    room = max([k, *args.trees]) + 1
+    schemes = {"bf16": None, "w4a16": QuantScheme(bits=4, group_size=128 if not smoke else 32, sym=True)}
+    device = torch.device("cpu" if smoke else "cuda")
+    out: dict = {}
+
+    def time_of(fn) -> float:
+        return median_seconds(fn, smoke=smoke, rep_ms=REP_MS)
+
+    for target in args.head_targets:
+        model = loader.dummy(config, "float32" if smoke else "bfloat16", device, scheme=schemes[target])
+        llm = LLM(model, max_model_len=context + room + 32, max_num_seqs=1, cuda_graph_max_bs=1)
+        runner, costs, seed = llm.runner, {}, 1
+        runner.capture_verify_graphs(k + 1)
+        seqs = prefilled(llm, 1, context, room, seed)
+        costs["decode"] = time_of(lambda r=runner, seqs=seqs: r.run(of(seqs, 1)))
+        llm.block_manager.free_seq(seqs[0])
+        for method in ("eagle", "medusa"):
+            heads = random_heads(llm, method, Path(folder) / f"{target}-{method}")
+            spec = SpeculativeConfig(method=method, draft=str(heads), num_speculative_tokens=k, adaptive=False)
+            proposer = head_proposer(spec, runner)  # the runner hands it the features of every step from now on
+            seed += 1
+            seqs = prefilled(llm, 1, context, room, seed)
+            chain = proposer.propose(seqs, [k], [None])[0]  # the first catches up on the whole context
+            wanted = min(k, MEDUSA_HEADS) if method == "medusa" else k
+            if len(chain.tokens) != wanted:  # a proposer that drafted nothing would time as free
+                raise RuntimeError(f"{method} drafted {len(chain.tokens)} tokens, not {wanted}")
+            costs[f"{method} chain"] = time_of(lambda p=proposer, seqs=seqs: p.propose(seqs, [k], [None]))
+            if method == "eagle":
+                seqs[0].add_draft(chain.tokens, None)
+                costs["verify chain"] = time_of(lambda r=runner, seqs=seqs: r.run(of(seqs, k + 1)))
+                seqs[0].drop_draft()
+            for n in args.trees:
+                tree_spec = SpeculativeConfig(method=method, draft=str(heads), num_speculative_tokens=depth,
+                                              num_tree_tokens=n, adaptive=False)  # fmt: skip
+                drafter = tree_drafter(tree_spec, proposer, runner)
+                tree = drafter.propose(seqs, [n], [depth])[0]
+                costs[f"{method} tree {n}"] = time_of(lambda d=drafter, n=n, seqs=seqs: d.propose(seqs, [n], [depth]))
+                seqs[0].add_draft(tree.tokens.tolist(), None, tree.parent.tolist())
+                costs[f"verify {method} tree {n}"] = time_of(
+                    lambda r=runner, t=tree, seqs=seqs: r.run(of(seqs, t.size + 1))
+                )
+                costs[f"{method} tree {n} tokens"] = tree.size  # a count, not seconds
+                seqs[0].drop_draft()
+            proposer.release(set())
+            runner.on_hidden = None
+            llm.block_manager.free_seq(seqs[0])
+        out[target] = costs
+        print(f"{target}: " + ", ".join(f"{key} {v if 'tokens' in key else f'{1e3 * v:.3f} ms'}"
+                                        for key, v in costs.items()), flush=True)  # fmt: skip
+        del llm, runner, model, seqs
+        if not smoke:
+            torch.cuda.empty_cache()
+    return out
+
+
+def head_projection(costs: dict, accepted: list[dict], k: int, trees: list[int]) -> list[dict]:
+    """The batch-1 speed-up PROJECTED for each target of ``head_costs`` at the tau part 1 measured (greedy; chains at
+    k, trees of N tokens): tau * t_decode / (t_draft + t_verify), over the same target without speculation and over
+    the bf16 target without speculation."""
+    rows = []
+    bf16 = costs.get("bf16", {}).get("decode")
+    for target, c in costs.items():
+        for r in accepted:
+            if r["temperature"] != 0 or not r["proposer"].startswith(("eagle", "medusa")):
+                continue
+            method = "eagle" if r["proposer"].startswith("eagle") else "medusa"
+            if r["tree"] is None and r["k"] == k:
+                draft, verify = c[f"{method} chain"], c["verify chain"]
+            elif r["tree"] in trees:
+                draft, verify = c[f"{method} tree {r['tree']}"], c[f"verify {method} tree {r['tree']}"]
+            else:
+                continue
+            step = draft + verify
+            row = dict(target=target, proposer=r["proposer"], prompts=r["prompts"], tree=r["tree"], tau=r["tau"],
+                       step_ms=1e3 * step, projected_speedup=r["tau"] * c["decode"] / step)  # fmt: skip
+            if bf16 is not None:
+                row["projected_over_bf16"] = r["tau"] * bf16 / step
+            rows.append(row)
+    return rows

@@ -106,6 +106,12 @@ def tree_chunk(seq: Sequence, n: int) -> tuple[np.ndarray, list[int]]:
     return np.asarray(offsets, dtype=np.int32), parents
 
 
+def packed_order(batch) -> list[int]:
+    """The order in which a step packs ``batch``'s sequences (indices into ``batch.seqs``): decodes first, stable;
+    the hidden rows a runner hands ``on_hidden`` follow it."""
+    return sorted(range(len(batch.seqs)), key=lambda i: batch.num_new[i] != 1)
+
+
 class StepInputs:
     def __init__(self, block_size: int, width: int, pin: bool):
         self.block_size = block_size
@@ -116,7 +122,7 @@ class StepInputs:
         """Pack ``batch`` (decodes first, then prefill chunks) into the host buffers; ``graph_rows``: lay the step out
         for the decode graph of that many rows (the batch must then be all decodes)."""
         bs = self.block_size
-        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new[i] != 1)  # decodes first, stable
+        order = packed_order(batch)
         seqs = [batch.seqs[i] for i in order]
         num_new = [batch.num_new[i] for i in order]
         nd = next((i for i, n in enumerate(num_new) if n != 1), len(num_new))

@@ -21,7 +21,7 @@ from quantkit.errors import QuantkitError
 from quantkit.kernels.attention.paged import default_num_splits
 from quantkit.runtime.attention import AttentionMetadata
 from quantkit.runtime.config import EngineConfig
-from quantkit.runtime.inputs import StepInputs, StepLayout
+from quantkit.runtime.inputs import StepInputs, StepLayout, packed_order
 from quantkit.runtime.model import CausalLM
 from quantkit.runtime.sampling_params import SamplingParams
 from quantkit.runtime.scheduler import ScheduledBatch
@@ -198,7 +198,6 @@ class ModelRunner:
         elif (
             ids_from is None
             and self.verify_graphs
-            and self.on_hidden is None
             and self._all_verify(batch)
             and not any(s.draft_parents is not None for s in batch.seqs)  # trees run eagerly
         ):
@@ -243,6 +242,10 @@ class ModelRunner:
         flat, _ = self._to_device(layout, self.vstatic["flat"], self.vstatic["tables"])
         graph, out = self.verify_graphs[rows]
         graph.replay()
+        if self.on_hidden is not None:  # the real rows (sequence i's from row i * width), in the eager step's order
+            width = self.verify_width
+            index = [i * width + j for i in packed_order(batch) for j in range(batch.num_new[i])]
+            self.on_hidden(batch, out[torch.tensor(index, device=self.device)])
         a, b = layout.offsets["sample"]
         return self.model.logits(out[flat[a:b]]).float()
 

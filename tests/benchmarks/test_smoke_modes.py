@@ -149,3 +149,32 @@ def test_moe_refuses_bad_token_counts_in_one_line(ms, tmp_path):
     run = subprocess.run([sys.executable, str(BENCHMARKS / "bench_moe.py"), "--ms", ms, "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 2 and "--ms takes comma-separated token counts from 1" in run.stderr.splitlines()[-1]
+
+
+def test_spec_head_costs_smoke_times_chains_and_trees_and_projects_from_them(tmp_path):
+    """``bench_spec.py --head-costs --smoke``: the GPU mode's code on a tiny Llama in fp32 on the CPU, for a bf16 and
+    a W4A16 target; each has decode, chain, tree and verify times, and the projection is tau * t_decode / (t_draft
+    + t_verify) of those times at the tau of the acceptance JSON given."""
+    rows = [dict(proposer="eagle-x", prompts="narrative", temperature=0, k=4, tree=None, tau=2.0),
+            dict(proposer="eagle-x", prompts="narrative", temperature=0, k=4, tree=8, tau=2.5),
+            dict(proposer="medusa-x", prompts="chat", temperature=0, k=4, tree=None, tau=1.5),
+            dict(proposer="eagle-x", prompts="chat", temperature=0.7, k=4, tree=None, tau=9.0)]  # fmt: skip
+    (tmp_path / "a.json").write_text(json.dumps({"acceptance": rows}))
+    smoke("bench_spec.py", tmp_path, "--head-costs", "--smoke", "--trees", "8", "--tree-k", "3",
+          "--acceptance", str(tmp_path / "a.json"))  # fmt: skip
+    data = json.loads((tmp_path / "head_costs.json").read_text())
+    costs = data["head_costs_s"]
+    assert set(costs) == {"bf16", "w4a16"}
+    for c in costs.values():
+        assert c["eagle tree 8 tokens"] == c["medusa tree 8 tokens"] == 8
+        assert all(c[key] > 0 for key in ("decode", "eagle chain", "verify chain", "medusa chain", "eagle tree 8",
+                                          "verify eagle tree 8", "medusa tree 8", "verify medusa tree 8"))  # fmt: skip
+    projection = data["head_projection"]
+    assert len(projection) == 6  # three greedy rows x two targets; the sampled row is not projected
+    for r in projection:
+        c = costs[r["target"]]
+        method = r["proposer"].split("-")[0]
+        draft, verify = (c[f"{method} chain"], c["verify chain"]) if r["tree"] is None else (
+            c[f"{method} tree 8"], c[f"verify {method} tree 8"])  # fmt: skip
+        assert abs(r["projected_speedup"] - r["tau"] * c["decode"] / (draft + verify)) < 1e-9
+        assert abs(r["projected_over_bf16"] - r["tau"] * costs["bf16"]["decode"] / (draft + verify)) < 1e-9

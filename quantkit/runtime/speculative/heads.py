@@ -32,6 +32,7 @@ from torch import nn
 
 from quantkit.errors import QuantkitError
 from quantkit.kernels.dense.norm_rope import add_rms_norm_reference
+from quantkit.runtime.inputs import packed_order
 from quantkit.runtime.model import DecoderLayer, RMSNorm, architecture, decoder_spec, rope_tables, rotate
 from quantkit.runtime.sampler import filter_logits
 from quantkit.runtime.scheduler import ScheduledBatch
@@ -254,9 +255,8 @@ class FeatureStore:
 
     def record(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
         """``hidden`` [batch tokens, H] in the runner's packed order: decodes first, then prefill chunks."""
-        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new[i] != 1)  # StepInputs.write's order
         row = 0
-        for i in order:
+        for i in packed_order(batch):
             seq, n = batch.seqs[i], batch.num_new[i]
             self._write(seq.seq_id, seq.num_computed_tokens, hidden[row : row + n])
             row += n
