@@ -17,6 +17,7 @@ call); the step costs of ``step_costs`` are medians of 20 synchronised steps.
 
 from __future__ import annotations
 
+import gc
 import time
 from pathlib import Path
 
@@ -294,13 +295,13 @@ def head_costs(args, folder, smoke: bool = False) -> dict:
     def time_of(fn) -> float:
         return median_seconds(fn, smoke=smoke, rep_ms=REP_MS)
 
-    for target in args.head_targets:
+    def target_costs(target: str) -> dict:  # one engine; it and everything holding it go when this returns
         model = loader.dummy(config, "float32" if smoke else "bfloat16", device, scheme=schemes[target])
         llm = LLM(model, max_model_len=context + room + 32, max_num_seqs=1, cuda_graph_max_bs=1)
         runner, costs, seed = llm.runner, {}, 1
         runner.capture_verify_graphs(k + 1)
         seqs = prefilled(llm, 1, context, room, seed)
-        costs["decode"] = time_of(lambda r=runner, seqs=seqs: r.run(of(seqs, 1)))
+        costs["decode"] = time_of(lambda: runner.run(of(seqs, 1)))
         llm.block_manager.free_seq(seqs[0])
         for method in ("eagle", "medusa"):
             heads = random_heads(llm, method, Path(folder) / f"{target}-{method}")
@@ -315,7 +316,7 @@ def head_costs(args, folder, smoke: bool = False) -> dict:
             costs[f"{method} chain"] = time_of(lambda p=proposer, seqs=seqs: p.propose(seqs, [k], [None]))
             if method == "eagle":
                 seqs[0].add_draft(chain.tokens, None)
-                costs["verify chain"] = time_of(lambda r=runner, seqs=seqs: r.run(of(seqs, k + 1)))
+                costs["verify chain"] = time_of(lambda seqs=seqs: runner.run(of(seqs, k + 1)))
                 seqs[0].drop_draft()
             for n in args.trees:
                 tree_spec = SpeculativeConfig(method=method, draft=str(heads), num_speculative_tokens=depth,
@@ -324,18 +325,19 @@ def head_costs(args, folder, smoke: bool = False) -> dict:
                 tree = drafter.propose(seqs, [n], [depth])[0]
                 costs[f"{method} tree {n}"] = time_of(lambda d=drafter, n=n, seqs=seqs: d.propose(seqs, [n], [depth]))
                 seqs[0].add_draft(tree.tokens.tolist(), None, tree.parent.tolist())
-                costs[f"verify {method} tree {n}"] = time_of(
-                    lambda r=runner, t=tree, seqs=seqs: r.run(of(seqs, t.size + 1))
-                )
+                costs[f"verify {method} tree {n}"] = time_of(lambda t=tree, seqs=seqs: runner.run(of(seqs, t.size + 1)))
                 costs[f"{method} tree {n} tokens"] = tree.size  # a count, not seconds
                 seqs[0].drop_draft()
             proposer.release(set())
             runner.on_hidden = None
             llm.block_manager.free_seq(seqs[0])
-        out[target] = costs
+        return costs
+
+    for target in args.head_targets:
+        out[target] = costs = target_costs(target)
         print(f"{target}: " + ", ".join(f"{key} {v if 'tokens' in key else f'{1e3 * v:.3f} ms'}"
                                         for key, v in costs.items()), flush=True)  # fmt: skip
-        del llm, runner, model, seqs
+        gc.collect()  # the engine's reference cycles (runner <-> proposer), then its memory
         if not smoke:
             torch.cuda.empty_cache()
     return out

@@ -58,8 +58,6 @@ class TextSource:
 
 
 def _read_local(paths: list[Path]) -> str:
-    import datasets
-
     for p in paths:
         if not p.is_file():
             raise QuantkitError(f"text file not found: {p}")
@@ -69,7 +67,17 @@ def _read_local(paths: list[Path]) -> str:
     if len(builders) > 1:
         raise QuantkitError("give text files of one kind at a time (txt, json/jsonl or parquet)")
     builder = builders.pop()
-    kwargs = {"sample_by": "document"} if builder == "text" else {}
+    if builder == "text":  # each file whole, as datasets' text builder reads documents; no datasets needed
+        texts = []
+        for p in paths:
+            try:
+                texts.append(p.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError) as exc:
+                raise QuantkitError(f"could not read {p}: {one_line(exc)}") from None
+        return "\n\n".join(t for t in texts if t)
+    import datasets
+
+    kwargs = {}
     try:
         ds = datasets.load_dataset(builder, data_files=[str(p) for p in paths], split="train", **kwargs)
     except Exception as exc:  # datasets raises many types for unreadable files, often wrapping the parser's error

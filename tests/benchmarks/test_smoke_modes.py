@@ -140,7 +140,7 @@ def test_spec_mtp_smoke_times_every_step_and_projects_from_them(tmp_path):
     assert "projection" in run.stdout and "MEANINGLESS" in (tmp_path / "mtp.md").read_text()
     refused = subprocess.run([sys.executable, str(BENCHMARKS / "bench_spec.py"), "--smoke", "--out", str(tmp_path)],
                              capture_output=True, text=True)  # fmt: skip
-    assert refused.returncode == 2 and "--smoke runs --mtp only" in refused.stderr
+    assert refused.returncode == 2 and "--smoke runs --mtp and --head-costs only" in refused.stderr
 
 
 @pytest.mark.parametrize("ms", ["0", "1,-2", "x"])
