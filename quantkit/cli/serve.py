@@ -333,13 +333,8 @@ TRAIN = _defaults(TrainDraftConfig)
     show_default=True,
     help="Positions per window where the training loss is taken; 0: all.",
 )
-@click.option(
-    "--unroll",
-    type=click.IntRange(min=1),
-    default=TRAIN["unroll"],
-    show_default=True,
-    help="eagle: drafting steps trained in a row, each on the features the steps before it predicted.",
-)
+@click.option("--unroll", type=click.IntRange(min=1), default=TRAIN["unroll"], show_default=True,
+              help="eagle: drafting steps trained in a row, each on its predecessors' features.")  # fmt: skip
 @click.option(
     "--self-distill",
     type=click.IntRange(min=1),
