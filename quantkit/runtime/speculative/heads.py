@@ -354,6 +354,7 @@ class EagleProposer:
         self.caches: dict[int, _EagleCache] = {}
         self.readout = target.logits  # features -> logits (the MTP drafter reads out by its own head)
         self.embed = target.model.embed_tokens
+        self._positions: torch.Tensor | None = None
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int], generators: list[torch.Generator | None]) -> list[Draft]:
@@ -366,19 +367,24 @@ class EagleProposer:
         for j in range(max((ks[i] for i in state), default=0)):
             rows = [i for i in state if j < ks[i]]
             logits = self.readout(torch.cat([state[i][0][0] for i in rows])).float()  # [len(rows), V]
-            best = logits.argmax(-1).tolist()
+            best = logits.argmax(-1)  # greedy rows chain on it where it is: no wait for the device until the end
             for row, i in enumerate(rows):
                 seq = seqs[i]
                 token, q = (best[row], None) if seq.params.greedy else _choose(logits[row], seq, generators[i])
                 chosen[i].append((token, q))
                 if j + 1 < ks[i]:
                     g, kv = state[i]
-                    device = g.device
-                    ids = torch.tensor([[token]], device=device)
-                    state[i] = self.head(
-                        g, self.embed(ids), torch.tensor([seq.num_computed_tokens + j], device=device), kv
-                    )
-        return [_draft([t for t, _ in c], [q for _, q in c]) for c in chosen]
+                    ids = token.view(1, 1) if torch.is_tensor(token) else torch.tensor([[token]], device=g.device)
+                    state[i] = self.head(g, self.embed(ids), self._position(seq.num_computed_tokens + j, g.device), kv)
+        on_device = [t for c in chosen for t, _ in c if torch.is_tensor(t)]
+        tokens = iter(torch.stack(on_device).tolist() if on_device else [])  # one transfer for every greedy token
+        return [_draft([next(tokens) if torch.is_tensor(t) else t for t, _ in c], [q for _, q in c]) for c in chosen]
+
+    def _position(self, p: int, device) -> torch.Tensor:
+        """[p] on ``device``, sliced from a kept range (a new tensor from the host would wait for the device)."""
+        if self._positions is None or self._positions.numel() <= p:
+            self._positions = torch.arange(max(2 * p, 4096), device=device)
+        return self._positions[p : p + 1]
 
     def catch_up(self, seq: Sequence):
         """Run the layer over the sequence's verified positions not yet in its KV cache -> (the predicted feature
