@@ -172,7 +172,14 @@ class LLM:
         from quantkit.runtime.speculative.draft_model import draft_block_bytes
 
         extra = draft_block_bytes(draft, self.config.block_size)
-        self.runner = ModelRunner(self.model, self.config, device, self.max_model_len, extra_block_bytes=extra)
+        reserved = 0
+        if speculative is not None and speculative.method == "eagle" and speculative.num_tree_tokens is None:
+            from quantkit.runtime.speculative.eagle_chains import cache_bytes
+
+            reserved = cache_bytes(mcfg, self.model.dtype, self.max_model_len, speculative.num_speculative_tokens,
+                                   self.config.max_num_seqs)  # fmt: skip
+        self.runner = ModelRunner(self.model, self.config, device, self.max_model_len, extra_block_bytes=extra,
+                                  reserved_bytes=reserved)  # fmt: skip
         self.spec = None
         if speculative is not None:
             self.spec = make_decoder(speculative, draft, self.runner, self.config, device, self.max_model_len)

@@ -379,7 +379,7 @@ def fuse_projections(model: CausalLM) -> int:
     fused = 0
     for layer in model.model.layers:
         attn = layer.self_attn
-        qkv = None if isinstance(attn, MLAttention) else _concat((attn.q_proj, attn.k_proj, attn.v_proj))
+        qkv = None if isinstance(attn, MLAttention) else concat_projections((attn.q_proj, attn.k_proj, attn.v_proj))
         if qkv is not None:
             attn.qkv_proj, attn.q_proj, attn.k_proj, attn.v_proj = qkv, None, None, None
             fused += 1
@@ -390,14 +390,14 @@ def fuse_projections(model: CausalLM) -> int:
             if layer.mlp.gate.weight.is_cuda and layer.mlp.stack_experts():  # all experts: one weight per projection
                 mlps, fused = shared, fused + 1
         for mlp in mlps:
-            gate_up = _concat((mlp.gate_proj, mlp.up_proj))
+            gate_up = concat_projections((mlp.gate_proj, mlp.up_proj))
             if gate_up is not None:
                 mlp.gate_up_proj, mlp.gate_proj, mlp.up_proj = gate_up, None, None
                 fused += 1
     return fused
 
 
-def _concat(parts: tuple[nn.Module, ...]) -> nn.Module | None:
+def concat_projections(parts: tuple[nn.Module, ...]) -> nn.Module | None:
     """The parts as one linear, or None when they are of different kinds or cannot share one weight."""
     from quantkit.nn.progressive import ProgressiveW4A8Linear
     from quantkit.nn.qlinear import QuantLinear

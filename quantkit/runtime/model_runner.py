@@ -60,11 +60,12 @@ def capture(forward: Callable[[], torch.Tensor], pool) -> tuple[torch.cuda.CUDAG
 
 class ModelRunner:
     """``extra_block_bytes``: bytes that every KV block of this runner must leave free elsewhere on the device (a
-    speculative draft model's cache of as many blocks), counted when the cache is sized from free memory."""
+    speculative draft model's cache of as many blocks), counted when the cache is sized from free memory;
+    ``reserved_bytes``: bytes to leave free besides (the EAGLE chains' cache)."""
 
     def __init__(
         self, model: CausalLM, config: EngineConfig, device: torch.device, max_model_len: int,
-        extra_block_bytes: int = 0,
+        extra_block_bytes: int = 0, reserved_bytes: int = 0,
     ):  # fmt: skip
         self.model = model
         self.config = config
@@ -77,6 +78,7 @@ class ModelRunner:
         model.set_rope(max_model_len, device)
         self.block_bytes = kv_block_bytes(model, self.block_size)
         self.extra_block_bytes = extra_block_bytes
+        self.reserved_bytes = reserved_bytes
         self.table_width = -(-max_model_len // self.block_size)
         self.inputs = StepInputs(self.block_size, self.table_width, pin=device.type == "cuda")
         self._copied = torch.cuda.Event() if device.type == "cuda" else None  # recorded after the input copies
@@ -354,6 +356,7 @@ class ModelRunner:
         activations = self._profile_step()
         free, total = torch.cuda.mem_get_info()
         budget = total * self.config.gpu_memory_utilization - (total - free) - activations - GRAPH_MEMORY_RESERVE
+        budget -= self.reserved_bytes
         blocks = int(budget // (self.block_bytes + self.extra_block_bytes))
         need = -(-self.max_model_len // self.block_size)
         if blocks < need:

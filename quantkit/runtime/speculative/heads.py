@@ -131,10 +131,14 @@ class EagleHead(nn.Module):
         if attn.q_norm is not None:
             q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
         cos, sin = self.cos[positions].to(q.dtype), self.sin[positions].to(q.dtype)
+        if positions.dim() == 2:  # a position per row and step [B, T]: rotate the rows flattened
+            cos, sin = cos.flatten(0, 1), sin.flatten(0, 1)
+            return x, rotate(q.flatten(0, 1), cos, sin).view_as(q), rotate(k.flatten(0, 1), cos, sin).view_as(k), v
         return x, rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def _finish(self, x, q, k, v, mask):
-        """Attention of q over k / v under ``mask`` [T, Tk] (True: attend), then the MLP and the final norm."""
+        """Attention of q over k / v under ``mask`` [T, Tk] or [B, 1, T, Tk] (True: attend), then the MLP and the
+        final norm."""
         attn, mlp = self.layer.self_attn, self.layer.mlp
         b, t, _ = x.shape
         rep = attn.num_heads // attn.num_kv_heads
@@ -355,12 +359,16 @@ class EagleProposer:
         self.readout = target.logits  # features -> logits (the MTP drafter reads out by its own head)
         self.embed = target.model.embed_tokens
         self._positions: torch.Tensor | None = None
+        self.chains = None  # EagleChains: greedy steps draft through it (batched, CUDA graphs)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int], generators: list[torch.Generator | None]) -> list[Draft]:
         """Each sequence catches up and chains its layer on its own K/V; the readout of every sequence's feature at
         one depth is one product with the vocabulary matrix (read once per depth, not once per sequence: on a small
-        model it is the largest weight, and a per-sequence readout was most of the drafting time)."""
+        model it is the largest weight, and a per-sequence readout was most of the drafting time). Steps of greedy
+        sequences only go to ``chains`` where it is set."""
+        if self.chains is not None and all(s.params.greedy for s in seqs):
+            return self.chains.propose(seqs, ks)
         state = {i: self.catch_up(s) if k > 0 else None for i, (s, k) in enumerate(zip(seqs, ks, strict=True))}
         state = {i: caught for i, caught in state.items() if caught is not None}  # i -> (g [1, 1, H], kv)
         chosen: list[list] = [[] for _ in seqs]  # (token, q) per drafted position
@@ -412,6 +420,8 @@ class EagleProposer:
         self.store.release(keep)
         for seq_id in [s for s in self.caches if s not in keep]:
             del self.caches[seq_id]
+        if self.chains is not None:
+            self.chains.release(keep)
 
 
 def head_proposer(spec, runner):
@@ -430,5 +440,10 @@ def head_proposer(spec, runner):
     if spec.method == "eagle":
         heads.set_rope(runner.max_model_len + spec.num_speculative_tokens + 1, runner.device)
         cost = (params(heads) + head_cost) / params(target)
-        return EagleProposer(target, heads, store, cost)
+        proposer = EagleProposer(target, heads, store, cost)
+        if spec.num_tree_tokens is None:  # chains: greedy steps draft in one batched (graphed) chain
+            from quantkit.runtime.speculative.eagle_chains import EagleChains
+
+            proposer.chains = EagleChains(proposer, spec.num_speculative_tokens, runner)
+        return proposer
     return MedusaProposer(target, heads, store, (params(heads) / len(heads.blocks) + head_cost) / params(target))

@@ -1,0 +1,107 @@
+"""EAGLE chains drafted for the whole batch from one fixed cache (``EagleChains``, CUDA graphs on a GPU) draft what
+the per-sequence eager path drafts, give plain greedy output, and hand their slots back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantkit.runtime import LLM, SamplingParams
+from quantkit.runtime.speculative import eagle_chains
+from quantkit.runtime.speculative.config import SpeculativeConfig
+from quantkit.train_draft import TrainDraftConfig, train_draft
+from tests.runtime.helpers import random_prompts
+from tests.runtime.speculative.test_heads import VOCAB, markov_ids, tiny_model
+
+PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    model = tiny_model()
+    folder = tmp_path_factory.mktemp("target")
+    model.save_pretrained(folder)
+    heads = tmp_path_factory.mktemp("eagle")
+    config = TrainDraftConfig(method="eagle", tokens=4096, seqlen=64, batch_size=2, epochs=10, lr=3e-3)
+    train_draft(model, config, heads, ids=markov_ids(6000))
+    prompts = [markov_ids(n, seed=n).tolist() for n in (3, 9, 20, 33)] + random_prompts([5, 17], VOCAB, seed=1)
+    expected = [o.outputs[0].token_ids for o in LLM(str(folder), cpu_kv_blocks=64).generate(prompts, PARAMS)]
+    return folder, heads, prompts, expected
+
+
+def run(setup, k: int, chains: bool = True, **settings):
+    folder, heads, prompts, _ = setup
+    spec = SpeculativeConfig(method="eagle", draft=str(heads), num_speculative_tokens=k, adaptive=False)
+    llm = LLM(str(folder), cpu_kv_blocks=64, speculative=spec, **settings)
+    if not chains:
+        llm.spec.proposer.chains = None
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)]
+    t = llm.spec.totals
+    return llm, outs, (t.steps, t.drafted, t.accepted)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_chains_draft_what_each_sequence_drafts_alone(setup, k):
+    """The batched chain (windows padded to k + 1, prompts longer than that caught up first) accepts exactly what
+    the eager per-sequence chain accepts, and the output is plain greedy's; no slot is lost."""
+    _, _, _, expected = setup
+    llm, outs, counts = run(setup, k)
+    _, eager_outs, eager_counts = run(setup, k, chains=False)
+    assert outs == eager_outs == expected
+    assert counts == eager_counts and counts[2] > 0
+    chains = llm.spec.proposer.chains  # finished sequences keep their slots until the next step releases them
+    assert len(chains.slots) + len(chains.free) == chains.scratch and chains.free
+
+
+def test_chains_through_the_triton_kernels(setup):
+    """The Triton backend (the interpreter on the CPU): the window runs through the prefill kernel, the chain's steps
+    through the paged decode kernel, over the chains' own cache; the drafts are the torch backend's."""
+    folder, heads, prompts, expected = setup
+    spec = SpeculativeConfig(method="eagle", draft=str(heads), num_speculative_tokens=3, adaptive=False)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    counts = []
+    for backend in ("torch", "triton"):
+        llm = LLM(str(folder), cpu_kv_blocks=64, attention_backend=backend, speculative=spec)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], params)]
+        assert outs == [e[:12] for e in expected[:4]]
+        counts.append((llm.spec.totals.drafted, llm.spec.totals.accepted))
+    assert counts[0] == counts[1] and counts[0][1] > 0
+
+
+def test_sequences_past_the_slots_draft_nothing(setup, monkeypatch):
+    """With two slots, at most two sequences of the six draft in a step; the rest decode one token, and the output
+    stays plain greedy's."""
+    monkeypatch.setattr(eagle_chains, "MAX_SLOTS", 2)
+    expected = setup[3]
+    llm, outs, (_, drafted, accepted) = run(setup, 3)
+    assert outs == expected
+    assert llm.spec.proposer.chains.scratch == 2  # two slots and the scratch one
+    _, _, (_, all_drafted, _) = run(setup, 3, chains=False)
+    assert 0 < drafted < all_drafted and accepted > 0
+
+
+def test_the_chains_cache_is_kept_out_of_the_kv_blocks(setup):
+    """The engine counts the cache when it sizes the KV blocks (here checked on its size alone: CPU blocks are set)."""
+    folder, heads, _, _ = setup
+    spec = SpeculativeConfig(method="eagle", draft=str(heads), num_speculative_tokens=4)
+    llm = LLM(str(folder), cpu_kv_blocks=64, speculative=spec, max_model_len=256)
+    chains = llm.spec.proposer.chains
+    k = chains.cache[0]
+    assert llm.runner.reserved_bytes == 2 * k.numel() * k.element_size()
+    assert k.shape[0] == 17 * chains.pages and chains.pages * 16 >= 256 + 2 * 4 + 2 and k.dtype == torch.float32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_chains_replay_cuda_graphs(setup):
+    """On a GPU the chains replay graphs (one per batch and context bucket met) and the output is plain greedy's."""
+    folder, heads, prompts, _ = setup
+    settings = dict(device="cuda", dtype="float32", num_kv_blocks=64)
+    expected = [o.outputs[0].token_ids for o in LLM(str(folder), **settings).generate(prompts, PARAMS)]
+    spec = SpeculativeConfig(method="eagle", draft=str(heads), num_speculative_tokens=3, adaptive=False)
+    llm = LLM(str(folder), **settings, speculative=spec)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)] == expected
+    chains = llm.spec.proposer.chains
+    assert chains.use_graphs and chains.graphs and llm.spec.totals.accepted > 0
+    alone = llm.generate(prompts[:1], PARAMS)[0].outputs[0].token_ids  # batch bucket 1 next to the larger one
+    assert alone == expected[0] and any(rows == 1 for rows, _ in chains.graphs)
