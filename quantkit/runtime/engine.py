@@ -173,11 +173,11 @@ class LLM:
 
         extra = draft_block_bytes(draft, self.config.block_size)
         reserved = 0
-        if speculative is not None and speculative.method == "eagle" and speculative.num_tree_tokens is None:
-            from quantkit.runtime.speculative.eagle_chains import cache_bytes
+        if speculative is not None and speculative.method == "eagle":  # the batched drafters' cache
+            from quantkit.runtime.speculative.eagle_chains import batched_cache_bytes
 
-            reserved = cache_bytes(mcfg, self.model.dtype, self.max_model_len, speculative.num_speculative_tokens,
-                                   self.config.max_num_seqs)  # fmt: skip
+            reserved = batched_cache_bytes(speculative, mcfg, self.model.dtype, self.max_model_len,
+                                           self.config.max_num_seqs)  # fmt: skip
         self.runner = ModelRunner(self.model, self.config, device, self.max_model_len, extra_block_bytes=extra,
                                   reserved_bytes=reserved)  # fmt: skip
         self.spec = None

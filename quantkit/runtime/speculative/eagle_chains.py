@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.kernels.attention.paged import default_num_splits
+from quantkit.kernels.attention.tree_mask import TREE_MAX_TOKENS
 from quantkit.runtime.attention import AttentionMetadata
 from quantkit.runtime.model import concat_projections, head_dim
 from quantkit.runtime.model_runner import capture
@@ -40,21 +41,40 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16)
 BLOCK = 16  # the cache's page size (the paged kernels' usual one)
 
 
-def cache_shape(config, max_model_len: int, depth: int, max_seqs: int) -> tuple[int, int, int, int]:
+def room(depth: int, topk: int | None = None) -> int:
+    """Cache positions a slot needs past its sequence's last one: the padded window and the chain, or a tree's
+    chunk of ``topk`` nodes per level (``eagle_trees``)."""
+    return max(2 * depth, 0 if topk is None else topk * (depth - 1)) + 2
+
+
+def cache_shape(config, max_model_len: int, extra: int, max_seqs: int) -> tuple[int, int, int, int]:
     """[blocks, BLOCK, Hkv, D] of the K (and of the V) cache of ``EagleChains``: the blocks of each slot (up to
-    ``MAX_SLOTS`` of them, plus the scratch slot), each slot long enough for a sequence and its padded window and
-    chain past its last position."""
+    ``MAX_SLOTS`` of them, plus the scratch slot), each slot long enough for a sequence and ``extra`` (``room``)
+    positions past it."""
     slots = min(MAX_SLOTS, max_seqs) + 1
-    pages = -(-(max_model_len + 2 * depth + 2) // BLOCK)
+    pages = -(-(max_model_len + extra) // BLOCK)
     return slots * pages, BLOCK, config.num_key_value_heads, head_dim(config)
 
 
-def cache_bytes(config, dtype: torch.dtype, max_model_len: int, depth: int, max_seqs: int) -> int:
+def cache_bytes(config, dtype: torch.dtype, max_model_len: int, extra: int, max_seqs: int) -> int:
     """Device bytes of that cache, K and V: the engine keeps them out of the KV blocks it sizes."""
     n = 1
-    for size in cache_shape(config, max_model_len, depth, max_seqs):
+    for size in cache_shape(config, max_model_len, extra, max_seqs):
         n *= size
     return 2 * n * torch.empty(0, dtype=dtype).element_size()
+
+
+def batched_cache_bytes(spec, config, dtype: torch.dtype, max_model_len: int, max_seqs: int) -> int:
+    """The cache bytes of the batched drafter an EAGLE ``SpeculativeConfig`` gets (chains, or ``eagle_trees`` where
+    its tree fits one mask word; else none)."""
+    k, topk = spec.num_speculative_tokens, spec.tree_topk
+    if spec.num_tree_tokens is None:
+        extra = room(k)
+    elif topk * (k - 1) <= TREE_MAX_TOKENS:
+        extra = room(k, topk)
+    else:
+        return 0
+    return cache_bytes(config, dtype, max_model_len, extra, max_seqs)
 
 
 @dataclass
@@ -77,13 +97,14 @@ class EagleChains:
     """Greedy chains of up to ``depth`` tokens for the ``EagleProposer`` ``proposer`` of ``runner``'s target; CUDA
     graphs where the runner uses them (else the same steps run eagerly, as on the CPU)."""
 
-    def __init__(self, proposer, depth: int, runner):
+    def __init__(self, proposer, depth: int, runner, extra: int | None = None):
         head, target = proposer.head, proposer.target
         self.proposer, self.head, self.depth, self.width = proposer, head, depth, depth + 1
         self.device, self.backend, self.use_graphs = runner.device, runner.backend, runner.use_graphs
-        shape = cache_shape(target.config, runner.max_model_len, depth, runner.config.max_num_seqs)
+        extra = room(depth) if extra is None else extra
+        shape = cache_shape(target.config, runner.max_model_len, extra, runner.config.max_num_seqs)
         self.cache = tuple(torch.zeros(shape, dtype=target.dtype, device=self.device) for _ in range(2))
-        self.pages = -(-(runner.max_model_len + 2 * depth + 2) // BLOCK)
+        self.pages = -(-(runner.max_model_len + extra) // BLOCK)
         self.scratch = shape[0] // self.pages - 1  # the padded rows' slot
         self.tables = torch.arange(shape[0], dtype=torch.int32, device=self.device).view(-1, self.pages)
         self.slots: dict[int, _Slot] = {}  # seq_id -> its slot
@@ -121,18 +142,26 @@ class EagleChains:
 
     def _views(self, ints: torch.Tensor, b: int):
         """The parts of a step's int32 inputs for ``b`` rows: (window ids, positions, slots [b * width]; context
-        lengths [b]; cu [b + 1]; the last real row of each window, each row's slot [b]; per chain depth 1 .. depth - 1:
-        positions, slots, context lengths [b])."""
+        lengths [b]; cu [b + 1]; the last real row of each window, each row's slot [b]; then ``_tail_sizes``)."""
         w = self.width
-        sizes = [b * w] * 3 + [b, b + 1, b, b] + [b] * (3 * (self.depth - 1))
+        sizes = [b * w] * 3 + [b, b + 1, b, b] + self._tail_sizes(b)
         return list(ints[: sum(sizes)].split(sizes))
 
-    def _chain(self, feats: torch.Tensor, ints: torch.Tensor, b: int) -> torch.Tensor:
-        """Catch up on the windows, then draft ``depth`` tokens -> [b, depth] int64."""
-        ids, pos, slots, ctx, cu, last, slot, *chain = self._views(ints, b)
+    def _tail_sizes(self, b: int) -> list[int]:
+        return [b] * (3 * (self.depth - 1))  # per chain depth 1 .. depth - 1: positions, slots, context lengths
+
+    def _window(self, feats: torch.Tensor, views: list, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Catch up on the windows -> (the layer's output at each one's last real row [b, H], block tables)."""
+        ids, pos, slots, ctx, cu, last, slot = views[:7]
         tables = self.tables[slot.long()]
         meta = self._window_meta(b, self.width, slots, ctx, cu, tables)
-        g = self._layer(feats, ids, pos, meta)[last.long()]
+        return self._layer(feats, ids, pos, meta)[last.long()], tables
+
+    def _draft(self, feats: torch.Tensor, ints: torch.Tensor, b: int) -> torch.Tensor:
+        """Catch up on the windows, then draft ``depth`` tokens -> [b, depth] int64."""
+        views = self._views(ints, b)
+        g, tables = self._window(feats, views, b)
+        chain = views[7:]
         tokens = []
         for j in range(self.depth):
             token = self.proposer.readout(g).argmax(-1)
@@ -146,10 +175,17 @@ class EagleChains:
 
     def _ints(self, rows: list[_Row], b: int) -> torch.Tensor:
         """The host's int32 inputs of a step (``_views``' layout) for ``rows``, padded to ``b`` with scratch rows."""
-        w, d = self.width, self.depth
+        window, base, end, lo = self._window_ints(rows, b)
+        p = end[None, :] + torch.arange(self.depth - 1, dtype=torch.int32)[:, None]  # the chain's positions
+        chain = torch.stack([p, base + p, p - lo + 1], dim=1)  # [depth - 1, 3, b]
+        return torch.cat([window, chain.flatten()])
+
+    def _window_ints(self, rows: list[_Row], b: int):
+        """The window part of ``_ints``, and per row: the flat cache slot of position 0 (``base``: position p sits
+        at base + p), the position after the window's last real row, and lo [b]."""
+        w = self.width
         ids, pos, slots = (torch.zeros(b, w, dtype=torch.int32) for _ in range(3))
-        ctx, last, slot = (torch.zeros(b, dtype=torch.int32) for _ in range(3))
-        chain = torch.zeros(d - 1, 3, b, dtype=torch.int32)
+        ctx, last, slot, bases, ends, los = (torch.zeros(b, dtype=torch.int32) for _ in range(6))
         for r in range(b):
             row = rows[r] if r < len(rows) else None
             index, lo, start, count = (row.slot, row.lo, row.start, row.count) if row else (self.scratch, 0, 0, 1)
@@ -161,10 +197,9 @@ class EagleChains:
             ctx[r] = start - lo + w
             last[r] = r * w + count - 1
             slot[r] = index
-            p = start + count + torch.arange(d - 1)  # the chain's positions after the window's last real row
-            chain[:, 0, r], chain[:, 1, r], chain[:, 2, r] = p, base + p, p - lo + 1
+            bases[r], ends[r], los[r] = base, start + count, lo
         cu = torch.arange(b + 1, dtype=torch.int32) * w
-        return torch.cat([ids.flatten(), pos.flatten(), slots.flatten(), ctx, cu, last, slot, chain.flatten()])
+        return torch.cat([ids.flatten(), pos.flatten(), slots.flatten(), ctx, cu, last, slot]), bases, ends, los
 
     def _replay(self, feats_rows: list[torch.Tensor], host: torch.Tensor, b: int) -> torch.Tensor:
         if b not in self.static:
@@ -179,7 +214,7 @@ class EagleChains:
             ints.copy_(self._ints([], b))  # scratch rows only: the warm-up and the capture write nothing else
 
             def forward():
-                return self._chain(feats, ints, b)
+                return self._draft(feats, ints, b)
 
             forward()  # warm-up: compiles the kernels outside the capture
             self.graphs[b] = capture(forward, self.pool)
@@ -212,14 +247,12 @@ class EagleChains:
         slot.length = n - lo
         return _Row(seq, slot.index, lo, start, n - start)
 
-    @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
-        """Greedy drafts of ``ks[i]`` (<= depth) tokens for each of ``seqs``, in one batched chain."""
-        out = [Draft([]) for _ in seqs]
-        rows = {i: self._row(seq) for i, seq in enumerate(seqs) if ks[i] > 0}
+    def _run(self, seqs: list[Sequence], wanted: list[bool]) -> tuple[dict[int, int], torch.Tensor | None]:
+        """Catch up and draft for the ``wanted`` sequences that can -> ({index in seqs: row}, ``_draft``'s output)."""
+        rows = {i: self._row(seq) for i, seq in enumerate(seqs) if wanted[i]}
         rows = {i: row for i, row in rows.items() if row is not None}
         if not rows:
-            return out
+            return {}, None
         store = self.proposer.store
         feats = [store.seqs[r.seq.seq_id].buf[r.start : r.start + r.count] for r in rows.values()]
         if self.use_graphs:
@@ -230,10 +263,18 @@ class EagleChains:
             padded = torch.zeros(b * w, self.hidden, dtype=self.cache[0].dtype, device=self.device)
             for r, f in enumerate(feats):
                 padded[r * w : r * w + f.shape[0]] = f
-            drafted = self._chain(padded, self._ints(list(rows.values()), b).to(self.device), b)
-        tokens = drafted[: len(rows)].tolist()
-        for r, i in enumerate(rows):
-            out[i] = Draft(tokens[r][: ks[i]])
+            drafted = self._draft(padded, self._ints(list(rows.values()), b).to(self.device), b)
+        return {i: r for r, i in enumerate(rows)}, drafted
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        """Greedy drafts of ``ks[i]`` (<= depth) tokens for each of ``seqs``, in one batched chain."""
+        out = [Draft([]) for _ in seqs]
+        rows, drafted = self._run(seqs, [k > 0 for k in ks])
+        if rows:
+            tokens = drafted[: len(rows)].tolist()
+            for i, r in rows.items():
+                out[i] = Draft(tokens[r][: ks[i]])
         return out
 
     def _catch_up(self, seq: Sequence, index: int, lo: int, start: int, end: int) -> None:

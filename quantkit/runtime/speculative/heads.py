@@ -360,6 +360,7 @@ class EagleProposer:
         self.embed = target.model.embed_tokens
         self._positions: torch.Tensor | None = None
         self.chains = None  # EagleChains: greedy steps draft through it (batched, CUDA graphs)
+        self.trees = None  # EagleTrees: greedy sequences' trees (TreeDrafter)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int], generators: list[torch.Generator | None]) -> list[Draft]:
@@ -420,8 +421,9 @@ class EagleProposer:
         self.store.release(keep)
         for seq_id in [s for s in self.caches if s not in keep]:
             del self.caches[seq_id]
-        if self.chains is not None:
-            self.chains.release(keep)
+        for batched in (self.chains, self.trees):
+            if batched is not None:
+                batched.release(keep)
 
 
 def head_proposer(spec, runner):

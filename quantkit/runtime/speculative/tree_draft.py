@@ -28,6 +28,7 @@ from quantkit.errors import QuantkitError
 from quantkit.runtime.model import layer_windows
 from quantkit.runtime.sampler import filter_logits
 from quantkit.runtime.sequence import Sequence
+from quantkit.runtime.speculative.eagle_trees import EagleTrees, fits
 from quantkit.runtime.speculative.heads import MedusaProposer, read_meta
 from quantkit.runtime.speculative.tree import (
     DraftTree,
@@ -77,10 +78,25 @@ class TreeDrafter:
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], sizes: list[int], depths: list[int]) -> list[DraftTree | None]:
-        """A tree of at most ``sizes[i]`` tokens and ``depths[i]`` levels for each sequence (None: no features)."""
+        """A tree of at most ``sizes[i]`` tokens and ``depths[i]`` levels for each sequence (None: no features).
+        EAGLE: greedy sequences whose tree is not cut short draft together through ``EagleTrees`` where the
+        proposer has it."""
         if isinstance(self.proposer, MedusaProposer):
             return self._medusa(seqs, sizes, depths)
-        return [self._eagle(s, n, d) for s, n, d in zip(seqs, sizes, depths, strict=True)]
+        out: list[DraftTree | None] = [None] * len(seqs)
+        batched = self.proposer.trees
+        whole = [
+            batched is not None and s.params.greedy and n >= batched.num_nodes and d == batched.depth
+            for s, n, d in zip(seqs, sizes, depths, strict=True)
+        ]
+        if any(whole):
+            index = [i for i, w in enumerate(whole) if w]
+            for i, tree in zip(index, batched.propose([seqs[i] for i in index], []), strict=True):
+                out[i] = tree
+        for i, (s, n, d) in enumerate(zip(seqs, sizes, depths, strict=True)):
+            if not whole[i]:
+                out[i] = self._eagle(s, n, d)
+        return out
 
     def _medusa(self, seqs, sizes, depths) -> list[DraftTree | None]:
         p = self.proposer
@@ -188,4 +204,7 @@ def tree_drafter(spec, proposer, runner) -> TreeDrafter:
     typical = None
     if spec.acceptance_method == "typical_acceptance_sampler":
         typical = (spec.posterior_threshold, spec.posterior_alpha)
+    if spec.method == "eagle" and fits(spec.num_speculative_tokens, spec.tree_topk):
+        k = spec.num_speculative_tokens
+        proposer.trees = EagleTrees(proposer, k, runner, spec.tree_topk, spec.num_tree_tokens)
     return TreeDrafter(proposer, runner, spec.tree_topk, accuracies, typical)

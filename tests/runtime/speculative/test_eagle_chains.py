@@ -105,3 +105,47 @@ def test_chains_replay_cuda_graphs(setup):
     assert chains.use_graphs and chains.graphs and llm.spec.totals.accepted > 0
     alone = llm.generate(prompts[:1], PARAMS)[0].outputs[0].token_ids  # batch bucket 1 next to the larger one
     assert alone == expected[0] and any(rows == 1 for rows, _ in chains.graphs)
+
+
+# -- trees (EagleTrees) ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4), (4, 4, 24), (5, 8, 63)])  # (depth, topk, tree tokens)
+def test_batched_trees_are_the_eager_drafters_trees(setup, shape, monkeypatch):
+    """Every tree the batched drafter builds on the device is the one ``eagle_tree`` builds on the host from the same
+    heads (tokens and parents, node for node), and the output is plain greedy's."""
+    from quantkit.runtime.speculative import tree_draft
+
+    folder, heads, prompts, expected = setup
+    depth, topk, n = shape
+    compared = []
+    propose = tree_draft.TreeDrafter.propose
+
+    def checked(self, seqs, sizes, depths):
+        trees = propose(self, seqs, sizes, depths)
+        for seq, size, d, tree in zip(seqs, sizes, depths, trees, strict=True):
+            eager = self._eagle(seq, size, d)
+            assert (tree is None) == (eager is None)
+            if tree is not None:
+                assert tree.tokens.tolist() == eager.tokens.tolist() and tree.parent.tolist() == eager.parent.tolist()
+                compared.append(tree.size)
+        return trees
+
+    monkeypatch.setattr(tree_draft.TreeDrafter, "propose", checked)
+    spec = SpeculativeConfig(method="eagle", draft=str(heads), num_speculative_tokens=depth, adaptive=False,
+                             num_tree_tokens=n, tree_topk=topk)  # fmt: skip
+    llm = LLM(str(folder), cpu_kv_blocks=64, speculative=spec)
+    assert llm.spec.proposer.trees is not None
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)] == expected
+    assert compared and max(compared) == min(n, topk + (depth - 1) * topk * topk)
+    assert llm.spec.totals.accepted > 0
+
+
+def test_trees_past_one_mask_word_draft_on_the_host(setup):
+    """topk x (depth - 1) over 64 chunk rows: no batched trees (and no cache for them); trees still draft."""
+    folder, heads, prompts, expected = setup
+    spec = SpeculativeConfig(method="eagle", draft=str(heads), num_speculative_tokens=6, adaptive=False,
+                             num_tree_tokens=20, tree_topk=16)  # fmt: skip
+    llm = LLM(str(folder), cpu_kv_blocks=64, speculative=spec)
+    assert llm.spec.proposer.trees is None and llm.runner.reserved_bytes == 0
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], PARAMS)] == expected[:2]
