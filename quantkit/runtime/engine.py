@@ -172,18 +172,15 @@ class LLM:
         from quantkit.runtime.speculative.draft_model import draft_block_bytes
 
         extra = draft_block_bytes(draft, self.config.block_size)
-        reserved = 0
-        if speculative is not None and speculative.method == "eagle":  # the batched drafters' cache
-            from quantkit.runtime.speculative.eagle_chains import batched_cache_bytes
+        from quantkit.runtime.speculative.eagle_chains import batched_cache_bytes  # EAGLE's batched drafters
 
-            reserved = batched_cache_bytes(speculative, mcfg, self.model.dtype, self.max_model_len,
-                                           self.config.max_num_seqs)  # fmt: skip
+        reserved = batched_cache_bytes(speculative, mcfg, self.model.dtype, self.max_model_len, self.config.max_num_seqs)
         self.runner = ModelRunner(self.model, self.config, device, self.max_model_len, extra_block_bytes=extra,
                                   reserved_bytes=reserved)  # fmt: skip
         self.spec = None
         if speculative is not None:
             self.spec = make_decoder(speculative, draft, self.runner, self.config, device, self.max_model_len)
-            self.runner.capture_verify_graphs(speculative.num_speculative_tokens + 1)
+            self.runner.capture_verify_graphs(speculative.verify_width, trees=speculative.num_tree_tokens is not None)
         self.block_manager = BlockManager(
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )

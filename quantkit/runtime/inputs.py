@@ -200,13 +200,14 @@ class StepInputs:
             tree_mask=_mask_words(words) if any(not isinstance(w, int) for w in words) else None,
         )
 
-    def write_verify(self, batch: ScheduledBatch, rows: int, width: int) -> StepLayout:
+    def write_verify(self, batch: ScheduledBatch, rows: int, width: int, tree: bool = False) -> StepLayout:
         """Pack a step where every sequence verifies drafted tokens for the verify graph of ``rows`` sequences of
         ``width`` tokens each: sequence i's tokens (up to ``width``, of which the last d + 1 are sampled: its d drafted
         tokens and the one before them) start at row i * width, the rest of its rows (and the rows of padding
         sequences) are padding that stores nothing (slot -1) and comes after every real token of its chunk, so the
         causal attention of the real tokens never sees it. Layout: [ids R*W | positions R*W | slots R*W | context
-        lens R | cu_seqlens R + 1 | sample rows S]."""
+        lens R | cu_seqlens R + 1 | sample rows S]. ``tree``: also the tree mask's word of every row (``tree_mask``:
+        causal rows but for chunks ending with a drafted tree, laid out as ``write`` lays them)."""
         bs, seqs = self.block_size, batch.seqs
         n = rows * width
         parts = (("ids", n), ("pos", n), ("slots", n), ("ctx", rows), ("cu", rows + 1),
@@ -222,12 +223,17 @@ class StepInputs:
         ids[:], slots[:], ctx[:] = 0, -1, width
         cu[:] = np.arange(rows + 1, dtype=np.int32) * width
         pos[:] = np.tile(np.arange(width, dtype=np.int32), rows)
+        words = np.full(n, CAUSAL_ROW, dtype=np.int64) if tree else None
         last_row, at = {}, 0
         for i, (seq, count) in enumerate(zip(seqs, batch.num_new, strict=True)):
             start, base = seq.num_computed_tokens, i * width
             p = np.arange(start, start + count, dtype=np.int32)
             ids[base : base + count] = seq.token_ids[start : start + count]
             pos[base : base + count] = p
+            if words is not None and seq.draft_parents is not None:
+                shift, parents = tree_chunk(seq, count)
+                pos[base : base + count] = start + shift
+                words[base : base + count] = tree_mask_words(parents).numpy()
             pos[base + count : base + width] = start + count - 1  # padding: any position the rotary tables hold
             slots[base : base + count] = tables[i, p // bs] * bs + p % bs
             ctx[i] = start + width
@@ -247,6 +253,7 @@ class StepInputs:
             max_decode_context=0,
             max_prefill_len=width,
             prefill_has_prefix=True,
+            tree_mask=words,
         )
 
 

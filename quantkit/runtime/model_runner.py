@@ -19,6 +19,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.kernels.attention.paged import default_num_splits
+from quantkit.kernels.attention.tree_mask import CAUSAL_ROW
 from quantkit.runtime.attention import AttentionMetadata
 from quantkit.runtime.config import EngineConfig
 from quantkit.runtime.inputs import StepInputs, StepLayout, packed_order
@@ -88,6 +89,7 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verify_width = 0
+        self.verify_trees = False  # whether the verify graphs hold a tree mask (draft trees verify in them)
         self.graph_pool = None
         # a proposer that reads the target's features (draft heads) sets this: called with each step's batch and
         # the final hidden states of all its tokens [T, hidden], in packed order (decodes first, then chunks)
@@ -201,7 +203,7 @@ class ModelRunner:
             ids_from is None
             and self.verify_graphs
             and self._all_verify(batch)
-            and not any(s.draft_parents is not None for s in batch.seqs)  # trees run eagerly
+            and (self.verify_trees or not any(s.draft_parents is not None for s in batch.seqs))
         ):
             rows = next((b for b in self.verify_graphs if b >= len(batch.seqs)), None)
             if rows is not None:
@@ -240,7 +242,11 @@ class ModelRunner:
     def _run_verify_graph(self, batch: ScheduledBatch, rows: int) -> torch.Tensor:
         if self._copied is not None:
             self._copied.synchronize()
-        layout = self.inputs.write_verify(batch, rows, self.verify_width)
+        layout = self.inputs.write_verify(batch, rows, self.verify_width, self.verify_trees)
+        if layout.tree_mask is not None:
+            n = rows * self.verify_width
+            self.vstatic["mask_host"].numpy()[:n] = layout.tree_mask
+            self.vstatic["mask"][:n].copy_(self.vstatic["mask_host"][:n], non_blocking=True)
         flat, _ = self._to_device(layout, self.vstatic["flat"], self.vstatic["tables"])
         graph, out = self.verify_graphs[rows]
         graph.replay()
@@ -251,13 +257,18 @@ class ModelRunner:
         a, b = layout.offsets["sample"]
         return self.model.logits(out[flat[a:b]]).float()
 
-    def alloc_verify_static(self, width: int, most: int) -> None:
-        """The fixed device buffers that captured verify steps of up to ``most`` sequences of ``width`` read."""
-        self.verify_width = width
+    def alloc_verify_static(self, width: int, most: int, trees: bool = False) -> None:
+        """The fixed device buffers that captured verify steps of up to ``most`` sequences of ``width`` read (and,
+        with ``trees``, the tree mask's words, and their pinned host copy)."""
+        self.verify_width, self.verify_trees = width, trees
         self.vstatic = {
             "flat": torch.zeros(most * (4 * width + 2) + 1, dtype=torch.int32, device=self.device),
             "tables": torch.zeros(most, self.table_width, dtype=torch.int32, device=self.device),
         }
+        if trees:
+            pin = self.device.type == "cuda"
+            self.vstatic["mask"] = torch.full((most * width,), CAUSAL_ROW, dtype=torch.int64, device=self.device)
+            self.vstatic["mask_host"] = torch.full((most * width,), CAUSAL_ROW, dtype=torch.int64, pin_memory=pin)
 
     def static_verify_forward(self, b: int, width: int):
         """The verify step of ``b`` sequences of ``width`` tokens each over the static buffers (``write_verify``'s
@@ -274,6 +285,7 @@ class ModelRunner:
             max_prefill_len=width,
             prefill_has_prefix=True,
             backend=self.backend,
+            prefill_tree_mask=self.vstatic["mask"][:n] if self.verify_trees else None,
         )
         ids.zero_()
         pos.zero_()
@@ -282,15 +294,16 @@ class ModelRunner:
         cu.copy_(torch.arange(b + 1, dtype=torch.int32, device=self.device) * width)
         return lambda: self.model(ids, pos, meta, self.kv_caches)
 
-    def capture_verify_graphs(self, width: int) -> None:
+    def capture_verify_graphs(self, width: int, trees: bool = False) -> None:
         """CUDA graphs of speculative verify steps: every sequence scores up to ``width`` tokens (its last token and
         up to width - 1 drafted ones, padded to width), at the decode graphs' batch sizes up to
-        ``VERIFY_GRAPH_MAX_BS``. Eager, a verify step of an 8B model spent more time launching kernels than running
-        them (bench_spec.py --costs). No-op without ``use_graphs``."""
+        ``VERIFY_GRAPH_MAX_BS``; ``trees``: drafted trees too, under the prefill kernel's tree mask (``width`` <= 64).
+        Eager, a verify step of an 8B model spent more time launching kernels than running them (bench_spec.py
+        --costs). No-op without ``use_graphs``."""
         if not self.use_graphs:
             return
         sizes = [b for b in self.graph_sizes() if b <= VERIFY_GRAPH_MAX_BS]
-        self.alloc_verify_static(width, sizes[-1])
+        self.alloc_verify_static(width, sizes[-1], trees)
         pool = self.graph_pool
         with torch.inference_mode():
             for b in reversed(sizes):

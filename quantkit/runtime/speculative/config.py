@@ -108,6 +108,11 @@ class SpeculativeConfig:
         for name, value in checked.items():
             object.__setattr__(self, name, value)
 
+    @property
+    def verify_width(self) -> int:
+        """Tokens a sequence scores in a verify step at most: its last token and its chain, or its tree."""
+        return 1 + (self.num_speculative_tokens if self.num_tree_tokens is None else self.num_tree_tokens)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -66,7 +66,9 @@ def cache_bytes(config, dtype: torch.dtype, max_model_len: int, extra: int, max_
 
 def batched_cache_bytes(spec, config, dtype: torch.dtype, max_model_len: int, max_seqs: int) -> int:
     """The cache bytes of the batched drafter an EAGLE ``SpeculativeConfig`` gets (chains, or ``eagle_trees`` where
-    its tree fits one mask word; else none)."""
+    its tree fits one mask word; else none, as for other methods and without speculation)."""
+    if spec is None or spec.method != "eagle":
+        return 0
     k, topk = spec.num_speculative_tokens, spec.tree_topk
     if spec.num_tree_tokens is None:
         extra = room(k)
@@ -209,7 +211,9 @@ class EagleChains:
         feats, ints = self.static[b]
         for r, f in enumerate(feats_rows):
             feats[r * self.width : r * self.width + f.shape[0]] = f
-        ints.copy_(host.pin_memory(), non_blocking=True)
+        if self.device.type == "cuda":
+            host = host.pin_memory()  # an asynchronous copy
+        ints.copy_(host, non_blocking=True)
         if b not in self.graphs:
             ints.copy_(self._ints([], b))  # scratch rows only: the warm-up and the capture write nothing else
 
@@ -219,7 +223,7 @@ class EagleChains:
             forward()  # warm-up: compiles the kernels outside the capture
             self.graphs[b] = capture(forward, self.pool)
             self.pool = self.graphs[b][0].pool()
-            ints.copy_(host.pin_memory(), non_blocking=True)
+            ints.copy_(host, non_blocking=True)
         graph, out = self.graphs[b]
         graph.replay()
         return out

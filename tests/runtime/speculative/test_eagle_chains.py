@@ -93,18 +93,24 @@ def test_the_chains_cache_is_kept_out_of_the_kv_blocks(setup):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_chains_replay_cuda_graphs(setup):
-    """On a GPU the chains replay graphs (one per batch and context bucket met) and the output is plain greedy's."""
+@pytest.mark.parametrize("tree", [None, 24])
+def test_batched_drafts_replay_cuda_graphs(setup, tree):
+    """On a GPU the chains (or trees) draft in graphs, one per batch bucket met, and verify in graphs; the output
+    is plain greedy's."""
     folder, heads, prompts, _ = setup
     settings = dict(device="cuda", dtype="float32", num_kv_blocks=64)
     expected = [o.outputs[0].token_ids for o in LLM(str(folder), **settings).generate(prompts, PARAMS)]
-    spec = SpeculativeConfig(method="eagle", draft=str(heads), num_speculative_tokens=3, adaptive=False)
+    spec = SpeculativeConfig(method="eagle", draft=str(heads), num_speculative_tokens=3, adaptive=False,
+                             num_tree_tokens=tree, tree_topk=4)  # fmt: skip
     llm = LLM(str(folder), **settings, speculative=spec)
+    verified = []
+    replay = llm.runner._run_verify_graph
+    llm.runner._run_verify_graph = lambda *a: verified.append(1) or replay(*a)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)] == expected
-    chains = llm.spec.proposer.chains
-    assert chains.use_graphs and chains.graphs and llm.spec.totals.accepted > 0
+    batched = llm.spec.proposer.trees if tree else llm.spec.proposer.chains
+    assert batched.use_graphs and batched.graphs and verified and llm.spec.totals.accepted > 0
     alone = llm.generate(prompts[:1], PARAMS)[0].outputs[0].token_ids  # batch bucket 1 next to the larger one
-    assert alone == expected[0] and any(rows == 1 for rows, _ in chains.graphs)
+    assert alone == expected[0] and 1 in batched.graphs
 
 
 # -- trees (EagleTrees) ----------------------------------------------------------------------------------------------
@@ -149,3 +155,66 @@ def test_trees_past_one_mask_word_draft_on_the_host(setup):
     llm = LLM(str(folder), cpu_kv_blocks=64, speculative=spec)
     assert llm.spec.proposer.trees is None and llm.runner.reserved_bytes == 0
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], PARAMS)] == expected[:2]
+
+
+# -- the graph paths, with a stand-in for CUDA graphs on the CPU -----------------------------------------------------
+
+
+def stand_in_graphs(monkeypatch, llm, replays: list) -> None:
+    """The batched drafter's graphs as ``EagerGraph`` stand-ins (its static buffers, padded buckets and scratch rows
+    run as on a GPU); ``replays`` records each replay's bucket."""
+    from tests.runtime.speculative.test_engine_spec import EagerGraph
+
+    def capture(forward, pool):
+        graph = EagerGraph(forward)
+        graph.pool = lambda: None
+        return graph, graph.out
+
+    monkeypatch.setattr(eagle_chains, "capture", capture)
+    p = llm.spec.proposer
+    batched = p.trees or p.chains
+    batched.use_graphs = True
+    replay = batched._replay
+    batched._replay = lambda feats, host, b: (replays.append(b), replay(feats, host, b))[1]
+
+
+def test_chain_graph_path_drafts_what_the_eager_chain_drafts(setup, monkeypatch):
+    """Through the graph path (inputs copied into static buffers, batches padded to a bucket with scratch rows), the
+    chains accept what the eager batched chain accepts."""
+    _, _, _, expected = setup
+    _, _, counts = run(setup, 3)
+    folder, heads, prompts, _ = setup
+    spec = SpeculativeConfig(method="eagle", draft=str(heads), num_speculative_tokens=3, adaptive=False)
+    llm = LLM(str(folder), cpu_kv_blocks=64, speculative=spec)
+    replays = []
+    stand_in_graphs(monkeypatch, llm, replays)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)] == expected
+    t = llm.spec.totals
+    assert (t.steps, t.drafted, t.accepted) == counts
+    assert {8, 4} & set(replays) and len(llm.spec.proposer.chains.graphs) >= 2
+
+
+def test_trees_through_the_graph_paths(setup, monkeypatch):
+    """Batched trees through the drafter's graph path, verified through the verify graphs' layout with the tree
+    mask (sequences padded to num_tree_tokens + 1 rows): plain greedy output, and some accepted path moved."""
+    from quantkit.runtime.speculative import tree_draft
+    from tests.runtime.speculative.test_engine_spec import EagerGraph
+
+    folder, heads, prompts, expected = setup
+    spec = SpeculativeConfig(method="eagle", draft=str(heads), num_speculative_tokens=3, adaptive=False,
+                             num_tree_tokens=12, tree_topk=4)  # fmt: skip
+    llm = LLM(str(folder), cpu_kv_blocks=64, speculative=spec)
+    drafts = []
+    stand_in_graphs(monkeypatch, llm, drafts)
+    runner, verified = llm.runner, []
+    runner.alloc_verify_static(spec.verify_width, 8, trees=True)
+    for b in (1, 2, 4, 8):
+        graph = EagerGraph(runner.static_verify_forward(b, spec.verify_width))
+        graph.replay = lambda g=graph, b=b: (verified.append(b), EagerGraph.replay(g))
+        runner.verify_graphs[b] = (graph, graph.out)
+    moved = []
+    move = tree_draft.TreeDrafter._move
+    monkeypatch.setattr(tree_draft.TreeDrafter, "_move", lambda self, seq, nodes: (
+        moved.append(any(i + 1 != d for d, i in enumerate(nodes, 1))), move(self, seq, nodes)))  # fmt: skip
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)] == expected
+    assert drafts and len(verified) > 5 and any(moved) and llm.spec.totals.accepted > 0
