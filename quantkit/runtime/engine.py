@@ -174,7 +174,8 @@ class LLM:
         extra = draft_block_bytes(draft, self.config.block_size)
         from quantkit.runtime.speculative.eagle_chains import batched_cache_bytes  # EAGLE's batched drafters
 
-        reserved = batched_cache_bytes(speculative, mcfg, self.model.dtype, self.max_model_len, self.config.max_num_seqs)
+        reserved = batched_cache_bytes(speculative, mcfg, self.model.dtype, self.max_model_len,
+                                       self.config.max_num_seqs)  # fmt: skip
         self.runner = ModelRunner(self.model, self.config, device, self.max_model_len, extra_block_bytes=extra,
                                   reserved_bytes=reserved)  # fmt: skip
         self.spec = None
