@@ -211,7 +211,7 @@ class SpeculativeDecoder:
         k = seq.num_draft_tokens
         params = seq.params
         if seq.draft_parents is not None:  # a tree: drafted counts its depth, the most tokens it can accept
-            tokens, depth = self.trees.verify(seq, logits, generator)
+            tokens, depth = self.trees.verify(seq, logits, generator, best)
             self._count(seq, depth, len(tokens) - 1)
             return tokens
         if params.greedy and best is not None:

@@ -13,11 +13,12 @@ catch-up, every expansion and the final rerank are one CUDA graph per batch-size
   draft probabilities along the path), whose ``topk`` most confident (stable order) are the next frontier;
 - the rerank: every candidate (depth 1's and each expansion's topk^2), ranked by confidence (a stable sort keeps
   the creation order on ties, so a parent, never less confident than its child, ranks first and the best
-  ``num_nodes`` are a closed tree), the best ``num_nodes`` kept in creation order (topological).
+  ``num_nodes`` are a closed tree), the best ``num_nodes`` kept in creation order (topological). A sequence whose
+  step has room for fewer nodes, or whose ``max_tokens`` allows fewer levels, keeps the best of them that fit.
 
 The chunk is recomputed at each expansion (at most topk * (depth - 1) rows, <= 64 for the tree mask's words): its
-earlier nodes' outputs do not change, and the layer on 64 rows costs what it costs on one. Sampled requests, and
-sequences whose tree the step's room or ``max_tokens`` cuts short, draft through ``TreeDrafter``'s eager path.
+earlier nodes' outputs do not change, and the layer on 64 rows costs what it costs on one. Sampled requests draft
+through ``TreeDrafter``'s eager path.
 """
 
 from __future__ import annotations
@@ -89,19 +90,27 @@ class EagleTrees(EagleChains):
                 f_tokens.append(tokens.gather(1, best))
                 f_words.append(f_words[-1].gather(1, parent_row) | (1 << (e * k + ids)))
         conf, tokens, parent = (torch.cat(c, dim=1) for c in (cand_conf, cand_tokens, cand_parent))
-        kept = conf.sort(dim=1, descending=True, stable=True).indices[:, : self.num_nodes].sort(dim=1).values
+        ranked = conf.sort(dim=1, descending=True, stable=True).indices[:, : self.num_nodes]
+        kept, rank = ranked.sort(dim=1)  # creation order, and each kept node's rank
         parent = parent.gather(1, kept)
         index = torch.searchsorted(kept, parent.clamp(min=0))  # a parent's place among the kept nodes
         parent = torch.where(parent < 0, parent, index)
-        return torch.stack([tokens.gather(1, kept), parent], dim=1)
+        return torch.stack([tokens.gather(1, kept), parent, rank], dim=1)
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[DraftTree | None]:
-        """The tree of each of ``seqs`` (None where its features are missing or no slot is free)."""
+    def propose(self, seqs: list[Sequence], sizes: list[int], depths: list[int]) -> list[DraftTree | None]:
+        """The tree of each of ``seqs`` (None where its features are missing or no slot is free), cut to its
+        ``sizes[i]`` best nodes and ``depths[i]`` levels (both keep it closed: a parent ranks before its children)."""
         rows, drafted = self._run(seqs, [True] * len(seqs))
         out: list[DraftTree | None] = [None] * len(seqs)
         if rows:
             host = drafted[: len(rows)].cpu()
             for i, r in rows.items():
-                out[i] = DraftTree(host[r, 0], host[r, 1])
+                tree = DraftTree(host[r, 0], host[r, 1])
+                keep = (host[r, 2] < sizes[i]) & (tree.depth <= depths[i])
+                if not bool(keep.all()):
+                    index = torch.cumsum(keep, 0) - 1  # a kept node's place among the kept ones
+                    parent = tree.parent[keep]
+                    tree = DraftTree(tree.tokens[keep], torch.where(parent < 0, parent, index[parent.clamp(min=0)]))
+                out[i] = tree if tree.size else None
         return out

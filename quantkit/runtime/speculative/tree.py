@@ -135,11 +135,13 @@ def _verdict(tree: DraftTree, nodes: list[int], last: int) -> TreeVerdict:
 # -- greedy ---------------------------------------------------------------------------------------------------------
 
 
-def verify_tree_greedy(tree: DraftTree, target_logits: torch.Tensor) -> TreeVerdict:
-    """target_logits [n + 1, V] -> the deepest path whose every token is the target's argmax at its parent, then the
-    argmax after it: exactly what plain greedy decoding emits (siblings with one token lead to the same output; the
-    deepest of their subtrees is kept, the first in order among equals)."""
-    best = target_logits.argmax(dim=-1)  # [n + 1]
+def verify_tree_greedy(
+    tree: DraftTree, target_logits: torch.Tensor | None, best: list[int] | None = None
+) -> TreeVerdict:
+    """target_logits [n + 1, V] (or ``best``, their argmax per row) -> the deepest path whose every token is the
+    target's argmax at its parent, then the argmax after it: exactly what plain greedy decoding emits (siblings with
+    one token lead to the same output; the deepest of their subtrees is kept, the first in order among equals)."""
+    best = target_logits.argmax(dim=-1) if best is None else torch.tensor(best)  # [n + 1]
     nodes = _deepest(tree, tree.tokens == best[tree.parent + 1])
     return _verdict(tree, nodes, int(best[nodes[-1] + 1 if nodes else 0]))
 

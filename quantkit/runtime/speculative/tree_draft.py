@@ -79,22 +79,19 @@ class TreeDrafter:
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], sizes: list[int], depths: list[int]) -> list[DraftTree | None]:
         """A tree of at most ``sizes[i]`` tokens and ``depths[i]`` levels for each sequence (None: no features).
-        EAGLE: greedy sequences whose tree is not cut short draft together through ``EagleTrees`` where the
-        proposer has it."""
+        EAGLE: greedy sequences draft together through ``EagleTrees`` where the proposer has it."""
         if isinstance(self.proposer, MedusaProposer):
             return self._medusa(seqs, sizes, depths)
         out: list[DraftTree | None] = [None] * len(seqs)
         batched = self.proposer.trees
-        whole = [
-            batched is not None and s.params.greedy and n >= batched.num_nodes and d == batched.depth
-            for s, n, d in zip(seqs, sizes, depths, strict=True)
-        ]
-        if any(whole):
-            index = [i for i, w in enumerate(whole) if w]
-            for i, tree in zip(index, batched.propose([seqs[i] for i in index], []), strict=True):
+        on_device = [batched is not None and s.params.greedy for s in seqs]
+        if any(on_device):
+            index = [i for i, w in enumerate(on_device) if w]
+            trees = batched.propose([seqs[i] for i in index], [sizes[i] for i in index], [depths[i] for i in index])
+            for i, tree in zip(index, trees, strict=True):
                 out[i] = tree
         for i, (s, n, d) in enumerate(zip(seqs, sizes, depths, strict=True)):
-            if not whole[i]:
+            if not on_device[i]:
                 out[i] = self._eagle(s, n, d)
         return out
 
@@ -155,16 +152,18 @@ class TreeDrafter:
     # -- verifying -------------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def verify(self, seq: Sequence, logits: torch.Tensor, generator: torch.Generator | None) -> tuple[list[int], int]:
-        """``logits`` [n + 1, V] of the target at the sequence's last token and its n tree tokens -> (the tokens to
-        emit, the tree's depth). Moves the accepted path's K/V and features into consecutive positions and drops the
-        tree from ``seq.token_ids``."""
+    def verify(
+        self, seq: Sequence, logits: torch.Tensor, generator: torch.Generator | None, best: list[int] | None = None
+    ) -> tuple[list[int], int]:
+        """``logits`` [n + 1, V] of the target at the sequence's last token and its n tree tokens (``best``: their
+        argmax, already on the host, for a greedy request) -> (the tokens to emit, the tree's depth). Moves the
+        accepted path's K/V and features into consecutive positions and drops the tree from ``seq.token_ids``."""
         n = seq.num_draft_tokens
         tree = DraftTree(torch.tensor(seq.token_ids[-n:]), torch.tensor(seq.draft_parents))
-        logits = logits.float().cpu()
         if seq.params.greedy:
-            verdict = verify_tree_greedy(tree, logits)
+            verdict = verify_tree_greedy(tree, None if best is not None else logits.float().cpu(), best)
         else:
+            logits = logits.float().cpu()
             probs = torch.stack([filter_logits(row, seq.params).softmax(-1) for row in logits])
             device = generator.device if generator is not None else logits.device
             uniform = torch.rand(n, generator=generator, device=device).cpu()

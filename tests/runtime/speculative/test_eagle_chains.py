@@ -23,7 +23,7 @@ def setup(tmp_path_factory):
     model.save_pretrained(folder)
     heads = tmp_path_factory.mktemp("eagle")
     config = TrainDraftConfig(method="eagle", tokens=4096, seqlen=64, batch_size=2, epochs=10, lr=3e-3)
-    train_draft(model, config, heads, ids=markov_ids(6000))
+    train_draft(model, config, heads, ids=markov_ids(6000), device="cpu")
     prompts = [markov_ids(n, seed=n).tolist() for n in (3, 9, 20, 33)] + random_prompts([5, 17], VOCAB, seed=1)
     expected = [o.outputs[0].token_ids for o in LLM(str(folder), cpu_kv_blocks=64).generate(prompts, PARAMS)]
     return folder, heads, prompts, expected
@@ -130,6 +130,9 @@ def test_batched_trees_are_the_eager_drafters_trees(setup, shape, monkeypatch):
     def checked(self, seqs, sizes, depths):
         trees = propose(self, seqs, sizes, depths)
         for seq, size, d, tree in zip(seqs, sizes, depths, trees, strict=True):
+            if size < n or d < depth:  # cut short near max_tokens: the best of the whole tree that fits
+                assert tree.size <= size and int(tree.depth.max()) <= d
+                continue
             eager = self._eagle(seq, size, d)
             assert (tree is None) == (eager is None)
             if tree is not None:
