@@ -302,7 +302,8 @@ class LLM:
         if not batch.seqs:
             raise RuntimeError("scheduler produced an empty step with requests pending")  # a bug, not bad input
         usage = self.block_manager.kv_usage()
-        logits = self.runner.run(batch)
+        logits = self.runner.run(batch, drafts=spec.on_device)
+        spec.drafts_read(self.scheduler.running)
         starts = np.cumsum([0] + [1 + s.num_draft_tokens for s in batch.sampled]).tolist()
         plain = [j for j, s in enumerate(batch.sampled) if not s.num_draft_tokens]
         emitted: list[tuple[Sequence, list[int]]] = []

@@ -185,13 +185,32 @@ class ModelRunner:
         index = torch.tensor([rows, src], dtype=torch.int64, pin_memory=pin).to(self.device, non_blocking=True)
         ids[index[0]] = tokens[index[1]]
 
+    def _patch_drafts(self, layout: StepLayout, flat: torch.Tensor, batch: ScheduledBatch, drafts) -> None:
+        """Write on the device the input ids of drafted tokens the host does not know yet: ``drafts`` (tokens
+        [rows, k] on the device, seq_id -> row) hold the last ``num_draft_tokens`` of those sequences' chunks."""
+        drafted, rows = drafts
+        depth, dst, src = drafted.shape[1], [], []
+        for seq in batch.seqs:
+            k, row = seq.num_draft_tokens, rows.get(seq.seq_id)
+            if k and row is not None:
+                last = layout.last_rows[seq.seq_id]
+                dst += range(last - k + 1, last + 1)
+                src += range(row * depth, row * depth + k)
+        if dst:
+            pin = self.device.type == "cuda"
+            index = torch.tensor([dst, src], dtype=torch.int64, pin_memory=pin).to(self.device, non_blocking=True)
+            ids = flat[layout.offsets["ids"][0] :]
+            ids[index[0]] = drafted.flatten()[index[1]].to(ids.dtype)
+
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, ids_from: tuple[dict[int, int], torch.Tensor] | None = None) -> torch.Tensor:
+    def run(
+        self, batch: ScheduledBatch, ids_from: tuple[dict[int, int], torch.Tensor] | None = None, drafts=None
+    ) -> torch.Tensor:
         """Execute one step; returns fp32 logits [sum over batch.sampled of 1 + num_draft_tokens, vocab] (a sequence
         verifying k drafted tokens gets the rows of its last k + 1 positions). ``ids_from`` (seq_id -> index, tokens
         int32 on the device): the input ids of those sequences' decode rows come from ``tokens`` instead of their
         ``token_ids``, whose last entry is then a placeholder (the engine runs a step before the previous one's
-        tokens reached the host)."""
+        tokens reached the host). ``drafts``: drafted tokens still on the device (``_patch_drafts``)."""
         if batch.copies:
             src, dst = (torch.tensor(x, device=self.device) for x in zip(*batch.copies, strict=True))
             self.kv[:, :, dst] = self.kv[:, :, src]
@@ -207,12 +226,14 @@ class ModelRunner:
         ):
             rows = next((b for b in self.verify_graphs if b >= len(batch.seqs)), None)
             if rows is not None:
-                return self._run_verify_graph(batch, rows)
+                return self._run_verify_graph(batch, rows, drafts)
         layout = self._write(batch, graph_rows=bucket)
         graph_buffers = (self.static["flat"], self.static["tables"]) if bucket is not None else (None, None)
         flat, tables = self._to_device(layout, *graph_buffers)
         if ids_from is not None:
             self._patch_ids(layout, flat, *ids_from)
+        if drafts is not None:
+            self._patch_drafts(layout, flat, batch, drafts)
         if bucket is not None:
             graph, out = self.graphs[bucket]
             graph.replay()
@@ -239,7 +260,7 @@ class ModelRunner:
             for seq, num_new in zip(batch.seqs, batch.num_new, strict=True)
         )
 
-    def _run_verify_graph(self, batch: ScheduledBatch, rows: int) -> torch.Tensor:
+    def _run_verify_graph(self, batch: ScheduledBatch, rows: int, drafts=None) -> torch.Tensor:
         if self._copied is not None:
             self._copied.synchronize()
         layout = self.inputs.write_verify(batch, rows, self.verify_width, self.verify_trees)
@@ -248,12 +269,16 @@ class ModelRunner:
             self.vstatic["mask_host"].numpy()[:n] = layout.tree_mask
             self.vstatic["mask"][:n].copy_(self.vstatic["mask_host"][:n], non_blocking=True)
         flat, _ = self._to_device(layout, self.vstatic["flat"], self.vstatic["tables"])
+        if drafts is not None:
+            self._patch_drafts(layout, flat, batch, drafts)
         graph, out = self.verify_graphs[rows]
         graph.replay()
         if self.on_hidden is not None:  # the real rows (sequence i's from row i * width), in the eager step's order
             width = self.verify_width
             index = [i * width + j for i in packed_order(batch) for j in range(batch.num_new[i])]
-            self.on_hidden(batch, out[torch.tensor(index, device=self.device)])
+            pin = self.device.type == "cuda"
+            index = torch.tensor(index, dtype=torch.int64, pin_memory=pin).to(self.device, non_blocking=True)
+            self.on_hidden(batch, out[index])
         a, b = layout.offsets["sample"]
         return self.model.logits(out[flat[a:b]]).float()
 

@@ -48,6 +48,7 @@ PRIOR_ACCEPTANCE = 0.6
 PROBE_EVERY = 32  # steps between re-measurements of the mode not in use for a batch-size bucket
 MAX_PROBE_EVERY = 1024  # the longest interval, after probes that kept finding speculation a loss
 MIN_SAMPLES = 2
+DRAFT_PENDING = -1  # a drafted token still on the device (``SpeculativeDecoder.on_device``)
 HOPELESS_AT_ONCE = 2.0  # a first speculative step this many times past the k + 1 plain steps' cost: no second one
 
 
@@ -92,6 +93,9 @@ class SpeculativeDecoder:
     proposer: Proposer
     max_model_len: int
     trees: TreeDrafter | None = None  # tree drafting (``num_tree_tokens``): drafts and verifies trees
+    # drafts of the step in flight still on the device: (drafted [rows, k], seq_id -> row); their sequences hold
+    # DRAFT_PENDING until ``drafts_read``, and the runner copies them into the step's input ids on the device
+    on_device: tuple[torch.Tensor, dict[int, int]] | None = None
     totals: SpecTotals = field(default_factory=SpecTotals)
     acceptance: dict[int, float] = field(default_factory=dict)  # seq_id -> running mean
     buckets: dict[int, _Bucket] = field(default_factory=dict)
@@ -170,10 +174,17 @@ class SpeculativeDecoder:
                 room -= k
         if not seqs:
             return
-        drafts = self.proposer.propose(seqs, ks, [generator_for(s) for s in seqs])
-        for seq, draft in zip(seqs, drafts, strict=True):
-            if draft.tokens:
-                seq.add_draft(draft.tokens, draft.probs)
+        launched = self.proposer.launch(seqs, ks) if hasattr(self.proposer, "launch") else None
+        if launched is not None:  # drafted on the device, read with the verify step's tokens (``drafts_read``)
+            rows, drafted = launched
+            for i, row in rows.items():
+                seqs[i].add_draft([DRAFT_PENDING] * ks[i], None)
+            self.on_device = (drafted, {seqs[i].seq_id: row for i, row in rows.items()})
+        else:
+            drafts = self.proposer.propose(seqs, ks, [generator_for(s) for s in seqs])
+            for seq, draft in zip(seqs, drafts, strict=True):
+                if draft.tokens:
+                    seq.add_draft(draft.tokens, draft.probs)
         if self._mode is not None:
             self._mode = (self._mode[0], True)
         self.totals.draft_time += time.perf_counter() - self._t0
@@ -200,6 +211,19 @@ class SpeculativeDecoder:
         self.totals.draft_time += time.perf_counter() - self._t0
 
     # -- after the step ----------------------------------------------------------------------------------------
+
+    def drafts_read(self, seqs: list[Sequence]) -> None:
+        """Write the drafts of a step drafted on the device into ``seqs``' token_ids (one copy to the host, which
+        waits for the verify step launched after them); no-op otherwise."""
+        if self.on_device is None:
+            return
+        drafted, rows = self.on_device
+        self.on_device = None
+        tokens = drafted.tolist()
+        for seq in seqs:
+            k = seq.num_draft_tokens
+            if k and seq.seq_id in rows:
+                seq.token_ids[-k:] = tokens[rows[seq.seq_id]][:k]
 
     def verify(
         self, seq: Sequence, logits: torch.Tensor, generator: torch.Generator | None, best: list[int] | None = None

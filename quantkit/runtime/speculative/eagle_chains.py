@@ -271,6 +271,13 @@ class EagleChains:
         return {i: r for r, i in enumerate(rows)}, drafted
 
     @torch.inference_mode()
+    def launch(self, seqs: list[Sequence], ks: list[int]) -> tuple[dict[int, int], torch.Tensor] | None:
+        """Greedy chains for each of ``seqs`` with ``ks[i]`` > 0 that can draft, left on the device -> ({index in
+        seqs: row}, tokens [rows, depth]), or None when none can."""
+        rows, drafted = self._run(seqs, [k > 0 for k in ks])
+        return (rows, drafted) if rows else None
+
+    @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         """Greedy drafts of ``ks[i]`` (<= depth) tokens for each of ``seqs``, in one batched chain."""
         out = [Draft([]) for _ in seqs]

@@ -389,6 +389,13 @@ class EagleProposer:
         tokens = iter(torch.stack(on_device).tolist() if on_device else [])  # one transfer for every greedy token
         return [_draft([next(tokens) if torch.is_tensor(t) else t for t, _ in c], [q for _, q in c]) for c in chosen]
 
+    def launch(self, seqs: list[Sequence], ks: list[int]):
+        """Greedy chains of all of ``seqs`` through ``chains``, left on the device: ({index in seqs: row}, tokens
+        [rows, k]); None where they cannot be (no chains, or a sampled request)."""
+        if self.chains is None or not all(s.params.greedy for s in seqs):
+            return None
+        return self.chains.launch(seqs, ks)
+
     def _position(self, p: int, device) -> torch.Tensor:
         """[p] on ``device``, sliced from a kept range (a new tensor from the host would wait for the device)."""
         if self._positions is None or self._positions.numel() <= p:
