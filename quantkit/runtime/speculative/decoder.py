@@ -177,7 +177,7 @@ class SpeculativeDecoder:
         launched = self.proposer.launch(seqs, ks) if hasattr(self.proposer, "launch") else None
         if launched is not None:  # drafted on the device, read with the verify step's tokens (``drafts_read``)
             rows, drafted = launched
-            for i, row in rows.items():
+            for i in rows:
                 seqs[i].add_draft([DRAFT_PENDING] * ks[i], None)
             self.on_device = (drafted, {seqs[i].seq_id: row for i, row in rows.items()})
         else:
