@@ -276,9 +276,10 @@ def head_costs(args, folder, smoke: bool = False) -> dict:
     """``--head-costs``: on random Llama-3-8B-shaped weights (bf16, and each of ``args.head_targets``: ``w4a16`` is
     RTN g128 codes), batch 1 on an ``args.context``-token context, the median seconds of: a decode step (CUDA
     graph); a verify step of k + 1 tokens (CUDA graph, with the heads' feature store attached); EAGLE's chain of k
-    draft tokens (catch-up on the newest position, k - 1 layer steps, k readouts); Medusa's K = 4 heads on the newest
-    feature (4 readouts); each ``args.trees`` N: the EAGLE-2 / Medusa tree of N tokens (``args.tree_k`` deep) and the
-    eager verify step of that tree. The heads are random: their cost is a trained head's. ``smoke``: a tiny Llama on
+    draft tokens (catch-up on the newest position, k - 1 layer steps, k readouts: ``EagleChains``, one CUDA graph);
+    Medusa's K = 4 heads on the newest feature (4 readouts); each ``args.trees`` N: the EAGLE-2 tree of N tokens
+    (``args.tree_k`` deep; ``EagleTrees``, one CUDA graph) or Medusa's, and the verify step of that tree (a CUDA
+    graph of N + 1 tokens under the tree mask). The heads are random: their cost is a trained head's. ``smoke``: a tiny Llama on
     the CPU (timings meaningless)."""
     from quantkit.quant.scheme import QuantScheme
     from quantkit.runtime import loader
@@ -325,7 +326,9 @@ def head_costs(args, folder, smoke: bool = False) -> dict:
                 tree = drafter.propose(seqs, [n], [depth])[0]
                 costs[f"{method} tree {n}"] = time_of(lambda d=drafter, n=n, seqs=seqs: d.propose(seqs, [n], [depth]))
                 seqs[0].add_draft(tree.tokens.tolist(), None, tree.parent.tolist())
+                runner.capture_verify_graphs(n + 1, trees=True)  # as an engine drafting such trees verifies them
                 costs[f"verify {method} tree {n}"] = time_of(lambda t=tree, seqs=seqs: runner.run(of(seqs, t.size + 1)))
+                runner.capture_verify_graphs(k + 1)
                 costs[f"{method} tree {n} tokens"] = tree.size  # a count, not seconds
                 seqs[0].drop_draft()
             proposer.release(set())
