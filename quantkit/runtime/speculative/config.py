@@ -44,7 +44,7 @@ class SpeculativeConfig:
     - ``num_tree_tokens`` (``eagle`` / ``medusa`` only): draft a tree of up to this many tokens per sequence and step
       instead of a chain (None: chains), at most ``num_speculative_tokens`` deep; ``tree_topk`` candidates per
       expanded node (EAGLE-2's top-k) or per Medusa head. At most ``TREE_MAX_NODES`` (the prefill kernel's tree mask
-      holds 64 tokens: the sequence's last token and the tree); tree steps run eagerly.
+      holds 64 tokens: the sequence's last token and the tree).
     - ``acceptance_method`` (vLLM's names): ``rejection_sampler``, the lossless rule (default); or
       ``typical_acceptance_sampler``, Medusa's typical acceptance for sampled requests in tree steps: a drafted token
       is kept where the target's probability of it exceeds min(``posterior_threshold``, ``posterior_alpha`` *
