@@ -227,7 +227,11 @@ def proposers(args, layers: int) -> dict[str, dict]:
         if getattr(args, f"{method}_heads"):
             out[method] = dict(method=method, draft=str(getattr(args, f"{method}_heads")))
     out = {k: v for k, v in out.items() if k in args.proposers.split(",")}
-    return {**args.trained, **out}
+    out = {**args.trained, **out}
+    for name, spec in list(out.items()):  # the EAGLE heads again with each draft vocabulary
+        for size in args.draft_vocab if spec["method"] == "eagle" else ():
+            out[f"{name}-v{size // 1000}k"] = dict(spec, draft_vocab_size=size)
+    return out
 
 
 def sync(llm: LLM) -> None:
@@ -318,9 +322,25 @@ def best_eagle(rows: list[dict]) -> str | None:
     return max(taus, key=lambda n: sum(taus[n]) / len(taus[n]), default=None)
 
 
+def count_tokens(args, tokenizer, vocab_size: int) -> None:
+    """``--count-tokens``: the token counts of those texts for EAGLE heads that lack them (``draft_vocab``)."""
+    from quantkit.runtime.speculative.draft_vocab import COUNTS_FILE, save_token_counts
+    from quantkit.train_draft import token_stream
+
+    folders = [args.eagle_heads, *(Path(s["draft"]) for s in args.trained.values() if s["method"] == "eagle")]
+    missing = [f for f in folders if f is not None and not (Path(f) / COUNTS_FILE).is_file()]
+    if missing and args.count_tokens:
+        ids, _ = token_stream(tuple(args.count_tokens.split(",")), tokenizer)
+        for folder in missing:
+            save_token_counts(folder, ids, vocab_size)
+            print(f"token counts of {args.count_tokens} ({ids.numel():,} tokens) written to {folder}", flush=True)
+
+
 def acceptance(args, folder: str, settings: dict) -> dict:
     """Part 1."""
     plain = LLM(folder, **settings)
+    if args.draft_vocab:
+        count_tokens(args, plain.tokenizer, plain.model.config.vocab_size)
     sets = prompt_sets(plain.tokenizer, args.num_prompts)
     layers = plain.model.config.num_hidden_layers
     rows, speeds = [], []
@@ -415,6 +435,9 @@ def main() -> None:
     ap.add_argument("--speed-proposers", default=None, help="proposers timed end to end (all; best-eagle: see above)")
     ap.add_argument("--speed-tree", type=int, default=None, help="also time the best EAGLE heads with this tree")
     ap.add_argument("--trees", default="", help="tree sizes measured for the head proposers, --tree-k deep")
+    ap.add_argument("--draft-vocab", default="", help="EAGLE heads also with these draft vocabulary sizes (8000,...)")
+    ap.add_argument("--count-tokens", default=None, help="texts whose token counts EAGLE heads lacking them get "
+                    "(train-draft's --data names), for --draft-vocab")  # fmt: skip
     ap.add_argument("--tree-k", type=int, default=6, help="depth of the draft trees")
     ap.add_argument(
         "--train", action="append", default=[], help="part 0: heads, METHOD:TOKENS|all[:EPOCHS[:text|self[:UNROLL]]]"
@@ -454,6 +477,7 @@ def main() -> None:
         ap.error("--mtp needs k >= 1, batch sizes >= 1 and --context >= 1")
     args.speed_sets = [s for s in args.speed_sets.split(",") if s]
     args.trees = [int(n) for n in args.trees.split(",") if n]
+    args.draft_vocab = [int(n) for n in args.draft_vocab.split(",") if n]
     args.head_targets = [t for t in args.head_targets.split(",") if t]
     if args.head_costs and not set(args.head_targets) <= {"bf16", "w4a16"}:
         ap.error("--head-targets takes bf16 and w4a16")

@@ -279,8 +279,8 @@ def head_costs(args, folder, smoke: bool = False) -> dict:
     draft tokens (catch-up on the newest position, k - 1 layer steps, k readouts: ``EagleChains``, one CUDA graph);
     Medusa's K = 4 heads on the newest feature (4 readouts); each ``args.trees`` N: the EAGLE-2 tree of N tokens
     (``args.tree_k`` deep; ``EagleTrees``, one CUDA graph) or Medusa's, and the verify step of that tree (a CUDA
-    graph of N + 1 tokens under the tree mask). The heads are random: their cost is a trained head's. ``smoke``: a tiny Llama on
-    the CPU (timings meaningless)."""
+    graph of N + 1 tokens under the tree mask). The heads are random: their cost is a trained head's. ``smoke``: a
+    tiny Llama on the CPU (timings meaningless)."""
     from quantkit.quant.scheme import QuantScheme
     from quantkit.runtime import loader
     from quantkit.runtime.speculative.heads import head_proposer

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from quantkit.checks import integer, number
 from quantkit.errors import QuantkitError
+from quantkit.runtime.speculative.draft_vocab import save_token_counts
 from quantkit.runtime.speculative.heads import METHODS, WEIGHTS_FILE, base_fingerprint, make_heads, save_heads
 
 RESUME_FILE = ".resume.pt"
@@ -402,5 +403,6 @@ def train_draft(
     meta = {"method": config.method, "num_heads": config.num_heads if config.method == "medusa" else 1,
             "sizes": sizes, "base": base, "data": data_print, "settings": settings, "training": record}  # fmt: skip
     save_heads(out, heads, meta)
+    save_token_counts(out, train_ids, cfg.vocab_size)  # the draft vocabulary's frequencies (``draft_vocab``)
     (out / RESUME_FILE).unlink(missing_ok=True)
     return record

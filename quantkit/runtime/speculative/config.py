@@ -50,6 +50,9 @@ class SpeculativeConfig:
       is kept where the target's probability of it exceeds min(``posterior_threshold``, ``posterior_alpha`` *
       exp(-entropy)). LOSSY: the output no longer follows the target's distribution; it trades that for longer
       accepted paths. Greedy requests are verified exactly either way.
+    - ``draft_vocab_size`` (``eagle`` only): greedy chains and trees draft among the N most frequent tokens of the
+      heads' training text only, reading out N rows of the lm_head instead of all (``speculative.draft_vocab``;
+      None: the whole vocabulary). Lossless either way.
     """
 
     method: str
@@ -66,6 +69,7 @@ class SpeculativeConfig:
     acceptance_method: str = "rejection_sampler"
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -79,7 +83,10 @@ class SpeculativeConfig:
             "adaptive": flag("adaptive", self.adaptive),
             "num_tree_tokens": integer("num_tree_tokens", self.num_tree_tokens, low=1, high=TREE_MAX_NODES, none=True),
             "tree_topk": integer("tree_topk", self.tree_topk, low=1, high=TREE_MAX_NODES),
+            "draft_vocab_size": integer("draft_vocab_size", self.draft_vocab_size, low=1, none=True),
         }
+        if checked["draft_vocab_size"] is not None and self.method != "eagle":
+            raise QuantkitError(f"draft_vocab_size (a draft vocabulary) needs method eagle, not {self.method!r}")
         if checked["prompt_lookup_min"] > checked["prompt_lookup_max"]:
             raise QuantkitError("prompt_lookup_min must not exceed prompt_lookup_max")
         if self.method == "draft" and not self.draft:

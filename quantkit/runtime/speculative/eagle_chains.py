@@ -119,6 +119,7 @@ class EagleChains:
         self.hidden, self.num_kv_heads = target.config.hidden_size, attn.num_kv_heads
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.static: dict[int, tuple[torch.Tensor, torch.Tensor, tuple]] = {}  # bucket -> (feats, ints, views)
+        self.vocab = None  # a DraftReadout (``draft_vocab``): read out its rows only, draft its tokens only
         self.pool = None
 
     # -- the layer over the chains' cache ----------------------------------------------------------------------------
@@ -129,6 +130,14 @@ class EagleChains:
         x = head.fc(torch.cat([feats, self.proposer.embed(ids)], dim=-1))
         out, residual = head.layer(x, None, self.cos[pos], self.sin[pos], meta, self.cache)
         return head.norm.add_forward(out, residual)[0]
+
+    def _logits(self, g: torch.Tensor) -> torch.Tensor:
+        """Readout logits of features g [..., H]: over the whole vocabulary, or over ``vocab``'s tokens."""
+        return self.proposer.readout(g) if self.vocab is None else self.vocab(g)
+
+    def _tokens(self, index: torch.Tensor) -> torch.Tensor:
+        """Token ids of positions in ``_logits``' last dimension."""
+        return index if self.vocab is None else self.vocab.tokens(index)
 
     def _window_meta(self, rows: int, width: int, slots, ctx, cu, tables) -> AttentionMetadata:
         return AttentionMetadata(
@@ -166,7 +175,7 @@ class EagleChains:
         chain = views[7:]
         tokens = []
         for j in range(self.depth):
-            token = self.proposer.readout(g).argmax(-1)
+            token = self._tokens(self._logits(g).argmax(-1))
             tokens.append(token)
             if j + 1 < self.depth:
                 p, s, c = chain[3 * j : 3 * j + 3]

@@ -57,8 +57,9 @@ class EagleTrees(EagleChains):
         views = self._views(ints, b)
         g, tables = self._window(feats, views, b)
         slot_n, n, span = (t.long() for t in views[7:])
-        k, dev, readout = self.topk, self.device, self.proposer.readout
-        probs, tokens = readout(g).float().softmax(-1).topk(k, dim=-1)  # depth 1: [b, k]
+        k, dev = self.topk, self.device
+        probs, tokens = self._logits(g).float().softmax(-1).topk(k, dim=-1)  # depth 1: [b, k]
+        tokens = self._tokens(tokens)
         conf = probs.double()
         ids = torch.arange(k, device=dev).expand(b, k)  # candidate ids, in creation order
         cand_conf, cand_tokens, cand_parent = [conf], [tokens], [torch.full_like(ids, -1)]
@@ -75,7 +76,8 @@ class EagleTrees(EagleChains):
             meta.prefill_tree_mask = torch.cat(f_words, dim=1).flatten()
             x = torch.cat(f_feats, dim=1).flatten(0, 1)
             out = self._layer(x, torch.cat(f_tokens, dim=1).flatten(), pos, meta).view(b, rows, -1)[:, -k:]
-            p, t = readout(out.flatten(0, 1)).float().softmax(-1).topk(k, dim=-1)  # [b * k, k]
+            p, t = self._logits(out.flatten(0, 1)).float().softmax(-1).topk(k, dim=-1)  # [b * k, k]
+            t = self._tokens(t)
             conf = (f_conf[:, :, None] * p.view(b, k, k).double()).flatten(1)  # [b, k * k], frontier-major
             tokens = t.view(b, k * k)
             new_ids = sum(c.shape[1] for c in cand_conf) + torch.arange(k * k, device=dev)

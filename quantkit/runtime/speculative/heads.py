@@ -361,6 +361,7 @@ class EagleProposer:
         self._positions: torch.Tensor | None = None
         self.chains = None  # EagleChains: greedy steps draft through it (batched, CUDA graphs)
         self.trees = None  # EagleTrees: greedy sequences' trees (TreeDrafter)
+        self.vocab = None  # a DraftReadout: the batched drafters' draft vocabulary (``draft_vocab``)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int], generators: list[torch.Generator | None]) -> list[Draft]:
@@ -450,9 +451,15 @@ def head_proposer(spec, runner):
         heads.set_rope(runner.max_model_len + spec.num_speculative_tokens + 1, runner.device)
         cost = (params(heads) + head_cost) / params(target)
         proposer = EagleProposer(target, heads, store, cost)
+        if spec.draft_vocab_size is not None and spec.draft_vocab_size < target.config.vocab_size:
+            from quantkit.runtime.speculative.draft_vocab import DraftReadout, draft_vocab
+
+            ids = draft_vocab(spec.draft, spec.draft_vocab_size, target.config.vocab_size)
+            proposer.vocab = DraftReadout(target, ids)
         if spec.num_tree_tokens is None:  # chains: greedy steps draft in one batched (graphed) chain
             from quantkit.runtime.speculative.eagle_chains import EagleChains
 
             proposer.chains = EagleChains(proposer, spec.num_speculative_tokens, runner)
+            proposer.chains.vocab = proposer.vocab
         return proposer
     return MedusaProposer(target, heads, store, (params(heads) / len(heads.blocks) + head_cost) / params(target))

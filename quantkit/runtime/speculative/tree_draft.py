@@ -206,4 +206,5 @@ def tree_drafter(spec, proposer, runner) -> TreeDrafter:
     if spec.method == "eagle" and fits(spec.num_speculative_tokens, spec.tree_topk):
         k = spec.num_speculative_tokens
         proposer.trees = EagleTrees(proposer, k, runner, spec.tree_topk, spec.num_tree_tokens)
+        proposer.trees.vocab = proposer.vocab
     return TreeDrafter(proposer, runner, spec.tree_topk, accuracies, typical)

@@ -221,3 +221,58 @@ def test_trees_through_the_graph_paths(setup, monkeypatch):
         moved.append(any(i + 1 != d for d, i in enumerate(nodes, 1))), move(self, seq, nodes)))  # fmt: skip
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)] == expected
     assert drafts and len(verified) > 5 and any(moved) and llm.spec.totals.accepted > 0
+
+
+# -- a draft vocabulary (draft_vocab_size) ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tree", [None, 12])
+def test_a_draft_vocabulary_drafts_its_tokens_only(setup, tree, monkeypatch):
+    """With the 24 most frequent tokens of the heads' training text, chains and trees draft those tokens only and
+    read out those rows only; greedy output stays plain greedy's; the whole vocabulary drafts as without one."""
+    from quantkit.runtime.speculative import decoder, tree_draft
+    from quantkit.runtime.speculative.draft_vocab import draft_vocab
+
+    folder, heads, prompts, expected = setup
+    ids = set(draft_vocab(heads, 24, VOCAB).tolist())
+    seen = []
+    read = decoder.SpeculativeDecoder.drafts_read
+    monkeypatch.setattr(decoder.SpeculativeDecoder, "drafts_read", lambda self, seqs: (
+        seen.extend(self.on_device[0].flatten().tolist() if self.on_device else []), read(self, seqs))[1])  # fmt: skip
+    propose = tree_draft.TreeDrafter.propose
+    monkeypatch.setattr(tree_draft.TreeDrafter, "propose", lambda self, *a: [
+        seen.extend(t.tokens.tolist()) or t for t in propose(self, *a)])  # fmt: skip
+    counts = {}
+    for size in (24, VOCAB, None):
+        seen.clear()
+        spec = SpeculativeConfig(method="eagle", draft=str(heads), num_speculative_tokens=3, adaptive=False,
+                                 num_tree_tokens=tree, tree_topk=4, draft_vocab_size=size)  # fmt: skip
+        llm = LLM(str(folder), cpu_kv_blocks=64, speculative=spec)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)] == expected
+        t = llm.spec.totals
+        counts[size] = (t.drafted, t.accepted)
+        if size == 24:
+            assert seen and set(seen) <= ids and llm.spec.proposer.vocab.weight.shape == (24, 64)
+        else:
+            assert llm.spec.proposer.vocab is None
+    assert counts[VOCAB] == counts[None] and counts[24][1] > 0
+
+
+def test_draft_vocabulary_settings_are_checked(setup, tmp_path):
+    from quantkit.errors import QuantkitError
+    from quantkit.runtime.speculative.draft_vocab import COUNTS_FILE
+
+    folder, heads, _, _ = setup
+    assert (heads / COUNTS_FILE).is_file()  # train_draft writes the token counts
+    with pytest.raises(QuantkitError, match=r"draft_vocab_size .* needs method eagle"):
+        SpeculativeConfig(method="ngram", draft_vocab_size=1000)
+    with pytest.raises(QuantkitError, match="draft_vocab_size must be"):
+        SpeculativeConfig(method="eagle", draft=str(heads), draft_vocab_size=0)
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(heads, bare)
+    (bare / COUNTS_FILE).unlink()
+    spec = SpeculativeConfig(method="eagle", draft=str(bare), draft_vocab_size=16)
+    with pytest.raises(QuantkitError, match="needs the token counts"):
+        LLM(str(folder), cpu_kv_blocks=64, speculative=spec)
