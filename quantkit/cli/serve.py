@@ -110,6 +110,9 @@ def engine_options(f):
                      "instead of a chain, verified in one step."),
         click.option("--tree-topk", type=int, default=None,
                      help="eagle, medusa with --num-tree-tokens: candidates per expanded node or head (default 8)."),
+        click.option("--draft-vocab-size", type=int, default=None,
+                     help="eagle: greedy chains and trees draft only the N most frequent tokens of the heads' "
+                     "training text (a draft vocabulary: N lm_head rows read per drafted token)."),
         click.option("--spec-decoding-acceptance-method",
                      type=click.Choice(["rejection_sampler", "typical_acceptance_sampler"]), default=None,
                      help="Draft trees, sampled requests: the lossless rule (rejection_sampler, default) or Medusa's "
@@ -136,6 +139,7 @@ SPEC_OPTIONS = {  # option name -> SpeculativeConfig field
     "spec_adaptive": "adaptive",
     "num_tree_tokens": "num_tree_tokens",
     "tree_topk": "tree_topk",
+    "draft_vocab_size": "draft_vocab_size",
     "spec_decoding_acceptance_method": "acceptance_method",
     "typical_acceptance_sampler_posterior_threshold": "posterior_threshold",
     "typical_acceptance_sampler_posterior_alpha": "posterior_alpha",

@@ -276,3 +276,24 @@ def test_draft_vocabulary_settings_are_checked(setup, tmp_path):
     spec = SpeculativeConfig(method="eagle", draft=str(bare), draft_vocab_size=16)
     with pytest.raises(QuantkitError, match="needs the token counts"):
         LLM(str(folder), cpu_kv_blocks=64, speculative=spec)
+
+
+def test_cli_draft_vocab_size(setup):
+    """``generate --draft-vocab-size`` drafts from the draft vocabulary (plain greedy's tokens); with another method
+    it is refused in one line."""
+    import json
+
+    from click.testing import CliRunner
+
+    from quantkit.cli.main import cli
+
+    folder, heads, _, _ = setup
+    base = ["generate", "--model", str(folder), "--device", "cpu", "--token-ids", "--json", "--max-tokens", "8"]
+    plain = CliRunner().invoke(cli, [*base, "5 38 77"])
+    eagle = CliRunner().invoke(cli, [*base, "--speculative", "eagle", "--draft-model", str(heads),
+                                     "--draft-vocab-size", "32", "5 38 77"])  # fmt: skip
+    assert eagle.exit_code == 0 and plain.exit_code == 0, eagle.output
+    ids = [json.loads(r.output.splitlines()[0])["completions"][0]["token_ids"] for r in (eagle, plain)]
+    assert ids[0] == ids[1]
+    bad = CliRunner().invoke(cli, [*base, "--speculative", "ngram", "--draft-vocab-size", "32", "5 38 77"])
+    assert bad.exit_code == 2 and "needs method eagle" in bad.output and "Traceback" not in bad.output, bad.output
