@@ -41,9 +41,11 @@ class ShadowRunner:
         self.steps = 0
         self.ahead = 0  # steps run with inputs from a previous step's tokens still on the device
 
-    def run(self, batch, ids_from=None):
+    def run(self, batch, ids_from=None, drafts=None):
         """``ids_from`` (seq_id -> index, tokens): those sequences' last token is a placeholder on the host and
-        comes from ``tokens``, as the engine's device patch does (async scheduling)."""
+        comes from ``tokens``, as the engine's device patch does (async scheduling). ``drafts``: none here (prompt
+        lookup drafts on the host)."""
+        assert drafts is None
         self.steps += 1
         self.ahead += ids_from is not None
         for src, dst in batch.copies:
@@ -108,8 +110,8 @@ class RandomProposer:
 class AgreeingShadow(ShadowRunner):
     """Logits rows for every verified position: peaked on the drafted token with probability 0.7."""
 
-    def run(self, batch, ids_from=None):
-        plain = super().run(batch, ids_from)
+    def run(self, batch, ids_from=None, drafts=None):
+        plain = super().run(batch, ids_from, drafts)
         rows = []
         for seq, row in zip(batch.sampled, plain, strict=True):
             drafted = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens :]
