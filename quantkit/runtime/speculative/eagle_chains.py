@@ -113,12 +113,12 @@ class EagleChains:
         self.free = list(range(self.scratch))[::-1]
         self.cos, self.sin = (t.to(target.dtype) for t in (head.cos, head.sin))
         attn, mlp = head.layer.self_attn, head.layer.mlp
-        if self.device.type == "cuda":  # one GEMM for q/k/v and one for gate/up (the eager path keeps the parts)
+        if self.device.type == "cuda":  # one GEMM for q/k/v, one for gate/up (copies: the eager path keeps the parts)
             attn.qkv_proj = concat_projections((attn.q_proj, attn.k_proj, attn.v_proj))
             mlp.gate_up_proj = concat_projections((mlp.gate_proj, mlp.up_proj))
         self.hidden, self.num_kv_heads = target.config.hidden_size, attn.num_kv_heads
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.static: dict[int, tuple[torch.Tensor, torch.Tensor, tuple]] = {}  # bucket -> (feats, ints, views)
+        self.static: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # batch bucket -> (feats, ints) buffers
         self.vocab = None  # a DraftReadout (``draft_vocab``): read out its rows only, draft its tokens only
         self.pool = None
 
@@ -139,7 +139,7 @@ class EagleChains:
         """Token ids of positions in ``_logits``' last dimension."""
         return index if self.vocab is None else self.vocab.tokens(index)
 
-    def _window_meta(self, rows: int, width: int, slots, ctx, cu, tables) -> AttentionMetadata:
+    def _window_meta(self, width: int, slots, ctx, cu, tables) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=slots, num_decodes=0, prefill_block_tables=tables, prefill_cu_seqlens=cu,
             prefill_context_lens=ctx, max_prefill_len=width, prefill_has_prefix=True, backend=self.backend,
@@ -165,7 +165,7 @@ class EagleChains:
         """Catch up on the windows -> (the layer's output at each one's last real row [b, H], block tables)."""
         ids, pos, slots, ctx, cu, last, slot = views[:7]
         tables = self.tables[slot.long()]
-        meta = self._window_meta(b, self.width, slots, ctx, cu, tables)
+        meta = self._window_meta(self.width, slots, ctx, cu, tables)
         return self._layer(feats, ids, pos, meta)[last.long()], tables
 
     def _draft(self, feats: torch.Tensor, ints: torch.Tensor, b: int) -> torch.Tensor:
@@ -305,7 +305,7 @@ class EagleChains:
         ids = torch.tensor(seq.token_ids[start + 1 : end + 1], dtype=torch.int32)
         ints = [t.to(device) for t in (ids, pos, slots, torch.tensor([end - lo], dtype=torch.int32),
                                        torch.tensor([0, n], dtype=torch.int32))]  # fmt: skip
-        meta = self._window_meta(1, n, ints[2], ints[3], ints[4], self.tables[index : index + 1])
+        meta = self._window_meta(n, ints[2], ints[3], ints[4], self.tables[index : index + 1])
         self._layer(self.proposer.store.seqs[seq.seq_id].buf[start:end], ints[0], ints[1], meta)
 
     def release(self, keep: set[int]) -> None:

@@ -71,8 +71,8 @@ class EagleTrees(EagleChains):
             chunk = torch.arange(rows, device=dev)
             pos = (n[:, None] + chunk // k).flatten()
             slots = (slot_n[:, None] + chunk).flatten().int()
-            meta = self._window_meta(b, rows, slots, (span + rows).int(), (torch.arange(b + 1, device=dev) * rows)
-                                     .int(), tables)  # fmt: skip
+            cu = (torch.arange(b + 1, device=dev) * rows).int()
+            meta = self._window_meta(rows, slots, (span + rows).int(), cu, tables)
             meta.prefill_tree_mask = torch.cat(f_words, dim=1).flatten()
             x = torch.cat(f_feats, dim=1).flatten(0, 1)
             out = self._layer(x, torch.cat(f_tokens, dim=1).flatten(), pos, meta).view(b, rows, -1)[:, -k:]
