@@ -181,9 +181,14 @@ class ModelRunner:
         if rows == src == tuple(range(len(rows))):  # the same sequences in the same order: one copy
             ids[: len(rows)].copy_(tokens[: len(rows)])
             return
-        pin = self.device.type == "cuda"
-        index = torch.tensor([rows, src], dtype=torch.int64, pin_memory=pin).to(self.device, non_blocking=True)
+        index = self._device_index([rows, src])
         ids[index[0]] = tokens[index[1]]
+
+    def _device_index(self, values) -> torch.Tensor:
+        """``values`` (a list, or a list of lists) as an int64 tensor on the device, copied asynchronously (from
+        pinned memory on CUDA: a pageable copy would wait for the work queued before it)."""
+        pin = self.device.type == "cuda"
+        return torch.tensor(values, dtype=torch.int64, pin_memory=pin).to(self.device, non_blocking=True)
 
     def _patch_drafts(self, layout: StepLayout, flat: torch.Tensor, batch: ScheduledBatch, drafts) -> None:
         """Write on the device the input ids of drafted tokens the host does not know yet: ``drafts`` (tokens
@@ -197,8 +202,7 @@ class ModelRunner:
                 dst += range(last - k + 1, last + 1)
                 src += range(row * depth, row * depth + k)
         if dst:
-            pin = self.device.type == "cuda"
-            index = torch.tensor([dst, src], dtype=torch.int64, pin_memory=pin).to(self.device, non_blocking=True)
+            index = self._device_index([dst, src])
             ids = flat[layout.offsets["ids"][0] :]
             ids[index[0]] = drafted.flatten()[index[1]].to(ids.dtype)
 
@@ -276,9 +280,7 @@ class ModelRunner:
         if self.on_hidden is not None:  # the real rows (sequence i's from row i * width), in the eager step's order
             width = self.verify_width
             index = [i * width + j for i in packed_order(batch) for j in range(batch.num_new[i])]
-            pin = self.device.type == "cuda"
-            index = torch.tensor(index, dtype=torch.int64, pin_memory=pin).to(self.device, non_blocking=True)
-            self.on_hidden(batch, out[index])
+            self.on_hidden(batch, out[self._device_index(index)])
         a, b = layout.offsets["sample"]
         return self.model.logits(out[flat[a:b]]).float()
 

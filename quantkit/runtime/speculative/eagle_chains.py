@@ -212,14 +212,18 @@ class EagleChains:
         cu = torch.arange(b + 1, dtype=torch.int32) * w
         return torch.cat([ids.flatten(), pos.flatten(), slots.flatten(), ctx, cu, last, slot]), bases, ends, los
 
+    def _fill(self, feats: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        """Write each row's window features at the start of its ``width`` rows of ``feats`` [b * width, H]."""
+        for r, f in enumerate(rows):
+            feats[r * self.width : r * self.width + f.shape[0]] = f
+
     def _replay(self, feats_rows: list[torch.Tensor], host: torch.Tensor, b: int) -> torch.Tensor:
         if b not in self.static:
             feats = torch.zeros(b * self.width, self.hidden, dtype=self.cache[0].dtype, device=self.device)
             ints = torch.zeros_like(host, device=self.device)
             self.static[b] = (feats, ints)
         feats, ints = self.static[b]
-        for r, f in enumerate(feats_rows):
-            feats[r * self.width : r * self.width + f.shape[0]] = f
+        self._fill(feats, feats_rows)
         if self.device.type == "cuda":
             host = host.pin_memory()  # an asynchronous copy
         ints.copy_(host, non_blocking=True)
@@ -272,10 +276,9 @@ class EagleChains:
             b = next(size for size in BATCH_BUCKETS if size >= len(rows))
             drafted = self._replay(feats, self._ints(list(rows.values()), b), b)
         else:
-            b, w = len(rows), self.width
-            padded = torch.zeros(b * w, self.hidden, dtype=self.cache[0].dtype, device=self.device)
-            for r, f in enumerate(feats):
-                padded[r * w : r * w + f.shape[0]] = f
+            b = len(rows)
+            padded = torch.zeros(b * self.width, self.hidden, dtype=self.cache[0].dtype, device=self.device)
+            self._fill(padded, feats)
             drafted = self._draft(padded, self._ints(list(rows.values()), b).to(self.device), b)
         return {i: r for r, i in enumerate(rows)}, drafted
 
@@ -290,8 +293,9 @@ class EagleChains:
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         """Greedy drafts of ``ks[i]`` (<= depth) tokens for each of ``seqs``, in one batched chain."""
         out = [Draft([]) for _ in seqs]
-        rows, drafted = self._run(seqs, [k > 0 for k in ks])
-        if rows:
+        launched = self.launch(seqs, ks)
+        if launched is not None:
+            rows, drafted = launched
             tokens = drafted[: len(rows)].tolist()
             for i, r in rows.items():
                 out[i] = Draft(tokens[r][: ks[i]])
