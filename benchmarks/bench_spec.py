@@ -26,13 +26,20 @@ instead on the target's own continuations of passages of that text (``train_draf
 ``--self-tokens``).
 ``--trees N`` also measures the head proposers with draft trees of N tokens (``--tree-k`` deep; EAGLE-2's dynamic
 tree, Medusa's sparse one); ``--speed-proposers`` limits the end-to-end runs (``best-eagle``: the EAGLE heads of the
-highest greedy tau), and ``--speed-tree N`` adds a tree run of those heads.
+highest greedy tau), and ``--speed-tree N`` adds a tree run of those heads. ``--draft-vocab N,...`` adds the EAGLE
+heads with a draft vocabulary of N tokens (proposer ``eagle-v8k``); ``--head-schemes w8a16-pc,...`` adds the heads
+with their weights rounded to that scheme (proposer ``eagle-w8a16-pc``: the tau of quantized heads). ``--model`` may
+be a quantkit checkpoint: tau of a quantized target, with heads trained on the float model or (``--train``) on it.
 
 Part 2 (``--costs``, random weights in the Llama-3-8B shape, so acceptance is not meaningful there): median time of a
 decode step, of a verify step of k + 1 tokens per sequence and of one draft step (W4A16 self, and with half the
 layers), at batch 1 and 16, each on a 512-token context; then the projected batch-1 speed-up at the acceptance
 measured in part 1: speed-up = E(a, k) * t_decode / (k * t_draft + t_verify(k)), E(a, k) = (1 - a^(k+1)) / (1 - a)
 (a projection: labelled so in the table).
+
+Part 2, heads (``--head-costs``, ``spec_costs.head_costs``): on the Llama-3-8B shape (bf16 and W4A16 targets), a
+decode step, EAGLE's chain and Medusa's heads, each ``--trees`` N tree and its verify step, and the EAGLE chain and
+trees again with each ``--draft-vocab`` size; the batch-1 speed-up they project at the tau of ``--acceptance``.
 
 Part 2, MTP (``--mtp``, issue 51; ``spec_costs.mtp_costs``): DeepSeek-V3's MTP drafter on ``dummy:deepseek-v3-tiny``
 (random bf16 weights with one random MTP layer), at batch 1 and 8 on a 512-token context, k = 1, 2, 3: a decode
@@ -56,10 +63,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import add_out_argument, environment, kernel_device, out_folder, text_row
-from spec_costs import head_costs, head_projection, mtp_costs, mtp_table, project, step_costs
+from spec_costs import head_costs, head_projection, mtp_costs, mtp_table, project, step_costs, vocab_suffix
 
+from quantkit.errors import QuantkitError
 from quantkit.runtime import LLM, SamplingParams
-from quantkit.runtime.speculative.config import SpeculativeConfig
+from quantkit.runtime.speculative.config import SpeculativeConfig, weight_scheme
 
 QUESTIONS = [
     "What is the capital of France, and why is it famous?",
@@ -230,7 +238,36 @@ def proposers(args, layers: int) -> dict[str, dict]:
     out = {**args.trained, **out}
     for name, spec in list(out.items()):  # the EAGLE heads again with each draft vocabulary
         for size in args.draft_vocab if spec["method"] == "eagle" else ():
-            out[f"{name}-v{size // 1000}k"] = dict(spec, draft_vocab_size=size)
+            out[name + vocab_suffix(size)] = dict(spec, draft_vocab_size=size)
+    for name, spec in list(out.items()):  # the heads again with their weights rounded to each scheme
+        for scheme in args.head_schemes if spec["method"] in ("eagle", "medusa") and "-v" not in name else ():
+            folder = rounded_heads(Path(spec["draft"]), scheme, args.heads_dir / f"{name}-{scheme}")
+            out[f"{name}-{scheme}"] = dict(spec, draft=str(folder))
+    return out
+
+
+def rounded_heads(folder: Path, scheme: str, out: Path) -> Path:
+    """``--head-schemes``: a copy of the heads in ``folder`` with every weight matrix rounded to ``scheme``'s grid
+    (RTN, ``weight_scheme`` names: ``w8a16-pc``, ``w4a16-g128``) and stored dequantized in its dtype, so that tau
+    measures what quantized heads would draft. The runtime drafts with these weights in float: their speed is not
+    that of quantized heads."""
+    from safetensors.torch import load_file, save_file
+
+    from quantkit.algorithms.rtn import rtn
+    from quantkit.runtime.speculative.draft_vocab import COUNTS_FILE
+    from quantkit.runtime.speculative.heads import CONFIG_FILE, WEIGHTS_FILE, read_meta
+
+    grid = weight_scheme(scheme)
+    meta = read_meta(folder)  # a folder that is not heads: one line
+    tensors = load_file(str(folder / WEIGHTS_FILE))
+    rounded = {k: rtn(v, grid).dequantize(v.dtype) if v.dim() == 2 else v for k, v in tensors.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(rounded, str(out / WEIGHTS_FILE))
+    (out / CONFIG_FILE).write_text(json.dumps({**meta, "weights_rounded_to": scheme}, indent=2))
+    if (folder / COUNTS_FILE).is_file():
+        (out / COUNTS_FILE).write_bytes((folder / COUNTS_FILE).read_bytes())
+    err = max((rounded[k].float() - v.float()).abs().max().item() for k, v in tensors.items() if v.dim() == 2)
+    print(f"heads {folder} rounded to {scheme} -> {out} (largest weight change {err:.4f})", flush=True)
     return out
 
 
@@ -439,6 +476,8 @@ def main() -> None:
     ap.add_argument("--count-tokens", default=None, help="texts whose token counts EAGLE heads lacking them get "
                     "(train-draft's --data names), for --draft-vocab")  # fmt: skip
     ap.add_argument("--tree-k", type=int, default=6, help="depth of the draft trees")
+    ap.add_argument("--head-schemes", default="", help="the heads also with weights rounded to these schemes "
+                    "(w8a16-pc,w4a16-g128; tau only: they draft in float)")  # fmt: skip
     ap.add_argument(
         "--train", action="append", default=[], help="part 0: heads, METHOD:TOKENS|all[:EPOCHS[:text|self[:UNROLL]]]"
     )
@@ -478,6 +517,12 @@ def main() -> None:
     args.speed_sets = [s for s in args.speed_sets.split(",") if s]
     args.trees = [int(n) for n in args.trees.split(",") if n]
     args.draft_vocab = [int(n) for n in args.draft_vocab.split(",") if n]
+    args.head_schemes = [s for s in args.head_schemes.split(",") if s]
+    for scheme in args.head_schemes:
+        try:
+            weight_scheme(scheme)
+        except QuantkitError as exc:
+            ap.error(f"--head-schemes: {exc}")
     args.head_targets = [t for t in args.head_targets.split(",") if t]
     if args.head_costs and not set(args.head_targets) <= {"bf16", "w4a16"}:
         ap.error("--head-targets takes bf16 and w4a16")

@@ -17,7 +17,9 @@ call); the step costs of ``step_costs`` are medians of 20 synchronised steps.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import re
 import time
 from pathlib import Path
 
@@ -255,6 +257,11 @@ def mtp_table(result: dict) -> list[str]:
 # -- draft heads (EAGLE, Medusa) and draft trees on the Llama-3-8B shape ----------------------------------------------
 
 
+def vocab_suffix(size: int) -> str:
+    """The suffix a draft vocabulary of ``size`` tokens adds to a proposer's name: ``-v8k`` (8000), ``-v300``."""
+    return f"-v{size // 1000}k" if size % 1000 == 0 else f"-v{size}"
+
+
 def random_heads(llm: LLM, method: str, folder, num_heads: int = MEDUSA_HEADS):
     """Untrained heads of ``method`` for ``llm``'s model saved in ``folder`` (random weights: their cost is the
     trained heads' cost), so the engine's own loader takes them."""
@@ -283,6 +290,7 @@ def head_costs(args, folder, smoke: bool = False) -> dict:
     tiny Llama on the CPU (timings meaningless)."""
     from quantkit.quant.scheme import QuantScheme
     from quantkit.runtime import loader
+    from quantkit.runtime.speculative.draft_vocab import save_token_counts
     from quantkit.runtime.speculative.heads import head_proposer
     from quantkit.runtime.speculative.tree_draft import tree_drafter
 
@@ -304,33 +312,41 @@ def head_costs(args, folder, smoke: bool = False) -> dict:
         seqs = prefilled(llm, 1, context, room, seed)
         costs["decode"] = time_of(lambda: runner.run(of(seqs, 1)))
         llm.block_manager.free_seq(seqs[0])
-        for method in ("eagle", "medusa"):
+        variants = [("eagle", None), *(("eagle", n) for n in args.draft_vocab), ("medusa", None)]
+        for method, vocab in variants:
+            label = method + ("" if vocab is None else vocab_suffix(vocab))
             heads = random_heads(llm, method, Path(folder) / f"{target}-{method}")
-            spec = SpeculativeConfig(method=method, draft=str(heads), num_speculative_tokens=k, adaptive=False)
+            if vocab is not None:  # random token counts: which tokens are drafted does not change the cost
+                vocab_size = llm.model.config.vocab_size
+                save_token_counts(heads, torch.randperm(vocab_size), vocab_size)
+            spec = SpeculativeConfig(method=method, draft=str(heads), num_speculative_tokens=k, adaptive=False,
+                                     draft_vocab_size=vocab)  # fmt: skip
             proposer = head_proposer(spec, runner)  # the runner hands it the features of every step from now on
             seed += 1
             seqs = prefilled(llm, 1, context, room, seed)
             chain = proposer.propose(seqs, [k], [None])[0]  # the first catches up on the whole context
             wanted = min(k, MEDUSA_HEADS) if method == "medusa" else k
             if len(chain.tokens) != wanted:  # a proposer that drafted nothing would time as free
-                raise RuntimeError(f"{method} drafted {len(chain.tokens)} tokens, not {wanted}")
-            costs[f"{method} chain"] = time_of(lambda p=proposer, seqs=seqs: p.propose(seqs, [k], [None]))
-            if method == "eagle":
+                raise RuntimeError(f"{label} drafted {len(chain.tokens)} tokens, not {wanted}")
+            costs[f"{label} chain"] = time_of(lambda p=proposer, seqs=seqs: p.propose(seqs, [k], [None]))
+            if label == "eagle":
                 seqs[0].add_draft(chain.tokens, None)
                 costs["verify chain"] = time_of(lambda seqs=seqs: runner.run(of(seqs, k + 1)))
                 seqs[0].drop_draft()
             for n in args.trees:
-                tree_spec = SpeculativeConfig(method=method, draft=str(heads), num_speculative_tokens=depth,
-                                              num_tree_tokens=n, adaptive=False)  # fmt: skip
+                tree_spec = dataclasses.replace(spec, num_speculative_tokens=depth, num_tree_tokens=n)
                 drafter = tree_drafter(tree_spec, proposer, runner)
                 tree = drafter.propose(seqs, [n], [depth])[0]
-                costs[f"{method} tree {n}"] = time_of(lambda d=drafter, n=n, seqs=seqs: d.propose(seqs, [n], [depth]))
-                seqs[0].add_draft(tree.tokens.tolist(), None, tree.parent.tolist())
-                runner.capture_verify_graphs(n + 1, trees=True)  # as an engine drafting such trees verifies them
-                costs[f"verify {method} tree {n}"] = time_of(lambda t=tree, seqs=seqs: runner.run(of(seqs, t.size + 1)))
-                runner.capture_verify_graphs(k + 1)
-                costs[f"{method} tree {n} tokens"] = tree.size  # a count, not seconds
-                seqs[0].drop_draft()
+                costs[f"{label} tree {n}"] = time_of(lambda d=drafter, n=n, seqs=seqs: d.propose(seqs, [n], [depth]))
+                if vocab is None:  # the verify step does not depend on the draft vocabulary
+                    seqs[0].add_draft(tree.tokens.tolist(), None, tree.parent.tolist())
+                    runner.capture_verify_graphs(n + 1, trees=True)  # as an engine drafting such trees verifies them
+                    costs[f"verify {method} tree {n}"] = time_of(
+                        lambda t=tree, seqs=seqs: runner.run(of(seqs, t.size + 1))
+                    )
+                    runner.capture_verify_graphs(k + 1)
+                    seqs[0].drop_draft()
+                costs[f"{label} tree {n} tokens"] = tree.size  # a count, not seconds
             proposer.release(set())
             runner.on_hidden = None
             llm.block_manager.free_seq(seqs[0])
@@ -356,11 +372,15 @@ def head_projection(costs: dict, accepted: list[dict], k: int, trees: list[int])
         for r in accepted:
             if r["temperature"] != 0 or not r["proposer"].startswith(("eagle", "medusa")):
                 continue
+            if re.search(r"-w\d+a16-", r["proposer"]):  # rounded heads (--head-schemes) draft at float heads' cost
+                continue
             method = "eagle" if r["proposer"].startswith("eagle") else "medusa"
-            if r["tree"] is None and r["k"] == k:
-                draft, verify = c[f"{method} chain"], c["verify chain"]
-            elif r["tree"] in trees:
-                draft, verify = c[f"{method} tree {r['tree']}"], c[f"verify {method} tree {r['tree']}"]
+            vocab = re.search(r"-v\d+k?$", r["proposer"])  # heads run with a draft vocabulary: its costs
+            label = method + (vocab[0] if vocab else "")
+            if r["tree"] is None and r["k"] == k and f"{label} chain" in c:
+                draft, verify = c[f"{label} chain"], c["verify chain"]
+            elif r["tree"] in trees and f"{label} tree {r['tree']}" in c:
+                draft, verify = c[f"{label} tree {r['tree']}"], c[f"verify {method} tree {r['tree']}"]
             else:
                 continue
             step = draft + verify

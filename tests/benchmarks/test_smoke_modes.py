@@ -158,9 +158,12 @@ def test_spec_head_costs_smoke_times_chains_and_trees_and_projects_from_them(tmp
     rows = [dict(proposer="eagle-x", prompts="narrative", temperature=0, k=4, tree=None, tau=2.0),
             dict(proposer="eagle-x", prompts="narrative", temperature=0, k=4, tree=8, tau=2.5),
             dict(proposer="medusa-x", prompts="chat", temperature=0, k=4, tree=None, tau=1.5),
-            dict(proposer="eagle-x", prompts="chat", temperature=0.7, k=4, tree=None, tau=9.0)]  # fmt: skip
+            dict(proposer="eagle-x", prompts="chat", temperature=0.7, k=4, tree=None, tau=9.0),
+            dict(proposer="eagle-x-v256", prompts="narrative", temperature=0, k=4, tree=None, tau=1.8),
+            dict(proposer="eagle-x-v256", prompts="narrative", temperature=0, k=4, tree=8, tau=2.2),
+            dict(proposer="eagle-x-w4a16-g128", prompts="narrative", temperature=0, k=4, tree=None, tau=1)]  # fmt: skip
     (tmp_path / "a.json").write_text(json.dumps({"acceptance": rows}))
-    smoke("bench_spec.py", tmp_path, "--head-costs", "--smoke", "--trees", "8", "--tree-k", "3",
+    smoke("bench_spec.py", tmp_path, "--head-costs", "--smoke", "--trees", "8", "--tree-k", "3", "--draft-vocab", "256",
           "--acceptance", str(tmp_path / "a.json"))  # fmt: skip
     data = json.loads((tmp_path / "head_costs.json").read_text())
     costs = data["head_costs_s"]
@@ -168,13 +171,51 @@ def test_spec_head_costs_smoke_times_chains_and_trees_and_projects_from_them(tmp
     for c in costs.values():
         assert c["eagle tree 8 tokens"] == c["medusa tree 8 tokens"] == 8
         assert all(c[key] > 0 for key in ("decode", "eagle chain", "verify chain", "medusa chain", "eagle tree 8",
-                                          "verify eagle tree 8", "medusa tree 8", "verify medusa tree 8"))  # fmt: skip
+                                          "verify eagle tree 8", "medusa tree 8", "verify medusa tree 8",
+                                          "eagle-v256 chain", "eagle-v256 tree 8"))  # fmt: skip
+        assert c["eagle-v256 tree 8 tokens"] == 8
     projection = data["head_projection"]
-    assert len(projection) == 6  # three greedy rows x two targets; the sampled row is not projected
+    # five greedy rows x two targets; the sampled row and the rounded heads (float heads' cost) are not projected
+    assert len(projection) == 10
     for r in projection:
         c = costs[r["target"]]
         method = r["proposer"].split("-")[0]
-        draft, verify = (c[f"{method} chain"], c["verify chain"]) if r["tree"] is None else (
-            c[f"{method} tree 8"], c[f"verify {method} tree 8"])  # fmt: skip
+        label = method + ("-v256" if r["proposer"].endswith("-v256") else "")
+        draft, verify = (c[f"{label} chain"], c["verify chain"]) if r["tree"] is None else (
+            c[f"{label} tree 8"], c[f"verify {method} tree 8"])  # fmt: skip
         assert abs(r["projected_speedup"] - r["tau"] * c["decode"] / (draft + verify)) < 1e-9
         assert abs(r["projected_over_bf16"] - r["tau"] * costs["bf16"]["decode"] / (draft + verify)) < 1e-9
+
+
+def test_spec_rounded_heads_sit_on_the_scheme_grid_and_keep_the_rest(tmp_path):
+    """``bench_spec.py --head-schemes``: every weight matrix of the copy is its RTN rounding to the scheme (at most
+    2^bits values per row and group), vectors are kept bit for bit, the config names the scheme; a bad scheme is
+    argparse's one-line exit 2."""
+    import importlib
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+
+    from quantkit.runtime.speculative.heads import WEIGHTS_FILE, base_fingerprint, make_heads, read_meta, save_heads
+
+    sys.path.insert(0, str(BENCHMARKS))
+    bench = importlib.import_module("bench_spec")
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    torch.manual_seed(0)
+    heads = make_heads("eagle", config, 1)
+    base = base_fingerprint(config, torch.randn(64, 64))
+    save_heads(tmp_path / "h", heads, {"method": "eagle", "num_heads": 1, "base": base})
+    out = bench.rounded_heads(tmp_path / "h", "w4a16-g32", tmp_path / "r")
+    before, after = load_file(str(tmp_path / "h" / WEIGHTS_FILE)), load_file(str(out / WEIGHTS_FILE))
+    assert before.keys() == after.keys() and read_meta(out)["weights_rounded_to"] == "w4a16-g32"
+    for key, w in before.items():
+        if w.dim() == 1:
+            assert torch.equal(after[key], w)
+            continue
+        groups = after[key].reshape(w.shape[0], -1, 32)
+        assert max(len(g.unique()) for row in groups for g in row) <= 16 and not torch.equal(after[key], w)
+    refused = subprocess.run([sys.executable, str(BENCHMARKS / "bench_spec.py"), "--head-schemes", "int3",
+                              "--out", str(tmp_path)], capture_output=True, text=True)  # fmt: skip
+    assert refused.returncode == 2 and "--head-schemes: draft scheme must look like" in refused.stderr.splitlines()[-1]
