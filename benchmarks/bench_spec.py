@@ -63,11 +63,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import add_out_argument, environment, kernel_device, out_folder, text_row
-from spec_costs import head_costs, head_projection, mtp_costs, mtp_table, project, step_costs, vocab_suffix
+from spec_costs import (
+    head_costs,
+    head_projection,
+    mtp_costs,
+    mtp_table,
+    project,
+    rounded_heads,
+    step_costs,
+    vocab_suffix,
+)
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime import LLM, SamplingParams
 from quantkit.runtime.speculative.config import SpeculativeConfig, weight_scheme
+from quantkit.runtime.speculative.heads import read_meta
 
 QUESTIONS = [
     "What is the capital of France, and why is it famous?",
@@ -240,34 +250,11 @@ def proposers(args, layers: int) -> dict[str, dict]:
         for size in args.draft_vocab if spec["method"] == "eagle" else ():
             out[name + vocab_suffix(size)] = dict(spec, draft_vocab_size=size)
     for name, spec in list(out.items()):  # the heads again with their weights rounded to each scheme
-        for scheme in args.head_schemes if spec["method"] in ("eagle", "medusa") and "-v" not in name else ():
+        if spec["method"] not in ("eagle", "medusa") or "draft_vocab_size" in spec:
+            continue
+        for scheme in args.head_schemes:
             folder = rounded_heads(Path(spec["draft"]), scheme, args.heads_dir / f"{name}-{scheme}")
             out[f"{name}-{scheme}"] = dict(spec, draft=str(folder))
-    return out
-
-
-def rounded_heads(folder: Path, scheme: str, out: Path) -> Path:
-    """``--head-schemes``: a copy of the heads in ``folder`` with every weight matrix rounded to ``scheme``'s grid
-    (RTN, ``weight_scheme`` names: ``w8a16-pc``, ``w4a16-g128``) and stored dequantized in its dtype, so that tau
-    measures what quantized heads would draft. The runtime drafts with these weights in float: their speed is not
-    that of quantized heads."""
-    from safetensors.torch import load_file, save_file
-
-    from quantkit.algorithms.rtn import rtn
-    from quantkit.runtime.speculative.draft_vocab import COUNTS_FILE
-    from quantkit.runtime.speculative.heads import CONFIG_FILE, WEIGHTS_FILE, read_meta
-
-    grid = weight_scheme(scheme)
-    meta = read_meta(folder)  # a folder that is not heads: one line
-    tensors = load_file(str(folder / WEIGHTS_FILE))
-    rounded = {k: rtn(v, grid).dequantize(v.dtype) if v.dim() == 2 else v for k, v in tensors.items()}
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(rounded, str(out / WEIGHTS_FILE))
-    (out / CONFIG_FILE).write_text(json.dumps({**meta, "weights_rounded_to": scheme}, indent=2))
-    if (folder / COUNTS_FILE).is_file():
-        (out / COUNTS_FILE).write_bytes((folder / COUNTS_FILE).read_bytes())
-    err = max((rounded[k].float() - v.float()).abs().max().item() for k, v in tensors.items() if v.dim() == 2)
-    print(f"heads {folder} rounded to {scheme} -> {out} (largest weight change {err:.4f})", flush=True)
     return out
 
 
@@ -299,6 +286,14 @@ def bucket_figures(b) -> dict:
     }
 
 
+def drafter(llm: LLM) -> dict:
+    """What an acceptance row says of its heads beyond their name: the draft vocabulary's size and the scheme their
+    weights were rounded to (``--head-schemes``), each None where it does not apply."""
+    config = llm.spec.config
+    rounded = read_meta(config.draft).get("weights_rounded_to") if config.method in ("eagle", "medusa") else None
+    return dict(draft_vocab_size=config.draft_vocab_size, heads_rounded_to=rounded)
+
+
 def measure(llm: LLM, name: str, sets: dict, args, rows: list, ks, tree: int | None = None) -> None:
     """Acceptance and tau of ``llm``'s proposer on every prompt set and temperature, at each k (the tree's depth)."""
     for kind, prompts in sets.items():
@@ -312,7 +307,8 @@ def measure(llm: LLM, name: str, sets: dict, args, rows: list, ks, tree: int | N
                 llm.generate(prompts, params)
                 t = llm.spec.totals
                 rows.append(dict(proposer=name, prompts=kind, temperature=temperature, k=k, tree=tree,
-                                 acceptance=t.acceptance_rate, tau=t.emitted / max(t.steps, 1)))  # fmt: skip
+                                 acceptance=t.acceptance_rate, tau=t.emitted / max(t.steps, 1),
+                                 **drafter(llm)))  # fmt: skip
                 print(text_row([name, kind, temperature, k, tree or "-", f"{t.acceptance_rate:.3f}",
                                 f"{rows[-1]['tau']:.2f}"], [14, 10, 4, 2, 3, 6, 5]), flush=True)  # fmt: skip
 
@@ -521,6 +517,12 @@ def main() -> None:
     for scheme in args.head_schemes:
         try:
             weight_scheme(scheme)
+        except QuantkitError as exc:
+            ap.error(f"--head-schemes: {exc}")
+    for folder in (args.eagle_heads, args.medusa_heads) if args.head_schemes else ():
+        try:  # heads to round must be heads, before the target loads
+            if folder is not None:
+                read_meta(folder)
         except QuantkitError as exc:
             ap.error(f"--head-schemes: {exc}")
     args.head_targets = [t for t in args.head_targets.split(",") if t]

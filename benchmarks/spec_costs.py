@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import re
+import json
 import time
 from pathlib import Path
 
@@ -262,6 +262,32 @@ def vocab_suffix(size: int) -> str:
     return f"-v{size // 1000}k" if size % 1000 == 0 else f"-v{size}"
 
 
+def rounded_heads(folder: Path, scheme: str, out: Path) -> Path:
+    """``--head-schemes``: a copy of the heads in ``folder`` with every weight matrix rounded to ``scheme``'s grid
+    (RTN, ``weight_scheme`` names: ``w8a16-pc``, ``w4a16-g128``) and stored dequantized in its dtype, so that tau
+    measures what quantized heads would draft. The runtime drafts with these weights in float: their speed is not
+    that of quantized heads."""
+    from safetensors.torch import load_file, save_file
+
+    from quantkit.algorithms.rtn import rtn
+    from quantkit.runtime.speculative.config import weight_scheme
+    from quantkit.runtime.speculative.draft_vocab import COUNTS_FILE
+    from quantkit.runtime.speculative.heads import CONFIG_FILE, WEIGHTS_FILE, read_meta
+
+    grid = weight_scheme(scheme)
+    meta = read_meta(folder)
+    tensors = load_file(str(folder / WEIGHTS_FILE))
+    rounded = {k: rtn(v, grid).dequantize(v.dtype) if v.dim() == 2 else v for k, v in tensors.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(rounded, str(out / WEIGHTS_FILE))
+    (out / CONFIG_FILE).write_text(json.dumps({**meta, "weights_rounded_to": scheme}, indent=2))
+    if (folder / COUNTS_FILE).is_file():
+        (out / COUNTS_FILE).write_bytes((folder / COUNTS_FILE).read_bytes())
+    err = max((rounded[k].float() - v.float()).abs().max().item() for k, v in tensors.items() if v.dim() == 2)
+    print(f"heads {folder} rounded to {scheme} -> {out} (largest weight change {err:.4f})", flush=True)
+    return out
+
+
 def random_heads(llm: LLM, method: str, folder, num_heads: int = MEDUSA_HEADS):
     """Untrained heads of ``method`` for ``llm``'s model saved in ``folder`` (random weights: their cost is the
     trained heads' cost), so the engine's own loader takes them."""
@@ -315,8 +341,8 @@ def head_costs(args, folder, smoke: bool = False) -> dict:
         variants = [("eagle", None), *(("eagle", n) for n in args.draft_vocab), ("medusa", None)]
         for method, vocab in variants:
             label = method + ("" if vocab is None else vocab_suffix(vocab))
-            heads = random_heads(llm, method, Path(folder) / f"{target}-{method}")
-            if vocab is not None:  # random token counts: which tokens are drafted does not change the cost
+            heads = random_heads(llm, method, Path(folder) / f"{target}-{label}")
+            if vocab is not None:  # every token counted once (the N lowest ids): which rows are read costs the same
                 vocab_size = llm.model.config.vocab_size
                 save_token_counts(heads, torch.randperm(vocab_size), vocab_size)
             spec = SpeculativeConfig(method=method, draft=str(heads), num_speculative_tokens=k, adaptive=False,
@@ -372,11 +398,11 @@ def head_projection(costs: dict, accepted: list[dict], k: int, trees: list[int])
         for r in accepted:
             if r["temperature"] != 0 or not r["proposer"].startswith(("eagle", "medusa")):
                 continue
-            if re.search(r"-w\d+a16-", r["proposer"]):  # rounded heads (--head-schemes) draft at float heads' cost
+            if r.get("heads_rounded_to"):  # rounded heads (--head-schemes) draft in float: their cost is not timed
                 continue
             method = "eagle" if r["proposer"].startswith("eagle") else "medusa"
-            vocab = re.search(r"-v\d+k?$", r["proposer"])  # heads run with a draft vocabulary: its costs
-            label = method + (vocab[0] if vocab else "")
+            vocab = r.get("draft_vocab_size")  # heads run with a draft vocabulary: that vocabulary's costs
+            label = method + ("" if vocab is None else vocab_suffix(vocab))
             if r["tree"] is None and r["k"] == k and f"{label} chain" in c:
                 draft, verify = c[f"{label} chain"], c["verify chain"]
             elif r["tree"] in trees and f"{label} tree {r['tree']}" in c:

@@ -159,9 +159,12 @@ def test_spec_head_costs_smoke_times_chains_and_trees_and_projects_from_them(tmp
             dict(proposer="eagle-x", prompts="narrative", temperature=0, k=4, tree=8, tau=2.5),
             dict(proposer="medusa-x", prompts="chat", temperature=0, k=4, tree=None, tau=1.5),
             dict(proposer="eagle-x", prompts="chat", temperature=0.7, k=4, tree=None, tau=9.0),
-            dict(proposer="eagle-x-v256", prompts="narrative", temperature=0, k=4, tree=None, tau=1.8),
-            dict(proposer="eagle-x-v256", prompts="narrative", temperature=0, k=4, tree=8, tau=2.2),
-            dict(proposer="eagle-x-w4a16-g128", prompts="narrative", temperature=0, k=4, tree=None, tau=1)]  # fmt: skip
+            dict(proposer="eagle-x-v256", prompts="narrative", temperature=0, k=4, tree=None, tau=1.8,
+                 draft_vocab_size=256),
+            dict(proposer="eagle-x-v256", prompts="narrative", temperature=0, k=4, tree=8, tau=2.2,
+                 draft_vocab_size=256),
+            dict(proposer="eagle-r", prompts="narrative", temperature=0, k=4, tree=None, tau=1,
+                 heads_rounded_to="w4a16-g128")]  # fmt: skip
     (tmp_path / "a.json").write_text(json.dumps({"acceptance": rows}))
     smoke("bench_spec.py", tmp_path, "--head-costs", "--smoke", "--trees", "8", "--tree-k", "3", "--draft-vocab", "256",
           "--acceptance", str(tmp_path / "a.json"))  # fmt: skip
@@ -187,35 +190,42 @@ def test_spec_head_costs_smoke_times_chains_and_trees_and_projects_from_them(tmp
         assert abs(r["projected_over_bf16"] - r["tau"] * costs["bf16"]["decode"] / (draft + verify)) < 1e-9
 
 
-def test_spec_rounded_heads_sit_on_the_scheme_grid_and_keep_the_rest(tmp_path):
+def test_spec_rounded_heads_sit_on_the_scheme_grid_and_keep_the_rest(tmp_path, monkeypatch):
     """``bench_spec.py --head-schemes``: every weight matrix of the copy is its RTN rounding to the scheme (at most
-    2^bits values per row and group), vectors are kept bit for bit, the config names the scheme; a bad scheme is
-    argparse's one-line exit 2."""
+    2^bits values per row and group), vectors are kept bit for bit, the config names the scheme; a bad scheme, or
+    heads that are not heads, is argparse's one-line exit 2."""
     import importlib
 
     import torch
     from safetensors.torch import load_file
     from transformers import LlamaConfig
 
+    from quantkit.algorithms.rtn import rtn
+    from quantkit.runtime.speculative.config import weight_scheme
     from quantkit.runtime.speculative.heads import WEIGHTS_FILE, base_fingerprint, make_heads, read_meta, save_heads
 
-    sys.path.insert(0, str(BENCHMARKS))
-    bench = importlib.import_module("bench_spec")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec_costs = importlib.import_module("spec_costs")
     config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
     torch.manual_seed(0)
     heads = make_heads("eagle", config, 1)
     base = base_fingerprint(config, torch.randn(64, 64))
     save_heads(tmp_path / "h", heads, {"method": "eagle", "num_heads": 1, "base": base})
-    out = bench.rounded_heads(tmp_path / "h", "w4a16-g32", tmp_path / "r")
+    out = spec_costs.rounded_heads(tmp_path / "h", "w4a16-g32", tmp_path / "r")
     before, after = load_file(str(tmp_path / "h" / WEIGHTS_FILE)), load_file(str(out / WEIGHTS_FILE))
     assert before.keys() == after.keys() and read_meta(out)["weights_rounded_to"] == "w4a16-g32"
     for key, w in before.items():
         if w.dim() == 1:
             assert torch.equal(after[key], w)
             continue
+        assert torch.equal(after[key], rtn(w, weight_scheme("w4a16-g32")).dequantize(w.dtype))
         groups = after[key].reshape(w.shape[0], -1, 32)
         assert max(len(g.unique()) for row in groups for g in row) <= 16 and not torch.equal(after[key], w)
-    refused = subprocess.run([sys.executable, str(BENCHMARKS / "bench_spec.py"), "--head-schemes", "int3",
-                              "--out", str(tmp_path)], capture_output=True, text=True)  # fmt: skip
-    assert refused.returncode == 2 and "--head-schemes: draft scheme must look like" in refused.stderr.splitlines()[-1]
+    for args, message in [
+        (["--head-schemes", "int3"], "--head-schemes: draft scheme must look like"),
+        (["--head-schemes", "w8a16-pc", "--eagle-heads", str(tmp_path)], "is not a draft heads"),
+    ]:
+        refused = subprocess.run([sys.executable, str(BENCHMARKS / "bench_spec.py"), *args, "--out", str(tmp_path)],
+                                 capture_output=True, text=True)  # fmt: skip
+        assert refused.returncode == 2 and message in refused.stderr.splitlines()[-1]
