@@ -279,8 +279,10 @@ def rounded_heads(folder: Path, scheme: str, out: Path) -> Path:
     tensors = load_file(str(folder / WEIGHTS_FILE))
     rounded = {k: rtn(v, grid).dequantize(v.dtype) if v.dim() == 2 else v for k, v in tensors.items()}
     out.mkdir(parents=True, exist_ok=True)
-    save_file(rounded, str(out / WEIGHTS_FILE))
-    (out / CONFIG_FILE).write_text(json.dumps({**meta, "weights_rounded_to": scheme}, indent=2))
+    save_file(rounded, str(out / f".{WEIGHTS_FILE}.tmp"))  # whole files or none, as save_heads writes them
+    (out / f".{WEIGHTS_FILE}.tmp").replace(out / WEIGHTS_FILE)
+    (out / f".{CONFIG_FILE}.tmp").write_text(json.dumps({**meta, "weights_rounded_to": scheme}, indent=2))
+    (out / f".{CONFIG_FILE}.tmp").replace(out / CONFIG_FILE)
     if (folder / COUNTS_FILE).is_file():
         (out / COUNTS_FILE).write_bytes((folder / COUNTS_FILE).read_bytes())
     err = max((rounded[k].float() - v.float()).abs().max().item() for k, v in tensors.items() if v.dim() == 2)
@@ -403,6 +405,10 @@ def head_projection(costs: dict, accepted: list[dict], k: int, trees: list[int])
             method = "eagle" if r["proposer"].startswith("eagle") else "medusa"
             vocab = r.get("draft_vocab_size")  # heads run with a draft vocabulary: that vocabulary's costs
             label = method + ("" if vocab is None else vocab_suffix(vocab))
+            if f"{label} chain" not in c:
+                print(f"NOT PROJECTED {r['proposer']} ({target}): --head-costs did not time a draft vocabulary of "
+                      f"{vocab} (--draft-vocab)", flush=True)  # fmt: skip
+                continue
             if r["tree"] is None and r["k"] == k and f"{label} chain" in c:
                 draft, verify = c[f"{label} chain"], c["verify chain"]
             elif r["tree"] in trees and f"{label} tree {r['tree']}" in c:

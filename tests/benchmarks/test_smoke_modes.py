@@ -164,10 +164,13 @@ def test_spec_head_costs_smoke_times_chains_and_trees_and_projects_from_them(tmp
             dict(proposer="eagle-x-v256", prompts="narrative", temperature=0, k=4, tree=8, tau=2.2,
                  draft_vocab_size=256),
             dict(proposer="eagle-r", prompts="narrative", temperature=0, k=4, tree=None, tau=1,
-                 heads_rounded_to="w4a16-g128")]  # fmt: skip
+                 heads_rounded_to="w4a16-g128"),
+            dict(proposer="eagle-x-v9k", prompts="narrative", temperature=0, k=4, tree=None, tau=1.7,
+                 draft_vocab_size=9000)]  # fmt: skip
     (tmp_path / "a.json").write_text(json.dumps({"acceptance": rows}))
-    smoke("bench_spec.py", tmp_path, "--head-costs", "--smoke", "--trees", "8", "--tree-k", "3", "--draft-vocab", "256",
-          "--acceptance", str(tmp_path / "a.json"))  # fmt: skip
+    run = smoke("bench_spec.py", tmp_path, "--head-costs", "--smoke", "--trees", "8", "--tree-k", "3", "--draft-vocab",
+                "256", "--acceptance", str(tmp_path / "a.json"))  # fmt: skip
+    assert "NOT PROJECTED eagle-x-v9k (bf16): --head-costs did not time a draft vocabulary of 9000" in run.stdout
     data = json.loads((tmp_path / "head_costs.json").read_text())
     costs = data["head_costs_s"]
     assert set(costs) == {"bf16", "w4a16"}
@@ -178,7 +181,8 @@ def test_spec_head_costs_smoke_times_chains_and_trees_and_projects_from_them(tmp
                                           "eagle-v256 chain", "eagle-v256 tree 8"))  # fmt: skip
         assert c["eagle-v256 tree 8 tokens"] == 8
     projection = data["head_projection"]
-    # five greedy rows x two targets; the sampled row and the rounded heads (float heads' cost) are not projected
+    # five greedy rows x two targets; the sampled row, the rounded heads (float heads' cost) and a draft vocabulary
+    # --head-costs did not time are not projected
     assert len(projection) == 10
     for r in projection:
         c = costs[r["target"]]
