@@ -296,6 +296,7 @@ def drafter(llm: LLM) -> dict:
 
 def measure(llm: LLM, name: str, sets: dict, args, rows: list, ks, tree: int | None = None) -> None:
     """Acceptance and tau of ``llm``'s proposer on every prompt set and temperature, at each k (the tree's depth)."""
+    heads = drafter(llm)  # the same for every row of this engine
     for kind, prompts in sets.items():
         if kind not in args.sets:
             continue
@@ -308,7 +309,7 @@ def measure(llm: LLM, name: str, sets: dict, args, rows: list, ks, tree: int | N
                 t = llm.spec.totals
                 rows.append(dict(proposer=name, prompts=kind, temperature=temperature, k=k, tree=tree,
                                  acceptance=t.acceptance_rate, tau=t.emitted / max(t.steps, 1),
-                                 **drafter(llm)))  # fmt: skip
+                                 **heads))  # fmt: skip
                 print(text_row([name, kind, temperature, k, tree or "-", f"{t.acceptance_rate:.3f}",
                                 f"{rows[-1]['tau']:.2f}"], [14, 10, 4, 2, 3, 6, 5]), flush=True)  # fmt: skip
 
@@ -519,10 +520,9 @@ def main() -> None:
             weight_scheme(scheme)
         except QuantkitError as exc:
             ap.error(f"--head-schemes: {exc}")
-    for folder in (args.eagle_heads, args.medusa_heads) if args.head_schemes else ():
+    for folder in [f for f in (args.eagle_heads, args.medusa_heads) if f is not None] if args.head_schemes else []:
         try:  # heads to round must be heads, before the target loads
-            if folder is not None:
-                read_meta(folder)
+            read_meta(folder)
         except QuantkitError as exc:
             ap.error(f"--head-schemes: {exc}")
     args.head_targets = [t for t in args.head_targets.split(",") if t]

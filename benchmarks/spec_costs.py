@@ -409,9 +409,9 @@ def head_projection(costs: dict, accepted: list[dict], k: int, trees: list[int])
                 print(f"NOT PROJECTED {r['proposer']} ({target}): --head-costs did not time a draft vocabulary of "
                       f"{vocab} (--draft-vocab)", flush=True)  # fmt: skip
                 continue
-            if r["tree"] is None and r["k"] == k and f"{label} chain" in c:
+            if r["tree"] is None and r["k"] == k:
                 draft, verify = c[f"{label} chain"], c["verify chain"]
-            elif r["tree"] in trees and f"{label} tree {r['tree']}" in c:
+            elif r["tree"] in trees:  # timed with the chain of the same heads
                 draft, verify = c[f"{label} tree {r['tree']}"], c[f"verify {method} tree {r['tree']}"]
             else:
                 continue
