@@ -18,12 +18,13 @@ and batch 16. Every run draws k tokens every step (``adaptive=False``) except th
 each timed run with no step costs measured (so their figures include the probes that find where speculation pays),
 and then run the prompts again with the costs the rule measured (``speedup_measured``: a server that has run a while).
 
-Part 0 (``--train METHOD:TOKENS|all[:EPOCHS[:self]]``, repeatable; ``spec_train.py``): heads trained by
-``train_draft`` on the target's features over ``--train-data`` (training text only: never the evaluation text the
+Part 0 (``--train METHOD:TOKENS|all[:EPOCHS[:text|self[:UNROLL]]]``, repeatable; ``spec_train.py``): heads trained
+by ``train_draft`` on the target's features over ``--train-data`` (training text only: never the evaluation text the
 prompts come from), the target loaded once, at growing token budgets; each run's tokens, seconds and held-out loss
 are recorded, and its heads join part 1 as proposer ``METHOD-TOKENSxEPOCHS`` (tau against training tokens);
 ``METHOD:TOKENS:EPOCHS:self`` trains instead on the target's own continuations of passages of that text
-(``train_draft.self_distilled_ids``, ``--self-tokens``).
+(``train_draft.self_distilled_ids``, ``--self-tokens``); ``UNROLL`` > 1 trains EAGLE heads on their own predicted
+features for that many steps (EAGLE-3's training-time test).
 ``--trees N`` also measures the head proposers with draft trees of N tokens (``--tree-k`` deep; EAGLE-2's dynamic
 tree, Medusa's sparse one); ``--speed-proposers`` limits the end-to-end runs (``best-eagle``: the EAGLE heads of the
 highest greedy tau), and ``--speed-tree N`` adds a tree run of those heads. ``--draft-vocab N,...`` adds the EAGLE
