@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import time
 from pathlib import Path
 
@@ -267,22 +266,18 @@ def rounded_heads(folder: Path, scheme: str, out: Path) -> Path:
     (RTN, ``weight_scheme`` names: ``w8a16-pc``, ``w4a16-g128``) and stored dequantized in its dtype, so that tau
     measures what quantized heads would draft. The runtime drafts with these weights in float: their speed is not
     that of quantized heads."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from quantkit.algorithms.rtn import rtn
     from quantkit.runtime.speculative.config import weight_scheme
     from quantkit.runtime.speculative.draft_vocab import COUNTS_FILE
-    from quantkit.runtime.speculative.heads import CONFIG_FILE, WEIGHTS_FILE, read_meta
+    from quantkit.runtime.speculative.heads import WEIGHTS_FILE, read_meta, save_head_state
 
     grid = weight_scheme(scheme)
     meta = read_meta(folder)
     tensors = load_file(str(folder / WEIGHTS_FILE))
     rounded = {k: rtn(v, grid).dequantize(v.dtype) if v.dim() == 2 else v for k, v in tensors.items()}
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(rounded, str(out / f".{WEIGHTS_FILE}.tmp"))  # whole files or none, as save_heads writes them
-    (out / f".{WEIGHTS_FILE}.tmp").replace(out / WEIGHTS_FILE)
-    (out / f".{CONFIG_FILE}.tmp").write_text(json.dumps({**meta, "weights_rounded_to": scheme}, indent=2))
-    (out / f".{CONFIG_FILE}.tmp").replace(out / CONFIG_FILE)
+    save_head_state(out, rounded, {**meta, "weights_rounded_to": scheme})
     if (folder / COUNTS_FILE).is_file():
         (out / COUNTS_FILE).write_bytes((folder / COUNTS_FILE).read_bytes())
     err = max((rounded[k].float() - v.float()).abs().max().item() for k, v in tensors.items() if v.dim() == 2)

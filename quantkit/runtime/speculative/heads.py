@@ -202,10 +202,15 @@ def make_heads(method: str, config, num_heads: int, dtype: torch.dtype = torch.f
 
 def save_heads(folder: Path, heads: nn.Module, meta: dict) -> None:
     """``meta``: method, num_heads, base (``base_fingerprint``), training ... -> config.json beside the weights."""
+    save_head_state(folder, heads.state_dict(), meta)
+
+
+def save_head_state(folder: Path, state: dict[str, torch.Tensor], meta: dict) -> None:
+    """``save_heads`` from the tensors themselves (fp32 on the CPU); each file is written whole or not at all."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().float().cpu().contiguous() for k, v in heads.state_dict().items()}
+    state = {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
     tmp = folder / f".{WEIGHTS_FILE}.tmp"
     save_file(state, str(tmp), metadata={"format": FORMAT})
     tmp.replace(folder / WEIGHTS_FILE)
